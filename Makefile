@@ -1,0 +1,42 @@
+# twinseq: the two commands of the README are `make demo` and `make test`.
+# Both create .venv on first use and are safe to run again (setup re-runs only when
+# pyproject.toml changes).
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.twinseq-installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test test-fast bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch is pinned and installed first: an unpinned torch pulls GBs of CUDA packages.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[all]'
+	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+	rm -f $(VENV)/.twinseq-installed-*
+	touch $@
+
+setup: $(STAMP)
+
+# Main job: profile the embedded data, then train the `small` model on it (packing + padding-free, CPU).
+demo: setup
+	$(BIN)/twinseq lengths embedded --output runs/demo/lengths.png
+	$(BIN)/twinseq train --config configs/demo.yaml
+
+test: setup
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow"
+
+bench: setup
+	$(BIN)/python benchmarks/packing.py
+	$(BIN)/python benchmarks/loss_memory.py
+	$(BIN)/python benchmarks/padding_free.py
+
+clean:
+	rm -rf runs .pytest_cache
