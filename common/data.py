@@ -1,0 +1,478 @@
+"""Datasets in, tokenised and truncated rows out: the data side of both trainers.
+
+- ``load_dataset_any(name_or_path, split)``: the embedded datasets, local JSONL / JSON /
+  Parquet / CSV files, a folder saved with ``Dataset.save_to_disk``, or a Hub name (which
+  needs network; offline it fails at once with a message that says so).
+- ``tokenize_sft``: ``prompt``/``completion`` -> ``input_ids`` + ``completion_mask``;
+  ``text`` -> ``input_ids``; ``messages`` -> ``input_ids`` + ``assistant_masks`` (chat template).
+- ``tokenize_dpo``: ``prompt``/``chosen``/``rejected`` -> ``prompt_input_ids``,
+  ``chosen_input_ids``, ``rejected_input_ids``.
+- ``prepare_sft_dataset(cfg)`` / ``prepare_dpo_dataset(cfg)``: what a trainer calls.
+
+Truncation rules and drop reasons live in ``twinseq.common.truncation``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from twinseq.common import corpus
+from twinseq.common.tokenizer import TwinseqTokenizer, load_tokenizer, validate_messages
+from twinseq.common.truncation import (DROP_EMPTY_CHOSEN, DROP_EMPTY_COMPLETION, DROP_EMPTY_REJECTED,
+                                       DROP_NO_ASSISTANT, DROP_NO_TARGETS, DROP_TOO_SHORT, TruncationStats,
+                                       check_length, check_truncation_mode, num_targets, truncate_dpo,
+                                       truncate_sft)
+
+logger = logging.getLogger(__name__)
+
+FILE_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv"}
+_PATH_LIKE_SUFFIXES = set(FILE_FORMATS) | {".txt", ".arrow", ".gz", ".zip", ".xlsx", ".md", ".yaml", ".yml"}
+CHUNK_ROWS = 1000
+PROGRESS_MIN_ROWS = 20_000
+NETWORK_PROBE_TIMEOUT_S = 3.0
+
+
+# --------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------
+
+
+def _parse_split(split: str) -> tuple[str, Optional[str]]:
+    """``"train[:100]"`` -> ``("train", ":100")``; ``"train"`` -> ``("train", None)``."""
+    m = re.fullmatch(r"(\w+)(?:\[(-?\d*%?:-?\d*%?)\])?", split)
+    if not m:
+        raise ValueError(f"dataset_split={split!r} is not valid; use a split name such as 'train', "
+                         f"optionally sliced: 'train[:1000]', 'train[100:200]', 'train[:10%]'.")
+    return m.group(1), m.group(2)
+
+
+def _apply_slice(ds, spec: Optional[str]):
+    if spec is None:
+        return ds
+    n = len(ds)
+
+    def bound(text: str, default: int) -> int:
+        if not text:
+            return default
+        return int(text[:-1]) * n // 100 if text.endswith("%") else int(text)
+
+    start, stop = spec.split(":")
+    return ds.select(range(*slice(bound(start, 0), bound(stop, n)).indices(n)))
+
+
+def _from_table(table):
+    from datasets import Dataset
+    from datasets.table import InMemoryTable
+
+    return Dataset(InMemoryTable(table))
+
+
+def _load_file(path: Path):
+    import pyarrow as pa
+
+    fmt = FILE_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"dataset file {str(path)!r} has the unsupported extension {path.suffix!r}; "
+                         f"supported: {', '.join(FILE_FORMATS)}. Convert it, e.g. to JSONL with one "
+                         f"{{\"prompt\", \"completion\"}} object per line.")
+    try:
+        if fmt == "json":
+            from datasets import Dataset
+
+            data = json.loads(path.read_text())
+            return Dataset.from_list(data) if isinstance(data, list) else Dataset.from_dict(data)
+        if fmt == "jsonl":
+            import pyarrow.json as pj
+
+            return _from_table(pj.read_json(path))
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return _from_table(pq.read_table(path))
+        import pyarrow.csv as pc
+
+        delimiter = "\t" if fmt == "tsv" else ","
+        return _from_table(pc.read_csv(path, parse_options=pc.ParseOptions(delimiter=delimiter)))
+    except (pa.ArrowInvalid, json.JSONDecodeError, TypeError, ValueError) as err:
+        raise ValueError(f"could not read dataset file {str(path)!r} as {fmt}: {err}") from err
+
+
+def _load_folder(path: Path, split: str):
+    import datasets
+
+    if any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split not in loaded:
+                raise ValueError(f"dataset_split={split!r} is not in {str(path)!r}; available splits: "
+                                 f"{sorted(loaded)}.")
+            return loaded[split]
+        return loaded
+    logger.info("%s is not a save_to_disk folder; reading its data files with datasets.load_dataset", path)
+    return datasets.load_dataset(str(path), split=split)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _network_error(endpoint: str, timeout: float = NETWORK_PROBE_TIMEOUT_S) -> Optional[str]:
+    """None if ``endpoint`` answers within ``timeout`` seconds, else the error as text."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout)
+    except urllib.error.HTTPError:
+        return None  # the server answered; the network works
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        return f"{type(err).__name__}: {getattr(err, 'reason', err)}"
+    return None
+
+
+def _load_hub(name: str, split: str):
+    hint = ("Pass a local JSONL, JSON, Parquet or CSV file, a folder saved with Dataset.save_to_disk, "
+            "or 'embedded' (the offline default).")
+    if _env_flag("HF_HUB_OFFLINE") or _env_flag("HF_DATASETS_OFFLINE"):
+        import datasets
+
+        if not datasets.config.HF_HUB_OFFLINE:  # the variable was set after datasets was imported
+            raise ValueError(f"dataset_name={name!r} is not a local file or folder and HF_HUB_OFFLINE is set, "
+                             f"so it cannot be fetched from the Hugging Face Hub. {hint}")
+        try:
+            return datasets.load_dataset(name, split=split)
+        except Exception as err:  # noqa: BLE001 - datasets raises many types; all mean "not cached"
+            raise ValueError(f"dataset_name={name!r} is not a local path and, with HF_HUB_OFFLINE set, not in "
+                             f"the local Hugging Face cache either ({type(err).__name__}: {err}). {hint}") from err
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    error = _network_error(endpoint)
+    if error is not None:
+        raise ValueError(f"dataset_name={name!r} is not a local file or folder, so it was looked up on the "
+                         f"Hugging Face Hub, but {endpoint} cannot be reached (network problem: {error}). "
+                         f"{hint}")
+    import datasets
+
+    return datasets.load_dataset(name, split=split)
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or Path(name).suffix.lower() in _PATH_LIKE_SUFFIXES
+
+
+def load_dataset_any(name_or_path: str, split: str = "train"):
+    """A ``datasets.Dataset`` from an embedded name, a local file or folder, or a Hub name.
+
+    ``split`` may be sliced like in ``datasets``: ``"train[:1000]"``, ``"train[:10%]"``.
+    A single file or an embedded dataset only has the split ``train``.
+    """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"dataset_name must be a string, got {type(name_or_path).__name__} ({name_or_path!r}).")
+    name_or_path = str(name_or_path)
+    split_name, spec = _parse_split(split)
+    path = Path(name_or_path).expanduser()
+    if name_or_path in corpus.EMBEDDED_NAMES or path.is_file():
+        if split_name != "train":
+            raise ValueError(f"dataset_split={split!r}: {name_or_path!r} has a single split, 'train'; "
+                             f"select a part of it with e.g. 'train[:90%]'.")
+        ds = corpus.load_embedded(name_or_path) if name_or_path in corpus.EMBEDDED_NAMES else _load_file(path)
+    elif path.is_dir():
+        ds = _load_folder(path, split_name)
+    elif _looks_like_path(name_or_path):
+        raise ValueError(f"dataset_name={name_or_path!r}: no such file or folder ({str(path.resolve())!r}); "
+                         f"check the path, or use 'embedded' for the offline default data.")
+    else:
+        ds = _load_hub(name_or_path, split_name)
+    return _apply_slice(ds, spec)
+
+
+# --------------------------------------------------------------------------------------
+# Tokenisation helpers
+# --------------------------------------------------------------------------------------
+
+
+def _as_dataset(data: Any):
+    import pyarrow as pa
+    from datasets import Dataset
+
+    if isinstance(data, Dataset):
+        return data
+    try:
+        if isinstance(data, dict):
+            return Dataset.from_dict(data)
+        if isinstance(data, list):
+            return Dataset.from_list(data)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
+        raise TypeError(f"the data cannot be made into a table ({err}); every value of a column must have the "
+                        f"same type, e.g. all prompts strings.") from err
+    raise TypeError(f"expected a datasets.Dataset, a dict of lists or a list of dicts, got {type(data).__name__}.")
+
+
+def _chunks(ds, progress: Optional[bool], desc: str) -> Iterator[tuple[int, dict]]:
+    """(offset, batch dict of lists) over ``ds``, with a tqdm bar for large datasets."""
+    from tqdm.auto import tqdm
+
+    show = len(ds) >= PROGRESS_MIN_ROWS if progress is None else progress
+    with tqdm(total=len(ds), desc=desc, unit="ex", disable=not show) as bar:
+        offset = 0
+        for batch in ds.iter(batch_size=CHUNK_ROWS):
+            yield offset, batch
+            n = len(next(iter(batch.values())))
+            offset += n
+            bar.update(n)
+
+
+def _check_strings(values: list, field: str, offset: int, fix: str) -> None:
+    for i, value in enumerate(values):
+        if not isinstance(value, str):
+            raise TypeError(f"example {offset + i}: field {field!r} must be a string, got "
+                            f"{type(value).__name__} {str(value)[:80]!r}; {fix}")
+
+
+def _missing_columns(columns: list[str], needed: tuple[str, ...], task: str, example: str) -> None:
+    missing = [c for c in needed if c not in columns]
+    if missing:
+        raise ValueError(f"{task} data needs the column(s) {missing}, but the dataset has {sorted(columns)}; "
+                         f"rename your columns, e.g. {example}.")
+
+
+def detect_sft_format(columns: list[str]) -> str:
+    """``messages`` > ``prompt_completion`` > ``text``, by the columns present."""
+    if "messages" in columns:
+        return "messages"
+    if "prompt" in columns or "completion" in columns:
+        _missing_columns(columns, ("prompt", "completion"), "prompt/completion SFT",
+                         "{'prompt': 'Q', 'completion': 'A'}")
+        return "prompt_completion"
+    if "text" in columns:
+        return "text"
+    raise ValueError(f"SFT data needs a 'messages', a 'prompt'+'completion' or a 'text' column, but the dataset "
+                     f"has {sorted(columns)}; rename your columns (for preference data with "
+                     f"prompt/chosen/rejected, use task='dpo').")
+
+
+def _columns_table(columns: dict[str, list]):
+    import pyarrow as pa
+
+    types = {"completion_mask": pa.int8(), "assistant_masks": pa.int8()}
+    return pa.table({k: pa.array(v, type=pa.list_(types.get(k, pa.int32()))) for k, v in columns.items()})
+
+
+# --------------------------------------------------------------------------------------
+# SFT
+# --------------------------------------------------------------------------------------
+
+
+def _encode_prompt_completion(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[Optional[dict]]:
+    fix = "conversational prompt/completion is not supported; use a 'messages' column instead."
+    _check_strings(batch["prompt"], "prompt", offset, fix)
+    _check_strings(batch["completion"], "completion", offset, fix)
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    out: list[Optional[dict]] = []
+    for p, c, comp in zip(tok.encode_batch(batch["prompt"]), tok.encode_batch(batch["completion"]),
+                          batch["completion"]):
+        if not comp.strip():
+            out.append(None)
+            continue
+        head, tail = bos + p, c + eos
+        out.append({"input_ids": head + tail, "completion_mask": [0] * len(head) + [1] * len(tail)})
+    return out
+
+
+def _encode_text(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[Optional[dict]]:
+    _check_strings(batch["text"], "text", offset, "tokenise plain text only.")
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    return [{"input_ids": bos + ids + eos} for ids in tok.encode_batch(batch["text"])]
+
+
+def _encode_messages(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[Optional[dict]]:
+    out: list[Optional[dict]] = []
+    for i, messages in enumerate(batch["messages"]):
+        validate_messages(messages, index=offset + i)
+        # Arrow structs may carry extra keys (e.g. a null 'name'); the template wants role/content
+        clean = [{"role": m["role"], "content": m["content"]} for m in messages]
+        ids, mask = tok.apply_chat_template(clean)
+        out.append({"input_ids": ids, "assistant_masks": mask})
+    return out
+
+
+_SFT_COLUMNS = {"prompt_completion": ("input_ids", "completion_mask"), "text": ("input_ids",),
+                "messages": ("input_ids", "assistant_masks")}
+_ENCODERS: dict[str, Callable] = {"prompt_completion": _encode_prompt_completion, "text": _encode_text,
+                                  "messages": _encode_messages}
+
+
+def _loss_mask_field(fmt: str, completion_only_loss: Optional[bool], assistant_only_loss: bool) -> Optional[str]:
+    """The mask the collator will apply, which decides whether a row has any target left."""
+    if fmt == "prompt_completion" and completion_only_loss is not False:
+        return "completion_mask"
+    if fmt == "messages" and assistant_only_loss:
+        return "assistant_masks"
+    return None
+
+
+def _keep_sft_row(row: dict, mask_field: Optional[str], stats: TruncationStats) -> bool:
+    if mask_field == "assistant_masks" and not any(row["assistant_masks"]):
+        stats.drop(DROP_NO_ASSISTANT)
+        return False
+    mask = row.get(mask_field) if mask_field else None
+    if num_targets(mask, len(row["input_ids"])) == 0:
+        stats.drop(DROP_NO_TARGETS if mask is not None else DROP_TOO_SHORT)
+        return False
+    return True
+
+
+def tokenize_sft(dataset: Any, tokenizer: TwinseqTokenizer, *, max_length: Optional[int] = None,
+                 truncation_mode: str = "keep_start", completion_only_loss: Optional[bool] = None,
+                 assistant_only_loss: bool = False, progress: Optional[bool] = None):
+    """Tokenise and truncate SFT data; returns ``(datasets.Dataset, TruncationStats)``.
+
+    prompt/completion: ``[bos] + prompt + completion + [eos]``, ``completion_mask`` 1 on
+    completion and eos. ``text``: ``[bos] + text + [eos]``. ``messages``: the chat template,
+    with ``assistant_masks``. Rows with no loss target left are dropped and counted (an
+    empty completion is always dropped).
+
+    >>> rows, stats = tokenize_sft({"prompt": ["Q"], "completion": ["A"]}, tok)  # doctest: +SKIP
+    >>> rows[0]  # doctest: +SKIP
+    {'input_ids': [1, <Q>, <A>, 2], 'completion_mask': [0, 0, 1, 1]}
+    """
+    check_truncation_mode(truncation_mode)
+    check_length("max_length", max_length)
+    ds = _as_dataset(dataset)
+    fmt = detect_sft_format(ds.column_names)
+    mask_field = _loss_mask_field(fmt, completion_only_loss, assistant_only_loss)
+    stats = TruncationStats(task="sft")
+    columns: dict[str, list] = {name: [] for name in _SFT_COLUMNS[fmt]}
+    for offset, batch in _chunks(ds, progress, "tokenizing sft"):
+        for row in _ENCODERS[fmt](batch, offset, tokenizer):
+            if row is None:
+                stats.record(0, 0)
+                stats.drop(DROP_EMPTY_COMPLETION)
+                continue
+            n = len(row["input_ids"])
+            row, removed = truncate_sft(row, max_length, truncation_mode)
+            stats.record(n, removed)
+            if _keep_sft_row(row, mask_field, stats):
+                for key, value in row.items():
+                    columns[key].append(value)
+    return _from_table(_columns_table(columns)), stats
+
+
+# --------------------------------------------------------------------------------------
+# DPO
+# --------------------------------------------------------------------------------------
+
+
+def _dpo_row(prompt_ids: list, chosen_ids: list, rejected_ids: list, limits: dict,
+             stats: TruncationStats) -> Optional[dict]:
+    n = len(prompt_ids) + len(chosen_ids) + len(rejected_ids)
+    prompt_ids, chosen_ids, rejected_ids, removed = truncate_dpo(prompt_ids, chosen_ids, rejected_ids, **limits)
+    stats.record(n, removed)
+    # with an empty prompt the first completion token has nothing to be predicted from
+    first = 0 if prompt_ids else 1
+    if len(chosen_ids) <= first:
+        stats.drop(DROP_EMPTY_CHOSEN)
+        return None
+    if len(rejected_ids) <= first:
+        stats.drop(DROP_EMPTY_REJECTED)
+        return None
+    return {"prompt_input_ids": prompt_ids, "chosen_input_ids": chosen_ids, "rejected_input_ids": rejected_ids}
+
+
+def tokenize_dpo(dataset: Any, tokenizer: TwinseqTokenizer, *, max_prompt_length: Optional[int] = None,
+                 max_completion_length: Optional[int] = None, max_length: Optional[int] = None,
+                 truncation_mode: str = "keep_start", progress: Optional[bool] = None):
+    """Tokenise and truncate preference data; returns ``(datasets.Dataset, TruncationStats)``.
+
+    ``prompt_input_ids = [bos] + prompt``, ``chosen_input_ids = chosen + [eos]`` (same for
+    rejected), then the DPO truncation rule of ``twinseq.common.truncation.truncate_dpo``.
+    ``tokens_seen`` counts the prompt once plus both completions.
+    """
+    check_truncation_mode(truncation_mode)
+    if truncation_mode != "keep_start":
+        raise ValueError(f"truncation_mode={truncation_mode!r} is not supported for DPO: max_length keeps the "
+                         f"start of prompt + completion. To keep the end of the prompt, set max_prompt_length.")
+    for name, value in (("max_prompt_length", max_prompt_length), ("max_completion_length", max_completion_length),
+                        ("max_length", max_length)):
+        check_length(name, value)
+    ds = _as_dataset(dataset)
+    _missing_columns(ds.column_names, ("prompt", "chosen", "rejected"), "DPO",
+                     "{'prompt': 'Q', 'chosen': 'good A', 'rejected': 'bad A'}")
+    limits = dict(max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
+                  max_length=max_length)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stats = TruncationStats(task="dpo")
+    columns: dict[str, list] = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": []}
+    for offset, batch in _chunks(ds, progress, "tokenizing dpo"):
+        for field in ("prompt", "chosen", "rejected"):
+            _check_strings(batch[field], field, offset, "conversational preference data is not supported; "
+                                                         "pass plain strings.")
+        encoded = [tokenizer.encode_batch(batch[f]) for f in ("prompt", "chosen", "rejected")]
+        for p, c, r, c_text, r_text in zip(*encoded, batch["chosen"], batch["rejected"]):
+            if not c_text.strip() or not r_text.strip():
+                stats.record(0, 0)
+                stats.drop(DROP_EMPTY_COMPLETION)
+                continue
+            row = _dpo_row(bos + p, c + eos, r + eos, limits, stats)
+            if row is not None:
+                for key, value in row.items():
+                    columns[key].append(value)
+    return _from_table(_columns_table(columns)), stats
+
+
+# --------------------------------------------------------------------------------------
+# Trainer entry points
+# --------------------------------------------------------------------------------------
+
+
+def _dataset_name(cfg, task: str) -> str:
+    if cfg.dataset_name == "embedded":
+        return "embedded-preference" if task == "dpo" else "embedded-sft"
+    return cfg.dataset_name
+
+
+def _raise_if_empty(rows, stats: TruncationStats, cfg) -> None:
+    if len(rows) == 0:
+        raise ValueError(f"no example of dataset_name={cfg.dataset_name!r} survives tokenisation and truncation "
+                         f"(max_length={cfg.max_length}):\n{stats}\nraise max_length or fix the data.")
+
+
+def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
+    """``TrainConfig`` -> (rows with ``input_ids`` + mask columns, tokenizer, stats). No packing.
+
+    With ``packing`` and a strategy that keeps every token (``bfd_split``, ``wrapped``) the
+    rows are not truncated: the packer splits them. Plain ``bfd`` cuts overflow at the start
+    of each sequence, which is what ``keep_start`` truncation here does, counted and checked.
+    """
+    max_length = cfg.max_length
+    if getattr(cfg, "packing", False) and getattr(cfg, "packing_strategy", "bfd") != "bfd":
+        logger.info("packing_strategy=%r keeps every token: not truncating to max_length before packing",
+                    cfg.packing_strategy)
+        max_length = None
+    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path)
+    dataset = load_dataset_any(_dataset_name(cfg, "sft"), split=cfg.dataset_split)
+    rows, stats = tokenize_sft(dataset, tokenizer, max_length=max_length, truncation_mode=cfg.truncation_mode,
+                               completion_only_loss=cfg.completion_only_loss,
+                               assistant_only_loss=cfg.assistant_only_loss,
+                               progress=False if cfg.disable_tqdm else None)
+    stats.log()
+    _raise_if_empty(rows, stats, cfg)
+    return rows, tokenizer, stats
+
+
+def prepare_dpo_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
+    """``TrainConfig`` -> (rows with prompt/chosen/rejected ``*_input_ids``, tokenizer, stats)."""
+    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path)
+    dataset = load_dataset_any(_dataset_name(cfg, "dpo"), split=cfg.dataset_split)
+    rows, stats = tokenize_dpo(dataset, tokenizer, max_prompt_length=cfg.max_prompt_length,
+                               max_completion_length=cfg.max_completion_length, max_length=cfg.max_length,
+                               truncation_mode=cfg.truncation_mode, progress=False if cfg.disable_tqdm else None)
+    stats.log()
+    _raise_if_empty(rows, stats, cfg)
+    return rows, tokenizer, stats
