@@ -25,6 +25,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "varlen", "flash_atte
 DTYPES = ("float32", "bfloat16")
 PADDING_SIDES = ("right", "left")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
+CONTEXT_PARALLEL_STRATEGIES = ("allgather", "ring")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
@@ -187,9 +188,23 @@ class TrainConfig:
     max_grad_norm: Optional[float] = 1.0
 
     beta: float = 0.1
+    dpo_loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
+    """TRL's DPO ``loss_type`` (one or several); ``loss_type`` here names the token-loss kernel."""
+    loss_weights: Optional[list[float]] = None
+    label_smoothing: float = 0.0
+    precompute_ref_log_probs: bool = False
+    """Compute reference log-probs once before training instead of keeping a frozen model copy."""
 
     ds3_gather_for_generation: bool = True
     vllm_sleep_enabled: bool = False
+
+    # Parallelism (torch backend; twinseq.torch_backend.parallel). A multi-process launch
+    # (torchrun, accelerate launch) always shards with FSDP2; ``fsdp=True`` also does it in one process.
+    fsdp: bool = False
+    context_parallel_size: int = 1
+    """Ranks that split every sequence (context parallelism); must divide the world size."""
+    context_parallel_strategy: Literal["allgather", "ring"] = "allgather"
+    """``allgather``: packed/padding-free safe, CPU or GPU. ``ring``: torch's ring attention, CUDA, unpacked only."""
 
     def __post_init__(self) -> None:
         _check_choice("backend", self.backend, BACKENDS)
@@ -215,10 +230,20 @@ class TrainConfig:
         _check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
         _check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
         _check_positive("beta", self.beta)
+        if isinstance(self.context_parallel_size, bool) or not isinstance(self.context_parallel_size, int) \
+                or self.context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size={self.context_parallel_size!r} is not valid; it must be an "
+                             f"integer >= 1 (1 = no context parallelism).")
+        _check_choice("context_parallel_strategy", self.context_parallel_strategy, CONTEXT_PARALLEL_STRATEGIES)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio={self.warmup_ratio!r} is not valid; it must be in [0, 1).")
         if self.packing and self.max_length is None:
             raise ValueError("packing=True needs max_length (the packed row length); set --max-length.")
+        if self.task == "dpo":
+            from twinseq.common.dpo import validate_dpo_config
+
+            validate_dpo_config(loss_type=list(self.dpo_loss_type), loss_weights=self.loss_weights,
+                                beta=self.beta, label_smoothing=self.label_smoothing)
         if self.use_liger_kernel and self.loss_type == "nll":
             # TRL's use_liger_kernel switches the loss to Liger's fused linear cross-entropy.
             self.loss_type = "liger"

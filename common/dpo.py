@@ -1,0 +1,307 @@
+"""DPO loss family: the numpy reference both backends are tested against.
+
+Names and parameters follow TRL 1.16 (``DPOConfig.loss_type``, ``loss_weights``, ``beta``,
+``label_smoothing``). Inputs are per-example sequence log-probs (sums of the completion's
+target log-probs, see ``twinseq.common.dpo_batching``); outputs are per-example losses.
+
+Notation used in the docstrings below, per example:
+
+- ``c = policy_chosen_logps - ref_chosen_logps``     (chosen log-ratio)
+- ``r = policy_rejected_logps - ref_rejected_logps`` (rejected log-ratio)
+- ``Δ = c - r``, ``x = β Δ``, ``ε = label_smoothing``, ``σ`` the logistic function,
+  ``log σ(z) = -log(1 + e^-z)`` computed as ``-logaddexp(0, -z)`` so that it stays exact
+  and finite for any finite ``z`` (``log(sigmoid(z))`` gives -inf for z < -745).
+
+TRL's reduction is ``loss = Σ_k w_k · mean_n L_k[n]``; ``dpo_loss`` returns the per-example
+``Σ_k w_k L_k[n]`` whose mean is exactly that. The rewards are ``β c`` and ``β r`` whatever
+the loss type, as in TRL's metrics.
+
+Everything is computed in float64 so that it can serve as the reference for float32 tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
+                  "apo_zero", "apo_down")
+# TRL 1.16 accepts these too; twinseq does not implement them yet, and says so rather than "unknown".
+TRL_LOSS_TYPES_NOT_IMPLEMENTED = ("aot", "aot_unpaired", "discopop", "sft", "sigmoid_norm")
+# Loss types that read label_smoothing; the others ignore it (TRL 1.16 dropped cDPO's smoothing of
+# 'sigmoid').
+LABEL_SMOOTHING_LOSS_TYPES = ("robust", "exo_pair")
+# ε is the probability that a preference label is flipped: above 1/2 the pair should be swapped.
+LABEL_SMOOTHING_MAX = 0.5
+
+
+@dataclass(frozen=True)
+class DPOLossConfig:
+    """A validated DPO loss configuration (see ``validate_dpo_config``)."""
+
+    loss_type: tuple[str, ...]
+    loss_weights: tuple[float, ...]
+    beta: float
+    label_smoothing: float
+
+
+def _check_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name}={value!r} must be a real number, got {type(value).__name__}.")
+    if not math.isfinite(float(value)):
+        raise ValueError(f"{name}={value!r} must be finite.")
+    return float(value)
+
+
+def _check_loss_types(loss_type: Union[str, Sequence[str]]) -> tuple[str, ...]:
+    types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    if not types:
+        raise ValueError(f"loss_type={loss_type!r} is empty; give one of {', '.join(DPO_LOSS_TYPES)} or a list "
+                         f"of them (combined with loss_weights).")
+    for t in types:
+        if not isinstance(t, str):
+            raise TypeError(f"loss_type entries must be strings, got {t!r} ({type(t).__name__}) in {loss_type!r}.")
+        if t in TRL_LOSS_TYPES_NOT_IMPLEMENTED:
+            raise ValueError(f"loss_type={t!r} is a TRL loss type that twinseq does not implement; choose one of "
+                             f"{', '.join(DPO_LOSS_TYPES)}.")
+        if t not in DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type={t!r} is not a DPO loss type; choose one of {', '.join(DPO_LOSS_TYPES)}.")
+    return types
+
+
+def _check_loss_weights(loss_weights: Optional[Sequence[float]], types: tuple[str, ...]) -> tuple[float, ...]:
+    if loss_weights is None:
+        return (1.0,) * len(types)
+    if isinstance(loss_weights, (str, bytes)) or not hasattr(loss_weights, "__len__"):
+        raise TypeError(f"loss_weights={loss_weights!r} must be a list of numbers, one per loss_type, or None.")
+    if len(loss_weights) != len(types):
+        raise ValueError(f"loss_weights={list(loss_weights)!r} has {len(loss_weights)} entries but loss_type="
+                         f"{list(types)!r} has {len(types)}; give one weight per loss type, or None for all 1.0.")
+    return tuple(_check_real(f"loss_weights[{i}]", w) for i, w in enumerate(loss_weights))
+
+
+def _check_label_smoothing(eps: float, types: tuple[str, ...]) -> None:
+    if not 0.0 <= eps <= LABEL_SMOOTHING_MAX:
+        raise ValueError(f"label_smoothing={eps!r} is not valid; it is the probability that a preference label is "
+                         f"flipped and must lie in [0, {LABEL_SMOOTHING_MAX}] (above that, swap chosen and rejected).")
+    if "robust" in types and eps >= LABEL_SMOOTHING_MAX:
+        # TRL 1.16 only warns; the robust loss divides by 1 - 2ε and is undefined at ε = 1/2.
+        raise ValueError(f"label_smoothing={eps!r} is not valid with loss_type 'robust', which divides by "
+                         f"1 - 2*label_smoothing; use a value in [0, 0.5), e.g. 0.1 (Robust DPO paper).")
+    if "exo_pair" in types and eps == 0.0:
+        raise ValueError("label_smoothing=0.0 is not valid with loss_type 'exo_pair': EXO takes log(label_smoothing); "
+                         "use a value in (0, 0.5], e.g. 1e-3 (EXO paper).")
+    if eps > 0.0 and not set(types) & set(LABEL_SMOOTHING_LOSS_TYPES):
+        logger.warning("label_smoothing=%s has no effect on loss_type %s; only %s read it (TRL 1.16 semantics).",
+                       eps, list(types), list(LABEL_SMOOTHING_LOSS_TYPES))
+
+
+def validate_dpo_config(loss_type: Union[str, Sequence[str]] = "sigmoid",
+                        loss_weights: Optional[Sequence[float]] = None,
+                        beta: float = 0.1, label_smoothing: float = 0.0) -> DPOLossConfig:
+    """Check a DPO loss configuration against TRL's rules (and a few stricter ones).
+
+    ``loss_type`` is a name or a list of names from ``DPO_LOSS_TYPES``; ``loss_weights`` is
+    None (all 1.0) or one weight per loss type. ``beta`` must be > 0. ``label_smoothing`` must
+    lie in [0, 0.5]; 'robust' needs it < 0.5 and 'exo_pair' needs it > 0. Raises ValueError
+    (or TypeError for a wrong type) naming the field, the value and the fix.
+
+    >>> validate_dpo_config(["sigmoid", "bco_pair"], [0.8, 0.2], beta=0.1)
+    DPOLossConfig(loss_type=('sigmoid', 'bco_pair'), loss_weights=(0.8, 0.2), beta=0.1, label_smoothing=0.0)
+    """
+    types = _check_loss_types(loss_type)
+    weights = _check_loss_weights(loss_weights, types)
+    beta = _check_real("beta", beta)
+    if beta <= 0.0:
+        raise ValueError(f"beta={beta!r} is not valid; it must be > 0 (TRL's default is 0.1; for 'ipo' it is τ).")
+    eps = _check_real("label_smoothing", label_smoothing)
+    _check_label_smoothing(eps, types)
+    return DPOLossConfig(loss_type=types, loss_weights=weights, beta=beta, label_smoothing=eps)
+
+
+# ---------------------------------------------------------------------------------------
+# Stable building blocks
+# ---------------------------------------------------------------------------------------
+
+
+def log_sigmoid(z: np.ndarray) -> np.ndarray:
+    """``log σ(z) = -log(1 + e^-z)``, exact and finite for every finite z (float64)."""
+    return -np.logaddexp(0.0, -np.asarray(z, dtype=np.float64))
+
+
+def sigmoid(z: np.ndarray) -> np.ndarray:
+    """``σ(z)`` without overflow for large |z| (float64)."""
+    return np.exp(log_sigmoid(z))
+
+
+# ---------------------------------------------------------------------------------------
+# The loss family. Each takes the per-example log-ratios and returns float64 [N].
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pair:
+    c: np.ndarray        # chosen log-ratio [N]
+    r: np.ndarray        # rejected log-ratio [N]
+    beta: float
+    eps: float           # label_smoothing
+    n_c: Optional[np.ndarray] = None   # chosen completion token counts [N] (ipo only)
+    n_r: Optional[np.ndarray] = None
+
+
+def _loss_sigmoid(p: _Pair) -> np.ndarray:
+    """``-log σ(x)`` (DPO)."""
+    return -log_sigmoid(p.beta * (p.c - p.r))
+
+
+def _loss_hinge(p: _Pair) -> np.ndarray:
+    """``max(0, 1 - x)`` (SLiC)."""
+    return np.maximum(0.0, 1.0 - p.beta * (p.c - p.r))
+
+
+def _loss_ipo(p: _Pair) -> np.ndarray:
+    """``(c/n_c - r/n_r - 1/(2β))²``: TRL normalises the log-ratios by completion length."""
+    return (p.c / p.n_c - p.r / p.n_r - 1.0 / (2.0 * p.beta)) ** 2
+
+
+def _loss_exo_pair(p: _Pair) -> np.ndarray:
+    """``KL(q ‖ (1-ε, ε))`` with ``q = (σ(x), σ(-x))`` (EXO-pref, K = 2)."""
+    x = p.beta * (p.c - p.r)
+    log_qw, log_ql = log_sigmoid(x), log_sigmoid(-x)
+    # exp(log_q) underflows to exactly 0 where log_q is huge and negative, so 0 * finite stays 0.
+    return np.exp(log_qw) * (log_qw - math.log1p(-p.eps)) + np.exp(log_ql) * (log_ql - math.log(p.eps))
+
+
+def _loss_nca_pair(p: _Pair) -> np.ndarray:
+    """``-log σ(βc) - ½ log σ(-βc) - ½ log σ(-βr)`` (NCA)."""
+    bc, br = p.beta * p.c, p.beta * p.r
+    return -log_sigmoid(bc) - 0.5 * log_sigmoid(-bc) - 0.5 * log_sigmoid(-br)
+
+
+def _loss_robust(p: _Pair) -> np.ndarray:
+    """``(-(1-ε) log σ(x) + ε log σ(-x)) / (1 - 2ε)`` (Robust DPO; unbounded below if ε > 0)."""
+    x = p.beta * (p.c - p.r)
+    return (-(1.0 - p.eps) * log_sigmoid(x) + p.eps * log_sigmoid(-x)) / (1.0 - 2.0 * p.eps)
+
+
+def _loss_bco_pair(p: _Pair) -> np.ndarray:
+    """``-log σ(βc) - log σ(-βr)``."""
+    return -log_sigmoid(p.beta * p.c) - log_sigmoid(-p.beta * p.r)
+
+
+def _loss_sppo_hard(p: _Pair) -> np.ndarray:
+    """``(c - 1/(2β))² + (r + 1/(2β))²`` (SPPO with hard win probabilities 1 and 0)."""
+    half = 0.5 / p.beta
+    return (p.c - half) ** 2 + (p.r + half) ** 2
+
+
+def _loss_apo_zero(p: _Pair) -> np.ndarray:
+    """``1 - σ(βc) + σ(βr)`` (APO-zero), with ``1 - σ(z)`` written ``σ(-z)`` to keep precision."""
+    return sigmoid(-p.beta * p.c) + sigmoid(p.beta * p.r)
+
+
+def _loss_apo_down(p: _Pair) -> np.ndarray:
+    """``σ(βc) + 1 - σ(β(c - r))`` (APO-down)."""
+    return sigmoid(p.beta * p.c) + sigmoid(-p.beta * (p.c - p.r))
+
+
+_LOSSES: dict[str, Callable[[_Pair], np.ndarray]] = {
+    "sigmoid": _loss_sigmoid, "hinge": _loss_hinge, "ipo": _loss_ipo, "exo_pair": _loss_exo_pair,
+    "nca_pair": _loss_nca_pair, "robust": _loss_robust, "bco_pair": _loss_bco_pair,
+    "sppo_hard": _loss_sppo_hard, "apo_zero": _loss_apo_zero, "apo_down": _loss_apo_down,
+}
+assert set(_LOSSES) == set(DPO_LOSS_TYPES)
+
+
+@dataclass
+class DPOLossOutput:
+    """Per-example outputs of ``dpo_loss``; ``loss`` is TRL's scalar."""
+
+    losses: np.ndarray             # float64 [N]: Σ_k w_k L_k
+    chosen_rewards: np.ndarray     # float64 [N]: β c
+    rejected_rewards: np.ndarray   # float64 [N]: β r
+    losses_by_type: dict[str, np.ndarray] = field(default_factory=dict)  # unweighted L_k [N]
+
+    @property
+    def loss(self) -> float:
+        return float(self.losses.mean())
+
+
+def _as_logps(name: str, value: np.ndarray) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D array [N] of sequence log-probs, got shape {arr.shape}.")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} holds non-finite values (e.g. {arr[~np.isfinite(arr)][:3].tolist()}); a "
+                         f"sequence log-prob must be finite: check the model output and the target mask.")
+    return arr
+
+
+def _as_counts(name: str, value: Optional[np.ndarray], n: int) -> np.ndarray:
+    if value is None:
+        raise ValueError(f"loss_type 'ipo' normalises the log-ratios by completion length (TRL 1.16) and needs "
+                         f"{name}; pass PreferenceBatch.{name} from twinseq.common.dpo_batching.")
+    arr = np.asarray(value, dtype=np.float64)
+    if arr.shape != (n,) or (arr < 1).any():
+        raise ValueError(f"{name} must be [N={n}] counts >= 1 of scored completion tokens, got shape {arr.shape} "
+                         f"and min {arr.min(initial=np.inf)}.")
+    return arr
+
+
+def dpo_loss(policy_chosen_logps: np.ndarray, policy_rejected_logps: np.ndarray,
+             ref_chosen_logps: np.ndarray, ref_rejected_logps: np.ndarray, *,
+             loss_type: Union[str, Sequence[str]] = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
+             loss_weights: Optional[Sequence[float]] = None,
+             chosen_num_tokens: Optional[np.ndarray] = None,
+             rejected_num_tokens: Optional[np.ndarray] = None) -> DPOLossOutput:
+    """Per-example DPO losses and rewards from sequence log-probs, all float [N].
+
+    ``chosen_num_tokens`` / ``rejected_num_tokens`` (scored completion tokens per sequence)
+    are needed by 'ipo' only, which TRL length-normalises.
+
+    >>> out = dpo_loss([-3.0], [-5.0], [-4.0], [-4.0], beta=0.5)   # c = 1, r = -1, x = 1
+    >>> round(out.loss, 6), out.chosen_rewards.tolist(), out.rejected_rewards.tolist()
+    (0.313262, [0.5], [-0.5])
+    """
+    cfg = validate_dpo_config(loss_type, loss_weights, beta, label_smoothing)
+    pc = _as_logps("policy_chosen_logps", policy_chosen_logps)
+    pr = _as_logps("policy_rejected_logps", policy_rejected_logps)
+    rc = _as_logps("ref_chosen_logps", ref_chosen_logps)
+    rr = _as_logps("ref_rejected_logps", ref_rejected_logps)
+    if not pc.shape == pr.shape == rc.shape == rr.shape:
+        raise ValueError(f"the four log-prob arrays must have the same shape [N]; got policy_chosen {pc.shape}, "
+                         f"policy_rejected {pr.shape}, ref_chosen {rc.shape}, ref_rejected {rr.shape}.")
+    n_c = n_r = None
+    if "ipo" in cfg.loss_type:
+        n_c = _as_counts("chosen_num_tokens", chosen_num_tokens, pc.size)
+        n_r = _as_counts("rejected_num_tokens", rejected_num_tokens, pc.size)
+    pair = _Pair(c=pc - rc, r=pr - rr, beta=cfg.beta, eps=cfg.label_smoothing, n_c=n_c, n_r=n_r)
+    by_type = {t: _LOSSES[t](pair) for t in dict.fromkeys(cfg.loss_type)}
+    losses = np.zeros_like(pc)
+    for t, w in zip(cfg.loss_type, cfg.loss_weights):
+        losses = losses + w * by_type[t]
+    return DPOLossOutput(losses=losses, chosen_rewards=cfg.beta * pair.c, rejected_rewards=cfg.beta * pair.r,
+                         losses_by_type=by_type)
+
+
+def reward_metrics(chosen_rewards: np.ndarray, rejected_rewards: np.ndarray) -> dict[str, float]:
+    """TRL's reward metrics: means over examples of β c, β r, [β c > β r] and β (c - r).
+
+    >>> reward_metrics(np.array([1.0, -1.0]), np.array([0.0, 0.0]))
+    {'rewards/chosen': 0.0, 'rewards/rejected': 0.0, 'rewards/accuracies': 0.5, 'rewards/margins': 0.0}
+    """
+    chosen = np.asarray(chosen_rewards, dtype=np.float64)
+    rejected = np.asarray(rejected_rewards, dtype=np.float64)
+    if chosen.shape != rejected.shape or chosen.ndim != 1 or chosen.size == 0:
+        raise ValueError(f"chosen_rewards {chosen.shape} and rejected_rewards {rejected.shape} must be the same "
+                         f"non-empty 1-D shape [N].")
+    return {"rewards/chosen": float(chosen.mean()), "rewards/rejected": float(rejected.mean()),
+            # Strict: a tie is not a win, as in TRL.
+            "rewards/accuracies": float((chosen > rejected).mean()),
+            "rewards/margins": float((chosen - rejected).mean())}
