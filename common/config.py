@@ -289,6 +289,14 @@ def resolve_model_config(name_or_path: str) -> ModelConfig:
     if config_json.is_file():
         import json
 
-        return ModelConfig.from_dict(json.loads(config_json.read_text()))
+        values = json.loads(config_json.read_text())
+        # transformers 5 keeps rope_theta inside rope_parameters.
+        rope = values.get("rope_parameters") or {}
+        if "rope_theta" not in values and "rope_theta" in rope:
+            values["rope_theta"] = rope["rope_theta"]
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{config_json}: rope_type={rope['rope_type']!r} is not supported; twinseq "
+                             f"builds default (unscaled) RoPE only.")
+        return ModelConfig.from_dict(values)
     raise ValueError(f"model_config={name_or_path!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a "
                      f"directory with a config.json; pass a preset name or a local checkpoint path.")

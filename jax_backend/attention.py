@@ -1,0 +1,56 @@
+"""Document-causal attention for the JAX backend, driven by segment and position ids.
+
+The mask rule is the one of DESIGN.md ("The data contract"): query i may attend to key j
+iff ``segment_ids[i] == segment_ids[j] != 0`` and ``position_ids[j] <= position_ids[i]``.
+Padded batches (one document per row, segment 0 on padding) and padding-free batches
+(many documents in one row) go through the same code; only B, T and the ids differ.
+
+Every shape depends on (B, T) alone, so a jitted step compiles once per (B, T) bucket.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def document_causal_mask(segment_ids_BT: jax.Array, position_ids_BT: jax.Array) -> jax.Array:
+    """bool [B, 1, T, T]: ``allowed[b, 0, i, j]`` per the mask rule (head axis broadcast).
+
+    >>> seg = jnp.array([[1, 1, 2, 2, 0]]); pos = jnp.array([[0, 1, 0, 1, 0]])
+    >>> document_causal_mask(seg, pos)[0, 0].astype(int).tolist()
+    [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 0]]
+    """
+    seg_q, seg_k = segment_ids_BT[:, :, None], segment_ids_BT[:, None, :]
+    pos_q, pos_k = position_ids_BT[:, :, None], position_ids_BT[:, None, :]
+    allowed_BTT = (seg_q == seg_k) & (seg_q != 0) & (pos_k <= pos_q)
+    return allowed_BTT[:, None, :, :]
+
+
+def repeat_kv(x_BKTD: jax.Array, num_groups: int) -> jax.Array:
+    """[B, K, T, D] -> [B, K * num_groups, T, D], each kv head repeated in place (HF ``repeat_kv``)."""
+    if num_groups == 1:
+        return x_BKTD
+    return jnp.repeat(x_BKTD, num_groups, axis=1)
+
+
+def dot_product_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
+                          allowed_B1TT: jax.Array, scaling: float) -> jax.Array:
+    """Masked softmax attention, as HF's eager path: [B, N, T, D] out.
+
+    Scores are computed in the input dtype and the softmax in float32, then cast back, like
+    ``eager_attention_forward`` of transformers. Masked scores take the dtype's lowest finite
+    value (HF's additive mask value), so allowed entries are bit-identical to HF.
+
+    A query with no allowed key (a padding token) gets an all-zero output instead of a
+    uniform average over garbage: no NaN, and nothing from padding can leak anywhere.
+    """
+    num_groups = q_BNTD.shape[1] // k_BKTD.shape[1]
+    k_BNTD = repeat_kv(k_BKTD, num_groups)
+    v_BNTD = repeat_kv(v_BKTD, num_groups)
+    scores_BNTT = jnp.einsum("bnqd,bnkd->bnqk", q_BNTD, k_BNTD) * jnp.asarray(scaling, q_BNTD.dtype)
+    scores_BNTT = jnp.where(allowed_B1TT, scores_BNTT, jnp.finfo(scores_BNTT.dtype).min)
+    probs_BNTT = jax.nn.softmax(scores_BNTT.astype(jnp.float32), axis=-1)
+    # Fully-masked rows would be uniform over masked keys; zero them (padding queries only).
+    probs_BNTT = jnp.where(allowed_B1TT, probs_BNTT, 0.0).astype(q_BNTD.dtype)
+    return jnp.einsum("bnqk,bnkd->bnqd", probs_BNTT, v_BNTD)

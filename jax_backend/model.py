@@ -1,0 +1,227 @@
+"""A Flax NNX Llama that mirrors Hugging Face transformers' ``LlamaForCausalLM`` op for op.
+
+The module tree and attribute names follow HF's parameter names, so a parameter's NNX path
+*is* its HF name: ``model.layers.0.self_attn.q_proj.kernel`` <-> ``model.layers.0.self_attn.
+q_proj.weight``. Linear layers keep Flax's ``kernel`` layout ``[in, out]`` (the transpose of
+torch's ``[out, in]``); embeddings and RMSNorm scales keep HF's layout under the name ``weight``.
+
+HF details reproduced on purpose (transformers 5.x ``modeling_llama.py``):
+
+- RMSNorm: variance in float32, ``x * rsqrt(var + eps)``, cast back, *then* times the weight;
+- RoPE: default (unscaled) ``inv_freq = 1 / theta ** (arange(0, d, 2) / d)`` in float32, the
+  half-split ``rotate_half`` layout, angles from ``position_ids`` (so they restart per document);
+- attention: grouped-query (kv heads repeated in place), scaling ``head_dim ** -0.5``,
+  softmax in float32 (see ``attention.py``);
+- MLP: ``down(silu(gate(x)) * up(x))``; no biases anywhere;
+- tied embeddings: the LM head is ``embed_tokens.weight`` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from twinseq.common.config import ModelConfig
+from twinseq.common.init import check_weights, parameter_shapes
+from twinseq.jax_backend.attention import document_causal_mask, dot_product_attention
+from twinseq.jax_backend.remat import remat
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _param(array: np.ndarray, dtype: str) -> nnx.Param:
+    return nnx.Param(jnp.asarray(np.asarray(array, dtype=np.float32), dtype=DTYPES[dtype]))
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel`` with ``kernel = W.T`` for a torch ``nn.Linear(bias=False)`` weight ``W``."""
+
+    def __init__(self, weight_OI: np.ndarray, dtype: str):
+        self.kernel = _param(np.asarray(weight_OI).T, dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x @ self.kernel[...]
+
+
+class Embedding(nnx.Module):
+    def __init__(self, weight_VH: np.ndarray, dtype: str):
+        self.weight = _param(weight_VH, dtype)
+
+    def __call__(self, input_ids_BT: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], input_ids_BT, axis=0)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, weight_H: np.ndarray, eps: float, dtype: str):
+        self.weight = _param(weight_H, dtype)
+        self.eps = float(eps)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
+        return self.weight[...] * normed
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float) -> np.ndarray:
+    """float32 [head_dim / 2]: HF's default RoPE inverse frequencies ``1 / theta ** (arange(0, d, 2) / d)``.
+
+    The exponent is float32 as in torch; the power is taken in float64 and rounded, which
+    reproduces torch's float32 ``pow`` bit for bit on almost every entry (1 ulp otherwise).
+    """
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    power = np.power(np.float64(rope_theta), exponent.astype(np.float64)).astype(np.float32)
+    return (np.float32(1.0) / power).astype(np.float32)
+
+
+def rope_cos_sin(position_ids_BT: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [B, 1, T, head_dim] (the frequencies repeated twice, HF layout)."""
+    freqs_BTF = position_ids_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    emb_BTD = jnp.concatenate([freqs_BTF, freqs_BTF], axis=-1)
+    return jnp.cos(emb_BTD)[:, None].astype(dtype), jnp.sin(emb_BTD)[:, None].astype(dtype)
+
+
+def rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x_BNTD: jax.Array, cos_B1TD: jax.Array, sin_B1TD: jax.Array) -> jax.Array:
+    return x_BNTD * cos_B1TD + rotate_half(x_BNTD) * sin_B1TD
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], prefix: str, dtype: str):
+        self.q_proj = Linear(w[prefix + "q_proj.weight"], dtype)
+        self.k_proj = Linear(w[prefix + "k_proj.weight"], dtype)
+        self.v_proj = Linear(w[prefix + "v_proj.weight"], dtype)
+        self.o_proj = Linear(w[prefix + "o_proj.weight"], dtype)
+        self.head_dim = int(cfg.head_dim)
+        self.scaling = float(cfg.head_dim) ** -0.5
+
+    def _heads(self, x_BTX: jax.Array) -> jax.Array:
+        b, t, _ = x_BTX.shape
+        return x_BTX.reshape(b, t, -1, self.head_dim).transpose(0, 2, 1, 3)
+
+    def __call__(self, x_BTH, cos, sin, allowed_B1TT) -> jax.Array:
+        q_BNTD = apply_rope(self._heads(self.q_proj(x_BTH)), cos, sin)
+        k_BKTD = apply_rope(self._heads(self.k_proj(x_BTH)), cos, sin)
+        v_BKTD = self._heads(self.v_proj(x_BTH))
+        out_BNTD = dot_product_attention(q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, self.scaling)
+        b, _, t, _ = out_BNTD.shape
+        return self.o_proj(out_BNTD.transpose(0, 2, 1, 3).reshape(b, t, -1))
+
+
+class MLP(nnx.Module):
+    def __init__(self, w: dict[str, np.ndarray], prefix: str, dtype: str):
+        self.gate_proj = Linear(w[prefix + "gate_proj.weight"], dtype)
+        self.up_proj = Linear(w[prefix + "up_proj.weight"], dtype)
+        self.down_proj = Linear(w[prefix + "down_proj.weight"], dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], layer: int, dtype: str):
+        p = f"model.layers.{layer}."
+        self.self_attn = Attention(cfg, w, p + "self_attn.", dtype)
+        self.mlp = MLP(w, p + "mlp.", dtype)
+        self.input_layernorm = RMSNorm(w[p + "input_layernorm.weight"], cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, dtype)
+
+    def __call__(self, x_BTH, cos, sin, allowed_B1TT) -> jax.Array:
+        x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos, sin, allowed_B1TT)
+        return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
+
+
+def _layer_apply(graphdef, state, x_BTH, cos, sin, allowed_B1TT):
+    """A decoder layer as a pure function of its parameters, so ``jax.checkpoint`` sees them as inputs."""
+    return nnx.merge(graphdef, state)(x_BTH, cos, sin, allowed_B1TT)
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], dtype: str, remat_policy: str):
+        self.embed_tokens = Embedding(w["model.embed_tokens.weight"], dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, w, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(w["model.norm.weight"], cfg.rms_norm_eps, dtype)
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg.head_dim, cfg.rope_theta))
+        self.remat_policy = remat_policy
+        remat(_layer_apply, remat_policy, static_argnums=(0,))  # validate the policy at build time
+
+    def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT) -> jax.Array:
+        x_BTH = self.embed_tokens(input_ids_BT)
+        cos, sin = rope_cos_sin(position_ids_BT, np.asarray(self.inv_freq, np.float32), x_BTH.dtype)
+        allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT)
+        layer_fn = remat(_layer_apply, self.remat_policy, static_argnums=(0,))
+        for layer in self.layers:
+            graphdef, state = nnx.split(layer)
+            x_BTH = layer_fn(graphdef, state, x_BTH, cos, sin, allowed_B1TT)
+        return self.norm(x_BTH)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """``model(input_ids, position_ids, segment_ids) -> hidden_BTH`` (after the final norm).
+
+    ``logits(...)`` adds the LM head; losses take ``hidden_BTH`` and ``lm_head_VH()`` so that a
+    chunked or fused loss never needs the full logits.
+    """
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, dtype: str = "float32",
+                 remat_policy: str = "none"):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not valid; choose one of {tuple(DTYPES)}.")
+        check_weights(cfg, weights)
+        self.model = LlamaModel(cfg, weights, dtype, remat_policy)
+        self.lm_head: Optional[Linear] = None if cfg.tie_word_embeddings else Linear(weights["lm_head.weight"], dtype)
+        self.config_items = tuple(sorted(cfg.to_dict().items()))  # hashable: lives in the static graphdef
+        self.dtype = dtype
+
+    @property
+    def config(self) -> ModelConfig:
+        return ModelConfig.from_dict(dict(self.config_items))
+
+    def lm_head_VH(self) -> jax.Array:
+        if self.lm_head is None:
+            return self.model.embed_tokens.weight[...]
+        return self.lm_head.kernel[...].T
+
+    def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT) -> jax.Array:
+        return self.model(input_ids_BT, position_ids_BT, segment_ids_BT)
+
+    def logits(self, input_ids_BT, position_ids_BT, segment_ids_BT) -> jax.Array:
+        """[B, T, V] in the model dtype, as HF's ``lm_head(hidden_states)``."""
+        hidden_BTH = self(input_ids_BT, position_ids_BT, segment_ids_BT)
+        return hidden_BTH @ self.lm_head_VH().T
+
+
+def hf_name(path: tuple) -> str:
+    """NNX state path -> HF parameter name (``kernel`` becomes ``weight``; the caller transposes)."""
+    *head, leaf = (str(p) for p in path)
+    return ".".join([*head, "weight" if leaf == "kernel" else leaf])
+
+
+def state_to_hf(state: nnx.State) -> dict[str, np.ndarray]:
+    """Flatten an NNX parameter state (or a gradient of one) into HF names, HF ``[out, in]`` layout,
+    float32 numpy."""
+    out: dict[str, np.ndarray] = {}
+    for path, variable in nnx.to_flat_state(state):
+        value = np.asarray(jnp.asarray(variable.get_value(), dtype=jnp.float32))
+        out[hf_name(path)] = value.T if str(path[-1]) == "kernel" else value
+    return out
+
+
+def in_hf_order(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``tensors`` reordered as ``parameter_shapes(cfg)`` (the order of ``init_weights``)."""
+    order = parameter_shapes(cfg)
+    assert set(order) == set(tensors), sorted(set(order) ^ set(tensors))
+    return {name: tensors[name] for name in order}
+
+
+def export_weights(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """HF-named float32 numpy weights, in the order of ``parameter_shapes`` (``init_weights`` order)."""
+    return in_hf_order(model.config, state_to_hf(nnx.state(model, nnx.Param)))

@@ -1,0 +1,81 @@
+"""Activation rematerialisation (gradient checkpointing) for the JAX backend, by policy name.
+
+A policy decides which intermediates of a checkpointed function are kept for the backward
+pass; everything else is recomputed. The model wraps each decoder layer with ``remat``.
+
+==============  ==============================================================================
+name            what is kept from a decoder layer's forward pass
+==============  ==============================================================================
+none            everything (no rematerialisation; plain autodiff)
+full            only the layer inputs; the whole layer is recomputed (torch
+                ``gradient_checkpointing``)
+save_nothing    same as ``full``, spelled as the explicit ``nothing_saveable`` policy
+dots_saveable   the matmul outputs; element-wise ops (norms, RoPE, softmax, SiLU) are recomputed
+offload_dots    the matmul outputs without batch dims, moved to host memory (``pinned_host``)
+                and brought back for the backward pass
+==============  ==============================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Sequence
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+REMAT_POLICIES = ("none", "full", "save_nothing", "dots_saveable", "offload_dots")
+HOST_OFFLOAD_POLICIES = ("offload_dots",)
+HOST_MEMORY_KIND = "pinned_host"
+
+
+def device_memory_kinds(device: Optional[jax.Device] = None) -> tuple[str, ...]:
+    """Memory kinds a device can address, e.g. ``('device', 'pinned_host', 'unpinned_host')``."""
+    device = device if device is not None else jax.devices()[0]
+    return tuple(m.kind for m in device.addressable_memories())
+
+
+def check_policy(name: str, memory_kinds: Sequence[str]) -> None:
+    """Raise ``ValueError`` for an unknown policy, or a host-offload one without host memory.
+
+    ``memory_kinds`` are the kinds of the device that will run the step
+    (see ``device_memory_kinds``).
+    """
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"remat policy {name!r} is unknown; choose one of {', '.join(REMAT_POLICIES)}.")
+    if name in HOST_OFFLOAD_POLICIES and HOST_MEMORY_KIND not in memory_kinds:
+        raise ValueError(
+            f"remat policy {name!r} offloads activations to {HOST_MEMORY_KIND!r} memory, but this device only "
+            f"has memory kinds {tuple(memory_kinds)}; pick 'full' or 'dots_saveable' instead, or run on a "
+            f"platform with host memory spaces (GPU/TPU).")
+
+
+def _policy(name: str) -> Optional[Callable[..., bool]]:
+    policies = jax.checkpoint_policies
+    if name == "full":
+        return None  # jax.checkpoint's default: save nothing but the inputs
+    if name == "save_nothing":
+        return policies.nothing_saveable
+    if name == "dots_saveable":
+        return policies.dots_saveable
+    assert name == "offload_dots", name
+    return policies.offload_dot_with_no_batch_dims("device", HOST_MEMORY_KIND)
+
+
+def remat(fn: Callable, policy: str = "none", *, device: Optional[jax.Device] = None,
+          static_argnums: tuple[int, ...] = ()) -> Callable:
+    """``fn`` wrapped in ``jax.checkpoint`` with the named policy (``fn`` itself for ``"none"``).
+
+    Numerically a no-op: the wrapped function returns the same values and gradients.
+    """
+    device = device if device is not None else jax.devices()[0]
+    check_policy(policy, device_memory_kinds(device))
+    if policy == "none":
+        return fn
+    if policy in HOST_OFFLOAD_POLICIES and device.platform == "cpu":
+        # The CPU client exposes a pinned_host space, so offload compiles and runs, but it is the
+        # same RAM as "device" memory: the policy is honoured and saves nothing.
+        logger.info("remat policy %r on CPU: device and host memory are the same RAM; no memory is saved.",
+                    policy)
+    return jax.checkpoint(fn, policy=_policy(policy), static_argnums=static_argnums)

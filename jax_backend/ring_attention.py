@@ -1,0 +1,364 @@
+"""Context-parallel attention under ``jax.shard_map``: a ring, and an all-gather of K/V.
+
+The sequence axis of every input is sharded over one mesh axis (``cp`` by default); each
+device owns ``T / cp`` queries and the keys/values of the same tokens. The row may be in any
+token order (e.g. the load-balanced zigzag order of ``twinseq.common.context_parallel``):
+the mask reads ``segment_ids`` and ``position_ids`` only, per DESIGN.md,
+
+    query i may attend key j  iff  seg[i] == seg[j] != 0  and  pos[j] <= pos[i],
+
+so packed documents never mix, also when a document spans several shards.
+
+Naive equivalent (what both strategies must match, up to float32 rounding)::
+
+    allowed = document_causal_mask(seg, pos)            # [B, 1, T, T]
+    out = dot_product_attention(q, k, v, allowed, scale)   # twinseq.jax_backend.attention
+
+Layout: ``[B, T, H, D]`` (sequence second, so the sharded axis is the same for q, k, v and
+the [B, T] ids). Hugging Face's ``[B, H, T, D]`` is one transpose away; see
+``twinseq.jax_backend.sharding.ring_attention_fn``. Grouped-query attention: ``q`` has
+``N`` heads, ``k``/``v`` have ``K`` heads with ``N % K == 0``; query head ``n`` reads kv head
+``n // (N // K)`` (HF ``repeat_kv`` order), without materialising the repeat.
+
+Strategies:
+
+- ``ring``: K/V and their segment/position ids travel around the ring with ``ppermute``;
+  after ``cp`` steps every query has met every key. The forward accumulates an online
+  softmax (running max and sum, float32) and saves only the output and its log-sum-exp.
+  The backward (``custom_vjp``, FlashAttention-2 style) recomputes probabilities from that
+  LSE, and sends K/V around the ring again together with their dK/dV accumulators, which
+  arrive home after a last hop. Memory per device: O(T/cp) plus one score block.
+- ``all_gather``: ``all_gather`` K/V/ids over the axis, then the same blocked kernel for the
+  local queries against all keys. Autodiff through ``all_gather`` gives the reduce-scatter of
+  dK/dV. Simpler, fewer collectives, but O(T) K/V per device.
+
+Skipping fully masked blocks: the local queries and each K/V shard are cut into blocks
+(default: half a shard, i.e. one zigzag chunk, capped at 1024 tokens); a block pair whose mask
+has no allowed pair is skipped with ``lax.cond`` on ``any(allowed)``. Under ``jit`` on CPU/GPU
+a ``cond`` with a data-dependent predicate lowers to a real conditional, so a skipped block
+costs only its mask test. (Under ``vmap`` a ``cond`` turns into a ``select`` that runs both branches, so do
+not ``vmap`` over these functions: the batch is already a real dimension.)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+STRATEGIES = ("ring", "all_gather")
+_F32 = jnp.float32
+
+
+class _Cfg(NamedTuple):
+    """Static settings of one call. ``axis_name=None`` means local attention (no ring)."""
+
+    axis_name: Optional[str]
+    num_shards: int
+    scale: float
+    block_q: int
+    block_k: int
+
+
+def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _update(x: jax.Array, block: jax.Array, start, axis: int) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, block.astype(x.dtype), start, axis=axis)
+
+
+def _allowed(seg_q_BQ, pos_q_BQ, seg_k_BC, pos_k_BC) -> jax.Array:
+    """bool [B, 1, 1, Q, C]: the mask rule, broadcast over (kv head, group)."""
+    same = (seg_q_BQ[:, :, None] == seg_k_BC[:, None, :]) & (seg_q_BQ[:, :, None] != 0)
+    return (same & (pos_k_BC[:, None, :] <= pos_q_BQ[:, :, None]))[:, None, None]
+
+
+def _scores(q_BKGQD, k_BKCD, scale: float) -> jax.Array:
+    s = jnp.einsum("bkgqd,bkcd->bkgqc", q_BKGQD, k_BKCD, preferred_element_type=_F32)
+    return s * jnp.asarray(scale, _F32)
+
+
+def _block_pairs(cfg: _Cfg, len_q: int, len_k: int) -> tuple[int, int]:
+    assert len_q % cfg.block_q == 0 and len_k % cfg.block_k == 0, (len_q, len_k, cfg)
+    return len_q // cfg.block_q, len_k // cfg.block_k
+
+
+def _fwd_shard(cfg: _Cfg, state, q, k, v, seg_q, pos_q, seg_k, pos_k):
+    """Fold one K/V shard into the online-softmax state ``(o, m, l)`` of the local queries.
+
+    q [B, K, G, Tq, D]; k, v [B, K, Tk, D]; o [B, K, G, Tq, D] f32; m, l [B, K, G, Tq] f32.
+    """
+    bq, bk = cfg.block_q, cfg.block_k
+    num_q, num_k = _block_pairs(cfg, q.shape[3], k.shape[2])
+
+    def pair(i, state):
+        qs, ks = (i // num_k) * bq, (i % num_k) * bk
+        allowed = _allowed(_slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1),
+                           _slice(seg_k, ks, bk, 1), _slice(pos_k, ks, bk, 1))
+
+        def compute(state):
+            o, m, l = state
+            o_a, m_a, l_a = _slice(o, qs, bq, 3), _slice(m, qs, bq, 3), _slice(l, qs, bq, 3)
+            s = _scores(_slice(q, qs, bq, 3), _slice(k, ks, bk, 2), cfg.scale)
+            s = jnp.where(allowed, s, -jnp.inf)
+            m_new = jnp.maximum(m_a, s.max(axis=-1))
+            # A row with no allowed key yet keeps m = -inf; shift by 0 there so exp gives 0, not NaN.
+            m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+            p = jnp.exp(s - m_safe[..., None])
+            alpha = jnp.exp(m_a - m_safe)
+            pv = jnp.einsum("bkgqc,bkcd->bkgqd", p, _slice(v, ks, bk, 2).astype(_F32))
+            o_a = alpha[..., None] * o_a + pv
+            l_a = alpha * l_a + p.sum(axis=-1)
+            return _update(o, o_a, qs, 3), _update(m, m_new, qs, 3), _update(l, l_a, qs, 3)
+
+        return jax.lax.cond(jnp.any(allowed), compute, lambda st: st, state)
+
+    return jax.lax.fori_loop(0, num_q * num_k, pair, state)
+
+
+def _bwd_shard(cfg: _Cfg, grads, q, k, v, dout, lse, delta, seg_q, pos_q, seg_k, pos_k):
+    """Add one K/V shard's contribution to ``(dq, dk, dv)`` (float32, dk/dv of that shard).
+
+    FlashAttention-2 backward: ``p = exp(s - lse)``, ``dv += p^T do``, ``dp = do v^T``,
+    ``ds = p * (dp - delta)`` with ``delta = rowsum(do * out)``, ``dq += ds k``, ``dk += ds^T q``.
+    """
+    bq, bk = cfg.block_q, cfg.block_k
+    num_q, num_k = _block_pairs(cfg, q.shape[3], k.shape[2])
+    lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
+
+    def pair(i, grads):
+        qs, ks = (i // num_k) * bq, (i % num_k) * bk
+        allowed = _allowed(_slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1),
+                           _slice(seg_k, ks, bk, 1), _slice(pos_k, ks, bk, 1))
+
+        def compute(grads):
+            dq, dk, dv = grads
+            q_a, k_b, v_b = _slice(q, qs, bq, 3), _slice(k, ks, bk, 2), _slice(v, ks, bk, 2)
+            do_a = _slice(dout, qs, bq, 3).astype(_F32)
+            s = _scores(q_a, k_b, cfg.scale)
+            p = jnp.where(allowed, jnp.exp(s - _slice(lse_safe, qs, bq, 3)[..., None]), 0.0)
+            dv_b = jnp.einsum("bkgqc,bkgqd->bkcd", p, do_a)
+            dp = jnp.einsum("bkgqd,bkcd->bkgqc", do_a, v_b.astype(_F32))
+            ds = p * (dp - _slice(delta, qs, bq, 3)[..., None]) * jnp.asarray(cfg.scale, _F32)
+            dq_a = jnp.einsum("bkgqc,bkcd->bkgqd", ds, k_b.astype(_F32))
+            dk_b = jnp.einsum("bkgqc,bkgqd->bkcd", ds, q_a.astype(_F32))
+            return (_update(dq, _slice(dq, qs, bq, 3) + dq_a, qs, 3),
+                    _update(dk, _slice(dk, ks, bk, 2) + dk_b, ks, 2),
+                    _update(dv, _slice(dv, ks, bk, 2) + dv_b, ks, 2))
+
+        return jax.lax.cond(jnp.any(allowed), compute, lambda g: g, grads)
+
+    return jax.lax.fori_loop(0, num_q * num_k, pair, grads)
+
+
+def _rotate(cfg: _Cfg, tree):
+    """Send every leaf to the next device of the ring (rank r -> r + 1)."""
+    n = cfg.num_shards
+    return jax.lax.ppermute(tree, cfg.axis_name, perm=[(i, (i + 1) % n) for i in range(n)])
+
+
+def _forward(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k):
+    """-> out [B, K, G, Tq, D] (q.dtype), lse [B, K, G, Tq] f32 (-inf where no key is allowed)."""
+    m0 = jnp.full_like(q[..., 0], -jnp.inf, dtype=_F32)  # *_like keeps q's varying-axes type
+    state = (jnp.zeros_like(q, dtype=_F32), m0, jnp.zeros_like(m0))
+
+    def attend(state, kv):
+        return _fwd_shard(cfg, state, q, kv[0], kv[1], seg_q, pos_q, kv[2], kv[3])
+
+    def step(carry, _):
+        state, kv = carry
+        next_kv = _rotate(cfg, kv)  # independent of this step's compute, so the transfer can overlap it
+        return (attend(state, kv), next_kv), None
+
+    kv = (k, v, seg_k, pos_k)
+    if cfg.num_shards > 1:
+        (state, kv), _ = jax.lax.scan(step, (state, kv), None, length=cfg.num_shards - 1)
+    state = attend(state, kv)
+    o, m, l = state
+    has_key = l > 0
+    out = jnp.where(has_key[..., None], o / jnp.where(has_key, l, 1.0)[..., None], 0.0)
+    lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, l, 1.0)), -jnp.inf)
+    return out.astype(q.dtype), lse
+
+
+def _backward(cfg: _Cfg, residuals, dout):
+    q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = residuals
+    delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1)
+    dq = jnp.zeros_like(q, dtype=_F32)
+    kv = (k, v, seg_k, pos_k)
+    dkv = (jnp.zeros_like(k, dtype=_F32), jnp.zeros_like(v, dtype=_F32))  # travel with the K/V they belong to
+
+    def attend(dq, kv, dkv):
+        dq, dk, dv = _bwd_shard(cfg, (dq, *dkv), q, kv[0], kv[1], dout, lse, delta, seg_q, pos_q, kv[2], kv[3])
+        return dq, (dk, dv)
+
+    def step(carry, _):
+        dq, kv, dkv = carry
+        next_kv = _rotate(cfg, kv)  # can overlap this step's compute; dK/dV must wait for it
+        dq, dkv = attend(dq, kv, dkv)
+        return (dq, next_kv, _rotate(cfg, dkv)), None
+
+    if cfg.num_shards > 1:
+        (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, dkv), None, length=cfg.num_shards - 1)
+    dq, (dk, dv) = attend(dq, kv, dkv)
+    if cfg.num_shards > 1:
+        dk, dv = _rotate(cfg, (dk, dv))  # the last hop brings each shard's dK/dV home
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_core(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k):
+    return _forward(cfg, q, k, v, seg_q, pos_q, seg_k, pos_k)[0]
+
+
+def _core_fwd(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k):
+    out, lse = _forward(cfg, q, k, v, seg_q, pos_q, seg_k, pos_k)
+    return out, (q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse)
+
+
+def _core_bwd(cfg: _Cfg, residuals, dout):
+    dq, dk, dv = _backward(cfg, residuals, dout)
+    return dq, dk, dv, None, None, None, None  # integer ids have no cotangent
+
+
+_attention_core.defvjp(_core_fwd, _core_bwd)
+
+
+MAX_DEFAULT_BLOCK = 1024
+
+
+def _default_block(length: int) -> int:
+    """Half a shard (one zigzag chunk), or its largest divisor <= ``MAX_DEFAULT_BLOCK``.
+
+    Half a shard lets the mask test skip the masked half of a zigzag shard pair; the cap bounds the
+    [Q, C] score block (the dominant temp memory) at long T.
+    """
+    block = length // 2 if length % 2 == 0 and length >= 2 else length
+    cap = min(block, MAX_DEFAULT_BLOCK)
+    return next(b for b in range(cap, 0, -1) if block % b == 0)
+
+
+def _check_shapes(q, k, v, seg, pos) -> None:
+    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
+        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} must be [B, T, H, D] with k.shape == v.shape.")
+    if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {q.shape} and k {k.shape} must share B, T and D (layout [B, T, H, D]).")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"num_heads={q.shape[2]} must be a multiple of num_kv_heads={k.shape[2]} (GQA).")
+    if seg.shape != q.shape[:2] or pos.shape != q.shape[:2]:
+        raise ValueError(f"segment_ids {seg.shape} and position_ids {pos.shape} must be [B, T] = {q.shape[:2]}.")
+
+
+def _to_internal(q_BTND, k_BTKD, v_BTKD):
+    b, t, n, d = q_BTND.shape
+    kv = k_BTKD.shape[2]
+    q = q_BTND.reshape(b, t, kv, n // kv, d).transpose(0, 2, 3, 1, 4)
+    return q, k_BTKD.transpose(0, 2, 1, 3), v_BTKD.transpose(0, 2, 1, 3)
+
+
+def _from_internal(out_BKGTD) -> jax.Array:
+    b, kv, g, t, d = out_BKGTD.shape
+    return out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, d)
+
+
+def _cfg(axis_name, num_shards, q_BTND, k_len, scale, block_q, block_k) -> _Cfg:
+    len_q = q_BTND.shape[1]
+    block_q = block_q or _default_block(len_q)
+    block_k = block_k or _default_block(k_len)
+    if len_q % block_q or k_len % block_k:
+        raise ValueError(f"block_q={block_q} must divide the local query length {len_q} and block_k={block_k} "
+                         f"the local key length {k_len}; pick divisors (default: half a shard).")
+    scale = q_BTND.shape[3] ** -0.5 if scale is None else float(scale)
+    return _Cfg(axis_name, int(num_shards), scale, int(block_q), int(block_k))
+
+
+def blocked_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, scale: Optional[float] = None,
+                      block_q: Optional[int] = None, block_k: Optional[int] = None) -> jax.Array:
+    """Single-device memory-efficient attention (online softmax forward, FlashAttention-2 backward).
+
+    Same inputs/outputs and mask as the module docstring; ``[B, T, N, D]`` out in q's dtype. Queries
+    with no allowed key (padding) get zeros, like ``dot_product_attention``.
+    """
+    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
+    cfg = _cfg(None, 1, q_BTND, k_BTKD.shape[1], scale, block_q, block_k)
+    q, k, v = _to_internal(q_BTND, k_BTKD, v_BTKD)
+    seg, pos = segment_ids_BT, position_ids_BT
+    return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos))
+
+
+def ring_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, axis_name: str,
+                         scale: Optional[float] = None, block_q: Optional[int] = None,
+                         block_k: Optional[int] = None) -> jax.Array:
+    """Ring attention for the local shard; call inside ``shard_map`` over ``axis_name``.
+
+    Every argument is this device's ``[B, T/cp, ...]`` shard; returns this device's output shard.
+    """
+    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
+    cfg = _cfg(axis_name, jax.lax.axis_size(axis_name), q_BTND, k_BTKD.shape[1], scale, block_q, block_k)
+    q, k, v = _to_internal(q_BTND, k_BTKD, v_BTKD)
+    seg, pos = segment_ids_BT, position_ids_BT
+    return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos))
+
+
+def all_gather_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, axis_name: str,
+                               scale: Optional[float] = None, block_q: Optional[int] = None,
+                               block_k: Optional[int] = None) -> jax.Array:
+    """All-gather K/V (and their ids) over ``axis_name``, then blocked attention for the local queries.
+
+    Call inside ``shard_map``. ``block_k`` defaults to half a shard, so block skipping sees the
+    same chunks as the ring.
+    """
+    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
+    block_k = block_k or _default_block(k_BTKD.shape[1])
+
+    def gather(x):
+        return jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+
+    k_all, v_all, seg_all, pos_all = gather(k_BTKD), gather(v_BTKD), gather(segment_ids_BT), gather(position_ids_BT)
+    cfg = _cfg(None, 1, q_BTND, k_all.shape[1], scale, block_q, block_k)
+    q, k, v = _to_internal(q_BTND, k_all, v_all)
+    return _from_internal(_attention_core(cfg, q, k, v, segment_ids_BT, position_ids_BT, seg_all, pos_all))
+
+
+def _batch_spec(mesh: Mesh, axis_name: str, batch_axes) -> Union[None, str, tuple]:
+    if batch_axes is None:
+        batch_axes = tuple(a for a in mesh.axis_names if a != axis_name)
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    return batch_axes if batch_axes else None
+
+
+def sharded_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, mesh: Mesh, *,
+                      strategy: str = "ring", axis_name: str = "cp",
+                      batch_axes: Union[None, str, Sequence[str]] = None, scale: Optional[float] = None,
+                      block_q: Optional[int] = None, block_k: Optional[int] = None) -> jax.Array:
+    """Context-parallel attention on global ``[B, T, ...]`` arrays: ``shard_map`` over ``mesh``.
+
+    T is split over ``axis_name`` in the row's current order: pass rows already reordered with
+    ``twinseq.common.context_parallel.shard_sequence`` for load balancing (the output comes back
+    in that same order). B is split over ``batch_axes`` (default: every other mesh axis).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not valid; choose one of {STRATEGIES}.")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name={axis_name!r} is not a mesh axis; the mesh has {mesh.axis_names}.")
+    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
+    cp = mesh.shape[axis_name]
+    if q_BTND.shape[1] % cp:
+        raise ValueError(f"sequence length T={q_BTND.shape[1]} is not divisible by cp={cp}; pad with "
+                         f"--pad-to-multiple-of {2 * cp}.")
+    batch = _batch_spec(mesh, axis_name, batch_axes)
+    num_replicas = int(np.prod([mesh.shape[a] for a in batch or ()]))
+    if q_BTND.shape[0] % num_replicas:
+        raise ValueError(f"batch size B={q_BTND.shape[0]} is not divisible by the {num_replicas} devices of the "
+                         f"batch axes {batch}; use a multiple of {num_replicas} or pass batch_axes=().")
+    local = ring_attention_shard if strategy == "ring" else all_gather_attention_shard
+    fn = functools.partial(local, axis_name=axis_name, scale=scale, block_q=block_q, block_k=block_k)
+    x_spec, id_spec = P(batch, axis_name, None, None), P(batch, axis_name)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, id_spec, id_spec),
+                         out_specs=x_spec)(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
