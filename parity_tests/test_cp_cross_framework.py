@@ -3,19 +3,21 @@
 Same weights (``init_weights``, seed 0), same packed ``Batch`` (two rows of several documents,
 documents crossing the shard boundary), cp = 2, float32, TF32 off, JAX matmul precision highest.
 
-What is compared (the JAX model has no pluggable attention yet, so its ring-attention forward is
-assembled in ``_jax_hidden`` from the model's own modules: embeddings, RoPE, projections, MLP,
-norms; only the attention call is swapped):
+What is compared:
 
-1. the packed-batch loss: torch FSDP2 + allgather CP summed over 2 processes vs the JAX forward
-   with ``ring_attention_fn`` on a cp=2 mesh of host devices, both in the zigzag order;
-2. the assembled JAX forward with dense attention vs the JAX model's own loss (proves the
-   assembly is the model), and torch CP vs the torch single-process loss;
+1. the packed-batch loss: torch FSDP2 + allgather CP summed over 2 processes vs the JAX model
+   with ``ring_attention_fn`` on a cp=2 mesh of host devices, both in the zigzag order. The JAX
+   model takes the ring through its ``attend=`` hook; a JAX model without that hook gets the same
+   forward assembled in ``_jax_hidden`` from its own modules (embeddings, RoPE, projections, MLP,
+   norms), only the attention call swapped;
+2. ``_jax_hidden`` with dense attention vs the JAX model's own loss (the assembly is the model),
+   the ring vs that dense loss, and torch CP vs the torch single-process loss;
 3. attention outputs: torch allgather CP on each rank vs JAX ring attention, same q/k/v.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 
@@ -114,8 +116,11 @@ def _jax_losses(model, mesh, batch) -> tuple[float, float, float]:
     dense_loss = _loss_from_targets(model, _jax_hidden(model, ids, pos, seg, _dense),
                                     jnp.asarray(shift_labels(batch.labels)), batch.num_items_in_batch)
     arrays = shard_batch(batch, mesh)  # zigzag order, targets shifted before the reorder, on the cp mesh
-    hidden = jax.jit(lambda i, p, s: _jax_hidden(model, i, p, s, ring_attention_fn(mesh)))(
-        arrays["input_ids"], arrays["position_ids"], arrays["segment_ids"])
+    if "attend" in inspect.signature(type(model).__call__).parameters:
+        forward = lambda i, p, s: model(i, p, s, attend=ring_attention_fn(mesh))  # noqa: E731 - the model's own hook
+    else:
+        forward = lambda i, p, s: _jax_hidden(model, i, p, s, ring_attention_fn(mesh))  # noqa: E731
+    hidden = jax.jit(forward)(arrays["input_ids"], arrays["position_ids"], arrays["segment_ids"])
     ring_loss = _loss_from_targets(model, hidden, arrays["targets"], arrays["num_items_in_batch"])
     return model_loss, dense_loss, ring_loss
 

@@ -1,0 +1,286 @@
+"""Helpers of the distributed tests: synthetic data, the single-process reference, and the worker
+that every spawned rank runs (``python _dist_workers.py SPEC.json OUT_DIR`` with torchrun's
+environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+
+The worker writes ``OUT_DIR/rank{r}.json``; the tests compare it with the reference computed in
+the pytest process. Synthetic token rows (no tokenizer, no dataset files) keep a run to seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TINY = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def synthetic_rows(num_docs: int = 96, seed: int = 0) -> dict[str, list]:
+    """Documents of 4..40 tokens; every third has a masked prompt (completion_mask), like SFT data.
+
+    A document counts up from a random start with a random stride (mod 200), so the next token
+    is learnable from the context and the loss falls within a few steps.
+    """
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list] = {"input_ids": [], "completion_mask": []}
+    for i in range(num_docs):
+        n = int(rng.integers(4, 41))
+        start, stride = rng.integers(0, 200), rng.integers(1, 4)
+        rows["input_ids"].append((3 + (start + stride * np.arange(n)) % 200).tolist())
+        prompt = int(rng.integers(1, n)) if i % 3 == 0 else 0
+        rows["completion_mask"].append([0] * prompt + [1] * (n - prompt))
+    return rows
+
+
+def make_config(**overrides: Any):
+    from twinseq.common.config import TrainConfig
+
+    base = dict(model_config=TINY, max_length=64, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                learning_rate=3e-3, lr_scheduler_type="cosine", max_steps=10, seed=0, disable_tqdm=True,
+                output_dir="/nonexistent", dataset_name="synthetic")
+    return TrainConfig(**{**base, **overrides})
+
+
+def _model(cfg):
+    from twinseq.common.config import ModelConfig
+    from twinseq.common.init import init_weights
+    from twinseq.torch_backend.model import build_model
+
+    model_cfg = ModelConfig.preset(cfg.model_config)
+    return build_model(model_cfg, init_weights(model_cfg, seed=cfg.seed), attn_implementation=cfg.attn_implementation)
+
+
+def reference_losses(cfg, rows, *, return_batches: bool = False):
+    """Per-step losses of the single-process trainer (``train.train_step`` + ``MicroStep``)."""
+    import torch
+
+    from twinseq.common.loader import StepIterator
+    from twinseq.torch_backend.train import MicroStep, build_optimizer, train_step
+
+    torch.manual_seed(cfg.seed)
+    model = _model(cfg)
+    optimizer, scheduler = build_optimizer(model, cfg)
+    micro_step = MicroStep(model, cfg, torch.device("cpu"))
+    iterator = StepIterator(rows, cfg, pad_token_id=0)
+    losses, steps = [], []
+    for _ in range(cfg.max_steps):
+        batches = iterator.next_step()
+        steps.append(batches)
+        losses.append(train_step(model, optimizer, scheduler, micro_step, batches, cfg)["loss"])
+    return (losses, steps) if return_batches else losses
+
+
+def _parallel_setup(cfg, rows):
+    import torch
+
+    from twinseq.common.loader import StepIterator
+    from twinseq.torch_backend.parallel import ParallelMicroStep, build_parallel_model, init_runtime
+    from twinseq.torch_backend.train import build_optimizer
+
+    runtime = init_runtime(cfg)
+    torch.manual_seed(cfg.seed)
+    module = build_parallel_model(cfg, runtime, _model(cfg))
+    optimizer, scheduler = build_optimizer(module, cfg)
+    micro_step = ParallelMicroStep(module, cfg, runtime)
+    iterator = StepIterator(rows, cfg, pad_token_id=0, world_size=runtime.mesh_cfg.dp, rank=runtime.dp_rank)
+    return runtime, module, optimizer, scheduler, micro_step, iterator
+
+
+def distributed_losses(cfg, rows) -> list[float]:
+    """Per-step losses (summed over ranks) of FSDP2 (+ CP), as this rank logs them."""
+    from twinseq.torch_backend.parallel import parallel_train_step
+
+    runtime, module, optimizer, scheduler, micro_step, iterator = _parallel_setup(cfg, rows)
+    return [parallel_train_step(module, optimizer, scheduler, micro_step, iterator.next_step(), cfg, runtime)["loss"]
+            for _ in range(cfg.max_steps)]
+
+
+def distributed_grads(cfg, rows) -> dict[str, np.ndarray]:
+    """The full (unsharded) gradients of the first step, HF names, after FSDP2's reduce-scatter."""
+    from twinseq.torch_backend.parallel import prepare_micro_batches
+
+    runtime, module, _, _, micro_step, iterator = _parallel_setup(cfg, rows)
+    for micro in prepare_micro_batches(iterator.next_step(), cfg, runtime):
+        micro_step(micro)
+    return {n.removeprefix("causal_lm."): p.grad.full_tensor().cpu().numpy() for n, p in module.named_parameters()}
+
+
+def reference_grads(cfg, rows) -> dict[str, np.ndarray]:
+    """The gradients of the first step of the single-process trainer."""
+    import torch
+
+    from twinseq.common.loader import StepIterator
+    from twinseq.torch_backend.train import MicroStep
+
+    torch.manual_seed(cfg.seed)
+    model = _model(cfg)
+    micro_step = MicroStep(model, cfg, torch.device("cpu"))
+    for batch in StepIterator(rows, cfg, pad_token_id=0).next_step():
+        micro_step(batch)
+    return {n: p.grad.numpy() for n, p in model.named_parameters()}
+
+
+def packed_batch(seed: int = 1, pad_to: int = 8):
+    """Two padded rows, several documents each (lengths chosen so documents cross every shard edge)."""
+    from twinseq.common.batching import collate
+
+    rng = np.random.default_rng(seed)
+    examples = []
+    for lengths in ([5, 9, 7, 3], [13, 6, 4]):
+        ids = rng.integers(3, 8192, size=sum(lengths)).tolist()
+        examples.append({"input_ids": ids, "seq_lengths": lengths})
+    return collate(examples, pad_to_multiple_of=pad_to)
+
+
+def attention_check(seed: int = 0) -> dict[str, float]:
+    """allgather CP attention on this rank vs dense document-masked attention of the whole row.
+
+    Forward output and the gradients of q, k, v (k/v gradients arrive through the reduce-scatter
+    backward of the gather) are compared on this rank's tokens; returns the max abs errors.
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from twinseq.common.context_parallel import cp_permutation
+    from twinseq.torch_backend import context_parallel as cpmod
+    from twinseq.torch_backend.attention import document_mask
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # rank and world size from the environment, as torchrun sets them
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    batch = packed_batch()
+    B, T = batch.input_ids.shape
+    H, KV, D = 4, 2, 8
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, w = (torch.randn(B, n, T, D, generator=gen, dtype=torch.float64) for n in (H, KV, KV, H))
+    seg = torch.as_tensor(batch.segment_ids, dtype=torch.long)
+    pos = torch.as_tensor(batch.position_ids, dtype=torch.long)
+    q_ref, k_ref, v_ref = (x.clone().requires_grad_() for x in (q, k, v))
+    out_ref = F.scaled_dot_product_attention(q_ref, k_ref, v_ref, attn_mask=document_mask(seg, pos, torch.float64),
+                                             enable_gqa=True)
+    (out_ref * w).sum().backward()
+    mine = torch.as_tensor(cp_permutation(T, cp)).reshape(cp, -1)[rank]
+    q_loc, k_loc, v_loc = (x[:, :, mine].clone().requires_grad_() for x in (q, k, v))
+    shard = cpmod.shard_for_rank(batch, cp, rank)
+    ctx = cpmod.make_context(shard, dist.group.WORLD, "allgather")
+    module = torch.nn.Module()
+    out, _ = cpmod.allgather_attention_forward(module, q_loc, k_loc, v_loc, None, **{cpmod.CP_KWARG: ctx})
+    (out.transpose(1, 2) * w[:, :, mine]).sum().backward()
+    real = torch.as_tensor(batch.segment_ids != 0)[:, mine][:, None, :, None]  # padding outputs are don't-care
+    return {"out": float(((out.transpose(1, 2) - out_ref[:, :, mine]).abs() * real).max()),
+            "dq": float((q_loc.grad - q_ref.grad[:, :, mine]).abs().max()),
+            "dk": float((k_loc.grad - k_ref.grad[:, :, mine]).abs().max()),
+            "dv": float((v_loc.grad - v_ref.grad[:, :, mine]).abs().max())}
+
+
+def attention_inputs(batch, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 8, seed: int = 0):
+    """float32 numpy q [B, H, T, D], k, v [B, KV, T, D] in token order (shared with the JAX side)."""
+    rng = np.random.default_rng(seed)
+    B, T = batch.input_ids.shape
+    return tuple(rng.standard_normal((B, n, T, head_dim)).astype(np.float32)
+                 for n in (num_heads, num_kv_heads, num_kv_heads))
+
+
+def cp_parity(out_dir: str, cp: int) -> dict[str, float]:
+    """For the cross-framework test: the FSDP2 + allgather-CP loss of ``packed_batch()`` summed over the
+    ranks, and this rank's allgather attention output (written to ``attention_rank{r}.npy``)."""
+    import torch
+    import torch.distributed as dist
+
+    from twinseq.common.context_parallel import cp_permutation
+    from twinseq.torch_backend import context_parallel as cpmod
+    from twinseq.torch_backend.parallel import build_parallel_model, init_runtime
+
+    cfg = make_config(context_parallel_size=cp, pad_to_multiple_of=2 * cp)
+    runtime = init_runtime(cfg)
+    batch = packed_batch(pad_to=2 * cp)
+    module = build_parallel_model(cfg, runtime, _model(cfg))
+    with torch.no_grad():
+        loss, _ = module(cpmod.shard_for_rank(batch, cp, runtime.cp_rank))
+    dist.all_reduce(loss, op=dist.ReduceOp.SUM)
+    mine = cp_permutation(batch.input_ids.shape[1], cp).reshape(cp, -1)[runtime.cp_rank]
+    q, k, v = (torch.from_numpy(np.ascontiguousarray(x[:, :, mine])) for x in attention_inputs(batch))
+    ctx = cpmod.make_context(cpmod.shard_for_rank(batch, cp, runtime.cp_rank), runtime.cp_group, "allgather")
+    with torch.no_grad():
+        out, _ = cpmod.allgather_attention_forward(torch.nn.Module(), q, k, v, None, **{cpmod.CP_KWARG: ctx})
+    np.save(Path(out_dir, f"attention_rank{runtime.rank}.npy"), out.numpy())
+    return {"loss": float(loss)}
+
+
+def run_spec(spec: dict, out_dir: str) -> dict:
+    import torch.distributed as dist
+
+    from twinseq.common.config import TrainConfig
+
+    out: dict[str, Any] = {}
+    for job in spec["jobs"]:
+        if job["kind"] == "attention":
+            out[job["name"]] = attention_check()
+        elif job["kind"] == "cp_parity":
+            out[job["name"]] = cp_parity(out_dir, job["cp"])
+        else:
+            cfg, rows = TrainConfig(**job["config"]), synthetic_rows(seed=job["data_seed"])
+            out[job["name"]] = distributed_losses(cfg, rows)
+            grads = distributed_grads(cfg, rows)
+            if dist.get_rank() == 0:
+                np.savez(Path(out_dir, f"grads_{job['name']}.npz"), **grads)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out
+
+
+def launch(spec: dict, tmp_path: Path, world_size: int = 2, timeout: float = 240.0, cuda: bool = False) -> list[dict]:
+    """Run ``spec`` on ``world_size`` local processes, as torchrun would; one result per rank.
+
+    ``cuda=False`` hides the GPUs, so the ranks run on CPU with gloo; ``cuda=True`` gives rank r GPU r (NCCL).
+    """
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        if not cuda:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        procs.append(subprocess.Popen([sys.executable, __file__, str(spec_path), str(tmp_path)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    assert not failed, f"ranks failed {failed}:\n" + "\n".join(log[-4000:] for log in logs)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 parity on GPU ranks
+    torch.backends.cudnn.allow_tf32 = False
+    spec = json.loads(Path(argv[0]).read_text())
+    result = run_spec(spec, argv[1])
+    Path(argv[1], f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

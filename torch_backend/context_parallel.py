@@ -1,0 +1,318 @@
+"""Context parallelism (CP) for the torch backend: every rank of a ``cp`` group holds ``T / cp``
+tokens of each row, in the load-balanced zigzag order of ``twinseq.common.context_parallel``.
+
+Two strategies, both run as HF attention functions registered in ``transformers.AttentionInterface``
+(so RoPE uses the shard's own ``position_ids`` and the rest of the Llama is untouched):
+
+- ``allgather`` (``twinseq_cp_allgather``): each rank keeps its queries, all-gathers K/V
+  (autograd-aware: the backward reduce-scatters dK/dV to their owners) and the segment and
+  position ids (once per forward), then attends with the DESIGN.md rule
+
+      query i may attend key j  iff  seg[i] == seg[j] != 0  and  pos[j] <= pos[i]
+
+  so packed and padding-free rows never mix documents, also when a document crosses a shard
+  boundary (the failure of TRL #6843, where accelerate's CP hook drops the mask). It runs on
+  gloo (CPU) and NCCL. Memory: the gathered K/V [B, KV, T, D] and a bool mask [B, 1, T/cp, T].
+- ``ring`` (``twinseq_cp_ring``): torch's native ``context_parallel`` (CUDA SDPA flash or
+  efficient kernels, head-tail load balancing, K/V rotated around the ring). It knows only
+  ``is_causal``, so it is correct for UNPACKED, right-padded rows only; packed or
+  padding-free data is refused with a ``ValueError`` (``check_ring_batch``), never mixed.
+
+Naive equivalent of either strategy (what the tests check): the dense document-masked attention
+of ``twinseq.torch_backend.attention.document_mask`` on the unsharded row, then the rank's slice.
+
+The labels are shifted BEFORE the zigzag reorder (``common.context_parallel.shard_batch``), so
+a shard carries ``targets`` and the loss must not shift again (``targets_are_shifted=True``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from twinseq.common.batching import Batch
+from twinseq.common.context_parallel import check_seq_len, cp_permutation, shard_batch
+
+logger = logging.getLogger(__name__)
+
+ALLGATHER_HF_NAME = "twinseq_cp_allgather"
+RING_HF_NAME = "twinseq_cp_ring"
+HF_NAMES = {"allgather": ALLGATHER_HF_NAME, "ring": RING_HF_NAME}
+CP_KWARG = "twinseq_cp"  # the keyword that carries a ``CPAttentionContext`` down to every attention layer
+
+
+# --------------------------------------------------------------------------------------
+# A rank's shard of a batch
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class CPShard:
+    """This rank's ``[B, T / cp]`` slice of a batch as long tensors, in zigzag order.
+
+    ``targets`` are already shifted (``labels[t + 1]`` in token order, then reordered);
+    ``num_items_in_batch`` stays the label count of the whole optimizer step.
+    """
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+    segment_ids: torch.Tensor
+    num_items_in_batch: int
+    cp: int
+    cp_rank: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Non-padding tokens of this shard."""
+        return int((self.segment_ids != 0).sum())
+
+    @property
+    def num_label_tokens(self) -> int:
+        """Targets of this shard (the shards of a batch add up to ``Batch.num_label_tokens``)."""
+        return int((self.targets != -100).sum())
+
+    @property
+    def is_packed(self) -> bool:
+        return int(self.segment_ids.max()) > 1 if self.segment_ids.numel() else False
+
+
+def check_cp_seq_len(seq_len: int, cp: int) -> None:
+    """``ValueError`` naming ``--pad-to-multiple-of 2*cp`` unless ``seq_len`` splits into 2*cp chunks."""
+    check_seq_len(seq_len, cp, load_balance=True)
+
+
+def shard_for_rank(batch: Batch, cp: int, cp_rank: int, device: Any = "cpu") -> CPShard:
+    """Shift the labels, reorder the row (zigzag) and keep ``cp_rank``'s contiguous slice.
+
+    >>> from twinseq.common.batching import collate
+    >>> b = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 4, 3, 2]}], padding_free=True)
+    >>> s = shard_for_rank(b, cp=2, cp_rank=0)
+    >>> s.input_ids.tolist(), s.targets.tolist(), s.position_ids.tolist()
+    ([[5, 6, 3, 2]], [[6, 7, 2, -100]], [[0, 1, 3, 4]])
+    """
+    check_cp_seq_len(batch.input_ids.shape[1], cp)
+    arrays = shard_batch(batch, cp, load_balance=True).rank(cp_rank)
+
+    def tensor(name: str) -> torch.Tensor:
+        return torch.as_tensor(np.ascontiguousarray(arrays[name]), dtype=torch.long, device=device)
+
+    return CPShard(tensor("input_ids"), tensor("targets"), tensor("position_ids"), tensor("segment_ids"),
+                   int(batch.num_items_in_batch), int(cp), int(cp_rank))
+
+
+# --------------------------------------------------------------------------------------
+# allgather: autograd-aware gather of the sequence dimension
+# --------------------------------------------------------------------------------------
+
+
+def _gather_chunks(x: torch.Tensor, group) -> list[torch.Tensor]:
+    chunks = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(chunks, x, group=group)
+    return chunks
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather ``x`` along ``dim`` (rank order). Backward: reduce-scatter (sum) the
+    gradient, so each rank gets the sum over ranks of the gradient of its own chunk.
+
+    NCCL has ``reduce_scatter``; gloo has not, so there the full gradient is all-reduced and the
+    rank's chunk kept (same sum, more traffic).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim, ctx.size = group, dim, x.shape[dim]
+        return torch.cat(_gather_chunks(x.contiguous(), group), dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group, dim = ctx.group, ctx.dim
+        rank = dist.get_rank(group)
+        grad = grad.contiguous()
+        if dist.get_backend(group) == dist.Backend.NCCL:
+            chunks = [c.contiguous() for c in grad.split(ctx.size, dim=dim)]
+            out = torch.empty_like(chunks[rank])
+            dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group)
+        else:
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+            out = grad.narrow(dim, rank * ctx.size, ctx.size).contiguous()
+        return out, None, None
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """``cat([x of rank 0, x of rank 1, ...], dim)`` with the reduce-scatter backward."""
+    return _GatherSequence.apply(x, group, dim)
+
+
+def cp_allowed_mask(seg_q_BL: torch.Tensor, pos_q_BL: torch.Tensor, seg_k_BT: torch.Tensor,
+                    pos_k_BT: torch.Tensor, q_offset: int) -> torch.Tensor:
+    """bool [B, 1, L, T]: the mask rule for L local queries against all T keys (zigzag order).
+
+    A padding query (segment 0) gets its own key (global index ``q_offset + i``) as its only
+    key, as ``attention.allowed_mask`` does: no empty softmax row, hence no NaN.
+    """
+    same_doc = (seg_q_BL[:, :, None] == seg_k_BT[:, None, :]) & (seg_q_BL[:, :, None] != 0)
+    causal = pos_k_BT[:, None, :] <= pos_q_BL[:, :, None]
+    L, T = seg_q_BL.shape[1], seg_k_BT.shape[1]
+    q_idx = torch.arange(q_offset, q_offset + L, device=seg_q_BL.device)
+    self_key = q_idx[:, None] == torch.arange(T, device=seg_q_BL.device)[None, :]
+    return ((same_doc & causal) | (self_key & (seg_q_BL[:, :, None] == 0)))[:, None]
+
+
+@dataclass
+class CPAttentionContext:
+    """What every attention layer of one forward needs; built once per forward by ``make_context``."""
+
+    group: Any                          # the cp ProcessGroup (None: one rank, nothing to gather)
+    allowed_B1LT: Optional[torch.Tensor]  # bool [B, 1, T/cp, T] for allgather; None for ring
+
+
+def make_context(shard: CPShard, group, strategy: str) -> CPAttentionContext:
+    """Gather the segment and position ids of the whole row once (no gradient) and build the mask."""
+    if strategy == "ring":
+        return CPAttentionContext(group, None)
+    seg_k, pos_k = shard.segment_ids, shard.position_ids
+    if group is not None and shard.cp > 1:
+        ids = torch.stack([shard.segment_ids, shard.position_ids])
+        gathered = torch.cat(_gather_chunks(ids.contiguous(), group), dim=2)
+        seg_k, pos_k = gathered[0], gathered[1]
+    q_offset = shard.cp_rank * shard.segment_ids.shape[1]
+    allowed = cp_allowed_mask(shard.segment_ids, shard.position_ids, seg_k, pos_k, q_offset)
+    return CPAttentionContext(group, allowed)
+
+
+def local_document_attention(q_BHLD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor,
+                             allowed_B1LT: torch.Tensor, scaling: Optional[float],
+                             dropout: float = 0.0) -> torch.Tensor:
+    """[B, H, L, D]: local queries against every key, masked by ``allowed_B1LT`` (GQA-aware).
+
+    Naive equivalent: ``softmax(q k^T * scaling + where(allowed, 0, -inf)) v``.
+    """
+    return F.scaled_dot_product_attention(q_BHLD, k_BKTD, v_BKTD, attn_mask=allowed_B1LT, dropout_p=dropout,
+                                          scale=scaling, enable_gqa=k_BKTD.shape[1] != q_BHLD.shape[1])
+
+
+def _context(kwargs: dict, name: str) -> CPAttentionContext:
+    ctx = kwargs.get(CP_KWARG)
+    if ctx is None:
+        raise ValueError(f"attention {name!r} needs a CPAttentionContext in the {CP_KWARG!r} keyword; run the "
+                         f"model through twinseq.torch_backend.parallel (CausalLMLoss), not model(input_ids).")
+    return ctx
+
+
+def allgather_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                                dropout: float = 0.0, scaling: Optional[float] = None,
+                                **kwargs) -> tuple[torch.Tensor, None]:
+    """HF attention ``twinseq_cp_allgather``: q [B, H, L, D], k/v [B, KV, L, D] (local) -> [B, L, H, D]."""
+    ctx = _context(kwargs, ALLGATHER_HF_NAME)
+    if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+        key, value = gather_sequence(key, ctx.group, 2), gather_sequence(value, ctx.group, 2)
+    out_BHLD = local_document_attention(query, key, value, ctx.allowed_B1LT, scaling,
+                                        dropout if module.training else 0.0)
+    return out_BHLD.transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------------------
+# ring: torch's native context_parallel (CUDA), unpacked rows only
+# --------------------------------------------------------------------------------------
+
+
+def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                           dropout: float = 0.0, scaling: Optional[float] = None,
+                           **kwargs) -> tuple[torch.Tensor, None]:
+    """HF attention ``twinseq_cp_ring``: causal SDPA, which ``torch...context_parallel`` turns into a ring.
+
+    Only ``is_causal`` reaches the kernel: the rows must hold one document each, right-padded
+    (``check_ring_batch``). K/V heads are repeated here because the ring kernels take no GQA flag.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    _context(kwargs, RING_HF_NAME)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    # torch's ring exists for these two kernels only; the math fallback would raise inside CP
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        out_BHLD = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout if module.training else 0.0,
+                                                  is_causal=True, scale=scaling)
+    return out_BHLD.transpose(1, 2).contiguous(), None
+
+
+def check_ring_batch(batch: Batch) -> None:
+    """``ValueError`` unless every row holds one document, right-padded (what ``is_causal`` can mask)."""
+    seg_BT = np.asarray(batch.segment_ids)
+    if int(seg_BT.max(initial=0)) > 1:
+        raise ValueError("context_parallel_strategy='ring' got a packed/padding-free batch (several documents per "
+                         "row); torch's ring attention only applies a causal mask and would attend across "
+                         "documents (TRL #6843). Use --context-parallel-strategy allgather, which masks documents.")
+    real_BT = seg_BT != 0
+    if (real_BT[:, 1:] & ~real_BT[:, :-1]).any():
+        raise ValueError("context_parallel_strategy='ring' needs right padding (a causal mask lets real tokens "
+                         "see left padding); set --padding-side right or use --context-parallel-strategy allgather.")
+
+
+@dataclass
+class RingMicroBatch:
+    """A full ``Batch`` for ``ring_context`` plus the token counts of this rank's shard (for metrics)."""
+
+    batch: Batch
+    num_tokens: int
+    num_label_tokens: int
+
+
+def ring_micro_batch(batch: Batch, cp: int, cp_rank: int) -> RingMicroBatch:
+    """Check ``batch`` for the ring and count the tokens ``cp_rank`` will hold."""
+    check_ring_batch(batch)
+    shard = shard_for_rank(batch, cp, cp_rank)
+    return RingMicroBatch(batch, shard.num_tokens, shard.num_label_tokens)
+
+
+def ring_load_balancer_indices(seq_len: int, cp: int) -> np.ndarray:
+    """int64 [T]: torch's head-tail load-balancer order (rank shards contiguous), for comparison with
+    ``common.context_parallel.cp_permutation`` (they must agree: the loss counts targets by it)."""
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    return _HeadTailLoadBalancer(seq_len, cp, "cpu")._generate_indices().reshape(-1).numpy()
+
+
+@contextlib.contextmanager
+def ring_context(cp_mesh, batch: Batch, device: Any):
+    """Enter torch's ``context_parallel`` over ``cp_mesh`` and yield this rank's ``CPShard``.
+
+    torch shards ``input_ids``, the pre-shifted targets and ``position_ids`` itself (head-tail
+    order, equal to ``cp_permutation``) and patches SDPA into ring attention for the forward and
+    backward run inside the ``with`` block.
+    """
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from twinseq.common.loss import shift_labels
+
+    check_ring_batch(batch)
+    cp = cp_mesh.size()
+    check_cp_seq_len(batch.input_ids.shape[1], cp)
+    assert np.array_equal(ring_load_balancer_indices(batch.input_ids.shape[1], cp),
+                          cp_permutation(batch.input_ids.shape[1], cp)), "torch's head-tail order changed"
+    buffers = [torch.as_tensor(np.asarray(x), dtype=torch.long, device=device)
+               for x in (batch.input_ids, shift_labels(batch.labels), batch.position_ids, batch.segment_ids)]
+    with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
+                          no_restore_buffers=set(buffers)):
+        yield CPShard(*buffers, int(batch.num_items_in_batch), cp, cp_mesh.get_local_rank())
+
+
+def register_cp_attention() -> None:
+    """Register both CP attention functions with transformers (idempotent; never at import)."""
+    from transformers import AttentionInterface
+
+    for name, fn in ((ALLGATHER_HF_NAME, allgather_attention_forward), (RING_HF_NAME, ring_attention_forward)):
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, fn)
