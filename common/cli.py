@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -46,7 +47,8 @@ def train_main(argv: Sequence[str]) -> int:
 
     backend = load_backend(cfg.backend)
     metrics_path = backend.train(cfg)
-    print(f"metrics: {metrics_path}")
+    if os.environ.get("RANK", "0") == "0":  # torchrun/accelerate: one line, from rank 0
+        print(f"metrics: {metrics_path}")
     return 0
 
 

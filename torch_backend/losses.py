@@ -1,0 +1,322 @@
+"""Causal-LM losses from the last hidden state: full, chunked, fused and Liger.
+
+All four compute the same number (``twinseq.common.loss.nll_loss`` is the reference):
+
+    targets = labels shifted left by one (last position -100)
+    loss = sum over targets != -100 of CE(hidden @ W.T + b, target) / num_items_in_batch
+
+They differ only in what they keep in memory:
+
+- ``nll``: the full [N, V] logits (and their gradient), as Hugging Face does.
+- ``chunked_nll``: chunks of ``chunk_size`` tokens, each (lm_head + CE) checkpointed, so only
+  one chunk's logits live at a time, in forward and in backward (TRL's approach). The lm_head
+  matmul runs twice, and autograd sums one [V, H] weight gradient per chunk, so its peak
+  holds two or three [V, H] buffers: it only wins when N x V is much larger than V x H.
+- ``fused_linear``: the gradients w.r.t. hidden and the lm_head are computed chunk by chunk in
+  the forward pass (Liger's approach); only ``grad_hidden`` [N, H] and ``grad_weight`` [V, H]
+  are kept. No [N, V] tensor is ever materialised.
+- ``liger``: Liger's Triton kernel (CUDA only, ``pip install -e '.[gpu]'``).
+
+Chunked and fused paths first gather the rows whose target is valid, so ignored tokens
+(prompt, padding, document starts) cost nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from twinseq.common.config import LOSS_TYPES
+
+IGNORE_INDEX = -100
+DEFAULT_CHUNK_SIZE = 256
+_GPU_EXTRA = "pip install -e '.[gpu]'"
+
+logger = logging.getLogger(__name__)
+
+
+def shift_labels(labels_BT: torch.Tensor) -> torch.Tensor:
+    """``targets[:, t] = labels[:, t + 1]``, the last position -100 (see common/loss.py)."""
+    return F.pad(labels_BT[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _check_inputs(hidden_BTH, weight_VH, labels_BT, bias_V) -> None:
+    if hidden_BTH.dim() != 3 or labels_BT.shape != hidden_BTH.shape[:2]:
+        raise ValueError(f"hidden must be [B, T, H] and labels [B, T]; got hidden {tuple(hidden_BTH.shape)} "
+                         f"and labels {tuple(labels_BT.shape)}.")
+    if weight_VH.dim() != 2 or weight_VH.shape[1] != hidden_BTH.shape[2]:
+        raise ValueError(f"lm_head_weight must be [V, H] with H={hidden_BTH.shape[2]}; got "
+                         f"{tuple(weight_VH.shape)} (pass lm_head.weight, not its transpose).")
+    if bias_V is not None and bias_V.shape != weight_VH.shape[:1]:
+        raise ValueError(f"lm_head_bias must be [V]={weight_VH.shape[0]}, got {tuple(bias_V.shape)}.")
+    if labels_BT.dtype.is_floating_point:
+        raise TypeError(f"labels must be an integer tensor, got {labels_BT.dtype}.")
+
+
+def _num_valid_checked(targets_N: torch.Tensor, vocab_size: int, num_items_in_batch) -> tuple[int, int]:
+    """(valid target count, denominator), after checking labels and ``num_items_in_batch``.
+
+    One host sync for the three statistics.
+    """
+    valid_N = targets_N != IGNORE_INDEX
+    num_valid, lowest, highest = 0, 0, 0
+    if targets_N.numel():
+        # ignored targets count as 0, which is in range, so min/max see only the valid ones
+        in_vocab_N = torch.where(valid_N, targets_N, 0)
+        num_valid, lowest, highest = torch.stack([valid_N.sum(), in_vocab_N.amin(), in_vocab_N.amax()]).tolist()
+    if num_valid and (lowest < 0 or highest >= vocab_size):
+        raise ValueError(f"labels hold values outside the vocabulary [0, {vocab_size}) that are not the ignore "
+                         f"index {IGNORE_INDEX} (min {lowest}, max {highest}); fix the tokenisation or vocab_size.")
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.item()
+    if num_items_in_batch is None or int(num_items_in_batch) != num_items_in_batch or num_items_in_batch < 0:
+        raise ValueError(f"num_items_in_batch={num_items_in_batch!r} must be a non-negative integer: the count "
+                         f"of labels != -100 over the whole optimizer step (Batch.num_items_in_batch).")
+    if num_items_in_batch < num_valid:
+        raise ValueError(f"num_items_in_batch={num_items_in_batch} is smaller than the {num_valid} valid targets "
+                         f"of this micro-batch alone; it must count the labels != -100 of the whole optimizer "
+                         f"step (all micro-batches, all ranks), e.g. Batch.num_items_in_batch.")
+    if num_items_in_batch == 0:
+        logger.warning("num_items_in_batch=0: the whole optimizer step has no valid label; the loss is 0 "
+                       "and the gradients are zero.")
+    return num_valid, max(int(num_items_in_batch), 1)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 inputs, fp64 for fp64 (tests use it as a tighter reference)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(_acc_dtype(logits.dtype))
+
+
+@torch.no_grad()
+def _metric_sums(logits_NV: torch.Tensor, targets_N: torch.Tensor, row_chunk: int = 1024) -> torch.Tensor:
+    """[2], accumulation dtype: (valid targets that are the argmax, sum of entropies over valid targets).
+
+    Rows are processed ``row_chunk`` at a time so that the softmax temporary stays small.
+    """
+    sums = torch.zeros(2, dtype=_acc_dtype(logits_NV.dtype), device=logits_NV.device)
+    for start in range(0, logits_NV.shape[0], row_chunk):
+        logits = _upcast(logits_NV[start:start + row_chunk])
+        targets = targets_N[start:start + row_chunk]
+        valid = targets != IGNORE_INDEX
+        lse = torch.logsumexp(logits, -1)
+        probs = torch.exp(logits - lse[:, None])
+        # entropy = lse - sum_v p_v * logit_v; the batched dot avoids a second [rows, V] temporary
+        ent = lse - torch.bmm(probs[:, None, :], logits[:, :, None])[:, 0, 0]
+        sums[0] += ((logits.argmax(-1) == targets) & valid).sum()
+        sums[1] += torch.where(valid, ent, 0.0).sum()
+        del logits, probs  # free before the next slice's temporaries
+    return sums
+
+
+def _metrics_dict(sums: torch.Tensor, num_valid: int) -> dict:
+    num_correct, entropy_sum = sums.tolist()
+    return {"mean_token_accuracy": num_correct / num_valid if num_valid else 0.0,
+            "entropy": entropy_sum / num_valid if num_valid else 0.0,
+            "num_tokens": num_valid, "num_correct_tokens": int(round(num_correct)), "entropy_sum": entropy_sum}
+
+
+def _nll(hidden_NH, weight_VH, bias_V, targets_N, want_metrics):
+    logits_NV = _upcast(F.linear(hidden_NH, weight_VH, bias_V))
+    loss_sum = F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX, reduction="sum")
+    sums = _metric_sums(logits_NV.detach(), targets_N) if want_metrics else None
+    return loss_sum, sums
+
+
+def _chunk_ce(hidden_cH, weight_VH, bias_V, targets_c, want_metrics):
+    logits_cV = _upcast(F.linear(hidden_cH, weight_VH, bias_V))
+    loss_sum = F.cross_entropy(logits_cV, targets_c, ignore_index=IGNORE_INDEX, reduction="sum")
+    sums = _metric_sums(logits_cV.detach(), targets_c) if want_metrics else None
+    return loss_sum, sums
+
+
+def _chunked_nll(hidden_nH, weight_VH, bias_V, targets_n, chunk_size, want_metrics):
+    """Checkpointed chunks over the valid rows. Naive equivalent: ``_nll`` on the same rows."""
+    loss_sum, sums = 0.0, torch.zeros(2, dtype=_acc_dtype(hidden_nH.dtype), device=hidden_nH.device)
+    # max(n, 1): an empty input still runs one (empty) chunk so the weight gets a zero gradient
+    for start in range(0, max(hidden_nH.shape[0], 1), chunk_size):
+        end = start + chunk_size
+        part, part_sums = checkpoint(_chunk_ce, hidden_nH[start:end], weight_VH, bias_V, targets_n[start:end],
+                                     want_metrics, use_reentrant=False)
+        loss_sum = loss_sum + part
+        if want_metrics:
+            sums += part_sums
+    return loss_sum, (sums if want_metrics else None)
+
+
+class FusedLinearCrossEntropy(torch.autograd.Function):
+    """Loss and lm_head/hidden gradients, chunk by chunk, in one forward pass.
+
+    ``valid_idx_n`` lists the rows of ``hidden_NH`` whose target is not -100; only those rows
+    are computed. Naive equivalent::
+
+        logits = (hidden_NH @ weight_VH.T + bias_V).float()
+        loss = F.cross_entropy(logits, targets_N, ignore_index=-100, reduction="sum") / denom
+
+    Forward keeps ``grad_hidden`` [N, H] (input dtype) and ``grad_weight`` [V, H] (fp32
+    accumulator), never a [n, V] tensor: each chunk's fp32 logits are turned in place into
+    ``(softmax - onehot) / denom`` and multiplied out at once. Backward only rescales them by
+    ``grad_output``. A gradient is computed only for inputs that need it (a frozen lm_head, as
+    with LoRA, skips the [V, H] buffer and a third of the FLOPs). Backward runs once.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, valid_idx_n, denom: int, chunk_size: int,
+                want_metrics: bool):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        targets_n = targets_N.index_select(0, valid_idx_n)
+        n, V = targets_n.shape[0], weight_VH.shape[0]
+        acc = dict(device=hidden_NH.device, dtype=_acc_dtype(weight_VH.dtype))
+        loss_sum, sums = torch.zeros((), **acc), torch.zeros(2, **acc)
+        grad_h = torch.zeros_like(hidden_NH) if need_h else None  # ignored rows keep an exact zero
+        grad_w = torch.zeros(weight_VH.shape, **acc) if need_w else None
+        grad_b = torch.zeros(V, **acc) if need_b and bias_V is not None else None
+        for start in range(0, n, chunk_size):
+            rows_c, t_c = valid_idx_n[start:start + chunk_size], targets_n[start:start + chunk_size]
+            h_cH = hidden_NH.index_select(0, rows_c)  # per chunk: no [n, H] copy of the valid rows
+            logits_cV = _upcast(F.linear(h_cH, weight_VH, bias_V))
+            if want_metrics:
+                sums += _metric_sums(logits_cV, t_c)
+            chunk_loss, g_cV = _ce_and_logit_grad_(logits_cV, t_c, denom, need_h or need_w or need_b)
+            loss_sum += chunk_loss
+            if g_cV is not None:
+                _accumulate_chunk_grads(g_cV, h_cH, weight_VH, grad_h, grad_w, grad_b, rows_c)
+            del logits_cV, g_cV  # else the next chunk's logits are allocated while these are alive
+        ctx.grads = (grad_h, grad_w, grad_b)
+        ctx.dtypes = (hidden_NH.dtype, weight_VH.dtype, None if bias_V is None else bias_V.dtype)
+        ctx.mark_non_differentiable(sums)
+        return loss_sum / denom, sums
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, _grad_sums):
+        if ctx.grads is None:
+            raise RuntimeError("the fused_linear loss frees its stored gradients in backward, so it can be "
+                               "backpropagated once only; recompute the loss instead of retain_graph=True.")
+        grads, ctx.grads = ctx.grads, None  # drop our reference so autograd can take the buffers without a copy
+        if not bool(grad_loss == 1.0):
+            for g in grads:
+                if g is not None:
+                    g.mul_(grad_loss.to(g.dtype))
+        grad_h, grad_w, grad_b = (None if g is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes))
+        return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _ce_and_logit_grad_(logits_cV, targets_c, denom: int, need_grad: bool):
+    """(sum of CE over the chunk, ``(softmax - onehot) / denom`` or None), overwriting ``logits_cV``.
+
+    The softmax is taken in place so that a chunk never needs a second [c, V] buffer.
+    """
+    target_logit_c = logits_cV.gather(1, targets_c[:, None])[:, 0]
+    max_c1 = logits_cV.amax(-1, keepdim=True)
+    probs_cV = logits_cV.sub_(max_c1).exp_()
+    sumexp_c1 = probs_cV.sum(-1, keepdim=True)
+    loss_sum = (max_c1 + sumexp_c1.log())[:, 0].sub(target_logit_c).sum()
+    if not need_grad:
+        return loss_sum, None
+    g_cV = probs_cV.div_(sumexp_c1 * denom)
+    g_cV[torch.arange(len(targets_c), device=targets_c.device), targets_c] -= 1.0 / denom
+    return loss_sum, g_cV
+
+
+def _accumulate_chunk_grads(g_cV, h_cH, weight_VH, grad_h, grad_w, grad_b, rows_c):
+    """Add one chunk's logit gradient ``g_cV`` (fp32) into the weight/bias gradients and write
+    its hidden gradient to the rows ``rows_c`` of ``grad_h``."""
+    g_low = g_cV.to(weight_VH.dtype)
+    if grad_h is not None:
+        grad_h.index_copy_(0, rows_c, g_low @ weight_VH)
+    if grad_w is not None:
+        if h_cH.dtype == grad_w.dtype:
+            grad_w.addmm_(g_cV.t(), h_cH)
+        else:  # low-precision matmul, fp32 accumulation across chunks
+            grad_w += (g_low.t() @ h_cH).float()
+    if grad_b is not None:
+        grad_b += g_cV.sum(0)
+
+
+def _liger(hidden_nH, weight_VH, bias_V, targets_n):
+    if not hidden_nH.is_cuda:
+        raise ValueError(f"loss_type='liger' needs CUDA (Liger's kernels are Triton); the hidden states are on "
+                         f"{hidden_nH.device}. Use loss_type='fused_linear', the CPU implementation of the same "
+                         f"fused loss, or run on a GPU with `{_GPU_EXTRA}`.")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ImportError(f"loss_type='liger' needs the liger-kernel package; install the gpu extra with "
+                          f"`{_GPU_EXTRA}`, or use loss_type='fused_linear'.")
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    out = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")(
+        weight_VH, hidden_nH, targets_n, bias_V)
+    # newer liger versions may return (loss, z_loss, ...) or an output object
+    out = getattr(out, "loss", out)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _valid_rows(targets_N):
+    """Indices of the rows with a valid target (the shift leaves at least one ignored per row)."""
+    return torch.nonzero(targets_N != IGNORE_INDEX).squeeze(1)
+
+
+def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, labels_BT: torch.Tensor,
+                   num_items_in_batch: Union[int, torch.Tensor], loss_type: str = "nll",
+                   chunk_size: int = DEFAULT_CHUNK_SIZE, return_metrics: bool = False,
+                   lm_head_bias: Optional[torch.Tensor] = None, targets_are_shifted: bool = False):
+    """Next-token cross-entropy from the last hidden state, normalised by the whole step.
+
+    In: ``hidden_BTH`` (final-norm output), ``lm_head_weight_VH`` (``lm_head.weight``),
+    ``labels_BT`` unshifted with -100 = ignore, ``num_items_in_batch`` = labels != -100 over
+    the whole optimizer step. Out: a 0-dim loss (fp32; fp64 for fp64 inputs),
+    ``sum(CE) / num_items_in_batch`` (0 when nothing is valid), and with ``return_metrics`` also a dict
+    ``{"mean_token_accuracy", "entropy", "num_tokens", "num_correct_tokens", "entropy_sum"}``
+    over this micro-batch's valid targets (the sums let a trainer aggregate a step exactly).
+
+    ``loss_type`` is one of ``common.config.LOSS_TYPES``; ``chunk_size`` is the tokens per
+    chunk of ``chunked_nll`` and ``fused_linear``. ``targets_are_shifted=True`` means
+    ``labels_BT`` already holds the targets (``labels[t + 1]`` at t), as a context-parallel
+    shard does (``common.context_parallel.shard_batch``): they are used as they are.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} is not valid; choose one of {LOSS_TYPES}.")
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+    _check_inputs(hidden_BTH, lm_head_weight_VH, labels_BT, lm_head_bias)
+    hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
+    targets_N = (labels_BT if targets_are_shifted else shift_labels(labels_BT)).reshape(-1).long()
+    num_valid, denom = _num_valid_checked(targets_N, lm_head_weight_VH.shape[0], num_items_in_batch)
+    args = (lm_head_weight_VH, lm_head_bias)
+    if loss_type == "nll":
+        loss_sum, sums = _nll(hidden_NH, *args, targets_N, return_metrics)
+        loss = loss_sum / denom
+    elif loss_type == "fused_linear":
+        loss, sums = FusedLinearCrossEntropy.apply(hidden_NH, *args, targets_N, _valid_rows(targets_N), denom,
+                                                   chunk_size, return_metrics)
+    else:
+        idx = _valid_rows(targets_N)
+        hidden_nH, targets_n = hidden_NH.index_select(0, idx), targets_N.index_select(0, idx)
+        if loss_type == "chunked_nll":
+            loss_sum, sums = _chunked_nll(hidden_nH, *args, targets_n, chunk_size, return_metrics)
+            loss = loss_sum / denom
+        else:
+            loss = _liger(hidden_nH, *args, targets_n) / denom
+            # Liger returns no logits, so metrics cost one extra no-grad lm_head pass, chunked
+            sums = _metric_sums_chunked(hidden_nH, *args, targets_n, chunk_size) if return_metrics else None
+    if not return_metrics:
+        return loss
+    return loss, _metrics_dict(sums, num_valid)
+
+
+@torch.no_grad()
+def _metric_sums_chunked(hidden_nH, weight_VH, bias_V, targets_n, chunk_size):
+    sums = torch.zeros(2, dtype=_acc_dtype(hidden_nH.dtype), device=hidden_nH.device)
+    for start in range(0, hidden_nH.shape[0], chunk_size):
+        logits_cV = F.linear(hidden_nH[start:start + chunk_size], weight_VH, bias_V)
+        sums += _metric_sums(logits_cV, targets_n[start:start + chunk_size])
+        del logits_cV
+    return sums
