@@ -90,6 +90,14 @@ def run(state: dict) -> dict:
 
 # --- driver ------------------------------------------------------------------------------
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
 def _versions() -> dict:
     import numpy
     import torch
@@ -97,7 +105,7 @@ def _versions() -> dict:
     return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
             "platform": platform.platform(), "cpu_count": os.cpu_count(),
             "cuda": torch.version.cuda if torch.cuda.is_available() else None,
-            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}
+            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name()}
 
 
 def _measure(args, device: str, dtype: str, loss_type: str) -> dict:
