@@ -93,5 +93,39 @@ def summarize_losses(records: list[dict[str, Any]], window: int = 5) -> Optional
     losses = [r["loss"] for r in records]
     w = max(1, min(window, len(losses) // 2 or 1))
     first, last = sum(losses[:w]) / w, sum(losses[-w:]) / w
-    return (f"loss {first:.4f} -> {last:.4f} (mean of first/last {w} steps; "
-            f"last/first = {last / first:.3f}) over {len(losses)} steps")
+    return (f"loss: first step {losses[0]:.4f}, final step {losses[-1]:.4f} (final/first = "
+            f"{losses[-1] / losses[0]:.3f}); mean of first/last {w} steps {first:.4f} -> {last:.4f} "
+            f"(ratio {last / first:.3f}) over {len(losses)} steps")
+
+
+def plot_metrics(output_dir: str | os.PathLike, *, keys: tuple[str, ...] = ("loss", "tokens_per_second")) -> Path:
+    """Write ``<output_dir>/metrics.png``: one panel per key, against the optimizer step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(output_dir)
+    keys = tuple(k for k in keys if records and k in records[0])
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.2), squeeze=False)
+    steps = [r["step"] for r in records]
+    for ax, key in zip(axes[0], keys):
+        ax.plot(steps, [r[key] for r in records], marker=".", lw=1)
+        ax.set_xlabel("optimizer step")
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(output_dir) / "metrics.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def finish_run(output_dir: str | os.PathLike) -> Optional[str]:
+    """End-of-run report shared by both trainers: the loss summary line and ``metrics.png``."""
+    records = read_metrics(output_dir)
+    summary = summarize_losses(records)
+    if summary:
+        plot = plot_metrics(output_dir)
+        print(f"{summary}\nplot: {plot}")
+    return summary

@@ -18,7 +18,7 @@ import torch
 
 from twinseq.common.config import TrainConfig, resolve_model_config
 from twinseq.common.init import init_weights
-from twinseq.common.metrics import RunLogger, peak_rss_bytes, read_metrics, summarize_losses
+from twinseq.common.metrics import RunLogger, finish_run, peak_rss_bytes
 from twinseq.common.schedule import lr_multiplier
 
 logger = logging.getLogger(__name__)
@@ -226,8 +226,5 @@ def train(cfg: TrainConfig) -> Path:
     save_pretrained(model, final)
     tokenizer.save_pretrained(final)
     log.close()
-    summary = summarize_losses(read_metrics(cfg.output_dir))
-    if summary:
-        logger.info(summary)
-        print(summary)
+    finish_run(cfg.output_dir)
     return log.path
