@@ -84,17 +84,26 @@ def token_losses(model: LlamaForCausalLM, batch: Batch) -> np.ndarray:
 
 
 def loss_fn(model: LlamaForCausalLM, input_ids_BT, position_ids_BT, segment_ids_BT, labels_BT,
-            num_items_in_batch, loss_type: str = "nll", chunk_size: int = 256):
-    """(loss, metrics) of one micro-batch; traceable, used by ``loss_and_grads`` and ``train``."""
-    hidden_BTH = model(input_ids_BT, position_ids_BT, segment_ids_BT)
+            num_items_in_batch, loss_type: str = "nll", chunk_size: int = 256, *, attend=None,
+            shifted: bool = False):
+    """(loss, metrics) of one micro-batch; traceable, used by ``loss_and_grads`` and ``train``.
+
+    ``attend``: the model's attention function (None: dense; see ``LlamaForCausalLM``);
+    ``shifted``: ``labels_BT`` are already the targets (context-parallel batches).
+    """
+    hidden_BTH = model(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
     return causal_lm_loss(hidden_BTH, model.lm_head_VH(), labels_BT, num_items_in_batch, loss_type,
-                          chunk_size=chunk_size, return_metrics=True)
+                          chunk_size=chunk_size, return_metrics=True, shifted=shifted)
 
 
-@partial(jax.jit, static_argnums=(0,), static_argnames=("loss_type", "chunk_size", "compute_dtype"))
+@partial(jax.jit, static_argnums=(0,),
+         static_argnames=("loss_type", "chunk_size", "compute_dtype", "attend", "shifted"))
 def grads_jit(graphdef, state, inputs, num_items, *, loss_type: str, chunk_size: int,
-              compute_dtype: Optional[str] = None):
+              compute_dtype: Optional[str] = None, attend=None, shifted: bool = False):
     """((loss, metrics), grads as an NNX state) of one micro-batch; ``inputs`` as ``batch_inputs`` returns.
+
+    ``attend`` and ``shifted`` as ``loss_fn`` (the JAX trainer's context-parallel step passes
+    ``sharding.ring_attention_fn(mesh)`` and the pre-shifted targets of ``sharding.shard_batch``).
 
     ``compute_dtype="bfloat16"`` runs the forward pass on bfloat16 copies of float32 ``state``
     (mixed precision, like torch autocast); the gradients stay float32, w.r.t. ``state``.
@@ -103,7 +112,8 @@ def grads_jit(graphdef, state, inputs, num_items, *, loss_type: str, chunk_size:
         if compute_dtype is not None:
             s = jax.tree.map(lambda x: x.astype(DTYPES[compute_dtype]) if jnp.issubdtype(x.dtype, jnp.floating)
                              else x, s)
-        return loss_fn(nnx.merge(graphdef, s), *inputs, num_items, loss_type, chunk_size)
+        return loss_fn(nnx.merge(graphdef, s), *inputs, num_items, loss_type, chunk_size, attend=attend,
+                       shifted=shifted)
 
     return jax.value_and_grad(scalar_loss, has_aux=True)(state)
 

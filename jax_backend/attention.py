@@ -54,3 +54,16 @@ def dot_product_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Arra
     # Fully-masked rows would be uniform over masked keys; zero them (padding queries only).
     probs_BNTT = jnp.where(allowed_B1TT, probs_BNTT, 0.0).astype(q_BNTD.dtype)
     return jnp.einsum("bnqk,bnkd->bnqd", probs_BNTT, v_BNTD)
+
+
+def document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, segment_ids_BT: jax.Array,
+                       position_ids_BT: jax.Array, scaling: float) -> jax.Array:
+    """The model's default attention in the pluggable signature, ``[B, N, T, D]`` out.
+
+    ``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling) -> out_BNTD`` is
+    what ``LlamaForCausalLM(..., attend=...)`` accepts; ``sharding.ring_attention_fn(mesh)``
+    returns a context-parallel one. This is the dense reference they must match:
+    ``dot_product_attention(q, k, v, document_causal_mask(seg, pos), scaling)``.
+    """
+    return dot_product_attention(q_BNTD, k_BKTD, v_BKTD, document_causal_mask(segment_ids_BT, position_ids_BT),
+                                 scaling)

@@ -197,13 +197,14 @@ def _fused_bwd(chunk_size: int, residuals, cotangents):
 _fused_sums.defvjp(_fused_fwd, _fused_bwd)
 
 
-def check_labels(labels_BT, vocab_size: int, num_items_in_batch) -> int:
+def check_labels(labels_BT, vocab_size: int, num_items_in_batch, *, shifted: bool = False) -> int:
     """Host-side checks a traced loss cannot make; returns the micro-batch's valid target count.
 
     Raises ``ValueError`` for labels outside ``[0, vocab_size)`` (other than -100), or a
     ``num_items_in_batch`` that is negative, not an integer, or below this micro-batch's count.
+    ``shifted=True``: ``labels_BT`` are already the targets (see ``causal_lm_loss``).
     """
-    targets = np.asarray(labels_BT)[:, 1:]
+    targets = np.asarray(labels_BT) if shifted else np.asarray(labels_BT)[:, 1:]
     valid = targets != IGNORE_INDEX
     bad = valid & ((targets < 0) | (targets >= vocab_size))
     if bad.any():
@@ -222,7 +223,7 @@ def check_labels(labels_BT, vocab_size: int, num_items_in_batch) -> int:
 
 def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Array,
                    num_items_in_batch, loss_type: str = "nll", chunk_size: int = 256,
-                   return_metrics: bool = False):
+                   return_metrics: bool = False, *, shifted: bool = False):
     """Mean next-token NLL over the optimizer step: ``sum(nll) / max(num_items_in_batch, 1)``.
 
     ``hidden_BTH`` are the final-norm hidden states, ``lm_head_VH`` the LM head in HF layout
@@ -232,6 +233,10 @@ def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.
     this micro-batch's valid targets, as ``twinseq.common.loss.metrics`` and the torch backend
     (the sums let a trainer aggregate a step exactly). Labels are not range-checked here (traced);
     ``check_labels`` does it on the host.
+
+    ``shifted=True``: ``labels_BT`` already holds the targets (``targets[t]`` is scored at position
+    t), as the context-parallel batches of ``common.context_parallel.shard_batch`` do: their rows are
+    reordered, so shifting them here would pair tokens with the wrong targets.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r} is not supported by the JAX backend; choose one of {LOSS_TYPES}.")
@@ -239,7 +244,7 @@ def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
     h = hidden_BTH.shape[-1]
     hidden_NH = hidden_BTH.reshape(-1, h)
-    targets_N = shift_labels(labels_BT).reshape(-1)
+    targets_N = (labels_BT if shifted else shift_labels(labels_BT)).reshape(-1)
     if loss_type == "nll":
         total, stats = _full_sums(hidden_NH, lm_head_VH, targets_N)
     elif loss_type == "chunked_nll":

@@ -11,14 +11,15 @@ HF details reproduced on purpose (transformers 5.x ``modeling_llama.py``):
 - RoPE: default (unscaled) ``inv_freq = 1 / theta ** (arange(0, d, 2) / d)`` in float32, the
   half-split ``rotate_half`` layout, angles from ``position_ids`` (so they restart per document);
 - attention: grouped-query (kv heads repeated in place), scaling ``head_dim ** -0.5``,
-  softmax in float32 (see ``attention.py``);
+  softmax in float32 (see ``attention.py``); pluggable: ``model(..., attend=fn)`` runs ``fn``
+  (e.g. ``sharding.ring_attention_fn(mesh)``, context parallel) instead of the dense path;
 - MLP: ``down(silu(gate(x)) * up(x))``; no biases anywhere;
 - tied embeddings: the LM head is ``embed_tokens.weight`` itself.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,9 @@ from twinseq.jax_backend.attention import document_causal_mask, dot_product_atte
 from twinseq.jax_backend.remat import remat
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+AttendFn = Callable[..., jax.Array]
+"""``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling) -> out_BNTD``."""
 
 
 def _param(array: np.ndarray, dtype: str) -> nnx.Param:
@@ -107,11 +111,13 @@ class Attention(nnx.Module):
         b, t, _ = x_BTX.shape
         return x_BTX.reshape(b, t, -1, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, x_BTH, cos, sin, allowed_B1TT) -> jax.Array:
+    def __call__(self, x_BTH, cos, sin, attn_args: tuple, attend: Callable[..., jax.Array]) -> jax.Array:
+        """``attend(q, k, v, *attn_args, scaling)``: ``attn_args`` is ``(allowed_B1TT,)`` for the dense
+        path (``dot_product_attention``) or ``(segment_ids_BT, position_ids_BT)`` for an ``AttendFn``."""
         q_BNTD = apply_rope(self._heads(self.q_proj(x_BTH)), cos, sin)
         k_BKTD = apply_rope(self._heads(self.k_proj(x_BTH)), cos, sin)
         v_BKTD = self._heads(self.v_proj(x_BTH))
-        out_BNTD = dot_product_attention(q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, self.scaling)
+        out_BNTD = attend(q_BNTD, k_BKTD, v_BKTD, *attn_args, self.scaling)
         b, _, t, _ = out_BNTD.shape
         return self.o_proj(out_BNTD.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
@@ -134,14 +140,17 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(w[p + "input_layernorm.weight"], cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, dtype)
 
-    def __call__(self, x_BTH, cos, sin, allowed_B1TT) -> jax.Array:
-        x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos, sin, allowed_B1TT)
+    def __call__(self, x_BTH, cos, sin, attn_args: tuple, attend: Callable[..., jax.Array]) -> jax.Array:
+        x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos, sin, attn_args, attend)
         return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
 
 
-def _layer_apply(graphdef, state, x_BTH, cos, sin, allowed_B1TT):
-    """A decoder layer as a pure function of its parameters, so ``jax.checkpoint`` sees them as inputs."""
-    return nnx.merge(graphdef, state)(x_BTH, cos, sin, allowed_B1TT)
+def _layer_apply(graphdef, attend, state, x_BTH, cos, sin, attn_args):
+    """A decoder layer as a pure function of its parameters, so ``jax.checkpoint`` sees them as inputs.
+
+    ``graphdef`` and ``attend`` are static (hashable; ``attend`` may close over a mesh).
+    """
+    return nnx.merge(graphdef, state)(x_BTH, cos, sin, attn_args, attend)
 
 
 class LlamaModel(nnx.Module):
@@ -151,24 +160,30 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(w["model.norm.weight"], cfg.rms_norm_eps, dtype)
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg.head_dim, cfg.rope_theta))
         self.remat_policy = remat_policy
-        remat(_layer_apply, remat_policy, static_argnums=(0,))  # validate the policy at build time
+        remat(_layer_apply, remat_policy, static_argnums=(0, 1))  # validate the policy at build time
 
-    def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT) -> jax.Array:
+    def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
         x_BTH = self.embed_tokens(input_ids_BT)
         cos, sin = rope_cos_sin(position_ids_BT, np.asarray(self.inv_freq, np.float32), x_BTH.dtype)
-        allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT)
-        layer_fn = remat(_layer_apply, self.remat_policy, static_argnums=(0,))
+        if attend is None:
+            # The dense mask is built once and shared by every layer.
+            attend, attn_args = dot_product_attention, (document_causal_mask(segment_ids_BT, position_ids_BT),)
+        else:
+            attn_args = (segment_ids_BT, position_ids_BT)
+        layer_fn = remat(_layer_apply, self.remat_policy, static_argnums=(0, 1))
         for layer in self.layers:
             graphdef, state = nnx.split(layer)
-            x_BTH = layer_fn(graphdef, state, x_BTH, cos, sin, allowed_B1TT)
+            x_BTH = layer_fn(graphdef, attend, state, x_BTH, cos, sin, attn_args)
         return self.norm(x_BTH)
 
 
 class LlamaForCausalLM(nnx.Module):
-    """``model(input_ids, position_ids, segment_ids) -> hidden_BTH`` (after the final norm).
+    """``model(input_ids, position_ids, segment_ids, attend=None) -> hidden_BTH`` (after the final norm).
 
-    ``logits(...)`` adds the LM head; losses take ``hidden_BTH`` and ``lm_head_VH()`` so that a
-    chunked or fused loss never needs the full logits.
+    ``attend`` (an ``AttendFn``, static under ``jit``) replaces the dense document-causal
+    attention of every layer, e.g. ``sharding.ring_attention_fn(mesh)`` on a batch placed by
+    ``sharding.shard_batch``. ``logits(...)`` adds the LM head; losses take ``hidden_BTH`` and
+    ``lm_head_VH()`` so that a chunked or fused loss never needs the full logits.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, dtype: str = "float32",
@@ -190,12 +205,12 @@ class LlamaForCausalLM(nnx.Module):
             return self.model.embed_tokens.weight[...]
         return self.lm_head.kernel[...].T
 
-    def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT) -> jax.Array:
-        return self.model(input_ids_BT, position_ids_BT, segment_ids_BT)
+    def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
+        return self.model(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
 
-    def logits(self, input_ids_BT, position_ids_BT, segment_ids_BT) -> jax.Array:
+    def logits(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
         """[B, T, V] in the model dtype, as HF's ``lm_head(hidden_states)``."""
-        hidden_BTH = self(input_ids_BT, position_ids_BT, segment_ids_BT)
+        hidden_BTH = self(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
         return hidden_BTH @ self.lm_head_VH().T
 
 

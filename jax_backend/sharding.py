@@ -11,6 +11,11 @@ The mesh always has the three named axes ``("data", "fsdp", "cp")`` (size 1 when
 Axis types are ``Auto``: ``jit`` propagates shardings from its inputs and ``shard_map`` reshards
 its operands as needed, so the model code stays free of sharding annotations.
 
+The trainer (``twinseq train --backend jax --context-parallel-size N``) builds its mesh with
+``mesh_from_config``, feeds it global micro-batches from ``DataParallelSteps`` (each data-axis
+replica reads its own rows, as a torch data-parallel rank does) and runs the model with
+``attend=ring_attention_fn(mesh, ...)`` on the ``shard_batch`` arrays.
+
 Typical use::
 
     mesh = make_mesh(data=2, cp=4)
@@ -21,7 +26,10 @@ Typical use::
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -29,7 +37,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from twinseq.common.batching import Batch
+from twinseq.common.batching import IGNORE_INDEX, Batch
+from twinseq.common.config import TrainConfig
 from twinseq.common.context_parallel import CPBatch
 from twinseq.common.context_parallel import shard_batch as reorder_batch
 from twinseq.common.context_parallel import unshard_sequence
@@ -40,6 +49,8 @@ logger = logging.getLogger(__name__)
 MESH_AXES = ("data", "fsdp", "cp")
 BATCH_AXES = ("data", "fsdp")
 CP_AXIS = "cp"
+# TrainConfig.context_parallel_strategy (shared with torch) -> ring_attention.STRATEGIES
+CONFIG_STRATEGIES = {"ring": "ring", "allgather": "all_gather"}
 
 
 def _check_axis_size(name: str, value: Any) -> int:
@@ -147,6 +158,7 @@ def unshard_tokens(x_BT: Any, mesh: Mesh, load_balance: bool = True) -> np.ndarr
 AttentionFn = Callable[..., jax.Array]
 
 
+@functools.lru_cache(maxsize=None)  # one function per setting: jit keys static args by hash, a new closure recompiles
 def ring_attention_fn(mesh: Mesh, strategy: str = "ring", block_q: Optional[int] = None,
                       block_k: Optional[int] = None) -> AttentionFn:
     """Context-parallel attention with the model's (Hugging Face) layout.
@@ -170,5 +182,140 @@ def ring_attention_fn(mesh: Mesh, strategy: str = "ring", block_q: Optional[int]
     return attend
 
 
+# ---------------------------------------------------------------------------------------
+# The trainer's mesh and data feed (TrainConfig.context_parallel_size / _strategy)
+# ---------------------------------------------------------------------------------------
+
+
+def mesh_shape_of_config(cfg: TrainConfig, num_devices: int) -> tuple[int, int]:
+    """``(data, cp)`` of the trainer's mesh for ``cfg`` on ``num_devices`` devices.
+
+    ``cp = context_parallel_size``; ``data = num_devices // cp``: every visible device is used, as
+    torch's data-parallel size is ``world_size / cp``. ``cp == 1`` means no mesh at all (one device).
+    Raises ``ValueError`` naming the field and the fix for a cp larger than the device count, a cp
+    that does not divide it, or a ``pad_to_multiple_of`` that does not split rows into ``2 * cp``
+    load-balanced chunks.
+
+    >>> cfg = TrainConfig(context_parallel_size=4, pad_to_multiple_of=64)
+    >>> mesh_shape_of_config(cfg, 8)
+    (2, 4)
+    """
+    cp = cfg.context_parallel_size
+    if cp == 1:
+        return 1, 1
+    if cp > num_devices:
+        raise ValueError(f"context_parallel_size={cp} is larger than the {num_devices} visible JAX devices; lower "
+                         f"--context-parallel-size to at most {num_devices}, or expose more devices (on CPU: "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={cp} before jax is imported).")
+    if num_devices % cp:
+        divisors = [d for d in range(2, num_devices + 1) if num_devices % d == 0]
+        raise ValueError(f"the JAX mesh is data x cp over all {num_devices} visible devices, and "
+                         f"context_parallel_size={cp} does not divide {num_devices}: data x cp cannot multiply to "
+                         f"{num_devices}. Use context_parallel_size in {divisors}, or restrict the visible devices "
+                         f"(CUDA_VISIBLE_DEVICES, or XLA_FLAGS=--xla_force_host_platform_device_count on CPU).")
+    multiple = 2 * cp
+    if cfg.pad_to_multiple_of is not None and cfg.pad_to_multiple_of % multiple:
+        raise ValueError(f"context_parallel_size={cp} splits every row into 2 * cp = {multiple} load-balanced "
+                         f"chunks, but pad_to_multiple_of={cfg.pad_to_multiple_of} does not make the sequence "
+                         f"length divisible by {multiple}; use --pad-to-multiple-of {multiple} (or a multiple of it), "
+                         f"or leave it unset.")
+    return num_devices // cp, cp
+
+
+def mesh_from_config(cfg: TrainConfig, devices: Optional[Sequence[jax.Device]] = None) -> Optional[Mesh]:
+    """The trainer's ``(data, fsdp=1, cp)`` mesh over ``devices`` (default all), or None without CP."""
+    devices = list(jax.devices() if devices is None else devices)
+    data, cp = mesh_shape_of_config(cfg, len(devices))
+    if cp == 1:
+        return None
+    return make_mesh(data=data, cp=cp, devices=devices)
+
+
+def attention_of_config(cfg: TrainConfig, mesh: Mesh) -> AttentionFn:
+    """``ring_attention_fn`` for ``cfg.context_parallel_strategy`` (``allgather`` or ``ring``; both run on CPU)."""
+    return ring_attention_fn(mesh, CONFIG_STRATEGIES[cfg.context_parallel_strategy])
+
+
+def sequence_multiple(pad_to_multiple_of: int, cp: int) -> int:
+    """The column multiple a CP batch is padded to: ``pad_to_multiple_of`` rounded to a multiple of ``2 * cp``.
+
+    >>> sequence_multiple(64, 4), sequence_multiple(64, 3), sequence_multiple(16, 1)
+    (64, 192, 16)
+    """
+    return pad_to_multiple_of if cp == 1 else math.lcm(pad_to_multiple_of, 2 * cp)
+
+
+def _pad_to(batch: Batch, rows: int, width: int) -> Batch:
+    b, t = batch.shape
+    if rows < b or width < t:
+        raise ValueError(f"a micro-batch of shape {(b, t)} does not fit in ({rows}, {width}); "
+                         f"per_device_train_batch_size or the padding multiple is too small.")
+
+    def pad(a: np.ndarray, value: int) -> np.ndarray:
+        return np.pad(a, ((0, rows - b), (0, width - t)), constant_values=value)
+
+    return dataclasses.replace(batch, input_ids=pad(batch.input_ids, 0), labels=pad(batch.labels, IGNORE_INDEX),
+                               position_ids=pad(batch.position_ids, 0), segment_ids=pad(batch.segment_ids, 0))
+
+
+def stack_batches(batches: Sequence[Batch], rows: int, multiple: int) -> Batch:
+    """One global micro-batch from the data-parallel ranks' micro-batches (rank order), for ``shard_batch``.
+
+    Each is padded to ``rows`` rows and a common width (the longest, rounded up to ``multiple``), then
+    rows are concatenated, so rank r's rows land on replica r of the ``data`` axis. Padding is segment
+    0, label -100: it is never attended to nor scored. ``num_items_in_batch`` is the step total, the same
+    on every rank.
+
+    >>> from twinseq.common.batching import collate
+    >>> a = collate([{"input_ids": [5, 6, 7]}], num_items_in_batch=3)
+    >>> b = collate([{"input_ids": [8, 9]}], num_items_in_batch=3)
+    >>> s = stack_batches([a, b], rows=1, multiple=4)
+    >>> s.input_ids.tolist(), s.segment_ids.tolist(), s.cu_seqlens.tolist()
+    ([[5, 6, 7, 0], [8, 9, 0, 0]], [[1, 1, 1, 0], [1, 1, 0, 0]], [0, 3, 5])
+    """
+    totals = {b.num_items_in_batch for b in batches}
+    assert len(totals) == 1, f"ranks disagree on the step's label count: {totals}"
+    width = -(-max(b.shape[1] for b in batches) // multiple) * multiple
+    padded = [_pad_to(b, rows, width) for b in batches]
+    lengths = np.concatenate([np.diff(b.cu_seqlens) for b in batches])
+    return Batch(input_ids=np.concatenate([b.input_ids for b in padded]),
+                 labels=np.concatenate([b.labels for b in padded]),
+                 position_ids=np.concatenate([b.position_ids for b in padded]),
+                 segment_ids=np.concatenate([b.segment_ids for b in padded]),
+                 cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+                 num_items_in_batch=totals.pop())
+
+
+class DataParallelSteps:
+    """The ``StepIterator`` of every data-axis replica, merged into global micro-batches per step.
+
+    Replica r reads exactly the rows that torch's data-parallel rank r reads for the same config
+    and seed (``StepIterator(world_size=data, rank=r)``); ``next_step`` returns
+    ``gradient_accumulation_steps`` global batches of ``data * rows_per_replica`` rows.
+    """
+
+    def __init__(self, rows: Any, cfg: TrainConfig, pad_token_id: int, num_replicas: int, multiple: int) -> None:
+        from twinseq.common.loader import StepIterator
+
+        self.iterators = [StepIterator(rows, cfg, pad_token_id, world_size=num_replicas, rank=r)
+                          for r in range(num_replicas)]
+        # A padding-free micro-batch is one row however many examples it holds.
+        self.rows_per_replica = 1 if cfg.padding_free else cfg.per_device_train_batch_size
+        self.multiple = multiple
+
+    def next_step(self) -> list[Batch]:
+        per_replica = [it.next_step() for it in self.iterators]
+        return [stack_batches(micro, self.rows_per_replica, self.multiple) for micro in zip(*per_replica)]
+
+    def state_dict(self) -> dict[str, int]:
+        return self.iterators[0].state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        for it in self.iterators:
+            it.load_state_dict(state)
+
+
 __all__ = ["MESH_AXES", "BATCH_AXES", "CP_AXIS", "CPBatch", "make_mesh", "batch_sharding", "param_spec",
-           "param_shardings", "shard_params", "shard_batch", "unshard_tokens", "ring_attention_fn"]
+           "param_shardings", "shard_params", "shard_batch", "unshard_tokens", "ring_attention_fn",
+           "CONFIG_STRATEGIES", "mesh_shape_of_config", "mesh_from_config", "attention_of_config",
+           "sequence_multiple", "stack_batches", "DataParallelSteps"]

@@ -6,9 +6,15 @@ equal one big batch's. Then torch's ``clip_grad_norm_`` rule and AdamW with the 
 ``common.schedule`` (weight decay on matrices only), so that torch and jax follow the same
 trajectory (``parity_tests/test_adamw_parity.py``).
 
-Shapes are bucketed: every micro-batch is padded to ``per_device_train_batch_size`` rows and a
-multiple of ``pad_to_multiple_of`` (default ``DEFAULT_BUCKET``) columns, so the step compiles
-once per bucket instead of once per batch length.
+Shapes are bucketed: every micro-batch is padded to ``per_device_train_batch_size`` rows (one row
+when padding-free) and a multiple of ``pad_to_multiple_of`` (default ``DEFAULT_BUCKET``) columns, so
+the step compiles once per bucket instead of once per batch length.
+
+Context parallelism (``context_parallel_size > 1``): a ``(data, cp)`` mesh over every visible
+device (``sharding.mesh_from_config``), parameters placed with ``NamedSharding``, each data
+replica reading its own rows (``sharding.DataParallelSteps``), every batch reordered and sharded
+by ``sharding.shard_batch`` (targets shifted before the zigzag reorder) and attention run by
+``sharding.ring_attention_fn`` (``context_parallel_strategy``: ``ring`` or ``allgather``).
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ import logging
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from twinseq.common.batching import IGNORE_INDEX, Batch
 from twinseq.common.config import TrainConfig, resolve_model_config
@@ -36,6 +44,8 @@ from twinseq.jax_backend import batch_inputs, grads_jit
 from twinseq.jax_backend.checkpoint_io import load_checkpoint, save_checkpoint
 from twinseq.jax_backend.losses import check_labels
 from twinseq.jax_backend.model import LlamaForCausalLM, export_weights
+from twinseq.jax_backend.sharding import (CP_AXIS, DataParallelSteps, attention_of_config, mesh_from_config,
+                                          mesh_shape_of_config, sequence_multiple, shard_batch, shard_params)
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +139,7 @@ def validate_runtime(cfg: TrainConfig) -> None:
                          "--gradient-checkpointing saves activation memory on CPU.")
     if cfg.torch_compile:
         raise ValueError("torch_compile=True is a torch option; the jax backend always compiles with jax.jit.")
+    mesh_shape_of_config(cfg, jax.device_count())  # context_parallel_size vs the devices, pad_to_multiple_of
     if cfg.attn_implementation not in ("sdpa", "eager"):
         logger.info("attn_implementation=%r: the jax backend has one attention path (masked dense softmax "
                     "in float32); using it", cfg.attn_implementation)
@@ -155,29 +166,58 @@ def build_training_model(cfg: TrainConfig, vocab_size: int):
 
 
 class Trainer:
-    """Holds (graphdef, params, opt_state); ``step(batches)`` runs one optimizer step."""
+    """Holds (graphdef, params, opt_state); ``step(batches)`` runs one optimizer step.
 
-    def __init__(self, model, cfg: TrainConfig) -> None:
-        self.cfg = cfg
+    With a ``mesh`` (``sharding.mesh_from_config``) every batch is a global micro-batch (all data
+    replicas' rows, ``sharding.DataParallelSteps``); it is sharded over ``data`` x ``cp`` and the
+    model attends with ``sharding.ring_attention_fn``. Without one, everything runs on one device.
+    """
+
+    def __init__(self, model, cfg: TrainConfig, mesh: Optional[Mesh] = None) -> None:
+        self.cfg, self.mesh = cfg, mesh
         self.graphdef, params = nnx.split(model)
-        self.params = jax.tree.map(jnp.copy, params)  # apply_updates donates; keep the caller's model intact
+        self.params = self._place(jax.tree.map(jnp.copy, params))  # apply_updates donates: copy the caller's
         self.vocab_size = model.config.vocab_size
         self.optimizer = build_optimizer(cfg)
         self.opt_state = self.optimizer.init(self.params)
         self.steps_done = 0
-        self.bucket = cfg.pad_to_multiple_of or DEFAULT_BUCKET
+        cp = 1 if mesh is None else mesh.shape[CP_AXIS]
+        self.bucket = sequence_multiple(cfg.pad_to_multiple_of or DEFAULT_BUCKET, cp)
+        self.attend = None if mesh is None else attention_of_config(cfg, mesh)
+        replicas = 1 if mesh is None else mesh.size // cp
+        self.rows = replicas * (1 if cfg.padding_free else cfg.per_device_train_batch_size)
         self._lr = lr_schedule(cfg)
         if cfg.pad_to_multiple_of is None:
             logger.info("pad_to_multiple_of is unset: padding every micro-batch to a multiple of %d tokens so "
-                        "that the step compiles once per length bucket", DEFAULT_BUCKET)
+                        "that the step compiles once per length bucket", self.bucket)
+
+    def _place(self, params):
+        return params if self.mesh is None else shard_params(self.mesh, params)
+
+    def _place_like(self, restored, initial):
+        """On a mesh, each restored leaf takes its freshly initialised twin's ``NamedSharding``, and
+        scalars (optax's step count, created uncommitted on one device) are replicated."""
+        if self.mesh is None:
+            return restored
+        replicated = NamedSharding(self.mesh, P())
+
+        def place(new, init):
+            return jax.device_put(new, init.sharding if isinstance(init.sharding, NamedSharding) else replicated)
+
+        return jax.tree.map(place, restored, initial)
 
     def _grads(self, batch: Batch):
         check_labels(batch.labels, self.vocab_size, batch.num_items_in_batch)
-        batch = pad_batch(batch, max(self.cfg.per_device_train_batch_size, batch.shape[0]), self.bucket)
-        compute_dtype = None if self.cfg.dtype == "float32" else self.cfg.dtype
-        return grads_jit(self.graphdef, self.params, batch_inputs(batch, self.vocab_size),
-                         jnp.asarray(batch.num_items_in_batch, jnp.int32), loss_type=self.cfg.loss_type,
-                         chunk_size=self.cfg.loss_chunk_size, compute_dtype=compute_dtype)
+        batch = pad_batch(batch, max(self.rows, batch.shape[0]), self.bucket)
+        kwargs = dict(loss_type=self.cfg.loss_type, chunk_size=self.cfg.loss_chunk_size,
+                      compute_dtype=None if self.cfg.dtype == "float32" else self.cfg.dtype)
+        inputs = batch_inputs(batch, self.vocab_size)  # also range-checks the token ids
+        num_items = jnp.asarray(batch.num_items_in_batch, jnp.int32)
+        if self.mesh is None:
+            return grads_jit(self.graphdef, self.params, inputs, num_items, **kwargs)
+        arrays = shard_batch(batch, self.mesh)  # reordered for CP, targets shifted before the reorder
+        inputs = tuple(arrays[k] for k in ("input_ids", "position_ids", "segment_ids", "targets"))
+        return grads_jit(self.graphdef, self.params, inputs, num_items, attend=self.attend, shifted=True, **kwargs)
 
     def step(self, batches: list[Batch]) -> dict[str, Any]:
         total_loss, correct, entropy_sum, count, grads = 0.0, 0, 0.0, 0, None
@@ -216,14 +256,15 @@ class Trainer:
                              f"'checkpoint-N' directory written by `twinseq train --backend jax --save-steps N`.")
         model_cfg, weights = load_checkpoint(path)
         policy = self.model().model.remat_policy
-        self.graphdef, self.params = nnx.split(LlamaForCausalLM(model_cfg, weights, remat_policy=policy))
+        self.graphdef, params = nnx.split(LlamaForCausalLM(model_cfg, weights, remat_policy=policy))
+        self.params = self._place(params)
         with np.load(path / OPTIMIZER_STATE) as saved:
             leaves = [jnp.asarray(saved[f"leaf_{i}"]) for i in range(len(saved.files))]
         treedef = jax.tree.structure(self.opt_state)
         if treedef.num_leaves != len(leaves):
             raise ValueError(f"{path / OPTIMIZER_STATE} holds {len(leaves)} arrays but this optimizer has "
                              f"{treedef.num_leaves}; resume with the same optimizer settings (max_grad_norm).")
-        self.opt_state = jax.tree.unflatten(treedef, leaves)
+        self.opt_state = self._place_like(jax.tree.unflatten(treedef, leaves), self.opt_state)
         state = json.loads((path / TRAINER_STATE).read_text())
         self.steps_done = int(state["step"])
         return state
@@ -241,20 +282,39 @@ def peak_memory_bytes() -> int:
 
 def _announce(cfg: TrainConfig, trainer: Trainer, stats, log: RunLogger) -> None:
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.params))
-    log.write(f"twinseq jax: {num_params / 1e6:.2f}M params on {jax.devices()[0]}, loss={cfg.loss_type}, "
+    where = str(jax.devices()[0]) if trainer.mesh is None else \
+        f"a mesh {dict(trainer.mesh.shape)} (cp attention: {cfg.context_parallel_strategy})"
+    log.write(f"twinseq jax: {num_params / 1e6:.2f}M params on {where}, loss={cfg.loss_type}, "
               f"remat={remat_policy_of(cfg)}, packing={cfg.packing}({cfg.packing_strategy}), "
               f"padding_free={cfg.padding_free}, dtype={cfg.dtype}")
     if stats is not None:
         log.write(f"data: {stats}")
 
 
-def train(cfg: TrainConfig) -> Path:
-    """Run ``cfg.max_steps`` optimizer steps; returns the path of ``metrics.jsonl``."""
+def build_step_source(cfg: TrainConfig, mesh: Optional[Mesh]):
+    """(step iterator, tokenizer, stats): ``common.loader``'s, or on a mesh one per data replica."""
+    from twinseq.common.data import prepare_sft_dataset
     from twinseq.common.loader import build_step_iterator
 
+    if mesh is None:
+        return build_step_iterator(cfg)
+    rows, tokenizer, stats = prepare_sft_dataset(cfg)
+    cp = mesh.shape[CP_AXIS]
+    multiple = sequence_multiple(cfg.pad_to_multiple_of or DEFAULT_BUCKET, cp)
+    return DataParallelSteps(rows, cfg, tokenizer.pad_token_id, mesh.size // cp, multiple), tokenizer, stats
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Run ``cfg.max_steps`` optimizer steps; returns the path of ``metrics.jsonl``."""
+    if cfg.task == "dpo":
+        from twinseq.jax_backend.dpo import train_dpo
+
+        return train_dpo(cfg)
+
     validate_runtime(cfg)
-    iterator, tokenizer, stats = build_step_iterator(cfg)
-    trainer = Trainer(build_training_model(cfg, tokenizer.vocab_size), cfg)
+    mesh = mesh_from_config(cfg)  # None unless context_parallel_size > 1
+    iterator, tokenizer, stats = build_step_source(cfg, mesh)
+    trainer = Trainer(build_training_model(cfg, tokenizer.vocab_size), cfg, mesh)
     if cfg.resume_from_checkpoint:
         iterator.load_state_dict(trainer.load(cfg.resume_from_checkpoint)["data"])
     start = trainer.steps_done
