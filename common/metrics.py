@@ -121,11 +121,12 @@ def plot_metrics(output_dir: str | os.PathLike, *, keys: tuple[str, ...] = ("los
     return path
 
 
-def finish_run(output_dir: str | os.PathLike) -> Optional[str]:
-    """End-of-run report shared by both trainers: the loss summary line and ``metrics.png``."""
+def finish_run(output_dir: str | os.PathLike,
+               keys: tuple[str, ...] = ("loss", "tokens_per_second")) -> Optional[str]:
+    """End-of-run report shared by every trainer: the loss summary line and ``metrics.png``."""
     records = read_metrics(output_dir)
     summary = summarize_losses(records)
     if summary:
-        plot = plot_metrics(output_dir)
+        plot = plot_metrics(output_dir, keys=keys)
         print(f"{summary}\nplot: {plot}")
     return summary

@@ -413,7 +413,7 @@ def train_dpo(cfg: TrainConfig) -> Path:
     """Run ``cfg.max_steps`` DPO optimizer steps; returns the path of ``metrics.jsonl``."""
     from twinseq.common.data import prepare_dpo_dataset
     from twinseq.common.dpo_loader import build_preference_iterator
-    from twinseq.common.metrics import RunLogger, read_metrics, summarize_losses
+    from twinseq.common.metrics import RunLogger, finish_run
     from twinseq.jax_backend.checkpoint_io import save_checkpoint
     from twinseq.jax_backend.model import export_weights
     from twinseq.jax_backend.train import DEFAULT_BUCKET, build_training_model, checkpoint_dir, peak_memory_bytes
@@ -450,7 +450,5 @@ def train_dpo(cfg: TrainConfig) -> Path:
     save_checkpoint(trained.config, export_weights(trained), final)
     tokenizer.save_pretrained(final)
     log.close()
-    summary = summarize_losses(read_metrics(cfg.output_dir))
-    if summary:
-        logger.info(summary)
+    finish_run(cfg.output_dir, keys=("loss", "rewards/accuracies", "tokens_per_second"))
     return log.path

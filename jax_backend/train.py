@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from twinseq.common.batching import IGNORE_INDEX, Batch
 from twinseq.common.config import TrainConfig, resolve_model_config
 from twinseq.common.init import init_weights
-from twinseq.common.metrics import RunLogger, peak_rss_bytes, read_metrics, summarize_losses
+from twinseq.common.metrics import RunLogger, finish_run, peak_rss_bytes
 from twinseq.common.schedule import lr_multiplier
 from twinseq.jax_backend import batch_inputs, grads_jit
 from twinseq.jax_backend.checkpoint_io import load_checkpoint, save_checkpoint
@@ -335,7 +335,5 @@ def train(cfg: TrainConfig) -> Path:
     save_checkpoint(model.config, export_weights(model), final)
     tokenizer.save_pretrained(final)
     log.close()
-    summary = summarize_losses(read_metrics(cfg.output_dir))
-    if summary:
-        logger.info(summary)
+    finish_run(cfg.output_dir)
     return log.path

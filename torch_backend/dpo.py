@@ -508,8 +508,10 @@ class DPOMicroStep:
 def dpo_train_step(model, optimizer, scheduler, micro_step: DPOMicroStep, pbatches: list[PreferenceBatch],
                    cfg: TrainConfig) -> dict[str, Any]:
     """One optimizer step over the micro-batches; the metrics of every pair of the step (this rank)."""
+    from twinseq.torch_backend.train import clip_grad_norm_fp64_
+
     outs = [micro_step(pb) for pb in pbatches]
-    grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    grad_norm = (clip_grad_norm_fp64_(model.parameters(), cfg.max_grad_norm)
                  if cfg.max_grad_norm is not None else None)
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
@@ -547,7 +549,7 @@ def train_dpo(cfg: TrainConfig) -> Path:
     """Run ``cfg.max_steps`` DPO optimizer steps; returns the path of ``metrics.jsonl``."""
     from twinseq.common.data import prepare_dpo_dataset
     from twinseq.common.dpo_loader import build_preference_iterator
-    from twinseq.common.metrics import RunLogger, read_metrics, summarize_losses
+    from twinseq.common.metrics import RunLogger, finish_run
     from twinseq.torch_backend.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
     from twinseq.torch_backend.model import save_pretrained
     from twinseq.torch_backend.train import _peak_memory, build_optimizer, build_training_model, pick_device
@@ -587,7 +589,5 @@ def train_dpo(cfg: TrainConfig) -> Path:
     save_pretrained(model, final)
     tokenizer.save_pretrained(final)
     log.close()
-    summary = summarize_losses(read_metrics(cfg.output_dir))
-    if summary:
-        logger.info(summary)
+    finish_run(cfg.output_dir, keys=("loss", "rewards/accuracies", "tokens_per_second"))
     return log.path
