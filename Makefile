@@ -37,6 +37,7 @@ bench: setup
 	$(BIN)/python benchmarks/packing.py
 	$(BIN)/python benchmarks/loss_memory.py
 	$(BIN)/python benchmarks/padding_free.py
+	$(BIN)/python benchmarks/memory_techniques.py
 
 clean:
 	rm -rf runs .pytest_cache
