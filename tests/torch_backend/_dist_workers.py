@@ -238,6 +238,9 @@ def run_spec(spec: dict, out_dir: str) -> dict:
             if dist.get_rank() == 0:
                 np.savez(Path(out_dir, f"grads_{job['name']}.npz"), **grads)
     if dist.is_initialized():
+        # Every rank reaches teardown together: a rank that destroys the group while its peer
+        # still has gloo traffic in flight can abort in gloo's destructor.
+        dist.barrier()
         dist.destroy_process_group()
     return out
 
@@ -279,7 +282,10 @@ def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     result = run_spec(spec, argv[1])
     Path(argv[1], f"rank{os.environ['RANK']}.json").write_text(json.dumps(result))
-    return 0
+    sys.stdout.flush()
+    # The result is on disk; skip interpreter teardown, where gloo's and other libraries' C++
+    # static destructors can race and abort ("terminate called without an active exception").
+    os._exit(0)
 
 
 if __name__ == "__main__":
