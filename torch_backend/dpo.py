@@ -549,10 +549,9 @@ def train_dpo(cfg: TrainConfig) -> Path:
     """Run ``cfg.max_steps`` DPO optimizer steps; returns the path of ``metrics.jsonl``."""
     from twinseq.common.data import prepare_dpo_dataset
     from twinseq.common.dpo_loader import build_preference_iterator
-    from twinseq.common.metrics import RunLogger, finish_run
-    from twinseq.torch_backend.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
-    from twinseq.torch_backend.model import save_pretrained
-    from twinseq.torch_backend.train import _peak_memory, build_optimizer, build_training_model, pick_device
+    from twinseq.common.metrics import RunLogger
+    from twinseq.torch_backend.train import (build_optimizer, build_training_model, pick_device, resume_if_asked,
+                                             run_steps)
 
     device = pick_device()
     config = validate_dpo_runtime(cfg, device)
@@ -562,11 +561,7 @@ def train_dpo(cfg: TrainConfig) -> Path:
     rows, ref_model = _reference_for(cfg, model, rows, tokenizer.pad_token_id, device, logger.info)
     iterator = build_preference_iterator(cfg, rows, tokenizer.pad_token_id)
     optimizer, scheduler = build_optimizer(model, cfg)
-    start = 0
-    if cfg.resume_from_checkpoint:
-        state = load_checkpoint(cfg.resume_from_checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
-        iterator.load_state_dict(state["data"])
-        start = int(state["step"])
+    start = resume_if_asked(cfg, model, optimizer, scheduler, iterator)
     log = RunLogger(cfg.output_dir, cfg.max_steps, disable_tqdm=cfg.disable_tqdm, desc="dpo[torch]",
                     resume_step=start)
     log.write(f"twinseq torch dpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params on {device}, "
@@ -574,20 +569,7 @@ def train_dpo(cfg: TrainConfig) -> Path:
               f"padding_free={cfg.padding_free}, reference={'precomputed' if ref_model is None else 'live copy'}, "
               f"{iterator.examples_per_step} pairs per step; data: {stats}")
     micro_step = DPOMicroStep(model, ref_model, cfg, device, config, iterator.examples_per_step)
-    for step in range(start + 1, cfg.max_steps + 1):
-        t0 = time.perf_counter()
-        out = dpo_train_step(model, optimizer, scheduler, micro_step, iterator.next_step(), cfg)
-        seconds = time.perf_counter() - t0
-        log.log_step({"step": step, **out, "tokens_per_second": out["num_tokens"] / seconds,
-                      "step_seconds": seconds, "peak_memory_bytes": _peak_memory(device)})
-        if cfg.save_steps and step % cfg.save_steps == 0 and step < cfg.max_steps:
-            save_checkpoint(checkpoint_dir(cfg.output_dir, step), model=model, optimizer=optimizer,
-                            scheduler=scheduler, step=step, data_state=iterator.state_dict(), config=cfg.to_dict())
-    save_checkpoint(checkpoint_dir(cfg.output_dir, cfg.max_steps), model=model, optimizer=optimizer,
-                    scheduler=scheduler, step=cfg.max_steps, data_state=iterator.state_dict(), config=cfg.to_dict())
-    final = Path(cfg.output_dir) / "final"
-    save_pretrained(model, final)
-    tokenizer.save_pretrained(final)
-    log.close()
-    finish_run(cfg.output_dir, keys=("loss", "rewards/accuracies", "tokens_per_second"))
-    return log.path
+    return run_steps(cfg, lambda pbatches: dpo_train_step(model, optimizer, scheduler, micro_step, pbatches, cfg),
+                     model=model, optimizer=optimizer, scheduler=scheduler, iterator=iterator, tokenizer=tokenizer,
+                     log=log, start=start, device=device,
+                     plot_keys=("loss", "rewards/accuracies", "tokens_per_second"))

@@ -186,8 +186,6 @@ def _announce(cfg: TrainConfig, model, device: torch.device, stats, log: RunLogg
 def train(cfg: TrainConfig) -> Path:
     """Run ``cfg.max_steps`` optimizer steps; returns the path of ``metrics.jsonl``."""
     from twinseq.common.loader import build_step_iterator
-    from twinseq.torch_backend.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
-    from twinseq.torch_backend.model import save_pretrained
     from twinseq.torch_backend.parallel import train_distributed, wants_distributed
 
     if cfg.task == "dpo":
@@ -202,29 +200,52 @@ def train(cfg: TrainConfig) -> Path:
     iterator, tokenizer, stats = build_step_iterator(cfg)
     model = build_training_model(cfg, tokenizer.vocab_size, device)
     optimizer, scheduler = build_optimizer(model, cfg)
-    start = 0
-    if cfg.resume_from_checkpoint:
-        state = load_checkpoint(cfg.resume_from_checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
-        iterator.load_state_dict(state["data"])
-        start = int(state["step"])
+    start = resume_if_asked(cfg, model, optimizer, scheduler, iterator)
     log = RunLogger(cfg.output_dir, cfg.max_steps, disable_tqdm=cfg.disable_tqdm, desc="train[torch]",
                     resume_step=start)
     _announce(cfg, model, device, stats, log)
     micro_step = MicroStep(model, cfg, device)
+    return run_steps(cfg, lambda batches: train_step(model, optimizer, scheduler, micro_step, batches, cfg),
+                     model=model, optimizer=optimizer, scheduler=scheduler, iterator=iterator,
+                     tokenizer=tokenizer, log=log, start=start, device=device)
+
+
+def resume_if_asked(cfg: TrainConfig, model, optimizer, scheduler, iterator) -> int:
+    """Restore everything from ``cfg.resume_from_checkpoint``; the step to continue after (0: fresh)."""
+    if not cfg.resume_from_checkpoint:
+        return 0
+    from twinseq.torch_backend.checkpoint import load_checkpoint
+
+    state = load_checkpoint(cfg.resume_from_checkpoint, model=model, optimizer=optimizer, scheduler=scheduler)
+    iterator.load_state_dict(state["data"])
+    return int(state["step"])
+
+
+def run_steps(cfg: TrainConfig, step_fn, *, model, optimizer, scheduler, iterator, tokenizer, log: RunLogger,
+              start: int, device: torch.device, plot_keys: tuple[str, ...] = ("loss", "tokens_per_second")) -> Path:
+    """The loop shared by the SFT and DPO trainers: time and log each step, checkpoint, save the final model.
+
+    ``step_fn(micro_batches) -> metrics`` runs one optimizer step; metrics hold ``num_tokens``.
+    """
+    from twinseq.torch_backend.checkpoint import checkpoint_dir, save_checkpoint
+    from twinseq.torch_backend.model import save_pretrained
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(checkpoint_dir(cfg.output_dir, step), model=model, optimizer=optimizer, scheduler=scheduler,
+                        step=step, data_state=iterator.state_dict(), config=cfg.to_dict())
+
     for step in range(start + 1, cfg.max_steps + 1):
         t0 = time.perf_counter()
-        out = train_step(model, optimizer, scheduler, micro_step, iterator.next_step(), cfg)
+        out = step_fn(iterator.next_step())
         seconds = time.perf_counter() - t0
         log.log_step({"step": step, **out, "tokens_per_second": out["num_tokens"] / seconds,
                       "step_seconds": seconds, "peak_memory_bytes": _peak_memory(device)})
         if cfg.save_steps and step % cfg.save_steps == 0 and step < cfg.max_steps:
-            save_checkpoint(checkpoint_dir(cfg.output_dir, step), model=model, optimizer=optimizer,
-                            scheduler=scheduler, step=step, data_state=iterator.state_dict(), config=cfg.to_dict())
-    save_checkpoint(checkpoint_dir(cfg.output_dir, cfg.max_steps), model=model, optimizer=optimizer,
-                    scheduler=scheduler, step=cfg.max_steps, data_state=iterator.state_dict(), config=cfg.to_dict())
+            checkpoint(step)
+    checkpoint(cfg.max_steps)
     final = Path(cfg.output_dir) / "final"
     save_pretrained(model, final)
     tokenizer.save_pretrained(final)
     log.close()
-    finish_run(cfg.output_dir)
+    finish_run(cfg.output_dir, keys=plot_keys)
     return log.path
