@@ -413,10 +413,8 @@ def train_dpo(cfg: TrainConfig) -> Path:
     """Run ``cfg.max_steps`` DPO optimizer steps; returns the path of ``metrics.jsonl``."""
     from twinseq.common.data import prepare_dpo_dataset
     from twinseq.common.dpo_loader import build_preference_iterator
-    from twinseq.common.metrics import RunLogger, finish_run
-    from twinseq.jax_backend.checkpoint_io import save_checkpoint
-    from twinseq.jax_backend.model import export_weights
-    from twinseq.jax_backend.train import DEFAULT_BUCKET, build_training_model, checkpoint_dir, peak_memory_bytes
+    from twinseq.common.metrics import RunLogger
+    from twinseq.jax_backend.train import DEFAULT_BUCKET, build_training_model, run_steps
 
     config = validate_dpo_runtime(cfg)
     rows, tokenizer, stats = prepare_dpo_dataset(cfg)
@@ -436,19 +434,5 @@ def train_dpo(cfg: TrainConfig) -> Path:
               f"logps kernel={cfg.loss_type}, padding_free={cfg.padding_free}, reference="
               f"{'precomputed' if cfg.precompute_ref_log_probs else 'live copy'}, "
               f"{iterator.examples_per_step} pairs per step; data: {stats}")
-    for step in range(start + 1, cfg.max_steps + 1):
-        t0 = time.perf_counter()
-        out = trainer.step(iterator.next_step())
-        seconds = time.perf_counter() - t0
-        log.log_step({"step": step, **out, "tokens_per_second": out["num_tokens"] / seconds,
-                      "step_seconds": seconds, "peak_memory_bytes": peak_memory_bytes()})
-        if cfg.save_steps and step % cfg.save_steps == 0 and step < cfg.max_steps:
-            trainer.save(checkpoint_dir(cfg.output_dir, step), iterator.state_dict())
-    trainer.save(checkpoint_dir(cfg.output_dir, cfg.max_steps), iterator.state_dict())
-    final = Path(cfg.output_dir) / "final"
-    trained = trainer.model()
-    save_checkpoint(trained.config, export_weights(trained), final)
-    tokenizer.save_pretrained(final)
-    log.close()
-    finish_run(cfg.output_dir, keys=("loss", "rewards/accuracies", "tokens_per_second"))
-    return log.path
+    return run_steps(cfg, trainer, iterator, tokenizer, log, start,
+                     plot_keys=("loss", "rewards/accuracies", "tokens_per_second"))

@@ -321,6 +321,12 @@ def train(cfg: TrainConfig) -> Path:
     log = RunLogger(cfg.output_dir, cfg.max_steps, disable_tqdm=cfg.disable_tqdm, desc="train[jax]",
                     resume_step=start)
     _announce(cfg, trainer, stats, log)
+    return run_steps(cfg, trainer, iterator, tokenizer, log, start)
+
+
+def run_steps(cfg: TrainConfig, trainer, iterator, tokenizer, log: RunLogger, start: int,
+              plot_keys: tuple[str, ...] = ("loss", "tokens_per_second")) -> Path:
+    """The loop shared by the SFT and DPO trainers: time and log each step, checkpoint, save the final model."""
     for step in range(start + 1, cfg.max_steps + 1):
         t0 = time.perf_counter()
         out = trainer.step(iterator.next_step())
@@ -335,5 +341,5 @@ def train(cfg: TrainConfig) -> Path:
     save_checkpoint(model.config, export_weights(model), final)
     tokenizer.save_pretrained(final)
     log.close()
-    finish_run(cfg.output_dir)
+    finish_run(cfg.output_dir, keys=plot_keys)
     return log.path
