@@ -74,7 +74,7 @@ def run(state: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
     offload = contextlib.nullcontext()
     if state["offload"]:
-        from twinseq.torch_backend.offload import offload_activations
+        from twinseq.torch_backend.memory import offload_activations
 
         offload = offload_activations(model, loss_type=state["loss_type"])
     with offload:

@@ -50,7 +50,7 @@ def _sft_rows(max_length: int):
     from twinseq.common.config import TrainConfig
     from twinseq.common.data import prepare_sft_dataset
 
-    return prepare_sft_dataset(TrainConfig(max_length=max_length, disable_tqdm=True))[0]
+    return prepare_sft_dataset(TrainConfig.from_flat(max_length=max_length, disable_tqdm=True))[0]
 
 
 def load_examples(num_examples: int, max_length: int, seed: int) -> list[dict]:

@@ -86,7 +86,7 @@ def _steps(args, mesh):
     """name -> (jitted step(q, k, v, dout, segment_ids, position_ids) -> (out, dq, dk, dv), zigzag inputs?)."""
     import jax
     from twinseq.jax_backend.attention import document_causal_mask, dot_product_attention
-    from twinseq.jax_backend.ring_attention import blocked_attention, sharded_attention
+    from twinseq.jax_backend.context_parallel import blocked_attention, sharded_attention
 
     def to_bntd(a):
         return a.transpose(0, 2, 1, 3)
@@ -100,7 +100,7 @@ def _steps(args, mesh):
         "blocked (1 device)": (blocked_attention, False),
         f"ring (cp={args.cp})": (lambda q, k, v, seg, pos: sharded_attention(q, k, v, seg, pos, mesh), True),
         f"all_gather (cp={args.cp})": (
-            lambda q, k, v, seg, pos: sharded_attention(q, k, v, seg, pos, mesh, strategy="all_gather"), True),
+            lambda q, k, v, seg, pos: sharded_attention(q, k, v, seg, pos, mesh, strategy="allgather"), True),
     }
 
     def fwd_bwd(f):
@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--cp={args.cp} needs {args.cp} devices, jax sees {jax.device_count()}; run this script "
                          f"in a fresh process (XLA_FLAGS is set before jax is imported).")
     jax.config.update("jax_default_matmul_precision", "highest")
-    from twinseq.jax_backend.sharding import make_mesh
+    from twinseq.jax_backend.parallel import make_mesh
     mesh = make_mesh(cp=args.cp, devices=jax.devices()[:args.cp])
     result = {"tag": args.tag, "args": vars(args), "versions": _versions(),
               "command": " ".join([".venv/bin/python", "benchmarks/ring_attention.py", *(argv or sys.argv[1:])])}

@@ -66,7 +66,7 @@ def make_batch(batch_size: int, max_length: int, seed: int):
     from twinseq.common.data import prepare_sft_dataset
     from twinseq.common.packing import pack_dataset
 
-    rows = prepare_sft_dataset(TrainConfig(max_length=max_length, disable_tqdm=True))[0]
+    rows = prepare_sft_dataset(TrainConfig.from_flat(max_length=max_length, disable_tqdm=True))[0]
     packed = pack_dataset(rows, max_length, strategy="bfd")
     order = np.random.default_rng(seed).permutation(len(packed))[:batch_size]
     return collate([packed[int(i)] for i in order], pad_to_multiple_of=64)
@@ -75,7 +75,7 @@ def make_batch(batch_size: int, max_length: int, seed: int):
 def train_config(batch_size: int, loss_type: str):
     from twinseq.common.config import TrainConfig
 
-    return TrainConfig(max_steps=10_000, learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.1,
+    return TrainConfig.from_flat(max_steps=10_000, learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.1,
                        max_grad_norm=1.0, per_device_train_batch_size=batch_size, pad_to_multiple_of=64,
                        loss_type=loss_type, disable_tqdm=True)
 
@@ -87,7 +87,7 @@ class TorchStep:
         import twinseq.torch_backend as tb
         from twinseq.common.config import ModelConfig
         from twinseq.common.init import init_weights
-        from twinseq.torch_backend.train import MicroStep, build_optimizer
+        from twinseq.torch_backend.trainer import MicroStep, build_optimizer
 
         self.device = torch.device(device)
         model_cfg = ModelConfig.preset(preset)
@@ -98,7 +98,7 @@ class TorchStep:
     def __call__(self, batch) -> tuple[float, float]:
         import torch
 
-        from twinseq.torch_backend.train import train_step
+        from twinseq.torch_backend.trainer import train_step
 
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -121,7 +121,7 @@ class JaxStep:
         import twinseq.jax_backend as jb
         from twinseq.common.config import ModelConfig
         from twinseq.common.init import init_weights
-        from twinseq.jax_backend.train import Trainer
+        from twinseq.jax_backend.trainer import Trainer
 
         model_cfg = ModelConfig.preset(preset)
         self.trainer = Trainer(jb.build_model(model_cfg, init_weights(model_cfg, seed=seed)), cfg)

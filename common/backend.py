@@ -1,15 +1,75 @@
-"""Backend selection: one flag, one lazy import, no global state beyond the choice."""
+"""The backend contract, and the one switch that picks a backend.
+
+``Backend`` states, as a ``typing.Protocol``, the functions both ``twinseq.torch_backend`` and
+``twinseq.jax_backend`` export with identical signatures (a test compares them with
+``inspect.signature``). Users, notebooks and parity tests call these names; a backend module
+is a plain re-export of them, and ``load_backend`` imports it lazily. No global state is kept
+beyond the choice itself (``TWINSEQ_BACKEND`` or the ``--backend`` flag).
+
+>>> sorted(PROTOCOL)[:3]
+['build_model', 'compute_sequence_logps', 'dpo_loss_and_grads']
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+from pathlib import Path
 from types import ModuleType
+from typing import Any, Optional, Protocol
 
-from twinseq.common.config import BACKENDS
+import numpy as np
+
+from twinseq.common.batching import Batch
+from twinseq.common.config import BACKENDS, DEFAULT_CHUNK_SIZE, ModelConfig, TrainConfig
+from twinseq.common.dpo import DPOLossConfig
+from twinseq.common.dpo_batching import PreferenceBatch
+from twinseq.common.errors import ConfigError, MissingDependencyError
 
 _EXTRA_FOR = {"torch": ("torch", "transformers"), "jax": ("jax", "flax", "optax")}
-PROTOCOL = ("build_model", "export_weights", "logits", "loss_and_grads", "train")
+
+
+class Backend(Protocol):
+    """What each backend module exports (``Model`` is a torch ``nn.Module`` or a Flax NNX module)."""
+
+    def build_model(self, cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *,
+                    dtype: str = "float32", attn_implementation: str = "sdpa", device: Any = None) -> Any:
+        """A model of ``cfg`` with ``weights`` (HF names; None: ``init_weights(cfg, seed=0)``), train mode."""
+
+    def export_weights(self, model: Any) -> dict[str, np.ndarray]:
+        """float32 numpy weights in HF names and layout (``lm_head.weight`` omitted when tied)."""
+
+    def logits(self, model: Any, batch: Batch) -> np.ndarray:
+        """float32 [B, T, V] logits, documents masked on every attention path."""
+
+    def loss_and_grads(self, model: Any, batch: Batch, loss_type: str = "nll", *,
+                       chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray]]:
+        """(loss normalised by ``batch.num_items_in_batch``, float32 gradients by HF name)."""
+
+    def train(self, config: TrainConfig) -> Path:
+        """Run a training job; returns the path of ``metrics.jsonl``."""
+
+    def load_pretrained(self, path: Any, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
+                        device: Any = None) -> Any:
+        """A model from a local Hugging Face folder (``dtype`` None: as stored, float32 or bfloat16)."""
+
+    def save_pretrained(self, model: Any, path: Any) -> Path:
+        """Write ``model`` as a Hugging Face folder (``config.json`` + ``model.safetensors``)."""
+
+    def compute_sequence_logps(self, model: Any, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear",
+                               chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[np.ndarray, np.ndarray]:
+        """(chosen [N], rejected [N]) float64 sequence log-probs of a preference batch, no gradient."""
+
+    def dpo_loss_and_grads(self, model: Any, pbatch: PreferenceBatch, config: DPOLossConfig, *,
+                           ref_chosen_logps: Any = None, ref_rejected_logps: Any = None,
+                           loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                           num_examples_in_step: Optional[int] = None
+                           ) -> tuple[float, dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """(DPO loss, float32 gradients by HF name, per-pair float64 outputs) of one micro-batch."""
+
+
+PROTOCOL = tuple(name for name in vars(Backend) if not name.startswith("_"))
 
 
 def default_backend() -> str:
@@ -17,22 +77,18 @@ def default_backend() -> str:
 
 
 def require(backend: str) -> None:
-    """Raise ``ImportError`` naming the extra to install when a backend's framework is missing."""
+    """Raise ``MissingDependencyError`` naming the extra to install when a backend's framework is missing."""
     for module in _EXTRA_FOR[backend]:
         if importlib.util.find_spec(module) is None:
-            raise ImportError(f"the {backend} backend needs the '{module}' package; install it with "
-                              f"`pip install -e '.[{backend}]'` (or '.[all]').")
+            raise MissingDependencyError(f"the {backend} backend needs the '{module}' package; install it with "
+                                         f"`pip install -e '.[{backend}]'` (or '.[all]').")
 
 
-def load_backend(name: str | None = None) -> ModuleType:
-    """Return the backend module (``twinseq.torch_backend`` or ``twinseq.jax_backend``).
-
-    Both expose the same public names: ``build_model``, ``export_weights``, ``logits``,
-    ``loss_and_grads`` and ``train``.
-    """
+def load_backend(name: Optional[str] = None) -> ModuleType:
+    """The backend module (``twinseq.torch_backend`` or ``twinseq.jax_backend``), imported now."""
     name = name or default_backend()
     if name not in BACKENDS:
-        raise ValueError(f"backend={name!r} is not valid; choose one of {BACKENDS} "
-                         f"(flag --backend or env TWINSEQ_BACKEND).")
+        raise ConfigError(f"backend={name!r} is not valid; choose one of {BACKENDS} "
+                          f"(flag --backend or env TWINSEQ_BACKEND).")
     require(name)
     return importlib.import_module(f"twinseq.{name}_backend")

@@ -3,7 +3,7 @@
 A ``Batch`` holds numpy arrays only. Padded and padding-free batches are the same thing
 with a different B, T and masks; both give the same per-document loss.
 
-Conventions (see ../shared/DESIGN.md, "The data contract"):
+Conventions (docs/architecture.md, "The batch contract"):
 
 - ``labels`` are aligned with ``input_ids`` (not shifted); -100 means "no loss".
 - The label of the first token of every document is -100, so a document's first token is
@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from twinseq.common.loss import IGNORE_INDEX
 
 
 @dataclass
@@ -205,6 +205,32 @@ def collate(
     return Batch(input_ids=input_ids, labels=labels, position_ids=position_ids, segment_ids=segment_ids,
                  cu_seqlens=cu_seqlens,
                  num_items_in_batch=local_items if num_items_in_batch is None else int(num_items_in_batch))
+
+
+def pad_batch(batch: Batch, rows: int, multiple: int) -> Batch:
+    """The same documents padded to ``rows`` rows and a multiple of ``multiple`` columns.
+
+    Padding is segment 0, position 0, label -100 and token 0, so losses and counts are
+    unchanged (padding is never attended to nor scored). Used to bucket shapes (one compile per
+    bucket) and to split rows into context-parallel chunks.
+
+    >>> b = pad_batch(collate([{"input_ids": [5, 6, 7]}]), rows=2, multiple=4)
+    >>> b.input_ids.tolist(), b.segment_ids.tolist()
+    ([[5, 6, 7, 0], [0, 0, 0, 0]], [[1, 1, 1, 0], [0, 0, 0, 0]])
+    """
+    b, t = batch.shape
+    width = _round_up(t, multiple)
+    if rows < b:
+        raise ValueError(f"a micro-batch of {b} rows does not fit in {rows} rows; per_device_train_batch_size is "
+                         f"too small for it.")
+    if (b, t) == (rows, width):
+        return batch
+
+    def pad(a: np.ndarray, value: int) -> np.ndarray:
+        return np.pad(a, ((0, rows - b), (0, width - t)), constant_values=value)
+
+    return dataclasses.replace(batch, input_ids=pad(batch.input_ids, 0), labels=pad(batch.labels, IGNORE_INDEX),
+                               position_ids=pad(batch.position_ids, 0), segment_ids=pad(batch.segment_ids, 0))
 
 
 def split_documents(batch: Batch) -> list[dict[str, np.ndarray]]:

@@ -26,7 +26,11 @@ USAGE = """usage: twinseq {train,lengths,data} ...
 
 
 def parse_train_args(argv: Sequence[str]) -> TrainConfig:
-    """``--config FILE`` supplies defaults; every other flag comes from the dataclass via tyro."""
+    """``--config FILE`` supplies defaults; every other flag comes from the dataclasses via tyro.
+
+    The config tree is nested by concern, but its field names are unique, so the flags stay flat
+    with TRL's names (``--max-length``, not ``--data.max-length``); ``--help`` groups them by section.
+    """
     import tyro
 
     pre = argparse.ArgumentParser(add_help=False)
@@ -34,6 +38,7 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
     known, rest = pre.parse_known_args(list(argv))
     default = TrainConfig.from_yaml(known.config) if known.config else TrainConfig()
     return tyro.cli(TrainConfig, args=rest, default=default, prog="twinseq train",
+                    config=(tyro.conf.OmitArgPrefixes,),
                     description="Train a model. YAML: --config FILE (flags override it).")
 
 

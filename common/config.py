@@ -1,46 +1,187 @@
-"""One tree of configuration dataclasses, shared by both backends, the CLI and YAML files.
+"""One tree of configuration dataclasses, nested by concern, shared by both backends, the CLI and YAML.
 
-Field names follow TRL's ``SFTConfig``/``DPOConfig`` where TRL has the knob. The CLI and
-YAML loading are generated from these dataclasses (``twinseq.common.cli`` uses tyro), never
-written by hand. Every invalid value raises ``ValueError`` in ``__post_init__`` naming the
-field, the value and the allowed values.
+``TrainConfig`` holds the run itself (backend, task, steps, output) and one section per concern:
+
+==========  ==================  ================================================================
+section     class               knobs (TRL's names)
+==========  ==================  ================================================================
+model       ``ModelArgs``       model_config, attn_implementation, dtype
+data        ``DataConfig``      dataset, truncation, packing, padding-free, batch sizes
+optim       ``OptimConfig``     learning rate, schedule, AdamW, clipping
+loss        ``LossConfig``      loss_type (the token-loss kernel), loss_chunk_size, use_liger_kernel
+memory      ``MemoryConfig``    gradient_checkpointing, activation_offloading, torch_compile
+parallel    ``ParallelConfig``  fsdp, context_parallel_size, context_parallel_strategy
+dpo         ``DPOConfig``       beta, dpo_loss_type, loss_weights, label_smoothing, ...
+==========  ==================  ================================================================
+
+Field names are unique across sections, so the CLI and YAML files stay flat, with TRL's names
+(``--max-length``, ``max_length: 512``); the CLI is generated from these dataclasses by tyro.
+Every field is checked for type and range in one place, ``_check_fields``, whatever its source
+(YAML, CLI, Python); rules that tie fields together are in ``TrainConfig._check_combinations``.
+An invalid value raises ``ConfigError``/``ConfigTypeError`` naming the field, the value and the fix.
+
+>>> cfg = TrainConfig.from_flat(max_length=64, packing=True, learning_rate=3e-3)
+>>> cfg.data.max_length, cfg.data.packing, cfg.optim.learning_rate
+(64, True, 0.003)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import math
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Mapping, Optional, Union
 
 import yaml
 
-BACKENDS = ("torch", "jax")
-TASKS = ("sft", "dpo")
-TRUNCATION_MODES = ("keep_start", "keep_end")
-PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
-LOSS_TYPES = ("nll", "chunked_nll", "fused_linear", "liger")
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "varlen", "flash_attention_2", "flash_attention_3")
-DTYPES = ("float32", "bfloat16")
-PADDING_SIDES = ("right", "left")
-LR_SCHEDULERS = ("constant", "linear", "cosine")
-CONTEXT_PARALLEL_STRATEGIES = ("allgather", "ring")
+from twinseq.common.errors import ConfigError, ConfigTypeError
+
+Backend = Literal["torch", "jax"]
+Task = Literal["sft", "dpo"]
+TruncationMode = Literal["keep_start", "keep_end"]
+PackingStrategy = Literal["bfd", "bfd_split", "wrapped"]
+LossType = Literal["nll", "chunked_nll", "fused_linear", "liger"]
+AttnImplementation = Literal["sdpa", "eager", "flex_attention", "varlen", "flash_attention_2", "flash_attention_3"]
+DType = Literal["float32", "bfloat16"]
+PaddingSide = Literal["right", "left"]
+LRScheduler = Literal["constant", "linear", "cosine"]
+ContextParallelStrategy = Literal["allgather", "ring"]
+ReportTo = Literal["none", "tensorboard"]
+
+BACKENDS = typing.get_args(Backend)
+TASKS = typing.get_args(Task)
+TRUNCATION_MODES = typing.get_args(TruncationMode)
+PACKING_STRATEGIES = typing.get_args(PackingStrategy)
+LOSS_TYPES = typing.get_args(LossType)
+ATTN_IMPLEMENTATIONS = typing.get_args(AttnImplementation)
+DTYPES = typing.get_args(DType)
+PADDING_SIDES = typing.get_args(PaddingSide)
+LR_SCHEDULERS = typing.get_args(LRScheduler)
+CONTEXT_PARALLEL_STRATEGIES = typing.get_args(ContextParallelStrategy)
+REPORT_TO = typing.get_args(ReportTo)
+DEFAULT_CHUNK_SIZE = 256
+"""Tokens per chunk of the chunked and fused losses and log-probs, on both backends."""
 
 
-def _check_choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(map(repr, allowed))}.")
+def _bounds(*, ge: Optional[float] = None, gt: Optional[float] = None, lt: Optional[float] = None,
+            le: Optional[float] = None) -> dict[str, Any]:
+    return {"bounds": {k: v for k, v in (("ge", ge), ("gt", gt), ("lt", lt), ("le", le)) if v is not None}}
 
 
-def _check_positive(name: str, value: Optional[float], *, allow_none: bool = False, allow_zero: bool = False) -> None:
-    if value is None and allow_none:
+def knob(default: Any, **bounds: float) -> Any:
+    """A dataclass field with a numeric range: ``knob(1e-3, ge=0)`` (checked by ``_check_fields``)."""
+    return field(default=default, metadata=_bounds(**bounds))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ---------------------------------------------------------------------------------------
+# Field checks: types from the annotations, ranges from the field metadata
+# ---------------------------------------------------------------------------------------
+
+
+def _type_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin is Union:
+        return " or ".join("None" if a is type(None) else _type_name(a) for a in args)
+    if origin is list:
+        return f"a list of {_type_name(args[0])}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """``value`` checked against ``hint`` (and normalised: a single string for a list of strings, an
+    int for a float); raises ``ConfigTypeError`` or ``ConfigError`` naming the field."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            return _coerce(name, value, inner[0])
+        for alternative in inner:
+            try:
+                return _coerce(name, value, alternative)
+            except (ConfigError, ConfigTypeError):
+                continue
+        raise ConfigTypeError(f"{name}={value!r} is not valid: it must be {_type_name(hint)} ({_flag(name)}).")
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint_text = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{name}={value!r} is not valid{hint_text}; choose one of "
+                              f"{', '.join(map(repr, args))} ({_flag(name)}).")
+        return value
+    if origin is list:
+        if isinstance(value, str) and (args[0] is str or typing.get_origin(args[0]) is Literal):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be {_type_name(hint)}.")
+        return [_coerce(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be true or false (a boolean, not "
+                                  f"{type(value).__name__}); on the command line use {_flag(name)} or "
+                                  f"--no-{_flag(name)[2:]}.")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be an integer, not "
+                                  f"{type(value).__name__} ({_flag(name)}).")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be a number, not "
+                                  f"{type(value).__name__} ({_flag(name)}).")
+        if not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r} is not valid: it must be a finite number ({_flag(name)}).")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be a string, not "
+                                  f"{type(value).__name__} ({_flag(name)}).")
+        return value
+    raise AssertionError(f"unsupported config annotation {hint!r} for {name}")
+
+
+_RANGE_TEXT = {"ge": ">=", "gt": ">", "lt": "<", "le": "<="}
+_RANGE_OK = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "lt": lambda v, b: v < b,
+             "le": lambda v, b: v <= b}
+
+
+def _check_range(name: str, value: Any, bounds: Mapping[str, float]) -> None:
+    if value is None or not bounds:
         return
-    ok = value is not None and (value >= 0 if allow_zero else value > 0)
-    if not ok:
-        bound = "non-negative" if allow_zero else "positive"
-        hint = " or None" if allow_none else ""
-        raise ValueError(f"{name}={value!r} is not valid; it must be {bound}{hint}.")
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if not all(_RANGE_OK[k](v, b) for k, b in bounds.items()):
+            allowed = " and ".join(f"{_RANGE_TEXT[k]} {b:g}" for k, b in bounds.items())
+            raise ConfigError(f"{name}={value!r} is not valid: it must be {allowed} ({_flag(name)}).")
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_fields(section: Any) -> None:
+    """Check (and normalise in place) every non-section field of a config dataclass: the one place."""
+    hints = _hints(type(section))
+    for f in dataclasses.fields(section):
+        if dataclasses.is_dataclass(hints[f.name]):
+            continue
+        value = _coerce(f.name, getattr(section, f.name), hints[f.name])
+        _check_range(f.name, value, f.metadata.get("bounds", {}))
+        object.__setattr__(section, f.name, value)
 
 
 # ---------------------------------------------------------------------------------------
@@ -57,46 +198,42 @@ class ModelConfig:
     attention, SwiGLU MLP, and tied or untied embeddings.
     """
 
-    vocab_size: int = 8192
-    hidden_size: int = 64
-    intermediate_size: int = 176
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: Optional[int] = None
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
+    vocab_size: int = knob(8192, ge=1)
+    hidden_size: int = knob(64, ge=1)
+    intermediate_size: int = knob(176, ge=1)
+    num_hidden_layers: int = knob(2, ge=1)
+    num_attention_heads: int = knob(4, ge=1)
+    num_key_value_heads: int = knob(2, ge=1)
+    head_dim: Optional[int] = knob(None, ge=1)
+    rms_norm_eps: float = knob(1e-5, gt=0)
+    rope_theta: float = knob(10000.0, gt=0)
+    max_position_embeddings: int = knob(4096, ge=1)
     tie_word_embeddings: bool = True
-    initializer_range: float = 0.02
-    bos_token_id: int = 1
-    eos_token_id: int = 2
-    pad_token_id: int = 0
+    initializer_range: float = knob(0.02, ge=0)
+    bos_token_id: Optional[int] = 1
+    eos_token_id: Union[int, list[int], None] = 2
+    pad_token_id: Optional[int] = 0
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
-            _check_positive(f"ModelConfig.{name}", getattr(self, name))
+        _check_fields(self)
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
+                raise ConfigError(
                     f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
                     f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly or "
                     f"change one of them.")
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"ModelConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention).")
-        _check_positive("ModelConfig.rms_norm_eps", self.rms_norm_eps)
-        _check_positive("ModelConfig.rope_theta", self.rope_theta)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
         """Named architecture presets: ``tiny`` (~1.0M params, tests) and ``small`` (~12.6M, demo)."""
         if name not in MODEL_PRESETS:
-            raise ValueError(f"model preset {name!r} is unknown; choose one of {sorted(MODEL_PRESETS)} "
-                             f"or pass a path to a local Hugging Face checkpoint.")
+            raise ConfigError(f"model preset {name!r} is unknown; choose one of {sorted(MODEL_PRESETS)} "
+                              f"or pass a path to a local Hugging Face checkpoint.")
         return cls(**{**MODEL_PRESETS[name], **overrides})
 
     @classmethod
@@ -125,159 +262,278 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 
 # ---------------------------------------------------------------------------------------
-# Training run
+# The sections of a training run
 # ---------------------------------------------------------------------------------------
 
 
-@dataclass
-class TrainConfig:
-    """Everything one training run needs. ``twinseq train --help`` lists these as flags."""
+class _Section:
+    def __post_init__(self) -> None:
+        _check_fields(self)
 
-    backend: Literal["torch", "jax"] = field(default_factory=lambda: os.environ.get("TWINSEQ_BACKEND", "torch"))  # type: ignore[assignment]
-    """Which backend runs the job; ``TWINSEQ_BACKEND`` sets the default."""
-    task: Literal["sft", "dpo"] = "sft"
+
+@dataclass
+class ModelArgs(_Section):
+    """Which model to train and how its layers compute."""
+
     model_config: str = "tiny"
     """A preset name (tiny, small) or the path of a local Hugging Face checkpoint."""
-    output_dir: str = "runs/latest"
-    seed: int = 0
-    max_steps: int = 100
-    logging_steps: int = 1
-    save_steps: int = 0
-    """Write a resumable checkpoint every N optimizer steps (0: only at the end)."""
-    resume_from_checkpoint: Optional[str] = None
-    disable_tqdm: bool = False
+    attn_implementation: AttnImplementation = "sdpa"
+    """Attention path; every path masks packed documents (a path that cannot refuses to run)."""
+    dtype: DType = "float32"
+    """Compute dtype; parameters stay float32 (mixed precision, like torch autocast)."""
+
+
+@dataclass
+class DataConfig(_Section):
+    """What goes into one optimizer step: the dataset, its truncation, packing and batching."""
 
     dataset_name: str = "embedded"
     """``embedded`` (built offline from the stdlib), a local JSONL/Parquet/CSV path, or a hub name."""
     dataset_split: str = "train"
     tokenizer_name_or_path: str = "embedded"
-    max_length: Optional[int] = 512
-    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
-    max_prompt_length: Optional[int] = 256
-    max_completion_length: Optional[int] = None
+    max_length: Optional[int] = knob(512, ge=1)
+    truncation_mode: TruncationMode = "keep_start"
+    max_prompt_length: Optional[int] = knob(256, ge=1)
+    max_completion_length: Optional[int] = knob(None, ge=1)
     completion_only_loss: Optional[bool] = None
     """None: mask the prompt when the data has a completion mask."""
     assistant_only_loss: bool = False
-
     packing: bool = False
-    packing_strategy: Literal["bfd", "bfd_split", "wrapped"] = "bfd"
+    packing_strategy: PackingStrategy = "bfd"
     padding_free: bool = False
-    pad_to_multiple_of: Optional[int] = None
-    padding_side: Literal["right", "left"] = "right"
-    per_device_train_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
+    pad_to_multiple_of: Optional[int] = knob(None, ge=1)
+    padding_side: PaddingSide = "right"
+    per_device_train_batch_size: int = knob(8, ge=1)
+    gradient_accumulation_steps: int = knob(1, ge=1)
 
-    attn_implementation: Literal["sdpa", "eager", "flex_attention", "varlen", "flash_attention_2", "flash_attention_3"] = "sdpa"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+
+@dataclass
+class OptimConfig(_Section):
+    """AdamW with a warmup schedule and gradient clipping (the same rule on both backends)."""
+
+    learning_rate: float = knob(1e-3, ge=0)
+    lr_scheduler_type: LRScheduler = "cosine"
+    warmup_steps: int = knob(0, ge=0)
+    warmup_ratio: float = knob(0.0, ge=0, lt=1)
+    weight_decay: float = knob(0.0, ge=0)
+    adam_beta1: float = knob(0.9, ge=0, lt=1)
+    adam_beta2: float = knob(0.999, ge=0, lt=1)
+    adam_epsilon: float = knob(1e-8, gt=0)
+    max_grad_norm: Optional[float] = knob(1.0, gt=0)
+
+
+@dataclass
+class LossConfig(_Section):
+    """The token-loss kernel: how next-token NLL (or DPO's log-probs) are computed from hidden states."""
+
+    loss_type: LossType = "nll"
+    """nll (full logits), chunked_nll, fused_linear (no [tokens, vocab] tensor) or liger (CUDA)."""
+    loss_chunk_size: int = knob(DEFAULT_CHUNK_SIZE, ge=1)
+    use_liger_kernel: bool = False
+    """TRL's switch: with loss_type nll it selects Liger's fused linear cross-entropy."""
+
+
+@dataclass
+class MemoryConfig(_Section):
+    """Activation memory: recompute, offload, compile."""
+
     gradient_checkpointing: bool = False
     activation_offloading: bool = False
     torch_compile: bool = False
 
-    loss_type: Literal["nll", "chunked_nll", "fused_linear", "liger"] = "nll"
-    loss_chunk_size: int = 256
-    use_liger_kernel: bool = False
 
-    learning_rate: float = 1e-3
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: Optional[float] = 1.0
+@dataclass
+class ParallelConfig(_Section):
+    """FSDP2 and context parallelism (a multi-process torch launch always shards with FSDP2)."""
 
-    beta: float = 0.1
+    fsdp: bool = False
+    context_parallel_size: int = knob(1, ge=1)
+    """Ranks (torch) or devices (jax) that split every sequence; must divide the world size."""
+    context_parallel_strategy: ContextParallelStrategy = "allgather"
+    """``allgather``: packed/padding-free safe, CPU or GPU. ``ring``: torch's ring attention, CUDA,
+    unpacked only (jax's ring runs everywhere)."""
+
+
+@dataclass
+class DPOConfig(_Section):
+    """Direct preference optimisation (read with ``task=dpo`` only)."""
+
+    beta: float = knob(0.1, gt=0)
     dpo_loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
-    """TRL's DPO ``loss_type`` (one or several); ``loss_type`` here names the token-loss kernel."""
+    """TRL's DPO ``loss_type`` (one or several); ``loss_type`` names the token-loss kernel."""
     loss_weights: Optional[list[float]] = None
-    label_smoothing: float = 0.0
+    label_smoothing: float = knob(0.0, ge=0, le=0.5)
     precompute_ref_log_probs: bool = False
     """Compute reference log-probs once before training instead of keeping a frozen model copy."""
 
-    ds3_gather_for_generation: bool = True
-    vllm_sleep_enabled: bool = False
 
-    # Parallelism (torch backend; twinseq.torch_backend.parallel). A multi-process launch
-    # (torchrun, accelerate launch) always shards with FSDP2; ``fsdp=True`` also does it in one process.
-    fsdp: bool = False
-    context_parallel_size: int = 1
-    """Ranks that split every sequence (context parallelism); must divide the world size."""
-    context_parallel_strategy: Literal["allgather", "ring"] = "allgather"
-    """``allgather``: packed/padding-free safe, CPU or GPU. ``ring``: torch's ring attention, CUDA, unpacked only."""
+SECTIONS: dict[str, type] = {"model": ModelArgs, "data": DataConfig, "optim": OptimConfig, "loss": LossConfig,
+                             "memory": MemoryConfig, "parallel": ParallelConfig, "dpo": DPOConfig}
+TASK_SECTIONS = {"dpo": "dpo"}
+"""Sections read by one task only: setting them on another task is refused, not ignored."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs. ``twinseq train --help`` lists every field as a flag."""
+
+    backend: Backend = field(default_factory=lambda: os.environ.get("TWINSEQ_BACKEND", "torch"))  # type: ignore[assignment]
+    """Which backend runs the job; ``TWINSEQ_BACKEND`` sets the default."""
+    task: Task = "sft"
+    output_dir: str = "runs/latest"
+    seed: int = 0
+    max_steps: int = knob(100, ge=1)
+    logging_steps: int = knob(1, ge=1)
+    """Write a metrics line every N optimizer steps (averaged over them)."""
+    save_steps: int = knob(0, ge=0)
+    """Write a resumable checkpoint every N optimizer steps (0: only at the end)."""
+    save_total_limit: Optional[int] = knob(None, ge=1)
+    """Keep only the newest N checkpoints (None: keep all)."""
+    resume_from_checkpoint: Optional[str] = None
+    """A ``checkpoint-N`` directory, or ``latest`` for the newest complete one in output_dir."""
+    disable_tqdm: bool = False
+    report_to: list[ReportTo] = field(default_factory=lambda: ["none"])
+    """Extra metric sinks besides metrics.jsonl: ``tensorboard`` (event files in output_dir/runs)."""
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def __post_init__(self) -> None:
-        _check_choice("backend", self.backend, BACKENDS)
-        _check_choice("task", self.task, TASKS)
-        _check_choice("truncation_mode", self.truncation_mode, TRUNCATION_MODES)
-        _check_choice("packing_strategy", self.packing_strategy, PACKING_STRATEGIES)
-        _check_choice("padding_side", self.padding_side, PADDING_SIDES)
-        _check_choice("attn_implementation", self.attn_implementation, ATTN_IMPLEMENTATIONS)
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("loss_type", self.loss_type, LOSS_TYPES)
-        _check_choice("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
-        _check_positive("per_device_train_batch_size", self.per_device_train_batch_size)
-        _check_positive("gradient_accumulation_steps", self.gradient_accumulation_steps)
-        _check_positive("max_steps", self.max_steps)
-        _check_positive("logging_steps", self.logging_steps)
-        _check_positive("save_steps", self.save_steps, allow_zero=True)
-        _check_positive("max_length", self.max_length, allow_none=True)
-        _check_positive("max_prompt_length", self.max_prompt_length, allow_none=True)
-        _check_positive("max_completion_length", self.max_completion_length, allow_none=True)
-        _check_positive("pad_to_multiple_of", self.pad_to_multiple_of, allow_none=True)
-        _check_positive("loss_chunk_size", self.loss_chunk_size)
-        _check_positive("learning_rate", self.learning_rate, allow_zero=True)
-        _check_positive("warmup_steps", self.warmup_steps, allow_zero=True)
-        _check_positive("max_grad_norm", self.max_grad_norm, allow_none=True)
-        _check_positive("beta", self.beta)
-        if isinstance(self.context_parallel_size, bool) or not isinstance(self.context_parallel_size, int) \
-                or self.context_parallel_size < 1:
-            raise ValueError(f"context_parallel_size={self.context_parallel_size!r} is not valid; it must be an "
-                             f"integer >= 1 (1 = no context parallelism).")
-        _check_choice("context_parallel_strategy", self.context_parallel_strategy, CONTEXT_PARALLEL_STRATEGIES)
-        if not 0.0 <= self.warmup_ratio < 1.0:
-            raise ValueError(f"warmup_ratio={self.warmup_ratio!r} is not valid; it must be in [0, 1).")
-        if self.packing and self.max_length is None:
-            raise ValueError("packing=True needs max_length (the packed row length); set --max-length.")
-        if self.task == "dpo":
-            from twinseq.common.dpo import validate_dpo_config
+        _check_fields(self)
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigTypeError(f"TrainConfig.{name} must be a {cls.__name__}, got "
+                                      f"{type(getattr(self, name)).__name__}; build configs with "
+                                      f"TrainConfig.from_flat(...) or from_dict(...).")
+        self._check_combinations()
 
-            validate_dpo_config(loss_type=list(self.dpo_loss_type), loss_weights=self.loss_weights,
-                                beta=self.beta, label_smoothing=self.label_smoothing)
-        if self.use_liger_kernel and self.loss_type == "nll":
+    def _check_combinations(self) -> None:
+        """Rules that tie fields of different sections together."""
+        d, loss = self.data, self.loss
+        if d.packing and d.max_length is None:
+            raise ConfigError("packing=True needs max_length (the packed row length); set --max-length.")
+        for task, section in TASK_SECTIONS.items():
+            if self.task != task:
+                changed = _changed_fields(getattr(self, section))
+                if changed:
+                    raise ConfigError(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} read by "
+                                      f"task={task!r} only, and this run has task={self.task!r}; drop "
+                                      f"{' '.join(_flag(c) for c in changed)} or set --task {task}.")
+        if self.task == "dpo":
+            if d.packing:
+                raise ConfigError("packing=True does not apply to DPO (it would cut pairs apart); use "
+                                  "--padding-free to put every pair of a micro-batch in one row.")
+            from twinseq.common.dpo import check_liger_dpo_config, validate_dpo_config
+
+            validate_dpo_config(self.dpo.dpo_loss_type, self.dpo.loss_weights, self.dpo.beta,
+                                self.dpo.label_smoothing)
+            if loss.loss_type == "liger" or loss.use_liger_kernel:
+                check_liger_dpo_config(self.dpo.dpo_loss_type, padding_free=d.padding_free,
+                                       precompute=self.dpo.precompute_ref_log_probs)
+        if loss.use_liger_kernel and loss.loss_type not in ("nll", "liger"):
+            raise ConfigError(f"use_liger_kernel=True selects Liger's fused cross-entropy, but loss_type="
+                              f"{loss.loss_type!r} asks for another kernel; drop --use-liger-kernel or use "
+                              f"--loss-type liger.")
+        if loss.use_liger_kernel:
             # TRL's use_liger_kernel switches the loss to Liger's fused linear cross-entropy.
-            self.loss_type = "liger"
+            loss.loss_type = "liger"
+        if len(set(self.report_to)) != len(self.report_to) or ("none" in self.report_to and len(self.report_to) > 1):
+            raise ConfigError(f"report_to={self.report_to!r} is not valid: give 'none' alone, or 'tensorboard'.")
 
     @property
     def effective_warmup_steps(self) -> int:
-        return self.warmup_steps or int(self.warmup_ratio * self.max_steps)
+        return self.optim.warmup_steps or int(self.optim.warmup_ratio * self.max_steps)
+
+    # -- construction from flat (TRL-style) or nested values ----------------------------
+
+    @classmethod
+    def from_flat(cls, **values: Any) -> "TrainConfig":
+        """Build from TRL-style flat keyword arguments (``max_length=64, packing=True``)."""
+        return cls.from_dict(values, source="arguments")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "TrainConfig":
         return cls.from_dict({**load_yaml(path), **overrides}, source=str(path))
 
     @classmethod
-    def from_dict(cls, values: dict, *, source: str = "config") -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+    def from_dict(cls, values: Mapping[str, Any], *, source: str = "config") -> "TrainConfig":
+        """From flat keys (``max_length``), section mappings (``data: {max_length: ...}``) or both."""
+        top: dict[str, Any] = {}
+        sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        unknown = []
+        for key, value in values.items():
+            if key in SECTIONS and isinstance(value, Mapping):
+                for sub_key, sub_value in value.items():
+                    if _FLAT_INDEX.get(sub_key) != key:
+                        unknown.append(f"{key}.{sub_key}")
+                    sections[key][sub_key] = sub_value
+            elif key in _FLAT_INDEX:
+                target = _FLAT_INDEX[key]
+                (top if target is None else sections[target])[key] = value
+            else:
+                unknown.append(key)
         if unknown:
-            raise ValueError(f"{source}: unknown field(s) {unknown}; valid fields are listed by "
-                             f"`twinseq train --help`.")
-        return cls(**values)
+            hints = [f"{u} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u.split('.')[-1],
+                     list(_FLAT_INDEX), n=1)) else u for u in unknown]
+            raise ConfigError(f"{source}: unknown field(s) {', '.join(hints)}; the valid fields are listed by "
+                              f"`twinseq train --help`.")
+        built = {name: SECTIONS[name](**kw) for name, kw in sections.items()}
+        return cls(**top, **built)
 
     def to_dict(self) -> dict:
+        """Nested plain values (the form written into checkpoints; ``from_dict`` reads it back)."""
         return dataclasses.asdict(self)
+
+    def to_flat_dict(self) -> dict:
+        """Flat TRL-style values (the form of the YAML files and the CLI flags)."""
+        flat = {k: v for k, v in self.to_dict().items() if k not in SECTIONS}
+        for name in SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, name)))
+        return flat
+
+    def replace(self, **flat: Any) -> "TrainConfig":
+        """A copy with some fields changed, by their flat names."""
+        return self.from_dict({**self.to_flat_dict(), **flat}, source="replace()")
+
+
+def _changed_fields(section: Any) -> list[str]:
+    default = type(section)()
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
+
+
+def _flat_index() -> dict[str, Optional[str]]:
+    """Flat field name -> its section (None for TrainConfig's own fields); names are unique."""
+    index: dict[str, Optional[str]] = {f.name: None for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in index, f"config field {f.name!r} appears in two sections"
+            index[f.name] = section
+    return index
+
+
+_FLAT_INDEX = _flat_index()
 
 
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config.")
-    with path.open() as f:
-        values = yaml.safe_load(f) or {}
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass an existing YAML file to --config.")
+    try:
+        with path.open() as f:
+            values = yaml.safe_load(f) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}: YAML syntax error: {problem}; fix the file (key: value per line).") from None
     if not isinstance(values, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a mapping of field: value, "
-                         f"not a {type(values).__name__}.")
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of field: value, "
+                          f"not a {type(values).__name__}.")
     return values
 
 
@@ -295,8 +551,8 @@ def resolve_model_config(name_or_path: str) -> ModelConfig:
         if "rope_theta" not in values and "rope_theta" in rope:
             values["rope_theta"] = rope["rope_theta"]
         if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"{config_json}: rope_type={rope['rope_type']!r} is not supported; twinseq "
-                             f"builds default (unscaled) RoPE only.")
+            raise ConfigError(f"{config_json}: rope_type={rope['rope_type']!r} is not supported; twinseq "
+                              f"builds default (unscaled) RoPE only.")
         return ModelConfig.from_dict(values)
-    raise ValueError(f"model_config={name_or_path!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a "
-                     f"directory with a config.json; pass a preset name or a local checkpoint path.")
+    raise ConfigError(f"model_config={name_or_path!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a "
+                      f"directory with a config.json; pass a preset name or a local checkpoint path.")

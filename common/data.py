@@ -432,15 +432,15 @@ def tokenize_dpo(dataset: Any, tokenizer: TwinseqTokenizer, *, max_prompt_length
 
 
 def _dataset_name(cfg, task: str) -> str:
-    if cfg.dataset_name == "embedded":
+    if cfg.data.dataset_name == "embedded":
         return "embedded-preference" if task == "dpo" else "embedded-sft"
-    return cfg.dataset_name
+    return cfg.data.dataset_name
 
 
 def _raise_if_empty(rows, stats: TruncationStats, cfg) -> None:
     if len(rows) == 0:
-        raise ValueError(f"no example of dataset_name={cfg.dataset_name!r} survives tokenisation and truncation "
-                         f"(max_length={cfg.max_length}):\n{stats}\nraise max_length or fix the data.")
+        raise ValueError(f"no example of dataset_name={cfg.data.dataset_name!r} survives tokenisation and truncation "
+                         f"(max_length={cfg.data.max_length}):\n{stats}\nraise max_length or fix the data.")
 
 
 def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
@@ -450,16 +450,16 @@ def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     rows are not truncated: the packer splits them. Plain ``bfd`` cuts overflow at the start
     of each sequence, which is what ``keep_start`` truncation here does, counted and checked.
     """
-    max_length = cfg.max_length
-    if getattr(cfg, "packing", False) and getattr(cfg, "packing_strategy", "bfd") != "bfd":
+    d = cfg.data
+    max_length = d.max_length
+    if d.packing and d.packing_strategy != "bfd":
         logger.info("packing_strategy=%r keeps every token: not truncating to max_length before packing",
-                    cfg.packing_strategy)
+                    d.packing_strategy)
         max_length = None
-    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path)
-    dataset = load_dataset_any(_dataset_name(cfg, "sft"), split=cfg.dataset_split)
-    rows, stats = tokenize_sft(dataset, tokenizer, max_length=max_length, truncation_mode=cfg.truncation_mode,
-                               completion_only_loss=cfg.completion_only_loss,
-                               assistant_only_loss=cfg.assistant_only_loss,
+    tokenizer = load_tokenizer(d.tokenizer_name_or_path)
+    dataset = load_dataset_any(_dataset_name(cfg, "sft"), split=d.dataset_split)
+    rows, stats = tokenize_sft(dataset, tokenizer, max_length=max_length, truncation_mode=d.truncation_mode,
+                               completion_only_loss=d.completion_only_loss, assistant_only_loss=d.assistant_only_loss,
                                progress=False if cfg.disable_tqdm else None)
     stats.log()
     _raise_if_empty(rows, stats, cfg)
@@ -468,11 +468,12 @@ def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
 
 def prepare_dpo_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     """``TrainConfig`` -> (rows with prompt/chosen/rejected ``*_input_ids``, tokenizer, stats)."""
-    tokenizer = load_tokenizer(cfg.tokenizer_name_or_path)
-    dataset = load_dataset_any(_dataset_name(cfg, "dpo"), split=cfg.dataset_split)
-    rows, stats = tokenize_dpo(dataset, tokenizer, max_prompt_length=cfg.max_prompt_length,
-                               max_completion_length=cfg.max_completion_length, max_length=cfg.max_length,
-                               truncation_mode=cfg.truncation_mode, progress=False if cfg.disable_tqdm else None)
+    d = cfg.data
+    tokenizer = load_tokenizer(d.tokenizer_name_or_path)
+    dataset = load_dataset_any(_dataset_name(cfg, "dpo"), split=d.dataset_split)
+    rows, stats = tokenize_dpo(dataset, tokenizer, max_prompt_length=d.max_prompt_length,
+                               max_completion_length=d.max_completion_length, max_length=d.max_length,
+                               truncation_mode=d.truncation_mode, progress=False if cfg.disable_tqdm else None)
     stats.log()
     _raise_if_empty(rows, stats, cfg)
     return rows, tokenizer, stats

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -125,6 +125,22 @@ def validate_dpo_config(loss_type: Union[str, Sequence[str]] = "sigmoid",
     return DPOLossConfig(loss_type=types, loss_weights=weights, beta=beta, label_smoothing=eps)
 
 
+def check_liger_dpo_config(loss_type: Sequence[str], *, padding_free: bool, precompute: bool) -> None:
+    """Liger's fused DPO loss computes exactly twinseq's only for padded, live-reference 'sigmoid'."""
+    from twinseq.common.errors import ConfigError
+
+    if tuple(loss_type) != ("sigmoid",):
+        raise ConfigError(f"loss_type='liger' computes the 'sigmoid' DPO loss only; dpo_loss_type="
+                          f"{list(loss_type)} needs --loss-type fused_linear.")
+    if padding_free:
+        raise ConfigError("loss_type='liger' needs padded batches (chosen and rejected stacked as rows); drop "
+                          "--padding-free or use --loss-type fused_linear.")
+    if precompute:
+        raise ConfigError("precompute_ref_log_probs=True is not supported with loss_type='liger': twinseq's Liger "
+                          "path feeds the reference hidden states to the kernel. Drop --precompute-ref-log-probs "
+                          "or use --loss-type fused_linear.")
+
+
 # ---------------------------------------------------------------------------------------
 # Stable building blocks
 # ---------------------------------------------------------------------------------------
@@ -141,82 +157,131 @@ def sigmoid(z: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------
-# The loss family. Each takes the per-example log-ratios and returns float64 [N].
+# The loss family, written once over an array namespace. Each loss takes the per-example
+# log-ratios and returns [N] in the framework of its inputs.
 # ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
+class ArrayOps:
+    """The four array functions the loss family needs, from one framework.
+
+    numpy (``NUMPY_OPS``, float64, the reference), torch and jax each supply theirs, so the
+    formulas below are the only copy of the DPO losses in the project.
+    """
+
+    log_sigmoid: Callable
+    exp: Callable
+    relu: Callable
+    zeros_like: Callable
+
+
+NUMPY_OPS = ArrayOps(log_sigmoid=log_sigmoid, exp=np.exp, relu=lambda z: np.maximum(0.0, z),
+                     zeros_like=np.zeros_like)
+
+
+@dataclass(frozen=True)
 class _Pair:
-    c: np.ndarray        # chosen log-ratio [N]
-    r: np.ndarray        # rejected log-ratio [N]
+    c: Any               # chosen log-ratio [N]
+    r: Any               # rejected log-ratio [N]
     beta: float
     eps: float           # label_smoothing
-    n_c: Optional[np.ndarray] = None   # chosen completion token counts [N] (ipo only)
-    n_r: Optional[np.ndarray] = None
+    ops: ArrayOps
+    n_c: Any = None      # chosen completion token counts [N] (ipo only)
+    n_r: Any = None
 
 
-def _loss_sigmoid(p: _Pair) -> np.ndarray:
+def _loss_sigmoid(p: _Pair):
     """``-log σ(x)`` (DPO)."""
-    return -log_sigmoid(p.beta * (p.c - p.r))
+    return -p.ops.log_sigmoid(p.beta * (p.c - p.r))
 
 
-def _loss_hinge(p: _Pair) -> np.ndarray:
+def _loss_hinge(p: _Pair):
     """``max(0, 1 - x)`` (SLiC)."""
-    return np.maximum(0.0, 1.0 - p.beta * (p.c - p.r))
+    return p.ops.relu(1.0 - p.beta * (p.c - p.r))
 
 
-def _loss_ipo(p: _Pair) -> np.ndarray:
+def _loss_ipo(p: _Pair):
     """``(c/n_c - r/n_r - 1/(2β))²``: TRL normalises the log-ratios by completion length."""
-    return (p.c / p.n_c - p.r / p.n_r - 1.0 / (2.0 * p.beta)) ** 2
+    return (p.c / p.n_c - p.r / p.n_r - 0.5 / p.beta) ** 2
 
 
-def _loss_exo_pair(p: _Pair) -> np.ndarray:
+def _loss_exo_pair(p: _Pair):
     """``KL(q ‖ (1-ε, ε))`` with ``q = (σ(x), σ(-x))`` (EXO-pref, K = 2)."""
     x = p.beta * (p.c - p.r)
-    log_qw, log_ql = log_sigmoid(x), log_sigmoid(-x)
+    log_qw, log_ql = p.ops.log_sigmoid(x), p.ops.log_sigmoid(-x)
     # exp(log_q) underflows to exactly 0 where log_q is huge and negative, so 0 * finite stays 0.
-    return np.exp(log_qw) * (log_qw - math.log1p(-p.eps)) + np.exp(log_ql) * (log_ql - math.log(p.eps))
+    return p.ops.exp(log_qw) * (log_qw - math.log1p(-p.eps)) + p.ops.exp(log_ql) * (log_ql - math.log(p.eps))
 
 
-def _loss_nca_pair(p: _Pair) -> np.ndarray:
+def _loss_nca_pair(p: _Pair):
     """``-log σ(βc) - ½ log σ(-βc) - ½ log σ(-βr)`` (NCA)."""
     bc, br = p.beta * p.c, p.beta * p.r
-    return -log_sigmoid(bc) - 0.5 * log_sigmoid(-bc) - 0.5 * log_sigmoid(-br)
+    return -p.ops.log_sigmoid(bc) - 0.5 * p.ops.log_sigmoid(-bc) - 0.5 * p.ops.log_sigmoid(-br)
 
 
-def _loss_robust(p: _Pair) -> np.ndarray:
+def _loss_robust(p: _Pair):
     """``(-(1-ε) log σ(x) + ε log σ(-x)) / (1 - 2ε)`` (Robust DPO; unbounded below if ε > 0)."""
     x = p.beta * (p.c - p.r)
-    return (-(1.0 - p.eps) * log_sigmoid(x) + p.eps * log_sigmoid(-x)) / (1.0 - 2.0 * p.eps)
+    return (-(1.0 - p.eps) * p.ops.log_sigmoid(x) + p.eps * p.ops.log_sigmoid(-x)) / (1.0 - 2.0 * p.eps)
 
 
-def _loss_bco_pair(p: _Pair) -> np.ndarray:
+def _loss_bco_pair(p: _Pair):
     """``-log σ(βc) - log σ(-βr)``."""
-    return -log_sigmoid(p.beta * p.c) - log_sigmoid(-p.beta * p.r)
+    return -p.ops.log_sigmoid(p.beta * p.c) - p.ops.log_sigmoid(-p.beta * p.r)
 
 
-def _loss_sppo_hard(p: _Pair) -> np.ndarray:
+def _loss_sppo_hard(p: _Pair):
     """``(c - 1/(2β))² + (r + 1/(2β))²`` (SPPO with hard win probabilities 1 and 0)."""
     half = 0.5 / p.beta
     return (p.c - half) ** 2 + (p.r + half) ** 2
 
 
-def _loss_apo_zero(p: _Pair) -> np.ndarray:
+def _sigmoid(p: _Pair, z):
+    return p.ops.exp(p.ops.log_sigmoid(z))
+
+
+def _loss_apo_zero(p: _Pair):
     """``1 - σ(βc) + σ(βr)`` (APO-zero), with ``1 - σ(z)`` written ``σ(-z)`` to keep precision."""
-    return sigmoid(-p.beta * p.c) + sigmoid(p.beta * p.r)
+    return _sigmoid(p, -p.beta * p.c) + _sigmoid(p, p.beta * p.r)
 
 
-def _loss_apo_down(p: _Pair) -> np.ndarray:
+def _loss_apo_down(p: _Pair):
     """``σ(βc) + 1 - σ(β(c - r))`` (APO-down)."""
-    return sigmoid(p.beta * p.c) + sigmoid(-p.beta * (p.c - p.r))
+    return _sigmoid(p, p.beta * p.c) + _sigmoid(p, -p.beta * (p.c - p.r))
 
 
-_LOSSES: dict[str, Callable[[_Pair], np.ndarray]] = {
+_LOSSES: dict[str, Callable[[_Pair], Any]] = {
     "sigmoid": _loss_sigmoid, "hinge": _loss_hinge, "ipo": _loss_ipo, "exo_pair": _loss_exo_pair,
     "nca_pair": _loss_nca_pair, "robust": _loss_robust, "bco_pair": _loss_bco_pair,
     "sppo_hard": _loss_sppo_hard, "apo_zero": _loss_apo_zero, "apo_down": _loss_apo_down,
 }
 assert set(_LOSSES) == set(DPO_LOSS_TYPES)
+
+
+class DPOFamilyOutput(NamedTuple):
+    losses: Any              # [N]: Σ_k w_k L_k
+    chosen_rewards: Any      # [N]: β c
+    rejected_rewards: Any    # [N]: β r
+    losses_by_type: dict     # unweighted L_k [N]
+
+
+def dpo_family(chosen_logratios, rejected_logratios, config: DPOLossConfig, ops: ArrayOps, *,
+               chosen_num_tokens=None, rejected_num_tokens=None) -> DPOFamilyOutput:
+    """Per-pair DPO losses and rewards from the log-ratios ``c`` and ``r`` [N], in ``ops``' framework.
+
+    ``config`` comes from ``validate_dpo_config``; 'ipo' needs the completion token counts.
+    """
+    if "ipo" in config.loss_type and (chosen_num_tokens is None or rejected_num_tokens is None):
+        raise ValueError("loss_type 'ipo' normalises by completion length and needs chosen_num_tokens and "
+                         "rejected_num_tokens (PreferenceBatch.chosen_num_tokens / rejected_num_tokens).")
+    pair = _Pair(c=chosen_logratios, r=rejected_logratios, beta=config.beta, eps=config.label_smoothing, ops=ops,
+                 n_c=chosen_num_tokens, n_r=rejected_num_tokens)
+    by_type = {t: _LOSSES[t](pair) for t in dict.fromkeys(config.loss_type)}
+    losses = ops.zeros_like(pair.c)
+    for t, w in zip(config.loss_type, config.loss_weights):
+        losses = losses + w * by_type[t]
+    return DPOFamilyOutput(losses, config.beta * pair.c, config.beta * pair.r, by_type)
 
 
 @dataclass
@@ -281,13 +346,9 @@ def dpo_loss(policy_chosen_logps: np.ndarray, policy_rejected_logps: np.ndarray,
     if "ipo" in cfg.loss_type:
         n_c = _as_counts("chosen_num_tokens", chosen_num_tokens, pc.size)
         n_r = _as_counts("rejected_num_tokens", rejected_num_tokens, pc.size)
-    pair = _Pair(c=pc - rc, r=pr - rr, beta=cfg.beta, eps=cfg.label_smoothing, n_c=n_c, n_r=n_r)
-    by_type = {t: _LOSSES[t](pair) for t in dict.fromkeys(cfg.loss_type)}
-    losses = np.zeros_like(pc)
-    for t, w in zip(cfg.loss_type, cfg.loss_weights):
-        losses = losses + w * by_type[t]
-    return DPOLossOutput(losses=losses, chosen_rewards=cfg.beta * pair.c, rejected_rewards=cfg.beta * pair.r,
-                         losses_by_type=by_type)
+    out = dpo_family(pc - rc, pr - rr, cfg, NUMPY_OPS, chosen_num_tokens=n_c, rejected_num_tokens=n_r)
+    return DPOLossOutput(losses=out.losses, chosen_rewards=out.chosen_rewards, rejected_rewards=out.rejected_rewards,
+                         losses_by_type=out.losses_by_type)
 
 
 def reward_metrics(chosen_rewards: np.ndarray, rejected_rewards: np.ndarray) -> dict[str, float]:

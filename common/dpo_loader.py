@@ -101,7 +101,7 @@ class PreferenceStepIterator(StepIterator):
 
     >>> rows = {"prompt_input_ids": [[1, 5], [1, 6], [1, 7]], "chosen_input_ids": [[8], [9], [10]],
     ...         "rejected_input_ids": [[11], [12], [13]]}
-    >>> cfg = TrainConfig(task="dpo", per_device_train_batch_size=1, gradient_accumulation_steps=2)
+    >>> cfg = TrainConfig.from_flat(task="dpo", per_device_train_batch_size=1, gradient_accumulation_steps=2)
     >>> it = PreferenceStepIterator(rows, cfg, pad_token_id=0)
     >>> step = it.next_step(); len(step), step[0].num_docs, it.examples_per_step
     (2, 2, 2)
@@ -111,7 +111,7 @@ class PreferenceStepIterator(StepIterator):
                  seed: Optional[int] = None) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size}).")
-        if cfg.packing:
+        if cfg.data.packing:
             raise ValueError("packing=True does not apply to DPO: packing would cut pairs apart (TRL: packing is "
                              "SFT-only). Use --padding-free to put every pair of a micro-batch in one row.")
         self.cfg, self.pad_token_id = cfg, pad_token_id
@@ -134,12 +134,13 @@ class PreferenceStepIterator(StepIterator):
         return REF_FIELDS[0] in self.columns
 
     def _collate_pairs(self, idx: np.ndarray) -> PreferenceBatch:
-        c = self.cfg
+        c = self.cfg.data
         return collate_preference([self._example(i) for i in idx], padding_free=c.padding_free,
                                   pad_token_id=self.pad_token_id, pad_to_multiple_of=c.pad_to_multiple_of)
 
     def next_step(self) -> list[PreferenceBatch]:  # type: ignore[override]
-        bs, ga, ws = self.cfg.per_device_train_batch_size, self.cfg.gradient_accumulation_steps, self.world_size
+        d, ws = self.cfg.data, self.world_size
+        bs, ga = d.per_device_train_batch_size, d.gradient_accumulation_steps
         idx = self._take(self.rows_per_step).reshape(ga, ws, bs)
         all_micro = [self._collate_pairs(idx[m, r]) for m in range(ga) for r in range(ws)]
         # Label tokens of the whole step, for Batch.num_items_in_batch (the contract; DPO itself divides by pairs).
@@ -155,7 +156,7 @@ def build_preference_iterator(cfg: TrainConfig, rows: Any, pad_token_id: int, *,
                               rank: int = 0) -> PreferenceStepIterator:
     """``PreferenceStepIterator`` over ``rows`` (from ``prepare_dpo_dataset``, maybe with reference columns)."""
     iterator = PreferenceStepIterator(rows, cfg, pad_token_id=pad_token_id, world_size=world_size, rank=rank)
-    if cfg.precompute_ref_log_probs and not iterator.has_ref_logps:
+    if cfg.dpo.precompute_ref_log_probs and not iterator.has_ref_logps:
         raise ValueError("precompute_ref_log_probs=True but the rows carry no ref_chosen_logps/ref_rejected_logps; "
                          "compute them first (the backends' precompute_ref_logps does).")
     logger.info("DPO data: %d pairs, %d pairs per optimizer step", iterator.num_rows, iterator.examples_per_step)

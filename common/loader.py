@@ -51,7 +51,7 @@ class StepIterator:
     """Yield, per optimizer step, this rank's list of ``gradient_accumulation_steps`` batches.
 
     >>> rows = {"input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]]}
-    >>> cfg = TrainConfig(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_length=8)
+    >>> cfg = TrainConfig.from_flat(per_device_train_batch_size=1, gradient_accumulation_steps=2, max_length=8)
     >>> it = StepIterator(rows, cfg, pad_token_id=0, seed=0)
     >>> step = it.next_step(); len(step), step[0].num_items_in_batch == sum(b.num_label_tokens for b in step)
     (2, True)
@@ -64,10 +64,10 @@ class StepIterator:
         self.cfg, self.pad_token_id = cfg, pad_token_id
         self.world_size, self.rank = world_size, rank
         self.seed = cfg.seed if seed is None else seed
-        if cfg.packing:
+        if cfg.data.packing:
             from twinseq.common.packing import pack_dataset
 
-            rows = pack_dataset(rows, cfg.max_length, strategy=cfg.packing_strategy)
+            rows = pack_dataset(rows, cfg.data.max_length, strategy=cfg.data.packing_strategy)
         self.columns = _columns(rows)
         self.num_rows = len(self.columns["input_ids"])
         if self.num_rows == 0:
@@ -78,8 +78,8 @@ class StepIterator:
 
     @property
     def rows_per_step(self) -> int:
-        c = self.cfg
-        return self.world_size * c.gradient_accumulation_steps * c.per_device_train_batch_size
+        d = self.cfg.data
+        return self.world_size * d.gradient_accumulation_steps * d.per_device_train_batch_size
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
@@ -101,14 +101,15 @@ class StepIterator:
         return {c: col[i] for c, col in self.columns.items()}
 
     def _collate(self, idx: np.ndarray, num_items: Optional[int]) -> Batch:
-        c = self.cfg
+        c = self.cfg.data
         return collate([self._example(i) for i in idx], padding_free=c.padding_free, pad_token_id=self.pad_token_id,
                        padding_side=c.padding_side, pad_to_multiple_of=c.pad_to_multiple_of,
                        completion_only_loss=c.completion_only_loss, assistant_only_loss=c.assistant_only_loss,
                        num_items_in_batch=num_items)
 
     def next_step(self) -> list[Batch]:
-        bs, ga, ws = self.cfg.per_device_train_batch_size, self.cfg.gradient_accumulation_steps, self.world_size
+        d, ws = self.cfg.data, self.world_size
+        bs, ga = d.per_device_train_batch_size, d.gradient_accumulation_steps
         idx = self._take(self.rows_per_step).reshape(ga, ws, bs)
         # Step total over every micro-batch of every rank: the denominator of the loss.
         all_micro = [self._collate(idx[m, r], None) for m in range(ga) for r in range(ws)]

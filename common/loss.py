@@ -1,6 +1,6 @@
 """Loss math, the numpy reference both backends are tested against.
 
-Conventions (DESIGN.md, "The data contract"):
+Conventions (docs/architecture.md, "The batch contract"):
 
 - ``labels`` are aligned with ``input_ids`` (unshifted); -100 means "no loss".
 - Position t predicts ``labels[t + 1]``: the shift happens here, inside the loss.
@@ -20,6 +20,7 @@ import logging
 import numpy as np
 
 IGNORE_INDEX = -100
+"""The label of a position that is not scored (Hugging Face's and PyTorch's convention)."""
 
 logger = logging.getLogger(__name__)
 

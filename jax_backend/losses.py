@@ -35,7 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-IGNORE_INDEX = -100
+from twinseq.common.config import DEFAULT_CHUNK_SIZE
+from twinseq.common.loss import IGNORE_INDEX
+
 logger = logging.getLogger(__name__)
 LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
 
@@ -65,7 +67,7 @@ def shift_labels(labels_BT: jax.Array) -> jax.Array:
     return jnp.concatenate([labels_BT[:, 1:], pad_B1], axis=1)
 
 
-def _logits_f32(hidden_NH: jax.Array, lm_head_VH: jax.Array) -> jax.Array:
+def logits_f32(hidden_NH: jax.Array, lm_head_VH: jax.Array) -> jax.Array:
     return (hidden_NH @ lm_head_VH.T).astype(jnp.float32)
 
 
@@ -96,17 +98,17 @@ def _stats(logits_NV, lse_N, safe_N, valid_N) -> Stats:
 def token_nll(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Array) -> jax.Array:
     """float32 [B, T]: the NLL of ``labels[:, t + 1]`` at position t; 0 where the target is -100."""
     b, t, h = hidden_BTH.shape
-    nll_N, _, _ = _nll_and_stats(_logits_f32(hidden_BTH.reshape(-1, h), lm_head_VH),
+    nll_N, _, _ = _nll_and_stats(logits_f32(hidden_BTH.reshape(-1, h), lm_head_VH),
                                  shift_labels(labels_BT).reshape(-1))
     return nll_N.reshape(b, t)
 
 
 def _full_sums(hidden_NH, lm_head_VH, targets_N) -> tuple[jax.Array, Stats]:
-    nll_N, _, stats = _nll_and_stats(_logits_f32(hidden_NH, lm_head_VH), targets_N)
+    nll_N, _, stats = _nll_and_stats(logits_f32(hidden_NH, lm_head_VH), targets_N)
     return nll_N.sum(), stats
 
 
-def _to_chunks(hidden_NH, targets_N, chunk_size: int):
+def to_token_chunks(hidden_NH, targets_N, chunk_size: int):
     """[N, H], [N] -> [C, S, H], [C, S] with S = chunk_size; the tail is padded with ignored tokens."""
     n, h = hidden_NH.shape
     num_chunks = -(-n // chunk_size)
@@ -123,11 +125,11 @@ def _scan_token_chunks(hidden_NH, lm_head_VH, targets_N, chunk_size: int):
     Returns (NLL sum, metric sums, per-token logsumexp [N]); one chunk's logits at a time.
     """
     n = hidden_NH.shape[0]
-    hidden_CSH, targets_CS = _to_chunks(hidden_NH, targets_N, chunk_size)
+    hidden_CSH, targets_CS = to_token_chunks(hidden_NH, targets_N, chunk_size)
 
     @jax.checkpoint
     def chunk_sums(h_SH, w_VH, t_S):
-        nll_S, lse_S, stats = _nll_and_stats(_logits_f32(h_SH, w_VH), t_S)
+        nll_S, lse_S, stats = _nll_and_stats(logits_f32(h_SH, w_VH), t_S)
         return nll_S.sum(), stats, jax.lax.stop_gradient(lse_S)
 
     def step(carry, xs):
@@ -163,17 +165,16 @@ def _vocab_chunking(num_tokens: int, vocab_size: int, chunk_size: int) -> tuple[
     return num_chunks, -(-vocab_size // num_chunks)
 
 
-def _fused_bwd(chunk_size: int, residuals, cotangents):
-    """Scan the vocabulary in chunks: recompute ``logits[:, chunk]`` from the saved logsumexp,
-    write ``dW[chunk]`` in place and accumulate ``dh``. Nothing of size [N, V] or a second
-    [V, H] ever exists (XLA would otherwise materialise each chunk's [V, H] dW before adding it).
+def vocab_chunked_grads(hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_size: int):
+    """(dh [N, H], dW [V, H]) of ``Σ_n scale_n · nll_n``, scanning the vocabulary in chunks.
+
+    Recomputes ``logits[:, chunk]`` from the saved logsumexp, forms ``(softmax - onehot) · scale``
+    by hand, writes ``dW[chunk]`` in place and accumulates ``dh``. Nothing of size [N, V] or a
+    second [V, H] ever exists (XLA would otherwise materialise each chunk's [V, H] dW before adding
+    it). Naive equivalent: ``jax.vjp`` of ``(scale * nll(hidden @ W.T)).sum()``.
     """
-    hidden_NH, lm_head_VH, targets_N, lse_N = residuals
-    g = cotangents[0]  # the metrics carry no gradient
     (n, h), v = hidden_NH.shape, lm_head_VH.shape[0]
     num_chunks, rows = _vocab_chunking(n, v, chunk_size)
-    valid_N = targets_N != IGNORE_INDEX
-    scale_N = jnp.where(valid_N, g, 0.0).astype(jnp.float32)
 
     def step(carry, c):
         dh_NH, dw_VH = carry
@@ -181,7 +182,7 @@ def _fused_bwd(chunk_size: int, residuals, cotangents):
         start = jnp.minimum(nominal, v - rows)  # the last chunk overlaps the previous one
         w_RH = jax.lax.dynamic_slice_in_dim(lm_head_VH, start, rows, axis=0)
         cols_R = start + jnp.arange(rows)
-        probs_NR = jnp.exp(_logits_f32(hidden_NH, w_RH) - lse_N[:, None])
+        probs_NR = jnp.exp(logits_f32(hidden_NH, w_RH) - lse_N[:, None])
         dlogits_NR = (probs_NR - (targets_N[:, None] == cols_R[None, :])) * scale_N[:, None]
         dlogits_NR = dlogits_NR.astype(hidden_NH.dtype)
         dw_RH = (dlogits_NR.T @ hidden_NH).astype(dw_VH.dtype)
@@ -191,20 +192,28 @@ def _fused_bwd(chunk_size: int, residuals, cotangents):
 
     init = (jnp.zeros((n, h), jnp.float32), jnp.zeros(lm_head_VH.shape, lm_head_VH.dtype))
     (dh_NH, dw_VH), _ = jax.lax.scan(step, init, jnp.arange(num_chunks))
-    return dh_NH.astype(hidden_NH.dtype), dw_VH, None
+    return dh_NH.astype(hidden_NH.dtype), dw_VH
+
+
+def _fused_bwd(chunk_size: int, residuals, cotangents):
+    hidden_NH, lm_head_VH, targets_N, lse_N = residuals
+    g = cotangents[0]  # the metrics carry no gradient
+    scale_N = jnp.where(targets_N != IGNORE_INDEX, g, 0.0).astype(jnp.float32)
+    dh_NH, dw_VH = vocab_chunked_grads(hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_size)
+    return dh_NH, dw_VH, None
 
 
 _fused_sums.defvjp(_fused_fwd, _fused_bwd)
 
 
-def check_labels(labels_BT, vocab_size: int, num_items_in_batch, *, shifted: bool = False) -> int:
+def check_labels(labels_BT, vocab_size: int, num_items_in_batch, *, targets_are_shifted: bool = False) -> int:
     """Host-side checks a traced loss cannot make; returns the micro-batch's valid target count.
 
     Raises ``ValueError`` for labels outside ``[0, vocab_size)`` (other than -100), or a
     ``num_items_in_batch`` that is negative, not an integer, or below this micro-batch's count.
-    ``shifted=True``: ``labels_BT`` are already the targets (see ``causal_lm_loss``).
+    ``targets_are_shifted=True``: ``labels_BT`` are already the targets (see ``causal_lm_loss``).
     """
-    targets = np.asarray(labels_BT) if shifted else np.asarray(labels_BT)[:, 1:]
+    targets = np.asarray(labels_BT) if targets_are_shifted else np.asarray(labels_BT)[:, 1:]
     valid = targets != IGNORE_INDEX
     bad = valid & ((targets < 0) | (targets >= vocab_size))
     if bad.any():
@@ -222,8 +231,8 @@ def check_labels(labels_BT, vocab_size: int, num_items_in_batch, *, shifted: boo
 
 
 def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Array,
-                   num_items_in_batch, loss_type: str = "nll", chunk_size: int = 256,
-                   return_metrics: bool = False, *, shifted: bool = False):
+                   num_items_in_batch, loss_type: str = "nll", chunk_size: int = DEFAULT_CHUNK_SIZE,
+                   return_metrics: bool = False, *, targets_are_shifted: bool = False):
     """Mean next-token NLL over the optimizer step: ``sum(nll) / max(num_items_in_batch, 1)``.
 
     ``hidden_BTH`` are the final-norm hidden states, ``lm_head_VH`` the LM head in HF layout
@@ -234,7 +243,7 @@ def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.
     (the sums let a trainer aggregate a step exactly). Labels are not range-checked here (traced);
     ``check_labels`` does it on the host.
 
-    ``shifted=True``: ``labels_BT`` already holds the targets (``targets[t]`` is scored at position
+    ``targets_are_shifted=True``: ``labels_BT`` already holds the targets (``targets[t]`` is scored at position
     t), as the context-parallel batches of ``common.context_parallel.shard_batch`` do: their rows are
     reordered, so shifting them here would pair tokens with the wrong targets.
     """
@@ -244,7 +253,7 @@ def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.
         raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
     h = hidden_BTH.shape[-1]
     hidden_NH = hidden_BTH.reshape(-1, h)
-    targets_N = (labels_BT if shifted else shift_labels(labels_BT)).reshape(-1)
+    targets_N = (labels_BT if targets_are_shifted else shift_labels(labels_BT)).reshape(-1)
     if loss_type == "nll":
         total, stats = _full_sums(hidden_NH, lm_head_VH, targets_N)
     elif loss_type == "chunked_nll":

@@ -1,4 +1,9 @@
-"""A Flax NNX Llama that mirrors Hugging Face transformers' ``LlamaForCausalLM`` op for op.
+"""A Flax NNX Llama that mirrors Hugging Face transformers' ``LlamaForCausalLM`` op for op, and the
+protocol functions ``build_model``, ``export_weights``, ``logits`` and ``loss_and_grads``
+(``common.backend.Backend``).
+
+Every jitted function takes the model as ``(graphdef, state)`` (``nnx.split``), so it compiles
+once per (B, T) bucket, loss type and chunk size; ``num_items_in_batch`` is traced.
 
 The module tree and attribute names follow HF's parameter names, so a parameter's NNX path
 *is* its HF name: ``model.layers.0.self_attn.q_proj.kernel`` <-> ``model.layers.0.self_attn.
@@ -19,17 +24,21 @@ HF details reproduced on purpose (transformers 5.x ``modeling_llama.py``):
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from functools import partial
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from twinseq.common.config import ModelConfig
+from twinseq.common.batching import Batch
+from twinseq.common.config import DEFAULT_CHUNK_SIZE, ModelConfig
+from twinseq.common.errors import ConfigError
 from twinseq.common.init import check_weights, parameter_shapes
 from twinseq.jax_backend.attention import document_causal_mask, dot_product_attention
-from twinseq.jax_backend.remat import remat
+from twinseq.jax_backend.losses import LOSS_TYPES, causal_lm_loss, check_labels, token_nll
+from twinseq.jax_backend.memory import remat
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -189,7 +198,7 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, dtype: str = "float32",
                  remat_policy: str = "none"):
         if dtype not in DTYPES:
-            raise ValueError(f"dtype={dtype!r} is not valid; choose one of {tuple(DTYPES)}.")
+            raise ConfigError(f"dtype={dtype!r} is not valid; choose one of {tuple(DTYPES)}.")
         check_weights(cfg, weights)
         self.model = LlamaModel(cfg, weights, dtype, remat_policy)
         self.lm_head: Optional[Linear] = None if cfg.tie_word_embeddings else Linear(weights["lm_head.weight"], dtype)
@@ -240,3 +249,128 @@ def in_hf_order(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, n
 def export_weights(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
     """HF-named float32 numpy weights, in the order of ``parameter_shapes`` (``init_weights`` order)."""
     return in_hf_order(model.config, state_to_hf(nnx.state(model, nnx.Param)))
+
+
+def cast_floating(state: Any, compute_dtype: Optional[str]) -> Any:
+    """``state`` with its floating leaves cast to ``compute_dtype`` (None: unchanged): mixed precision,
+    float32 master weights with a bfloat16 forward, like torch autocast."""
+    if compute_dtype is None:
+        return state
+    return jax.tree.map(lambda x: x.astype(DTYPES[compute_dtype]) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        state)
+
+
+# --------------------------------------------------------------------------------------
+# Backend protocol
+# --------------------------------------------------------------------------------------
+
+
+def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *, dtype: str = "float32",
+                attn_implementation: str = "sdpa", device: Any = None) -> LlamaForCausalLM:
+    """An NNX ``LlamaForCausalLM`` holding ``weights`` (HF names, torch layout), on ``device``.
+
+    ``weights`` None draws ``common.init.init_weights(cfg, seed=0)``, the same model the torch
+    backend builds. ``dtype`` is the parameter and compute dtype (``float32`` or ``bfloat16``, as
+    HF's ``torch_dtype``). ``attn_implementation``: the JAX backend has one attention path (the
+    dense document mask); every value is accepted so that one config runs on both backends.
+    ``device`` (a ``jax.Device``) places the parameters; None uses JAX's default device.
+    """
+    from twinseq.common.init import init_weights
+
+    model = LlamaForCausalLM(cfg, init_weights(cfg, seed=0) if weights is None else weights, dtype=dtype)
+    if device is not None:
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, jax.device_put(state, device))
+    return model
+
+
+def batch_inputs(batch: Batch, vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(input_ids, position_ids, segment_ids, labels) as int32 device arrays, after range checks."""
+    if not isinstance(batch, Batch):
+        raise TypeError(f"batch must be a twinseq.common.batching.Batch (from collate), got {type(batch).__name__}.")
+    ids = np.asarray(batch.input_ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"input_ids hold values in [{ids.min()}, {ids.max()}], outside the vocabulary "
+                         f"[0, {vocab_size}); fix the tokenisation or the model's vocab_size.")
+    return tuple(jnp.asarray(a, jnp.int32) for a in  # type: ignore[return-value]
+                 (batch.input_ids, batch.position_ids, batch.segment_ids, batch.labels))
+
+
+@partial(jax.jit, static_argnums=(0,))
+def _forward_jit(graphdef, state, input_ids_BT, position_ids_BT, segment_ids_BT, labels_BT):
+    """(float32 logits [B, T, V], per-token NLL [B, T]) from one compiled forward pass."""
+    model = nnx.merge(graphdef, state)
+    hidden_BTH = model(input_ids_BT, position_ids_BT, segment_ids_BT)
+    logits_BTV = (hidden_BTH @ model.lm_head_VH().T).astype(jnp.float32)
+    return logits_BTV, token_nll(hidden_BTH, model.lm_head_VH(), labels_BT)
+
+
+def logits(model: LlamaForCausalLM, batch: Batch) -> np.ndarray:
+    """np.float32 [B, T, V]. Padding positions hold finite values that mean nothing."""
+    graphdef, state = nnx.split(model)
+    return np.asarray(_forward_jit(graphdef, state, *batch_inputs(batch, model.config.vocab_size))[0])
+
+
+def token_losses(model: LlamaForCausalLM, batch: Batch) -> np.ndarray:
+    """np.float32 [B, T]: the NLL of ``labels[:, t + 1]`` predicted at t; 0 where ignored."""
+    check_labels(batch.labels, model.config.vocab_size, batch.num_items_in_batch)
+    graphdef, state = nnx.split(model)
+    return np.asarray(_forward_jit(graphdef, state, *batch_inputs(batch, model.config.vocab_size))[1])
+
+
+def loss_fn(model: LlamaForCausalLM, input_ids_BT, position_ids_BT, segment_ids_BT, labels_BT,
+            num_items_in_batch, loss_type: str = "nll", chunk_size: int = DEFAULT_CHUNK_SIZE, *, attend=None,
+            targets_are_shifted: bool = False):
+    """(loss, metrics) of one micro-batch; traceable, used by ``loss_and_grads`` and the trainer.
+
+    ``attend``: the model's attention function (None: dense; see ``LlamaForCausalLM``);
+    ``targets_are_shifted``: ``labels_BT`` are already the targets (context-parallel batches).
+    """
+    hidden_BTH = model(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
+    return causal_lm_loss(hidden_BTH, model.lm_head_VH(), labels_BT, num_items_in_batch, loss_type,
+                          chunk_size=chunk_size, return_metrics=True, targets_are_shifted=targets_are_shifted)
+
+
+@partial(jax.jit, static_argnums=(0,),
+         static_argnames=("loss_type", "chunk_size", "compute_dtype", "attend", "targets_are_shifted"))
+def grads_jit(graphdef, state, inputs, num_items, *, loss_type: str, chunk_size: int,
+              compute_dtype: Optional[str] = None, attend=None, targets_are_shifted: bool = False):
+    """((loss, metrics), grads as an NNX state) of one micro-batch; ``inputs`` as ``batch_inputs`` returns.
+
+    ``attend`` and ``targets_are_shifted`` as ``loss_fn`` (the trainer's context-parallel step passes
+    ``parallel.ring_attention_fn(mesh)`` and the pre-shifted targets of ``parallel.shard_batch``).
+
+    ``compute_dtype="bfloat16"`` runs the forward pass on bfloat16 copies of float32 ``state``
+    (mixed precision, like torch autocast); the gradients stay float32, w.r.t. ``state``.
+    """
+    def scalar_loss(s):
+        return loss_fn(nnx.merge(graphdef, cast_floating(s, compute_dtype)), *inputs, num_items, loss_type,
+                       chunk_size, attend=attend, targets_are_shifted=targets_are_shifted)
+
+    return jax.value_and_grad(scalar_loss, has_aux=True)(state)
+
+
+def loss_grads_and_metrics(model: LlamaForCausalLM, batch: Batch, loss_type: str = "nll",
+                           chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
+    """``loss_and_grads`` plus the loss metrics of ``twinseq.common.loss.metrics`` (as floats)."""
+    if loss_type not in LOSS_TYPES:
+        raise ConfigError(f"loss_type={loss_type!r} is not supported by the JAX backend; choose one of {LOSS_TYPES}.")
+    check_labels(batch.labels, model.config.vocab_size, batch.num_items_in_batch)
+    graphdef, state = nnx.split(model)
+    (loss, metrics), grads = grads_jit(graphdef, state, batch_inputs(batch, model.config.vocab_size),
+                                       jnp.asarray(batch.num_items_in_batch, jnp.int32),
+                                       loss_type=loss_type, chunk_size=int(chunk_size))
+    grads_hf = in_hf_order(model.config, state_to_hf(grads))
+    return float(loss), grads_hf, {k: float(v) for k, v in metrics.items()}
+
+
+def loss_and_grads(model: LlamaForCausalLM, batch: Batch, loss_type: str = "nll", *,
+                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray]]:
+    """(loss, grads): grads are float32 numpy in HF names and HF ``[out, in]`` layout.
+
+    The loss is normalised by ``batch.num_items_in_batch`` (the whole step's label count). With
+    tied embeddings ``model.embed_tokens.weight`` carries both the embedding and the LM-head
+    gradient, and there is no ``lm_head.weight`` entry (as torch's ``named_parameters``).
+    """
+    loss, grads, _ = loss_grads_and_metrics(model, batch, loss_type, chunk_size)
+    return loss, grads

@@ -25,7 +25,7 @@ PACKING = [
         "from twinseq.common.config import TrainConfig\n"
         "from twinseq.common.data import prepare_sft_dataset\n"
         "from twinseq.common.lengths import profile_lengths, format_profile\n\n"
-        "rows, tok, stats = prepare_sft_dataset(TrainConfig(max_length=None))\n"
+        "rows, tok, stats = prepare_sft_dataset(TrainConfig.from_flat(max_length=None))\n"
         "lengths = np.array([len(x) for x in rows['input_ids']])\n"
         "print(stats)\n"
         "print(format_profile(profile_lengths(lengths, [128, 256, 512, 1024], batch_size=8)))"),

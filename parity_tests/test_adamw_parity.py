@@ -34,7 +34,7 @@ def _step_batches(harness, step: int):
 
 
 def _train_config(tmp_path) -> TrainConfig:
-    return TrainConfig(backend="jax", output_dir=str(tmp_path), max_steps=NUM_STEPS, learning_rate=1e-3,
+    return TrainConfig.from_flat(backend="jax", output_dir=str(tmp_path), max_steps=NUM_STEPS, learning_rate=1e-3,
                        warmup_steps=3, lr_scheduler_type="cosine", weight_decay=0.1, max_grad_norm=1.0,
                        per_device_train_batch_size=1, loss_type="nll", disable_tqdm=True,
                        # the harness's shapes and chunk size, so the jitted step compiled by the
@@ -47,22 +47,22 @@ def test_twenty_adamw_steps_match(harness, tmp_path):
     import twinseq.jax_backend as jb
     import twinseq.torch_backend as tb
     from twinseq.jax_backend.model import export_weights as jax_export
-    from twinseq.jax_backend.train import Trainer
-    from twinseq.torch_backend.train import MicroStep, build_optimizer, train_step
+    from twinseq.jax_backend.trainer import SFTTrainer as JaxTrainer
+    from twinseq.torch_backend.parallel import parallelize
+    from twinseq.torch_backend.trainer import SFTTrainer as TorchTrainer
 
     cfg = _train_config(tmp_path)
     torch_model = tb.build_model(harness.cfg, harness.weights)
-    optimizer, scheduler = build_optimizer(torch_model, cfg)
-    micro_step = MicroStep(torch_model, cfg, torch.device("cpu"))
-    trainer = Trainer(jb.build_model(harness.cfg, harness.weights), cfg)
+    torch_trainer = TorchTrainer(cfg, parallelize(torch_model, None, cfg), torch.device("cpu"))
+    trainer = JaxTrainer(jb.build_model(harness.cfg, harness.weights), cfg)
     worst_loss, worst_param, clipped = 0.0, 0.0, 0
     for step in range(NUM_STEPS):
         batches = _step_batches(harness, step)
-        torch_out = train_step(torch_model, optimizer, scheduler, micro_step, batches, cfg)
+        torch_out = torch_trainer.step(batches)
         jax_out = trainer.step(batches)
         loss_rel = abs(jax_out["loss"] - torch_out["loss"]) / abs(torch_out["loss"])
         assert jax_out["lr"] == pytest.approx(torch_out["lr"], rel=1e-7), step
-        clipped += cfg.max_grad_norm is not None and torch_out["grad_norm"] > cfg.max_grad_norm
+        clipped += cfg.optim.max_grad_norm is not None and torch_out["grad_norm"] > cfg.optim.max_grad_norm
         torch_params, jax_params = tb.export_weights(torch_model), jax_export(trainer.model())
         rel = {k: rel_norm(jax_params[k], torch_params[k]) for k in torch_params}
         name = max(rel, key=rel.get)

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints: torch -> jax -> torch is bitwise exact.
 
 Invariants:
-- ``save_pretrained`` (torch) -> ``import_checkpoint`` (jax) -> ``export_checkpoint`` (jax) ->
+- ``save_pretrained`` (torch) -> ``load_pretrained`` (jax) -> ``save_pretrained`` (jax) ->
   ``from_pretrained`` (torch) gives back every tensor bit for bit, tied or untied, float32 or
   bfloat16 (no conversion happens on the way);
 - the imported jax model computes the torch model's logits (float32 parity bound).
@@ -32,14 +32,14 @@ def _weights(cfg: ModelConfig) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("tied,dtype", [(True, "float32"), (False, "float32"), (True, "bfloat16")])
 def test_torch_jax_torch_is_bitwise(tmp_path, exact_fp32, tied, dtype):
     import twinseq.torch_backend as tb
-    from twinseq.jax_backend.checkpoint_io import export_checkpoint, import_checkpoint
+    from twinseq.jax_backend.checkpoint import load_pretrained, save_pretrained
 
     cfg = ModelConfig.preset("tiny", tie_word_embeddings=tied, num_hidden_layers=1, rope_theta=50000.0)
     original = tb.build_model(cfg, _weights(cfg), dtype=dtype)
     tb.save_pretrained(original, tmp_path / "torch")
-    jax_model = import_checkpoint(tmp_path / "torch")
+    jax_model = load_pretrained(tmp_path / "torch")
     assert jax_model.dtype == dtype and jax_model.config == cfg
-    export_checkpoint(jax_model, tmp_path / "jax")
+    save_pretrained(jax_model, tmp_path / "jax")
 
     first = load_file(str(tmp_path / "torch" / "model.safetensors"))
     second = load_file(str(tmp_path / "jax" / "model.safetensors"))
@@ -58,11 +58,11 @@ def test_torch_jax_torch_is_bitwise(tmp_path, exact_fp32, tied, dtype):
 def test_imported_model_computes_the_torch_logits(tmp_path, harness):
     import twinseq.jax_backend as jb
     import twinseq.torch_backend as tb
-    from twinseq.jax_backend.checkpoint_io import import_checkpoint
+    from twinseq.jax_backend.checkpoint import load_pretrained
 
     tb.save_pretrained(harness.torch_model, tmp_path)
     batch = harness.batches["padding_free"]
-    jax_logits = jb.logits(import_checkpoint(tmp_path), batch)
+    jax_logits = jb.logits(load_pretrained(tmp_path), batch)
     torch_logits, _ = harness.torch_forward("padding_free")
     diff = np.abs(jax_logits - torch_logits)[valid_positions(batch)].max()
     assert diff <= tol("float32", "logits_abs"), diff

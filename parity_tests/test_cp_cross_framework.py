@@ -53,7 +53,7 @@ def torch_cp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def setup(exact_fp32):
     import twinseq.jax_backend as jb
-    from twinseq.jax_backend.sharding import make_mesh
+    from twinseq.jax_backend.parallel import make_mesh
 
     if jax.device_count() < CP:
         pytest.skip(f"needs {CP} JAX host devices (conftest sets XLA_FLAGS); found {jax.device_count()}")
@@ -109,7 +109,7 @@ def _jax_losses(model, mesh, batch) -> tuple[float, float, float]:
     """(JAX model loss, assembled forward with dense attention, assembled forward with ring attention)."""
     import twinseq.jax_backend as jb
     from twinseq.common.loss import shift_labels
-    from twinseq.jax_backend.sharding import ring_attention_fn, shard_batch
+    from twinseq.jax_backend.parallel import ring_attention_fn, shard_batch
 
     model_loss = float(jb.token_losses(model, batch).sum() / batch.num_items_in_batch)
     ids, pos, seg = (jnp.asarray(x, jnp.int32) for x in (batch.input_ids, batch.position_ids, batch.segment_ids))
@@ -142,7 +142,7 @@ def test_torch_allgather_cp_loss_equals_jax_ring_attention_loss(torch_cp, setup)
 
 
 def test_torch_allgather_cp_attention_equals_jax_ring_attention(torch_cp, setup):
-    from twinseq.jax_backend.sharding import ring_attention_fn
+    from twinseq.jax_backend.parallel import ring_attention_fn
 
     _, _, _, mesh = setup
     batch = W.packed_batch(pad_to=2 * CP)

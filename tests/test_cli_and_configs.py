@@ -24,8 +24,9 @@ def test_every_config_parses(path):
 def test_flags_override_yaml_and_use_dashes():
     cfg = parse_train_args(["--config", str(ROOT / "configs/demo.yaml"), "--max-steps", "3", "--no-packing",
                             "--loss-type", "chunked_nll", "--gradient-accumulation-steps", "4"])
-    assert (cfg.max_steps, cfg.packing, cfg.loss_type, cfg.gradient_accumulation_steps) == (3, False, "chunked_nll", 4)
-    assert cfg.padding_free is True  # from the YAML
+    assert (cfg.max_steps, cfg.data.packing, cfg.loss.loss_type, cfg.data.gradient_accumulation_steps) == \
+        (3, False, "chunked_nll", 4)
+    assert cfg.data.padding_free is True  # from the YAML
 
 
 def test_bad_flag_value_exits_nonzero():

@@ -1,7 +1,10 @@
-"""Resumable checkpoints: model (safetensors), optimizer, scheduler, data position and RNG.
+"""Model folders on disk (Hugging Face layout) and the torch side of training checkpoints.
 
-A run resumed from ``checkpoint-N`` continues bitwise-identically to one that never stopped
-(CPU, fp32): the data iterator restarts at the same row, and every RNG is restored.
+- ``load_pretrained`` / ``save_pretrained``: a local HF Llama folder (``config.json`` +
+  ``model.safetensors``) in and out, with transformers' own reader and writer.
+- ``to_numpy_tree`` / ``from_numpy_tree``: a state dict of tensors as numpy arrays and back, so
+  that ``common.checkpoint`` writes it as safetensors + JSON (nothing pickled, nothing that runs
+  code on load) and a resumed run continues bitwise (fp32 on CPU).
 """
 
 from __future__ import annotations
@@ -9,62 +12,94 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
-TRAINER_STATE = "trainer_state.json"
+from twinseq.common.errors import CheckpointError
 
 
-def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
-    return Path(output_dir) / f"checkpoint-{step}"
+def load_pretrained(path: Union[str, Path], *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
+                    device: Any = None) -> torch.nn.Module:
+    """Load a local HF Llama checkpoint directory (no download); returned in train mode.
+
+    ``dtype`` None keeps the stored dtype when it is float32 or bfloat16 (else float32).
+    """
+    from transformers import LlamaForCausalLM
+
+    from twinseq.torch_backend.attention import check_attention_supported, hf_attn_name
+    from twinseq.torch_backend.model import _as_dtype, model_config_of
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"model path {str(path)!r} holds no config.json; pass a directory written by "
+                              f"save_pretrained (or any local Hugging Face Llama checkpoint).")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type != "llama":
+        raise CheckpointError(f"{config_file} has model_type={model_type!r}; twinseq loads Llama checkpoints only.")
+    device = torch.device("cpu" if device is None else device)
+    check_attention_supported(attn_implementation, device=device, requires_grad=False)
+    model = LlamaForCausalLM.from_pretrained(str(path), local_files_only=True,
+                                             dtype="auto" if dtype is None else _as_dtype(dtype),
+                                             attn_implementation=hf_attn_name(attn_implementation))
+    if model.dtype not in (torch.float32, torch.bfloat16):
+        model = model.float()
+    model_config_of(model)  # refuses architectures twinseq does not build (RoPE scaling, biases)
+    model.config.use_cache = False
+    return model.to(device).train()
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(path: Path, *, model, optimizer, scheduler, step: int, data_state: dict,
-                    config: dict) -> Path:
-    from twinseq.torch_backend.model import save_pretrained
-
+def save_pretrained(model: torch.nn.Module, path: Union[str, Path]) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (HF layout) to ``path``; returns ``path``."""
+    path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_pretrained(model, path)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()},
-               path / "training_state.pt")
-    (path / TRAINER_STATE).write_text(json.dumps({"step": step, "data": data_state, "config": config}, indent=2))
+    model.save_pretrained(str(path), safe_serialization=True)
     return path
 
 
-def load_checkpoint(path: str | Path, *, model, optimizer, scheduler) -> dict:
-    """Restore model weights, optimizer, scheduler and RNG in place; return the trainer state."""
-    path = Path(path)
-    if not (path / TRAINER_STATE).is_file():
-        raise ValueError(f"resume_from_checkpoint={str(path)!r} holds no {TRAINER_STATE}; pass a "
-                         f"'checkpoint-N' directory written by `twinseq train --save-steps N`.")
-    from safetensors.torch import load_file
+def to_numpy_tree(tree: Any) -> Any:
+    """Tensors -> numpy (bfloat16 through float32, exact), tuples -> lists, int dict keys -> strings."""
+    if isinstance(tree, torch.Tensor):
+        t = tree.detach().cpu()
+        return (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
+    if isinstance(tree, dict):
+        return {str(k): to_numpy_tree(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [to_numpy_tree(v) for v in tree]
+    return tree
 
-    weights = load_file(str(path / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    # lm_head is absent from the file when embeddings are tied.
-    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {str(path)!r} does not match the model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}; resume with the same --model-config.")
-    state = torch.load(path / "training_state.pt", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
-    return json.loads((path / TRAINER_STATE).read_text())
+
+def from_numpy_tree(tree: Any) -> Any:
+    """numpy arrays -> CPU tensors (the inverse of ``to_numpy_tree`` but for keys and tuples)."""
+    if isinstance(tree, np.ndarray):
+        return torch.from_numpy(np.array(tree))
+    if isinstance(tree, dict):
+        return {k: from_numpy_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [from_numpy_tree(v) for v in tree]
+    return tree
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a torch run draws from, as numpy/JSON (Python's, numpy's legacy one, torch CPU/CUDA)."""
+    version, internal, gauss = random.getstate()
+    legacy = np.random.get_state()
+    state = {"python": {"version": version, "internal": np.asarray(internal, np.uint64), "gauss": gauss},
+             "numpy": {"keys": legacy[1], "pos": int(legacy[2]), "has_gauss": int(legacy[3]),
+                       "cached_gaussian": float(legacy[4])},
+             "torch": torch.get_rng_state().numpy().copy()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.numpy().copy() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["internal"]), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state(("MT19937", npy["keys"], npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
+    torch.set_rng_state(torch.from_numpy(np.array(state["torch"])))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.from_numpy(np.array(s)) for s in state["cuda"]])

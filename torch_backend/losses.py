@@ -31,11 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from twinseq.common.config import LOSS_TYPES
-
-IGNORE_INDEX = -100
-DEFAULT_CHUNK_SIZE = 256
-_GPU_EXTRA = "pip install -e '.[gpu]'"
+from twinseq.common.capabilities import GPU_EXTRA as _GPU_EXTRA
+from twinseq.common.config import DEFAULT_CHUNK_SIZE, LOSS_TYPES
+from twinseq.common.loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 

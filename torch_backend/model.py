@@ -1,24 +1,24 @@
 """The torch model: a Hugging Face ``LlamaForCausalLM`` built from the neutral ``ModelConfig``.
 
-Weights come from ``common.init.init_weights`` (numpy, HF names) or a local HF checkpoint,
-so the torch and JAX backends start from the same model. The protocol functions
-``logits`` and ``loss_and_grads`` run through ``attention.forward_hidden``, which masks
-documents on every attention path.
+Weights come from ``common.init.init_weights`` (numpy, HF names) or a local HF checkpoint
+(``checkpoint.load_pretrained``), so the torch and JAX backends start from the same model.
+The protocol functions ``build_model``, ``export_weights``, ``logits`` and ``loss_and_grads``
+(``common.backend.Backend``) live here; ``logits`` and ``loss_and_grads`` run through
+``attention.forward_hidden``, which masks documents on every attention path.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
 from twinseq.common.batching import Batch
-from twinseq.common.config import ModelConfig
-from twinseq.common.init import check_weights, parameter_shapes
+from twinseq.common.config import DEFAULT_CHUNK_SIZE, ModelConfig
+from twinseq.common.errors import ConfigError
+from twinseq.common.init import check_weights, init_weights, parameter_shapes
 from twinseq.torch_backend.attention import check_attention_supported, forward_hidden, hf_attn_name
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def _as_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not valid; choose one of {sorted(_DTYPES)} or a torch.dtype.")
+        raise ConfigError(f"dtype={dtype!r} is not valid; choose one of {sorted(_DTYPES)} or a torch.dtype.")
     return _DTYPES[dtype]
 
 
@@ -56,10 +56,10 @@ def model_config_from_hf(config) -> ModelConfig:
     rope = getattr(config, "rope_parameters", None) or {}
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
-        raise ValueError(f"rope_parameters.rope_type={rope_type!r} is not supported; twinseq builds default "
+        raise ConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported; twinseq builds default "
                          f"(unscaled) RoPE only. Use a checkpoint without RoPE scaling.")
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        raise ValueError("attention_bias/mlp_bias=True is not supported by twinseq's Llama; use a checkpoint "
+        raise ConfigError("attention_bias/mlp_bias=True is not supported by twinseq's Llama; use a checkpoint "
                          "without biases.")
     values = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
                                               "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -75,31 +75,27 @@ def model_config_of(model: torch.nn.Module) -> ModelConfig:
     return model_config_from_hf(model.config)
 
 
-def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *,
-                attn_implementation: str = "sdpa", dtype: Union[str, torch.dtype] = torch.float32,
-                device: Any = "cpu") -> torch.nn.Module:
-    """A ``LlamaForCausalLM`` of ``cfg`` on ``device`` in ``dtype``, loaded with ``weights``.
+def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *, dtype: str = "float32",
+                attn_implementation: str = "sdpa", device: Any = None) -> torch.nn.Module:
+    """A ``LlamaForCausalLM`` of ``cfg`` in ``dtype`` on ``device`` (default CPU), in train mode.
 
-    ``weights`` are HF-named numpy arrays (``common.init.init_weights``); names and shapes are
-    checked strictly (``ValueError`` listing every mismatch). Without ``weights`` HF's own
-    random init is used. The model is returned in train mode.
+    ``weights`` are HF-named numpy arrays, checked strictly by name and shape (``ValueError``
+    listing every mismatch); None draws ``common.init.init_weights(cfg, seed=0)``, the same
+    model the JAX backend builds.
     """
     from transformers import LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
+    device = torch.device("cpu" if device is None else device)
     check_attention_supported(attn_implementation, device=device, requires_grad=False)
-    if weights is not None:
-        check_weights(cfg, weights)
-    config = to_llama_config(cfg, attn_implementation)
-    if weights is None:
-        model = LlamaForCausalLM(config)
-    else:
-        # HF's random init would only be overwritten; no_init_weights also skips the tying step
-        with no_init_weights():
-            model = LlamaForCausalLM(config)
-        model.tie_weights()
-        load_weights_(model, weights)
-    model.to(torch.device(device))
+    weights = init_weights(cfg, seed=0) if weights is None else weights
+    check_weights(cfg, weights)
+    # HF's random init would only be overwritten; no_init_weights also skips the tying step
+    with no_init_weights():
+        model = LlamaForCausalLM(to_llama_config(cfg, attn_implementation))
+    model.tie_weights()
+    load_weights_(model, weights)
+    model.to(device)
     _cast_parameters(model, _as_dtype(dtype))
     return model.train()
 
@@ -132,35 +128,6 @@ def export_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {name: params[name].detach().to(device="cpu", dtype=torch.float32).numpy().copy() for name in names}
 
 
-def load_pretrained(path: Union[str, Path], *, attn_implementation: str = "sdpa",
-                    dtype: Union[str, torch.dtype] = torch.float32, device: Any = "cpu") -> torch.nn.Module:
-    """Load a local HF Llama checkpoint directory (no download); returned in train mode."""
-    from transformers import LlamaForCausalLM
-
-    path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model path {str(path)!r} holds no config.json; pass a directory written by "
-                         f"save_pretrained (or any local Hugging Face Llama checkpoint).")
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    if model_type != "llama":
-        raise ValueError(f"{config_file} has model_type={model_type!r}; twinseq loads Llama checkpoints only.")
-    check_attention_supported(attn_implementation, device=device, requires_grad=False)
-    model = LlamaForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=_as_dtype(dtype),
-                                             attn_implementation=hf_attn_name(attn_implementation))
-    model_config_of(model)  # refuses architectures twinseq does not build (RoPE scaling, biases)
-    model.config.use_cache = False
-    return model.to(torch.device(device)).train()
-
-
-def save_pretrained(model: torch.nn.Module, path: Union[str, Path]) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (HF layout) to ``path``; returns ``path``."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path
-
-
 # --------------------------------------------------------------------------------------
 # Backend protocol
 # --------------------------------------------------------------------------------------
@@ -174,7 +141,7 @@ def logits(model: torch.nn.Module, batch: Batch) -> np.ndarray:
 
 
 def compute_loss(model: torch.nn.Module, batch: Batch, loss_type: str = "nll", *,
-                 attn_implementation: Optional[str] = None, chunk_size: int = 256,
+                 attn_implementation: Optional[str] = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  return_metrics: bool = False):
     """Scalar loss tensor: ``sum of NLL over batch's targets / batch.num_items_in_batch``."""
     from twinseq.torch_backend.losses import causal_lm_loss
@@ -185,16 +152,16 @@ def compute_loss(model: torch.nn.Module, batch: Batch, loss_type: str = "nll", *
                           chunk_size=chunk_size, return_metrics=return_metrics)
 
 
-def loss_and_grads(model: torch.nn.Module, batch: Batch, loss_type: str = "nll",
-                   **kwargs: Any) -> tuple[float, dict[str, np.ndarray]]:
+def loss_and_grads(model: torch.nn.Module, batch: Batch, loss_type: str = "nll", *,
+                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray]]:
     """(loss, float32 numpy gradient per HF parameter name) of one micro-batch.
 
     The loss is normalised by ``batch.num_items_in_batch`` (the whole step's label count), so
     summing the results of a step's micro-batches gives the full-batch loss and gradients.
-    The model's ``.grad`` fields are cleared before and after. ``kwargs`` go to ``compute_loss``.
+    The model's ``.grad`` fields are cleared before and after.
     """
     model.zero_grad(set_to_none=True)
-    loss = compute_loss(model, batch, loss_type, **kwargs)
+    loss = compute_loss(model, batch, loss_type, chunk_size=chunk_size)
     loss.backward()
     params = dict(model.named_parameters())
     grads = {}

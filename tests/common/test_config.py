@@ -1,8 +1,10 @@
 import dataclasses
+import re
 
 import pytest
 
-from twinseq.common.config import MODEL_PRESETS, ModelConfig, TrainConfig, resolve_model_config
+from twinseq.common.config import MODEL_PRESETS, SECTIONS, ModelConfig, TrainConfig, resolve_model_config
+from twinseq.common.errors import TwinseqError
 
 
 @pytest.mark.parametrize(
@@ -23,17 +25,78 @@ from twinseq.common.config import MODEL_PRESETS, ModelConfig, TrainConfig, resol
 )
 def test_invalid_train_config_names_field_and_value(field, value, fragment):
     with pytest.raises(ValueError) as err:
-        TrainConfig(**{field: value})
+        TrainConfig.from_flat(**{field: value})
     assert fragment in str(err.value)
+    assert isinstance(err.value, TwinseqError)
 
 
 def test_packing_needs_max_length():
     with pytest.raises(ValueError, match="max_length"):
-        TrainConfig(packing=True, max_length=None)
+        TrainConfig.from_flat(packing=True, max_length=None)
 
 
-def test_use_liger_kernel_selects_liger_loss():
-    assert TrainConfig(use_liger_kernel=True).loss_type == "liger"
+def test_use_liger_kernel_selects_liger_loss_and_refuses_another_kernel():
+    assert TrainConfig.from_flat(use_liger_kernel=True).loss.loss_type == "liger"
+    with pytest.raises(ValueError, match="use_liger_kernel=True selects Liger"):
+        TrainConfig.from_flat(use_liger_kernel=True, loss_type="fused_linear")
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("learning_rate", "fast", "must be a number, not str"),
+    ("learning_rate", float("nan"), "must be a finite number"),
+    ("learning_rate", float("inf"), "must be a finite number"),
+    ("per_device_train_batch_size", 2.0, "must be an integer, not float"),
+    ("packing", "no", "must be true or false"),
+    ("packing", 1, "must be true or false"),
+    ("adam_beta1", 1.0, "adam_beta1=1.0 is not valid: it must be >= 0 and < 1"),
+    ("adam_beta2", -0.1, "adam_beta2=-0.1"),
+    ("max_steps", 0, "max_steps=0"),
+    ("label_smoothing", 0.7, "label_smoothing=0.7"),
+    ("report_to", ["wandb"], "report_to[0]='wandb'"),
+    ("dpo_loss_type", 3, "dpo_loss_type=3"),
+])
+def test_types_and_ranges_are_checked_in_one_place(field, value, fragment):
+    with pytest.raises((ValueError, TypeError), match=re.escape(fragment)) as err:
+        TrainConfig.from_flat(**{field: value})
+    assert isinstance(err.value, TwinseqError)
+
+
+def test_config_is_nested_by_concern_with_unique_flat_names():
+    cfg = TrainConfig.from_flat(max_length=64, learning_rate=3e-3, loss_type="fused_linear",
+                                gradient_checkpointing=True, context_parallel_size=2, model_config="small")
+    assert (cfg.data.max_length, cfg.optim.learning_rate, cfg.loss.loss_type) == (64, 3e-3, "fused_linear")
+    assert (cfg.memory.gradient_checkpointing, cfg.parallel.context_parallel_size, cfg.model.model_config) == \
+        (True, 2, "small")
+    assert set(SECTIONS) == {"model", "data", "optim", "loss", "memory", "parallel", "dpo"}
+    flat = cfg.to_flat_dict()
+    assert TrainConfig.from_dict(flat) == cfg == TrainConfig.from_dict(cfg.to_dict())
+    assert cfg.replace(max_length=32).data.max_length == 32 and cfg.data.max_length == 64
+    nested = TrainConfig.from_dict({"data": {"max_length": 16}, "seed": 4})
+    assert (nested.data.max_length, nested.seed) == (16, 4)
+    with pytest.raises(ValueError, match="data.learning_rate"):
+        TrainConfig.from_dict({"data": {"learning_rate": 1.0}})
+
+
+def test_an_option_of_another_task_is_refused_not_ignored():
+    with pytest.raises(ValueError, match="beta is read by task='dpo' only"):
+        TrainConfig.from_flat(task="sft", beta=0.5)
+    assert TrainConfig.from_flat(task="dpo", beta=0.5).dpo.beta == 0.5
+    with pytest.raises(ValueError, match="packing=True does not apply to DPO"):
+        TrainConfig.from_flat(task="dpo", packing=True, max_length=64)
+
+
+def test_unread_fields_are_gone():
+    """A field that no code reads does not exist (they come back with the GRPO work that reads them)."""
+    for name in ("ds3_gather_for_generation", "vllm_sleep_enabled"):
+        with pytest.raises(ValueError, match=f"unknown field.*{name}"):
+            TrainConfig.from_flat(**{name: True})
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("max_steps: 3\nlearning_rate: [1e-3\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:3")):
+        TrainConfig.from_yaml(path)
 
 
 def test_backend_default_from_env(monkeypatch):
@@ -62,7 +125,7 @@ def test_yaml_round_trip_and_unknown_keys(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("max_steps: 7\nloss_type: chunked_nll\n")
     cfg = TrainConfig.from_yaml(path)
-    assert (cfg.max_steps, cfg.loss_type) == (7, "chunked_nll")
+    assert (cfg.max_steps, cfg.loss.loss_type) == (7, "chunked_nll")
     path.write_text("max_stepz: 7\n")
     with pytest.raises(ValueError, match="max_stepz"):
         TrainConfig.from_yaml(path)
@@ -70,10 +133,10 @@ def test_yaml_round_trip_and_unknown_keys(tmp_path):
 
 
 def test_field_names_follow_trl():
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    names = set(TrainConfig().to_flat_dict())
     trl_names = {"max_length", "truncation_mode", "max_prompt_length", "max_completion_length", "packing",
                  "packing_strategy", "padding_free", "pad_to_multiple_of", "completion_only_loss", "loss_type",
                  "use_liger_kernel", "activation_offloading", "gradient_checkpointing",
-                 "gradient_accumulation_steps", "per_device_train_batch_size", "beta",
-                 "ds3_gather_for_generation", "vllm_sleep_enabled"}
+                 "gradient_accumulation_steps", "per_device_train_batch_size", "beta", "learning_rate",
+                 "save_total_limit", "resume_from_checkpoint", "report_to", "logging_steps"}
     assert trl_names <= names

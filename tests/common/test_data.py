@@ -229,7 +229,7 @@ def test_dpo_drops_pairs_without_completion(embedded_tokenizer):
 def test_prepare_sft_dataset(tmp_path):
     path = tmp_path / "train.jsonl"
     _write(path, ROWS, "jsonl")
-    rows, tok, stats = prepare_sft_dataset(TrainConfig(dataset_name=str(path), max_length=64))
+    rows, tok, stats = prepare_sft_dataset(TrainConfig.from_flat(dataset_name=str(path), max_length=64))
     assert rows.column_names == ["input_ids", "completion_mask"] and len(rows) == 2
     assert stats.examples_seen == 3 and tok.vocab_size == 8192
     batch = collate(list(rows), pad_token_id=tok.pad_token_id)
@@ -237,16 +237,16 @@ def test_prepare_sft_dataset(tmp_path):
 
 
 def test_prepare_sft_embedded_and_packing_strategies(embedded_sft):
-    cfg = TrainConfig(dataset_split="train[:200]", max_length=32)
+    cfg = TrainConfig.from_flat(dataset_split="train[:200]", max_length=32)
     rows, _, stats = prepare_sft_dataset(cfg)
     assert max(len(x) for x in rows["input_ids"]) <= 32 and stats.tokens_truncated > 0
-    split_cfg = TrainConfig(dataset_split="train[:200]", max_length=32, packing=True, packing_strategy="bfd_split")
+    split_cfg = TrainConfig.from_flat(dataset_split="train[:200]", max_length=32, packing=True, packing_strategy="bfd_split")
     rows, _, stats = prepare_sft_dataset(split_cfg)
     assert stats.tokens_truncated == 0 and max(len(x) for x in rows["input_ids"]) > 32
 
 
 def test_prepare_dpo_dataset(embedded_preference):
-    cfg = TrainConfig(task="dpo", dataset_split="train[:100]", max_length=64, max_prompt_length=16)
+    cfg = TrainConfig.from_flat(task="dpo", dataset_split="train[:100]", max_length=64, max_prompt_length=16)
     rows, tok, stats = prepare_dpo_dataset(cfg)
     assert rows.column_names == ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"]
     assert len(rows) + stats.examples_dropped == 100

@@ -142,7 +142,7 @@ def test_tokenizer_folder_without_tokenizer_json(tmp_path):
 
 
 def test_everything_dropped_is_an_error():
-    cfg = TrainConfig(task="dpo", dataset_split="train[:20]", max_length=4, max_prompt_length=None)
+    cfg = TrainConfig.from_flat(task="dpo", dataset_split="train[:20]", max_length=4, max_prompt_length=None)
     with pytest.raises(ValueError, match=r"(?s)no example .* survives.*max_length=4.*dropped: 20.*raise max_length"):
         prepare_dpo_dataset(cfg)
 

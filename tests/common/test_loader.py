@@ -9,7 +9,7 @@ ROWS = {"input_ids": [list(range(1, n + 1)) for n in [3, 7, 2, 9, 5, 4, 8, 6, 3,
 
 
 def _cfg(**kw):
-    return TrainConfig(**{"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_length": 16, **kw})
+    return TrainConfig.from_flat(**{"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2, "max_length": 16, **kw})
 
 
 def test_step_total_covers_every_micro_batch_and_rank():

@@ -75,9 +75,9 @@ def test_data_pipeline_runs_without_frameworks(embedded_tokenizer):
         from twinseq.common.config import TrainConfig
         from twinseq.common.data import prepare_sft_dataset, prepare_dpo_dataset
         from twinseq.common.lengths import profile_lengths
-        rows, tok, stats = prepare_sft_dataset(TrainConfig(dataset_split="train[:50]", max_length=64))
+        rows, tok, stats = prepare_sft_dataset(TrainConfig.from_flat(dataset_split="train[:50]", max_length=64))
         assert len(rows) > 0
-        rows, tok, stats = prepare_dpo_dataset(TrainConfig(task="dpo", dataset_split="train[:50]"))
+        rows, tok, stats = prepare_dpo_dataset(TrainConfig.from_flat(task="dpo", dataset_split="train[:50]"))
         assert len(rows) > 0
         profile_lengths([len(x) for x in rows["chosen_input_ids"]], [64], 4)
     """)

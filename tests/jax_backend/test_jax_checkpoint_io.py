@@ -19,15 +19,11 @@ from safetensors.numpy import load_file, save_file
 import twinseq.jax_backend as jb
 from twinseq.common.config import ModelConfig
 from twinseq.common.init import init_weights
-from twinseq.jax_backend.checkpoint_io import (
-    CONFIG_FILE,
-    INDEX_FILE,
-    WEIGHTS_FILE,
-    export_checkpoint,
-    import_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from twinseq.common.hf_checkpoint import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
+from twinseq.common.hf_checkpoint import read_hf_checkpoint as load_checkpoint
+from twinseq.common.hf_checkpoint import write_hf_checkpoint as save_checkpoint
+from twinseq.jax_backend.checkpoint import load_pretrained as import_checkpoint
+from twinseq.jax_backend.checkpoint import save_pretrained
 
 
 def _cfg(**overrides) -> ModelConfig:
@@ -38,7 +34,7 @@ def _cfg(**overrides) -> ModelConfig:
 def test_export_import_round_trip(tmp_path, tied, dtype):
     cfg = _cfg(tie_word_embeddings=tied, rope_theta=123456.0)
     model = jb.build_model(cfg, init_weights(cfg, seed=1), dtype=dtype)
-    export_checkpoint(model, tmp_path)
+    save_pretrained(model, tmp_path)
     stored = load_file(str(tmp_path / WEIGHTS_FILE))
     assert {str(a.dtype) for a in stored.values()} == {dtype}
     config = json.loads((tmp_path / CONFIG_FILE).read_text())

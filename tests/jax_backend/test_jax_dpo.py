@@ -30,6 +30,7 @@ from twinseq.common.init import init_weights  # noqa: E402
 from twinseq.common.metrics import REQUIRED_FIELDS, read_metrics  # noqa: E402
 from twinseq.jax_backend import build_model, logits  # noqa: E402
 from twinseq.jax_backend import dpo as jdpo  # noqa: E402
+from twinseq.jax_backend import logprobs as jlp  # noqa: E402
 
 REWARD_FIELDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 LENGTHS = ((5, 7, 4), (3, 9, 6), (8, 2, 5), (4, 5, 10))
@@ -77,7 +78,7 @@ def test_fused_logps_equal_autodiff_of_log_softmax(chunk_size):
         return jnp.where(targets != -100, picked, 0.0)
 
     def fused(hd, w):
-        return jdpo.token_logps(hd, w, labels, "fused_linear", chunk_size)
+        return jlp.token_logps(hd, w, labels, "fused_linear", chunk_size)
 
     def value_and_grads(fn):  # one compilation per function instead of op-by-op dispatch
         return jax.jit(lambda hd, w: (fn(hd, w), jax.grad(lambda a, b: fn(a, b) @ upstream, argnums=(0, 1))(hd, w)))
@@ -96,7 +97,7 @@ def test_kernels_agree_on_logps_and_dpo_gradients(tiny, padding_free):
     np_c, np_r = sequence_logps_from_logits(logits(model, pb.batch), pb)
     config = validate_dpo_config(["sigmoid", "ipo"], [1.0, 0.5], beta=0.5)
     results = {}
-    for kernel in jdpo.LOGPS_LOSS_TYPES:
+    for kernel in jlp.LOGPS_LOSS_TYPES:
         results[kernel] = jdpo.dpo_loss_and_grads(model, pb, config, ref_chosen_logps=np_c + 0.7,
                                                   ref_rejected_logps=np_r - 0.4, loss_type=kernel, chunk_size=4)
         pairs = results[kernel][2]
@@ -164,7 +165,7 @@ def test_precomputed_reference_equals_the_live_copy(tiny):
     cfg, model = tiny
     examples = _examples(cfg.vocab_size, LENGTHS + ((2, 3, 3), (6, 4, 8)), seed=5)
     rows = {k: [ex[k] for ex in examples] for k in examples[0]}
-    train_cfg = TrainConfig(task="dpo", backend="jax", per_device_train_batch_size=4, padding_free=True)
+    train_cfg = TrainConfig.from_flat(task="dpo", backend="jax", per_device_train_batch_size=4, padding_free=True)
     columns = preference_columns(jdpo.precompute_ref_logps(model, rows, train_cfg, pad_token_id=0, bucket=16))
     live_c, live_r = jdpo.compute_sequence_logps(model, collate_preference(examples), loss_type="nll")
     np.testing.assert_allclose(columns["ref_chosen_logps"], live_c, rtol=0, atol=2e-5)
@@ -176,12 +177,15 @@ def test_precomputed_reference_equals_the_live_copy(tiny):
     ({"packing": True}, "packing=True does not apply to DPO"),
     ({"torch_compile": True}, "torch_compile"),
     ({"activation_offloading": True}, "activation_offloading"),
-    ({"context_parallel_size": 2}, "context_parallel_size=2 is not implemented for task='dpo'"),
+    ({"context_parallel_size": 2}, "not implemented for DPO"),
     ({"dpo_loss_type": ["exo_pair"]}, "label_smoothing=0.0 is not valid"),
 ])
 def test_trainer_refuses_invalid_combinations(overrides, match):
-    with pytest.raises(ValueError, match=match):  # the last case is refused by TrainConfig itself
-        jdpo.validate_dpo_runtime(TrainConfig(backend="jax", task="dpo", **overrides))
+    from twinseq.common.capabilities import Runtime, check_runtime
+
+    with pytest.raises(ValueError, match=match):  # packing and exo_pair are refused by TrainConfig itself
+        check_runtime(TrainConfig.from_flat(backend="jax", task="dpo", **overrides),
+                      Runtime("jax", "cpu", jax.device_count()))
 
 
 def _train_args(out, *extra) -> list[str]:

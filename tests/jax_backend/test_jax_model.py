@@ -137,7 +137,7 @@ def test_train_stays_a_function_after_the_submodule_is_imported():
 
     from twinseq.common.backend import PROTOCOL, load_backend
 
-    importlib.import_module("twinseq.jax_backend.train")
+    importlib.import_module("twinseq.jax_backend.trainer")
     backend = load_backend("jax")
     for name in PROTOCOL:
         assert callable(getattr(backend, name)) and not isinstance(getattr(backend, name), type(jax)), name

@@ -22,7 +22,8 @@ from parity_tests.inputs import parity_batches, rel_norm
 from parity_tests.tolerances import tol
 from twinseq.common.config import ModelConfig
 from twinseq.common.init import init_weights
-from twinseq.jax_backend.remat import REMAT_POLICIES, check_policy, device_memory_kinds, remat
+from twinseq.jax_backend.memory import (REMAT_POLICIES, apply_activation_checkpointing, check_policy,
+                                        device_memory_kinds, remat)
 
 
 @pytest.fixture(autouse=True)
@@ -40,11 +41,17 @@ def reference():
         return cfg, weights, batch, jb.loss_and_grads(jb.build_model(cfg, weights), batch)
 
 
+def _model(cfg, weights, policy):
+    model = jb.build_model(cfg, weights)
+    apply_activation_checkpointing(model, policy)
+    return model
+
+
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
 def test_policies_do_not_change_the_numbers(reference, policy, caplog):
     cfg, weights, batch, (loss, grads) = reference
-    with caplog.at_level(logging.INFO, logger="twinseq.jax_backend.remat"):
-        got_loss, got_grads = jb.loss_and_grads(jb.build_model(cfg, weights, remat_policy=policy), batch)
+    with caplog.at_level(logging.INFO, logger="twinseq.jax_backend.memory"):
+        got_loss, got_grads = jb.loss_and_grads(_model(cfg, weights, policy), batch)
     assert abs(got_loss - loss) <= tol("float32", "loss_rel") * loss
     for name in grads:
         assert rel_norm(got_grads[name], grads[name]) <= tol("float32", "grad_rel"), (policy, name)
@@ -58,7 +65,7 @@ def test_policy_reaches_the_traced_layers(reference, policy):
     from flax import nnx
 
     cfg, weights, batch, _ = reference
-    graphdef, state = nnx.split(jb.build_model(cfg, weights, remat_policy=policy))
+    graphdef, state = nnx.split(_model(cfg, weights, policy))
     inputs = jb.batch_inputs(batch, cfg.vocab_size)[:3]
     jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(*inputs).sum())(state).jaxpr
     remat_eqns = [e for e in jaxpr.eqns if e.primitive.name in ("checkpoint", "remat2")]  # name varies by version
@@ -75,7 +82,7 @@ def test_unknown_policy_lists_the_names():
         remat(lambda x: x, "everything")
     cfg = ModelConfig.preset("tiny", vocab_size=256)
     with pytest.raises(ValueError, match="remat policy 'offload_everything' is unknown"):
-        jb.build_model(cfg, init_weights(cfg), remat_policy="offload_everything")
+        apply_activation_checkpointing(jb.build_model(cfg, init_weights(cfg)), "offload_everything")
 
 
 def test_host_offload_without_host_memory_raises():

@@ -20,7 +20,7 @@ def _cfg(output_dir, **overrides) -> TrainConfig:
     values = dict(backend="jax", output_dir=str(output_dir), max_steps=4, save_steps=2, max_length=64,
                   per_device_train_batch_size=2, gradient_accumulation_steps=2, pad_to_multiple_of=64,
                   loss_type="fused_linear", loss_chunk_size=64, disable_tqdm=True, learning_rate=3e-3)
-    return TrainConfig(**{**values, **overrides})
+    return TrainConfig.from_flat(**{**values, **overrides})
 
 
 @pytest.mark.slow
@@ -28,7 +28,8 @@ def test_train_logs_checkpoints_and_resumes_bitwise(tmp_path):
     import numpy as np
 
     import twinseq.jax_backend as jb
-    from twinseq.jax_backend.checkpoint_io import load_checkpoint
+    from twinseq.common.checkpoint import load_training_checkpoint
+    from twinseq.common.hf_checkpoint import read_hf_checkpoint
 
     path = jb.train(_cfg(tmp_path / "full"))
     records = read_metrics(tmp_path / "full")
@@ -44,29 +45,30 @@ def test_train_logs_checkpoints_and_resumes_bitwise(tmp_path):
     for a, b in zip(records[2:], resumed):
         assert (a["loss"], a["grad_norm"], a["num_tokens"]) == (b["loss"], b["grad_norm"], b["num_tokens"])
 
-    _, final = load_checkpoint(tmp_path / "full" / "final")
-    _, last = load_checkpoint(tmp_path / "full" / "checkpoint-4")
-    assert all(final[k].tobytes() == last[k].tobytes() for k in final)
+    _, final = read_hf_checkpoint(tmp_path / "full" / "final")
+    _, last = load_training_checkpoint(tmp_path / "full" / "checkpoint-4")
+    assert sorted(final) == sorted(last["model"])
+    assert all(final[k].tobytes() == last["model"][k].tobytes() for k in final)
 
 
 @pytest.mark.parametrize("overrides,match", [
     ({"loss_type": "liger"}, "fused_linear"),
-    ({"task": "dpo"}, "task='dpo'"),
     ({"torch_compile": True}, "torch_compile"),
     ({"activation_offloading": True}, "activation_offloading"),
+    ({"fsdp": True}, "fsdp=True is a torch option"),
 ])
-def test_unsupported_options_raise(tmp_path, overrides, match):
-    from twinseq.jax_backend.train import validate_runtime
+def test_unsupported_options_raise_before_any_work(tmp_path, overrides, match):
+    import twinseq.jax_backend as jb
 
     with pytest.raises(ValueError, match=match):
-        validate_runtime(_cfg(tmp_path, **overrides))
+        jb.train(_cfg(tmp_path, dataset_name="/nonexistent.jsonl", **overrides))
 
 
 def test_pad_batch_keeps_the_loss_inputs():
     import numpy as np
 
     from twinseq.common.batching import collate
-    from twinseq.jax_backend.train import pad_batch
+    from twinseq.common.batching import pad_batch
 
     batch = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}], padding_free=True)
     padded = pad_batch(batch, rows=2, multiple=8)

@@ -17,7 +17,7 @@ from jax.sharding import AxisType
 
 from twinseq.common.context_parallel import shard_sequence, unshard_sequence
 from twinseq.jax_backend.attention import document_causal_mask, dot_product_attention
-from twinseq.jax_backend.ring_attention import (
+from twinseq.jax_backend.context_parallel import (
     STRATEGIES,
     blocked_attention,
     sharded_attention,

@@ -87,13 +87,13 @@ def test_loss_on_shifted_targets_in_cp_order_equals_the_plain_loss(loss_type):
     labels_BT = np.where(batch.labels >= 0, batch.labels % 64, batch.labels)
 
     def loss_grads(hidden, targets, shifted):
-        fn = lambda h, w: causal_lm_loss(h, w, targets, 40, loss_type, chunk_size=8, shifted=shifted)  # noqa: E731
+        fn = lambda h, w: causal_lm_loss(h, w, targets, 40, loss_type, chunk_size=8, targets_are_shifted=shifted)  # noqa: E731
         return jax.value_and_grad(fn, argnums=(0, 1))(hidden, lm_head_VH)
 
     plain, (dh, dw) = loss_grads(hidden_BTH, jnp.asarray(labels_BT), False)
     perm = cp_permutation(32, cp=4)
     targets_BT = shift_labels(labels_BT)[:, perm]
-    assert check_labels(targets_BT, 64, 40, shifted=True) == check_labels(labels_BT, 64, 40)
+    assert check_labels(targets_BT, 64, 40, targets_are_shifted=True) == check_labels(labels_BT, 64, 40)
     cp_loss, (dh_cp, dw_cp) = loss_grads(hidden_BTH[:, perm], jnp.asarray(targets_BT), True)
     assert abs(float(cp_loss) - float(plain)) <= 1e-6 * abs(float(plain))
     np.testing.assert_allclose(np.asarray(dh_cp), np.asarray(dh)[:, perm], rtol=0, atol=1e-6)
@@ -104,11 +104,11 @@ def test_loss_on_shifted_targets_in_cp_order_equals_the_plain_loss(loss_type):
 
 
 def test_data_parallel_steps_read_the_rows_of_torch_ranks():
-    from twinseq.jax_backend.sharding import DataParallelSteps
+    from twinseq.jax_backend.parallel import DataParallelSteps
 
     rng = np.random.default_rng(0)
     rows = {"input_ids": [rng.integers(3, 100, n).tolist() for n in rng.integers(2, 30, 40)]}
-    cfg = TrainConfig(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_length=64)
+    cfg = TrainConfig.from_flat(per_device_train_batch_size=3, gradient_accumulation_steps=2, max_length=64)
     feed = DataParallelSteps(rows, cfg, pad_token_id=0, num_replicas=2, multiple=8)
     ranks = [StepIterator(rows, cfg, pad_token_id=0, world_size=2, rank=r) for r in range(2)]
     for _ in range(3):
@@ -126,23 +126,23 @@ def test_data_parallel_steps_read_the_rows_of_torch_ranks():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(context_parallel_size=16), r"context_parallel_size=16 is larger than the 8 visible JAX devices"),
-    (dict(context_parallel_size=3), r"context_parallel_size=3 does not divide 8.*\[2, 4, 8\]"),
-    (dict(context_parallel_size=4, pad_to_multiple_of=12), r"pad_to_multiple_of=12 .*--pad-to-multiple-of 8"),
+    (dict(context_parallel_size=16), r"context_parallel_size=16 is larger than the 8 visible devices"),
+    (dict(context_parallel_size=3), r"context_parallel_size=3 does not divide the 8 visible devices.*\[1, 2, 4, 8\]"),
+    (dict(context_parallel_size=4, pad_to_multiple_of=12), r"pad_to_multiple_of=12 .*--pad-to-multiple-of 24"),
 ])
 def test_bad_mesh_configs_raise(overrides, match):
-    from twinseq.jax_backend.sharding import mesh_shape_of_config
+    from twinseq.jax_backend.parallel import mesh_shape_of_config
 
     with pytest.raises(ValueError, match=match):
-        mesh_shape_of_config(TrainConfig(**overrides), num_devices=8)
+        mesh_shape_of_config(TrainConfig.from_flat(**overrides), num_devices=8)
 
 
 def test_good_mesh_configs():
-    from twinseq.jax_backend.sharding import mesh_shape_of_config, sequence_multiple
+    from twinseq.jax_backend.parallel import mesh_shape_of_config, sequence_multiple
 
     assert mesh_shape_of_config(TrainConfig(), 8) == (1, 1)
-    assert mesh_shape_of_config(TrainConfig(context_parallel_size=4), 8) == (2, 4)
-    assert mesh_shape_of_config(TrainConfig(context_parallel_size=8, pad_to_multiple_of=32), 8) == (1, 8)
+    assert mesh_shape_of_config(TrainConfig.from_flat(context_parallel_size=4), 8) == (2, 4)
+    assert mesh_shape_of_config(TrainConfig.from_flat(context_parallel_size=8, pad_to_multiple_of=32), 8) == (1, 8)
     assert sequence_multiple(64, 4) == 64 and sequence_multiple(64, 3) == 192
 
 
@@ -168,7 +168,7 @@ def _cfg(data, out, **overrides) -> TrainConfig:
                   per_device_train_batch_size=2, gradient_accumulation_steps=2, pad_to_multiple_of=64,
                   learning_rate=3e-3, warmup_steps=2, weight_decay=0.1, max_steps=10, seed=3,
                   output_dir=str(out), disable_tqdm=True)
-    return TrainConfig(**{**values, **overrides})
+    return TrainConfig.from_flat(**{**values, **overrides})
 
 
 def _needs_eight_devices():
@@ -179,7 +179,7 @@ def _needs_eight_devices():
 @pytest.fixture(scope="module")
 def single_device_run(sft_jsonl, tmp_path_factory):
     """The reference: one device, the same rows per micro-step (data=2 replicas x 2 rows = 4 rows)."""
-    from twinseq.jax_backend.train import train
+    from twinseq.jax_backend.trainer import train
 
     _needs_eight_devices()
     out = tmp_path_factory.mktemp("single")
@@ -190,8 +190,8 @@ def single_device_run(sft_jsonl, tmp_path_factory):
 
 def _documents_cross_shards(cfg: TrainConfig, cp: int) -> bool:
     """Some document of the first step spans two cp shards (the case TRL #6843 gets wrong)."""
-    from twinseq.jax_backend.train import build_step_source
-    from twinseq.jax_backend.sharding import mesh_from_config
+    from twinseq.jax_backend.trainer import build_step_source
+    from twinseq.jax_backend.parallel import mesh_from_config
 
     source, _, _ = build_step_source(cfg, mesh_from_config(cfg))
     for batch in source.next_step():
@@ -219,7 +219,7 @@ def _assert_same_trajectory(got, want):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,padding_free", [("ring", False), ("allgather", True)])
 def test_cp_training_matches_single_device(sft_jsonl, single_device_run, tmp_path, strategy, padding_free):
-    from twinseq.jax_backend.train import train
+    from twinseq.jax_backend.trainer import train
 
     cfg = _cfg(sft_jsonl, tmp_path / "cp", context_parallel_size=4, context_parallel_strategy=strategy,
                padding_free=padding_free, save_steps=5 if strategy == "ring" else 0)
@@ -239,11 +239,11 @@ def test_cp_training_matches_single_device(sft_jsonl, single_device_run, tmp_pat
 
 @pytest.mark.multi_device
 def test_trainer_refuses_bad_cp_configs_before_any_work(tmp_path):
-    from twinseq.jax_backend.train import train
+    from twinseq.jax_backend.trainer import train
 
     _needs_eight_devices()
     for overrides, match in [(dict(context_parallel_size=16), "larger than the 8 visible"),
-                             (dict(context_parallel_size=3), "does not divide 8"),
+                             (dict(context_parallel_size=3), "does not divide the 8"),
                              (dict(context_parallel_size=4, pad_to_multiple_of=4), "--pad-to-multiple-of 8")]:
         out = tmp_path / str(overrides)
         with pytest.raises(ValueError, match=match):
@@ -257,23 +257,23 @@ def test_trainer_places_params_and_batches_on_the_mesh():
     from jax.sharding import PartitionSpec as P
 
     import twinseq.jax_backend as jb
-    from twinseq.jax_backend.sharding import mesh_from_config
-    from twinseq.jax_backend.train import Trainer
+    from twinseq.jax_backend.parallel import mesh_from_config, parallelize
+    from twinseq.jax_backend.trainer import SFTTrainer
 
     _needs_eight_devices()
-    cfg = TrainConfig(backend="jax", context_parallel_size=4, per_device_train_batch_size=1, padding_free=True,
+    cfg = TrainConfig.from_flat(backend="jax", context_parallel_size=4, per_device_train_batch_size=1, padding_free=True,
                       pad_to_multiple_of=32, max_steps=2, disable_tqdm=True)
     mesh = mesh_from_config(cfg)
     model_cfg = ModelConfig.preset("tiny", vocab_size=512)
-    trainer = Trainer(jb.build_model(model_cfg, init_weights(model_cfg, seed=0)), cfg, mesh)
+    trainer = SFTTrainer(parallelize(jb.build_model(model_cfg, init_weights(model_cfg, seed=0)), mesh, cfg), cfg, mesh)
     leaves = jax.tree.leaves(trainer.params)
     assert all(x.sharding.mesh.shape == mesh.shape and x.sharding.spec == P() for x in leaves)
     assert trainer.rows == 2 and trainer.bucket == 32
     batch = _packed_batch()  # one padding-free row: the second data replica gets a row of padding
     out = trainer.step([batch])
     assert out["num_label_tokens"] == batch.num_label_tokens and np.isfinite(out["loss"])
-    single = Trainer(jb.build_model(model_cfg, init_weights(model_cfg, seed=0)),
-                     TrainConfig(backend="jax", per_device_train_batch_size=1, padding_free=True,
+    single = SFTTrainer(jb.build_model(model_cfg, init_weights(model_cfg, seed=0)),
+                     TrainConfig.from_flat(backend="jax", per_device_train_batch_size=1, padding_free=True,
                                  pad_to_multiple_of=32, max_steps=2))
     want = single.step([batch])
     assert abs(out["loss"] - want["loss"]) <= CP_LOSS_REL * want["loss"]

@@ -13,7 +13,7 @@ from twinseq.common.context_parallel import shard_batch as reorder_batch
 from twinseq.common.context_parallel import shard_sequence
 from twinseq.common.loss import shift_labels
 from twinseq.jax_backend.attention import document_causal_mask, dot_product_attention
-from twinseq.jax_backend.sharding import (
+from twinseq.jax_backend.parallel import (
     MESH_AXES,
     make_mesh,
     param_shardings,
@@ -98,7 +98,7 @@ def test_param_shardings_split_only_over_fsdp():
     assert specs["w"].spec == P("fsdp", None) and specs["norm"].spec == P()
 
 
-@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
 def test_ring_attention_fn_on_data_and_cp_mesh_matches_dense(strategy):
     """Model layout [B, N, T, D], batch placed by shard_batch on a (data=2, cp=4) mesh, inside one jit."""
     mesh = make_mesh(data=2, cp=4)

@@ -1,5 +1,6 @@
 """Helpers of the distributed tests: synthetic data, the single-process reference, and the worker
-that every spawned rank runs (``python _dist_workers.py SPEC.json OUT_DIR`` with torchrun's
+that every spawned rank runs (job kinds: ``attention``, ``cp_parity``, ``train`` = the trainer's
+steps on synthetic rows, ``run`` = ``twinseq.torch_backend.trainer.train`` end to end) (``python _dist_workers.py SPEC.json OUT_DIR`` with torchrun's
 environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
 The worker writes ``OUT_DIR/rank{r}.json``; the tests compare it with the reference computed in
@@ -50,7 +51,7 @@ def make_config(**overrides: Any):
     base = dict(model_config=TINY, max_length=64, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                 learning_rate=3e-3, lr_scheduler_type="cosine", max_steps=10, seed=0, disable_tqdm=True,
                 output_dir="/nonexistent", dataset_name="synthetic")
-    return TrainConfig(**{**base, **overrides})
+    return TrainConfig.from_flat(**{**base, **overrides})
 
 
 def _model(cfg):
@@ -58,78 +59,70 @@ def _model(cfg):
     from twinseq.common.init import init_weights
     from twinseq.torch_backend.model import build_model
 
-    model_cfg = ModelConfig.preset(cfg.model_config)
-    return build_model(model_cfg, init_weights(model_cfg, seed=cfg.seed), attn_implementation=cfg.attn_implementation)
+    model_cfg = ModelConfig.preset(cfg.model.model_config)
+    return build_model(model_cfg, init_weights(model_cfg, seed=cfg.seed),
+                       attn_implementation=cfg.model.attn_implementation)
+
+
+def _trainer(cfg, runtime=None):
+    """The trainer ``twinseq.torch_backend.trainer.train`` steps, on synthetic rows instead of a dataset."""
+    import torch
+
+    from twinseq.torch_backend.parallel import parallelize
+    from twinseq.torch_backend.trainer import SFTTrainer
+
+    torch.manual_seed(cfg.seed)
+    device = torch.device("cpu") if runtime is None else runtime.device
+    return SFTTrainer(cfg, parallelize(_model(cfg), runtime, cfg), device, runtime)
 
 
 def reference_losses(cfg, rows, *, return_batches: bool = False):
-    """Per-step losses of the single-process trainer (``train.train_step`` + ``MicroStep``)."""
-    import torch
-
+    """Per-step losses of the single-process trainer."""
     from twinseq.common.loader import StepIterator
-    from twinseq.torch_backend.train import MicroStep, build_optimizer, train_step
 
-    torch.manual_seed(cfg.seed)
-    model = _model(cfg)
-    optimizer, scheduler = build_optimizer(model, cfg)
-    micro_step = MicroStep(model, cfg, torch.device("cpu"))
+    trainer = _trainer(cfg)
     iterator = StepIterator(rows, cfg, pad_token_id=0)
     losses, steps = [], []
     for _ in range(cfg.max_steps):
         batches = iterator.next_step()
         steps.append(batches)
-        losses.append(train_step(model, optimizer, scheduler, micro_step, batches, cfg)["loss"])
+        losses.append(trainer.step(batches)["loss"])
     return (losses, steps) if return_batches else losses
 
 
 def _parallel_setup(cfg, rows):
-    import torch
-
     from twinseq.common.loader import StepIterator
-    from twinseq.torch_backend.parallel import ParallelMicroStep, build_parallel_model, init_runtime
-    from twinseq.torch_backend.train import build_optimizer
+    from twinseq.torch_backend.parallel import init_runtime
 
     runtime = init_runtime(cfg)
-    torch.manual_seed(cfg.seed)
-    module = build_parallel_model(cfg, runtime, _model(cfg))
-    optimizer, scheduler = build_optimizer(module, cfg)
-    micro_step = ParallelMicroStep(module, cfg, runtime)
+    trainer = _trainer(cfg, runtime)
     iterator = StepIterator(rows, cfg, pad_token_id=0, world_size=runtime.mesh_cfg.dp, rank=runtime.dp_rank)
-    return runtime, module, optimizer, scheduler, micro_step, iterator
+    return trainer, iterator
 
 
 def distributed_losses(cfg, rows) -> list[float]:
     """Per-step losses (summed over ranks) of FSDP2 (+ CP), as this rank logs them."""
-    from twinseq.torch_backend.parallel import parallel_train_step
-
-    runtime, module, optimizer, scheduler, micro_step, iterator = _parallel_setup(cfg, rows)
-    return [parallel_train_step(module, optimizer, scheduler, micro_step, iterator.next_step(), cfg, runtime)["loss"]
-            for _ in range(cfg.max_steps)]
+    trainer, iterator = _parallel_setup(cfg, rows)
+    return [trainer.step(iterator.next_step())["loss"] for _ in range(cfg.max_steps)]
 
 
 def distributed_grads(cfg, rows) -> dict[str, np.ndarray]:
     """The full (unsharded) gradients of the first step, HF names, after FSDP2's reduce-scatter."""
-    from twinseq.torch_backend.parallel import prepare_micro_batches
-
-    runtime, module, _, _, micro_step, iterator = _parallel_setup(cfg, rows)
-    for micro in prepare_micro_batches(iterator.next_step(), cfg, runtime):
-        micro_step(micro)
-    return {n.removeprefix("causal_lm."): p.grad.full_tensor().cpu().numpy() for n, p in module.named_parameters()}
+    trainer, iterator = _parallel_setup(cfg, rows)
+    for micro in trainer.prepare(iterator.next_step()):
+        trainer.micro_step(micro)
+    return {n.removeprefix("causal_lm."): p.grad.full_tensor().cpu().numpy()
+            for n, p in trainer.module.named_parameters()}
 
 
 def reference_grads(cfg, rows) -> dict[str, np.ndarray]:
     """The gradients of the first step of the single-process trainer."""
-    import torch
-
     from twinseq.common.loader import StepIterator
-    from twinseq.torch_backend.train import MicroStep
 
-    torch.manual_seed(cfg.seed)
-    model = _model(cfg)
-    micro_step = MicroStep(model, cfg, torch.device("cpu"))
+    trainer = _trainer(cfg)
     for batch in StepIterator(rows, cfg, pad_token_id=0).next_step():
-        micro_step(batch)
-    return {n: p.grad.numpy() for n, p in model.named_parameters()}
+        trainer.micro_step(batch)
+    return {n.removeprefix("causal_lm."): p.grad.numpy() for n, p in trainer.module.named_parameters()}
 
 
 def packed_batch(seed: int = 1, pad_to: int = 8):
@@ -202,12 +195,12 @@ def cp_parity(out_dir: str, cp: int) -> dict[str, float]:
 
     from twinseq.common.context_parallel import cp_permutation
     from twinseq.torch_backend import context_parallel as cpmod
-    from twinseq.torch_backend.parallel import build_parallel_model, init_runtime
+    from twinseq.torch_backend.parallel import init_runtime, parallelize
 
     cfg = make_config(context_parallel_size=cp, pad_to_multiple_of=2 * cp)
     runtime = init_runtime(cfg)
     batch = packed_batch(pad_to=2 * cp)
-    module = build_parallel_model(cfg, runtime, _model(cfg))
+    module = parallelize(_model(cfg), runtime, cfg)
     with torch.no_grad():
         loss, _ = module(cpmod.shard_for_rank(batch, cp, runtime.cp_rank))
     dist.all_reduce(loss, op=dist.ReduceOp.SUM)
@@ -231,8 +224,13 @@ def run_spec(spec: dict, out_dir: str) -> dict:
             out[job["name"]] = attention_check()
         elif job["kind"] == "cp_parity":
             out[job["name"]] = cp_parity(out_dir, job["cp"])
+        elif job["kind"] == "run":  # the whole trainer, through the runner (data, checkpoints, resume)
+            from twinseq.torch_backend.trainer import train
+
+            train(TrainConfig.from_dict(job["config"]))
+            out[job["name"]] = "done"
         else:
-            cfg, rows = TrainConfig(**job["config"]), synthetic_rows(seed=job["data_seed"])
+            cfg, rows = TrainConfig.from_dict(job["config"]), synthetic_rows(seed=job["data_seed"])
             out[job["name"]] = distributed_losses(cfg, rows)
             grads = distributed_grads(cfg, rows)
             if dist.get_rank() == 0:

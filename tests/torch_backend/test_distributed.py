@@ -31,8 +31,9 @@ from twinseq.common.batching import collate  # noqa: E402
 from twinseq.common.config import TrainConfig  # noqa: E402
 from twinseq.common.context_parallel import cp_permutation  # noqa: E402
 from twinseq.torch_backend import context_parallel as cpmod  # noqa: E402
-from twinseq.torch_backend.parallel import (MeshConfig, check_launcher_env, check_parallel_config,  # noqa: E402
-                                            wants_distributed)
+from twinseq.common.capabilities import Runtime, check_runtime  # noqa: E402
+from twinseq.common.errors import ConfigError  # noqa: E402
+from twinseq.torch_backend.parallel import MeshConfig, check_launcher_env, wants_distributed  # noqa: E402
 
 REL = 1e-5
 CP = 2
@@ -210,14 +211,13 @@ def test_allgather_attention_per_rank_equals_dense_attention(cp):
 
 
 def _cfg(**kw) -> TrainConfig:
-    return TrainConfig(**kw)
+    return TrainConfig.from_flat(**kw)
 
 
 @pytest.mark.parametrize("kw, world, device, fragment", [
-    (dict(context_parallel_size=4, pad_to_multiple_of=8), 2, "cpu", "larger than the world size 2"),
-    (dict(context_parallel_size=2, pad_to_multiple_of=4), 3, "cpu", "world size 3 is not divisible"),
-    (dict(context_parallel_size=2), 2, "cpu", "--pad-to-multiple-of 4"),
-    (dict(context_parallel_size=2, pad_to_multiple_of=6), 2, "cpu", "--pad-to-multiple-of 4"),
+    (dict(context_parallel_size=4, pad_to_multiple_of=8), 2, "cpu", "larger than the 2 processes"),
+    (dict(context_parallel_size=2, pad_to_multiple_of=4), 3, "cpu", "does not divide the 3 processes"),
+    (dict(context_parallel_size=2, pad_to_multiple_of=6), 2, "cpu", "--pad-to-multiple-of 12"),
     (dict(context_parallel_size=2, pad_to_multiple_of=4, context_parallel_strategy="ring"), 2, "cpu",
      "needs CUDA SDPA"),
     (dict(context_parallel_size=2, pad_to_multiple_of=4, context_parallel_strategy="ring", packing=True), 2, "cuda",
@@ -228,13 +228,15 @@ def _cfg(**kw) -> TrainConfig:
      "cuda", "--padding-side right"),
 ])
 def test_bad_parallel_configs_are_refused(kw, world, device, fragment):
-    with pytest.raises(ValueError, match=re.escape(fragment)):
-        check_parallel_config(_cfg(**kw), world, device)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        check_runtime(_cfg(**kw), Runtime("torch", device, world, accelerator=device == "cuda"))
 
 
 def test_good_parallel_configs_give_the_mesh():
-    assert check_parallel_config(_cfg(), 2, "cpu") == MeshConfig(world_size=2, cp=1)
-    mesh = check_parallel_config(_cfg(context_parallel_size=2, pad_to_multiple_of=8, packing=True), 4, "cpu")
+    check_runtime(_cfg(), Runtime("torch", "cpu", 2))
+    check_runtime(_cfg(context_parallel_size=2), Runtime("torch", "cpu", 2))  # unset: rows padded to 2 * cp
+    check_runtime(_cfg(context_parallel_size=2, pad_to_multiple_of=8, packing=True), Runtime("torch", "cpu", 4))
+    mesh = MeshConfig(world_size=4, cp=2)
     assert (mesh.dp, mesh.cp, mesh.coords(1), mesh.coords(2)) == (2, 2, (0, 1), (1, 0))
 
 
@@ -244,8 +246,8 @@ def test_good_parallel_configs_give_the_mesh():
     (dict(context_parallel_strategy="ulysses"), "context_parallel_strategy='ulysses'"),
 ])
 def test_config_fields_are_validated(kw, fragment):
-    with pytest.raises(ValueError, match=fragment):
-        TrainConfig(**kw)
+    with pytest.raises((ValueError, TypeError), match=fragment):
+        TrainConfig.from_flat(**kw)
 
 
 def test_sequence_not_divisible_names_the_padding_flag():
@@ -265,18 +267,11 @@ def test_ring_refuses_packed_and_left_padded_batches():
 
 
 def test_context_parallelism_in_one_process_is_refused_before_any_work():
-    from twinseq.torch_backend.train import train
+    from twinseq.torch_backend.trainer import train
 
     cfg = _cfg(context_parallel_size=2, pad_to_multiple_of=4, dataset_name="/nonexistent.jsonl")
-    with pytest.raises(ValueError, match="larger than the world size 1"):
+    with pytest.raises(ValueError, match="larger than the 1 processes"):
         train(cfg)
-
-
-def test_options_the_fsdp2_path_lacks_are_refused_not_ignored():
-    from twinseq.torch_backend.train import train
-
-    with pytest.raises(ValueError, match="save_steps, torch_compile are not supported with FSDP2"):
-        train(_cfg(fsdp=True, save_steps=5, torch_compile=True, dataset_name="/nonexistent.jsonl"))
 
 
 def test_distributed_dispatch_and_launcher_env():
@@ -339,8 +334,10 @@ def test_twinseq_train_under_torchrun_with_fsdp2_and_cp(sft_jsonl, tmp_path):
     from twinseq.common.init import init_weights
     from twinseq.common.loader import build_step_iterator
     from twinseq.common.metrics import REQUIRED_FIELDS, read_metrics
-    from twinseq.torch_backend.model import build_model, export_weights, load_pretrained
-    from twinseq.torch_backend.train import MicroStep
+    from twinseq.torch_backend.checkpoint import load_pretrained
+    from twinseq.torch_backend.model import build_model, export_weights
+    from twinseq.torch_backend.parallel import parallelize
+    from twinseq.torch_backend.trainer import SFTTrainer
 
     flags = dict(dataset_name=str(sft_jsonl), max_length=64, per_device_train_batch_size=2, packing=True,
                  padding_free=True, attn_implementation="varlen", context_parallel_size=CP,
@@ -355,13 +352,51 @@ def test_twinseq_train_under_torchrun_with_fsdp2_and_cp(sft_jsonl, tmp_path):
 
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2, 3] and all(k in r for r in records for k in REQUIRED_FIELDS)
-    cfg = TrainConfig(**flags)
+    cfg = TrainConfig.from_flat(**flags).replace(context_parallel_size=1)
     iterator, _, _ = build_step_iterator(cfg)
     model_cfg = ModelConfig.preset("tiny")
     initial = init_weights(model_cfg, seed=cfg.seed)
-    micro_step = MicroStep(build_model(model_cfg, initial, attn_implementation="varlen"), cfg, torch.device("cpu"))
-    loss = sum(micro_step(batch)[0] for batch in iterator.next_step())
+    model = build_model(model_cfg, initial, attn_implementation="varlen")
+    trainer = SFTTrainer(cfg, parallelize(model, None, cfg), torch.device("cpu"))
+    loss = sum(trainer.micro_step(batch)["loss"] for batch in iterator.next_step())
     assert abs(records[0]["loss"] - loss) / loss <= REL
     trained = export_weights(load_pretrained(tmp_path / "run" / "final"))
     assert sorted(trained) == sorted(initial)
     assert max(float(np.abs(trained[k] - initial[k]).max()) for k in initial) > 1e-3
+
+
+@pytest.mark.slow
+def test_fsdp2_cp_resume_from_a_checkpoint_continues_the_uninterrupted_run(sft_jsonl, tmp_path):
+    """FSDP2 + allgather CP on 2 gloo ranks, through the trainer and the runner: a run resumed (with
+    ``--resume-from-checkpoint latest``) from its step-5 checkpoint, which is what a kill after that
+    save leaves on disk, logs the same losses and ends with the same weights as the run that never
+    stopped (the full state is gathered on rank 0 and every rank reloads it)."""
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from twinseq.common.metrics import read_metrics
+
+    flags = dict(dataset_name=str(sft_jsonl), max_length=64, per_device_train_batch_size=2, packing=True,
+                 padding_free=True, attn_implementation="varlen", context_parallel_size=CP, pad_to_multiple_of=2 * CP,
+                 learning_rate=3e-3, max_steps=8, save_steps=5, disable_tqdm=True, model_config="tiny")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+
+    def run(out, **kw):
+        job = {"kind": "run", "name": "run", "config": _cfg(**flags, output_dir=str(out), **kw).to_dict()}
+        (tmp_path / out.name).mkdir(exist_ok=True)
+        W.launch({"jobs": [job]}, tmp_path / out.name, world_size=CP)
+
+    run(straight)
+    assert sorted(p.name for p in straight.glob("checkpoint-*")) == ["checkpoint-5", "checkpoint-8"]
+    shutil.copytree(straight / "checkpoint-5", resumed / "checkpoint-5")
+    lines = (straight / "metrics.jsonl").read_text().splitlines()[:5]
+    (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    run(resumed, resume_from_checkpoint="latest")
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert [r["step"] for r in b] == list(range(1, 9))
+    rel = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b))
+    assert rel <= REL, f"resumed losses differ by {rel:.2e} relative"
+    wa, wb = (load_file(str(d / "final" / "model.safetensors")) for d in (straight, resumed))
+    assert sorted(wa) == sorted(wb)
+    assert max(float(np.abs(wa[k] - wb[k]).max()) for k in wa) <= 1e-6

@@ -28,6 +28,7 @@ from twinseq.common.dpo_loader import iter_preference_batches, preference_column
 from twinseq.common.init import init_weights  # noqa: E402
 from twinseq.common.metrics import REQUIRED_FIELDS, read_metrics  # noqa: E402
 from twinseq.torch_backend import dpo as tdpo  # noqa: E402
+from twinseq.torch_backend import logprobs as tlp  # noqa: E402
 from twinseq.torch_backend.model import build_model, logits  # noqa: E402
 
 REWARD_FIELDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
@@ -78,7 +79,7 @@ def test_fused_logps_equal_autograd_log_softmax_in_float64(chunk_size):
     upstream = torch.randn(n, generator=gen, dtype=torch.float64)
     naive = torch.log_softmax(hidden @ weight.T, -1)[torch.arange(n), targets]
     g_naive = torch.autograd.grad(naive, (hidden, weight), upstream)
-    fused = tdpo.FusedLinearTokenLogps.apply(hidden, weight, targets, chunk_size)
+    fused = tlp.FusedLinearTokenLogps.apply(hidden, weight, targets, chunk_size)
     g_fused = torch.autograd.grad(fused, (hidden, weight), upstream)
     torch.testing.assert_close(fused, naive, rtol=1e-13, atol=1e-13)
     for a, b in zip(g_fused, g_naive):
@@ -96,7 +97,7 @@ def test_kernels_agree_on_logps_and_dpo_gradients(tiny, padding_free):
     config = validate_dpo_config(["sigmoid", "ipo"], [1.0, 0.5], beta=0.5)
     ref_c, ref_r = np_c + 0.7, np_r - 0.4
     results = {}
-    for kernel in tdpo.LOGPS_LOSS_TYPES:
+    for kernel in tlp.LOGPS_LOSS_TYPES:
         c, r = tdpo.compute_sequence_logps(model, pb, loss_type=kernel, chunk_size=4)
         np.testing.assert_allclose(c, np_c, rtol=0, atol=1e-5)
         np.testing.assert_allclose(r, np_r, rtol=0, atol=1e-5)
@@ -135,9 +136,9 @@ def test_sequence_logps_check_their_inputs(tiny):
     pb = collate_preference(_examples(cfg.vocab_size))
     hidden = torch.zeros(*pb.batch.shape, 4)
     with pytest.raises(ValueError, match="loss_type='liger'"):
-        tdpo.sequence_logps(hidden, torch.zeros(cfg.vocab_size, 4), pb, loss_type="liger")
+        tlp.sequence_logps(hidden, torch.zeros(cfg.vocab_size, 4), pb, loss_type="liger")
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        tdpo.sequence_logps(hidden, torch.zeros(100, 4), pb)
+        tlp.sequence_logps(hidden, torch.zeros(100, 4), pb)
 
 
 # --------------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ def test_precomputed_reference_equals_the_live_copy(tiny):
     model = build_model(cfg, weights)
     examples = _examples(cfg.vocab_size, LENGTHS + ((2, 3, 3), (6, 4, 8)), seed=5)
     rows = {k: [ex[k] for ex in examples] for k in examples[0]}
-    train_cfg = TrainConfig(task="dpo", per_device_train_batch_size=3, padding_free=True, loss_type="fused_linear")
+    train_cfg = TrainConfig.from_flat(task="dpo", per_device_train_batch_size=3, padding_free=True, loss_type="fused_linear")
     ref = tdpo.frozen_reference(model)
     with_ref = tdpo.precompute_ref_logps(ref, rows, train_cfg, pad_token_id=0)
     columns = preference_columns(with_ref)
@@ -267,7 +268,7 @@ def test_preference_iterator_sees_every_pair_once_per_epoch_and_resumes():
 
     rows = {"prompt_input_ids": [[1, i] for i in range(10)], "chosen_input_ids": [[100 + i] for i in range(10)],
             "rejected_input_ids": [[200 + i, 7] for i in range(10)]}
-    cfg = TrainConfig(task="dpo", per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=4)
+    cfg = TrainConfig.from_flat(task="dpo", per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=4)
     it = PreferenceStepIterator(rows, cfg, pad_token_id=0)
     seen = [int(pb.batch.input_ids[d, 2]) - 100 for _ in range(5) for pb in it.next_step() for d in range(2)]
     assert sorted(seen) == list(range(10)) and it.examples_per_step == 2
@@ -277,7 +278,7 @@ def test_preference_iterator_sees_every_pair_once_per_epoch_and_resumes():
     resumed.load_state_dict(state)
     assert (resumed.next_step()[0].batch.input_ids == expected).all()
     with pytest.raises(ValueError, match="packing=True does not apply to DPO"):
-        PreferenceStepIterator(rows, TrainConfig(task="dpo", packing=True, max_length=8), pad_token_id=0)
+        PreferenceStepIterator(rows, TrainConfig.from_flat(task="dpo", packing=True, max_length=8), pad_token_id=0)
     with pytest.raises(ValueError, match="one value per row"):
         from twinseq.common.dpo_loader import with_ref_logps
 
@@ -290,36 +291,40 @@ def test_preference_iterator_sees_every_pair_once_per_epoch_and_resumes():
 
 
 def test_liger_on_cpu_raises_a_clear_error():
-    cfg = TrainConfig(task="dpo", loss_type="liger")
-    with pytest.raises(ValueError, match="needs a CUDA GPU"):
-        tdpo.validate_dpo_runtime(cfg, torch.device("cpu"))
+    from twinseq.common.capabilities import Runtime, check_runtime
+
+    cfg = TrainConfig.from_flat(task="dpo", loss_type="liger")
+    with pytest.raises(ValueError, match="Liger's CUDA kernel"):
+        check_runtime(cfg, Runtime("torch", "cpu"))
     sigmoid = validate_dpo_config("sigmoid")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        tdpo.check_liger_dpo(sigmoid, padding_free=False, device="cpu")
     if importlib.util.find_spec("liger_kernel") is None:
         with pytest.raises(ImportError, match=r"pip install -e '\.\[gpu\]'"):
-            tdpo.check_liger_dpo(sigmoid, padding_free=False, precompute=False, device="cuda")
-
-
-@pytest.mark.parametrize("overrides,kwargs,match", [
-    ({}, dict(padding_free=True, precompute=False), "padded batches"),
-    ({}, dict(padding_free=False, precompute=True), "precompute_ref_log_probs=True is not supported"),
-    ({"loss_type": ["sigmoid", "ipo"]}, dict(padding_free=False, precompute=False), "'sigmoid' DPO loss only"),
-])
-def test_liger_configuration_conflicts_raise_on_any_machine(overrides, kwargs, match):
-    config = validate_dpo_config(**{"loss_type": "sigmoid", **overrides})
-    with pytest.raises(ValueError, match=match):
-        tdpo.check_liger_dpo(config, device="cpu", **kwargs)
+            tdpo.check_liger_dpo(sigmoid, padding_free=False, device="cuda")
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"packing": True}, "packing=True does not apply to DPO"),
+    (dict(padding_free=True), "padded batches"),
+    (dict(precompute_ref_log_probs=True), "precompute_ref_log_probs=True is not supported"),
+    (dict(dpo_loss_type=["sigmoid", "ipo"]), "'sigmoid' DPO loss only"),
+])
+def test_liger_configuration_conflicts_raise_on_any_machine(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig.from_flat(task="dpo", loss_type="liger", **overrides)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"packing": True, "max_length": 64}, "packing=True does not apply to DPO"),
     ({"torch_compile": True}, "torch_compile"),
     ({"fsdp": True}, "FSDP"),
     ({"loss_type": "liger", "padding_free": True}, "padded batches"),
 ])
 def test_trainer_refuses_invalid_combinations(overrides, match):
-    cfg = TrainConfig(task="dpo", **overrides)
+    from twinseq.common.capabilities import Runtime, check_runtime
+
     with pytest.raises(ValueError, match=match):
-        tdpo.validate_dpo_runtime(cfg, torch.device("cpu"))
+        check_runtime(TrainConfig.from_flat(task="dpo", **overrides), Runtime("torch", "cpu"))
 
 
 # --------------------------------------------------------------------------------------

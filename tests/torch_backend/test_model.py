@@ -14,8 +14,9 @@ from twinseq.common.batching import collate
 from twinseq.common.config import ModelConfig
 from twinseq.common.init import init_weights, parameter_shapes
 from twinseq.common.loss import nll_loss
-from twinseq.torch_backend.model import (build_model, export_weights, load_pretrained, logits, loss_and_grads,
-                                         model_config_of, save_pretrained, to_llama_config)
+from twinseq.torch_backend.checkpoint import load_pretrained, save_pretrained
+from twinseq.torch_backend.model import (build_model, export_weights, logits, loss_and_grads, model_config_of,
+                                         to_llama_config)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
@@ -155,6 +156,6 @@ def test_backend_protocol_surface():
     backend = load_backend("torch")
     for name in PROTOCOL:
         assert callable(getattr(backend, name)), name
-    import twinseq.torch_backend.train  # noqa: F401  (binding the submodule must not shadow the function)
+    import twinseq.torch_backend.trainer  # noqa: F401
 
     assert callable(load_backend("torch").train)

@@ -16,7 +16,7 @@ from twinseq.common.batching import collate
 from twinseq.common.config import ModelConfig
 from twinseq.common.init import init_weights
 from twinseq.torch_backend.model import build_model, compute_loss
-from twinseq.torch_backend.offload import ActivationOffloader, offload_activations
+from twinseq.torch_backend.memory import ActivationOffloader, offload_activations
 
 
 @pytest.fixture(scope="module")

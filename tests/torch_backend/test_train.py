@@ -12,7 +12,8 @@ from safetensors.torch import load_file  # noqa: E402
 from twinseq.common.config import TrainConfig  # noqa: E402
 from twinseq.common.corpus import load_embedded  # noqa: E402
 from twinseq.common.metrics import REQUIRED_FIELDS, read_metrics  # noqa: E402
-from twinseq.torch_backend.train import train, validate_runtime  # noqa: E402
+from twinseq.common.capabilities import Runtime, check_runtime  # noqa: E402
+from twinseq.torch_backend.trainer import train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def _cfg(data, out, **kw):
     base = dict(dataset_name=data, model_config="tiny", max_length=96, per_device_train_batch_size=2,
                 gradient_accumulation_steps=2, learning_rate=3e-3, warmup_steps=2, max_steps=6,
                 output_dir=str(out), disable_tqdm=True, seed=3)
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig.from_flat(**{**base, **kw})
 
 
 def test_metrics_have_the_contract_fields_and_loss_falls(small_sft_jsonl, tmp_path):
@@ -69,8 +70,8 @@ def test_resume_is_bitwise_identical(small_sft_jsonl, tmp_path):
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
-        (dict(loss_type="liger"), "needs a CUDA GPU"),
-        (dict(use_liger_kernel=True), "needs a CUDA GPU"),
+        (dict(loss_type="liger"), "Liger's CUDA kernel"),
+        (dict(use_liger_kernel=True), "Liger's CUDA kernel"),
         (dict(activation_offloading=True), "activation_offloading=True"),
         (dict(padding_free=True, attn_implementation="flash_attention_2"), "flash_attention_2"),
     ],
@@ -79,5 +80,5 @@ def test_bad_runtime_configs_are_refused(overrides, fragment):
     if torch.cuda.is_available():
         pytest.skip("these refusals are for CPU-only machines")
     with pytest.raises(ValueError) as err:
-        validate_runtime(TrainConfig(**overrides), torch.device("cpu"))
+        check_runtime(TrainConfig.from_flat(**overrides), Runtime("torch", "cpu"))
     assert fragment in str(err.value)

@@ -1,4 +1,5 @@
-"""Activation rematerialisation (gradient checkpointing) for the JAX backend, by policy name.
+"""Activation memory on the JAX backend: rematerialisation (gradient checkpointing) and host
+offloading, both as ``jax.checkpoint`` policies chosen by name.
 
 A policy decides which intermediates of a checkpointed function are kept for the backward
 pass; everything else is recomputed. The model wraps each decoder layer with ``remat``.
@@ -79,3 +80,20 @@ def remat(fn: Callable, policy: str = "none", *, device: Optional[jax.Device] = 
         logger.info("remat policy %r on CPU: device and host memory are the same RAM; no memory is saved.",
                     policy)
     return jax.checkpoint(fn, policy=_policy(policy), static_argnums=static_argnums)
+
+
+def apply_activation_checkpointing(model, policy: str = "full") -> None:
+    """Rematerialise every decoder layer of ``model`` with ``policy`` (one of ``REMAT_POLICIES``).
+
+    The mirror of the torch backend's function: ``full`` recomputes whole layers, as torch's
+    gradient checkpointing does; the other policies keep more (``dots_saveable``) or offload.
+    """
+    check_policy(policy, device_memory_kinds())
+    model.model.remat_policy = policy
+
+
+def remat_policy_of(cfg) -> str:
+    """The policy a ``TrainConfig`` asks for: host offload, full recompute, or none."""
+    if cfg.memory.activation_offloading:
+        return "offload_dots"
+    return "full" if cfg.memory.gradient_checkpointing else "none"

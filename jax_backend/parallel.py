@@ -1,4 +1,4 @@
-"""Device meshes and shardings for the JAX backend: data parallel, FSDP and context parallel.
+"""All JAX parallelism: the named ("data", "fsdp", "cp") mesh, shardings, and context-parallel data.
 
 The mesh always has the three named axes ``("data", "fsdp", "cp")`` (size 1 when unused), so a
 ``PartitionSpec`` naming any of them is valid on every mesh:
@@ -37,20 +37,18 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from twinseq.common.batching import IGNORE_INDEX, Batch
+from twinseq.common.batching import Batch, pad_batch
 from twinseq.common.config import TrainConfig
 from twinseq.common.context_parallel import CPBatch
 from twinseq.common.context_parallel import shard_batch as reorder_batch
 from twinseq.common.context_parallel import unshard_sequence
-from twinseq.jax_backend.ring_attention import STRATEGIES, sharded_attention
+from twinseq.jax_backend.context_parallel import STRATEGIES, sharded_attention
 
 logger = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "cp")
 BATCH_AXES = ("data", "fsdp")
 CP_AXIS = "cp"
-# TrainConfig.context_parallel_strategy (shared with torch) -> ring_attention.STRATEGIES
-CONFIG_STRATEGIES = {"ring": "ring", "allgather": "all_gather"}
 
 
 def _check_axis_size(name: str, value: Any) -> int:
@@ -182,6 +180,30 @@ def ring_attention_fn(mesh: Mesh, strategy: str = "ring", block_q: Optional[int]
     return attend
 
 
+def parallelize(model, mesh: Optional[Mesh], cfg: TrainConfig):
+    """The model a trainer steps, from the plain model, in a stated order (the torch backend's
+    ``parallelize`` does context parallelism, checkpointing, compile and FSDP in its own order):
+
+    1. activation memory: rematerialisation or host offload of every decoder layer
+       (``memory.remat_policy_of(cfg)``);
+    2. parameters placed on ``mesh`` (replicated over data and cp; split over fsdp).
+
+    Context-parallel attention is a function the trainer passes at each call
+    (``attention_of_config``), so the model itself is unchanged by it.
+    """
+    from flax import nnx
+
+    from twinseq.jax_backend.memory import apply_activation_checkpointing, remat_policy_of
+
+    policy = remat_policy_of(cfg)
+    if policy != "none":
+        apply_activation_checkpointing(model, policy)
+    if mesh is not None:
+        graphdef, state = nnx.split(model)
+        model = nnx.merge(graphdef, shard_params(mesh, state))
+    return model
+
+
 # ---------------------------------------------------------------------------------------
 # The trainer's mesh and data feed (TrainConfig.context_parallel_size / _strategy)
 # ---------------------------------------------------------------------------------------
@@ -192,34 +214,19 @@ def mesh_shape_of_config(cfg: TrainConfig, num_devices: int) -> tuple[int, int]:
 
     ``cp = context_parallel_size``; ``data = num_devices // cp``: every visible device is used, as
     torch's data-parallel size is ``world_size / cp``. ``cp == 1`` means no mesh at all (one device).
-    Raises ``ValueError`` naming the field and the fix for a cp larger than the device count, a cp
-    that does not divide it, or a ``pad_to_multiple_of`` that does not split rows into ``2 * cp``
-    load-balanced chunks.
+    The checks (cp against the devices, ``pad_to_multiple_of`` against ``2 * cp``) are
+    ``common.capabilities.check_runtime``'s, the same as the torch backend's.
 
-    >>> cfg = TrainConfig(context_parallel_size=4, pad_to_multiple_of=64)
+    >>> cfg = TrainConfig.from_flat(context_parallel_size=4, pad_to_multiple_of=64)
     >>> mesh_shape_of_config(cfg, 8)
     (2, 4)
     """
-    cp = cfg.context_parallel_size
-    if cp == 1:
-        return 1, 1
-    if cp > num_devices:
-        raise ValueError(f"context_parallel_size={cp} is larger than the {num_devices} visible JAX devices; lower "
-                         f"--context-parallel-size to at most {num_devices}, or expose more devices (on CPU: "
-                         f"XLA_FLAGS=--xla_force_host_platform_device_count={cp} before jax is imported).")
-    if num_devices % cp:
-        divisors = [d for d in range(2, num_devices + 1) if num_devices % d == 0]
-        raise ValueError(f"the JAX mesh is data x cp over all {num_devices} visible devices, and "
-                         f"context_parallel_size={cp} does not divide {num_devices}: data x cp cannot multiply to "
-                         f"{num_devices}. Use context_parallel_size in {divisors}, or restrict the visible devices "
-                         f"(CUDA_VISIBLE_DEVICES, or XLA_FLAGS=--xla_force_host_platform_device_count on CPU).")
-    multiple = 2 * cp
-    if cfg.pad_to_multiple_of is not None and cfg.pad_to_multiple_of % multiple:
-        raise ValueError(f"context_parallel_size={cp} splits every row into 2 * cp = {multiple} load-balanced "
-                         f"chunks, but pad_to_multiple_of={cfg.pad_to_multiple_of} does not make the sequence "
-                         f"length divisible by {multiple}; use --pad-to-multiple-of {multiple} (or a multiple of it), "
-                         f"or leave it unset.")
-    return num_devices // cp, cp
+    from twinseq.common.capabilities import Runtime, check_runtime
+
+    platform = jax.devices()[0].platform
+    check_runtime(cfg, Runtime("jax", platform, num_devices, accelerator=platform != "cpu"))
+    cp = cfg.parallel.context_parallel_size
+    return (1, 1) if cp == 1 else (num_devices // cp, cp)
 
 
 def mesh_from_config(cfg: TrainConfig, devices: Optional[Sequence[jax.Device]] = None) -> Optional[Mesh]:
@@ -232,8 +239,8 @@ def mesh_from_config(cfg: TrainConfig, devices: Optional[Sequence[jax.Device]] =
 
 
 def attention_of_config(cfg: TrainConfig, mesh: Mesh) -> AttentionFn:
-    """``ring_attention_fn`` for ``cfg.context_parallel_strategy`` (``allgather`` or ``ring``; both run on CPU)."""
-    return ring_attention_fn(mesh, CONFIG_STRATEGIES[cfg.context_parallel_strategy])
+    """``ring_attention_fn`` for ``context_parallel_strategy`` (``allgather`` or ``ring``; both run on CPU)."""
+    return ring_attention_fn(mesh, cfg.parallel.context_parallel_strategy)
 
 
 def sequence_multiple(pad_to_multiple_of: int, cp: int) -> int:
@@ -243,19 +250,6 @@ def sequence_multiple(pad_to_multiple_of: int, cp: int) -> int:
     (64, 192, 16)
     """
     return pad_to_multiple_of if cp == 1 else math.lcm(pad_to_multiple_of, 2 * cp)
-
-
-def _pad_to(batch: Batch, rows: int, width: int) -> Batch:
-    b, t = batch.shape
-    if rows < b or width < t:
-        raise ValueError(f"a micro-batch of shape {(b, t)} does not fit in ({rows}, {width}); "
-                         f"per_device_train_batch_size or the padding multiple is too small.")
-
-    def pad(a: np.ndarray, value: int) -> np.ndarray:
-        return np.pad(a, ((0, rows - b), (0, width - t)), constant_values=value)
-
-    return dataclasses.replace(batch, input_ids=pad(batch.input_ids, 0), labels=pad(batch.labels, IGNORE_INDEX),
-                               position_ids=pad(batch.position_ids, 0), segment_ids=pad(batch.segment_ids, 0))
 
 
 def stack_batches(batches: Sequence[Batch], rows: int, multiple: int) -> Batch:
@@ -276,7 +270,7 @@ def stack_batches(batches: Sequence[Batch], rows: int, multiple: int) -> Batch:
     totals = {b.num_items_in_batch for b in batches}
     assert len(totals) == 1, f"ranks disagree on the step's label count: {totals}"
     width = -(-max(b.shape[1] for b in batches) // multiple) * multiple
-    padded = [_pad_to(b, rows, width) for b in batches]
+    padded = [pad_batch(b, rows, width) for b in batches]
     lengths = np.concatenate([np.diff(b.cu_seqlens) for b in batches])
     return Batch(input_ids=np.concatenate([b.input_ids for b in padded]),
                  labels=np.concatenate([b.labels for b in padded]),
@@ -300,7 +294,7 @@ class DataParallelSteps:
         self.iterators = [StepIterator(rows, cfg, pad_token_id, world_size=num_replicas, rank=r)
                           for r in range(num_replicas)]
         # A padding-free micro-batch is one row however many examples it holds.
-        self.rows_per_replica = 1 if cfg.padding_free else cfg.per_device_train_batch_size
+        self.rows_per_replica = 1 if cfg.data.padding_free else cfg.data.per_device_train_batch_size
         self.multiple = multiple
 
     def next_step(self) -> list[Batch]:
@@ -315,7 +309,7 @@ class DataParallelSteps:
             it.load_state_dict(state)
 
 
-__all__ = ["MESH_AXES", "BATCH_AXES", "CP_AXIS", "CPBatch", "make_mesh", "batch_sharding", "param_spec",
+__all__ = ["parallelize", "MESH_AXES", "BATCH_AXES", "CP_AXIS", "CPBatch", "make_mesh", "batch_sharding", "param_spec",
            "param_shardings", "shard_params", "shard_batch", "unshard_tokens", "ring_attention_fn",
-           "CONFIG_STRATEGIES", "mesh_shape_of_config", "mesh_from_config", "attention_of_config",
+           "mesh_shape_of_config", "mesh_from_config", "attention_of_config",
            "sequence_multiple", "stack_batches", "DataParallelSteps"]

@@ -1,4 +1,8 @@
-"""Activation offloading: saved activations go to pinned host memory in forward, come back in backward.
+"""Activation memory on the torch backend: checkpointing (recompute) and offloading (move to host).
+
+``apply_activation_checkpointing`` recomputes every decoder layer in backward; it is applied by
+``parallel.parallelize``, in its stated place. The rest of this module is activation offloading:
+saved activations go to pinned host memory in forward and come back in backward.
 
 Built on ``torch.autograd.graph.saved_tensors_hooks``. Device-to-host copies run on a side
 CUDA stream, so they overlap the next layers' compute; in backward the next few tensors are
@@ -296,3 +300,15 @@ def offload_activations(model: Optional[torch.nn.Module] = None, *, loss_type: s
                         **kwargs: Any) -> ActivationOffloader:
     """``ActivationOffloader(model, loss_type=loss_type, **kwargs)``: the trainer's entry point."""
     return ActivationOffloader(model, loss_type=loss_type, **kwargs)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, policy: str = "full") -> None:
+    """Recompute every decoder layer in backward (Hugging Face's per-layer checkpointing, non-reentrant).
+
+    ``policy`` is the JAX backend's name of what is kept; torch keeps the layer inputs only
+    (``"full"``), so other policies are refused rather than approximated.
+    """
+    if policy != "full":
+        raise ValueError(f"activation checkpointing policy={policy!r} is not available on the torch backend, "
+                         f"which recomputes whole layers ('full'); use policy='full'.")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,10 +1,10 @@
-"""Hugging Face checkpoint import/export for the JAX backend, without torch.
+"""Hugging Face model folders as numpy, without any framework: ``config.json`` + safetensors.
 
-A checkpoint is a directory with ``config.json`` and ``model.safetensors`` (or shards listed by
-``model.safetensors.index.json``), as written by ``LlamaForCausalLM.save_pretrained``. Tensors
-are read and written with ``safetensors.numpy``; values are never converted on the way
-through (float32 stays float32, bfloat16 stays bfloat16), so torch -> jax -> torch is bitwise
-exact.
+A model folder holds ``config.json`` and ``model.safetensors`` (or shards listed by
+``model.safetensors.index.json``), as ``LlamaForCausalLM.save_pretrained`` writes it. Tensors
+are read and written with ``safetensors.numpy``, never converted on the way through (float32
+stays float32, bfloat16 stays bfloat16), so torch -> jax -> torch is bitwise exact. The JAX
+backend loads and saves models through this module; both backends check folders with it.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _weight_files(directory: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise ValueError(f"{str(directory)!r} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}; save the model with "
-                     f"save_pretrained(..., safe_serialization=True) or export_checkpoint().")
+                     f"save_pretrained(..., safe_serialization=True).")
 
 
 def _drop_tied_head(cfg: ModelConfig, weights: dict[str, np.ndarray], source: str) -> None:
@@ -79,7 +79,7 @@ def _drop_tied_head(cfg: ModelConfig, weights: dict[str, np.ndarray], source: st
     del weights["lm_head.weight"]
 
 
-def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def read_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read an HF Llama checkpoint directory -> (ModelConfig, HF-named numpy weights as stored).
 
     Raises ``ValueError`` naming any missing, unexpected or mis-shaped tensor.
@@ -99,8 +99,8 @@ def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray
     return cfg, weights
 
 
-def save_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], path: str | Path,
-                    dtype: Optional[str] = None) -> Path:
+def write_hf_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], path: str | Path,
+                        dtype: Optional[str] = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` loadable by ``LlamaForCausalLM.from_pretrained``.
 
     ``dtype`` (``float32``/``bfloat16``/``float16``) casts every tensor; None keeps each as given.
@@ -131,24 +131,3 @@ def _np_dtype(name: str):
 
         return ml_dtypes.bfloat16
     return np.dtype(name)
-
-
-def import_checkpoint(path: str | Path, *, dtype: Optional[str] = None, remat_policy: str = "none"):
-    """Build a JAX ``LlamaForCausalLM`` from an HF checkpoint directory.
-
-    ``dtype`` None uses the stored dtype when it is float32 or bfloat16 (else float32).
-    """
-    from twinseq.jax_backend.model import LlamaForCausalLM
-
-    cfg, weights = load_checkpoint(path)
-    stored = {str(np.asarray(w).dtype) for w in weights.values()}
-    if dtype is None:
-        dtype = stored.pop() if len(stored) == 1 and stored <= {"float32", "bfloat16"} else "float32"
-    return LlamaForCausalLM(cfg, weights, dtype=dtype, remat_policy=remat_policy)
-
-
-def export_checkpoint(model, path: str | Path) -> Path:
-    """Write a JAX ``LlamaForCausalLM`` as an HF checkpoint, in the model's own dtype."""
-    from twinseq.jax_backend.model import export_weights
-
-    return save_checkpoint(model.config, export_weights(model), path, dtype=model.dtype)

@@ -28,7 +28,7 @@ Strategies:
   The backward (``custom_vjp``, FlashAttention-2 style) recomputes probabilities from that
   LSE, and sends K/V around the ring again together with their dK/dV accumulators, which
   arrive home after a last hop. Memory per device: O(T/cp) plus one score block.
-- ``all_gather``: ``all_gather`` K/V/ids over the axis, then the same blocked kernel for the
+- ``allgather``: ``all_gather`` K/V/ids over the axis, then the same blocked kernel for the
   local queries against all keys. Autodiff through ``all_gather`` gives the reduce-scatter of
   dK/dV. Simpler, fewer collectives, but O(T) K/V per device.
 
@@ -51,7 +51,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-STRATEGIES = ("ring", "all_gather")
+STRATEGIES = ("ring", "allgather")
 _F32 = jnp.float32
 
 
@@ -306,7 +306,7 @@ def ring_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT
     return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos))
 
 
-def all_gather_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, axis_name: str,
+def allgather_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, axis_name: str,
                                scale: Optional[float] = None, block_q: Optional[int] = None,
                                block_k: Optional[int] = None) -> jax.Array:
     """All-gather K/V (and their ids) over ``axis_name``, then blocked attention for the local queries.
@@ -357,7 +357,7 @@ def sharded_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, m
     if q_BTND.shape[0] % num_replicas:
         raise ValueError(f"batch size B={q_BTND.shape[0]} is not divisible by the {num_replicas} devices of the "
                          f"batch axes {batch}; use a multiple of {num_replicas} or pass batch_axes=().")
-    local = ring_attention_shard if strategy == "ring" else all_gather_attention_shard
+    local = ring_attention_shard if strategy == "ring" else allgather_attention_shard
     fn = functools.partial(local, axis_name=axis_name, scale=scale, block_q=block_q, block_k=block_k)
     x_spec, id_spec = P(batch, axis_name, None, None), P(batch, axis_name)
     return jax.shard_map(fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, id_spec, id_spec),

@@ -1,0 +1,157 @@
+"""What each backend can run where: the one place that refuses an option this machine cannot honour.
+
+``TrainConfig`` checks what is wrong on any machine; ``check_runtime`` checks what a backend
+cannot do on the machine at hand (a CUDA kernel without CUDA, offloading without an accelerator,
+context parallelism over more ranks than exist). Both backends call it once, before any data or
+model is built, with the facts of their runtime, so the same bad input gets the same answer on
+both. Nothing here imports a framework: the backend passes its device type and counts in.
+
+>>> cfg = TrainConfig.from_flat(loss_type="liger")
+>>> try:
+...     check_runtime(cfg, Runtime(backend="jax", device_type="cpu"))
+... except ConfigError as err:
+...     print(str(err)[:58])
+loss_type='liger' (or use_liger_kernel=True) is Liger's CU
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from dataclasses import dataclass
+
+from twinseq.common.config import TrainConfig
+from twinseq.common.errors import ConfigError, MissingDependencyError
+
+logger = logging.getLogger(__name__)
+
+GPU_EXTRA = "pip install -e '.[gpu]'"
+_FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The facts a backend knows about where it runs."""
+
+    backend: str                 # "torch" or "jax"
+    device_type: str             # "cpu", "cuda", "gpu", "tpu"
+    world_size: int = 1          # torch: processes; jax: visible devices
+    accelerator: bool = False    # device memory distinct from host memory (offloading has a meaning)
+
+
+def _has_package(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def check_runtime(cfg: TrainConfig, rt: Runtime) -> None:
+    """Raise ``ConfigError`` (or ``MissingDependencyError``) for an option ``rt`` cannot honour."""
+    _check_loss_kernel(cfg, rt)
+    _check_memory(cfg, rt)
+    _check_attention(cfg, rt)
+    _check_parallel(cfg, rt)
+    if cfg.task == "dpo":
+        _check_dpo(cfg, rt)
+
+
+def _check_loss_kernel(cfg: TrainConfig, rt: Runtime) -> None:
+    if cfg.loss.loss_type != "liger":
+        return
+    if rt.backend != "torch" or rt.device_type != "cuda":
+        where = "the jax backend" if rt.backend != "torch" else f"a {rt.device_type!r} device"
+        raise ConfigError(f"loss_type='liger' (or use_liger_kernel=True) is Liger's CUDA kernel for the torch "
+                          f"backend, and this run is on {where}; use --loss-type fused_linear, which never "
+                          f"materialises the logits either.")
+    if not _has_package("liger_kernel"):
+        raise MissingDependencyError(f"loss_type='liger' needs the liger-kernel package; install the gpu extra "
+                                     f"with `{GPU_EXTRA}`, or use --loss-type fused_linear.")
+
+
+def _check_memory(cfg: TrainConfig, rt: Runtime) -> None:
+    mem = cfg.memory
+    if mem.activation_offloading and not rt.accelerator:
+        raise ConfigError("activation_offloading=True moves activations from accelerator to host memory and has no "
+                          "meaning on a CPU-only run; drop --activation-offloading or run on a GPU. "
+                          "--gradient-checkpointing saves activation memory on CPU.")
+    if mem.torch_compile and rt.backend != "torch":
+        raise ConfigError("torch_compile=True is a torch option; the jax backend always compiles with jax.jit. "
+                          "Drop --torch-compile.")
+    if mem.activation_offloading and rt.backend == "torch" and _distributed(cfg, rt):
+        raise ConfigError("activation_offloading=True is not supported with FSDP2/context parallelism yet; drop "
+                          "--activation-offloading or train in one process.")
+
+
+def _check_attention(cfg: TrainConfig, rt: Runtime) -> None:
+    attn = cfg.model.attn_implementation
+    if rt.backend == "jax":
+        if attn not in ("sdpa", "eager"):
+            logger.info("attn_implementation=%r: the jax backend has one attention path (masked softmax in float32, "
+                        "documents masked by segment ids); using it", attn)
+        return
+    if attn in _FLASH_MODULES:
+        what = "packed/padding-free batches" if cfg.data.packing or cfg.data.padding_free else "this run"
+        if rt.device_type != "cuda":
+            raise ConfigError(f"attn_implementation={attn!r} needs a CUDA device (got {rt.device_type!r}); refusing "
+                              f"{what} rather than attending across documents. Use attn_implementation='varlen' "
+                              f"(padding-free, document-masked) or 'sdpa'.")
+        if not _has_package(_FLASH_MODULES[attn]):
+            raise ConfigError(f"attn_implementation={attn!r} needs the {_FLASH_MODULES[attn]!r} package, which is not "
+                              f"installed; refusing {what} rather than attending across documents. Install it with "
+                              f"`{GPU_EXTRA}` or use attn_implementation='varlen'.")
+    if attn == "flex_attention" and rt.device_type == "cpu":
+        raise ConfigError("attn_implementation='flex_attention' cannot train on CPU: torch has no FlexAttention "
+                          "backward on CPU. Use 'varlen' or 'sdpa' on CPU, or flex_attention on CUDA.")
+
+
+def _distributed(cfg: TrainConfig, rt: Runtime) -> bool:
+    return rt.world_size > 1 and rt.backend == "torch" or cfg.parallel.fsdp or cfg.parallel.context_parallel_size > 1
+
+
+def _check_parallel(cfg: TrainConfig, rt: Runtime) -> None:
+    par, data = cfg.parallel, cfg.data
+    cp, units = par.context_parallel_size, ("processes" if rt.backend == "torch" else "visible devices")
+    if par.fsdp and rt.backend != "torch":
+        raise ConfigError("fsdp=True is a torch option (FSDP2); the jax backend shards over its device mesh. "
+                          "Drop --fsdp.")
+    if cp == 1:
+        return
+    if cp > rt.world_size:
+        launch = (f"launch {cp} or more processes (torchrun --nproc-per-node {cp})" if rt.backend == "torch" else
+                  f"expose more devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={cp})")
+        raise ConfigError(f"context_parallel_size={cp} is larger than the {rt.world_size} {units}; {launch} or lower "
+                          f"--context-parallel-size.")
+    if rt.world_size % cp:
+        divisors = [d for d in range(1, rt.world_size + 1) if rt.world_size % d == 0]
+        raise ConfigError(f"context_parallel_size={cp} does not divide the {rt.world_size} {units}: the mesh is "
+                          f"data x cp over all of them. Use context_parallel_size in {divisors}.")
+    multiple = 2 * cp
+    if data.pad_to_multiple_of is not None and data.pad_to_multiple_of % multiple:
+        raise ConfigError(f"context_parallel_size={cp} splits every row into 2 * cp = {multiple} load-balanced "
+                          f"chunks, but pad_to_multiple_of={data.pad_to_multiple_of} is not a multiple of {multiple}; "
+                          f"use --pad-to-multiple-of {math.lcm(data.pad_to_multiple_of, multiple)}, or leave it unset.")
+    if par.context_parallel_strategy == "ring" and rt.backend == "torch":
+        _check_torch_ring(cfg, rt)
+
+
+def _check_torch_ring(cfg: TrainConfig, rt: Runtime) -> None:
+    if rt.device_type != "cuda":
+        raise ConfigError(f"context_parallel_strategy='ring' uses torch's ring attention, which needs CUDA SDPA "
+                          f"(flash or efficient kernels); this run is on {rt.device_type!r}. Use "
+                          f"--context-parallel-strategy allgather, which runs on CPU/gloo too.")
+    if cfg.data.packing or cfg.data.padding_free:
+        raise ConfigError(f"context_parallel_strategy='ring' cannot mask packed documents (packing={cfg.data.packing}, "
+                          f"padding_free={cfg.data.padding_free}): torch's ring attention only knows a causal mask "
+                          f"and would attend across documents. Use --context-parallel-strategy allgather, or train "
+                          f"unpacked.")
+    if cfg.data.padding_side != "right":
+        raise ConfigError("context_parallel_strategy='ring' needs --padding-side right (a causal mask lets real "
+                          "tokens see left padding); or use --context-parallel-strategy allgather.")
+
+
+def _check_dpo(cfg: TrainConfig, rt: Runtime) -> None:
+    if cfg.memory.torch_compile:
+        raise ConfigError("torch_compile=True is not supported with task='dpo' yet; drop --torch-compile.")
+    if _distributed(cfg, rt):
+        raise ConfigError("task='dpo' runs in one process on one device: FSDP, context parallelism and multi-process "
+                          "launches are not implemented for DPO; drop --fsdp / --context-parallel-size and launch "
+                          "with python.")

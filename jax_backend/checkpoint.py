@@ -1,0 +1,59 @@
+"""Model folders on disk (Hugging Face layout) for the JAX backend, and its side of training checkpoints.
+
+- ``load_pretrained`` / ``save_pretrained``: a local HF Llama folder in and out, through
+  ``common.hf_checkpoint`` (numpy + safetensors, no torch), bitwise in both directions.
+- ``to_numpy_tree`` / ``from_numpy_tree``: an optax state as numpy arrays and back, for
+  ``common.checkpoint`` (safetensors + JSON: nothing pickled).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from twinseq.common.hf_checkpoint import read_hf_checkpoint, write_hf_checkpoint
+
+
+def load_pretrained(path: str | Path, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
+                    device: Any = None):
+    """A JAX ``LlamaForCausalLM`` from an HF checkpoint directory.
+
+    ``dtype`` None uses the stored dtype when it is float32 or bfloat16 (else float32).
+    """
+    from twinseq.jax_backend.model import build_model
+
+    cfg, weights = read_hf_checkpoint(path)
+    stored = {str(np.asarray(w).dtype) for w in weights.values()}
+    if dtype is None:
+        dtype = stored.pop() if len(stored) == 1 and stored <= {"float32", "bfloat16"} else "float32"
+    return build_model(cfg, weights, dtype=dtype, attn_implementation=attn_implementation, device=device)
+
+
+def save_pretrained(model, path: str | Path) -> Path:
+    """Write a JAX ``LlamaForCausalLM`` as an HF checkpoint, in the model's own dtype; returns ``path``."""
+    from twinseq.jax_backend.model import export_weights
+
+    return write_hf_checkpoint(model.config, export_weights(model), path, dtype=model.dtype)
+
+
+def to_numpy_tree(tree: Any) -> list[np.ndarray]:
+    """The leaves of a pytree (an optax state) as numpy arrays, in ``jax.tree`` order."""
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def from_numpy_tree(leaves: list[np.ndarray], like: Any) -> Any:
+    """``leaves`` back into the structure of ``like``; raises ``ValueError`` on a count mismatch."""
+    treedef = jax.tree.structure(like)
+    if treedef.num_leaves != len(leaves):
+        raise ValueError(f"the checkpoint holds {len(leaves)} optimizer arrays but this optimizer has "
+                         f"{treedef.num_leaves}; resume with the same optimizer settings (max_grad_norm).")
+    expected = jax.tree.leaves(like)
+    for i, (got, want) in enumerate(zip(leaves, expected)):
+        if np.shape(got) != np.shape(want) or np.asarray(got).dtype != want.dtype:
+            raise ValueError(f"optimizer array {i} has shape {np.shape(got)} and dtype {np.asarray(got).dtype}, but "
+                             f"this optimizer expects {np.shape(want)} {want.dtype}; the checkpoint is from another "
+                             f"model or optimizer configuration.")
+    return jax.tree.unflatten(treedef, [jax.numpy.asarray(x) for x in leaves])

@@ -1,0 +1,354 @@
+"""The JAX trainers: one optimizer step of SFT or DPO, on one device or on a (data, cp) mesh.
+
+``train(cfg)`` builds the data and the model, ``parallel.parallelize``s it, and hands a trainer
+to ``common.runner.run``, which owns the loop (timing, logging, checkpoints, resume, the final
+save): the same runner, and the same trainer contract (``common.runner.StepTrainer``), as the
+torch backend. Per step: ``gradient_accumulation_steps`` micro-batches, each loss already
+normalised by the whole step's label count (SFT) or pair count (DPO); torch's
+``clip_grad_norm_`` rule and AdamW with the schedule of ``common.schedule`` (weight decay on
+matrices only), so that torch and jax follow the same trajectory
+(``parity_tests/test_adamw_parity.py``).
+
+Shapes are bucketed: every micro-batch is padded to ``per_device_train_batch_size`` rows (one row
+when padding-free) and a multiple of ``pad_to_multiple_of`` (default ``DEFAULT_BUCKET``) columns, so
+the step compiles once per bucket instead of once per batch length.
+
+Context parallelism (``context_parallel_size > 1``): a ``(data, cp)`` mesh over every visible
+device (``parallel.mesh_from_config``), parameters placed with ``NamedSharding``, each data
+replica reading its own rows (``parallel.DataParallelSteps``), every batch reordered and sharded
+by ``parallel.shard_batch`` (targets shifted before the zigzag reorder) and attention run by
+``parallel.ring_attention_fn`` (``context_parallel_strategy``: ``ring`` or ``allgather``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from twinseq.common.batching import Batch, pad_batch
+from twinseq.common.capabilities import Runtime, check_runtime
+from twinseq.common.config import TrainConfig, resolve_model_config
+from twinseq.common.errors import CheckpointError, ConfigError
+from twinseq.common.hf_checkpoint import read_hf_checkpoint
+from twinseq.common.init import check_weights, init_weights
+from twinseq.common.metrics import peak_rss_bytes
+from twinseq.common.runner import run
+from twinseq.common.schedule import lr_multiplier
+from twinseq.common.step_metrics import dpo_step_metrics, sft_step_sums, with_means
+from twinseq.jax_backend.checkpoint import from_numpy_tree, save_pretrained, to_numpy_tree
+from twinseq.jax_backend.losses import check_labels
+from twinseq.jax_backend.model import LlamaForCausalLM, batch_inputs, export_weights, grads_jit
+from twinseq.jax_backend.parallel import (CP_AXIS, DataParallelSteps, attention_of_config, mesh_from_config,
+                                          parallelize, sequence_multiple, shard_batch, shard_params)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET = 64
+TORCH_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6)
+
+
+def clip_by_global_norm_like_torch(max_norm: float) -> optax.GradientTransformation:
+    """Scale every gradient by ``min(1, max_norm / (global_norm + 1e-6))``, torch's exact rule.
+
+    optax's ``clip_by_global_norm`` has no ``1e-6`` and skips the multiply below the threshold;
+    the difference is a relative 1e-6 / norm, enough to break a 1e-5 trajectory parity.
+    """
+    def update(updates, state, params=None):
+        del params
+        coef = jnp.minimum(max_norm / (optax.global_norm(updates) + TORCH_CLIP_EPS), 1.0)
+        return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def lr_schedule(cfg: TrainConfig):
+    """optax schedule: ``learning_rate * lr_multiplier(count)`` from a table (torch's LambdaLR values)."""
+    opt = cfg.optim
+    table = np.array([opt.learning_rate * lr_multiplier(k, warmup_steps=cfg.effective_warmup_steps,
+                                                        max_steps=cfg.max_steps, scheduler=opt.lr_scheduler_type)
+                      for k in range(cfg.max_steps)], dtype=np.float32)
+    table_jnp = jnp.asarray(table)
+    return lambda count: table_jnp[jnp.minimum(count, cfg.max_steps - 1)]
+
+
+def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Clip (torch rule) + AdamW, as ``torch_backend.trainer.build_optimizer``.
+
+    optax.adamw = ``-lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)`` with bias correction and
+    ``eps_root = 0``: torch's AdamW (``p *= 1 - lr * wd``; ``p -= lr * m_hat / (sqrt(v_hat) + eps)``).
+    Weight decay only on matrices (``ndim >= 2``), as HF Trainer and the torch trainer.
+    """
+    opt = cfg.optim
+    adamw = optax.adamw(lr_schedule(cfg), b1=opt.adam_beta1, b2=opt.adam_beta2, eps=opt.adam_epsilon,
+                        eps_root=0.0, weight_decay=opt.weight_decay,
+                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    if opt.max_grad_norm is None:
+        return adamw
+    return optax.chain(clip_by_global_norm_like_torch(opt.max_grad_norm), adamw)
+
+
+@partial(jax.jit, static_argnums=(0,), donate_argnums=(1, 2))
+def apply_updates(optimizer: optax.GradientTransformation, params, opt_state, grads):
+    """(new params, new optimizer state, pre-clip global gradient norm)."""
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, grad_norm
+
+
+@jax.jit
+def _add(tree_a, tree_b):
+    return jax.tree.map(jnp.add, tree_a, tree_b)
+
+
+def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> LlamaForCausalLM:
+    """The model of ``cfg.model.model_config`` (a local folder, or a preset with ``common``'s initial
+    weights) with float32 master weights (``dtype`` only changes the compute dtype, like torch autocast)."""
+    spec = cfg.model.model_config
+    if Path(spec).is_dir():
+        model_cfg, weights = read_hf_checkpoint(spec)
+    else:
+        model_cfg = resolve_model_config(spec)
+        weights = init_weights(model_cfg, seed=cfg.seed)
+    if model_cfg.vocab_size < vocab_size:
+        raise ConfigError(f"model_config={spec!r} has vocab_size={model_cfg.vocab_size} but the tokenizer has "
+                          f"{vocab_size} tokens; use a tokenizer of at most that size.")
+    return LlamaForCausalLM(model_cfg, weights, dtype="float32")
+
+
+def _compute_dtype(cfg: TrainConfig) -> Optional[str]:
+    return None if cfg.model.dtype == "float32" else cfg.model.dtype
+
+
+class Trainer:
+    """What SFT and DPO share: (graphdef, params, opt_state), the optimizer step, the state, the export.
+    A task implements ``micro_step`` (loss, metrics and gradients of one micro-batch) and ``summarize``.
+
+    With a ``mesh`` (``parallel.mesh_from_config``) every batch is a global micro-batch (all data
+    replicas' rows, ``parallel.DataParallelSteps``); it is sharded over ``data`` x ``cp`` and the
+    model attends with ``parallel.ring_attention_fn``. Without one, everything runs on one device.
+    """
+
+    is_main = True  # one process drives every device
+
+    def __init__(self, model: LlamaForCausalLM, cfg: TrainConfig, mesh: Optional[Mesh] = None) -> None:
+        self.cfg, self.mesh = cfg, mesh
+        self.graphdef, params = nnx.split(model)
+        self.params = jax.tree.map(jnp.copy, params)  # apply_updates donates: copy the caller's
+        self.vocab_size = model.config.vocab_size
+        self.optimizer = build_optimizer(cfg)
+        self.opt_state = self.optimizer.init(self.params)
+        self.steps_done = 0
+        cp = 1 if mesh is None else mesh.shape[CP_AXIS]
+        d = cfg.data
+        self.bucket = sequence_multiple(d.pad_to_multiple_of or DEFAULT_BUCKET, cp)
+        self.attend = None if mesh is None else attention_of_config(cfg, mesh)
+        replicas = 1 if mesh is None else mesh.size // cp
+        self.rows = replicas * (1 if d.padding_free else d.per_device_train_batch_size)
+        self._lr = lr_schedule(cfg)
+        if d.pad_to_multiple_of is None:
+            logger.info("pad_to_multiple_of is unset: padding every micro-batch to a multiple of %d tokens so "
+                        "that the step compiles once per length bucket", self.bucket)
+
+    def micro_step(self, micro: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def step(self, micro_batches: list[Any]) -> dict[str, Any]:
+        records, grads = [], None
+        for micro in micro_batches:
+            record, micro_grads = self.micro_step(micro)
+            grads = micro_grads if grads is None else _add(grads, micro_grads)
+            records.append(record)
+        lr = float(self._lr(self.steps_done))
+        self.params, self.opt_state, grad_norm = apply_updates(self.optimizer, self.params, self.opt_state, grads)
+        self.steps_done += 1
+        return {**self.summarize(records, micro_batches), "lr": lr, "grad_norm": float(grad_norm)}
+
+    def model(self) -> LlamaForCausalLM:
+        return nnx.merge(self.graphdef, self.params)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": export_weights(self.model()), "optimizer": to_numpy_tree(self.opt_state),
+                "steps_done": self.steps_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        model = self.model()
+        try:
+            check_weights(model.config, state["model"])
+            opt_state = from_numpy_tree(state["optimizer"], self.opt_state)
+        except ValueError as err:
+            raise CheckpointError(f"the checkpoint does not fit this run: {err}") from None
+        restored = LlamaForCausalLM(model.config, state["model"], remat_policy=model.model.remat_policy)
+        self.graphdef, params = nnx.split(restored)
+        self.params = params if self.mesh is None else shard_params(self.mesh, params)
+        self.opt_state = self._place_like(opt_state, self.opt_state)
+        self.steps_done = int(state["steps_done"])
+
+    def _place_like(self, restored, initial):
+        """On a mesh, each restored leaf takes its freshly initialised twin's ``NamedSharding``, and
+        scalars (optax's step count, created uncommitted on one device) are replicated."""
+        if self.mesh is None:
+            return restored
+        replicated = NamedSharding(self.mesh, P())
+
+        def place(new, init):
+            return jax.device_put(new, init.sharding if isinstance(init.sharding, NamedSharding) else replicated)
+
+        return jax.tree.map(place, restored, initial)
+
+    def save_final(self, path: Path) -> None:
+        save_pretrained(self.model(), path)
+
+    def peak_memory_bytes(self) -> int:
+        """Accelerator peak bytes in use where JAX reports it, else the process's peak RSS (CPU)."""
+        stats = jax.devices()[0].memory_stats() or {}
+        return int(stats["peak_bytes_in_use"]) if "peak_bytes_in_use" in stats else peak_rss_bytes()
+
+
+class SFTTrainer(Trainer):
+    """Next-token loss of each micro-batch, on one device or sharded over the mesh."""
+
+    def micro_step(self, batch: Batch):
+        check_labels(batch.labels, self.vocab_size, batch.num_items_in_batch)
+        batch = pad_batch(batch, max(self.rows, batch.shape[0]), self.bucket)
+        kwargs = dict(loss_type=self.cfg.loss.loss_type, chunk_size=self.cfg.loss.loss_chunk_size,
+                      compute_dtype=_compute_dtype(self.cfg))
+        inputs = batch_inputs(batch, self.vocab_size)  # also range-checks the token ids
+        num_items = jnp.asarray(batch.num_items_in_batch, jnp.int32)
+        if self.mesh is None:
+            (loss, metrics), grads = grads_jit(self.graphdef, self.params, inputs, num_items, **kwargs)
+        else:
+            arrays = shard_batch(batch, self.mesh)  # reordered for CP, targets shifted before the reorder
+            inputs = tuple(arrays[k] for k in ("input_ids", "position_ids", "segment_ids", "targets"))
+            (loss, metrics), grads = grads_jit(self.graphdef, self.params, inputs, num_items, attend=self.attend,
+                                               targets_are_shifted=True, **kwargs)
+        return {"loss": float(loss), **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum")}}, \
+            grads
+
+    def summarize(self, records: list[dict[str, Any]], micro_batches: list[Batch]) -> dict[str, Any]:
+        return with_means(sft_step_sums(records, num_tokens=sum(b.num_tokens for b in micro_batches)))
+
+
+class DPOTrainer(Trainer):
+    """One DPO optimizer step per ``step(pbatches)``; the live reference is a frozen copy of the initial
+    parameters (``ref_params``), unless the batches carry precomputed log-probs."""
+
+    def __init__(self, model: LlamaForCausalLM, cfg: TrainConfig, *, config, examples_per_step: int,
+                 live_reference: bool) -> None:
+        super().__init__(model, cfg)
+        self.config, self.examples_per_step = config, examples_per_step
+        self.ref_params = jax.tree.map(jnp.copy, self.params) if live_reference else None
+
+    def _reference(self, pbatch, inputs):
+        from twinseq.jax_backend.dpo import _ref_arrays, sequence_logps_jit
+
+        if self.ref_params is None:
+            return _ref_arrays(pbatch, None, None)
+        loss = self.cfg.loss
+        logps_D = sequence_logps_jit(self.graphdef, self.ref_params, inputs, loss_type=loss.loss_type,
+                                     chunk_size=loss.loss_chunk_size, compute_dtype=_compute_dtype(self.cfg))
+        return logps_D[:pbatch.num_examples], logps_D[pbatch.num_examples:]
+
+    def micro_step(self, pbatch):
+        from twinseq.jax_backend.dpo import dpo_grads_jit, pad_preference_batch, preference_inputs
+
+        pbatch = pad_preference_batch(pbatch, self.bucket)
+        inputs = preference_inputs(pbatch, self.vocab_size)
+        ref_c, ref_r = self._reference(pbatch, inputs)
+        loss = self.cfg.loss
+        (value, pairs), grads = dpo_grads_jit(self.graphdef, self.params, inputs, ref_c, ref_r,
+                                              jnp.asarray(self.examples_per_step, jnp.float32), config=self.config,
+                                              loss_type=loss.loss_type, chunk_size=loss.loss_chunk_size,
+                                              compute_dtype=_compute_dtype(self.cfg))
+        return (float(value), pairs), grads
+
+    def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
+        per_pair = {k: [np.asarray(pairs[k], np.float64) for _, pairs in records]
+                    for k in ("chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps")}
+        return dpo_step_metrics([value for value, _ in records], per_pair,
+                                num_tokens=sum(pb.batch.num_tokens for pb in micro_batches),
+                                num_label_tokens=sum(pb.batch.num_label_tokens for pb in micro_batches))
+
+
+# --------------------------------------------------------------------------------------
+# `twinseq train --backend jax`
+# --------------------------------------------------------------------------------------
+
+
+def _describe(cfg: TrainConfig, trainer: Trainer) -> str:
+    d = cfg.data
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.params))
+    where = str(jax.devices()[0]) if trainer.mesh is None else \
+        f"a mesh {dict(trainer.mesh.shape)} (cp attention: {cfg.parallel.context_parallel_strategy})"
+    return (f"twinseq jax {cfg.task}: {num_params / 1e6:.2f}M params on {where}, loss={cfg.loss.loss_type}, "
+            f"remat={trainer.model().model.remat_policy}, packing={d.packing}({d.packing_strategy}), "
+            f"padding_free={d.padding_free}, dtype={cfg.model.dtype}")
+
+
+def build_step_source(cfg: TrainConfig, mesh: Optional[Mesh]):
+    """(step source, tokenizer, stats): ``common.loader``'s iterator, or on a mesh one per data replica."""
+    from twinseq.common.data import prepare_sft_dataset
+    from twinseq.common.loader import build_step_iterator
+
+    if mesh is None:
+        return build_step_iterator(cfg)
+    rows, tokenizer, stats = prepare_sft_dataset(cfg)
+    cp = mesh.shape[CP_AXIS]
+    multiple = sequence_multiple(cfg.data.pad_to_multiple_of or DEFAULT_BUCKET, cp)
+    return DataParallelSteps(rows, cfg, tokenizer.pad_token_id, mesh.size // cp, multiple), tokenizer, stats
+
+
+def _build_sft(cfg: TrainConfig):
+    mesh = mesh_from_config(cfg)  # None unless context_parallel_size > 1
+    source, tokenizer, stats = build_step_source(cfg, mesh)
+    trainer = SFTTrainer(parallelize(build_causal_lm(cfg, tokenizer.vocab_size), mesh, cfg), cfg, mesh)
+    return trainer, source, tokenizer, [_describe(cfg, trainer), f"data: {stats}"]
+
+
+def _build_dpo(cfg: TrainConfig):
+    from twinseq.common.data import prepare_dpo_dataset
+    from twinseq.common.dpo import validate_dpo_config
+    from twinseq.common.dpo_loader import build_preference_iterator
+    from twinseq.jax_backend.dpo import precompute_ref_logps
+
+    config = validate_dpo_config(cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing)
+    rows, tokenizer, stats = prepare_dpo_dataset(cfg)
+    model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), None, cfg)
+    if cfg.dpo.precompute_ref_log_probs:  # the initial model, before any checkpoint is loaded
+        t0 = time.perf_counter()
+        rows = precompute_ref_logps(model, rows, cfg, tokenizer.pad_token_id,
+                                    cfg.data.pad_to_multiple_of or DEFAULT_BUCKET)
+        logger.info("precomputed reference log-probs of %d pairs in %.1fs", len(rows), time.perf_counter() - t0)
+    source = build_preference_iterator(cfg, rows, tokenizer.pad_token_id)
+    trainer = DPOTrainer(model, cfg, config=config, examples_per_step=source.examples_per_step,
+                         live_reference=not cfg.dpo.precompute_ref_log_probs)
+    announce = [_describe(cfg, trainer),
+                f"dpo_loss_type={list(config.loss_type)}, beta={config.beta}, reference="
+                f"{'precomputed' if cfg.dpo.precompute_ref_log_probs else 'live copy'}, "
+                f"{source.examples_per_step} pairs per step; data: {stats}"]
+    return trainer, source, tokenizer, announce
+
+
+def train(config: TrainConfig) -> Path:
+    """Run ``config.max_steps`` optimizer steps of ``config.task``; returns the path of ``metrics.jsonl``."""
+    cfg = config
+    platform = jax.devices()[0].platform
+    check_runtime(cfg, Runtime("jax", platform, jax.device_count(), accelerator=platform != "cpu"))
+    trainer, source, tokenizer, announce = (_build_dpo if cfg.task == "dpo" else _build_sft)(cfg)
+    plot_keys = ("loss", "rewards/accuracies", "tokens_per_second") if cfg.task == "dpo" else \
+        ("loss", "tokens_per_second")
+    return run(cfg, trainer, source, tokenizer=tokenizer, desc=f"{cfg.task}[jax]", announce=announce,
+               plot_keys=plot_keys)

@@ -1,0 +1,178 @@
+"""Per-token and per-document log-probs of the targets, from hidden states (DPO's, later GRPO's).
+
+The sequence log-prob of document d is the sum, over the positions t whose target
+``labels[t + 1]`` belongs to d (``target_doc_ids[t] == d``, see ``common.dpo_batching``), of
+``log softmax(hidden[t] @ W.T)[labels[t + 1]]``. How the per-token values are computed is the
+token-loss kernel ``loss_type``, as for SFT:
+
+- ``nll``: full logits ``[B*T, V]`` and ``log_softmax`` (the baseline; Hugging Face and TRL's
+  unfused path);
+- ``chunked_nll``: the target rows in chunks, each chunk's ``lm_head + log_softmax`` under
+  ``torch.utils.checkpoint``;
+- ``fused_linear``: ``FusedLinearTokenLogps``, a custom autograd Function that keeps only the
+  per-token logsumexp between forward and backward and recomputes one chunk's logits at a
+  time in backward: no ``[tokens, V]`` tensor ever, and one ``[V, H]`` gradient buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from twinseq.common.config import DEFAULT_CHUNK_SIZE
+from twinseq.common.dpo_batching import PreferenceBatch
+from twinseq.common.loss import shift_labels
+
+LOGPS_LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
+
+
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for bf16/fp16/fp32, fp64 for fp64 (tests use it as a tighter reference)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+@dataclass
+class TargetRows:
+    """The scored positions of a ``PreferenceBatch``, flattened: index into [B*T], target, document."""
+
+    idx_n: torch.Tensor       # long [n]: flattened positions t with a target
+    targets_n: torch.Tensor   # long [n]: labels[t + 1]
+    doc_n: torch.Tensor       # long [n]: document of that target (0..2N-1, chosen first)
+    num_docs: int
+
+    @classmethod
+    def of(cls, pbatch: PreferenceBatch, vocab_size: int, device: Any) -> "TargetRows":
+        doc_N = pbatch.target_doc_ids.reshape(-1)
+        idx = np.flatnonzero(doc_N >= 0)
+        targets = shift_labels(pbatch.batch.labels).reshape(-1)[idx]
+        if targets.size and (targets.min() < 0 or targets.max() >= vocab_size):
+            raise ValueError(f"labels hold values in [{targets.min()}, {targets.max()}], outside the vocabulary "
+                             f"[0, {vocab_size}); fix the tokenisation or the model's vocab_size.")
+        as_long = lambda a: torch.as_tensor(a, dtype=torch.long, device=device)  # noqa: E731
+        return cls(as_long(idx), as_long(targets), as_long(doc_N[idx]), pbatch.num_docs)
+
+
+def _picked_logps(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each target, logsumexp), as ``log_softmax``: ``(x_t - max) - log Σ exp(x - max)``.
+
+    The operation order is torch's ``log_softmax`` (and the JAX backend's), so that every path
+    rounds the same intermediates.
+    """
+    max_c = logits_cV.detach().amax(-1)
+    log_sum_c = torch.log(torch.exp(logits_cV - max_c[:, None]).sum(-1))
+    picked_c = logits_cV.gather(1, targets_c[:, None])[:, 0] - max_c
+    return picked_c - log_sum_c, (log_sum_c + max_c).detach()
+
+
+def _token_logps_full(hidden_NH, weight_VH, rows: TargetRows) -> torch.Tensor:
+    """Baseline: logits for every position ``[B*T, V]`` (padding and prompts included, as Hugging
+    Face computes them), ``log_softmax``, then the target of each scored row."""
+    logp_NV = F.log_softmax(_acc(F.linear(hidden_NH, weight_VH)), dim=-1)
+    # gather on all rows (target 0 where none), then pick the scored ones: one [N, V] buffer in backward
+    targets_N = torch.zeros(hidden_NH.shape[0], dtype=torch.long, device=hidden_NH.device)
+    targets_N[rows.idx_n] = rows.targets_n
+    return logp_NV.gather(1, targets_N[:, None])[:, 0].index_select(0, rows.idx_n)
+
+
+def _chunk_logps(hidden_cH, weight_VH, targets_c):
+    return _picked_logps(_acc(F.linear(hidden_cH, weight_VH)), targets_c)[0]
+
+
+def _token_logps_chunked(hidden_nH, weight_VH, targets_n, chunk_size: int) -> torch.Tensor:
+    """Checkpointed chunks: naive equivalent ``log_softmax(hidden_nH @ W.T)[arange(n), targets_n]``."""
+    parts = [checkpoint(_chunk_logps, hidden_nH[s:s + chunk_size], weight_VH, targets_n[s:s + chunk_size],
+                        use_reentrant=False) for s in range(0, hidden_nH.shape[0], chunk_size)]
+    assert parts, "collate_preference guarantees at least one scored token per document"
+    return torch.cat(parts)
+
+
+class FusedLinearTokenLogps(torch.autograd.Function):
+    """Per-token target log-probs from hidden states, chunk by chunk, logits never stored.
+
+    Naive equivalent::
+
+        logp_n = log_softmax((hidden_nH @ weight_VH.T).float(), -1)[arange(n), targets_n]
+
+    Forward keeps only the per-row logsumexp [n]. Backward gets ``g_n = dL/dlogp_n`` (one
+    upstream gradient per token: DPO's is not a constant, unlike a token-mean loss, so the
+    gradients cannot be formed in forward), recomputes each chunk's logits and forms
+    ``dL/dlogits = g_n (onehot - softmax)`` in place; the weight gradient is accumulated
+    in one fp32 ``[V, H]`` buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_nH, weight_VH, targets_n, chunk_size: int):
+        # Backward runs outside autocast, so the matmul dtype is fixed here and the operands saved in it.
+        device_type = hidden_nH.device.type
+        compute = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                   else weight_VH.dtype)
+        h_nH, w_VH = hidden_nH.to(compute), weight_VH.to(compute)
+        n = h_nH.shape[0]
+        acc_dtype = torch.promote_types(compute, torch.float32)
+        logps_n = torch.empty(n, dtype=acc_dtype, device=h_nH.device)
+        lse_n = torch.empty(n, dtype=acc_dtype, device=h_nH.device)
+        with torch.autocast(device_type, enabled=False):
+            for s in range(0, n, chunk_size):
+                logits_cV = _acc(F.linear(h_nH[s:s + chunk_size], w_VH))
+                logps_n[s:s + chunk_size], lse_n[s:s + chunk_size] = _picked_logps(logits_cV,
+                                                                                  targets_n[s:s + chunk_size])
+                del logits_cV  # else the next chunk's logits are allocated while these are alive
+        ctx.save_for_backward(h_nH, w_VH, targets_n, lse_n)
+        ctx.chunk_size, ctx.dtypes = chunk_size, (hidden_nH.dtype, weight_VH.dtype)
+        return logps_n
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logps_n):
+        hidden_nH, weight_VH, targets_n, lse_n = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty(hidden_nH.shape, dtype=ctx.dtypes[0], device=hidden_nH.device) if need_h else None
+        grad_w = torch.zeros(weight_VH.shape, dtype=lse_n.dtype, device=weight_VH.device) if need_w else None
+        cs = ctx.chunk_size
+        for s in range(0, hidden_nH.shape[0], cs):
+            h_cH, t_c, g_c = hidden_nH[s:s + cs], targets_n[s:s + cs], grad_logps_n[s:s + cs].to(lse_n.dtype)
+            # dlogp/dlogits = onehot - softmax, scaled by the upstream gradient; in place on the chunk's logits
+            g_cV = _acc(F.linear(h_cH, weight_VH)).sub_(lse_n[s:s + cs, None]).exp_().mul_(-g_c[:, None])
+            g_cV[torch.arange(len(t_c), device=t_c.device), t_c] += g_c
+            if grad_h is not None:
+                grad_h[s:s + cs] = g_cV.to(weight_VH.dtype) @ weight_VH
+            if grad_w is not None:
+                grad_w.addmm_(g_cV.t(), h_cH.to(grad_w.dtype))
+            del g_cV
+        return grad_h, None if grad_w is None else grad_w.to(ctx.dtypes[1]), None, None
+
+
+def token_logps(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, rows: TargetRows,
+                loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """[n] log-probs of the targets at ``rows.idx_n`` (fp32; fp64 for fp64 inputs)."""
+    if loss_type not in LOGPS_LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} has no log-prob kernel here; choose one of {LOGPS_LOSS_TYPES} "
+                         f"('liger' is the separate liger_dpo_loss path).")
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+    hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
+    if loss_type == "nll":
+        return _token_logps_full(hidden_NH, lm_head_weight_VH, rows)
+    hidden_nH = hidden_NH.index_select(0, rows.idx_n)
+    if loss_type == "chunked_nll":
+        return _token_logps_chunked(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size)
+    return FusedLinearTokenLogps.apply(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size)
+
+
+def sequence_logps(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, pbatch: PreferenceBatch,
+                   loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """[2N] sequence log-probs (chosen documents, then rejected) from the final hidden states.
+
+    Naive equivalent (``common.dpo_batching.sequence_logps_from_logits``)::
+
+        logp_BT = log_softmax(hidden_BTH @ W.T)[b, t, labels[b, t + 1]]
+        out[d] = Σ logp_BT[b, t] over (b, t) with target_doc_ids[b, t] == d
+    """
+    rows = TargetRows.of(pbatch, lm_head_weight_VH.shape[0], hidden_BTH.device)
+    logps_n = token_logps(hidden_BTH, lm_head_weight_VH, rows, loss_type, chunk_size)
+    return logps_n.new_zeros(rows.num_docs).index_add(0, rows.doc_n, logps_n)
