@@ -67,7 +67,9 @@ class StepIterator:
         if cfg.packing:
             from twinseq.common.packing import pack_dataset
 
-            rows = pack_dataset(rows, cfg.max_length, strategy=cfg.packing_strategy)
+            rows = pack_dataset(rows, cfg.max_length, strategy=cfg.packing_strategy,
+                                completion_only_loss=cfg.completion_only_loss,
+                                assistant_only_loss=cfg.assistant_only_loss)
         self.columns = _columns(rows)
         self.num_rows = len(self.columns["input_ids"])
         if self.num_rows == 0:
