@@ -151,7 +151,8 @@ def to_markdown(report: dict) -> str:
             lines.append(f"| {r['strategy']} | {name} | {f['seconds']:.3f} | {f['rows']:,} | "
                          f"+{f['rows_over_lower_bound_pct']:.4f} % | {f['tokens_kept_pct']:.2f} % | {ratio} |")
     lines += ["", "Lower bound: ceil(tokens kept / seq_length). `bfd` truncates (tokens kept < 100 %), "
-              "`bfd_split` and `wrapped` keep every token. Every run's seconds are in the json (`all_seconds`).",
+              "`bfd_split` and `wrapped` keep every token but lose one loss target per cut "
+              "(`PackingStats.num_targets_lost`). Every run's seconds are in the json (`all_seconds`).",
               "", "Acceptance (ANCHORS): plan <= 0.3 s, rows <= lower bound x 1.0001, pack_dataset >= 8x faster "
               "than TRL in the same process (required for bfd and bfd_split; wrapped for information):"]
     for r in report["results"]:

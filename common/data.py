@@ -447,14 +447,15 @@ def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     """``TrainConfig`` -> (rows with ``input_ids`` + mask columns, tokenizer, stats). No packing.
 
     With ``packing`` and a strategy that keeps every token (``bfd_split``, ``wrapped``) the
-    rows are not truncated: the packer splits them. Plain ``bfd`` cuts overflow at the start
+    rows are not truncated: the packer splits them, which still loses the target at each cut
+    (counted in ``PackingStats.num_targets_lost``). Plain ``bfd`` cuts overflow at the start
     of each sequence, which is what ``keep_start`` truncation here does, counted and checked.
     """
     d = cfg.data
     max_length = d.max_length
     if d.packing and d.packing_strategy != "bfd":
-        logger.info("packing_strategy=%r keeps every token: not truncating to max_length before packing",
-                    d.packing_strategy)
+        logger.info("packing_strategy=%r keeps every token (not the target at each cut): not truncating to "
+                    "max_length before packing", d.packing_strategy)
         max_length = None
     tokenizer = load_tokenizer(d.tokenizer_name_or_path)
     dataset = load_dataset_any(_dataset_name(cfg, "sft"), split=d.dataset_split)

@@ -67,7 +67,9 @@ class StepIterator:
         if cfg.data.packing:
             from twinseq.common.packing import pack_dataset
 
-            rows = pack_dataset(rows, cfg.data.max_length, strategy=cfg.data.packing_strategy)
+            d = cfg.data
+            rows = pack_dataset(rows, d.max_length, strategy=d.packing_strategy,
+                                completion_only_loss=d.completion_only_loss, assistant_only_loss=d.assistant_only_loss)
         self.columns = _columns(rows)
         self.num_rows = len(self.columns["input_ids"])
         if self.num_rows == 0:

@@ -10,8 +10,10 @@ documents in each row). What differs, on purpose:
   ``window=`` packs runs of ``window`` examples separately (streams), and then gives
   exactly TRL's rows for ``map_kwargs={"batch_size": window}``.
 - ``strategy="bfd"`` truncates (TRL 1.16's meaning) and *reports* the dropped tokens
-  (a logged warning, and ``PackingStats`` with ``return_stats=True``);
-  ``"bfd_split"`` splits, losing nothing (ANCHORS item 5).
+  and targets (a logged warning, and ``PackingStats`` with ``return_stats=True``);
+  ``"bfd_split"`` splits (ANCHORS item 5), keeping every token but losing one target per
+  cut: a continuation fragment is a new document, and a document's first token is never
+  a target. The stats count those too (``num_cuts``, ``num_targets_lost``).
 - ``"wrapped"`` also gets a ``seq_lengths`` column: the pieces of documents in each row,
   so positions restart where a document starts. TRL's wrapped rows have none, which
   lets attention run across documents; drop the column to get that behaviour.
@@ -29,6 +31,7 @@ plan with ``plan_packing`` and gather batches lazily with ``gather_rows``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from typing import Any, Mapping, Optional
@@ -38,8 +41,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from twinseq.common.packing_plan import (STRATEGIES, PackingPlan, PackingStats, check_seq_length,
-                                         check_strategy, check_window, plan_packing)
+from twinseq.common.batching import IGNORE_INDEX
+from twinseq.common.packing_plan import (STRATEGIES, PackingPlan, PackingStats, _ranges, check_seq_length,
+                                         check_strategy, check_window, flat_list_values, plan_packing)
 
 __all__ = ["pack_dataset", "pack_table", "plan_packing", "gather_rows", "PackingPlan", "PackingStats",
            "STRATEGIES"]
@@ -52,7 +56,8 @@ RESERVED_COLUMNS = ("seq_lengths",) + SOURCE_COLUMNS
 
 
 def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: Optional[dict] = None, *,
-                 window: Optional[int] = None, return_source: bool = False, return_stats: bool = False):
+                 window: Optional[int] = None, return_source: bool = False, return_stats: bool = False,
+                 completion_only_loss: Optional[bool] = None, assistant_only_loss: bool = False):
     """Pack every list column of ``dataset`` into rows of at most ``seq_length`` values.
 
     Args:
@@ -64,11 +69,15 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: Op
         seq_length: the longest packed row.
         strategy: ``"bfd"`` (truncate overflow), ``"bfd_split"`` (split it) or
             ``"wrapped"`` (concatenate and cut); see ``twinseq.common.packing_plan``.
+            Splitting keeps every token but loses the target at each cut.
         map_kwargs: ``datasets.map`` arguments, used only for an ``IterableDataset``.
         window: pack each run of ``window`` consecutive examples on its own; ``None``
             (the default) packs the whole dataset at once.
         return_source: add ``source_indices`` and ``source_offsets`` columns.
         return_stats: return ``(packed, PackingStats)`` (a dict of them for a DatasetDict).
+        completion_only_loss, assistant_only_loss: which tokens are loss targets, with
+            ``collate``'s meaning (the ``labels`` column counts too). They change no packed
+            value, only ``PackingStats.num_targets_lost``; pass what the collator gets.
 
     Length-0 examples produce no document but count in the stats. With ``"bfd"``, the
     dropped overflow is logged as a warning.
@@ -84,13 +93,25 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: Op
     ([[0], [2, 0], [1, 3]], [[0], [0, 4], [0, 0]])
     >>> stats.num_tokens_dropped, stats.num_rows, stats.lower_bound_rows
     (0, 3, 3)
+    >>> stats.num_cuts, stats.num_targets_lost  # token 5 starts a document: 4 -> 5 is not trained
+    (1, 1)
+    >>> examples["completion_mask"] = [[0, 0, 0, 0, 1], [1, 1], [1, 1, 1], [1]]
+    >>> pack_dataset(examples, 4, "bfd_split", return_stats=True)[1].num_targets_lost  # 5 is a target
+    1
+    >>> examples["completion_mask"][0] = [0, 0, 0, 0, 0]  # the cut is inside the prompt
+    >>> pack_dataset(examples, 4, "bfd_split", return_stats=True)[1].num_targets_lost
+    0
     """
     seq_length = check_seq_length(seq_length)
     check_strategy(strategy)
     window = check_window(window)
     if map_kwargs is not None and not isinstance(map_kwargs, Mapping):
         raise TypeError(f"map_kwargs={map_kwargs!r} must be a dict of datasets.map arguments or None.")
-    options = dict(seq_length=seq_length, strategy=strategy, window=window, return_source=return_source)
+    for name, flag in (("completion_only_loss", completion_only_loss), ("assistant_only_loss", assistant_only_loss)):
+        if flag is not None and not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name}={flag!r} must be True, False or None, as in collate().")
+    options = dict(seq_length=seq_length, strategy=strategy, window=window, return_source=return_source,
+                   completion_only_loss=completion_only_loss, assistant_only_loss=assistant_only_loss)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         return _pack_splits(dataset, map_kwargs, return_stats, options)
     if isinstance(dataset, datasets.IterableDataset):
@@ -123,16 +144,23 @@ def _pack_splits(dataset, map_kwargs, return_stats: bool, options: dict):
 
 
 def pack_table(table: pa.Table, seq_length: int, strategy: str = "bfd", *, window: Optional[int] = None,
-               return_source: bool = False, row_ids: Optional[np.ndarray] = None) -> tuple[pa.Table, PackingStats]:
+               return_source: bool = False, row_ids: Optional[np.ndarray] = None,
+               completion_only_loss: Optional[bool] = None,
+               assistant_only_loss: bool = False) -> tuple[pa.Table, PackingStats]:
     """Pack a pyarrow ``table`` of list columns; returns ``(packed_table, stats)``.
 
     ``row_ids`` (optional, int [N]): pack ``table`` rows ``row_ids`` in that order, as a
     ``datasets`` indices mapping does, without first copying the table.
+    ``completion_only_loss``, ``assistant_only_loss``: as in ``pack_dataset``.
     """
     seq_length = check_seq_length(seq_length)
     lengths = _validate_table(table, row_ids)
+    rules = _target_rules(table.column_names, completion_only_loss, assistant_only_loss)
     plan = plan_packing(lengths, seq_length, strategy, window=window)
-    return _materialize(table, plan, row_ids, return_source), plan.stats
+    stats = plan.stats
+    if rules:  # without labels or masks, the plan's count (every token a target) is exact
+        stats = dataclasses.replace(stats, num_targets_lost=_count_targets_lost(table, plan, lengths, row_ids, rules))
+    return _materialize(table, plan, row_ids, return_source), stats
 
 
 def gather_rows(plan: PackingPlan, source, rows) -> list[dict[str, np.ndarray]]:
@@ -245,6 +273,52 @@ def _column_lengths(table: pa.Table, name: str, row_ids: Optional[np.ndarray]) -
     return lengths if row_ids is None else lengths[row_ids]
 
 
+# --------------------------------------------------------------------------- lost targets
+
+def _target_rules(column_names: list[str], completion_only_loss: Optional[bool],
+                  assistant_only_loss: bool) -> list[tuple[str, int]]:
+    """``(column, value that is no target)`` pairs deciding the loss targets, as ``collate`` does.
+
+    Empty when every token is a target (no ``labels`` column, no loss mask in use).
+
+    >>> _target_rules(["input_ids", "labels", "completion_mask"], None, False)
+    [('labels', -100), ('completion_mask', 0)]
+    """
+    rules = [("labels", IGNORE_INDEX)] if "labels" in column_names else []
+    use_completion = "completion_mask" in column_names if completion_only_loss is None else completion_only_loss
+    for name, used, flag in (("completion_mask", use_completion, "completion_only_loss"),
+                             ("assistant_masks", assistant_only_loss, "assistant_only_loss")):
+        if used and name not in column_names:
+            raise ValueError(f"{flag}=True needs a {name!r} column, but the dataset has {column_names}; add the "
+                             f"mask when tokenising, or pass {flag}=False.")
+        if used:
+            rules.append((name, 0))
+    return rules
+
+
+def _count_targets_lost(table: pa.Table, plan: PackingPlan, lengths: np.ndarray, row_ids: Optional[np.ndarray],
+                        rules: list[tuple[str, int]]) -> int:
+    """``PackingStats.num_targets_lost`` read from ``table``'s label and mask columns.
+
+    Reads only the affected tokens: the first token of each continuation fragment, or for
+    ``"bfd"`` the dropped tail of each truncated example.
+    """
+    if plan.strategy == "bfd":
+        examples = np.flatnonzero(lengths > plan.seq_length)
+        first = np.full(len(examples), plan.seq_length, dtype=np.int64)
+        counts = lengths[examples] - plan.seq_length
+    else:
+        cut = np.flatnonzero(plan.source_offsets > 0)
+        examples, first, counts = plan.source_indices[cut], plan.source_offsets[cut], np.ones(len(cut), np.int64)
+    rows = examples if row_ids is None else row_ids[examples]
+    is_target = np.ones(int(counts.sum()), dtype=bool)
+    for name, no_target in rules:
+        values, example_offsets = flat_list_values(table.column(name))
+        index = _ranges(example_offsets[rows] + first, counts)
+        is_target &= values.take(pa.array(index, pa.int64())).to_numpy(zero_copy_only=False) != no_target
+    return int(is_target.sum())
+
+
 # --------------------------------------------------------------------------- outputs
 
 def _materialize(table: pa.Table, plan: PackingPlan, row_ids: Optional[np.ndarray], return_source: bool) -> pa.Table:
@@ -277,14 +351,14 @@ def _restore_format(dataset, fmt: dict, return_source: bool):
     return dataset.with_format(**fmt, **kwargs)
 
 
-def _pack_dataset_object(dataset, seq_length, strategy, window, return_source):
+def _pack_dataset_object(dataset, seq_length, strategy, window, return_source, **targets):
     table = dataset.data.table
     # A select/shuffle/sort leaves an indices mapping; reading through it row by row costs
     # seconds per million rows, so the plan reads the underlying table at these rows.
     indices = getattr(dataset, "_indices", None)
     row_ids = None if indices is None else indices.column(0).to_numpy().astype(np.int64, copy=False)
     packed, stats = pack_table(table, seq_length, strategy, window=window, return_source=return_source,
-                               row_ids=row_ids)
+                               row_ids=row_ids, **targets)
     features = {name: dataset.features[name] for name in table.column_names}
     features["seq_lengths"] = datasets.List(datasets.Value("int32"))
     for name in SOURCE_COLUMNS if return_source else ():
@@ -298,19 +372,20 @@ def _pack_dataset_object(dataset, seq_length, strategy, window, return_source):
     return _restore_format(out, dataset.format, return_source), stats
 
 
-def _pack_iterable(dataset, map_kwargs, seq_length, strategy, window, return_source):
+def _pack_iterable(dataset, map_kwargs, seq_length, strategy, window, return_source, **targets):
     if window is None:
         raise ValueError("an IterableDataset is packed window by window: pass window=N (examples per window, "
                          "e.g. window=10_000), or convert it to a datasets.Dataset to pack it globally.")
     fmt = {"type": dataset._formatting.format_type if dataset._formatting is not None else None}
     packed = dataset.with_format("arrow").map(
         _pack_window, batched=True, batch_size=window, with_indices=return_source,
-        fn_kwargs={"seq_length": seq_length, "strategy": strategy, "return_source": return_source}, **map_kwargs)
+        fn_kwargs={"seq_length": seq_length, "strategy": strategy, "return_source": return_source, **targets},
+        **map_kwargs)
     return packed.with_format(**fmt)
 
 
-def _pack_window(table: pa.Table, indices=None, *, seq_length, strategy, return_source) -> pa.Table:
-    packed, stats = pack_table(table, seq_length, strategy, return_source=return_source)
+def _pack_window(table: pa.Table, indices=None, *, seq_length, strategy, return_source, **targets) -> pa.Table:
+    packed, stats = pack_table(table, seq_length, strategy, return_source=return_source, **targets)
     logger.info("pack_dataset window: %s", stats.summary())
     if return_source:
         # Window-local example positions -> positions in the whole stream.
@@ -324,7 +399,7 @@ def _pack_window(table: pa.Table, indices=None, *, seq_length, strategy, return_
 def _log_stats(stats: PackingStats) -> None:
     if stats.num_tokens_dropped:
         logger.warning("pack_dataset(strategy=%r) truncated %d examples longer than seq_length=%d, dropping %d of "
-                       "%d tokens (%.2f %%); use strategy='bfd_split' to keep them.", stats.strategy,
-                       stats.num_truncated_examples, stats.seq_length, stats.num_tokens_dropped, stats.num_tokens,
-                       100 * (1 - stats.tokens_kept_fraction))
+                       "%d tokens (%.2f %%) and %d loss targets; use strategy='bfd_split' to keep the tokens.",
+                       stats.strategy, stats.num_truncated_examples, stats.seq_length, stats.num_tokens_dropped,
+                       stats.num_tokens, 100 * (1 - stats.tokens_kept_fraction), stats.num_targets_lost)
     logger.info("pack_dataset: %s", stats.summary())

@@ -17,9 +17,17 @@ Strategies (ANCHORS item 5: both overflow semantics exist, with distinct names):
   dropped (counted in ``PackingStats.num_tokens_dropped``).
 - ``"bfd_split"``: every example is **split** into fragments of ``seq_length`` tokens
   (the last one shorter) and all fragments are binned by best-fit-decreasing. No token
-  is lost.
+  is lost, but one target per cut is (see below).
 - ``"wrapped"``: all examples are concatenated in order and cut into rows of
-  ``seq_length`` tokens; documents are cut at row borders. No token is lost or repeated.
+  ``seq_length`` tokens; documents are cut at row borders. No token is lost or repeated,
+  but one target per cut is.
+
+Keeping every token is not keeping every target. A continuation fragment is a new
+document in its row, and the collator gives a document's first token the label -100
+(``twinseq.common.batching``), so the prediction across the cut (last token of piece k
+-> first token of piece k+1) is gone: each cut loses the target at the cut's first token,
+if that token was a target (a cut inside a masked prompt loses nothing).
+``PackingStats.num_cuts`` and ``num_targets_lost`` count this.
 
 Length-0 examples produce no fragment but are counted in ``PackingStats``.
 """
@@ -97,6 +105,24 @@ class PackingStats:
     ``num_tokens_dropped`` is non-zero only for ``"bfd"`` (truncated overflow).
     ``lower_bound_rows`` is ``ceil(num_tokens_kept / seq_length)``: no packing of the
     kept tokens can use fewer rows.
+
+    ``num_cuts`` is the number of places where an example was cut into two fragments
+    (``num_fragments`` minus the non-empty examples); always 0 for ``"bfd"``.
+    ``num_targets_lost`` is the number of loss targets (labels != -100 after
+    ``collate``, the count the loss divides by) that the examples had before packing and
+    the packed rows no longer have:
+
+    - ``"bfd_split"``, ``"wrapped"``: one per cut whose first token was a target. Each
+      continuation fragment starts a document, whose first label is -100.
+    - ``"bfd"``: the targets among the dropped tokens.
+
+    ``plan_packing`` sees lengths only, so it counts every token but an example's first
+    as a target: exact for rows without ``labels`` or loss masks, an upper bound
+    otherwise. ``pack_dataset`` recounts from the ``labels`` and mask columns.
+
+    >>> stats = plan_packing([9, 3], seq_length=4, strategy="bfd_split").stats
+    >>> stats.num_fragments, stats.num_cuts, stats.num_targets_lost
+    (4, 2, 2)
     """
 
     strategy: str
@@ -109,10 +135,16 @@ class PackingStats:
     num_split_examples: int
     num_fragments: int
     num_rows: int
+    num_targets_lost: int
 
     @property
     def num_tokens_dropped(self) -> int:
         return self.num_tokens - self.num_tokens_kept
+
+    @property
+    def num_cuts(self) -> int:
+        # Each non-empty example has exactly one fragment at offset 0; every other one follows a cut.
+        return self.num_fragments - (self.num_examples - self.num_empty_examples)
 
     @property
     def lower_bound_rows(self) -> int:
@@ -134,7 +166,7 @@ class PackingStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("num_tokens_dropped", "lower_bound_rows", "rows_over_lower_bound",
+        for name in ("num_tokens_dropped", "num_cuts", "lower_bound_rows", "rows_over_lower_bound",
                      "tokens_kept_fraction", "fill_fraction"):
             d[name] = getattr(self, name)
         return d
@@ -144,7 +176,8 @@ class PackingStats:
                 f"{self.num_rows} rows of {self.seq_length} (lower bound {self.lower_bound_rows}, "
                 f"+{100 * self.rows_over_lower_bound:.4f} %), kept {self.num_tokens_kept}/{self.num_tokens} tokens "
                 f"({100 * self.tokens_kept_fraction:.2f} %), {self.num_truncated_examples} truncated, "
-                f"{self.num_split_examples} split")
+                f"{self.num_split_examples} split at {self.num_cuts} cuts, lost {self.num_targets_lost} loss "
+                f"targets {'in the dropped tokens' if self.strategy == 'bfd' else 'at the cuts'}")
 
 
 # --------------------------------------------------------------------------- the plan
@@ -370,7 +403,16 @@ def _stats(lengths, seq_length, strategy, src, frag_len, num_rows) -> PackingSta
         num_empty_examples=int((lengths == 0).sum()), num_tokens=int(lengths.sum()),
         num_tokens_kept=int(frag_len.sum()),
         num_truncated_examples=int((lengths > seq_length).sum()) if strategy == "bfd" else 0,
-        num_split_examples=num_split, num_fragments=len(frag_len), num_rows=int(num_rows))
+        num_split_examples=num_split, num_fragments=len(frag_len), num_rows=int(num_rows),
+        num_targets_lost=_targets_lost_by_lengths(lengths, seq_length, strategy, len(frag_len)))
+
+
+def _targets_lost_by_lengths(lengths, seq_length, strategy, num_fragments) -> int:
+    """``num_targets_lost`` when every token but an example's first is a target (no labels known)."""
+    if strategy == "bfd":
+        # Dropped tokens sit at positions >= seq_length >= 1, never an example's first.
+        return int(np.maximum(lengths - seq_length, 0).sum())
+    return num_fragments - int((lengths > 0).sum())
 
 
 class _BestFitDecreasing:

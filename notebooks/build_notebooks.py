@@ -31,12 +31,15 @@ PACKING = [
         "print(format_profile(profile_lengths(lengths, [128, 256, 512, 1024], batch_size=8)))"),
     new_markdown_cell("## Packing: best-fit-decreasing, split, wrapped\n\n"
                       "`bfd` truncates documents longer than the row, `bfd_split` cuts them into "
-                      "fragments and keeps every token, `wrapped` concatenates and cuts."),
+                      "fragments and keeps every token, `wrapped` concatenates and cuts. Keeping every "
+                      "token is not keeping every target: a fragment is a new document, whose first "
+                      "token nothing predicts, so each cut loses one target (none if the cut falls in "
+                      "a masked prompt). `lost ... loss targets` counts them, read from the completion mask."),
     new_code_cell(
-        "from twinseq.common.packing import plan_packing\n"
+        "from twinseq.common.packing import pack_dataset\n"
         "for strategy in ['bfd', 'bfd_split', 'wrapped']:\n"
-        "    plan = plan_packing(lengths, 512, strategy)\n"
-        "    print(f'{strategy:9s}', plan.stats.summary())"),
+        "    _, packing_stats = pack_dataset(rows, 512, strategy, return_stats=True)\n"
+        "    print(f'{strategy:9s}', packing_stats.summary())"),
     new_markdown_cell("## The document mask\n\nToken *i* may attend to *j* only if they share a "
                       "segment and *j* is not after *i* in its document."),
     new_code_cell(
