@@ -1,5 +1,6 @@
-"""Every teaching notebook runs top to bottom on a CPU."""
+"""Every teaching notebook runs top to bottom on a CPU, and is what its builder writes."""
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -7,11 +8,27 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 
 def test_there_are_notebooks():
     assert len(NOTEBOOKS) >= 3
+
+
+def test_notebooks_are_the_builders_output():
+    """The builder writes the parity tolerances into the notebooks' asserts: a notebook that
+    differs from its builder holds stale bounds (or a hand edit the next build would lose)."""
+    spec = importlib.util.spec_from_file_location("_build_notebooks", NOTEBOOK_DIR / "build_notebooks.py")
+    builder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(builder)
+    built = builder.build()
+    assert sorted(built) == [p.stem for p in NOTEBOOKS]
+    for path in NOTEBOOKS:
+        committed = nbformat.read(path, as_version=4)
+        assert [(c.cell_type, c.source) for c in committed.cells] == \
+            [(c.cell_type, c.source) for c in built[path.stem].cells], \
+            f"{path.name} is stale: run `.venv/bin/python notebooks/build_notebooks.py`"
 
 
 @pytest.mark.slow
