@@ -261,7 +261,7 @@ def test_bfd_warning_names_the_lost_targets(caplog):
 def test_trainer_packing_logs_the_targets_its_collator_loses(caplog, completion_only_loss, lost):
     """StepIterator packs with the config's loss flags, so the logged count is the trained one."""
     rows = {"input_ids": [list(range(1, 11)), [11, 12, 13]], "completion_mask": [[0] * 5 + [1] * 5, [0, 1, 1]]}
-    cfg = TrainConfig(per_device_train_batch_size=1, gradient_accumulation_steps=1, max_length=4, packing=True,
+    cfg = TrainConfig.from_flat(per_device_train_batch_size=1, gradient_accumulation_steps=1, max_length=4, packing=True,
                       packing_strategy="bfd_split", completion_only_loss=completion_only_loss)
     with caplog.at_level(logging.INFO, logger="twinseq.common.packing"):
         it = StepIterator(rows, cfg, pad_token_id=0, seed=0)
