@@ -33,11 +33,22 @@ test: setup
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
 
+# Every benchmark that runs on a CPU, at its default (full) size, then the README table from
+# the results. About 70 minutes on 2 cores (from the committed runs' timings; padding_free and
+# loss_memory take most of it). Each script writes benchmarks/results/<what>_<hardware>_<date>.*
+# and records the commit, so commit the code first. tests/test_benchmarks_report.py checks that
+# this list names every script in benchmarks/.
+
 bench: setup
 	$(BIN)/python benchmarks/packing.py
 	$(BIN)/python benchmarks/loss_memory.py
-	$(BIN)/python benchmarks/padding_free.py
+	$(BIN)/python benchmarks/jax_loss_memory.py
 	$(BIN)/python benchmarks/memory_techniques.py
+	$(BIN)/python benchmarks/padding_free.py
+	$(BIN)/python benchmarks/torch_vs_jax.py
+	$(BIN)/python benchmarks/dpo_memory.py
+	$(BIN)/python benchmarks/ring_attention.py
+	$(BIN)/python benchmarks/readme_table.py
 
 clean:
 	rm -rf runs .pytest_cache

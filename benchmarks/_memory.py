@@ -13,11 +13,16 @@ Usage from a benchmark script ``bench.py`` that defines ``setup(**kwargs) -> sta
     res["peak_above_baseline_bytes"], res["seconds"]
 
 ``run`` may return a dict of extra figures (e.g. ``torch.cuda.max_memory_allocated``); they
-are returned per repeat under ``"extra"``.
+are returned per repeat under ``"extra"``. On CUDA, ``run`` wraps its work in
+``cuda_peak_above_baseline(extra)`` and the driver reads the figure of either device with
+``peak_bytes(res)``; ``add_measure_args`` and ``resolve_device`` give the scripts one set of
+flags and one rule for the device, dtype, repeats and warmup.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 _MARKER = "__MEASURED__ "
+CUDA_PEAK = "cuda_peak_above_baseline_bytes"
 
 # The child resets the kernel's RSS high-water mark (VmHWM) before each repeat by writing 5
 # to /proc/self/clear_refs (Linux >= 4.0), so each repeat's peak is its own.
@@ -104,3 +110,80 @@ def measure_in_subprocess(script: str | os.PathLike, setup: str, run: str, kwarg
     return {"peak_above_baseline_bytes": max(above), "first_peak_above_baseline_bytes": above[0],
             "seconds": seconds, "median_seconds": statistics.median(seconds),
             "baseline_rss_bytes": records[0]["baseline_rss_bytes"], "records": records}
+
+
+def peak_bytes(res: dict[str, Any], cuda_key: str = CUDA_PEAK) -> int:
+    """The peak of a ``measure_in_subprocess`` result: the largest ``extra[cuda_key]`` over the
+    repeats when ``run`` reported one (CUDA), else the peak RSS above the baseline (CPU)."""
+    extras = [r["extra"] for r in res["records"]]
+    if extras and all(cuda_key in e for e in extras):
+        return int(max(e[cuda_key] for e in extras))
+    return int(res["peak_above_baseline_bytes"])
+
+
+@contextlib.contextmanager
+def cuda_peak_above_baseline(extra: dict, enabled: bool = True):
+    """Inside ``run``: sets ``extra[CUDA_PEAK]`` to ``torch.cuda.max_memory_allocated`` over the
+    block minus the bytes allocated when it starts. Does nothing when ``enabled`` is False (CPU)."""
+    if not enabled:
+        yield
+        return
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    yield
+    torch.cuda.synchronize()
+    extra[CUDA_PEAK] = int(torch.cuda.max_memory_allocated() - before)
+
+
+def memory_method(device: str) -> str:
+    """How ``peak_bytes`` measured on ``device``, in words for the result files."""
+    if device == "cuda":
+        return "torch.cuda.max_memory_allocated minus the bytes allocated before the measured call"
+    return "peak RSS of a fresh subprocess minus its RSS after setup (inputs and weights allocated)"
+
+
+def add_measure_args(parser: argparse.ArgumentParser, timeout: float = 3600.0) -> None:
+    """``--repeats``, ``--warmup``, ``--threads``, ``--device``, ``--timeout`` (see ``resolve_device``)."""
+    parser.add_argument("--repeats", type=int, default=None, help="default: 1 on CPU, 5 on CUDA")
+    parser.add_argument("--warmup", type=int, default=None, help="default: 0 on CPU, 1 on CUDA")
+    parser.add_argument("--threads", type=int, default=min(os.cpu_count() or 1, 16))
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds per measured subprocess")
+
+
+def resolve_device(args: argparse.Namespace) -> str:
+    """Settles ``args.device`` (``auto``: ``cuda`` when torch sees a GPU) and returns it; sets
+    ``args.dtype`` (bfloat16 on CUDA, float32 on CPU) and fills ``args.repeats``/``args.warmup``
+    when unset: one cold repeat on CPU (minutes each at full size), five after one warmup on CUDA."""
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    args.repeats = args.repeats or (5 if args.device == "cuda" else 1)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.device == "cuda" else 0)
+    return args.device
+
+
+def measured_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``add_measure_args``/``resolve_device`` settled, for the result files."""
+    return {"device": args.device, "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup,
+            "threads": args.threads, "memory_method": memory_method(args.device)}
+
+
+def with_baseline(names: str, baseline: str = "nll") -> list[str]:
+    """A comma-separated choice with the baseline measured first, once.
+
+    >>> with_baseline("fused_linear,nll,chunked_nll")
+    ['nll', 'fused_linear', 'chunked_nll']
+    """
+    return [baseline] + [n for n in names.split(",") if n and n != baseline]
+
+
+def print_measured(label: str, row: dict[str, Any]) -> None:
+    """One progress line: peak (MiB), median seconds and loss of a measured row."""
+    print(f"{label:>26}: peak {row['peak_bytes'] / (1 << 20):10,.0f} MiB  time {row['median_seconds']:8.2f} s  "
+          f"loss {row['loss']:.6f}", flush=True)

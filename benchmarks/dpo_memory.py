@@ -26,22 +26,19 @@ Acceptance: at the padded 8192-position shape, fused_linear peak <= nll peak / 8
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import shlex
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _memory import measure_in_subprocess  # noqa: E402
+from _memory import (add_measure_args, cuda_peak_above_baseline, measure_in_subprocess,  # noqa: E402
+                     measured_settings, peak_bytes, print_measured, resolve_device, with_baseline)
+from _report import (MIB, acceptance_line, add_output_args, markdown_table, memory_time_figure,  # noqa: E402
+                     start_run)
 
 KERNELS = ("nll", "chunked_nll", "fused_linear")
 LAYOUTS = ("padded", "padding_free")
-MIB = 1 << 20
 BETA = 0.1
 
 
@@ -136,20 +133,12 @@ def _loss(pb, hidden, weight, kernel, chunk_size, config, ref):
 
 
 def run(state: dict) -> dict:
-    import torch
-
-    cuda = state["hidden"].is_cuda
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    loss = _loss(state["pb"], state["hidden"], state["weight"], state["kernel"], state["chunk_size"],
-                 state["config"], state["ref"])
-    loss.backward()
-    extra = {"loss": float(loss), "grad_weight_norm": float(state["weight"].grad.float().norm())}
-    if cuda:
-        torch.cuda.synchronize()
-        extra["cuda_peak_above_baseline_bytes"] = torch.cuda.max_memory_allocated() - before
+    extra = {}
+    with cuda_peak_above_baseline(extra, state["hidden"].is_cuda):
+        loss = _loss(state["pb"], state["hidden"], state["weight"], state["kernel"], state["chunk_size"],
+                     state["config"], state["ref"])
+        loss.backward()
+    extra.update(loss=float(loss), grad_weight_norm=float(state["weight"].grad.float().norm()))
     state["hidden"].grad = None
     state["weight"].grad = None
     del loss
@@ -185,34 +174,22 @@ def jax_temp_bytes(layout: str, kernel: str, pairs: int, row: int, hidden: int, 
 
 # --- driver ------------------------------------------------------------------------------
 
-def _versions() -> dict:
-    import jax
-    import numpy
-    import torch
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "jax": jax.__version__,
-            "numpy": numpy.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "cuda": torch.version.cuda if torch.cuda.is_available() else None,
-            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()}
-
-
-def _measure(args, device: str, dtype: str, layout: str, kernel: str) -> dict:
+def _measure(args, layout: str, kernel: str) -> dict:
     kwargs = dict(layout=layout, kernel=kernel, pairs=args.pairs, row=args.row, hidden=args.hidden, vocab=args.vocab,
-                  dtype=dtype, device=device, threads=args.threads, chunk_size=args.chunk_size)
+                  dtype=args.dtype, device=args.device, threads=args.threads, chunk_size=args.chunk_size)
     res = measure_in_subprocess(Path(__file__), "setup", "run", kwargs, repeats=args.repeats, warmup=args.warmup,
                                 num_threads=args.threads, timeout=args.timeout)
-    extras = [r["extra"] for r in res["records"]]
-    peak = (max(e["cuda_peak_above_baseline_bytes"] for e in extras) if device == "cuda"
-            else res["peak_above_baseline_bytes"])
+    extra = res["records"][0]["extra"]
     pb = preference_batch(layout, args.pairs, args.row, args.vocab, 0)
     row = {"layout": layout, "kernel": kernel, "batch_shape": list(pb.batch.shape),
            "positions": pb.batch.input_ids.size,
-           "tokens": pb.batch.num_tokens, "targets": int(pb.num_target_tokens.sum()), "peak_bytes": peak,
-           "median_seconds": res["median_seconds"], "seconds": res["seconds"], "loss": extras[0]["loss"],
-           "grad_weight_norm": extras[0]["grad_weight_norm"]}
+           "tokens": pb.batch.num_tokens, "targets": int(pb.num_target_tokens.sum()), "peak_bytes": peak_bytes(res),
+           "median_seconds": res["median_seconds"], "seconds": res["seconds"], "loss": extra["loss"],
+           "grad_weight_norm": extra["grad_weight_norm"]}
     if not args.no_jax:
         row["jax_temp_bytes"] = jax_temp_bytes(layout, kernel, args.pairs, args.row, args.hidden, args.vocab,
                                                args.chunk_size)
+    print_measured(f"{layout} {kernel}", row)
     return row
 
 
@@ -234,26 +211,23 @@ def _acceptance(rows: list[dict]) -> dict:
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
     s = meta["shape"]
-    lines = [f"# DPO log-prob memory: {meta['hardware']}, {meta['date']}", "",
-             f"Measured: `sequence_logps` (lm_head + target log-probs + per-document sums) + the 'sigmoid' DPO loss "
+    lines = [f"Measured: `sequence_logps` (lm_head + target log-probs + per-document sums) + the 'sigmoid' DPO loss "
              f"(beta {BETA}) + `backward()` w.r.t. the final hidden states and the lm_head, from random hidden "
              f"states (the decoder is not run). {s['pairs']} synthetic pairs; padded batch [{2 * s['pairs']}, "
              f"{s['row']}] = {2 * s['pairs'] * s['row']} positions; hidden {s['hidden']}, vocab {s['vocab']}, "
              f"{meta['dtype']} on {meta['device']}, chunks of {s['chunk_size']} rows, {meta['threads']} thread(s), "
              f"{meta['repeats']} repeat(s) after {meta['warmup']} warmup. Memory: {meta['memory_method']}. "
-             f"1-min load average {meta['load_average_1min']['before']} before, "
-             f"{meta['load_average_1min']['after']} after (the machine is shared: times are indicative).", "",
-             "| layout | kernel | batch | tokens / targets | peak MiB | vs full (same layout) | vs full padded | "
-             "time s | vs full | JAX temp MiB | JAX vs full |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        jax_cols = (f"{r['jax_temp_bytes'] / MIB:,.0f} | {r['jax_temp_vs_full_same_layout']:.3f}"
-                    if "jax_temp_bytes" in r else "- | -")
-        lines.append(f"| {r['layout']} | {r['kernel']} | {r['batch_shape'][0]}x{r['batch_shape'][1]} | "
-                     f"{r['tokens']} / {r['targets']} | {r['peak_bytes'] / MIB:,.0f} | "
-                     f"{r['memory_vs_full_same_layout']:.3f} | {r['memory_vs_full_padded']:.3f} | "
-                     f"{r['median_seconds']:.3g} | {r['time_vs_full_same_layout']:.2f} | {jax_cols} |")
-    lines += ["", "Acceptance: " + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in meta["acceptance"].items()),
-              "", "Notes:", "",
+             "The machine may be shared (load average in the provenance): times are indicative.", ""]
+    lines += markdown_table(
+        ["layout", "kernel", "batch", "tokens / targets", "peak MiB", "vs full (same layout)", "vs full padded",
+         "time s", "vs full", "JAX temp MiB", "JAX vs full"],
+        [[r["layout"], r["kernel"], f"{r['batch_shape'][0]}x{r['batch_shape'][1]}", f"{r['tokens']} / {r['targets']}",
+          f"{r['peak_bytes'] / MIB:,.0f}", f"{r['memory_vs_full_same_layout']:.3f}",
+          f"{r['memory_vs_full_padded']:.3f}", f"{r['median_seconds']:.3g}", f"{r['time_vs_full_same_layout']:.2f}",
+          f"{r['jax_temp_bytes'] / MIB:,.0f}" if "jax_temp_bytes" in r else "-",
+          f"{r['jax_temp_vs_full_same_layout']:.3f}" if "jax_temp_bytes" in r else "-"] for r in rows],
+        align="llllrrrrrrr")
+    lines += ["", acceptance_line(meta["acceptance"]), "", "Notes:", "",
               "- `nll` holds the [positions, V] fp32 logits' log_softmax (saved for backward) and, in backward, two "
               "more [positions, V] buffers; it pays for prompt and padding positions too.",
               "- `fused_linear` holds per target row one logsumexp, one chunk of logits (and one temporary of it) at "
@@ -262,35 +236,20 @@ def _markdown(meta: dict, rows: list[dict]) -> str:
               "grows with H: 1 GiB at H = 2048 (not measured here; `benchmarks/loss_memory.py` measures SFT "
               "at H = 2048).",
               "- Both layouts hold the same documents and the same hidden vectors (padding-free drops the padded "
-              "positions), so every row computes the same loss; the weight-gradient norms agree too (json).",
-              "", "Command:", "", f"    {meta['command']}", "",
-              "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), ""]
-    return "\n".join(lines)
+              "positions), so every row computes the same loss; the weight-gradient norms agree too (json)."]
+    return "\n".join(lines) + "\n"
 
 
 def _plot(path: Path, meta: dict, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
-    names = [f"{r['kernel']}\n{r['layout']}" for r in rows]
-    colors = ["#888888" if r["kernel"] == "nll" else "#4c72b0" if r["kernel"] == "chunked_nll" else "#55a868"
-              for r in rows]
-    for ax, key, scale, ratio, label in (
-            (ax_m, "peak_bytes", MIB, "memory_vs_full_same_layout", "peak memory above baseline (MiB)"),
-            (ax_t, "median_seconds", 1, "time_vs_full_same_layout", "log-probs + loss + backward (s)")):
-        bars = ax.bar(names, [r[key] / scale for r in rows], color=colors)
-        ax.bar_label(bars, labels=[f"{r[ratio]:.2f}x" for r in rows])
-        ax.set_ylabel(label)
-        ax.tick_params(axis="x", labelsize=8)
     s = meta["shape"]
-    fig.suptitle(f"DPO log-probs from hidden states: {2 * s['pairs']}x{s['row']} positions, H={s['hidden']}, "
-                 f"V={s['vocab']}, {meta['dtype']}, {meta['hardware']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    memory_time_figure(
+        path, [f"{r['kernel']}\n{r['layout']}" for r in rows], rows,
+        ratio_keys=("memory_vs_full_same_layout", "time_vs_full_same_layout"),
+        time_label="log-probs + loss + backward (s)",
+        title=f"DPO log-probs from hidden states: {2 * s['pairs']}x{s['row']} positions, H={s['hidden']}, "
+              f"V={s['vocab']}, {meta['dtype']}, {meta['hardware']}",
+        colors=[{"nll": "#888888", "chunked_nll": "#4c72b0"}.get(r["kernel"], "#55a868") for r in rows],
+        figsize=(11, 4))
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -301,62 +260,27 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated; nll is always measured")
-    p.add_argument("--repeats", type=int, default=None, help="default: 1 on CPU, 5 on CUDA")
-    p.add_argument("--warmup", type=int, default=None, help="default: 0 on CPU, 1 on CUDA")
-    p.add_argument("--threads", type=int, default=min(os.cpu_count() or 1, 16))
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--no-jax", action="store_true", help="skip the JAX compile-only column")
-    p.add_argument("--hardware", default=None, help="tag in the file name; default cpu-<n>core or the GPU")
-    p.add_argument("--date", default=datetime.date.today().isoformat())
-    p.add_argument("--out-dir", type=Path, default=HERE / "results")
-    p.add_argument("--no-write", action="store_true")
+    add_measure_args(p)
+    add_output_args(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
-    args = _parse(argv)
-    import torch
-
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    args.repeats = args.repeats or (5 if device == "cuda" else 1)
-    args.warmup = args.warmup if args.warmup is not None else (1 if device == "cuda" else 0)
-    hardware = args.hardware or (f"cpu-{os.cpu_count()}core" if device == "cpu" else
-                                 torch.cuda.get_device_name().lower().replace(" ", "-"))
-    kernels = ["nll"] + [k for k in args.kernels.split(",") if k and k != "nll"]
-    load_before = os.getloadavg()
-    rows = []
-    for layout in LAYOUTS:
-        for kernel in kernels:
-            rows.append(_measure(args, device, dtype, layout, kernel))
-            r = rows[-1]
-            print(f"{layout:>12} {kernel:>12}: peak {r['peak_bytes'] / MIB:9,.0f} MiB  "
-                  f"time {r['median_seconds']:7.2f} s  loss {r['loss']:.6f}", flush=True)
+    run = start_run(_parse, argv, __file__, device=resolve_device)
+    args = run.args
+    rows = [_measure(args, layout, kernel) for layout in LAYOUTS for kernel in with_baseline(args.kernels)]
     _add_ratios(rows)
-    meta = {"hardware": hardware, "date": args.date, "device": device, "dtype": dtype,
+    meta = {**measured_settings(args), "hardware": run.provenance["hardware_slug"],
             "shape": {"pairs": args.pairs, "row": args.row, "hidden": args.hidden, "vocab": args.vocab,
                       "chunk_size": args.chunk_size},
-            "repeats": args.repeats, "warmup": args.warmup, "threads": args.threads,
-            "memory_method": ("torch.cuda.max_memory_allocated minus allocated before the call" if device == "cuda"
-                              else "peak RSS of a fresh subprocess minus its RSS after inputs and weights"),
             "jax_memory_method": "jit(value_and_grad).lower().compile().memory_analysis().temp_size_in_bytes, "
                                  "float32, compile only",
-            "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/dpo_memory.py",
-                                                           *(sys.argv[1:] if argv is None else argv)]),
-            "versions": _versions(),
-            "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)}}
-    meta["acceptance"] = _acceptance(rows)
-    md = _markdown(meta, rows)
-    print(md)
-    if not args.no_write:
-        stem = args.out_dir / f"dpo_memory_{hardware}_{args.date}"
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        stem.with_suffix(".md").write_text(md)
-        stem.with_suffix(".json").write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
-        _plot(stem.with_suffix(".png"), meta, rows)
-        print(f"wrote {stem}.{{md,json,png}}")
-    return {**meta, "results": rows}
+            "acceptance": _acceptance(rows)}
+    payload = {**meta, "results": rows}
+    run.write(payload, title="DPO log-prob memory", body=_markdown(meta, rows),
+              plot=lambda png: _plot(png, meta, rows))
+    return payload
 
 
 if __name__ == "__main__":

@@ -20,17 +20,15 @@ Acceptance (torch shape): fused_linear temp memory <= nll / 8.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MIB = 2 ** 20
+sys.path.insert(0, str(HERE))
+
+from _report import MIB, acceptance_line, add_output_args, markdown_table, start_run  # noqa: E402
+
 LOSSES = ("nll", "chunked_nll", "fused_linear")
 SHAPES = {
     "torch": {"tokens": 8192, "hidden": 2048, "vocab": 128256, "chunk_size": 256},
@@ -69,19 +67,8 @@ def measure_shape(name: str, shape: dict) -> dict:
             "chunk_logits_bytes": shape["chunk_size"] * shape["vocab"] * 4, "results": rows}
 
 
-def _versions() -> dict:
-    import jax
-    import jaxlib
-    import numpy
-
-    return {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "numpy": numpy.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "jax_device": str(jax.devices()[0])}
-
-
 def _markdown(meta: dict, shapes: list[dict]) -> str:
-    lines = [f"# JAX loss temp memory: {meta['hardware']}, {meta['date']}", "",
-             "Forward + backward (`jax.value_and_grad` w.r.t. hidden and LM head) of "
+    lines = ["Forward + backward (`jax.value_and_grad` w.r.t. hidden and LM head) of "
              "`twinseq.jax_backend.losses.causal_lm_loss`, float32, compiled only. Memory: "
              "`compile().memory_analysis().temp_size_in_bytes` (XLA scratch beyond inputs and outputs).", ""]
     for s in shapes:
@@ -90,11 +77,11 @@ def _markdown(meta: dict, shapes: list[dict]) -> str:
                   f"chunks of {sh['chunk_size']} tokens", "",
                   f"Full logits: {s['full_logits_bytes'] / MIB:,.0f} MiB; one chunk of logits: "
                   f"{s['chunk_logits_bytes'] / MIB:,.1f} MiB; outputs (loss + grads): "
-                  f"{s['results'][0]['output_bytes'] / MIB:,.0f} MiB.", "",
-                  "| loss_type | chunk | temp MiB | vs nll | compile s |", "|---|---:|---:|---:|---:|"]
-        for r in s["results"]:
-            lines.append(f"| {r['loss_type']} | {r['chunk_size'] or '-'} | {r['temp_bytes'] / MIB:,.1f} | "
-                         f"{r['temp_ratio_vs_nll']:.4f} | {r['compile_seconds']:.1f} |")
+                  f"{s['results'][0]['output_bytes'] / MIB:,.0f} MiB.", ""]
+        lines += markdown_table(["loss_type", "chunk", "temp MiB", "vs nll", "compile s"],
+                                [[r["loss_type"], r["chunk_size"] or "-", f"{r['temp_bytes'] / MIB:,.1f}",
+                                  f"{r['temp_ratio_vs_nll']:.4f}", f"{r['compile_seconds']:.1f}"]
+                                 for r in s["results"]], align="lrrrr")
         lines.append("")
     lines += ["Notes:", "",
               "- `chunked_nll` (token chunks under `jax.checkpoint`, autodiff backward) holds one chunk of "
@@ -106,47 +93,43 @@ def _markdown(meta: dict, shapes: list[dict]) -> str:
               "second `[V, H]` buffer exists; its temp is two `[N, V / C]` blocks plus `[N, H]`.",
               "- The ANCHORS figure (1024 MiB full vs 128 MiB with 8 scanned chunks) is reproduced by "
               "`nll` and `chunked_nll`.", ""]
-    lines += ["Acceptance: " + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in meta["acceptance"].items()),
-              "", "Command:", "", f"    {meta['command']}", "",
-              "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), ""]
-    return "\n".join(lines)
+    lines.append(acceptance_line(meta["acceptance"]))
+    return "\n".join(lines) + "\n"
 
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated of {sorted(SHAPES)}")
-    p.add_argument("--hardware", default=f"cpu-{os.cpu_count()}core")
-    p.add_argument("--date", default=datetime.date.today().isoformat())
-    p.add_argument("--out-dir", type=Path, default=HERE / "results")
-    p.add_argument("--no-write", action="store_true", help="print only")
+    add_output_args(p)
     return p.parse_args(argv)
 
 
+def _jax_device(args: argparse.Namespace) -> str:
+    import jax
+
+    return "cuda" if jax.default_backend() == "gpu" else "cpu"
+
+
 def main(argv=None) -> dict:
-    args = _parse(argv)
+    run = start_run(_parse, argv, __file__, device=_jax_device)
+    args = run.args
     names = [n for n in args.shapes.split(",") if n]
     unknown = sorted(set(names) - set(SHAPES))
     if unknown:
         raise ValueError(f"--shapes {unknown} unknown; choose from {sorted(SHAPES)}.")
+    import jax
+
     shapes = [measure_shape(n, SHAPES[n]) for n in names]
-    meta = {"hardware": args.hardware, "date": args.date, "dtype": "float32",
+    meta = {"dtype": "float32", "jax_device": str(jax.devices()[0]),
             "memory_method": "jax.jit(jax.value_and_grad(f)).lower(...).compile().memory_analysis().temp_size_in_bytes",
-            "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/jax_loss_memory.py",
-                                                           *(sys.argv[1:] if argv is None else argv)]),
-            "versions": _versions(), "acceptance": {}}
+            "acceptance": {}}
     for s in shapes:
         if s["name"] == "torch":
             fused = next(r for r in s["results"] if r["loss_type"] == "fused_linear")
             meta["acceptance"]["fused_temp_le_nll_over_8 (torch shape)"] = fused["temp_ratio_vs_nll"] <= 1 / 8
-    md = _markdown(meta, shapes)
-    print(md)
-    if not args.no_write:
-        stem = args.out_dir / f"jax_loss_memory_{args.hardware}_{args.date}"
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        stem.with_suffix(".md").write_text(md)
-        stem.with_suffix(".json").write_text(json.dumps({**meta, "shapes": shapes}, indent=2) + "\n")
-        print(f"wrote {stem}.{{md,json}}")
-    return {**meta, "shapes": shapes}
+    payload = {**meta, "shapes": shapes}
+    run.write(payload, title="JAX loss temp memory", body=_markdown(meta, shapes))
+    return payload
 
 
 if __name__ == "__main__":

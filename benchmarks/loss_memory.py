@@ -15,21 +15,18 @@ Acceptance (CPU, full shape): fused_linear peak <= nll / 8 and time <= 1.5 x nll
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import shlex
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _memory import measure_in_subprocess  # noqa: E402
+from _memory import (add_measure_args, cuda_peak_above_baseline, measure_in_subprocess,  # noqa: E402
+                     measured_settings, peak_bytes, print_measured, resolve_device, with_baseline)
+from _report import (MIB, acceptance_line, add_output_args, markdown_table, memory_time_figure,  # noqa: E402
+                     start_run)
 
 LOSSES = ("nll", "chunked_nll", "fused_linear")
-MIB = 1 << 20
 
 
 # --- run inside the measured subprocess -------------------------------------------------
@@ -66,22 +63,14 @@ def _warm_up(loss_type: str, chunk_size: int, device: str, dtype) -> None:
 
 
 def run(state: dict) -> dict:
-    import torch
-
     from twinseq.torch_backend.losses import causal_lm_loss
 
-    cuda = state["hidden"].is_cuda
-    if cuda:
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    loss = causal_lm_loss(state["hidden"], state["weight"], state["labels"], state["num_items"],
-                          state["loss_type"], chunk_size=state["chunk_size"])
-    loss.backward()
-    extra = {"loss": float(loss)}
-    if cuda:
-        torch.cuda.synchronize()
-        extra["cuda_peak_above_baseline_bytes"] = torch.cuda.max_memory_allocated() - before
+    extra = {}
+    with cuda_peak_above_baseline(extra, state["hidden"].is_cuda):
+        loss = causal_lm_loss(state["hidden"], state["weight"], state["labels"], state["num_items"],
+                              state["loss_type"], chunk_size=state["chunk_size"])
+        loss.backward()
+    extra["loss"] = float(loss)
     state["hidden"].grad = None
     state["weight"].grad = None
     del loss
@@ -90,37 +79,18 @@ def run(state: dict) -> dict:
 
 # --- driver ------------------------------------------------------------------------------
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _versions() -> dict:
-    import numpy
-    import torch
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
-            "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "cuda": torch.version.cuda if torch.cuda.is_available() else None,
-            "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name()}
-
-
-def _measure(args, device: str, dtype: str, loss_type: str) -> dict:
+def _measure(args, loss_type: str) -> dict:
     chunk = args.chunk_size if loss_type == "chunked_nll" else args.fused_chunk_size
-    kwargs = dict(tokens=args.tokens, hidden=args.hidden, vocab=args.vocab, dtype=dtype, device=device,
+    kwargs = dict(tokens=args.tokens, hidden=args.hidden, vocab=args.vocab, dtype=args.dtype, device=args.device,
                   threads=args.threads, loss_type=loss_type, chunk_size=chunk,
                   ignore_fraction=args.ignore_fraction)
     res = measure_in_subprocess(Path(__file__), "setup", "run", kwargs, repeats=args.repeats,
                                 warmup=args.warmup, num_threads=args.threads, timeout=args.timeout)
-    extras = [r["extra"] for r in res["records"]]
-    peak = (max(e["cuda_peak_above_baseline_bytes"] for e in extras) if device == "cuda"
-            else res["peak_above_baseline_bytes"])
-    return {"loss_type": loss_type, "chunk_size": None if loss_type == "nll" else chunk,
-            "peak_bytes": peak, "median_seconds": res["median_seconds"], "seconds": res["seconds"],
-            "loss": extras[0]["loss"], "baseline_rss_bytes": res["baseline_rss_bytes"]}
+    row = {"loss_type": loss_type, "chunk_size": None if loss_type == "nll" else chunk,
+           "peak_bytes": peak_bytes(res), "median_seconds": res["median_seconds"], "seconds": res["seconds"],
+           "loss": res["records"][0]["extra"]["loss"], "baseline_rss_bytes": res["baseline_rss_bytes"]}
+    print_measured(loss_type, row)
+    return row
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -140,47 +110,26 @@ def _acceptance(rows: list[dict]) -> dict:
 
 def _markdown(meta: dict, rows: list[dict]) -> str:
     s = meta["shape"]
-    lines = [f"# Loss memory: {meta['hardware']}, {meta['date']}", "",
-             f"Forward + backward of `causal_lm_loss` from the last hidden state: {s['tokens']} tokens, "
+    lines = [f"Forward + backward of `causal_lm_loss` from the last hidden state: {s['tokens']} tokens, "
              f"hidden {s['hidden']}, vocab {s['vocab']}, {meta['dtype']} on {meta['device']}, "
              f"{meta['repeats']} repeat(s) after {meta['warmup']} warmup, {meta['threads']} thread(s). "
-             f"Memory: {meta['memory_method']}. 1-min load average {meta['load_average_1min']['before']} "
-             f"before, {meta['load_average_1min']['after']} after.", "",
-             "| loss_type | chunk | peak memory (MiB) | vs nll | time (s, median) | vs nll | loss |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['loss_type']} | {r['chunk_size'] or '-'} | {r['peak_bytes'] / MIB:,.0f} | "
-                     f"{r['memory_ratio_vs_nll']:.3f} | {r['median_seconds']:.3g} | "
-                     f"{r['time_ratio_vs_nll']:.2f} | {r['loss']:.6f} |")
+             f"Memory: {meta['memory_method']}.", ""]
+    lines += markdown_table(
+        ["loss_type", "chunk", "peak memory (MiB)", "vs nll", "time (s, median)", "vs nll", "loss"],
+        [[r["loss_type"], r["chunk_size"] or "-", f"{r['peak_bytes'] / MIB:,.0f}", f"{r['memory_ratio_vs_nll']:.3f}",
+          f"{r['median_seconds']:.3g}", f"{r['time_ratio_vs_nll']:.2f}", f"{r['loss']:.6f}"] for r in rows])
     if meta["acceptance"]:
-        lines += ["", "Acceptance: " + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}"
-                                                 for k, v in meta["acceptance"].items())]
-    lines += ["", "Command:", "", f"    {meta['command']}", "", "Versions: " +
-              ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), ""]
-    return "\n".join(lines)
+        lines += ["", acceptance_line(meta["acceptance"])]
+    return "\n".join(lines) + "\n"
 
 
 def _plot(path: Path, meta: dict, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r["loss_type"] if r["chunk_size"] is None else f"{r['loss_type']}\n({r['chunk_size']})" for r in rows]
-    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, scale, label in ((ax_m, "peak_bytes", MIB, "peak memory above baseline (MiB)"),
-                                  (ax_t, "median_seconds", 1, "time, forward + backward (s)")):
-        vals = [r[key] / scale for r in rows]
-        bars = ax.bar(names, vals, color=["#888888", "#4c72b0", "#dd8452", "#55a868"][:len(rows)])
-        ratio_key = "memory_ratio_vs_nll" if key == "peak_bytes" else "time_ratio_vs_nll"
-        ax.bar_label(bars, labels=[f"{r[ratio_key]:.2f}x" for r in rows])
-        ax.set_ylabel(label)
     s = meta["shape"]
-    fig.suptitle(f"Loss fwd+bwd, {s['tokens']} tok, H={s['hidden']}, V={s['vocab']}, {meta['dtype']}, "
-                 f"{meta['hardware']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    memory_time_figure(
+        path, [r["loss_type"] if r["chunk_size"] is None else f"{r['loss_type']}\n({r['chunk_size']})" for r in rows],
+        rows, ratio_keys=("memory_ratio_vs_nll", "time_ratio_vs_nll"), time_label="time, forward + backward (s)",
+        title=f"Loss fwd+bwd, {s['tokens']} tok, H={s['hidden']}, V={s['vocab']}, {meta['dtype']}, {meta['hardware']}",
+        colors=["#888888", "#4c72b0", "#dd8452", "#55a868"][:len(rows)])
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -191,59 +140,23 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--losses", default=",".join(LOSSES), help="comma-separated; nll is always measured")
     p.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk for chunked_nll (TRL: 256)")
     p.add_argument("--fused-chunk-size", type=int, default=256, help="tokens per chunk for fused_linear")
-    p.add_argument("--repeats", type=int, default=None, help="default: 1 on CPU, 5 on CUDA")
-    p.add_argument("--warmup", type=int, default=None, help="default: 0 on CPU, 1 on CUDA")
-    p.add_argument("--threads", type=int, default=min(os.cpu_count() or 1, 16))
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--ignore-fraction", type=float, default=0.0, help="fraction of labels set to -100")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per loss subprocess")
-    p.add_argument("--hardware", default=None, help="tag in the file name; default cpu-<n>core or the GPU")
-    p.add_argument("--date", default=datetime.date.today().isoformat())
-    p.add_argument("--out-dir", type=Path, default=HERE / "results")
-    p.add_argument("--no-write", action="store_true", help="print only")
+    add_measure_args(p)
+    add_output_args(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
-    args = _parse(argv)
-    import torch
-
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    args.repeats = args.repeats or (5 if device == "cuda" else 1)
-    args.warmup = args.warmup if args.warmup is not None else (1 if device == "cuda" else 0)
-    hardware = args.hardware or (f"cpu-{os.cpu_count()}core" if device == "cpu" else
-                                 torch.cuda.get_device_name().lower().replace(" ", "-"))
-    losses = ["nll"] + [x for x in args.losses.split(",") if x and x != "nll"]
-    load_before = os.getloadavg()
-    rows = []
-    for loss_type in losses:
-        rows.append(_measure(args, device, dtype, loss_type))
-        r = rows[-1]
-        print(f"{loss_type:>13}: peak {r['peak_bytes'] / MIB:10,.0f} MiB  time {r['median_seconds']:8.2f} s  "
-              f"loss {r['loss']:.6f}", flush=True)
+    run = start_run(_parse, argv, __file__, device=resolve_device)
+    args = run.args
+    rows = [_measure(args, loss_type) for loss_type in with_baseline(args.losses)]
     _add_ratios(rows)
-    meta = {"hardware": hardware, "date": args.date, "device": device, "dtype": dtype,
+    meta = {**measured_settings(args), "hardware": run.provenance["hardware_slug"],
             "shape": {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab},
-            "repeats": args.repeats, "warmup": args.warmup, "threads": args.threads,
-            "memory_method": ("torch.cuda.max_memory_allocated minus allocated before the loss" if device == "cuda"
-                              else "peak RSS of a fresh subprocess minus its RSS after inputs and weights"),
-            "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", "benchmarks/loss_memory.py",
-                                                           *(sys.argv[1:] if argv is None else argv)]),
-            "versions": _versions(),
-            # timings on a shared machine are only comparable when this stays near the thread count
-            "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)}}
-    meta["acceptance"] = _acceptance(rows)
-    md = _markdown(meta, rows)
-    print(md)
-    if not args.no_write:
-        stem = args.out_dir / f"loss_memory_{hardware}_{args.date}"
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        stem.with_suffix(".md").write_text(md)
-        stem.with_suffix(".json").write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
-        _plot(stem.with_suffix(".png"), meta, rows)
-        print(f"wrote {stem}.{{md,json,png}}")
-    return {**meta, "results": rows}
+            "acceptance": _acceptance(rows)}
+    payload = {**meta, "results": rows}
+    run.write(payload, title="Loss memory", body=_markdown(meta, rows), plot=lambda png: _plot(png, meta, rows))
+    return payload
 
 
 if __name__ == "__main__":

@@ -13,16 +13,14 @@ Ratios are against the baseline (``nll``, nothing else) measured in the same run
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
-from datetime import date
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _memory import measure_in_subprocess  # noqa: E402
+from _memory import measure_in_subprocess, peak_bytes  # noqa: E402
+from _report import MIB, add_output_args, markdown_table, pyplot, save_figure, start_run  # noqa: E402
 
 TECHNIQUES = {
     "baseline (nll)": dict(loss_type="nll"),
@@ -90,57 +88,53 @@ def run(state: dict) -> dict:
     return out
 
 
-def _row(name: str, res: dict, base: dict, cuda: bool) -> dict:
-    key = (lambda r: r["records"][0]["extra"]["cuda_peak_bytes"]) if cuda else (lambda r: r["peak_above_baseline_bytes"])
-    mem, base_mem = key(res), key(base)
-    return {"technique": name, "peak_mib": mem / 2**20, "memory_ratio": mem / base_mem,
+def _row(name: str, res: dict, base: dict) -> dict:
+    mem, base_mem = peak_bytes(res, "cuda_peak_bytes"), peak_bytes(base, "cuda_peak_bytes")
+    return {"technique": name, "peak_mib": mem / MIB, "memory_ratio": mem / base_mem,
             "seconds": res["median_seconds"], "time_ratio": res["median_seconds"] / base["median_seconds"],
             "loss": res["records"][0]["extra"]["loss"]}
 
 
-def _write(rows: list[dict], args, cuda: bool, versions: dict) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    hw = "cuda" if cuda else "cpu-2core"
-    stem = HERE / "results" / f"memory_techniques_{hw}_{args.date}"
-    cmd = "python benchmarks/memory_techniques.py " + " ".join(sys.argv[1:])
-    lines = [f"# Memory techniques, one training step ({hw}, {args.date})", "",
-             f"Command: `{cmd}`", "", f"Versions: {versions}", "",
-             f"Model `{args.preset}`, batch {args.batch_size} x {args.seq_len} tokens (one document per row, "
+def _markdown(rows: list[dict], args: argparse.Namespace, cuda: bool) -> str:
+    lines = [f"Model `{args.preset}`, batch {args.batch_size} x {args.seq_len} tokens (one document per row, "
              f"sdpa), forward + loss + backward, fp32. Memory: "
              + ("`torch.cuda.max_memory_allocated`." if cuda else "peak RSS of a fresh subprocess above its "
                 "baseline (model, weights and batch already allocated).")
              + f" Time: median of {args.repeats} repeat(s) after 1 warmup. Offloading needs CUDA and is "
-               "skipped on CPU.", "",
-             "| technique | peak MiB | vs baseline | seconds | vs baseline | loss |", "|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['technique']} | {r['peak_mib']:,.0f} | {r['memory_ratio']:.3f} | {r['seconds']:.2f} | "
-              f"{r['time_ratio']:.2f} | {r['loss']:.6f} |" for r in rows]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps({"command": cmd, "versions": versions, "rows": rows,
-                                                     "args": vars(args)}, indent=2))
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+               "skipped on CPU.", ""]
+    lines += markdown_table(["technique", "peak MiB", "vs baseline", "seconds", "vs baseline", "loss"],
+                            [[r["technique"], f"{r['peak_mib']:,.0f}", f"{r['memory_ratio']:.3f}",
+                              f"{r['seconds']:.2f}", f"{r['time_ratio']:.2f}", f"{r['loss']:.6f}"] for r in rows],
+                            align="lrrrrr")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    fig, ax = pyplot().subplots(figsize=(8, 3.5))
     ax.barh([r["technique"] for r in rows][::-1], [r["peak_mib"] for r in rows][::-1])
     ax.set_xlabel("peak memory above baseline (MiB)")
-    fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=110)
-    return stem
+    save_figure(fig, path, dpi=110)
 
 
-def main() -> None:
+def _parse(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--date", default=date.today().isoformat())
-    args = parser.parse_args()
-    import torch
-    import transformers
+    add_output_args(parser)
+    return parser.parse_args(argv)
 
-    cuda = torch.cuda.is_available()
+
+def _device(args: argparse.Namespace) -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def main(argv=None) -> dict:
+    run = start_run(_parse, argv, __file__, device=_device)
+    args, cuda = run.args, run.provenance["device"] == "cuda"
     techniques = {**TECHNIQUES, **(CUDA_ONLY if cuda else {})}
     results = {}
     for name, kw in techniques.items():
@@ -149,13 +143,14 @@ def main() -> None:
             __file__, "setup", "run", dict(preset=args.preset, seq_len=args.seq_len, batch_size=args.batch_size, **kw),
             repeats=args.repeats, warmup=1)
     base = results["baseline (nll)"]
-    rows = [_row(name, res, base, cuda) for name, res in results.items()]
+    rows = [_row(name, res, base) for name, res in results.items()]
     for r in rows:
         print(f"{r['technique']:42s} {r['peak_mib']:9,.0f} MiB ({r['memory_ratio']:.3f}x)  "
               f"{r['seconds']:6.2f} s ({r['time_ratio']:.2f}x)")
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "transformers": transformers.__version__, "platform": platform.platform()}
-    print("wrote", _write(rows, args, cuda, versions))
+    payload = {"rows": rows, "args": run.arguments()}
+    run.write(payload, title="Memory techniques, one training step", body=_markdown(rows, args, cuda),
+              plot=lambda png: _plot(rows, png))
+    return payload
 
 
 if __name__ == "__main__":

@@ -17,13 +17,8 @@ the lower bound ``ceil(tokens kept / seq_length)``, and tokens kept. Writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import logging
-import os
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -34,7 +29,10 @@ import pyarrow.compute as pc
 
 from twinseq.common.packing import STRATEGIES, pack_dataset, plan_packing
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import add_output_args, grouped_bars, markdown_table, pyplot, save_figure, start_run  # noqa: E402
+
 FORM_NAMES = {"plan": "twinseq plan only", "materialised": "twinseq pack_dataset", "trl": "TRL pack_dataset"}
 
 
@@ -46,9 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="best-of-N for twinseq")
     p.add_argument("--trl-repeats", type=int, default=3, help="best-of-N for TRL (about 17 s per bfd run at 1M)")
     p.add_argument("--no-trl", action="store_true", help="skip TRL even when it is importable")
-    p.add_argument("--hardware", default="cpu-2core", help="tag in the result file names")
-    p.add_argument("--output-dir", type=Path, default=RESULTS_DIR)
-    p.add_argument("--no-write", action="store_true", help="print only")
+    add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -112,44 +108,18 @@ def run_strategy(strategy: str, lengths: np.ndarray, dataset, args, trl_pack) ->
     return out
 
 
-def versions() -> dict:
-    import datasets
-
-    found = {"python": platform.python_version(), "numpy": np.__version__, "pyarrow": pa.__version__,
-             "datasets": datasets.__version__}
-    try:
-        import trl
-        found["trl"] = trl.__version__
-    except ImportError:
-        found["trl"] = None
-    return found
-
-
-def _relative(path: str) -> str:
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
-
-
 def to_markdown(report: dict) -> str:
     cfg = report["config"]
-    lines = [f"# Packing benchmark ({report['hardware']}, {report['date']})", "",
-             f"Command: `{report['command']}`", "",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
-             f"Input: {cfg['num_sequences']:,} sequences, lengths clip(lognormal(5.5, 1.0), 1, 16384) from "
+    lines = [f"Input: {cfg['num_sequences']:,} sequences, lengths clip(lognormal(5.5, 1.0), 1, 16384) from "
              f"default_rng(0), {cfg['num_tokens']:,} tokens; seq_length {cfg['seq_length']}. Times are the best of "
-             f"{cfg['repeats']} runs (TRL: {cfg['trl_repeats']}) on a shared machine; load average before/after: "
-             f"{report['load_before']} / {report['load_after']}.", "",
-             "| strategy | form | seconds | rows | rows over lower bound | tokens kept | vs TRL |",
-             "|---|---|---|---|---|---|---|"]
-    for r in report["results"]:
-        for form in ("plan", "materialised", "trl"):
-            if form not in r:
-                continue
-            f = r[form]
-            name = FORM_NAMES[form]
-            ratio = f"{r['speedup_vs_trl']:.1f}x faster" if form == "materialised" and "speedup_vs_trl" in r else ""
-            lines.append(f"| {r['strategy']} | {name} | {f['seconds']:.3f} | {f['rows']:,} | "
-                         f"+{f['rows_over_lower_bound_pct']:.4f} % | {f['tokens_kept_pct']:.2f} % | {ratio} |")
+             f"{cfg['repeats']} runs (TRL: {cfg['trl_repeats']}) on a possibly shared machine (load average in the "
+             "provenance).", ""]
+    lines += markdown_table(
+        ["strategy", "form", "seconds", "rows", "rows over lower bound", "tokens kept", "vs TRL"],
+        [[r["strategy"], FORM_NAMES[form], f"{r[form]['seconds']:.3f}", f"{r[form]['rows']:,}",
+          f"+{r[form]['rows_over_lower_bound_pct']:.4f} %", f"{r[form]['tokens_kept_pct']:.2f} %",
+          f"{r['speedup_vs_trl']:.1f}x faster" if form == "materialised" and "speedup_vs_trl" in r else ""]
+         for r in report["results"] for form in ("plan", "materialised", "trl") if form in r])
     lines += ["", "Lower bound: ceil(tokens kept / seq_length). `bfd` truncates (tokens kept < 100 %), "
               "`bfd_split` and `wrapped` keep every token but lose one loss target per cut "
               "(`PackingStats.num_targets_lost`). Every run's seconds are in the json (`all_seconds`).",
@@ -164,30 +134,21 @@ def to_markdown(report: dict) -> str:
 
 
 def write_png(report: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     results = report["results"]
     forms = [f for f in ("plan", "materialised", "trl") if any(f in r for r in results)]
-    x = np.arange(len(results))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, form in enumerate(forms):
-        secs = [r[form]["seconds"] if form in r else np.nan for r in results]
-        ax.bar(x + (i - (len(forms) - 1) / 2) * 0.27, secs, 0.27, label=FORM_NAMES[form])
-    ax.set_xticks(x, [r["strategy"] for r in results])
+    fig, ax = pyplot().subplots(figsize=(7, 4))
+    grouped_bars(ax, [r["strategy"] for r in results],
+                 {FORM_NAMES[f]: [r[f]["seconds"] if f in r else np.nan for r in results] for f in forms},
+                 ylabel="seconds (best of N, log scale)",
+                 title=f"packing {report['config']['num_sequences']:,} sequences, seq_length "
+                       f"{report['config']['seq_length']}")
     ax.set_yscale("log")
-    ax.set_ylabel("seconds (best of N, log scale)")
-    ax.set_title(f"packing {report['config']['num_sequences']:,} sequences, seq_length "
-                 f"{report['config']['seq_length']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    run = start_run(parse_args, argv, __file__)
+    args = run.args
     # pack_dataset logs bfd's truncation on every repeat; the table reports it once.
     logging.getLogger("twinseq.common.packing").setLevel(logging.ERROR)
     import datasets
@@ -198,29 +159,15 @@ def main(argv=None) -> dict:
             from trl.data_utils import pack_dataset as trl_pack
         except ImportError:
             print("TRL is not importable: skipping the TRL baseline", flush=True)
-    load_before = os.getloadavg()[0]
     lengths = anchors_lengths(args.num_sequences)
     print(f"building a Dataset of {len(lengths):,} sequences, {int(lengths.sum()):,} tokens", flush=True)
     dataset = make_dataset(lengths)
     results = [run_strategy(s, lengths, dataset, args, trl_pack) for s in args.strategies]
-    date = datetime.date.today().isoformat()
-    report = {"date": date, "hardware": args.hardware,
-              "command": " ".join(shlex.quote(a) for a in [_relative(sys.executable), *sys.argv]),
-              "versions": versions(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
-              "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
-              "config": {"num_sequences": args.num_sequences, "num_tokens": int(lengths.sum()),
+    report = {"config": {"num_sequences": args.num_sequences, "num_tokens": int(lengths.sum()),
                          "seq_length": args.seq_length, "repeats": args.repeats,
                          "trl_repeats": 0 if trl_pack is None else args.trl_repeats},
               "results": results}
-    markdown = to_markdown(report)
-    print(markdown, flush=True)
-    if not args.no_write:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        stem = args.output_dir / f"packing_{args.hardware}_{date}"
-        stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(markdown)
-        write_png(report, stem.with_suffix(".png"))
-        print(f"wrote {stem}.{{md,json,png}}", flush=True)
+    run.write(report, title="Packing benchmark", body=to_markdown(report), plot=lambda png: write_png(report, png))
     return report
 
 

@@ -15,17 +15,15 @@ padding-free / padded is taken per round and its median reported. Memory is meas
 separately, one fresh subprocess per mode: peak RSS above the baseline after setup
 (``benchmarks/_memory.py``), or ``torch.cuda.max_memory_allocated`` on CUDA.
 
-    .venv/bin/python benchmarks/padding_free.py --presets tiny small --rounds 3
+    .venv/bin/python benchmarks/padding_free.py                      # tiny and small, 3 rounds of 20 steps
+    .venv/bin/python benchmarks/padding_free.py --presets tiny --rounds 1 --steps 2 --warmup 1 --batch-size 2
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -36,8 +34,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _report import Run, add_output_args, grouped_bars, markdown_table, pyplot, save_figure, start_run  # noqa: E402
+
 MODES = {"padded": ("sdpa", False), "padding_free": ("varlen", True)}
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # --------------------------------------------------------------------------------------
@@ -158,11 +157,11 @@ def measure_throughput(preset: str, args: argparse.Namespace) -> dict:
 
 def measure_memory(preset: str, mode: str, args: argparse.Namespace) -> int:
     """Peak memory of one mode alone, in a fresh process."""
-    from _memory import measure_in_subprocess
+    from _memory import measure_in_subprocess, peak_bytes
 
     res = measure_in_subprocess(__file__, "setup", "run", _kwargs(preset, [mode], args),
                                 num_threads=args.num_threads, timeout=3600)
-    return int(res["records"][0]["extra"].get("cuda_max_memory_allocated", res["peak_above_baseline_bytes"]))
+    return peak_bytes(res, "cuda_max_memory_allocated")
 
 
 def summarize(rounds: list[dict], memory: dict, presets: list[str]) -> list[dict]:
@@ -180,115 +179,86 @@ def summarize(rounds: list[dict], memory: dict, presets: list[str]) -> list[dict
     return rows
 
 
-def environment(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-    import transformers
-
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "numpy": np.__version__, "platform": platform.platform(),
-            "cpu_count": os.cpu_count(), "num_threads": args.num_threads, "device": args.device,
-            "load_average_at_start": os.getloadavg()}
-
-
-def write_results(rows: list[dict], rounds: list[dict], args: argparse.Namespace, command: str) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"padding_free_{args.hardware}_{args.date}"
-    env = environment(args)
-    payload = {"command": command, "environment": env, "settings": vars(args), "summary": rows, "rounds": rounds}
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str))
-    stem.with_suffix(".md").write_text(markdown(rows, env, args, command))
-    plot(rows, stem.with_suffix(".png"))
-    return stem
-
-
-def markdown(rows: list[dict], env: dict, args: argparse.Namespace, command: str) -> str:
+def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     mib = 1 / 2 ** 20
-    lines = [f"# Padding-free vs padded training throughput ({args.hardware}, {args.date})", "",
-             f"Command: `{command}`", "",
-             f"Versions: python {env['python']}, torch {env['torch']}, transformers {env['transformers']}, "
-             f"numpy {env['numpy']}; {env['platform']}; {env['cpu_count']} CPUs, {args.num_threads} torch "
-             f"threads; load average at start {env['load_average_at_start']}.", "",
-             f"Data: embedded SFT dataset (max_length {args.max_length}), {args.batch_size} examples per step, "
-             f"{args.steps} timed steps after {args.warmup} warm-up steps, {args.rounds} rounds. "
+    lines = [f"Data: embedded SFT dataset (max_length {args.max_length}), {args.batch_size} examples per step, "
+             f"{args.steps} timed steps after {args.warmup} warm-up steps, {args.rounds} rounds, "
+             f"{args.num_threads} torch threads on {args.device}. "
              "Forward + backward, `nll` loss, fp32. Padded: rows padded to the longest example, `sdpa` with the "
              "dense document mask. Padding-free: one row, `varlen` attention. Both modes see exactly the same "
              "real tokens; throughput counts real tokens only. Each round runs both models in one fresh process, "
              "alternating step by step, so machine load hits both alike; speedup = median over rounds of "
-             "padding-free/padded tokens/s.", "",
-             "| preset | real tokens | padded tok/s | padding-free tok/s | **speedup** | per round | "
-             "padded peak MiB | padding-free peak MiB | memory ratio | padded batch tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['preset']} | {r['real_tokens']} | {r['padded_tokens_per_second']:.0f} | "
-                     f"{r['padding_free_tokens_per_second']:.0f} | **{r['speedup_median']:.2f}x** | "
-                     f"{', '.join(f'{x:.2f}' for x in r['speedup_per_round'])} | "
-                     f"{r['padded_peak_memory_bytes'] * mib:.0f} | {r['padding_free_peak_memory_bytes'] * mib:.0f} | "
-                     f"{r['memory_ratio']:.2f} | {r['padded_batch_tokens']} |")
+             "padding-free/padded tokens/s.", ""]
+    lines += markdown_table(
+        ["preset", "real tokens", "padded tok/s", "padding-free tok/s", "**speedup**", "per round", "padded peak MiB",
+         "padding-free peak MiB", "memory ratio", "padded batch tokens"],
+        [[r["preset"], r["real_tokens"], f"{r['padded_tokens_per_second']:.0f}",
+          f"{r['padding_free_tokens_per_second']:.0f}", f"**{r['speedup_median']:.2f}x**",
+          ", ".join(f"{x:.2f}" for x in r["speedup_per_round"]), f"{r['padded_peak_memory_bytes'] * mib:.0f}",
+          f"{r['padding_free_peak_memory_bytes'] * mib:.0f}", f"{r['memory_ratio']:.2f}", r["padded_batch_tokens"]]
+         for r in rows])
     lines += ["", "Acceptance: padding-free >= 1.3x the tokens/s of padded on CPU: "
               + ", ".join(f"{r['preset']} {'PASS' if r['speedup_median'] >= 1.3 else 'FAIL'}" for r in rows), "",
               "Memory: peak RSS of a fresh subprocess above its baseline taken after setup (model, weights and "
               "batches already allocated), so it is what the timed steps themselves need.", "",
-              "Absolute tokens/s depend on the machine's load (other jobs shared these 2 cores; load average "
-              "above); the paired per-round ratio is the figure to compare. Padded batch tokens: real plus "
-              "padding positions the padded mode computes.", ""]
-    return "\n".join(lines)
+              "Absolute tokens/s depend on the machine's load (other jobs may share the cores; load average in the "
+              "provenance); the paired per-round ratio is the figure to compare. Padded batch tokens: real plus "
+              "padding positions the padded mode computes."]
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(9, 3.5))
-    x = np.arange(len(rows))
-    for offset, mode, label in ((-0.2, "padded", "padded (sdpa + mask)"), (0.2, "padding_free", "padding-free (varlen)")):
-        ax_t.bar(x + offset, [r[f"{mode}_tokens_per_second"] for r in rows], 0.4, label=label)
-        ax_m.bar(x + offset, [r[f"{mode}_peak_memory_bytes"] / 2 ** 20 for r in rows], 0.4, label=label)
-    for i, r in enumerate(rows):
-        ax_t.annotate(f"{r['speedup_median']:.2f}x", (i + 0.2, r["padding_free_tokens_per_second"]), ha="center",
-                      va="bottom")
-    for ax, title in ((ax_t, "real tokens / s (fwd+bwd)"), (ax_m, "peak memory above baseline (MiB)")):
-        ax.set_xticks(x, [r["preset"] for r in rows])
-        ax.set_title(title)
-    ax_t.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    presets = [r["preset"] for r in rows]
+    modes = {"padded (sdpa + mask)": "padded", "padding-free (varlen)": "padding_free"}
+    fig, (ax_t, ax_m) = pyplot().subplots(1, 2, figsize=(9, 3.5))
+    grouped_bars(ax_t, presets, {label: [r[f"{m}_tokens_per_second"] for r in rows] for label, m in modes.items()},
+                 title="real tokens / s (fwd+bwd)",
+                 labels={"padding-free (varlen)": [f"{r['speedup_median']:.2f}x" for r in rows]})
+    grouped_bars(ax_m, presets, {label: [r[f"{m}_peak_memory_bytes"] / 2 ** 20 for r in rows]
+                                 for label, m in modes.items()},
+                 title="peak memory above baseline (MiB)", legend=False)
+    save_figure(fig, path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-length", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--hardware", default="cpu-2core")
-    parser.add_argument("--date", default=datetime.date.today().isoformat())
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--from-json", default=None,
                         help="re-render the .md and .png of a results .json without measuring again")
+    add_output_args(parser)
     return parser.parse_args(argv)
 
 
-def rerender(path: str) -> None:
+def _write(run: Run, rows: list[dict], rounds: list[dict]) -> Path:
+    return run.write({"settings": run.arguments(), "summary": rows, "rounds": rounds},
+                     title="Padding-free vs padded training throughput", body=markdown(rows, run.args),
+                     plot=lambda png: plot(rows, png))
+
+
+def rerender(path: str, no_write: bool = False) -> None:
+    """The .md and .png of a results .json again, from its own figures and provenance."""
     data = json.loads(Path(path).read_text())
-    args = argparse.Namespace(**data["settings"])
-    stem = Path(path).with_suffix("")
-    stem.with_suffix(".md").write_text(markdown(data["summary"], data["environment"], args, data["command"]))
-    plot(data["summary"], stem.with_suffix(".png"))
+    if "provenance" not in data:
+        raise SystemExit(f"{path} has no provenance block (written before benchmarks/_report.py): re-run the "
+                         "benchmark instead.")
+    args = argparse.Namespace(**data["settings"], output_dir=Path(path).parent, no_write=no_write)
+    _write(Run("padding_free", args, data["provenance"]), data["summary"], data["rounds"])
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    if args.from_json:
-        return rerender(args.from_json)
-    command = "python benchmarks/padding_free.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    rounds, memory = [], {}
+    given = parse_args(argv)
+    if given.from_json:
+        return rerender(given.from_json, given.no_write)
+    run = start_run(parse_args, argv, __file__, device=lambda a: a.device)
+    args, rounds, memory = run.args, [], {}
     for preset in args.presets:
         for mode in MODES:
             memory[(preset, mode)] = measure_memory(preset, mode, args)
@@ -300,9 +270,7 @@ def main(argv=None) -> None:
             print(f"round {round_index} {preset:5s} padded {r['padded']['tokens_per_second']:8.0f} tok/s  "
                   f"padding-free {r['padding_free']['tokens_per_second']:8.0f} tok/s  {r['speedup']:.2f}x",
                   flush=True)
-    rows = summarize(rounds, memory, args.presets)
-    stem = write_results(rows, rounds, args, command)
-    print(stem.with_suffix(".md").read_text())
+    _write(run, summarize(rounds, memory, args.presets), rounds)
 
 
 if __name__ == "__main__":

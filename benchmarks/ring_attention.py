@@ -20,16 +20,16 @@ Three measurements, each reported as a ratio against a baseline from the same ru
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-DEFAULT_TAG = "cpu-2core_2026-11-21"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import add_output_args, markdown_table, pyplot, save_figure, start_run  # noqa: E402
 
 
 def _parse(argv):
@@ -41,10 +41,8 @@ def _parse(argv):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed repeats after one warm-up")
-    p.add_argument("--tag", default=DEFAULT_TAG, help="results file suffix: <hardware>_<date>")
-    p.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
-    p.add_argument("--no-write", action="store_true")
     p.add_argument("--skip-time", action="store_true", help="memory and block counts only")
+    add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -171,36 +169,24 @@ def measure_time(args, mesh) -> list[dict]:
     return rows
 
 
-def _versions() -> dict:
-    import jax
-    import jaxlib
-    return {"python": platform.python_version(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "numpy": np.__version__, "platform": platform.platform(), "cpu_count": os.cpu_count(),
-            "jax_devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
-            "load_average_1min_at_start": round(os.getloadavg()[0], 2)}
-
-
 def _markdown(result: dict) -> str:
     a = result["args"]
-    lines = [f"# Ring attention, {result['tag']}", "", f"Command: `{result['command']}`", "",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()), "",
-             f"Shapes: B=1, heads={a['heads']}, kv_heads={a['kv_heads']}, head_dim={a['head_dim']}, float32, "
-             f"causal mask, cp={a['cp']} host devices, zigzag order for the sharded rows.", "",
-             f"## Per-device temp memory, attention fwd+bwd, T={a['seq_len']}", "",
-             "| step | temp MiB / device | vs dense |", "|---|---:|---:|"]
-    for r in result["memory"]:
-        lines.append(f"| {r['name']} | {r['temp_bytes_per_device'] / 2**20:,.1f} | {r['ratio_vs_dense']:.4f} |")
-    lines += ["", f"## Attention blocks per rank (fully masked skipped), T={a['seq_len']}", "",
-              "| workload | block | load balance | max | mean | max/mean | per rank |",
-              "|---|---:|---|---:|---:|---:|---|"]
-    for r in result["blocks"]:
-        lines.append(f"| {r['workload']} | {r['block_size']} | {'zigzag' if r['load_balance'] else 'contiguous'} | "
-                     f"{r['max']} | {r['mean']:.1f} | {r['max_over_mean']:.3f} | {r['blocks_per_rank']} |")
+    lines = [f"Shapes: B=1, heads={a['heads']}, kv_heads={a['kv_heads']}, head_dim={a['head_dim']}, float32, "
+             f"causal mask, cp={a['cp']} host devices ({result['jax_devices']}), zigzag order for the sharded rows.",
+             "", f"## Per-device temp memory, attention fwd+bwd, T={a['seq_len']}", ""]
+    lines += markdown_table(["step", "temp MiB / device", "vs dense"],
+                            [[r["name"], f"{r['temp_bytes_per_device'] / 2**20:,.1f}", f"{r['ratio_vs_dense']:.4f}"]
+                             for r in result["memory"]], align="lrr")
+    lines += ["", f"## Attention blocks per rank (fully masked skipped), T={a['seq_len']}", ""]
+    lines += markdown_table(["workload", "block", "load balance", "max", "mean", "max/mean", "per rank"],
+                            [[r["workload"], r["block_size"], "zigzag" if r["load_balance"] else "contiguous", r["max"],
+                              f"{r['mean']:.1f}", f"{r['max_over_mean']:.3f}", r["blocks_per_rank"]]
+                             for r in result["blocks"]], align="lrlrrrl")
     lines += ["", f"## Step time, attention fwd+bwd, T={a['time_seq_len']} (median of {a['repeats']})", "",
-              "The host devices share the machine's cores: this is total work, not multi-device speed.", "",
-              "| step | seconds | vs dense |", "|---|---:|---:|"]
-    for r in result["time"]:
-        lines.append(f"| {r['name']} | {r['seconds_median']:.3f} | {r['ratio_vs_dense']:.3f} |")
+              "The host devices share the machine's cores: this is total work, not multi-device speed.", ""]
+    lines += markdown_table(["step", "seconds", "vs dense"],
+                            [[r["name"], f"{r['seconds_median']:.3f}", f"{r['ratio_vs_dense']:.3f}"]
+                             for r in result["time"]], align="lrr")
     lines += ["", "## Notes", "",
               "- Memory is XLA's compile-time figure for one device's program (shard_map programs are "
               "per device); the sharded rows hold T/cp of q, k, v plus one score block, dense holds "
@@ -209,18 +195,13 @@ def _markdown(result: dict) -> str:
               "it holds an allowed pair. With many short packed documents the work is already spread "
               "evenly, zigzag neither helps nor hurts much, and the residual imbalance comes from the "
               "coarse block grid (a few blocks per rank).",
-              f"- Step times were taken on a shared machine (1-minute load average "
-              f"{result['versions']['load_average_1min_at_start']} at the start on "
-              f"{result['versions']['cpu_count']} cores): absolute seconds are inflated, compare ratios "
-              f"within one run."]
+              "- Step times are taken on a possibly shared machine (load average in the provenance): absolute "
+              "seconds may be inflated, compare ratios within one run."]
     return "\n".join(lines) + "\n"
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax_mem, ax_blk) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_mem, ax_blk) = pyplot().subplots(1, 2, figsize=(12, 4.5))
     names = [r["name"] for r in result["memory"]]
     ax_mem.barh(names, [r["temp_bytes_per_device"] / 2**20 for r in result["memory"]])
     ax_mem.set_xscale("log")
@@ -237,12 +218,12 @@ def _plot(result: dict, path: Path) -> None:
     ax_blk.set_ylabel("blocks computed")
     ax_blk.set_title("causal, blocks per rank (max/mean)")
     ax_blk.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv=None) -> dict:
-    args = _parse(argv)
+    run = start_run(_parse, argv, __file__)
+    args = run.args
     _host_devices(args.cp)
     import jax
     if jax.device_count() < args.cp:
@@ -251,21 +232,12 @@ def main(argv=None) -> dict:
     jax.config.update("jax_default_matmul_precision", "highest")
     from twinseq.jax_backend.parallel import make_mesh
     mesh = make_mesh(cp=args.cp, devices=jax.devices()[:args.cp])
-    result = {"tag": args.tag, "args": vars(args), "versions": _versions(),
-              "command": " ".join([".venv/bin/python", "benchmarks/ring_attention.py", *(argv or sys.argv[1:])])}
+    result = {"args": run.arguments(),
+              "jax_devices": f"{jax.device_count()} x {jax.devices()[0].platform}"}
     result["memory"] = measure_memory(args, mesh)
     result["blocks"] = measure_blocks(args)
     result["time"] = [] if args.skip_time else measure_time(args, mesh)
-    text = _markdown(result)
-    print(text)
-    if not args.no_write:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"ring_attention_{args.tag}"
-        stem.with_suffix(".md").write_text(text)
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-        _plot(result, stem.with_suffix(".png"))
-        print(f"wrote {stem}.{{md,json,png}}")
+    run.write(result, title="Ring attention", body=_markdown(result), plot=lambda png: _plot(result, png))
     return result
 
 

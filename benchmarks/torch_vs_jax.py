@@ -35,11 +35,7 @@ Memory (DESIGN.md, "Benchmarks"), from the same subprocesses:
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -50,8 +46,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _report import add_output_args, grouped_bars, markdown_table, pyplot, save_figure, start_run  # noqa: E402
+
 BACKENDS = ("torch", "jax")
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # --------------------------------------------------------------------------------------
@@ -266,29 +263,13 @@ def summarize(preset: str, rounds: list[dict]) -> dict:
     return row
 
 
-def environment(args: argparse.Namespace) -> dict[str, Any]:
-    import flax
-    import jax
-    import optax
-    import torch
-
-    return {"python": platform.python_version(), "torch": torch.__version__, "jax": jax.__version__,
-            "jaxlib": importlib.metadata.version("jaxlib"),
-            "flax": flax.__version__, "optax": optax.__version__, "numpy": np.__version__,
-            "platform": platform.platform(), "cpu_count": os.cpu_count(), "num_threads": args.num_threads,
-            "device": args.device, "cuda": torch.cuda.is_available(), "load_average_at_start": os.getloadavg()}
-
-
-def markdown(rows: list[dict], env: dict, args: argparse.Namespace, command: str) -> str:
+def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     mib = 1 / 2 ** 20
-    lines = [f"# Torch vs JAX training step ({args.hardware}, {args.date})", "",
-             f"Command: `{command}`", "",
-             f"Versions: python {env['python']}, torch {env['torch']}, jax {env['jax']}, flax {env['flax']}, "
-             f"optax {env['optax']}, numpy {env['numpy']}; {env['platform']}; {env['cpu_count']} CPUs; "
+    lines = [f"Threads on {args.device}: "
              + ("one core each (process pinned to one CPU, torch `set_num_threads(1)`, XLA "
                 "`--xla_cpu_multi_thread_eigen=false`)"
                 if args.num_threads == 1 else f"torch {args.num_threads} threads, XLA its default pool")
-             + f"; load average at start {env['load_average_at_start']}.", "",
+             + ".", "",
              f"Setup: the same `init_weights(seed={args.seed})` model and one identical batch "
              f"({args.batch_size} packed "
              f"rows x {args.max_length} tokens of the embedded SFT data), float32, `{args.loss_type}` loss. One step "
@@ -300,28 +281,24 @@ def markdown(rows: list[dict], env: dict, args: argparse.Namespace, command: str
              "of the per-round jax/torch ratio. Memory: RSS is the peak above the baseline taken after "
              "setup (weights, Adam state, batch and compiled step already there); jax temp is XLA's "
              "`memory_analysis().temp_size_in_bytes` of the compiled value-and-grad step.",
-             "",
-             "| preset | batch | torch step best / median (s) | jax step best / median (s) | **jax/torch time, best** "
-             "| jax/torch time, median (per round) | jax 1st step (compile, s) | "
-             "torch RSS MiB | jax RSS MiB | **jax/torch RSS** | jax temp MiB | jax temp / torch RSS | "
-             "first-step loss rel diff |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        per_round = ", ".join(f"{x:.2f}" for x in r["jax_over_torch_time_per_round"])
-        lines.append(f"| {r['preset']} | {r['batch_shape'][0]}x{r['batch_shape'][1]} | "
-                     f"{r['torch_best_step_seconds']:.3f} / {r['torch_step_seconds']:.3f} | "
-                     f"{r['jax_best_step_seconds']:.3f} / {r['jax_step_seconds']:.3f} | "
-                     f"**{r['jax_over_torch_best_time']:.2f}** | {r['jax_over_torch_time']:.2f} ({per_round}) | "
-                     f"{r['jax_first_step_seconds']:.1f} | {r['torch_rss_bytes'] * mib:.1f} | "
-                     f"{r['jax_rss_bytes'] * mib:.1f} | **{r['jax_over_torch_rss']:.2f}** | "
-                     f"{r['jax_temp_bytes'] * mib:.1f} | {r['jax_temp_over_torch_rss']:.2f} | "
-                     f"{r['first_loss_rel_diff']:.1e} |")
+             ""]
+    lines += markdown_table(
+        ["preset", "batch", "torch step best / median (s)", "jax step best / median (s)", "**jax/torch time, best**",
+         "jax/torch time, median (per round)", "jax 1st step (compile, s)", "torch RSS MiB", "jax RSS MiB",
+         "**jax/torch RSS**", "jax temp MiB", "jax temp / torch RSS", "first-step loss rel diff"],
+        [[r["preset"], f"{r['batch_shape'][0]}x{r['batch_shape'][1]}",
+          f"{r['torch_best_step_seconds']:.3f} / {r['torch_step_seconds']:.3f}",
+          f"{r['jax_best_step_seconds']:.3f} / {r['jax_step_seconds']:.3f}", f"**{r['jax_over_torch_best_time']:.2f}**",
+          f"{r['jax_over_torch_time']:.2f} ({', '.join(f'{x:.2f}' for x in r['jax_over_torch_time_per_round'])})",
+          f"{r['jax_first_step_seconds']:.1f}", f"{r['torch_rss_bytes'] * mib:.1f}",
+          f"{r['jax_rss_bytes'] * mib:.1f}", f"**{r['jax_over_torch_rss']:.2f}**", f"{r['jax_temp_bytes'] * mib:.1f}",
+          f"{r['jax_temp_over_torch_rss']:.2f}", f"{r['first_loss_rel_diff']:.1e}"] for r in rows])
     gpu = [r for r in rows if "jax_over_torch_gpu_memory" in r]
     if gpu:
-        lines += ["", "| preset | torch cuda max allocated MiB | jax peak bytes in use MiB | jax/torch |",
-                  "|---|---|---|---|"]
-        lines += [f"| {r['preset']} | {r['torch_cuda_max_memory_allocated'] * mib:.1f} | "
-                  f"{r['jax_peak_bytes_in_use'] * mib:.1f} | {r['jax_over_torch_gpu_memory']:.2f} |" for r in gpu]
+        lines += [""] + markdown_table(
+            ["preset", "torch cuda max allocated MiB", "jax peak bytes in use MiB", "jax/torch"],
+            [[r["preset"], f"{r['torch_cuda_max_memory_allocated'] * mib:.1f}",
+              f"{r['jax_peak_bytes_in_use'] * mib:.1f}", f"{r['jax_over_torch_gpu_memory']:.2f}"] for r in gpu])
     else:
         lines += ["", "GPU column: no CUDA device on this machine (`torch.cuda.is_available()` is False); run the "
                   "same command with `--device cuda` on a GPU machine to add `torch.cuda.max_memory_allocated` and "
@@ -331,29 +308,16 @@ def markdown(rows: list[dict], env: dict, args: argparse.Namespace, command: str
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(9, 3.5))
-    x = np.arange(len(rows))
-    ax_t.bar(x - 0.2, [r["torch_best_step_seconds"] for r in rows], 0.4, label="torch")
-    ax_t.bar(x + 0.2, [r["jax_best_step_seconds"] for r in rows], 0.4, label="jax")
-    for i, r in enumerate(rows):
-        ax_t.annotate(f"{r['jax_over_torch_best_time']:.2f}x", (i + 0.2, r["jax_best_step_seconds"]), ha="center",
-                      va="bottom")
-    mib = 1 / 2 ** 20
-    ax_m.bar(x - 0.27, [r["torch_rss_bytes"] * mib for r in rows], 0.27, label="torch RSS")
-    ax_m.bar(x, [r["jax_rss_bytes"] * mib for r in rows], 0.27, label="jax RSS")
-    ax_m.bar(x + 0.27, [r["jax_temp_bytes"] * mib for r in rows], 0.27, label="jax XLA temp")
-    for ax, title in ((ax_t, "optimizer step time (s, best)"), (ax_m, "step memory (MiB)")):
-        ax.set_xticks(x, [r["preset"] for r in rows])
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    presets, mib = [r["preset"] for r in rows], 1 / 2 ** 20
+    fig, (ax_t, ax_m) = pyplot().subplots(1, 2, figsize=(9, 3.5))
+    grouped_bars(ax_t, presets, {b: [r[f"{b}_best_step_seconds"] for r in rows] for b in BACKENDS},
+                 title="optimizer step time (s, best)",
+                 labels={"jax": [f"{r['jax_over_torch_best_time']:.2f}x" for r in rows]})
+    grouped_bars(ax_m, presets, {"torch RSS": [r["torch_rss_bytes"] * mib for r in rows],
+                                 "jax RSS": [r["jax_rss_bytes"] * mib for r in rows],
+                                 "jax XLA temp": [r["jax_temp_bytes"] * mib for r in rows]},
+                 title="step memory (MiB)")
+    save_figure(fig, path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -369,15 +333,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="1: torch and XLA single-threaded (robust on a shared machine); N > 1: torch N "
                              "threads, XLA its default pool of all cores")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--hardware", default="cpu-2core")
-    parser.add_argument("--date", default=datetime.date.today().isoformat())
-    parser.add_argument("--no-write", action="store_true")
+    add_output_args(parser)
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    command = "python benchmarks/torch_vs_jax.py " + " ".join(sys.argv[1:] if argv is None else argv)
+def main(argv=None) -> dict:
+    run = start_run(parse_args, argv, __file__, device=lambda a: a.device)
+    args = run.args
     rounds: dict[str, list] = {preset: [] for preset in args.presets}
     for index in range(args.rounds):
         for preset in args.presets:
@@ -388,18 +350,10 @@ def main(argv=None) -> None:
                 f"{b} {statistics.median(r[b]['extra'][b]['seconds']):.3f} s/step "
                 f"{r[b]['peak_above_baseline_bytes'] / 2 ** 20:.0f} MiB" for b in BACKENDS), flush=True)
     rows = [summarize(preset, rounds[preset]) for preset in args.presets]
-    raw = [{"preset": preset, "rounds": rounds[preset]} for preset in args.presets]
-    env = environment(args)
-    text = markdown(rows, env, args, command)
-    print(text)
-    if args.no_write:
-        return
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"torch_vs_jax_{args.hardware}_{args.date}"
-    payload = {"command": command, "environment": env, "settings": vars(args), "summary": rows, "raw": raw}
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=2, default=str))
-    stem.with_suffix(".md").write_text(text)
-    plot(rows, stem.with_suffix(".png"))
+    payload = {"settings": run.arguments(), "summary": rows,
+               "raw": [{"preset": preset, "rounds": rounds[preset]} for preset in args.presets]}
+    run.write(payload, title="Torch vs JAX training step", body=markdown(rows, args), plot=lambda png: plot(rows, png))
+    return payload
 
 
 if __name__ == "__main__":

@@ -1,0 +1,241 @@
+"""The README's benchmark table, generated from the newest result ``.json`` of each benchmark.
+
+    .venv/bin/python benchmarks/readme_table.py            # rewrite the table in README.md
+    .venv/bin/python benchmarks/readme_table.py --check    # exit 1, with a diff, if README.md differs
+    .venv/bin/python benchmarks/readme_table.py --print    # print the table only
+
+The table sits between ``<!-- benchmarks:start -->`` and ``<!-- benchmarks:end -->`` in
+README.md. Every figure in a row is read from a field of the result's JSON (never from its
+markdown), so the README cannot drift from its files; ``tests/test_benchmarks_report.py``
+runs ``--check``. A row whose file has no ``"provenance"`` block (written before
+``benchmarks/_report.py``) says so in its file column, as does a row from a run with
+non-default (smaller) arguments or from a dirty tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import MIB, REPO_ROOT, RESULTS_DIR, parse_stem  # noqa: E402
+
+START = "<!-- benchmarks:start -->"
+END = "<!-- benchmarks:end -->"
+NO_PROVENANCE = "**no provenance: re-run needed**"
+
+
+# --- one row per benchmark: (what, baseline, twinseq) from the JSON fields ----------------------
+
+def _x(ratio: float) -> str:
+    """A ratio as the README writes it: ``0.40``, ``1.13``, ``0.039``, ``0.0056``."""
+    return f"{ratio:.2f}" if ratio >= 0.1 else f"{ratio:.2g}"
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / MIB:,.0f} MiB"
+
+
+def _count(n: int) -> str:
+    """``1_000_000`` -> ``1M``, ``100_000`` -> ``100k``, ``1500`` -> ``1,500``."""
+    for size, suffix in ((1_000_000, "M"), (1_000, "k")):
+        if n % size == 0:
+            return f"{n // size:,}{suffix}"
+    return f"{n:,}"
+
+
+def _find(rows: list[dict], **match: Any) -> dict:
+    found = [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+    if not found:
+        raise KeyError(f"no row with {match}")
+    return found[0]
+
+
+def packing_row(d: dict) -> tuple[str, str, str]:
+    cfg, bfd = d["config"], _find(d["results"], strategy="bfd")
+    plan, mat = bfd["plan"], bfd["materialised"]
+    baseline = (f"TRL {bfd['trl']['seconds']:.1f} s, +{bfd['trl']['rows_over_lower_bound_pct']:.2f} % rows"
+                if "trl" in bfd else "TRL not run")
+    vs_trl = f" ({bfd['speedup_vs_trl']:.0f}× TRL)" if "speedup_vs_trl" in bfd else ""
+    return (f"packing {_count(cfg['num_sequences'])} sequences (bfd), plan / materialised", baseline,
+            f"{plan['seconds']:.3f} s / {mat['seconds']:.2f} s{vs_trl}, +{plan['rows_over_lower_bound_pct']:.4f} % rows")
+
+
+def loss_memory_row(d: dict) -> tuple[str, str, str]:
+    s, nll, fused = d["shape"], _find(d["results"], loss_type="nll"), _find(d["results"], loss_type="fused_linear")
+    return (f"SFT loss, {s['tokens']} tok × H {s['hidden']} × V {s['vocab']}, fwd+bwd", f"`nll` {_mib(nll['peak_bytes'])}",
+            f"`fused_linear` {_mib(fused['peak_bytes'])} ({_x(fused['memory_ratio_vs_nll'])}×), "
+            f"{fused['time_ratio_vs_nll']:.2f}× the time")
+
+
+def jax_loss_memory_row(d: dict) -> tuple[str, str, str]:
+    shape = next((s for s in d["shapes"] if s["name"] == "torch"), d["shapes"][0])
+    s, nll, fused = (shape["shape"], _find(shape["results"], loss_type="nll"),
+                     _find(shape["results"], loss_type="fused_linear"))
+    return (f"JAX loss temp memory, {s['tokens']} tok × H {s['hidden']} × V {s['vocab']}",
+            f"`nll` {_mib(nll['temp_bytes'])}",
+            f"`fused_linear` {_mib(fused['temp_bytes'])} ({_x(fused['temp_ratio_vs_nll'])}×)")
+
+
+def memory_techniques_row(d: dict) -> tuple[str, str, str]:
+    a, rows = d["args"], d["rows"]
+    base = _find(rows, technique="baseline (nll)")
+    picked = [_find(rows, technique=t) for t in ("gradient checkpointing", "fused_linear loss",
+                                                 "checkpointing + fused_linear")]
+    return (f"one training step of `{a['preset']}`, {a['batch_size']} × {a['seq_len']} tokens: "
+            "checkpointing / fused loss / both", f"`nll`, no checkpointing: {base['peak_mib']:,.0f} MiB",
+            " / ".join(f"{_x(r['memory_ratio'])}×" for r in picked) + " the memory at "
+            + " / ".join(f"{r['time_ratio']:.2f}×" for r in picked) + " the time")
+
+
+def padding_free_row(d: dict) -> tuple[str, str, str]:
+    rows = d["summary"]
+    memory = {f"{r['memory_ratio']:.2f}×" for r in rows}
+    memory_text = memory.pop() if len(memory) == 1 else " / ".join(f"{r['memory_ratio']:.2f}×" for r in rows)
+    return ("padding-free vs padded training, embedded data",
+            "padded: " + ", ".join(f"{r['padded_tokens_per_second']:,.0f} tok/s (`{r['preset']}`)" for r in rows),
+            ", ".join(f"{r['speedup_median']:.2f}× (`{r['preset']}`)" for r in rows) + f", {memory_text} the memory")
+
+
+def torch_vs_jax_row(d: dict) -> tuple[str, str, str]:
+    r, threads = d["summary"][-1], d["settings"]["num_threads"]
+    cores = "1 core each" if threads == 1 else f"{threads} threads"
+    return (f"torch vs JAX optimizer step, `{r['preset']}`, fp32, {cores}", f"torch {r['torch_best_step_seconds']:.2f} s",
+            f"JAX {r['jax_best_step_seconds']:.2f} s ({_x(r['jax_over_torch_best_time'])}×)")
+
+
+def dpo_memory_row(d: dict) -> tuple[str, str, str]:
+    s = d["shape"]
+    nll = _find(d["results"], layout="padded", kernel="nll")
+    fused = _find(d["results"], layout="padded", kernel="fused_linear")
+    return (f"DPO log-probs, {2 * s['pairs'] * s['row']} positions × V {s['vocab']}, H {s['hidden']}",
+            f"full logits {_mib(nll['peak_bytes'])}",
+            f"fused {_mib(fused['peak_bytes'])} ({_x(fused['memory_vs_full_same_layout'])}×)")
+
+
+def ring_attention_row(d: dict) -> tuple[str, str, str]:
+    a = d["args"]
+    dense = next(r for r in d["memory"] if r["name"].startswith("dense"))
+    ring = next(r for r in d["memory"] if r["name"].startswith("ring"))
+    block = a["seq_len"] // (2 * a["cp"])
+    balance = {r["load_balance"]: r["max_over_mean"] for r in d["blocks"]
+               if r["workload"].startswith("causal") and r["block_size"] == block}
+    return (f"JAX ring attention fwd+bwd, T = {a['seq_len']}, {a['cp']} devices",
+            f"dense {dense['temp_bytes_per_device'] / MIB:,.0f} MiB/device",
+            f"ring {ring['temp_bytes_per_device'] / MIB:,.1f} MiB ({_x(ring['ratio_vs_dense'])}×); "
+            f"zigzag balance max/mean {balance[True]:.3f} vs {balance[False]:.3f}")
+
+
+# The README's rows, in its order; every benchmark script in benchmarks/ has one (a test checks).
+ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
+    "packing": packing_row, "loss_memory": loss_memory_row, "jax_loss_memory": jax_loss_memory_row,
+    "memory_techniques": memory_techniques_row, "padding_free": padding_free_row, "torch_vs_jax": torch_vs_jax_row,
+    "dpo_memory": dpo_memory_row, "ring_attention": ring_attention_row,
+}
+
+
+# --- choosing files and rendering -------------------------------------------------------------
+
+def newest_results(results_dir: Path) -> dict[str, tuple[Path, dict]]:
+    """``what -> (path, data)`` of the newest ``<what>_<hardware>_<date>.json`` per benchmark.
+
+    Newest: the later run date (``provenance.started_utc``, else the date in the file name);
+    on the same date a file with provenance wins over one without.
+    """
+    best: dict[str, tuple[tuple, Path, dict]] = {}
+    for path in sorted(results_dir.glob("*.json")):
+        stem = parse_stem(path.stem)
+        if stem is None or stem["what"] not in ROWS:
+            continue
+        data = json.loads(path.read_text())
+        prov = data.get("provenance")
+        key = (prov["date_utc"] if prov else stem["date"], prov is not None,
+               prov["started_utc"] if prov else "", path.name)
+        if stem["what"] not in best or key > best[stem["what"]][0]:
+            best[stem["what"]] = (key, path, data)
+    return {what: (path, data) for what, (_, path, data) in best.items()}
+
+
+def file_cell(path: Path, data: dict, readme_dir: Path) -> str:
+    """The result's .md as a link, then its commit, or the markers a reader must see."""
+    md = path.with_suffix(".md")
+    cell = f"[`{md.name}`]({Path(os.path.relpath(md, readme_dir)).as_posix()})"
+    prov = data.get("provenance")
+    if prov is None:
+        return f"{cell} {NO_PROVENANCE}"
+    commit = prov["git"]["commit"]
+    notes = [f"commit `{commit[:10]}`" if commit else "**commit unknown**"]
+    if prov["git"]["dirty"]:
+        notes.append("**dirty tree**")
+    if prov["non_default_arguments"]:
+        notes.append("**non-default arguments**: "
+                     + ", ".join(f"`{k}={v}`" for k, v in prov["non_default_arguments"].items()))
+    return f"{cell} ({', '.join(notes)})"
+
+
+def render(results_dir: Path = RESULTS_DIR, readme_dir: Path = REPO_ROOT) -> str:
+    """The markdown between the markers: the table and a note on where it comes from."""
+    found = newest_results(results_dir)
+    lines = ["| what | baseline | twinseq | file |", "|---|---|---|---|"]
+    for what, make_row in ROWS.items():
+        if what not in found:
+            lines.append(f"| `{what}` | - | - | no result yet: run `benchmarks/{what}.py` |")
+            continue
+        path, data = found[what]
+        try:
+            cells = make_row(data)
+        except (KeyError, IndexError, StopIteration) as err:
+            raise SystemExit(f"{path}: a field the README row needs is missing ({err!r})") from err
+        lines.append("| " + " | ".join([*cells, file_cell(path, data, readme_dir)]) + " |")
+    lines += ["", "Generated by `benchmarks/readme_table.py` from the newest `.json` of each benchmark in "
+              "`benchmarks/results/`; the hardware and date are in each file name, the commit, command, versions "
+              "and hardware details in the file."]
+    if any("provenance" not in data for _, data in found.values()):
+        lines += ["", "Rows marked *no provenance* come from files written before results recorded their commit, "
+                  "command and detected hardware: their figures are as committed, and `make bench` replaces them."]
+    return "\n".join(lines)
+
+
+def splice(readme: str, table: str) -> str:
+    """``readme`` with everything between the markers replaced by ``table``."""
+    if readme.count(START) != 1 or readme.count(END) != 1 or readme.index(START) > readme.index(END):
+        raise SystemExit(f"README must hold exactly one {START} ... {END} block.")
+    head, rest = readme.split(START)
+    _, tail = rest.split(END)
+    return f"{head}{START}\n{table}\n{END}{tail}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if README.md differs from what would be written")
+    p.add_argument("--print", dest="print_only", action="store_true", help="print the table, write nothing")
+    p.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    table = render(args.results_dir, args.readme.resolve().parent)
+    if args.print_only:
+        print(table)
+        return 0
+    current = args.readme.read_text()
+    wanted = splice(current, table)
+    if args.check:
+        if current == wanted:
+            return 0
+        sys.stdout.writelines(difflib.unified_diff(current.splitlines(True), wanted.splitlines(True),
+                                                   str(args.readme), "generated"))
+        print(f"\n{args.readme} differs from its results: run `python benchmarks/readme_table.py`.")
+        return 1
+    if wanted != current:
+        args.readme.write_text(wanted)
+        print(f"wrote the benchmark table into {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
