@@ -126,7 +126,8 @@ def _warm_up(state: dict, device: str, dtype) -> None:
 
 
 def _loss(pb, hidden, weight, kernel, chunk_size, config, ref):
-    from twinseq.torch_backend.dpo import dpo_from_logps, sequence_logps
+    from twinseq.torch_backend.dpo import dpo_from_logps
+    from twinseq.torch_backend.logprobs import sequence_logps
 
     logps_D = sequence_logps(hidden, weight, pb, kernel, chunk_size)
     return dpo_from_logps(logps_D, pb, config, ref_chosen_logps=ref[0], ref_rejected_logps=ref[1]).loss
@@ -154,7 +155,8 @@ def jax_temp_bytes(layout: str, kernel: str, pairs: int, row: int, hidden: int, 
     import jax.numpy as jnp
 
     from twinseq.common.dpo import validate_dpo_config
-    from twinseq.jax_backend.dpo import dpo_losses, sequence_logps
+    from twinseq.jax_backend.dpo import dpo_losses
+    from twinseq.jax_backend.logprobs import sequence_logps
 
     pb = preference_batch(layout, pairs, row, vocab, seed)
     config, (ref_c, ref_r), n = validate_dpo_config("sigmoid", beta=BETA), _ref_logps(pb, vocab), pb.num_examples

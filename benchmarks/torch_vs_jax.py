@@ -84,23 +84,21 @@ class TorchStep:
         import twinseq.torch_backend as tb
         from twinseq.common.config import ModelConfig
         from twinseq.common.init import init_weights
-        from twinseq.torch_backend.trainer import MicroStep, build_optimizer
+        from twinseq.torch_backend.parallel import parallelize
+        from twinseq.torch_backend.trainer import SFTTrainer
 
         self.device = torch.device(device)
         model_cfg = ModelConfig.preset(preset)
-        self.model = tb.build_model(model_cfg, init_weights(model_cfg, seed=seed), device=device).train()
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg)
-        self.micro_step, self.cfg = MicroStep(self.model, cfg, self.device), cfg
+        model = tb.build_model(model_cfg, init_weights(model_cfg, seed=seed), device=device)
+        self.trainer = SFTTrainer(cfg, parallelize(model, None, cfg), self.device)
 
     def __call__(self, batch) -> tuple[float, float]:
         import torch
 
-        from twinseq.torch_backend.trainer import train_step
-
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        out = train_step(self.model, self.optimizer, self.scheduler, self.micro_step, [batch], self.cfg)
+        out = self.trainer.step([batch])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return out["loss"], time.perf_counter() - t0
@@ -118,10 +116,10 @@ class JaxStep:
         import twinseq.jax_backend as jb
         from twinseq.common.config import ModelConfig
         from twinseq.common.init import init_weights
-        from twinseq.jax_backend.trainer import Trainer
+        from twinseq.jax_backend.trainer import SFTTrainer
 
         model_cfg = ModelConfig.preset(preset)
-        self.trainer = Trainer(jb.build_model(model_cfg, init_weights(model_cfg, seed=seed)), cfg)
+        self.trainer = SFTTrainer(jb.build_model(model_cfg, init_weights(model_cfg, seed=seed)), cfg)
 
     def __call__(self, batch) -> tuple[float, float]:
         import jax
@@ -139,8 +137,8 @@ class JaxStep:
 
         t = self.trainer
         compiled = grads_jit.lower(t.graphdef, t.params, batch_inputs(batch, t.vocab_size),
-                                   jnp.asarray(batch.num_items_in_batch, jnp.int32), loss_type=t.cfg.loss_type,
-                                   chunk_size=t.cfg.loss_chunk_size, compute_dtype=None).compile()
+                                   jnp.asarray(batch.num_items_in_batch, jnp.int32), loss_type=t.cfg.loss.loss_type,
+                                   chunk_size=t.cfg.loss.loss_chunk_size, compute_dtype=None).compile()
         m = compiled.memory_analysis()
         return {"jax_temp_bytes": int(m.temp_size_in_bytes), "jax_argument_bytes": int(m.argument_size_in_bytes),
                 "jax_output_bytes": int(m.output_size_in_bytes)}
