@@ -17,7 +17,7 @@ import importlib.util
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Union
 
 import numpy as np
 
@@ -29,39 +29,43 @@ from twinseq.common.errors import ConfigError, MissingDependencyError
 
 _EXTRA_FOR = {"torch": ("torch", "transformers"), "jax": ("jax", "flax", "optax")}
 
+Model = Any
+"""A backend's model: a Hugging Face ``LlamaForCausalLM`` (torch) or twinseq's Flax NNX one (jax)."""
+PathLike = Union[str, os.PathLike]
+
 
 class Backend(Protocol):
     """What each backend module exports (``Model`` is a torch ``nn.Module`` or a Flax NNX module)."""
 
     def build_model(self, cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *,
-                    dtype: str = "float32", attn_implementation: str = "sdpa", device: Any = None) -> Any:
+                    dtype: str = "float32", attn_implementation: str = "sdpa", device: Any = None) -> Model:
         """A model of ``cfg`` with ``weights`` (HF names; None: ``init_weights(cfg, seed=0)``), train mode."""
 
-    def export_weights(self, model: Any) -> dict[str, np.ndarray]:
+    def export_weights(self, model: Model) -> dict[str, np.ndarray]:
         """float32 numpy weights in HF names and layout (``lm_head.weight`` omitted when tied)."""
 
-    def logits(self, model: Any, batch: Batch) -> np.ndarray:
+    def logits(self, model: Model, batch: Batch) -> np.ndarray:
         """float32 [B, T, V] logits, documents masked on every attention path."""
 
-    def loss_and_grads(self, model: Any, batch: Batch, loss_type: str = "nll", *,
+    def loss_and_grads(self, model: Model, batch: Batch, loss_type: str = "nll", *,
                        chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray]]:
         """(loss normalised by ``batch.num_items_in_batch``, float32 gradients by HF name)."""
 
     def train(self, config: TrainConfig) -> Path:
         """Run a training job; returns the path of ``metrics.jsonl``."""
 
-    def load_pretrained(self, path: Any, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
-                        device: Any = None) -> Any:
+    def load_pretrained(self, path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
+                        device: Any = None) -> Model:
         """A model from a local Hugging Face folder (``dtype`` None: as stored, float32 or bfloat16)."""
 
-    def save_pretrained(self, model: Any, path: Any) -> Path:
+    def save_pretrained(self, model: Model, path: PathLike) -> Path:
         """Write ``model`` as a Hugging Face folder (``config.json`` + ``model.safetensors``)."""
 
-    def compute_sequence_logps(self, model: Any, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear",
+    def compute_sequence_logps(self, model: Model, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear",
                                chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[np.ndarray, np.ndarray]:
         """(chosen [N], rejected [N]) float64 sequence log-probs of a preference batch, no gradient."""
 
-    def dpo_loss_and_grads(self, model: Any, pbatch: PreferenceBatch, config: DPOLossConfig, *,
+    def dpo_loss_and_grads(self, model: Model, pbatch: PreferenceBatch, config: DPOLossConfig, *,
                            ref_chosen_logps: Any = None, ref_rejected_logps: Any = None,
                            loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE,
                            num_examples_in_step: Optional[int] = None

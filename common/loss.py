@@ -40,7 +40,8 @@ def shift_labels(labels_BT: np.ndarray) -> np.ndarray:
     return targets_BT
 
 
-def _check_targets(targets: np.ndarray, vocab_size: int) -> np.ndarray:
+def check_targets(targets: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool mask of the valid targets; raises for a target outside ``[0, vocab_size)`` other than -100."""
     valid = targets != IGNORE_INDEX
     bad = valid & ((targets < 0) | (targets >= vocab_size))
     if bad.any():
@@ -67,15 +68,17 @@ def token_nll(logits_BTV: np.ndarray, targets_BT: np.ndarray) -> np.ndarray:
     if logits_BTV.shape[:-1] != targets_BT.shape:
         raise ValueError(f"logits shape {logits_BTV.shape} does not match targets shape {targets_BT.shape}; "
                          f"logits must be [B, T, V] for targets [B, T].")
-    valid = _check_targets(targets_BT, logits_BTV.shape[-1])
+    valid = check_targets(targets_BT, logits_BTV.shape[-1])
     logp = log_softmax(logits_BTV)
     safe = np.where(valid, targets_BT, 0)
     picked = np.take_along_axis(logp, safe[..., None].astype(np.int64), axis=-1)[..., 0]
     return np.where(valid, -picked, 0.0)
 
 
-def _check_num_items(num_items_in_batch: int, num_valid: int) -> None:
-    if int(num_items_in_batch) != num_items_in_batch or num_items_in_batch < 0:
+def check_num_items(num_items_in_batch: int, num_valid: int) -> None:
+    """Raise unless ``num_items_in_batch`` can be the label count of the step that holds a micro-batch
+    of ``num_valid`` targets (every backend's loss checks it here, on the host)."""
+    if num_items_in_batch is None or int(num_items_in_batch) != num_items_in_batch or num_items_in_batch < 0:
         raise ValueError(f"num_items_in_batch={num_items_in_batch!r} must be a non-negative integer: the count "
                          f"of labels != -100 over the whole optimizer step.")
     if num_items_in_batch < num_valid:
@@ -94,7 +97,7 @@ def nll_loss(logits_BTV: np.ndarray, labels_BT: np.ndarray, num_items_in_batch: 
     """
     targets_BT = shift_labels(labels_BT)
     nll_BT = token_nll(logits_BTV, targets_BT)
-    _check_num_items(num_items_in_batch, int((targets_BT != IGNORE_INDEX).sum()))
+    check_num_items(num_items_in_batch, int((targets_BT != IGNORE_INDEX).sum()))
     return float(nll_BT.sum() / max(int(num_items_in_batch), 1))
 
 
@@ -142,7 +145,7 @@ def mean_token_accuracy(logits_BTV: np.ndarray, labels_BT: np.ndarray) -> float:
     0.0 when there is no valid target.
     """
     targets_BT = shift_labels(labels_BT)
-    valid = _check_targets(targets_BT, np.shape(logits_BTV)[-1])
+    valid = check_targets(targets_BT, np.shape(logits_BTV)[-1])
     if not valid.any():
         return 0.0
     correct = np.argmax(np.asarray(logits_BTV), axis=-1) == targets_BT
@@ -155,7 +158,7 @@ def entropy(logits_BTV: np.ndarray, labels_BT: np.ndarray) -> float:
     0.0 when there is no valid target.
     """
     targets_BT = shift_labels(labels_BT)
-    valid = _check_targets(targets_BT, np.shape(logits_BTV)[-1])
+    valid = check_targets(targets_BT, np.shape(logits_BTV)[-1])
     if not valid.any():
         return 0.0
     logp = log_softmax(np.asarray(logits_BTV)[valid])

@@ -118,7 +118,9 @@ def run(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, *, tokenizer
     start = resume(cfg, trainer, source)
     log: Optional[RunLogger] = None
     if trainer.is_main:
-        log = RunLogger(cfg.output_dir, cfg.max_steps, disable_tqdm=cfg.disable_tqdm, desc=desc, resume_step=start)
+        log = RunLogger(cfg.output_dir, cfg.max_steps, disable_tqdm=cfg.disable_tqdm, desc=desc, resume_step=start,
+                        report_to=cfg.report_to)
+        log.log_config(cfg)
         for line in announce:
             log.write(line)
     window: list[dict[str, Any]] = []

@@ -15,10 +15,11 @@ import jax
 import numpy as np
 
 from twinseq.common.hf_checkpoint import read_hf_checkpoint, write_hf_checkpoint
+from twinseq.common.backend import Model, PathLike
 
 
-def load_pretrained(path: str | Path, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
-                    device: Any = None):
+def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
+                    device: Any = None) -> Model:
     """A JAX ``LlamaForCausalLM`` from an HF checkpoint directory.
 
     ``dtype`` None uses the stored dtype when it is float32 or bfloat16 (else float32).
@@ -32,7 +33,7 @@ def load_pretrained(path: str | Path, *, dtype: Optional[str] = None, attn_imple
     return build_model(cfg, weights, dtype=dtype, attn_implementation=attn_implementation, device=device)
 
 
-def save_pretrained(model, path: str | Path) -> Path:
+def save_pretrained(model: Model, path: PathLike) -> Path:
     """Write a JAX ``LlamaForCausalLM`` as an HF checkpoint, in the model's own dtype; returns ``path``."""
     from twinseq.jax_backend.model import export_weights
 

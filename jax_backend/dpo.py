@@ -23,6 +23,7 @@ from twinseq.common.batching import pad_batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.dpo import ArrayOps, DPOLossConfig, dpo_family
 from twinseq.common.dpo_batching import PreferenceBatch
+from twinseq.common.backend import Model
 from twinseq.jax_backend.logprobs import sequence_logps
 from twinseq.jax_backend.model import LlamaForCausalLM, batch_inputs, cast_floating, in_hf_order, state_to_hf
 
@@ -93,7 +94,7 @@ def sequence_logps_jit(graphdef, state, inputs, *, loss_type: str, chunk_size: i
                           chunk_size)
 
 
-def compute_sequence_logps(model: LlamaForCausalLM, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear",
+def compute_sequence_logps(model: Model, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear",
                            chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """(chosen [N], rejected [N]) float64 numpy sequence log-probs of ``model``."""
     graphdef, state = nnx.split(model)
@@ -111,8 +112,8 @@ def _ref_arrays(pbatch: PreferenceBatch, ref_chosen, ref_rejected):
     return tuple(jnp.asarray(np.asarray(a, np.float32).reshape(-1)) for a in (ref_chosen, ref_rejected))
 
 
-def dpo_loss_and_grads(model: LlamaForCausalLM, pbatch: PreferenceBatch, config: DPOLossConfig, *,
-                       ref_chosen_logps=None, ref_rejected_logps=None, loss_type: str = "fused_linear",
+def dpo_loss_and_grads(model: Model, pbatch: PreferenceBatch, config: DPOLossConfig, *,
+                       ref_chosen_logps: Any = None, ref_rejected_logps: Any = None, loss_type: str = "fused_linear",
                        chunk_size: int = DEFAULT_CHUNK_SIZE, num_examples_in_step: Optional[int] = None
                        ) -> tuple[float, dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(loss, float32 numpy gradients in HF names and layout, per-pair float64 outputs): the mirror of

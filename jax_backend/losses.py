@@ -27,7 +27,6 @@ The naive equivalent of all three::
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 from typing import NamedTuple
 
@@ -36,9 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
-from twinseq.common.loss import IGNORE_INDEX
+from twinseq.common.loss import IGNORE_INDEX, check_num_items, check_targets
 
-logger = logging.getLogger(__name__)
 LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
 
 
@@ -214,19 +212,8 @@ def check_labels(labels_BT, vocab_size: int, num_items_in_batch, *, targets_are_
     ``targets_are_shifted=True``: ``labels_BT`` are already the targets (see ``causal_lm_loss``).
     """
     targets = np.asarray(labels_BT) if targets_are_shifted else np.asarray(labels_BT)[:, 1:]
-    valid = targets != IGNORE_INDEX
-    bad = valid & ((targets < 0) | (targets >= vocab_size))
-    if bad.any():
-        raise ValueError(f"labels hold {targets[bad][:4].tolist()}, outside the vocabulary [0, {vocab_size}) and not "
-                         f"the ignore index {IGNORE_INDEX}; fix the tokenisation or the model's vocab_size.")
-    num_valid = int(valid.sum())
-    if int(num_items_in_batch) != num_items_in_batch or num_items_in_batch < num_valid:
-        raise ValueError(f"num_items_in_batch={num_items_in_batch!r} must be an integer >= the {num_valid} valid "
-                         f"targets of this micro-batch: the count of labels != -100 over the whole optimizer step "
-                         f"(all micro-batches, all ranks), e.g. Batch.num_items_in_batch.")
-    if num_items_in_batch == 0:
-        logger.warning("num_items_in_batch=0: the whole optimizer step has no valid label; the loss is 0 "
-                       "and the gradients are zero.")
+    num_valid = int(check_targets(targets, vocab_size).sum())
+    check_num_items(num_items_in_batch, num_valid)
     return num_valid
 
 

@@ -36,6 +36,7 @@ from twinseq.common.batching import Batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, ModelConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.init import check_weights, parameter_shapes
+from twinseq.common.backend import Model
 from twinseq.jax_backend.attention import document_causal_mask, dot_product_attention
 from twinseq.jax_backend.losses import LOSS_TYPES, causal_lm_loss, check_labels, token_nll
 from twinseq.jax_backend.memory import remat
@@ -246,7 +247,7 @@ def in_hf_order(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, n
     return {name: tensors[name] for name in order}
 
 
-def export_weights(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
+def export_weights(model: Model) -> dict[str, np.ndarray]:
     """HF-named float32 numpy weights, in the order of ``parameter_shapes`` (``init_weights`` order)."""
     return in_hf_order(model.config, state_to_hf(nnx.state(model, nnx.Param)))
 
@@ -266,7 +267,7 @@ def cast_floating(state: Any, compute_dtype: Optional[str]) -> Any:
 
 
 def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *, dtype: str = "float32",
-                attn_implementation: str = "sdpa", device: Any = None) -> LlamaForCausalLM:
+                attn_implementation: str = "sdpa", device: Any = None) -> Model:
     """An NNX ``LlamaForCausalLM`` holding ``weights`` (HF names, torch layout), on ``device``.
 
     ``weights`` None draws ``common.init.init_weights(cfg, seed=0)``, the same model the torch
@@ -305,7 +306,7 @@ def _forward_jit(graphdef, state, input_ids_BT, position_ids_BT, segment_ids_BT,
     return logits_BTV, token_nll(hidden_BTH, model.lm_head_VH(), labels_BT)
 
 
-def logits(model: LlamaForCausalLM, batch: Batch) -> np.ndarray:
+def logits(model: Model, batch: Batch) -> np.ndarray:
     """np.float32 [B, T, V]. Padding positions hold finite values that mean nothing."""
     graphdef, state = nnx.split(model)
     return np.asarray(_forward_jit(graphdef, state, *batch_inputs(batch, model.config.vocab_size))[0])
@@ -364,7 +365,7 @@ def loss_grads_and_metrics(model: LlamaForCausalLM, batch: Batch, loss_type: str
     return float(loss), grads_hf, {k: float(v) for k, v in metrics.items()}
 
 
-def loss_and_grads(model: LlamaForCausalLM, batch: Batch, loss_type: str = "nll", *,
+def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,
                    chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray]]:
     """(loss, grads): grads are float32 numpy in HF names and HF ``[out, in]`` layout.
 

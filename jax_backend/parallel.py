@@ -26,7 +26,6 @@ Typical use::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math

@@ -12,16 +12,17 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from twinseq.common.errors import CheckpointError
+from twinseq.common.backend import Model, PathLike
 
 
-def load_pretrained(path: Union[str, Path], *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
-                    device: Any = None) -> torch.nn.Module:
+def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
+                    device: Any = None) -> Model:
     """Load a local HF Llama checkpoint directory (no download); returned in train mode.
 
     ``dtype`` None keeps the stored dtype when it is float32 or bfloat16 (else float32).
@@ -51,7 +52,7 @@ def load_pretrained(path: Union[str, Path], *, dtype: Optional[str] = None, attn
     return model.to(device).train()
 
 
-def save_pretrained(model: torch.nn.Module, path: Union[str, Path]) -> Path:
+def save_pretrained(model: Model, path: PathLike) -> Path:
     """Write ``config.json`` + ``model.safetensors`` (HF layout) to ``path``; returns ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.dpo import ArrayOps, DPOLossConfig, dpo_family
 from twinseq.common.dpo_batching import PreferenceBatch
+from twinseq.common.backend import Model
 from twinseq.torch_backend.logprobs import sequence_logps
 
 logger = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def reference_logps(ref_model: torch.nn.Module, pbatch: PreferenceBatch, *, loss
     return logps_D[:pbatch.num_examples], logps_D[pbatch.num_examples:]
 
 
-def compute_sequence_logps(model: torch.nn.Module, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear",
+def compute_sequence_logps(model: Model, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear",
                            chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """(chosen [N], rejected [N]) float64 numpy sequence log-probs of ``model``, no gradient."""
     chosen, rejected = reference_logps(model, pbatch, loss_type=loss_type, chunk_size=chunk_size)
@@ -128,8 +129,8 @@ def dpo_forward(model: torch.nn.Module, pbatch: PreferenceBatch, config: DPOLoss
                           ref_rejected_logps=ref_rejected_logps, num_examples_in_step=num_examples_in_step)
 
 
-def dpo_loss_and_grads(model: torch.nn.Module, pbatch: PreferenceBatch, config: DPOLossConfig, *,
-                       ref_chosen_logps=None, ref_rejected_logps=None, loss_type: str = "fused_linear",
+def dpo_loss_and_grads(model: Model, pbatch: PreferenceBatch, config: DPOLossConfig, *,
+                       ref_chosen_logps: Any = None, ref_rejected_logps: Any = None, loss_type: str = "fused_linear",
                        chunk_size: int = DEFAULT_CHUNK_SIZE, num_examples_in_step: Optional[int] = None
                        ) -> tuple[float, dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(loss, float32 numpy gradient per HF name, per-pair float64 outputs) of one micro-batch.

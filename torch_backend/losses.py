@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from twinseq.common.capabilities import GPU_EXTRA as _GPU_EXTRA
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, LOSS_TYPES
-from twinseq.common.loss import IGNORE_INDEX
+from twinseq.common.loss import IGNORE_INDEX, check_num_items
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +72,7 @@ def _num_valid_checked(targets_N: torch.Tensor, vocab_size: int, num_items_in_ba
                          f"index {IGNORE_INDEX} (min {lowest}, max {highest}); fix the tokenisation or vocab_size.")
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.item()
-    if num_items_in_batch is None or int(num_items_in_batch) != num_items_in_batch or num_items_in_batch < 0:
-        raise ValueError(f"num_items_in_batch={num_items_in_batch!r} must be a non-negative integer: the count "
-                         f"of labels != -100 over the whole optimizer step (Batch.num_items_in_batch).")
-    if num_items_in_batch < num_valid:
-        raise ValueError(f"num_items_in_batch={num_items_in_batch} is smaller than the {num_valid} valid targets "
-                         f"of this micro-batch alone; it must count the labels != -100 of the whole optimizer "
-                         f"step (all micro-batches, all ranks), e.g. Batch.num_items_in_batch.")
-    if num_items_in_batch == 0:
-        logger.warning("num_items_in_batch=0: the whole optimizer step has no valid label; the loss is 0 "
-                       "and the gradients are zero.")
+    check_num_items(num_items_in_batch, num_valid)
     return num_valid, max(int(num_items_in_batch), 1)
 
 

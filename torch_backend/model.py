@@ -19,6 +19,7 @@ from twinseq.common.batching import Batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, ModelConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.init import check_weights, init_weights, parameter_shapes
+from twinseq.common.backend import Model
 from twinseq.torch_backend.attention import check_attention_supported, forward_hidden, hf_attn_name
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def model_config_of(model: torch.nn.Module) -> ModelConfig:
 
 
 def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *, dtype: str = "float32",
-                attn_implementation: str = "sdpa", device: Any = None) -> torch.nn.Module:
+                attn_implementation: str = "sdpa", device: Any = None) -> Model:
     """A ``LlamaForCausalLM`` of ``cfg`` in ``dtype`` on ``device`` (default CPU), in train mode.
 
     ``weights`` are HF-named numpy arrays, checked strictly by name and shape (``ValueError``
@@ -121,7 +122,7 @@ def load_weights_(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> Non
         assert model.lm_head.weight is model.model.embed_tokens.weight, "tied embeddings are not shared"
 
 
-def export_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
+def export_weights(model: Model) -> dict[str, np.ndarray]:
     """float32 numpy copies of every parameter, HF names; ``lm_head.weight`` omitted when tied."""
     names = parameter_shapes(model_config_of(model))
     params = dict(model.named_parameters())
@@ -134,7 +135,7 @@ def export_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
 
 
 @torch.no_grad()
-def logits(model: torch.nn.Module, batch: Batch) -> np.ndarray:
+def logits(model: Model, batch: Batch) -> np.ndarray:
     """np.float32 [B, T, V] logits of ``batch`` with the model's attention path, documents masked."""
     hidden_BTH = forward_hidden(model, batch)
     return model.lm_head(hidden_BTH).float().cpu().numpy()
@@ -152,7 +153,7 @@ def compute_loss(model: torch.nn.Module, batch: Batch, loss_type: str = "nll", *
                           chunk_size=chunk_size, return_metrics=return_metrics)
 
 
-def loss_and_grads(model: torch.nn.Module, batch: Batch, loss_type: str = "nll", *,
+def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,
                    chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray]]:
     """(loss, float32 numpy gradient per HF parameter name) of one micro-batch.
 

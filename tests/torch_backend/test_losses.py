@@ -8,7 +8,6 @@ import importlib.util
 import logging
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -156,6 +156,4 @@ def test_backend_protocol_surface():
     backend = load_backend("torch")
     for name in PROTOCOL:
         assert callable(getattr(backend, name)), name
-    import twinseq.torch_backend.trainer  # noqa: F401
-
     assert callable(load_backend("torch").train)

@@ -1,0 +1,91 @@
+"""The shape of the house: one protocol, mirrored backends, one step loop, nothing outside the repo.
+
+- Both backends export every name of ``common.backend.Backend`` with the protocol's signature.
+- Both backends have the same modules, up to a listed set of differences, each with its reason.
+- No backend runs its own step loop: ``common.runner.run`` is the only one.
+- ``common`` imports no framework (tests/common/test_no_framework_imports.py runs it blocked).
+- No file of the repository points outside it.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from twinseq.common.backend import PROTOCOL, Backend
+
+ROOT = Path(__file__).resolve().parents[1]
+BACKENDS = ("torch", "jax")
+
+# module -> why only one backend has it. Empty today: every concept has the same module name.
+ALLOWED_DIFFERENCES: dict[str, str] = {}
+
+
+def _protocol_signature(name: str) -> inspect.Signature:
+    sig = inspect.signature(getattr(Backend, name))
+    return sig.replace(parameters=list(sig.parameters.values())[1:])  # drop self
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", PROTOCOL)
+def test_backend_functions_have_the_protocol_signature(backend, name):
+    pytest.importorskip({"torch": "torch", "jax": "jax"}[backend])
+    from twinseq.common.backend import load_backend
+
+    fn = getattr(load_backend(backend), name)
+    assert inspect.signature(fn) == _protocol_signature(name), (backend, name, str(inspect.signature(fn)))
+
+
+def test_protocol_covers_what_users_call():
+    assert {"build_model", "export_weights", "logits", "loss_and_grads", "train"} <= set(PROTOCOL)
+
+
+def _modules(backend: str) -> set[str]:
+    return {p.stem for p in (ROOT / f"{backend}_backend").glob("*.py") if p.stem != "__init__"}
+
+
+def test_backends_mirror_each_others_module_names():
+    torch_modules, jax_modules = _modules("torch"), _modules("jax")
+    unexplained = (torch_modules ^ jax_modules) - set(ALLOWED_DIFFERENCES)
+    assert not unexplained, f"modules in one backend only, with no reason given: {sorted(unexplained)}"
+    assert {"attention", "checkpoint", "context_parallel", "dpo", "logprobs", "losses", "memory", "model",
+            "parallel", "trainer"} <= torch_modules & jax_modules
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_init_files_are_plain_re_exports(backend):
+    """Only a docstring, ``from ... import ...`` and ``__all__``: no logic, no import hooks."""
+    tree = ast.parse((ROOT / f"{backend}_backend" / "__init__.py").read_text())
+    for node in tree.body:
+        docstring = isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        dunder_all = isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"]
+        assert docstring or dunder_all or isinstance(node, ast.ImportFrom), ast.dump(node)[:120]
+    exported = next(n for n in tree.body if isinstance(n, ast.Assign)).value
+    assert set(PROTOCOL) <= {elt.value for elt in exported.elts}
+
+
+def test_no_step_loop_outside_the_runner():
+    hits = subprocess.run(["git", "grep", "-nE", r"for step in range", "--", "torch_backend", "jax_backend"],
+                          cwd=ROOT, capture_output=True, text=True).stdout
+    assert hits == "", hits
+    assert "for step in range" in (ROOT / "common" / "runner.py").read_text()
+
+
+def test_the_two_checkpoint_meanings_have_distinct_names():
+    """A model folder is ``save_pretrained``/``load_pretrained`` (both backends); a resumable training
+    checkpoint is ``common.checkpoint.save_training_checkpoint`` (one writer for every trainer)."""
+    for backend in BACKENDS:
+        source = (ROOT / f"{backend}_backend" / "checkpoint.py").read_text()
+        assert "def save_pretrained" in source and "def load_pretrained" in source
+        assert not re.search(r"def (save|load)_checkpoint\b", source), backend
+
+
+def test_nothing_in_the_repository_points_outside_it():
+    hits = subprocess.run(["git", "grep", "-nF", "../shared", "--", ".", ":(exclude)tests/test_architecture.py"],
+                          cwd=ROOT, capture_output=True, text=True).stdout
+    assert hits == "", hits

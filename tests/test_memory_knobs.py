@@ -1,0 +1,118 @@
+"""Memory knobs do not change the numbers: a few optimizer steps with ``gradient_checkpointing`` (both
+backends) and ``torch_compile`` (torch; JAX always compiles) match the plain run within the AdamW
+trajectory bound of the tolerance table (per step: loss relative, every parameter tensor relative).
+
+Each knob is checked to have reached the model (a checkpointed layer, a compiled layer), so a knob
+that silently did nothing cannot pass. The steps go through the trainers ``train`` builds, on
+packed padding-free batches of real documents, with clipping active.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parity_tests.inputs import rel_norm
+from parity_tests.tolerances import tol
+from twinseq.common.batching import collate
+from twinseq.common.config import ModelConfig, TrainConfig
+from twinseq.common.init import init_weights
+
+NUM_STEPS = 3
+MODEL = ModelConfig.preset("tiny", vocab_size=512)
+
+
+def _steps(seed: int = 0) -> list[list]:
+    """Three steps of two packed micro-batches, documents of 5..60 tokens."""
+    rng = np.random.default_rng(seed)
+    steps = []
+    for _ in range(NUM_STEPS):
+        micro = [collate([{"input_ids": rng.integers(3, 512, int(n)).tolist()} for n in rng.integers(5, 60, 4)],
+                         padding_free=True) for _ in range(2)]
+        total = sum(b.num_label_tokens for b in micro)
+        steps.append([b.with_num_items(total) for b in micro])
+    return steps
+
+
+def _cfg(backend: str, **knobs) -> TrainConfig:
+    return TrainConfig.from_flat(backend=backend, max_steps=NUM_STEPS, learning_rate=3e-3, max_grad_norm=0.5,
+                                 attn_implementation="varlen", loss_type="fused_linear", padding_free=True,
+                                 pad_to_multiple_of=64, **knobs)
+
+
+def _torch_run(**knobs):
+    import torch
+
+    from twinseq.torch_backend.model import build_model, export_weights
+    from twinseq.torch_backend.parallel import parallelize
+    from twinseq.torch_backend.trainer import SFTTrainer
+
+    cfg = _cfg("torch", **knobs)
+    module = parallelize(build_model(MODEL, init_weights(MODEL, seed=0), attn_implementation="varlen"), None, cfg)
+    trainer = SFTTrainer(cfg, module, torch.device("cpu"))
+    losses = [trainer.step(batches)["loss"] for batches in _steps()]
+    return losses, export_weights(trainer.causal_lm), trainer
+
+
+def _jax_run(**knobs):
+    from twinseq.jax_backend.model import build_model, export_weights
+    from twinseq.jax_backend.parallel import parallelize
+    from twinseq.jax_backend.trainer import SFTTrainer
+
+    cfg = _cfg("jax", **knobs)
+    trainer = SFTTrainer(parallelize(build_model(MODEL, init_weights(MODEL, seed=0)), None, cfg), cfg)
+    losses = [trainer.step(batches)["loss"] for batches in _steps()]
+    return losses, export_weights(trainer.model()), trainer
+
+
+def _assert_same_trajectory(got, want):
+    (got_losses, got_params, _), (want_losses, want_params, _) = got, want
+    bound = tol("float32", "adamw_rel")
+    for step, (a, b) in enumerate(zip(got_losses, want_losses)):
+        assert abs(a - b) <= bound * abs(b), (step, a, b)
+    worst = max(want_params, key=lambda k: rel_norm(got_params[k], want_params[k]))
+    assert rel_norm(got_params[worst], want_params[worst]) <= bound, worst
+    moved = rel_norm(want_params["model.layers.0.mlp.up_proj.weight"], init_weights(MODEL, seed=0)[
+        "model.layers.0.mlp.up_proj.weight"])
+    assert moved > 1e-3, "the steps must move the parameters, or equal trajectories prove nothing"
+
+
+@pytest.fixture(scope="module")
+def torch_plain():
+    pytest.importorskip("torch")
+    return _torch_run()
+
+
+@pytest.fixture(scope="module")
+def jax_plain():
+    pytest.importorskip("jax")
+    return _jax_run()
+
+
+@pytest.mark.slow
+def test_torch_gradient_checkpointing_matches_the_plain_run(torch_plain):
+    run = _torch_run(gradient_checkpointing=True)
+    assert all(layer.gradient_checkpointing for layer in run[2].causal_lm.model.layers)
+    _assert_same_trajectory(run, torch_plain)
+
+
+@pytest.mark.slow
+def test_torch_compile_matches_the_plain_run(torch_plain):
+    run = _torch_run(torch_compile=True)
+    assert all(layer._compiled_call_impl is not None for layer in run[2].causal_lm.model.layers)
+    _assert_same_trajectory(run, torch_plain)
+
+
+@pytest.mark.slow
+def test_jax_gradient_checkpointing_matches_the_plain_run(jax_plain):
+    run = _jax_run(gradient_checkpointing=True)
+    assert run[2].model().model.remat_policy == "full" and jax_plain[2].model().model.remat_policy == "none"
+    _assert_same_trajectory(run, jax_plain)
+
+
+def test_torch_compile_is_refused_on_jax():
+    from twinseq.common.capabilities import Runtime, check_runtime
+    from twinseq.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="torch_compile=True is a torch option"):
+        check_runtime(_cfg("jax", torch_compile=True), Runtime("jax", "cpu"))
