@@ -3,8 +3,8 @@
 Each backend runs its own trainer's optimizer step on one identical batch (packed rows of the
 embedded SFT data, ``--batch-size`` x ``--max-length``) from the same ``init_weights``:
 
-- torch: ``torch_backend.train.train_step`` (forward + ``nll`` loss + backward, clipping, AdamW);
-- jax: ``jax_backend.train.Trainer.step`` (the jitted value-and-grad step, clipping, optax AdamW).
+- torch: ``torch_backend.trainer.SFTTrainer.step`` (forward + ``nll`` loss + backward, clipping, AdamW);
+- jax: ``jax_backend.trainer.SFTTrainer.step`` (the jitted value-and-grad step, clipping, optax AdamW).
 
 Every measurement runs in a fresh subprocess per backend (``benchmarks/_memory.py``), after one
 warm-up step in ``setup`` (the optimizer state exists, the jax step is compiled; its time is

@@ -61,7 +61,7 @@ def document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, 
     """The model's default attention in the pluggable signature, ``[B, N, T, D]`` out.
 
     ``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling) -> out_BNTD`` is
-    what ``LlamaForCausalLM(..., attend=...)`` accepts; ``sharding.ring_attention_fn(mesh)``
+    what ``LlamaForCausalLM(..., attend=...)`` accepts; ``parallel.ring_attention_fn(mesh)``
     returns a context-parallel one. This is the dense reference they must match:
     ``dot_product_attention(q, k, v, document_causal_mask(seg, pos), scaling)``.
     """

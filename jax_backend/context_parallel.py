@@ -16,7 +16,7 @@ Naive equivalent (what both strategies must match, up to float32 rounding)::
 
 Layout: ``[B, T, H, D]`` (sequence second, so the sharded axis is the same for q, k, v and
 the [B, T] ids). Hugging Face's ``[B, H, T, D]`` is one transpose away; see
-``twinseq.jax_backend.sharding.ring_attention_fn``. Grouped-query attention: ``q`` has
+``twinseq.jax_backend.parallel.ring_attention_fn``. Grouped-query attention: ``q`` has
 ``N`` heads, ``k``/``v`` have ``K`` heads with ``N % K == 0``; query head ``n`` reads kv head
 ``n // (N // K)`` (HF ``repeat_kv`` order), without materialising the repeat.
 

@@ -17,7 +17,7 @@ HF details reproduced on purpose (transformers 5.x ``modeling_llama.py``):
   half-split ``rotate_half`` layout, angles from ``position_ids`` (so they restart per document);
 - attention: grouped-query (kv heads repeated in place), scaling ``head_dim ** -0.5``,
   softmax in float32 (see ``attention.py``); pluggable: ``model(..., attend=fn)`` runs ``fn``
-  (e.g. ``sharding.ring_attention_fn(mesh)``, context parallel) instead of the dense path;
+  (e.g. ``parallel.ring_attention_fn(mesh)``, context parallel) instead of the dense path;
 - MLP: ``down(silu(gate(x)) * up(x))``; no biases anywhere;
 - tied embeddings: the LM head is ``embed_tokens.weight`` itself.
 """
@@ -191,8 +191,8 @@ class LlamaForCausalLM(nnx.Module):
     """``model(input_ids, position_ids, segment_ids, attend=None) -> hidden_BTH`` (after the final norm).
 
     ``attend`` (an ``AttendFn``, static under ``jit``) replaces the dense document-causal
-    attention of every layer, e.g. ``sharding.ring_attention_fn(mesh)`` on a batch placed by
-    ``sharding.shard_batch``. ``logits(...)`` adds the LM head; losses take ``hidden_BTH`` and
+    attention of every layer, e.g. ``parallel.ring_attention_fn(mesh)`` on a batch placed by
+    ``parallel.shard_batch``. ``logits(...)`` adds the LM head; losses take ``hidden_BTH`` and
     ``lm_head_VH()`` so that a chunked or fused loss never needs the full logits.
     """
 

@@ -2,8 +2,8 @@
 
 Both start from ``init_weights`` and see the same batches (padded and padding-free layouts,
 one step in two with two accumulated micro-batches). They use their real step code:
-``torch_backend.train.train_step`` (clip_grad_norm_, torch.optim.AdamW, LambdaLR) and
-``jax_backend.train.Trainer`` (torch's clip rule, optax.adamw, the same schedule table).
+``torch_backend.trainer.SFTTrainer.step`` (clip_grad_norm_, torch.optim.AdamW, LambdaLR) and
+``jax_backend.trainer.SFTTrainer.step`` (torch's clip rule, optax.adamw, the same schedule table).
 Weight decay and clipping are both active (the initial gradient norm is above max_grad_norm).
 
 Invariant: at every step the losses agree within ``adamw_rel`` and every parameter tensor
