@@ -23,6 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from twinseq.common.errors import DataError, DataTypeError
 from twinseq.common.loss import IGNORE_INDEX
 
 
@@ -75,13 +76,13 @@ class Batch:
 def _as_int_list(value: Any, field: str, index: int) -> np.ndarray:
     arr = np.asarray(value)
     if arr.ndim != 1:
-        raise ValueError(f"example {index}: field {field!r} must be a flat list of integers, got an array "
-                         f"of shape {arr.shape}; flatten it or fix the tokenisation step.")
+        raise DataError(f"example {index}: field {field!r} must be a flat list of integers, got an array "
+                        f"of shape {arr.shape}; flatten it or fix the tokenisation step.")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         if np.issubdtype(arr.dtype, np.bool_):
             return arr.astype(np.int64)
-        raise ValueError(f"example {index}: field {field!r} must hold integers, got dtype {arr.dtype} "
-                         f"(first value {arr.flat[0]!r}); tokenise the text before collating.")
+        raise DataError(f"example {index}: field {field!r} must hold integers, got dtype {arr.dtype} "
+                        f"(first value {arr.flat[0]!r}); tokenise the text before collating.")
     return arr.astype(np.int64, copy=False)
 
 
@@ -89,26 +90,26 @@ def _example_labels(ex: Mapping[str, Any], ids: np.ndarray, index: int,
                     completion_only_loss: Optional[bool], assistant_only_loss: bool) -> np.ndarray:
     labels = _as_int_list(ex["labels"], "labels", index).copy() if "labels" in ex else ids.copy()
     if len(labels) != len(ids):
-        raise ValueError(f"example {index}: 'labels' has length {len(labels)} but 'input_ids' has "
-                         f"{len(ids)}; they must be aligned (unshifted), same length.")
+        raise DataError(f"example {index}: 'labels' has length {len(labels)} but 'input_ids' has "
+                        f"{len(ids)}; they must be aligned (unshifted), same length.")
     use_completion = completion_only_loss if completion_only_loss is not None else "completion_mask" in ex
     if use_completion:
         if "completion_mask" not in ex:
-            raise ValueError(f"example {index}: completion_only_loss=True needs a 'completion_mask' field; "
-                             f"tokenise prompt/completion data, or set completion_only_loss=False.")
+            raise DataError(f"example {index}: completion_only_loss=True needs a 'completion_mask' field; "
+                            f"tokenise prompt/completion data, or set completion_only_loss=False.")
         mask = _as_int_list(ex["completion_mask"], "completion_mask", index)
         if len(mask) != len(ids):
-            raise ValueError(f"example {index}: 'completion_mask' has length {len(mask)} but 'input_ids' "
-                             f"has {len(ids)}; they must be the same length.")
+            raise DataError(f"example {index}: 'completion_mask' has length {len(mask)} but 'input_ids' "
+                            f"has {len(ids)}; they must be the same length.")
         labels[mask == 0] = IGNORE_INDEX
     if assistant_only_loss:
         if "assistant_masks" not in ex:
-            raise ValueError(f"example {index}: assistant_only_loss=True needs an 'assistant_masks' field; "
-                             f"tokenise conversational 'messages' data with a chat template.")
+            raise DataError(f"example {index}: assistant_only_loss=True needs an 'assistant_masks' field; "
+                            f"tokenise conversational 'messages' data with a chat template.")
         mask = _as_int_list(ex["assistant_masks"], "assistant_masks", index)
         if len(mask) != len(ids):
-            raise ValueError(f"example {index}: 'assistant_masks' has length {len(mask)} but 'input_ids' "
-                             f"has {len(ids)}; they must be the same length.")
+            raise DataError(f"example {index}: 'assistant_masks' has length {len(mask)} but 'input_ids' "
+                            f"has {len(ids)}; they must be the same length.")
         labels[mask == 0] = IGNORE_INDEX
     return labels
 
@@ -118,8 +119,8 @@ def _doc_lengths(ex: Mapping[str, Any], n: int, index: int) -> np.ndarray:
         return np.array([n] if n else [], dtype=np.int64)
     lengths = _as_int_list(ex["seq_lengths"], "seq_lengths", index)
     if (lengths < 0).any() or int(lengths.sum()) != n:
-        raise ValueError(f"example {index}: 'seq_lengths' {lengths.tolist()[:8]} must be non-negative and sum "
-                         f"to len(input_ids)={n}; re-run pack_dataset instead of editing packed rows.")
+        raise DataError(f"example {index}: 'seq_lengths' {lengths.tolist()[:8]} must be non-negative and sum "
+                        f"to len(input_ids)={n}; re-run pack_dataset instead of editing packed rows.")
     return lengths[lengths > 0]
 
 
@@ -157,18 +158,18 @@ def collate(
     ([[0, 1, 2, 0, 1]], [[1, 1, 1, 2, 2]], [0, 3, 5])
     """
     if isinstance(examples, Mapping) or not len(examples):
-        raise ValueError("collate() needs a non-empty list of examples (dicts with 'input_ids'); "
-                         f"got {type(examples).__name__} of length {len(examples) if hasattr(examples, '__len__') else '?'}.")
+        raise DataError("collate() needs a non-empty list of examples (dicts with 'input_ids'); "
+                        f"got {type(examples).__name__} of length {len(examples) if hasattr(examples, '__len__') else '?'}.")
     if padding_side not in ("right", "left"):
-        raise ValueError(f"padding_side={padding_side!r} is not valid; choose 'right' or 'left'.")
+        raise DataError(f"padding_side={padding_side!r} is not valid; choose 'right' or 'left'.")
     if pad_to_multiple_of is not None and pad_to_multiple_of <= 0:
-        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive integer or None.")
+        raise DataError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive integer or None.")
 
     ids_rows, label_rows, doc_rows = [], [], []
     for i, ex in enumerate(examples):
         if "input_ids" not in ex:
-            raise ValueError(f"example {i} has no 'input_ids' field (fields: {sorted(ex)}); tokenise the "
-                             f"dataset first, e.g. with twinseq.common.data.tokenize_sft.")
+            raise DataError(f"example {i} has no 'input_ids' field (fields: {sorted(ex)}); tokenise the "
+                            f"dataset first, e.g. with twinseq.common.data.tokenize_sft.")
         ids = _as_int_list(ex["input_ids"], "input_ids", i)
         ids_rows.append(ids)
         label_rows.append(_example_labels(ex, ids, i, completion_only_loss, assistant_only_loss))
@@ -179,7 +180,7 @@ def collate(
         label_rows = [np.concatenate(label_rows)]
         doc_rows = [np.concatenate(doc_rows)]
         if padding_side == "left":
-            raise ValueError("padding_side='left' has no meaning with padding_free=True; use 'right'.")
+            raise DataError("padding_side='left' has no meaning with padding_free=True; use 'right'.")
 
     num_rows = len(ids_rows)
     width = _round_up(max(len(r) for r in ids_rows), pad_to_multiple_of)
@@ -207,6 +208,33 @@ def collate(
                  num_items_in_batch=local_items if num_items_in_batch is None else int(num_items_in_batch))
 
 
+def check_batch(batch: Any, vocab_size: int) -> None:
+    """Raise unless ``batch`` is a ``Batch`` whose token ids and labels fit a vocabulary of ``vocab_size``:
+    the one check both backends run before a batch reaches an embedding (where a bad id would be an
+    ``IndexError`` in torch and a silent clamp in JAX).
+
+    >>> check_batch(collate([{"input_ids": [5, 6, 7]}]), vocab_size=8)
+    >>> try:
+    ...     check_batch(collate([{"input_ids": [5, 9]}]), vocab_size=8)
+    ... except DataError as err:
+    ...     print(str(err)[:60])
+    input_ids hold 9 at [row 0, position 1], outside the vocabul
+    """
+    if not isinstance(batch, Batch):
+        raise DataTypeError(f"batch must be a twinseq.common.batching.Batch (from collate), got "
+                            f"{type(batch).__name__}; build it with twinseq.common.batching.collate(examples).")
+    for name, values, allowed in (("input_ids", batch.input_ids, None), ("labels", batch.labels, IGNORE_INDEX)):
+        values = np.asarray(values)
+        bad = (values < 0) | (values >= vocab_size)
+        if allowed is not None:
+            bad &= values != allowed
+        if bad.any():
+            row, pos = (int(i) for i in np.argwhere(bad)[0])
+            raise DataError(f"{name} hold {int(values[row, pos])} at [row {row}, position {pos}], outside the "
+                            f"vocabulary [0, {vocab_size}){'' if allowed is None else f' (and not {allowed})'}; "
+                            f"fix the tokenisation or use a model whose vocab_size covers the tokenizer.")
+
+
 def pad_batch(batch: Batch, rows: int, multiple: int) -> Batch:
     """The same documents padded to ``rows`` rows and a multiple of ``multiple`` columns.
 
@@ -221,8 +249,8 @@ def pad_batch(batch: Batch, rows: int, multiple: int) -> Batch:
     b, t = batch.shape
     width = _round_up(t, multiple)
     if rows < b:
-        raise ValueError(f"a micro-batch of {b} rows does not fit in {rows} rows; per_device_train_batch_size is "
-                         f"too small for it.")
+        raise DataError(f"a micro-batch of {b} rows does not fit in {rows} rows; per_device_train_batch_size is "
+                        f"too small for it.")
     if (b, t) == (rows, width):
         return batch
 

@@ -82,25 +82,24 @@ def _check_memory(cfg: TrainConfig, rt: Runtime) -> None:
 
 
 def _check_attention(cfg: TrainConfig, rt: Runtime) -> None:
+    """The same device rules on both backends; the JAX backend then runs its own masked attention."""
     attn = cfg.model.attn_implementation
-    if rt.backend == "jax":
-        if attn not in ("sdpa", "eager"):
-            logger.info("attn_implementation=%r: the jax backend has one attention path (masked softmax in float32, "
-                        "documents masked by segment ids); using it", attn)
-        return
     if attn in _FLASH_MODULES:
         what = "packed/padding-free batches" if cfg.data.packing or cfg.data.padding_free else "this run"
-        if rt.device_type != "cuda":
+        if rt.device_type not in ("cuda", "gpu"):
             raise ConfigError(f"attn_implementation={attn!r} needs a CUDA device (got {rt.device_type!r}); refusing "
                               f"{what} rather than attending across documents. Use attn_implementation='varlen' "
                               f"(padding-free, document-masked) or 'sdpa'.")
-        if not _has_package(_FLASH_MODULES[attn]):
+        if rt.backend == "torch" and not _has_package(_FLASH_MODULES[attn]):
             raise ConfigError(f"attn_implementation={attn!r} needs the {_FLASH_MODULES[attn]!r} package, which is not "
                               f"installed; refusing {what} rather than attending across documents. Install it with "
                               f"`{GPU_EXTRA}` or use attn_implementation='varlen'.")
     if attn == "flex_attention" and rt.device_type == "cpu":
         raise ConfigError("attn_implementation='flex_attention' cannot train on CPU: torch has no FlexAttention "
                           "backward on CPU. Use 'varlen' or 'sdpa' on CPU, or flex_attention on CUDA.")
+    if rt.backend == "jax" and attn not in ("sdpa", "eager"):
+        logger.info("attn_implementation=%r: the jax backend runs its masked attention (segment ids, float32 "
+                    "softmax) for every setting", attn)
 
 
 def _distributed(cfg: TrainConfig, rt: Runtime) -> bool:

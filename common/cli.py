@@ -5,24 +5,80 @@
   override.
 - ``twinseq lengths [DATASET]``: the sequence-length profiler that helps choose max_length.
 - ``twinseq data``: build (or show) the embedded offline datasets and tokenizer.
+
+Errors. Every error caused by the user's input is one of twinseq's own exceptions
+(``common.errors``); the CLI prints it as one line, ``twinseq <command>: error: ...``, and exits
+with status 2. A traceback means a bug, or that ``--debug`` (or ``TWINSEQ_DEBUG=1``) was given.
+A run stopped by SIGTERM or Ctrl-C saves a checkpoint first and exits with 143 or 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
-from twinseq.common.config import TrainConfig
+from twinseq.common.config import TrainConfig, deferred_checks, flag_names
+from twinseq.common.errors import ConfigError, TrainingInterrupted, TwinseqError
 
-USAGE = """usage: twinseq {train,lengths,data} ...
+USAGE = """usage: twinseq {train,lengths,data} [--debug] ...
 
   train     train a model (twinseq train --help)
   lengths   profile sequence lengths and choose max_length (twinseq lengths --help)
   data      build the embedded offline datasets and tokenizer (twinseq data --help)
+
+  --debug   show the traceback of an error (also TWINSEQ_DEBUG=1)
 """
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_error(event) -> ConfigError:
+    """One line for a flag tyro rejected (a value that does not parse, an unknown flag, ...)."""
+    from tyro import _errors as tyro_errors
+
+    argument = getattr(event, "argument", None)
+    name = getattr(getattr(argument, "field", None), "intern_name", None) if argument is not None else None
+    if isinstance(event, tyro_errors.InvalidChoice):
+        return ConfigError(f"{name}={event.value!r} is not valid; choose one of "
+                           f"{', '.join(map(repr, event.choices))} ({_flag(name)}).")
+    if isinstance(event, tyro_errors.InstantiationFailure) and name:
+        return ConfigError(f"{_flag(name)}: {event.message}; pass a value of the field's type "
+                           f"(`twinseq train --help` lists it).")
+    if isinstance(event, tyro_errors.BadValue) and name:
+        got = "" if event.offending_value is None else f" (got {event.offending_value!r})"
+        return ConfigError(f"{_flag(name)} is missing its value{got}; pass {_flag(name)} VALUE.")
+    if isinstance(event, tyro_errors.UnrecognizedArgs):
+        unknown = [t for t in event.tokens if t.startswith("--")] or event.tokens
+        hints = []
+        for token in unknown:
+            close = difflib.get_close_matches(token, flag_names(), n=1)
+            hints.append(f"{token} (did you mean {close[0]}?)" if close else token)
+        return ConfigError(f"unrecognized argument(s) {', '.join(hints)}; `twinseq train --help` lists the flags "
+                           f"(a boolean is set with --flag or --no-flag, never --flag no).")
+    return ConfigError(f"the arguments could not be parsed ({type(event).__name__}); see `twinseq train --help`.")
+
+
+@contextlib.contextmanager
+def _one_line_parse_errors() -> Iterator[None]:
+    """Route tyro's rejections through twinseq's error path (one line, exit 2) instead of its box."""
+    try:
+        from tyro import _errors as tyro_errors
+    except ImportError:  # the hook is tyro's own (internal) API; without it tyro prints its box
+        yield
+        return
+
+    def hook(event) -> None:
+        raise _parse_error(event)
+
+    with tyro_errors.on_parse_error(hook):
+        yield
 
 
 def parse_train_args(argv: Sequence[str]) -> TrainConfig:
@@ -30,6 +86,8 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
 
     The config tree is nested by concern, but its field names are unique, so the flags stay flat
     with TRL's names (``--max-length``, not ``--data.max-length``); ``--help`` groups them by section.
+    tyro builds the tree unchecked, then ``validate`` checks it in one place, so a bad value reaches
+    the user as the same one-line error whatever its source (YAML, flag or Python).
     """
     import tyro
 
@@ -37,9 +95,11 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(list(argv))
     default = TrainConfig.from_yaml(known.config) if known.config else TrainConfig()
-    return tyro.cli(TrainConfig, args=rest, default=default, prog="twinseq train",
-                    config=(tyro.conf.OmitArgPrefixes,),
-                    description="Train a model. YAML: --config FILE (flags override it).")
+    with deferred_checks(), _one_line_parse_errors():
+        cfg = tyro.cli(TrainConfig, args=rest, default=default, prog="twinseq train",
+                       config=(tyro.conf.OmitArgPrefixes,),
+                       description="Train a model. YAML: --config FILE (flags override it).")
+    return cfg.validate()
 
 
 def _setup_logging() -> None:
@@ -74,27 +134,52 @@ def data_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def one_line(err: BaseException) -> str:
+    """The message of ``err`` on one line (a multi-line report is joined with ' | ')."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " | ".join(lines) or type(err).__name__
+
+
+COMMANDS = ("train", "lengths", "data")
+
+
+def _dispatch(command: str, rest: list[str]) -> int:
+    if command == "train":
+        return train_main(rest)
+    if command == "lengths":
+        from twinseq.common.lengths import main as lengths_main
+
+        return lengths_main(rest)
+    return data_main(rest)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("TWINSEQ_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    _setup_logging()
     command, rest = argv[0], argv[1:]
-    try:
-        if command == "train":
-            return train_main(rest)
-        if command == "lengths":
-            from twinseq.common.lengths import main as lengths_main
-
-            return lengths_main(rest)
-        if command == "data":
-            return data_main(rest)
-    except (ValueError, ImportError) as err:
-        print(f"twinseq {command}: error: {err}", file=sys.stderr)
+    if command not in COMMANDS:
+        close = difflib.get_close_matches(command, COMMANDS, n=1)
+        print(f"twinseq: unknown command {command!r}{f' (did you mean {close[0]!r}?)' if close else ''}\n\n{USAGE}",
+              file=sys.stderr)
         return 2
-    print(f"twinseq: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    _setup_logging()
+    try:
+        return _dispatch(command, rest)
+    except TrainingInterrupted as stop:
+        print(f"twinseq {command}: {one_line(stop)}", file=sys.stderr)
+        return stop.exit_code
+    except KeyboardInterrupt:  # before training started: nothing to save
+        print(f"twinseq {command}: interrupted", file=sys.stderr)
+        return 130
+    except TwinseqError as err:
+        if debug:
+            raise
+        print(f"twinseq {command}: error: {one_line(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ An invalid value raises ``ConfigError``/``ConfigTypeError`` naming the field, th
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import functools
@@ -173,6 +175,23 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+_CHECKS_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("twinseq_config_checks", default=True)
+
+
+@contextlib.contextmanager
+def deferred_checks() -> typing.Iterator[None]:
+    """Build config objects without checking them; the caller then calls ``TrainConfig.validate()``.
+
+    The CLI parser builds the tree this way, so that a bad value reaches the user through
+    twinseq's error path (one line, exit 2) rather than inside the parser's own report.
+    """
+    token = _CHECKS_ON.set(False)
+    try:
+        yield
+    finally:
+        _CHECKS_ON.reset(token)
+
+
 def _check_fields(section: Any) -> None:
     """Check (and normalise in place) every non-section field of a config dataclass: the one place."""
     hints = _hints(type(section))
@@ -219,14 +238,14 @@ class ModelConfig:
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
-                    f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
-                    f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly or "
-                    f"change one of them.")
+                                  f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
+                                  f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly or "
+                                  f"change one of them.")
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
-                f"ModelConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention).")
+                              f"ModelConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                              f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention).")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
@@ -268,7 +287,8 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 class _Section:
     def __post_init__(self) -> None:
-        _check_fields(self)
+        if _CHECKS_ON.get():
+            _check_fields(self)
 
 
 @dataclass
@@ -320,6 +340,8 @@ class OptimConfig(_Section):
     adam_beta2: float = knob(0.999, ge=0, lt=1)
     adam_epsilon: float = knob(1e-8, gt=0)
     max_grad_norm: Optional[float] = knob(1.0, gt=0)
+    skip_nonfinite_steps: bool = False
+    """A step whose loss or gradient norm is NaN/Inf is skipped (counted, logged) instead of stopping the run."""
 
 
 @dataclass
@@ -404,13 +426,20 @@ class TrainConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def __post_init__(self) -> None:
+        if _CHECKS_ON.get():
+            self.validate()
+
+    def validate(self) -> "TrainConfig":
+        """Check every field of every section, then the rules that tie them together; returns ``self``."""
         _check_fields(self)
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigTypeError(f"TrainConfig.{name} must be a {cls.__name__}, got "
                                       f"{type(getattr(self, name)).__name__}; build configs with "
                                       f"TrainConfig.from_flat(...) or from_dict(...).")
+            _check_fields(getattr(self, name))
         self._check_combinations()
+        return self
 
     def _check_combinations(self) -> None:
         """Rules that tie fields of different sections together."""
@@ -467,7 +496,10 @@ class TrainConfig:
         sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         unknown = []
         for key, value in values.items():
-            if key in SECTIONS and isinstance(value, Mapping):
+            if key in SECTIONS and not isinstance(value, Mapping):
+                raise ConfigTypeError(f"{source}: section {key!r} must be a mapping of its fields (e.g. {key}: "
+                                      f"{{{next(iter(_fields_of(key)))}: ...}}), not a {type(value).__name__}.")
+            if key in SECTIONS:
                 for sub_key, sub_value in value.items():
                     if _FLAT_INDEX.get(sub_key) != key:
                         unknown.append(f"{key}.{sub_key}")
@@ -501,6 +533,10 @@ class TrainConfig:
         return self.from_dict({**self.to_flat_dict(), **flat}, source="replace()")
 
 
+def _fields_of(section: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(SECTIONS[section])]
+
+
 def _changed_fields(section: Any) -> list[str]:
     default = type(section)()
     return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
@@ -517,6 +553,11 @@ def _flat_index() -> dict[str, Optional[str]]:
 
 
 _FLAT_INDEX = _flat_index()
+
+
+def flag_names() -> list[str]:
+    """Every ``twinseq train`` flag (``--max-length``, ...), for suggestions."""
+    return ["--" + name.replace("_", "-") for name in _FLAT_INDEX]
 
 
 def load_yaml(path: str | Path) -> dict:

@@ -32,13 +32,14 @@ from typing import Sequence, Union
 import numpy as np
 
 from twinseq.common.batching import Batch
+from twinseq.common.errors import ConfigError
 from twinseq.common.loss import shift_labels
 
 
 def required_multiple(cp: int, load_balance: bool = True) -> int:
     """The multiple ``T`` must be padded to: ``2 * cp`` with load balancing, else ``cp``."""
     if not isinstance(cp, (int, np.integer)) or isinstance(cp, bool) or cp < 1:
-        raise ValueError(f"cp={cp!r} must be a positive integer (the size of the context-parallel mesh axis).")
+        raise ConfigError(f"cp={cp!r} must be a positive integer (the size of the context-parallel mesh axis).")
     return 2 * int(cp) if load_balance else int(cp)
 
 
@@ -47,9 +48,9 @@ def check_seq_len(seq_len: int, cp: int, load_balance: bool = True) -> None:
     multiple = required_multiple(cp, load_balance)
     if seq_len % multiple:
         what = f"2 * cp = {multiple} load-balanced chunks" if load_balance else f"cp = {multiple} shards"
-        raise ValueError(
-            f"sequence length T={seq_len} is not divisible by {what} (cp={cp}); pad the batch with "
-            f"--pad-to-multiple-of {multiple} (TrainConfig.pad_to_multiple_of={multiple}).")
+        raise ConfigError(
+                          f"sequence length T={seq_len} is not divisible by {what} (cp={cp}); pad the batch with "
+                          f"--pad-to-multiple-of {multiple} (TrainConfig.pad_to_multiple_of={multiple}).")
 
 
 def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -59,7 +60,7 @@ def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
     [(0, 7), (1, 6), (2, 5), (3, 4)]
     """
     if not 0 <= rank < cp:
-        raise ValueError(f"rank={rank} is outside [0, cp={cp}).")
+        raise ConfigError(f"rank={rank} is outside [0, cp={cp}).")
     return rank, 2 * cp - 1 - rank
 
 
@@ -103,7 +104,7 @@ def split_shards(x_reordered: np.ndarray, cp: int, axis: int = -1) -> list[np.nd
     """The ``cp`` per-rank shards of a reordered array (``shard_sequence`` output)."""
     x_reordered = np.asarray(x_reordered)
     if x_reordered.shape[axis] % cp:
-        raise ValueError(f"axis {axis} has length {x_reordered.shape[axis]}, not divisible by cp={cp}.")
+        raise ConfigError(f"axis {axis} has length {x_reordered.shape[axis]}, not divisible by cp={cp}.")
     return np.split(x_reordered, cp, axis=axis)
 
 
@@ -116,7 +117,7 @@ def unshard_sequence(shards: Union[np.ndarray, Sequence[np.ndarray]], cp: int, l
     """
     if isinstance(shards, (list, tuple)):
         if len(shards) != cp:
-            raise ValueError(f"got {len(shards)} shards for cp={cp}; pass one shard per rank, in rank order.")
+            raise ConfigError(f"got {len(shards)} shards for cp={cp}; pass one shard per rank, in rank order.")
         x_reordered = np.concatenate([np.asarray(s) for s in shards], axis=axis)
     else:
         x_reordered = np.asarray(shards)
@@ -147,7 +148,7 @@ class CPBatch:
     def rank(self, rank: int) -> dict[str, np.ndarray]:
         """The [B, T / cp] shard of every array held by ``rank``."""
         if not 0 <= rank < self.cp:
-            raise ValueError(f"rank={rank} is outside [0, cp={self.cp}).")
+            raise ConfigError(f"rank={rank} is outside [0, cp={self.cp}).")
         return {k: split_shards(v, self.cp)[rank] for k, v in self.arrays().items()}
 
     def unshard(self, x_reordered: np.ndarray, axis: int = 1) -> np.ndarray:
@@ -229,11 +230,11 @@ def count_attention_blocks(segment_ids: np.ndarray, position_ids: np.ndarray, cp
     seg_BT = np.atleast_2d(np.asarray(segment_ids))
     pos_BT = np.atleast_2d(np.asarray(position_ids))
     if seg_BT.shape != pos_BT.shape or seg_BT.ndim != 2:
-        raise ValueError(f"segment_ids {seg_BT.shape} and position_ids {pos_BT.shape} must both be [T] or [B, T].")
+        raise ConfigError(f"segment_ids {seg_BT.shape} and position_ids {pos_BT.shape} must both be [T] or [B, T].")
     local_len = seg_BT.shape[1] // required_multiple(cp, False)
     check_seq_len(seg_BT.shape[1], cp, load_balance)
     if block_size < 1 or local_len % block_size:
-        raise ValueError(f"block_size={block_size} must divide the per-rank length T/cp={local_len}.")
+        raise ConfigError(f"block_size={block_size} must divide the per-rank length T/cp={local_len}.")
     perm = cp_permutation(seg_BT.shape[1], cp, load_balance)
     pairs = np.zeros((seg_BT.shape[1] // block_size,) * 2, dtype=bool)
     for seg_T, pos_T in zip(seg_BT, pos_BT):

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
-# numpy and pyarrow are imported inside the functions that use them: this file also runs
-# as the stdlib-only collector process (``python -I -S``), where they are not importable.
+# numpy, pyarrow and twinseq itself are imported inside the functions that use them: this file
+# also runs as the stdlib-only collector process (``python -I -S``), where they are not importable.
 if TYPE_CHECKING:
     import numpy as np
 
@@ -327,7 +327,9 @@ def embedded_dir(records: Sequence[DocRecord] | None = None) -> Path:
 def load_embedded(name: str = "embedded-sft"):
     """One embedded dataset as a ``datasets.Dataset`` (``EMBEDDED_NAMES`` lists the names)."""
     if name not in EMBEDDED_NAMES:
-        raise ValueError(f"embedded dataset {name!r} is unknown; choose one of {sorted(EMBEDDED_NAMES)}.")
+        from twinseq.common.errors import DataError
+
+        raise DataError(f"embedded dataset {name!r} is unknown; choose one of {sorted(EMBEDDED_NAMES)}.")
     import pyarrow.parquet as pq
     from datasets import Dataset
     from datasets.table import InMemoryTable

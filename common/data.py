@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from twinseq.common import corpus
-from twinseq.common.tokenizer import TwinseqTokenizer, load_tokenizer, validate_messages
+from twinseq.common.errors import DataError, DataTypeError, TwinseqError
+from twinseq.common.tokenizer import TwinseqTokenizer, load_tokenizer, row_name, validate_messages
 from twinseq.common.truncation import (DROP_EMPTY_CHOSEN, DROP_EMPTY_COMPLETION, DROP_EMPTY_REJECTED,
-                                       DROP_NO_ASSISTANT, DROP_NO_TARGETS, DROP_TOO_SHORT, TruncationStats,
+                                       DROP_EMPTY_TEXT, DROP_NO_ASSISTANT, DROP_NO_TARGETS, DROP_SAME_PAIR,
+                                       DROP_TOO_SHORT, TruncationStats,
                                        check_length, check_truncation_mode, num_targets, truncate_dpo,
                                        truncate_sft)
 
@@ -44,12 +46,16 @@ NETWORK_PROBE_TIMEOUT_S = 3.0
 # --------------------------------------------------------------------------------------
 
 
+def one_line_of(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
 def _parse_split(split: str) -> tuple[str, Optional[str]]:
     """``"train[:100]"`` -> ``("train", ":100")``; ``"train"`` -> ``("train", None)``."""
     m = re.fullmatch(r"(\w+)(?:\[(-?\d*%?:-?\d*%?)\])?", split)
     if not m:
-        raise ValueError(f"dataset_split={split!r} is not valid; use a split name such as 'train', "
-                         f"optionally sliced: 'train[:1000]', 'train[100:200]', 'train[:10%]'.")
+        raise DataError(f"dataset_split={split!r} is not valid; use a split name such as 'train', "
+                        f"optionally sliced: 'train[:1000]', 'train[100:200]', 'train[:10%]'.")
     return m.group(1), m.group(2)
 
 
@@ -79,18 +85,16 @@ def _load_file(path: Path):
 
     fmt = FILE_FORMATS.get(path.suffix.lower())
     if fmt is None:
-        raise ValueError(f"dataset file {str(path)!r} has the unsupported extension {path.suffix!r}; "
-                         f"supported: {', '.join(FILE_FORMATS)}. Convert it, e.g. to JSONL with one "
-                         f"{{\"prompt\", \"completion\"}} object per line.")
+        raise DataError(f"dataset file {str(path)!r} has the unsupported extension {path.suffix!r}; "
+                        f"supported: {', '.join(FILE_FORMATS)}. Convert it, e.g. to JSONL with one "
+                        f"{{\"prompt\", \"completion\"}} object per line.")
     try:
         if fmt == "json":
-            from datasets import Dataset
-
-            data = json.loads(path.read_text())
-            return Dataset.from_list(data) if isinstance(data, list) else Dataset.from_dict(data)
+            return _as_dataset(_read_json_rows(path), source=str(path))
         if fmt == "jsonl":
             import pyarrow.json as pj
 
+            _check_jsonl_lines(path)
             return _from_table(pj.read_json(path))
         if fmt == "parquet":
             import pyarrow.parquet as pq
@@ -100,8 +104,43 @@ def _load_file(path: Path):
 
         delimiter = "\t" if fmt == "tsv" else ","
         return _from_table(pc.read_csv(path, parse_options=pc.ParseOptions(delimiter=delimiter)))
-    except (pa.ArrowInvalid, json.JSONDecodeError, TypeError, ValueError) as err:
-        raise ValueError(f"could not read dataset file {str(path)!r} as {fmt}: {err}") from err
+    except TwinseqError:
+        raise
+    except (pa.ArrowInvalid, json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as err:
+        raise DataError(f"could not read dataset file {str(path)!r} as {fmt}: {one_line_of(err)}") from None
+
+
+def _read_json_rows(path: Path):
+    """A ``.json`` file: a list of row objects, or an object of equal-length columns."""
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}); fix that line, or write one "
+                        f"object per line as JSONL.") from None
+    if isinstance(data, list) and all(isinstance(row, dict) for row in data):
+        return data
+    if isinstance(data, dict) and all(isinstance(col, list) for col in data.values()):
+        return data
+    kind = type(data).__name__ if not isinstance(data, list) else "list of " + ", ".join(
+        sorted({type(row).__name__ for row in data}))
+    raise DataTypeError(f"{path}: the top level is a {kind}; a dataset file holds rows: a list of objects "
+                        f"([{{\"prompt\": ..., \"completion\": ...}}, ...]) or an object of columns.")
+
+
+def _check_jsonl_lines(path: Path) -> None:
+    """Name the first line of a JSONL file that is not a JSON object (Arrow's reader names none)."""
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}); fix that line "
+                                f"(one JSON object per line).") from None
+            if not isinstance(row, dict):
+                raise DataTypeError(f"{path}:{number}: the line holds a {type(row).__name__}, not an object; a JSONL "
+                                    f"dataset has one {{\"field\": value}} object per line.")
 
 
 def _load_folder(path: Path, split: str):
@@ -111,8 +150,8 @@ def _load_folder(path: Path, split: str):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise ValueError(f"dataset_split={split!r} is not in {str(path)!r}; available splits: "
-                                 f"{sorted(loaded)}.")
+                raise DataError(f"dataset_split={split!r} is not in {str(path)!r}; available splits: "
+                                f"{sorted(loaded)}.")
             return loaded[split]
         return loaded
     logger.info("%s is not a save_to_disk folder; reading its data files with datasets.load_dataset", path)
@@ -141,19 +180,19 @@ def _load_hub(name: str, split: str):
         import datasets
 
         if not datasets.config.HF_HUB_OFFLINE:  # the variable was set after datasets was imported
-            raise ValueError(f"dataset_name={name!r} is not a local file or folder and HF_HUB_OFFLINE is set, "
-                             f"so it cannot be fetched from the Hugging Face Hub. {hint}")
+            raise DataError(f"dataset_name={name!r} is not a local file or folder and HF_HUB_OFFLINE is set, "
+                            f"so it cannot be fetched from the Hugging Face Hub. {hint}")
         try:
             return datasets.load_dataset(name, split=split)
         except Exception as err:  # noqa: BLE001 - datasets raises many types; all mean "not cached"
-            raise ValueError(f"dataset_name={name!r} is not a local path and, with HF_HUB_OFFLINE set, not in "
-                             f"the local Hugging Face cache either ({type(err).__name__}: {err}). {hint}") from err
+            raise DataError(f"dataset_name={name!r} is not a local path and, with HF_HUB_OFFLINE set, not in "
+                            f"the local Hugging Face cache either ({type(err).__name__}: {err}). {hint}") from err
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     error = _network_error(endpoint)
     if error is not None:
-        raise ValueError(f"dataset_name={name!r} is not a local file or folder, so it was looked up on the "
-                         f"Hugging Face Hub, but {endpoint} cannot be reached (network problem: {error}). "
-                         f"{hint}")
+        raise DataError(f"dataset_name={name!r} is not a local file or folder, so it was looked up on the "
+                        f"Hugging Face Hub, but {endpoint} cannot be reached (network problem: {error}). "
+                        f"{hint}")
     import datasets
 
     return datasets.load_dataset(name, split=split)
@@ -170,20 +209,20 @@ def load_dataset_any(name_or_path: str, split: str = "train"):
     A single file or an embedded dataset only has the split ``train``.
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
-        raise TypeError(f"dataset_name must be a string, got {type(name_or_path).__name__} ({name_or_path!r}).")
+        raise DataTypeError(f"dataset_name must be a string, got {type(name_or_path).__name__} ({name_or_path!r}).")
     name_or_path = str(name_or_path)
     split_name, spec = _parse_split(split)
     path = Path(name_or_path).expanduser()
     if name_or_path in corpus.EMBEDDED_NAMES or path.is_file():
         if split_name != "train":
-            raise ValueError(f"dataset_split={split!r}: {name_or_path!r} has a single split, 'train'; "
-                             f"select a part of it with e.g. 'train[:90%]'.")
+            raise DataError(f"dataset_split={split!r}: {name_or_path!r} has a single split, 'train'; "
+                            f"select a part of it with e.g. 'train[:90%]'.")
         ds = corpus.load_embedded(name_or_path) if name_or_path in corpus.EMBEDDED_NAMES else _load_file(path)
     elif path.is_dir():
         ds = _load_folder(path, split_name)
     elif _looks_like_path(name_or_path):
-        raise ValueError(f"dataset_name={name_or_path!r}: no such file or folder ({str(path.resolve())!r}); "
-                         f"check the path, or use 'embedded' for the offline default data.")
+        raise DataError(f"dataset_name={name_or_path!r}: no such file or folder ({str(path.resolve())!r}); "
+                        f"check the path, or use 'embedded' for the offline default data.")
     else:
         ds = _load_hub(name_or_path, split_name)
     return _apply_slice(ds, spec)
@@ -194,7 +233,7 @@ def load_dataset_any(name_or_path: str, split: str = "train"):
 # --------------------------------------------------------------------------------------
 
 
-def _as_dataset(data: Any):
+def _as_dataset(data: Any, source: str = "the data"):
     import pyarrow as pa
     from datasets import Dataset
 
@@ -205,10 +244,10 @@ def _as_dataset(data: Any):
             return Dataset.from_dict(data)
         if isinstance(data, list):
             return Dataset.from_list(data)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
-        raise TypeError(f"the data cannot be made into a table ({err}); every value of a column must have the "
-                        f"same type, e.g. all prompts strings.") from err
-    raise TypeError(f"expected a datasets.Dataset, a dict of lists or a list of dicts, got {type(data).__name__}.")
+    except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError, TypeError) as err:
+        raise DataTypeError(f"{source} cannot be made into a table ({one_line_of(err)}); every value of a column must "
+                            f"have the same type (e.g. all prompts strings) and every column the same length.") from None
+    raise DataTypeError(f"expected a datasets.Dataset, a dict of lists or a list of dicts, got {type(data).__name__}.")
 
 
 def _chunks(ds, progress: Optional[bool], desc: str) -> Iterator[tuple[int, dict]]:
@@ -228,19 +267,21 @@ def _chunks(ds, progress: Optional[bool], desc: str) -> Iterator[tuple[int, dict
 def _check_strings(values: list, field: str, offset: int, fix: str) -> None:
     for i, value in enumerate(values):
         if not isinstance(value, str):
-            raise TypeError(f"example {offset + i}: field {field!r} must be a string, got "
-                            f"{type(value).__name__} {str(value)[:80]!r}; {fix}")
+            raise DataTypeError(f"{row_name(offset + i)}: field {field!r} must be a string, got "
+                                f"{type(value).__name__} {str(value)[:80]!r}; {fix}")
 
 
 def _missing_columns(columns: list[str], needed: tuple[str, ...], task: str, example: str) -> None:
     missing = [c for c in needed if c not in columns]
     if missing:
-        raise ValueError(f"{task} data needs the column(s) {missing}, but the dataset has {sorted(columns)}; "
-                         f"rename your columns, e.g. {example}.")
+        raise DataError(f"{task} data needs the column(s) {missing}, but the dataset has {sorted(columns)}; "
+                        f"rename your columns, e.g. {example}.")
 
 
 def detect_sft_format(columns: list[str]) -> str:
-    """``messages`` > ``prompt_completion`` > ``text``, by the columns present."""
+    """``input_ids`` (pre-tokenised) > ``messages`` > ``prompt_completion`` > ``text``, by the columns present."""
+    if "input_ids" in columns:
+        return "tokenized"
     if "messages" in columns:
         return "messages"
     if "prompt" in columns or "completion" in columns:
@@ -249,9 +290,9 @@ def detect_sft_format(columns: list[str]) -> str:
         return "prompt_completion"
     if "text" in columns:
         return "text"
-    raise ValueError(f"SFT data needs a 'messages', a 'prompt'+'completion' or a 'text' column, but the dataset "
-                     f"has {sorted(columns)}; rename your columns (for preference data with "
-                     f"prompt/chosen/rejected, use task='dpo').")
+    raise DataError(f"SFT data needs a 'messages', a 'prompt'+'completion' or a 'text' column, but the dataset "
+                    f"has {sorted(columns)}; rename your columns (for preference data with "
+                    f"prompt/chosen/rejected, use task='dpo').")
 
 
 def _columns_table(columns: dict[str, list]):
@@ -287,7 +328,30 @@ def _encode_text(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[Option
     _check_strings(batch["text"], "text", offset, "tokenise plain text only.")
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    return [{"input_ids": bos + ids + eos} for ids in tok.encode_batch(batch["text"])]
+    return [{"input_ids": bos + ids + eos} if text.strip() else None
+            for ids, text in zip(tok.encode_batch(batch["text"]), batch["text"])]
+
+
+def _encode_tokenized(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[Optional[dict]]:
+    """Pre-tokenised rows (``input_ids``, maybe ``completion_mask``), checked against the vocabulary."""
+    out: list[Optional[dict]] = []
+    for i, ids in enumerate(batch["input_ids"]):
+        where = row_name(offset + i)
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise DataTypeError(f"{where}: input_ids must be a list of integers, got {str(ids)[:80]!r}.")
+        bad = [t for t in ids if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise DataError(f"{where}: input_ids hold {bad[0]}, outside the tokenizer's vocabulary [0, "
+                            f"{tok.vocab_size}); tokenise with the tokenizer the run uses (tokenizer_name_or_path).")
+        row = {"input_ids": list(ids)}
+        if "completion_mask" in batch:
+            mask = batch["completion_mask"][i]
+            if not isinstance(mask, (list, tuple)) or len(mask) != len(ids):
+                raise DataError(f"{where}: completion_mask must be a list as long as input_ids ({len(ids)}), got "
+                                f"{str(mask)[:80]!r}.")
+            row["completion_mask"] = list(mask)
+        out.append(row if ids else None)
+    return out
 
 
 def _encode_messages(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[Optional[dict]]:
@@ -302,9 +366,9 @@ def _encode_messages(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[Op
 
 
 _SFT_COLUMNS = {"prompt_completion": ("input_ids", "completion_mask"), "text": ("input_ids",),
-                "messages": ("input_ids", "assistant_masks")}
+                "messages": ("input_ids", "assistant_masks"), "tokenized": ("input_ids",)}
 _ENCODERS: dict[str, Callable] = {"prompt_completion": _encode_prompt_completion, "text": _encode_text,
-                                  "messages": _encode_messages}
+                                  "messages": _encode_messages, "tokenized": _encode_tokenized}
 
 
 def _loss_mask_field(fmt: str, completion_only_loss: Optional[bool], assistant_only_loss: bool) -> Optional[str]:
@@ -313,6 +377,8 @@ def _loss_mask_field(fmt: str, completion_only_loss: Optional[bool], assistant_o
         return "completion_mask"
     if fmt == "messages" and assistant_only_loss:
         return "assistant_masks"
+    if fmt == "tokenized" and completion_only_loss is not False:
+        return "completion_mask"
     return None
 
 
@@ -347,12 +413,15 @@ def tokenize_sft(dataset: Any, tokenizer: TwinseqTokenizer, *, max_length: Optio
     fmt = detect_sft_format(ds.column_names)
     mask_field = _loss_mask_field(fmt, completion_only_loss, assistant_only_loss)
     stats = TruncationStats(task="sft")
-    columns: dict[str, list] = {name: [] for name in _SFT_COLUMNS[fmt]}
+    names = _SFT_COLUMNS[fmt] + (("completion_mask",) if fmt == "tokenized" and "completion_mask" in ds.column_names
+                                 else ())
+    columns: dict[str, list] = {name: [] for name in names}
+    empty = DROP_EMPTY_COMPLETION if fmt == "prompt_completion" else DROP_EMPTY_TEXT
     for offset, batch in _chunks(ds, progress, "tokenizing sft"):
         for row in _ENCODERS[fmt](batch, offset, tokenizer):
             if row is None:
                 stats.record(0, 0)
-                stats.drop(DROP_EMPTY_COMPLETION)
+                stats.drop(empty)
                 continue
             n = len(row["input_ids"])
             row, removed = truncate_sft(row, max_length, truncation_mode)
@@ -395,8 +464,8 @@ def tokenize_dpo(dataset: Any, tokenizer: TwinseqTokenizer, *, max_prompt_length
     """
     check_truncation_mode(truncation_mode)
     if truncation_mode != "keep_start":
-        raise ValueError(f"truncation_mode={truncation_mode!r} is not supported for DPO: max_length keeps the "
-                         f"start of prompt + completion. To keep the end of the prompt, set max_prompt_length.")
+        raise DataError(f"truncation_mode={truncation_mode!r} is not supported for DPO: max_length keeps the "
+                        f"start of prompt + completion. To keep the end of the prompt, set max_prompt_length.")
     for name, value in (("max_prompt_length", max_prompt_length), ("max_completion_length", max_completion_length),
                         ("max_length", max_length)):
         check_length(name, value)
@@ -415,9 +484,9 @@ def tokenize_dpo(dataset: Any, tokenizer: TwinseqTokenizer, *, max_prompt_length
                                                          "pass plain strings.")
         encoded = [tokenizer.encode_batch(batch[f]) for f in ("prompt", "chosen", "rejected")]
         for p, c, r, c_text, r_text in zip(*encoded, batch["chosen"], batch["rejected"]):
-            if not c_text.strip() or not r_text.strip():
+            if not c_text.strip() or not r_text.strip() or c_text == r_text:
                 stats.record(0, 0)
-                stats.drop(DROP_EMPTY_COMPLETION)
+                stats.drop(DROP_EMPTY_COMPLETION if not c_text.strip() or not r_text.strip() else DROP_SAME_PAIR)
                 continue
             row = _dpo_row(bos + p, c + eos, r + eos, limits, stats)
             if row is not None:
@@ -439,8 +508,8 @@ def _dataset_name(cfg, task: str) -> str:
 
 def _raise_if_empty(rows, stats: TruncationStats, cfg) -> None:
     if len(rows) == 0:
-        raise ValueError(f"no example of dataset_name={cfg.data.dataset_name!r} survives tokenisation and truncation "
-                         f"(max_length={cfg.data.max_length}):\n{stats}\nraise max_length or fix the data.")
+        raise DataError(f"no example of dataset_name={cfg.data.dataset_name!r} survives tokenisation and truncation "
+                        f"(max_length={cfg.data.max_length}):\n{stats}\nraise max_length or fix the data.")
 
 
 def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:

@@ -28,6 +28,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
+from twinseq.common.errors import ConfigError, ConfigTypeError
+
 logger = logging.getLogger(__name__)
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
@@ -53,25 +55,25 @@ class DPOLossConfig:
 
 def _check_real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name}={value!r} must be a real number, got {type(value).__name__}.")
+        raise ConfigTypeError(f"{name}={value!r} must be a real number, got {type(value).__name__}.")
     if not math.isfinite(float(value)):
-        raise ValueError(f"{name}={value!r} must be finite.")
+        raise ConfigError(f"{name}={value!r} must be finite.")
     return float(value)
 
 
 def _check_loss_types(loss_type: Union[str, Sequence[str]]) -> tuple[str, ...]:
     types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
     if not types:
-        raise ValueError(f"loss_type={loss_type!r} is empty; give one of {', '.join(DPO_LOSS_TYPES)} or a list "
-                         f"of them (combined with loss_weights).")
+        raise ConfigError(f"loss_type={loss_type!r} is empty; give one of {', '.join(DPO_LOSS_TYPES)} or a list "
+                          f"of them (combined with loss_weights).")
     for t in types:
         if not isinstance(t, str):
-            raise TypeError(f"loss_type entries must be strings, got {t!r} ({type(t).__name__}) in {loss_type!r}.")
+            raise ConfigTypeError(f"loss_type entries must be strings, got {t!r} ({type(t).__name__}) in {loss_type!r}.")
         if t in TRL_LOSS_TYPES_NOT_IMPLEMENTED:
-            raise ValueError(f"loss_type={t!r} is a TRL loss type that twinseq does not implement; choose one of "
-                             f"{', '.join(DPO_LOSS_TYPES)}.")
+            raise ConfigError(f"loss_type={t!r} is a TRL loss type that twinseq does not implement; choose one of "
+                              f"{', '.join(DPO_LOSS_TYPES)}.")
         if t not in DPO_LOSS_TYPES:
-            raise ValueError(f"loss_type={t!r} is not a DPO loss type; choose one of {', '.join(DPO_LOSS_TYPES)}.")
+            raise ConfigError(f"loss_type={t!r} is not a DPO loss type; choose one of {', '.join(DPO_LOSS_TYPES)}.")
     return types
 
 
@@ -79,24 +81,24 @@ def _check_loss_weights(loss_weights: Optional[Sequence[float]], types: tuple[st
     if loss_weights is None:
         return (1.0,) * len(types)
     if isinstance(loss_weights, (str, bytes)) or not hasattr(loss_weights, "__len__"):
-        raise TypeError(f"loss_weights={loss_weights!r} must be a list of numbers, one per loss_type, or None.")
+        raise ConfigTypeError(f"loss_weights={loss_weights!r} must be a list of numbers, one per loss_type, or None.")
     if len(loss_weights) != len(types):
-        raise ValueError(f"loss_weights={list(loss_weights)!r} has {len(loss_weights)} entries but loss_type="
-                         f"{list(types)!r} has {len(types)}; give one weight per loss type, or None for all 1.0.")
+        raise ConfigError(f"loss_weights={list(loss_weights)!r} has {len(loss_weights)} entries but loss_type="
+                          f"{list(types)!r} has {len(types)}; give one weight per loss type, or None for all 1.0.")
     return tuple(_check_real(f"loss_weights[{i}]", w) for i, w in enumerate(loss_weights))
 
 
 def _check_label_smoothing(eps: float, types: tuple[str, ...]) -> None:
     if not 0.0 <= eps <= LABEL_SMOOTHING_MAX:
-        raise ValueError(f"label_smoothing={eps!r} is not valid; it is the probability that a preference label is "
-                         f"flipped and must lie in [0, {LABEL_SMOOTHING_MAX}] (above that, swap chosen and rejected).")
+        raise ConfigError(f"label_smoothing={eps!r} is not valid; it is the probability that a preference label is "
+                          f"flipped and must lie in [0, {LABEL_SMOOTHING_MAX}] (above that, swap chosen and rejected).")
     if "robust" in types and eps >= LABEL_SMOOTHING_MAX:
         # TRL 1.16 only warns; the robust loss divides by 1 - 2ε and is undefined at ε = 1/2.
-        raise ValueError(f"label_smoothing={eps!r} is not valid with loss_type 'robust', which divides by "
-                         f"1 - 2*label_smoothing; use a value in [0, 0.5), e.g. 0.1 (Robust DPO paper).")
+        raise ConfigError(f"label_smoothing={eps!r} is not valid with loss_type 'robust', which divides by "
+                          f"1 - 2*label_smoothing; use a value in [0, 0.5), e.g. 0.1 (Robust DPO paper).")
     if "exo_pair" in types and eps == 0.0:
-        raise ValueError("label_smoothing=0.0 is not valid with loss_type 'exo_pair': EXO takes log(label_smoothing); "
-                         "use a value in (0, 0.5], e.g. 1e-3 (EXO paper).")
+        raise ConfigError("label_smoothing=0.0 is not valid with loss_type 'exo_pair': EXO takes log(label_smoothing); "
+                          "use a value in (0, 0.5], e.g. 1e-3 (EXO paper).")
     if eps > 0.0 and not set(types) & set(LABEL_SMOOTHING_LOSS_TYPES):
         logger.warning("label_smoothing=%s has no effect on loss_type %s; only %s read it (TRL 1.16 semantics).",
                        eps, list(types), list(LABEL_SMOOTHING_LOSS_TYPES))
@@ -119,7 +121,7 @@ def validate_dpo_config(loss_type: Union[str, Sequence[str]] = "sigmoid",
     weights = _check_loss_weights(loss_weights, types)
     beta = _check_real("beta", beta)
     if beta <= 0.0:
-        raise ValueError(f"beta={beta!r} is not valid; it must be > 0 (TRL's default is 0.1; for 'ipo' it is τ).")
+        raise ConfigError(f"beta={beta!r} is not valid; it must be > 0 (TRL's default is 0.1; for 'ipo' it is τ).")
     eps = _check_real("label_smoothing", label_smoothing)
     _check_label_smoothing(eps, types)
     return DPOLossConfig(loss_type=types, loss_weights=weights, beta=beta, label_smoothing=eps)
@@ -273,8 +275,8 @@ def dpo_family(chosen_logratios, rejected_logratios, config: DPOLossConfig, ops:
     ``config`` comes from ``validate_dpo_config``; 'ipo' needs the completion token counts.
     """
     if "ipo" in config.loss_type and (chosen_num_tokens is None or rejected_num_tokens is None):
-        raise ValueError("loss_type 'ipo' normalises by completion length and needs chosen_num_tokens and "
-                         "rejected_num_tokens (PreferenceBatch.chosen_num_tokens / rejected_num_tokens).")
+        raise ConfigError("loss_type 'ipo' normalises by completion length and needs chosen_num_tokens and "
+                          "rejected_num_tokens (PreferenceBatch.chosen_num_tokens / rejected_num_tokens).")
     pair = _Pair(c=chosen_logratios, r=rejected_logratios, beta=config.beta, eps=config.label_smoothing, ops=ops,
                  n_c=chosen_num_tokens, n_r=rejected_num_tokens)
     by_type = {t: _LOSSES[t](pair) for t in dict.fromkeys(config.loss_type)}
@@ -301,21 +303,21 @@ class DPOLossOutput:
 def _as_logps(name: str, value: np.ndarray) -> np.ndarray:
     arr = np.asarray(value, dtype=np.float64)
     if arr.ndim != 1 or arr.size == 0:
-        raise ValueError(f"{name} must be a non-empty 1-D array [N] of sequence log-probs, got shape {arr.shape}.")
+        raise ConfigError(f"{name} must be a non-empty 1-D array [N] of sequence log-probs, got shape {arr.shape}.")
     if not np.isfinite(arr).all():
-        raise ValueError(f"{name} holds non-finite values (e.g. {arr[~np.isfinite(arr)][:3].tolist()}); a "
-                         f"sequence log-prob must be finite: check the model output and the target mask.")
+        raise ConfigError(f"{name} holds non-finite values (e.g. {arr[~np.isfinite(arr)][:3].tolist()}); a "
+                          f"sequence log-prob must be finite: check the model output and the target mask.")
     return arr
 
 
 def _as_counts(name: str, value: Optional[np.ndarray], n: int) -> np.ndarray:
     if value is None:
-        raise ValueError(f"loss_type 'ipo' normalises the log-ratios by completion length (TRL 1.16) and needs "
-                         f"{name}; pass PreferenceBatch.{name} from twinseq.common.dpo_batching.")
+        raise ConfigError(f"loss_type 'ipo' normalises the log-ratios by completion length (TRL 1.16) and needs "
+                          f"{name}; pass PreferenceBatch.{name} from twinseq.common.dpo_batching.")
     arr = np.asarray(value, dtype=np.float64)
     if arr.shape != (n,) or (arr < 1).any():
-        raise ValueError(f"{name} must be [N={n}] counts >= 1 of scored completion tokens, got shape {arr.shape} "
-                         f"and min {arr.min(initial=np.inf)}.")
+        raise ConfigError(f"{name} must be [N={n}] counts >= 1 of scored completion tokens, got shape {arr.shape} "
+                          f"and min {arr.min(initial=np.inf)}.")
     return arr
 
 
@@ -340,8 +342,8 @@ def dpo_loss(policy_chosen_logps: np.ndarray, policy_rejected_logps: np.ndarray,
     rc = _as_logps("ref_chosen_logps", ref_chosen_logps)
     rr = _as_logps("ref_rejected_logps", ref_rejected_logps)
     if not pc.shape == pr.shape == rc.shape == rr.shape:
-        raise ValueError(f"the four log-prob arrays must have the same shape [N]; got policy_chosen {pc.shape}, "
-                         f"policy_rejected {pr.shape}, ref_chosen {rc.shape}, ref_rejected {rr.shape}.")
+        raise ConfigError(f"the four log-prob arrays must have the same shape [N]; got policy_chosen {pc.shape}, "
+                          f"policy_rejected {pr.shape}, ref_chosen {rc.shape}, ref_rejected {rr.shape}.")
     n_c = n_r = None
     if "ipo" in cfg.loss_type:
         n_c = _as_counts("chosen_num_tokens", chosen_num_tokens, pc.size)
@@ -360,8 +362,8 @@ def reward_metrics(chosen_rewards: np.ndarray, rejected_rewards: np.ndarray) -> 
     chosen = np.asarray(chosen_rewards, dtype=np.float64)
     rejected = np.asarray(rejected_rewards, dtype=np.float64)
     if chosen.shape != rejected.shape or chosen.ndim != 1 or chosen.size == 0:
-        raise ValueError(f"chosen_rewards {chosen.shape} and rejected_rewards {rejected.shape} must be the same "
-                         f"non-empty 1-D shape [N].")
+        raise ConfigError(f"chosen_rewards {chosen.shape} and rejected_rewards {rejected.shape} must be the same "
+                          f"non-empty 1-D shape [N].")
     return {"rewards/chosen": float(chosen.mean()), "rewards/rejected": float(rejected.mean()),
             # Strict: a tie is not a win, as in TRL.
             "rewards/accuracies": float((chosen > rejected).mean()),

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from twinseq.common.batching import IGNORE_INDEX, Batch, _as_int_list, collate
+from twinseq.common.errors import DataError
 from twinseq.common.loss import shift_labels, token_nll
 
 PREFERENCE_FIELDS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
@@ -62,15 +63,15 @@ def _document_examples(examples: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     for i, ex in enumerate(examples):
         missing = [f for f in PREFERENCE_FIELDS if f not in ex]
         if missing:
-            raise ValueError(f"example {i} lacks {missing} (fields: {sorted(ex)}); tokenise the preference data "
-                             f"first, e.g. with twinseq.common.data.prepare_dpo_dataset.")
+            raise DataError(f"example {i} lacks {missing} (fields: {sorted(ex)}); tokenise the preference data "
+                            f"first, e.g. with twinseq.common.data.prepare_dpo_dataset.")
         prompt = _as_int_list(ex["prompt_input_ids"], "prompt_input_ids", i)
         for side, out in (("chosen", chosen), ("rejected", rejected)):
             completion = _as_int_list(ex[f"{side}_input_ids"], f"{side}_input_ids", i)
             if completion.size == 0:
-                raise ValueError(f"example {i}: '{side}_input_ids' is empty, so the {side} sequence has no "
-                                 f"completion token to score; drop such rows upstream (prepare_dpo_dataset does) "
-                                 f"or raise max_length / max_completion_length.")
+                raise DataError(f"example {i}: '{side}_input_ids' is empty, so the {side} sequence has no "
+                                f"completion token to score; drop such rows upstream (prepare_dpo_dataset does) "
+                                f"or raise max_length / max_completion_length.")
             mask = np.concatenate([np.zeros(prompt.size, np.int64), np.ones(completion.size, np.int64)])
             out.append({"input_ids": np.concatenate([prompt, completion]), "completion_mask": mask})
     return chosen + rejected
@@ -100,8 +101,8 @@ def _ref_logps(examples: Sequence[Mapping[str, Any]], field: str) -> Optional[np
     if not any(present):
         return None
     if not all(present):
-        raise ValueError(f"{field!r} is set on {sum(present)} of {len(examples)} examples; precompute the "
-                         f"reference log-probs for every row or for none.")
+        raise DataError(f"{field!r} is set on {sum(present)} of {len(examples)} examples; precompute the "
+                        f"reference log-probs for every row or for none.")
     return np.array([float(ex[field]) for ex in examples], dtype=np.float64)
 
 
@@ -118,8 +119,8 @@ def collate_preference(examples: Sequence[Mapping[str, Any]], *, padding_free: b
     ([[-1, 0, 0, -1, -1, 1, -1]], [2], [1])
     """
     if isinstance(examples, Mapping) or not len(examples):
-        raise ValueError("collate_preference() needs a non-empty list of preference rows (dicts with "
-                         f"{', '.join(PREFERENCE_FIELDS)}); got {type(examples).__name__}.")
+        raise DataError("collate_preference() needs a non-empty list of preference rows (dicts with "
+                        f"{', '.join(PREFERENCE_FIELDS)}); got {type(examples).__name__}.")
     batch = collate(_document_examples(examples), padding_free=padding_free, pad_token_id=pad_token_id,
                     pad_to_multiple_of=pad_to_multiple_of, completion_only_loss=True)
     num_examples = len(examples)
@@ -128,8 +129,8 @@ def collate_preference(examples: Sequence[Mapping[str, Any]], *, padding_free: b
     if (counts == 0).any():
         d = int(np.argmin(counts))
         side = "chosen" if d < num_examples else "rejected"
-        raise ValueError(f"example {d % num_examples}: the {side} sequence has no scored completion token (an "
-                         f"empty prompt leaves a 1-token completion unscored); give it a prompt, e.g. a BOS token.")
+        raise DataError(f"example {d % num_examples}: the {side} sequence has no scored completion token (an "
+                        f"empty prompt leaves a 1-token completion unscored); give it a prompt, e.g. a BOS token.")
     return PreferenceBatch(
         batch=batch, num_examples=num_examples,
         doc_example_index=np.tile(np.arange(num_examples, dtype=np.int32), 2),
@@ -149,8 +150,8 @@ def sequence_logps_from_tokens(token_logps_BT: np.ndarray, pbatch: PreferenceBat
     """
     token_logps_BT = np.asarray(token_logps_BT, dtype=np.float64)
     if token_logps_BT.shape != pbatch.target_doc_ids.shape:
-        raise ValueError(f"token_logps shape {token_logps_BT.shape} must equal the batch shape "
-                         f"{pbatch.target_doc_ids.shape} ([B, T], position t scoring input_ids[t + 1]).")
+        raise DataError(f"token_logps shape {token_logps_BT.shape} must equal the batch shape "
+                        f"{pbatch.target_doc_ids.shape} ([B, T], position t scoring input_ids[t + 1]).")
     has_target = pbatch.target_doc_ids >= 0
     sums = np.bincount(pbatch.target_doc_ids[has_target], weights=token_logps_BT[has_target],
                        minlength=pbatch.num_docs)
@@ -161,8 +162,8 @@ def token_logps_from_logits(logits_BTV: np.ndarray, pbatch: PreferenceBatch) -> 
     """float64 [B, T]: ``log softmax(logits[b, t])[labels[b, t + 1]]`` at targets, 0 elsewhere."""
     logits_BTV = np.asarray(logits_BTV)
     if logits_BTV.shape[:-1] != pbatch.target_doc_ids.shape:
-        raise ValueError(f"logits shape {logits_BTV.shape} must be [B, T, V] with [B, T] = "
-                         f"{pbatch.target_doc_ids.shape}.")
+        raise DataError(f"logits shape {logits_BTV.shape} must be [B, T, V] with [B, T] = "
+                        f"{pbatch.target_doc_ids.shape}.")
     return -token_nll(logits_BTV, shift_labels(pbatch.batch.labels))
 
 

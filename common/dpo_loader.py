@@ -25,6 +25,7 @@ import numpy as np
 from twinseq.common.batching import IGNORE_INDEX
 from twinseq.common.config import TrainConfig
 from twinseq.common.dpo_batching import PREFERENCE_FIELDS, PreferenceBatch, collate_preference
+from twinseq.common.errors import DataError, DataTypeError
 from twinseq.common.loader import DataState, StepIterator
 
 logger = logging.getLogger(__name__)
@@ -39,15 +40,15 @@ def preference_columns(rows: Any) -> dict[str, list]:
     elif isinstance(rows, Mapping):
         names = list(rows)
     else:
-        raise TypeError(f"rows must be a datasets.Dataset or a dict of lists, got {type(rows).__name__}.")
+        raise DataTypeError(f"rows must be a datasets.Dataset or a dict of lists, got {type(rows).__name__}.")
     missing = [f for f in PREFERENCE_FIELDS if f not in names]
     if missing:
-        raise ValueError(f"preference rows lack the column(s) {missing} (columns: {sorted(names)}); tokenise with "
-                         f"twinseq.common.data.prepare_dpo_dataset first.")
+        raise DataError(f"preference rows lack the column(s) {missing} (columns: {sorted(names)}); tokenise with "
+                        f"twinseq.common.data.prepare_dpo_dataset first.")
     present_refs = [f for f in REF_FIELDS if f in names]
     if len(present_refs) == 1:
-        raise ValueError(f"rows carry {present_refs[0]!r} but not its pair; precompute both reference columns "
-                         f"{REF_FIELDS} or neither.")
+        raise DataError(f"rows carry {present_refs[0]!r} but not its pair; precompute both reference columns "
+                        f"{REF_FIELDS} or neither.")
     out: dict[str, list] = {f: [np.asarray(v) for v in rows[f]] for f in PREFERENCE_FIELDS}
     for f in present_refs:
         out[f] = [float(v) for v in rows[f]]
@@ -64,10 +65,10 @@ def with_ref_logps(rows: Any, ref_chosen_logps: np.ndarray, ref_rejected_logps: 
     rejected = np.asarray(ref_rejected_logps, dtype=np.float64)
     num_rows = len(rows) if hasattr(rows, "column_names") else len(rows[PREFERENCE_FIELDS[0]])
     if chosen.shape != (num_rows,) or rejected.shape != (num_rows,):
-        raise ValueError(f"reference log-probs must have one value per row ({num_rows}); got "
-                         f"{chosen.shape} and {rejected.shape}.")
+        raise DataError(f"reference log-probs must have one value per row ({num_rows}); got "
+                        f"{chosen.shape} and {rejected.shape}.")
     if not (np.isfinite(chosen).all() and np.isfinite(rejected).all()):
-        raise ValueError("reference log-probs hold non-finite values; check the reference model.")
+        raise DataError("reference log-probs hold non-finite values; check the reference model.")
     if hasattr(rows, "column_names"):
         rows = rows.remove_columns([f for f in REF_FIELDS if f in rows.column_names])
         return rows.add_column(REF_FIELDS[0], chosen.tolist()).add_column(REF_FIELDS[1], rejected.tolist())
@@ -82,7 +83,7 @@ def iter_preference_batches(rows: Any, batch_size: int, *, padding_free: bool = 
     Reference columns already in ``rows`` are not carried (they are what is being computed).
     """
     if batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r} must be >= 1.")
+        raise DataError(f"batch_size={batch_size!r} must be >= 1.")
     columns = preference_columns(rows)
     num_rows = len(columns[PREFERENCE_FIELDS[0]])
     for start in range(0, num_rows, batch_size):
@@ -110,18 +111,18 @@ class PreferenceStepIterator(StepIterator):
     def __init__(self, rows: Any, cfg: TrainConfig, pad_token_id: int, *, world_size: int = 1, rank: int = 0,
                  seed: Optional[int] = None) -> None:
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} must be in [0, world_size={world_size}).")
+            raise DataError(f"rank={rank} must be in [0, world_size={world_size}).")
         if cfg.data.packing:
-            raise ValueError("packing=True does not apply to DPO: packing would cut pairs apart (TRL: packing is "
-                             "SFT-only). Use --padding-free to put every pair of a micro-batch in one row.")
+            raise DataError("packing=True does not apply to DPO: packing would cut pairs apart (TRL: packing is "
+                            "SFT-only). Use --padding-free to put every pair of a micro-batch in one row.")
         self.cfg, self.pad_token_id = cfg, pad_token_id
         self.world_size, self.rank = world_size, rank
         self.seed = cfg.seed if seed is None else seed
         self.columns = preference_columns(rows)
         self.num_rows = len(self.columns[PREFERENCE_FIELDS[0]])
         if self.num_rows == 0:
-            raise ValueError("the preference data is empty after tokenisation and truncation; check dataset_name "
-                             "and max_length.")
+            raise DataError("the preference data is empty after tokenisation and truncation; check dataset_name "
+                            "and max_length.")
         self.state = DataState()
         self._order = self._permutation(0)
 
@@ -157,7 +158,7 @@ def build_preference_iterator(cfg: TrainConfig, rows: Any, pad_token_id: int, *,
     """``PreferenceStepIterator`` over ``rows`` (from ``prepare_dpo_dataset``, maybe with reference columns)."""
     iterator = PreferenceStepIterator(rows, cfg, pad_token_id=pad_token_id, world_size=world_size, rank=rank)
     if cfg.dpo.precompute_ref_log_probs and not iterator.has_ref_logps:
-        raise ValueError("precompute_ref_log_probs=True but the rows carry no ref_chosen_logps/ref_rejected_logps; "
-                         "compute them first (the backends' precompute_ref_logps does).")
+        raise DataError("precompute_ref_log_probs=True but the rows carry no ref_chosen_logps/ref_rejected_logps; "
+                        "compute them first (the backends' precompute_ref_logps does).")
     logger.info("DPO data: %d pairs, %d pairs per optimizer step", iterator.num_rows, iterator.examples_per_step)
     return iterator

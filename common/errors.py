@@ -31,9 +31,29 @@ class DataError(TwinseqError, ValueError):
     """The training data is malformed: a file, a row, a field or a token id."""
 
 
+class DataTypeError(TwinseqError, TypeError):
+    """A piece of data has the wrong type (a number where text belongs, a dict where rows belong)."""
+
+
 class CheckpointError(TwinseqError, ValueError):
     """A model folder or training checkpoint is missing, corrupt, unsafe or from another run."""
 
 
 class MissingDependencyError(TwinseqError, ImportError):
     """An optional package is not installed; the message names the extra to install."""
+
+
+class NonFiniteError(TwinseqError, FloatingPointError):
+    """A loss or gradient norm is NaN or Inf; the message names the step and the micro-batch."""
+
+
+class TrainingInterrupted(Exception):
+    """SIGTERM or Ctrl-C stopped a run at a step boundary, after a checkpoint was saved.
+
+    Not a user error: the CLI prints its message without "error" and exits with ``exit_code``
+    (143 for SIGTERM, 130 for SIGINT, as a shell reports a process killed by the signal).
+    """
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

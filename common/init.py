@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from twinseq.common.config import ModelConfig
+from twinseq.common.errors import ConfigError
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -66,6 +67,6 @@ def check_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
     if wrong:
         problems.append("wrong shape " + "; ".join(wrong[:5]))
     if problems:
-        raise ValueError("weights do not match the ModelConfig: " + " | ".join(problems)
+        raise ConfigError("weights do not match the ModelConfig: " + " | ".join(problems)
                          + ". Check vocab_size/hidden_size/num_hidden_layers/tie_word_embeddings "
                            "against the checkpoint's config.json.")

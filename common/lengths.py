@@ -30,6 +30,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from twinseq.common.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 PERCENTILES = (50, 90, 95, 99)
@@ -128,13 +130,13 @@ def profile_lengths(lengths: Sequence[int] | np.ndarray, candidates: Optional[Se
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.ndim != 1 or lengths.size == 0 or (lengths <= 0).any():
-        raise ValueError(f"lengths must be a non-empty 1-D array of positive token counts, got shape "
-                         f"{lengths.shape} with min {lengths.min() if lengths.size else None}.")
+        raise ConfigError(f"lengths must be a non-empty 1-D array of positive token counts, got shape "
+                          f"{lengths.shape} with min {lengths.min() if lengths.size else None}.")
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-        raise ValueError(f"batch_size={batch_size!r} must be a positive integer (per-device batch size).")
+        raise ConfigError(f"batch_size={batch_size!r} must be a positive integer (per-device batch size).")
     candidates = sorted(set(int(c) for c in (candidates or default_candidates(lengths))))
     if candidates[0] <= 0:
-        raise ValueError(f"candidates={candidates} must all be positive max_length values.")
+        raise ConfigError(f"candidates={candidates} must all be positive max_length values.")
     profile = LengthProfile(
         count=int(lengths.size), total_tokens=int(lengths.sum()), mean=float(lengths.mean()),
         max=int(lengths.max()), batch_size=int(batch_size),
@@ -222,9 +224,9 @@ def _parse_candidates(text: Optional[str]) -> Optional[list[int]]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"--candidates={text!r} must be comma-separated integers, e.g. 128,256,512.") from None
+        raise ConfigError(f"--candidates={text!r} must be comma-separated integers, e.g. 128,256,512.") from None
     if not values or min(values) <= 0:
-        raise ValueError(f"--candidates={text!r} must list positive max_length values, e.g. 128,256,512.")
+        raise ConfigError(f"--candidates={text!r} must list positive max_length values, e.g. 128,256,512.")
     return values
 
 
@@ -251,7 +253,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
     candidates = _parse_candidates(args.candidates)
     if args.batch_size <= 0:
-        raise ValueError(f"--batch-size={args.batch_size} must be a positive integer.")
+        raise ConfigError(f"--batch-size={args.batch_size} must be a positive integer.")
     tokenizer = load_tokenizer(args.tokenizer)
     dataset = load_dataset_any(args.dataset, split=args.split)
     lengths = sequence_lengths(dataset, tokenizer)

@@ -20,6 +20,7 @@ import numpy as np
 
 from twinseq.common.batching import Batch, IGNORE_INDEX, collate
 from twinseq.common.config import TrainConfig
+from twinseq.common.errors import DataError, DataTypeError
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +35,9 @@ def _columns(rows: Any) -> dict[str, list[np.ndarray]]:
     elif isinstance(rows, Mapping):
         data = {c: rows[c] for c in rows if c in _ROW_FIELDS}
     else:
-        raise TypeError(f"rows must be a datasets.Dataset or a dict of lists, got {type(rows).__name__}.")
+        raise DataTypeError(f"rows must be a datasets.Dataset or a dict of lists, got {type(rows).__name__}.")
     if "input_ids" not in data:
-        raise ValueError(f"rows have no 'input_ids' column (columns: {sorted(data)}); tokenise first.")
+        raise DataError(f"rows have no 'input_ids' column (columns: {sorted(data)}); tokenise first.")
     return {c: [np.asarray(v) for v in col] for c, col in data.items()}
 
 
@@ -60,7 +61,7 @@ class StepIterator:
     def __init__(self, rows: Any, cfg: TrainConfig, pad_token_id: int, *, world_size: int = 1, rank: int = 0,
                  seed: Optional[int] = None) -> None:
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} must be in [0, world_size={world_size}).")
+            raise DataError(f"rank={rank} must be in [0, world_size={world_size}).")
         self.cfg, self.pad_token_id = cfg, pad_token_id
         self.world_size, self.rank = world_size, rank
         self.seed = cfg.seed if seed is None else seed
@@ -73,8 +74,8 @@ class StepIterator:
         self.columns = _columns(rows)
         self.num_rows = len(self.columns["input_ids"])
         if self.num_rows == 0:
-            raise ValueError("the training data is empty after tokenisation, truncation and filtering; "
-                             "check dataset_name and max_length.")
+            raise DataError("the training data is empty after tokenisation, truncation and filtering; "
+                            "check dataset_name and max_length.")
         self.state = DataState()
         self._order = self._permutation(0)
 
@@ -133,9 +134,9 @@ class StepIterator:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         if state["num_rows"] != self.num_rows or state["seed"] != self.seed:
-            raise ValueError(f"cannot resume: the checkpoint's data had num_rows={state['num_rows']}, "
-                             f"seed={state['seed']} but this run has num_rows={self.num_rows}, seed={self.seed}; "
-                             f"resume with the same dataset, max_length, packing and seed.")
+            raise DataError(f"cannot resume: the checkpoint's data had num_rows={state['num_rows']}, "
+                            f"seed={state['seed']} but this run has num_rows={self.num_rows}, seed={self.seed}; "
+                            f"resume with the same dataset, max_length, packing and seed.")
         self.state = DataState(state["epoch"], state["position"], state["steps_done"])
         self._order = self._permutation(self.state.epoch)
 

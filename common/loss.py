@@ -19,6 +19,8 @@ import logging
 
 import numpy as np
 
+from twinseq.common.errors import DataError
+
 IGNORE_INDEX = -100
 """The label of a position that is not scored (Hugging Face's and PyTorch's convention)."""
 
@@ -33,8 +35,8 @@ def shift_labels(labels_BT: np.ndarray) -> np.ndarray:
     """
     labels_BT = np.asarray(labels_BT)
     if labels_BT.ndim != 2:
-        raise ValueError(f"labels must have shape [B, T], got shape {labels_BT.shape}; "
-                         f"add a batch dimension with labels[None].")
+        raise DataError(f"labels must have shape [B, T], got shape {labels_BT.shape}; "
+                        f"add a batch dimension with labels[None].")
     targets_BT = np.full_like(labels_BT, IGNORE_INDEX)
     targets_BT[:, :-1] = labels_BT[:, 1:]
     return targets_BT
@@ -45,8 +47,8 @@ def check_targets(targets: np.ndarray, vocab_size: int) -> np.ndarray:
     valid = targets != IGNORE_INDEX
     bad = valid & ((targets < 0) | (targets >= vocab_size))
     if bad.any():
-        raise ValueError(f"labels hold {np.asarray(targets[bad]).ravel()[:4].tolist()}, outside the vocabulary "
-                         f"[0, {vocab_size}) and not the ignore index {IGNORE_INDEX}; fix the tokenisation "
+        raise DataError(f"labels hold {np.asarray(targets[bad]).ravel()[:4].tolist()}, outside the vocabulary "
+                        f"[0, {vocab_size}) and not the ignore index {IGNORE_INDEX}; fix the tokenisation "
                          f"or the model's vocab_size.")
     return valid
 
@@ -66,8 +68,8 @@ def token_nll(logits_BTV: np.ndarray, targets_BT: np.ndarray) -> np.ndarray:
     logits_BTV = np.asarray(logits_BTV)
     targets_BT = np.asarray(targets_BT)
     if logits_BTV.shape[:-1] != targets_BT.shape:
-        raise ValueError(f"logits shape {logits_BTV.shape} does not match targets shape {targets_BT.shape}; "
-                         f"logits must be [B, T, V] for targets [B, T].")
+        raise DataError(f"logits shape {logits_BTV.shape} does not match targets shape {targets_BT.shape}; "
+                        f"logits must be [B, T, V] for targets [B, T].")
     valid = check_targets(targets_BT, logits_BTV.shape[-1])
     logp = log_softmax(logits_BTV)
     safe = np.where(valid, targets_BT, 0)
@@ -79,12 +81,12 @@ def check_num_items(num_items_in_batch: int, num_valid: int) -> None:
     """Raise unless ``num_items_in_batch`` can be the label count of the step that holds a micro-batch
     of ``num_valid`` targets (every backend's loss checks it here, on the host)."""
     if num_items_in_batch is None or int(num_items_in_batch) != num_items_in_batch or num_items_in_batch < 0:
-        raise ValueError(f"num_items_in_batch={num_items_in_batch!r} must be a non-negative integer: the count "
-                         f"of labels != -100 over the whole optimizer step.")
+        raise DataError(f"num_items_in_batch={num_items_in_batch!r} must be a non-negative integer: the count "
+                        f"of labels != -100 over the whole optimizer step.")
     if num_items_in_batch < num_valid:
-        raise ValueError(f"num_items_in_batch={num_items_in_batch} is smaller than the {num_valid} valid targets "
-                         f"of this micro-batch alone; it must count the labels != -100 of the whole optimizer "
-                         f"step (all micro-batches, all ranks), e.g. Batch.num_items_in_batch.")
+        raise DataError(f"num_items_in_batch={num_items_in_batch} is smaller than the {num_valid} valid targets "
+                        f"of this micro-batch alone; it must count the labels != -100 of the whole optimizer "
+                        f"step (all micro-batches, all ranks), e.g. Batch.num_items_in_batch.")
     if num_items_in_batch == 0:
         logger.warning("num_items_in_batch=0: the whole optimizer step has no valid label; the loss is 0 "
                        "and the gradients are zero.")
@@ -118,7 +120,7 @@ def per_document_loss(logits_BTV: np.ndarray, labels_BT: np.ndarray, segment_ids
     nll_BT = token_nll(logits_BTV, targets_BT)
     segment_ids_BT = np.asarray(segment_ids_BT)
     if segment_ids_BT.shape != targets_BT.shape:
-        raise ValueError(f"segment_ids shape {segment_ids_BT.shape} must equal labels shape {targets_BT.shape}.")
+        raise DataError(f"segment_ids shape {segment_ids_BT.shape} must equal labels shape {targets_BT.shape}.")
     target_seg_BT = np.zeros_like(segment_ids_BT)
     target_seg_BT[:, :-1] = segment_ids_BT[:, 1:]
     valid_BT = targets_BT != IGNORE_INDEX

@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
+from twinseq.common.errors import ConfigError, ConfigTypeError
+
 REQUIRED_FIELDS = ("step", "loss", "num_tokens", "tokens_per_second", "peak_memory_bytes")
 REPORT_TO_CHOICES = ("tensorboard", "none")
 TENSORBOARD_DIRNAME = "runs"
@@ -82,14 +84,14 @@ def parse_report_to(report_to: ReportTo) -> tuple[str, ...]:
         return ()
     values = [report_to] if isinstance(report_to, str) else report_to
     if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
-        raise TypeError(f"report_to={report_to!r} is not valid; it must be a string or a list of strings "
-                        f"from {', '.join(map(repr, REPORT_TO_CHOICES))}.")
+        raise ConfigTypeError(f"report_to={report_to!r} is not valid; it must be a string or a list of strings "
+                              f"from {', '.join(map(repr, REPORT_TO_CHOICES))}.")
     for value in values:
         if value not in REPORT_TO_CHOICES:
-            raise ValueError(_unknown_report_to_message(report_to, value))
+            raise ConfigError(_unknown_report_to_message(report_to, value))
     if "none" in values and len(set(values)) > 1:
-        raise ValueError(f"report_to={report_to!r} is not valid; 'none' means no sink besides metrics.jsonl "
-                         f"and cannot be combined with another value.")
+        raise ConfigError(f"report_to={report_to!r} is not valid; 'none' means no sink besides metrics.jsonl "
+                          f"and cannot be combined with another value.")
     return tuple(dict.fromkeys(v for v in values if v != "none"))
 
 
@@ -290,7 +292,7 @@ def config_markdown(config: Any) -> str:
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         config = dataclasses.asdict(config)
     if not isinstance(config, Mapping):
-        raise TypeError(f"config={type(config).__name__} is not valid; pass a dataclass instance or a mapping.")
+        raise ConfigTypeError(f"config={type(config).__name__} is not valid; pass a dataclass instance or a mapping.")
     rows = ["| field | value |", "|---|---|"]
     for name, value in _flatten(config):
         shown = json.dumps(value, default=str).replace("|", "\\|")

@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from twinseq.common.batching import IGNORE_INDEX
+from twinseq.common.errors import DataError, DataTypeError
 from twinseq.common.packing_plan import (STRATEGIES, PackingPlan, PackingStats, _ranges, check_seq_length,
                                          check_strategy, check_window, flat_list_values, plan_packing)
 
@@ -106,18 +107,18 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: Op
     check_strategy(strategy)
     window = check_window(window)
     if map_kwargs is not None and not isinstance(map_kwargs, Mapping):
-        raise TypeError(f"map_kwargs={map_kwargs!r} must be a dict of datasets.map arguments or None.")
+        raise DataTypeError(f"map_kwargs={map_kwargs!r} must be a dict of datasets.map arguments or None.")
     for name, flag in (("completion_only_loss", completion_only_loss), ("assistant_only_loss", assistant_only_loss)):
         if flag is not None and not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name}={flag!r} must be True, False or None, as in collate().")
+            raise DataTypeError(f"{name}={flag!r} must be True, False or None, as in collate().")
     options = dict(seq_length=seq_length, strategy=strategy, window=window, return_source=return_source,
                    completion_only_loss=completion_only_loss, assistant_only_loss=assistant_only_loss)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         return _pack_splits(dataset, map_kwargs, return_stats, options)
     if isinstance(dataset, datasets.IterableDataset):
         if return_stats:
-            raise ValueError("return_stats=True needs the whole dataset, but an IterableDataset is packed lazily; "
-                             "use return_stats=False (each window logs its stats), or a datasets.Dataset.")
+            raise DataError("return_stats=True needs the whole dataset, but an IterableDataset is packed lazily; "
+                            "use return_stats=False (each window logs its stats), or a datasets.Dataset.")
         return _pack_iterable(dataset, map_kwargs or {}, **options)
     if map_kwargs:
         logger.warning("pack_dataset ignores map_kwargs=%r: a Dataset is packed globally with pyarrow, not with "
@@ -128,8 +129,8 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: Op
         packed, stats = pack_table(_dict_to_table(dataset), **options)
         packed = packed.to_pydict()
     else:
-        raise TypeError(f"dataset has type {type(dataset).__name__}; pack_dataset takes a datasets.Dataset, "
-                        f"DatasetDict, IterableDataset or a dict of lists such as {{'input_ids': [[1, 2], [3]]}}.")
+        raise DataTypeError(f"dataset has type {type(dataset).__name__}; pack_dataset takes a datasets.Dataset, "
+                            f"DatasetDict, IterableDataset or a dict of lists such as {{'input_ids': [[1, 2], [3]]}}.")
     _log_stats(stats)
     return (packed, stats) if return_stats else packed
 
@@ -201,21 +202,21 @@ def gather_rows(plan: PackingPlan, source, rows) -> list[dict[str, np.ndarray]]:
 
 def _dict_to_table(data: Mapping[str, Any]) -> pa.Table:
     if not len(data):
-        raise ValueError("dataset is an empty dict: there are no columns to pack; pass {'input_ids': [[...], ...]}.")
+        raise DataError("dataset is an empty dict: there are no columns to pack; pass {'input_ids': [[...], ...]}.")
     arrays = {}
     for name, column in data.items():
         if not isinstance(column, (list, tuple, np.ndarray, pa.Array, pa.ChunkedArray)):
-            raise TypeError(f"column {name!r} is a {type(column).__name__}, not a list with one entry per example; "
-                            f"pass a dict of lists such as {{'input_ids': [[1, 2], [3]]}}.")
+            raise DataTypeError(f"column {name!r} is a {type(column).__name__}, not a list with one entry per example; "
+                                f"pass a dict of lists such as {{'input_ids': [[1, 2], [3]]}}.")
         try:
             arrays[name] = column if isinstance(column, (pa.Array, pa.ChunkedArray)) else pa.array(list(column))
         except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
-            raise TypeError(f"column {name!r} cannot be read as one list of values per example ({err}); every "
-                            f"entry must be a list of numbers, e.g. [[1, 2], [3]].") from err
+            raise DataTypeError(f"column {name!r} cannot be read as one list of values per example ({err}); every "
+                                f"entry must be a list of numbers, e.g. [[1, 2], [3]].") from err
     sizes = {name: len(a) for name, a in arrays.items()}
     if len(set(sizes.values())) > 1:
-        raise ValueError(f"columns have different numbers of examples {sizes}; every column needs one entry per "
-                         f"example.")
+        raise DataError(f"columns have different numbers of examples {sizes}; every column needs one entry per "
+                        f"example.")
     return pa.table(arrays)
 
 
@@ -227,39 +228,39 @@ def _validate_table(table: pa.Table, row_ids: Optional[np.ndarray]) -> np.ndarra
     """Check the columns can be packed; return the ``input_ids`` length of every example."""
     num_examples = table.num_rows if row_ids is None else len(row_ids)
     if num_examples == 0:
-        raise ValueError("the dataset has 0 examples: there is nothing to pack; check the filtering and "
-                         "tokenisation steps before pack_dataset.")
+        raise DataError("the dataset has 0 examples: there is nothing to pack; check the filtering and "
+                        "tokenisation steps before pack_dataset.")
     if INPUT_COLUMN not in table.column_names:
-        raise ValueError(f"the dataset has no {INPUT_COLUMN!r} column (columns: {table.column_names}); pack a "
-                         f"tokenised dataset, or rename the token column to {INPUT_COLUMN!r}.")
+        raise DataError(f"the dataset has no {INPUT_COLUMN!r} column (columns: {table.column_names}); pack a "
+                        f"tokenised dataset, or rename the token column to {INPUT_COLUMN!r}.")
     non_list = {name: str(table.schema.field(name).type) for name in table.column_names
                 if not _is_list_type(table.schema.field(name).type)}
     if non_list:
-        raise TypeError(f"pack_dataset packs list columns only, but {non_list} are not lists; remove them first, "
-                        f"e.g. dataset.remove_columns({sorted(non_list)}).")
+        raise DataTypeError(f"pack_dataset packs list columns only, but {non_list} are not lists; remove them first, "
+                            f"e.g. dataset.remove_columns({sorted(non_list)}).")
     reserved = [name for name in RESERVED_COLUMNS if name in table.column_names]
     if reserved:
-        raise ValueError(f"the dataset already has column(s) {reserved}, which pack_dataset writes; it looks "
-                         f"packed already. Pack the unpacked dataset, or remove those columns.")
+        raise DataError(f"the dataset already has column(s) {reserved}, which pack_dataset writes; it looks "
+                        f"packed already. Pack the unpacked dataset, or remove those columns.")
     value_type = table.schema.field(INPUT_COLUMN).type.value_type
     # list<null> is what Arrow infers when every example is empty.
     all_empty = pa.types.is_null(value_type) and not any(len(c.flatten()) for c in table.column(INPUT_COLUMN).chunks)
     if not pa.types.is_integer(value_type) and not all_empty:
-        raise TypeError(f"column {INPUT_COLUMN!r} must hold integer token ids, got {value_type}; tokenise the "
-                        f"text first, or cast it with dataset.cast_column('input_ids', List(Value('int32'))).")
+        raise DataTypeError(f"column {INPUT_COLUMN!r} must hold integer token ids, got {value_type}; tokenise the "
+                            f"text first, or cast it with dataset.cast_column('input_ids', List(Value('int32'))).")
     lengths = _column_lengths(table, INPUT_COLUMN, row_ids)
     ids_values = table.column(INPUT_COLUMN)
     if ids_values.num_chunks and any(c.flatten().null_count for c in ids_values.chunks):
-        raise ValueError(f"column {INPUT_COLUMN!r} holds null token ids; every token must be an integer id.")
+        raise DataError(f"column {INPUT_COLUMN!r} holds null token ids; every token must be an integer id.")
     for name in table.column_names:
         if name != INPUT_COLUMN:
             other = _column_lengths(table, name, row_ids)
             bad = np.flatnonzero(other != lengths)
             if bad.size:
                 i = int(bad[0])
-                raise ValueError(f"example {i}: column {name!r} has {int(other[i])} values but {INPUT_COLUMN!r} "
-                                 f"has {int(lengths[i])} ({bad.size} examples differ); list columns are packed "
-                                 f"in parallel and must have equal lengths per example. Fix or drop {name!r}.")
+                raise DataError(f"example {i}: column {name!r} has {int(other[i])} values but {INPUT_COLUMN!r} "
+                                f"has {int(lengths[i])} ({bad.size} examples differ); list columns are packed "
+                                f"in parallel and must have equal lengths per example. Fix or drop {name!r}.")
     return lengths
 
 
@@ -267,8 +268,8 @@ def _column_lengths(table: pa.Table, name: str, row_ids: Optional[np.ndarray]) -
     lengths = pc.list_value_length(table.column(name))
     if lengths.null_count:
         i = int(np.flatnonzero(lengths.is_null().to_numpy(zero_copy_only=False))[0])
-        raise ValueError(f"example {i}: column {name!r} is null (None); every example needs a list, possibly "
-                         f"empty. Filter those examples or fill them with [].")
+        raise DataError(f"example {i}: column {name!r} is null (None); every example needs a list, possibly "
+                        f"empty. Filter those examples or fill them with [].")
     lengths = lengths.to_numpy().astype(np.int64, copy=False)
     return lengths if row_ids is None else lengths[row_ids]
 
@@ -289,8 +290,8 @@ def _target_rules(column_names: list[str], completion_only_loss: Optional[bool],
     for name, used, flag in (("completion_mask", use_completion, "completion_only_loss"),
                              ("assistant_masks", assistant_only_loss, "assistant_only_loss")):
         if used and name not in column_names:
-            raise ValueError(f"{flag}=True needs a {name!r} column, but the dataset has {column_names}; add the "
-                             f"mask when tokenising, or pass {flag}=False.")
+            raise DataError(f"{flag}=True needs a {name!r} column, but the dataset has {column_names}; add the "
+                            f"mask when tokenising, or pass {flag}=False.")
         if used:
             rules.append((name, 0))
     return rules
@@ -374,8 +375,8 @@ def _pack_dataset_object(dataset, seq_length, strategy, window, return_source, *
 
 def _pack_iterable(dataset, map_kwargs, seq_length, strategy, window, return_source, **targets):
     if window is None:
-        raise ValueError("an IterableDataset is packed window by window: pass window=N (examples per window, "
-                         "e.g. window=10_000), or convert it to a datasets.Dataset to pack it globally.")
+        raise DataError("an IterableDataset is packed window by window: pass window=N (examples per window, "
+                        "e.g. window=10_000), or convert it to a datasets.Dataset to pack it globally.")
     fmt = {"type": dataset._formatting.format_type if dataset._formatting is not None else None}
     packed = dataset.with_format("arrow").map(
         _pack_window, batched=True, batch_size=window, with_indices=return_source,

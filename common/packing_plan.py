@@ -43,6 +43,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from twinseq.common.errors import DataError, DataTypeError
+
 STRATEGIES = ("bfd", "bfd_split", "wrapped")
 _INT32_MAX = 2**31 - 1  # seq_lengths and list offsets are int32, as in TRL
 
@@ -52,18 +54,18 @@ _INT32_MAX = 2**31 - 1  # seq_lengths and list offsets are int32, as in TRL
 def check_seq_length(seq_length) -> int:
     """Return ``seq_length`` as an int, or raise naming the value and the fix."""
     if isinstance(seq_length, (bool, np.bool_)) or not isinstance(seq_length, numbers.Integral):
-        raise TypeError(f"seq_length={seq_length!r} ({type(seq_length).__name__}) must be a positive int; "
-                        f"pass an integer such as seq_length=2048.")
+        raise DataTypeError(f"seq_length={seq_length!r} ({type(seq_length).__name__}) must be a positive int; "
+                            f"pass an integer such as seq_length=2048.")
     if not 0 < int(seq_length) <= _INT32_MAX:
-        raise ValueError(f"seq_length={seq_length!r} must be a positive int no larger than {_INT32_MAX}; "
-                         f"pass the packed row length, e.g. seq_length=2048.")
+        raise DataError(f"seq_length={seq_length!r} must be a positive int no larger than {_INT32_MAX}; "
+                        f"pass the packed row length, e.g. seq_length=2048.")
     return int(seq_length)
 
 
 def check_strategy(strategy) -> str:
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not a packing strategy; choose one of {STRATEGIES} "
-                         f"('bfd' truncates overflow, 'bfd_split' splits it, 'wrapped' cuts documents).")
+        raise DataError(f"strategy={strategy!r} is not a packing strategy; choose one of {STRATEGIES} "
+                        f"('bfd' truncates overflow, 'bfd_split' splits it, 'wrapped' cuts documents).")
     return strategy
 
 
@@ -71,11 +73,11 @@ def check_window(window) -> Optional[int]:
     if window is None:
         return None
     if isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral):
-        raise TypeError(f"window={window!r} ({type(window).__name__}) must be a positive int (examples per "
-                        f"packing window) or None for one global window.")
+        raise DataTypeError(f"window={window!r} ({type(window).__name__}) must be a positive int (examples per "
+                            f"packing window) or None for one global window.")
     if int(window) <= 0:
-        raise ValueError(f"window={window!r} must be a positive number of examples per packing window, "
-                         f"or None to pack the whole dataset at once.")
+        raise DataError(f"window={window!r} must be a positive number of examples per packing window, "
+                        f"or None to pack the whole dataset at once.")
     return int(window)
 
 
@@ -83,16 +85,16 @@ def check_lengths(lengths) -> np.ndarray:
     """Return ``lengths`` as an int64 vector of non-negative example lengths."""
     lengths = np.asarray(lengths)
     if lengths.ndim != 1:
-        raise ValueError(f"lengths must be a 1-D sequence of example lengths, got shape {lengths.shape}; "
-                         f"pass one length per example.")
+        raise DataError(f"lengths must be a 1-D sequence of example lengths, got shape {lengths.shape}; "
+                        f"pass one length per example.")
     if lengths.size == 0:
-        raise ValueError("lengths is empty: there are no examples to pack; check the dataset is not empty.")
+        raise DataError("lengths is empty: there are no examples to pack; check the dataset is not empty.")
     if lengths.dtype == np.bool_ or not np.issubdtype(lengths.dtype, np.integer):
-        raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype} (first value {lengths[0]!r}); "
-                        f"pass token counts, e.g. [len(ids) for ids in dataset['input_ids']].")
+        raise DataTypeError(f"lengths must hold integers, got dtype {lengths.dtype} (first value {lengths[0]!r}); "
+                            f"pass token counts, e.g. [len(ids) for ids in dataset['input_ids']].")
     if lengths.min() < 0:
         i = int(np.argmin(lengths))
-        raise ValueError(f"lengths[{i}]={int(lengths[i])} is negative; example lengths are token counts >= 0.")
+        raise DataError(f"lengths[{i}]={int(lengths[i])} is negative; example lengths are token counts >= 0.")
     return lengths.astype(np.int64, copy=False)
 
 
@@ -229,7 +231,7 @@ class PackingPlan:
         """The plan of ``rows`` only (in the given order); sources keep their indices."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         if rows.size and (rows.min() < -self.num_rows or rows.max() >= self.num_rows):
-            raise ValueError(f"rows {rows.tolist()[:8]} out of range for a plan of {self.num_rows} rows.")
+            raise DataError(f"rows {rows.tolist()[:8]} out of range for a plan of {self.num_rows} rows.")
         rows = rows % max(self.num_rows, 1)
         starts, ends = self.row_offsets[rows], self.row_offsets[rows + 1]
         counts = ends - starts
@@ -241,20 +243,20 @@ class PackingPlan:
         """int64 [F]: absolute start of each fragment in values laid out by ``example_offsets`` [N+1]."""
         example_offsets = np.asarray(example_offsets, dtype=np.int64)
         if example_offsets.ndim != 1 or len(example_offsets) < 2:
-            raise ValueError(f"example_offsets must be a 1-D [num_examples + 1] offsets array, got shape "
-                             f"{example_offsets.shape}.")
+            raise DataError(f"example_offsets must be a 1-D [num_examples + 1] offsets array, got shape "
+                            f"{example_offsets.shape}.")
         num_examples = len(example_offsets) - 1
         if self.num_fragments and int(self.source_indices.max()) >= num_examples:
-            raise ValueError(f"the plan reads example {int(self.source_indices.max())} but the arrays hold "
-                             f"{num_examples} examples; materialise the plan with the arrays it was planned for.")
+            raise DataError(f"the plan reads example {int(self.source_indices.max())} but the arrays hold "
+                            f"{num_examples} examples; materialise the plan with the arrays it was planned for.")
         example_len = np.diff(example_offsets)[self.source_indices]
         bad = np.flatnonzero(self.source_offsets + self.fragment_lengths > example_len)
         if bad.size:
             f = int(bad[0])
-            raise ValueError(f"fragment {f} needs tokens {int(self.source_offsets[f])}.."
-                             f"{int(self.source_offsets[f] + self.fragment_lengths[f])} of example "
-                             f"{int(self.source_indices[f])}, which has {int(example_len[f])}; the arrays do not "
-                             f"match the lengths this plan was made from.")
+            raise DataError(f"fragment {f} needs tokens {int(self.source_offsets[f])}.."
+                            f"{int(self.source_offsets[f] + self.fragment_lengths[f])} of example "
+                            f"{int(self.source_indices[f])}, which has {int(example_len[f])}; the arrays do not "
+                            f"match the lengths this plan was made from.")
         return example_offsets[self.source_indices] + self.source_offsets
 
     def materialize(self, values: np.ndarray, example_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -284,8 +286,8 @@ class PackingPlan:
         offsets = self.token_offsets()
         if pa.types.is_list(list_type):
             if offsets[-1] > _INT32_MAX:
-                raise ValueError(f"{int(offsets[-1])} packed values do not fit the int32 offsets of {list_type}; "
-                                 f"cast the column to a large_list first.")
+                raise DataError(f"{int(offsets[-1])} packed values do not fit the int32 offsets of {list_type}; "
+                                f"cast the column to a large_list first.")
             return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), flat, type=list_type)
         return pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), flat, type=list_type)
 

@@ -9,19 +9,34 @@ where a backend's ``TorchTrainer`` overrides ``train_step`` and inherits ``fit``
 
 Under a multi-process launch every rank runs ``run``: ``step``, ``state_dict`` and
 ``save_final`` may be collectives; only the main rank writes files and logs.
+
+What the runner guarantees a user who trains for hours:
+
+- ``preflight`` refuses, before any data or model is built, what this machine cannot run, an
+  output folder that cannot be written, and a model folder or checkpoint that cannot be read;
+- a checkpoint is complete or absent (``common.checkpoint`` writes it atomically), and
+  ``--resume-from-checkpoint latest`` takes the newest complete one;
+- SIGTERM or Ctrl-C stops the run at the next step boundary with a checkpoint of that step
+  (``TrainingInterrupted``), as preemptible clusters need; a second signal stops it at once;
+- a NaN or Inf loss or gradient norm stops the run (``NonFiniteError``, naming the step and
+  the micro-batch) before the update is applied, so the last checkpoint is the last good one;
+  with ``skip_nonfinite_steps`` the step is skipped instead, counted and logged.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
-from twinseq.common.checkpoint import (load_training_checkpoint, resolve_resume, rotate_checkpoints,
-                                       save_training_checkpoint)
+from twinseq.common.checkpoint import (list_checkpoints, load_training_checkpoint, read_meta, resolve_resume,
+                                       rotate_checkpoints, save_training_checkpoint)
 from twinseq.common.config import TrainConfig
-from twinseq.common.errors import CheckpointError
+from twinseq.common.errors import CheckpointError, ConfigError, NonFiniteError, TrainingInterrupted
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +63,9 @@ class StepTrainer(Protocol):
     def peak_memory_bytes(self) -> int:
         """Peak device memory so far (max over ranks)."""
 
+    def any_rank(self, flag: bool) -> bool:
+        """``flag`` OR-ed over every rank (the ranks must agree on when to stop)."""
+
 
 class StepSource(Protocol):
     """The data side: ``common.loader.StepIterator`` and its kin."""
@@ -60,12 +78,68 @@ class StepSource(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+# --------------------------------------------------------------------------------------
+# Before any work
+# --------------------------------------------------------------------------------------
+
+
+def check_output_dir(path: str | os.PathLike) -> None:
+    """Raise unless ``path`` is (or can become) a writable folder: checked before data and model are built."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir={str(path)!r} is a file, not a folder; pass a folder for the run "
+                          f"(--output-dir runs/NAME).")
+    existing = path if path.is_dir() else next((p for p in path.parents if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir={str(path)!r} cannot be written ({str(existing)!r} is not a writable "
+                          f"folder); pass a folder you can write to (--output-dir).")
+
+
+def preflight(cfg: TrainConfig, runtime: Any) -> None:
+    """Every check that needs no data and no model, in the order a user would fix them: what this
+    machine can run (``common.capabilities``), the output folder, the model folder, the checkpoint."""
+    from twinseq.common.capabilities import check_runtime
+    from twinseq.common.hf_checkpoint import inspect_model_folder
+
+    check_runtime(cfg, runtime)
+    check_output_dir(cfg.output_dir)
+    if Path(cfg.model.model_config).is_dir():
+        inspect_model_folder(cfg.model.model_config)
+    if cfg.resume_from_checkpoint not in (None, "latest", "auto"):
+        read_meta(cfg.resume_from_checkpoint)
+
+
+# --------------------------------------------------------------------------------------
+# Resume
+# --------------------------------------------------------------------------------------
+
+# Fields a resumed run must share with the run that wrote the checkpoint: the model, and what
+# defines the data stream whose position the checkpoint holds.
+RESUME_INVARIANTS = ("backend", "task", "model_config", "dataset_name", "dataset_split", "tokenizer_name_or_path",
+                     "max_length", "truncation_mode", "packing", "packing_strategy", "padding_free",
+                     "per_device_train_batch_size", "gradient_accumulation_steps", "seed")
+
+
+def _check_compatible(cfg: TrainConfig, meta: dict[str, Any], path: Path) -> None:
+    try:
+        saved = TrainConfig.from_dict(meta["config"]).to_flat_dict()
+    except (KeyError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{path}/trainer_state.json holds no readable run config ({err}); resume from a "
+                              f"checkpoint written by this twinseq.") from None
+    now = cfg.to_flat_dict()
+    changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in RESUME_INVARIANTS if saved[k] != now[k]]
+    if changed:
+        raise CheckpointError(f"{path} was written by another run ({'; '.join(changed)}); resume with the same "
+                              f"settings, or start a fresh run in another --output-dir.")
+
+
 def resume(cfg: TrainConfig, trainer: StepTrainer, source: StepSource) -> int:
     """Restore ``trainer`` and ``source`` from ``cfg.resume_from_checkpoint``; the last step done (0: fresh)."""
     path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
     if path is None:
         return 0
     meta, state = load_training_checkpoint(path)
+    _check_compatible(cfg, meta, path)
     step = int(meta["step"])
     if step > cfg.max_steps:
         raise CheckpointError(f"{path} is at step {step}, past max_steps={cfg.max_steps}; raise --max-steps to "
@@ -97,6 +171,40 @@ def _merge_window(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+class StopSignal:
+    """SIGTERM/SIGINT handlers that ask the loop to stop at the next step boundary (main thread only).
+
+    The first signal sets the request and restores the default handlers, so a second one stops the
+    process at once (Ctrl-C twice).
+    """
+
+    SIGNALS = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        self._restore()
+        logger.warning("received %s: stopping after the current step, with a checkpoint",
+                       signal.Signals(signum).name)
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+
 def _save(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, step: int) -> None:
     state = trainer.state_dict()  # a collective under FSDP: every rank calls it
     if not trainer.is_main:
@@ -123,26 +231,57 @@ def run(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, *, tokenizer
         log.log_config(cfg)
         for line in announce:
             log.write(line)
+    final = Path(cfg.output_dir) / "final"
+    try:
+        with StopSignal() as stop:  # a signal during the last saves lets them finish
+            skipped = _loop(cfg, trainer, source, log, start, stop)
+            if start < cfg.max_steps:
+                _save(cfg, trainer, source, cfg.max_steps)
+            trainer.save_final(final)
+    finally:
+        if log is not None:
+            log.close()
+    metrics_path = Path(cfg.output_dir) / "metrics.jsonl"
+    if log is not None:
+        tokenizer.save_pretrained(final)
+        finish_run(cfg.output_dir, keys=tuple(plot_keys))
+        if skipped:
+            print(f"skipped {skipped} optimizer step(s) with a non-finite loss or gradient norm "
+                  f"(skip_nonfinite_steps=True); see num_skipped_steps in {metrics_path}")
+    return metrics_path
+
+
+def _loop(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, log: Any, start: int,
+          stop: StopSignal) -> int:
+    """Steps ``start + 1 .. max_steps``: log, checkpoint, and stop cleanly on a signal; returns the
+    number of skipped steps."""
     window: list[dict[str, Any]] = []
+    skipped = 0
     for step in range(start + 1, cfg.max_steps + 1):
         t0 = time.perf_counter()
-        out = trainer.step(source.next_step())
+        try:
+            out = trainer.step(source.next_step())
+        except NonFiniteError as err:
+            kept = [p.name for p in list_checkpoints(cfg.output_dir)]
+            raise NonFiniteError(f"step {step}: {err}; the run stops here and the last checkpoint "
+                                 f"({kept[-1] if kept else 'none yet'}) holds the last good state. Lower the learning "
+                                 f"rate, check the data, or pass --skip-nonfinite-steps.") from None
         seconds = time.perf_counter() - t0
+        skipped += int(out.get("num_skipped_steps", 0))
         window.append({"step": step, **out, "tokens_per_second": out["num_tokens"] / seconds,
                        "step_seconds": seconds, "peak_memory_bytes": trainer.peak_memory_bytes()})
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             if log is not None:
                 log.log_step(_merge_window(window))
             window = []
-        if cfg.save_steps and step % cfg.save_steps == 0 and step < cfg.max_steps:
+        stopping = trainer.any_rank(stop.received is not None)
+        if (cfg.save_steps and step % cfg.save_steps == 0 or stopping) and step < cfg.max_steps:
             _save(cfg, trainer, source, step)
-    if start < cfg.max_steps:
-        _save(cfg, trainer, source, cfg.max_steps)
-    final = Path(cfg.output_dir) / "final"
-    trainer.save_final(final)
-    metrics_path = Path(cfg.output_dir) / "metrics.jsonl"
-    if log is not None:
-        tokenizer.save_pretrained(final)
-        log.close()
-        finish_run(cfg.output_dir, keys=tuple(plot_keys))
-    return metrics_path
+        if stopping and step < cfg.max_steps:
+            if log is not None and window:
+                log.log_step(_merge_window(window))
+            name = signal.Signals(stop.received).name if stop.received else "a signal on another rank"
+            raise TrainingInterrupted(f"stopped by {name} after step {step} of {cfg.max_steps}: saved "
+                                      f"checkpoint-{step} in {cfg.output_dir}; resume with --resume-from-checkpoint "
+                                      f"latest", StopSignal.SIGNALS.get(stop.received, 143))
+    return skipped

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from twinseq.common.config import LR_SCHEDULERS
+from twinseq.common.errors import ConfigError
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int, scheduler: str = "cosine") -> float:
@@ -19,7 +20,7 @@ def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int, scheduler: st
     [0.0, 0.5, 1.0, 0.75, 0.5, 0.25]
     """
     if scheduler not in LR_SCHEDULERS:
-        raise ValueError(f"lr_scheduler_type={scheduler!r} is not valid; choose one of {LR_SCHEDULERS}.")
+        raise ConfigError(f"lr_scheduler_type={scheduler!r} is not valid; choose one of {LR_SCHEDULERS}.")
     if step < warmup_steps:
         return step / max(1, warmup_steps)
     if scheduler == "constant":

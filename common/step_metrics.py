@@ -14,9 +14,15 @@ no mean is ever averaged.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+import logging
+import math
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
+
+from twinseq.common.errors import NonFiniteError
+
+logger = logging.getLogger(__name__)
 
 ADDITIVE = ("loss", "num_tokens", "num_label_tokens", "num_correct_tokens", "entropy_sum")
 """Keys that add up over micro-batches and ranks (a distributed trainer all-reduces exactly these)."""
@@ -57,3 +63,28 @@ def dpo_step_metrics(losses: Sequence[float], per_pair: Mapping[str, Sequence[np
             "num_pairs": int(cat["chosen_rewards"].size),
             **reward_metrics(cat["chosen_rewards"], cat["rejected_rewards"]),
             "logps/chosen": float(cat["chosen_logps"].mean()), "logps/rejected": float(cat["rejected_logps"].mean())}
+
+
+def first_nonfinite(losses: Sequence[float], grad_norm: Optional[float]) -> Optional[str]:
+    """What is not finite in a step, before its update is applied, or None when all is finite.
+
+    >>> first_nonfinite([0.5, float("nan")], 1.0), first_nonfinite([0.5], float("inf")), first_nonfinite([0.5], 2.0)
+    ('the loss of micro-batch 1 is nan', 'the gradient norm is inf', None)
+    """
+    for i, loss in enumerate(losses):
+        if not math.isfinite(loss):
+            return f"the loss of micro-batch {i} is {loss}"
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        return f"the gradient norm is {grad_norm}"
+    return None
+
+
+def apply_or_skip(problem: Optional[str], *, skip: bool) -> bool:
+    """True: apply the update. False: skip it (``skip_nonfinite_steps``, logged). Raises ``NonFiniteError``
+    otherwise (the runner adds the step number)."""
+    if problem is None:
+        return True
+    if skip:
+        logger.warning("skipping the optimizer step: %s (skip_nonfinite_steps=True)", problem)
+        return False
+    raise NonFiniteError(problem)

@@ -29,6 +29,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from twinseq.common import corpus
+from twinseq.common.errors import DataError, DataTypeError
 
 logger = logging.getLogger(__name__)
 
@@ -56,22 +57,27 @@ def default_chat_template() -> str:
 # --------------------------------------------------------------------------------------
 
 
+def row_name(index: int) -> str:
+    """How an error names a row: its 0-based index and, for a JSONL file, its 1-based line."""
+    return f"row {index} (line {index + 1} of a JSONL file)"
+
+
 def validate_messages(messages: Any, index: Optional[int] = None) -> None:
     """Raise ``TypeError``/``ValueError`` naming the bad entry of a ``messages`` list."""
-    where = "" if index is None else f"example {index}: "
+    where = "" if index is None else f"{row_name(index)}: "
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise TypeError(f"{where}'messages' must be a non-empty list of {{'role', 'content'}} dicts, got "
-                        f"{type(messages).__name__} {str(messages)[:80]!r}.")
+        raise DataTypeError(f"{where}'messages' must be a non-empty list of {{'role', 'content'}} dicts, got "
+                            f"{type(messages).__name__} {str(messages)[:80]!r}.")
     for j, msg in enumerate(messages):
         if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
-            raise TypeError(f"{where}messages[{j}] must be a dict with 'role' and 'content', got {str(msg)[:80]!r}.")
+            raise DataTypeError(f"{where}messages[{j}] must be a dict with 'role' and 'content', got {str(msg)[:80]!r}.")
         if msg["role"] not in VALID_ROLES:
-            raise ValueError(f"{where}messages[{j}]['role']={msg['role']!r} is not a known role; use one of "
-                             f"{VALID_ROLES} (rename e.g. 'human'->'user', 'gpt'->'assistant').")
+            raise DataError(f"{where}messages[{j}]['role']={msg['role']!r} is not a known role; use one of "
+                            f"{VALID_ROLES} (rename e.g. 'human'->'user', 'gpt'->'assistant').")
         if not isinstance(msg["content"], str):
-            raise TypeError(f"{where}messages[{j}]['content'] must be a string, got "
-                            f"{type(msg['content']).__name__} {str(msg['content'])[:80]!r}; flatten "
-                            f"multimodal content to text.")
+            raise DataTypeError(f"{where}messages[{j}]['content'] must be a string, got "
+                                f"{type(msg['content']).__name__} {str(msg['content'])[:80]!r}; flatten "
+                                f"multimodal content to text.")
 
 
 def _generation_extension():
@@ -139,8 +145,8 @@ def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: 
     """
     for msg in messages:
         if _GEN_OPEN in msg["content"] or _GEN_CLOSE in msg["content"]:
-            raise ValueError("message content holds the private-use characters U+E000/U+E001, which "
-                             "twinseq reserves for chat rendering; remove them from the data.")
+            raise DataError("message content holds the private-use characters U+E000/U+E001, which "
+                            "twinseq reserves for chat rendering; remove them from the data.")
     text, spans = _strip_markers(_render(template, messages, add_generation_prompt, **special))
     if _GENERATION_TAG.search(template):
         return text, spans
@@ -163,9 +169,9 @@ def _prefix_spans(template: str, messages: Sequence[dict], text: str, **special:
         before, _ = _strip_markers(_render(template, messages[:i], True, **special))
         upto, _ = _strip_markers(_render(template, messages[: i + 1], False, **special))
         if not (upto.startswith(before) and text.startswith(upto)):
-            raise ValueError("the chat template renders a conversation differently from its prefixes, so "
-                             "assistant tokens cannot be located; add {% generation %}...{% endgeneration %} "
-                             "around the assistant content in the template.")
+            raise DataError("the chat template renders a conversation differently from its prefixes, so "
+                            "assistant tokens cannot be located; add {% generation %}...{% endgeneration %} "
+                            "around the assistant content in the template.")
         spans.append((len(before), len(upto)))
     return spans
 
@@ -307,8 +313,8 @@ class TwinseqTokenizer:
     def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> tuple[str, list]:
         """The chat as text, and the character spans ``[(start, end)]`` of the assistant turns."""
         if not self.chat_template:
-            raise ValueError(f"tokenizer {self.name_or_path!r} has no chat_template; add one to its "
-                             f"tokenizer_config.json, or use prompt/completion or text data.")
+            raise DataError(f"tokenizer {self.name_or_path!r} has no chat_template; add one to its "
+                            f"tokenizer_config.json, or use prompt/completion or text data.")
         validate_messages(messages)
         return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
@@ -379,9 +385,9 @@ def _resolve_folder(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
-            raise ValueError(f"tokenizer_name_or_path={name_or_path!r} is a folder without a tokenizer.json; "
-                             f"twinseq needs a fast (tokenizers) tokenizer: save one there with "
-                             f"`AutoTokenizer.from_pretrained(...).save_pretrained({str(path)!r})`.")
+            raise DataError(f"tokenizer_name_or_path={name_or_path!r} is a folder without a tokenizer.json; "
+                            f"twinseq needs a fast (tokenizers) tokenizer: save one there with "
+                            f"`AutoTokenizer.from_pretrained(...).save_pretrained({str(path)!r})`.")
         return path
     if path.is_file() and path.name == "tokenizer.json":
         return path.parent
@@ -390,18 +396,18 @@ def _resolve_folder(name_or_path: str) -> Path:
         logger.info("tokenizer %r is not a local path; using the local Hugging Face cache copy %s",
                     name_or_path, snapshot)
         return snapshot
-    raise ValueError(
-        f"tokenizer_name_or_path={name_or_path!r} is neither 'embedded' nor a local folder: expected a "
-        f"directory {str(path.resolve())!r} containing tokenizer.json (and tokenizer_config.json). "
-        f"twinseq never downloads from the Hugging Face Hub; download it where there is network "
-        f"(`hf download {name_or_path} --local-dir DIR`) and pass DIR, or use 'embedded'.")
+    raise DataError(
+                    f"tokenizer_name_or_path={name_or_path!r} is neither 'embedded' nor a local folder: expected a "
+                    f"directory {str(path.resolve())!r} containing tokenizer.json (and tokenizer_config.json). "
+                    f"twinseq never downloads from the Hugging Face Hub; download it where there is network "
+                    f"(`hf download {name_or_path} --local-dir DIR`) and pass DIR, or use 'embedded'.")
 
 
 def load_tokenizer(name_or_path: str = "embedded") -> TwinseqTokenizer:
     """``"embedded"`` (the offline default) or a local Hugging Face tokenizer folder."""
     if not isinstance(name_or_path, (str, os.PathLike)):
-        raise TypeError(f"tokenizer_name_or_path must be a string, got {type(name_or_path).__name__} "
-                        f"({name_or_path!r}); pass 'embedded' or a folder path.")
+        raise DataTypeError(f"tokenizer_name_or_path must be a string, got {type(name_or_path).__name__} "
+                            f"({name_or_path!r}); pass 'embedded' or a folder path.")
     name_or_path = str(name_or_path)
     folder = embedded_tokenizer_dir() if name_or_path == "embedded" else _resolve_folder(name_or_path)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from twinseq.common.config import TRUNCATION_MODES
+from twinseq.common.errors import DataError, DataTypeError
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +35,14 @@ DROP_TOO_SHORT = "fewer_than_2_tokens"
 DROP_NO_ASSISTANT = "no_assistant_turn"
 DROP_EMPTY_CHOSEN = "chosen_empty_after_truncation"
 DROP_EMPTY_REJECTED = "rejected_empty_after_truncation"
+DROP_EMPTY_TEXT = "empty_text"
+DROP_SAME_PAIR = "chosen_equals_rejected"
 
 
 def check_truncation_mode(truncation_mode: str) -> None:
     if truncation_mode not in TRUNCATION_MODES:
-        raise ValueError(f"truncation_mode={truncation_mode!r} is not valid; choose one of "
-                         f"{', '.join(map(repr, TRUNCATION_MODES))}.")
+        raise DataError(f"truncation_mode={truncation_mode!r} is not valid; choose one of "
+                        f"{', '.join(map(repr, TRUNCATION_MODES))}.")
 
 
 def check_length(name: str, value: Optional[int]) -> None:
@@ -47,10 +50,10 @@ def check_length(name: str, value: Optional[int]) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int or None, got {type(value).__name__}.")
+        raise DataTypeError(f"{name}={value!r} must be an int or None, got {type(value).__name__}.")
     if value <= 0:
-        raise ValueError(f"{name}={value!r} is not valid; it must be a positive number of tokens, "
-                         f"or None for no limit.")
+        raise DataError(f"{name}={value!r} is not valid; it must be a positive number of tokens, "
+                        f"or None for no limit.")
 
 
 @dataclass

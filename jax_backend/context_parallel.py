@@ -51,6 +51,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from twinseq.common.errors import ConfigError
+
 STRATEGIES = ("ring", "allgather")
 _F32 = jnp.float32
 
@@ -246,13 +248,13 @@ def _default_block(length: int) -> int:
 
 def _check_shapes(q, k, v, seg, pos) -> None:
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ValueError(f"q {q.shape}, k {k.shape}, v {v.shape} must be [B, T, H, D] with k.shape == v.shape.")
+        raise ConfigError(f"q {q.shape}, k {k.shape}, v {v.shape} must be [B, T, H, D] with k.shape == v.shape.")
     if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {q.shape} and k {k.shape} must share B, T and D (layout [B, T, H, D]).")
+        raise ConfigError(f"q {q.shape} and k {k.shape} must share B, T and D (layout [B, T, H, D]).")
     if q.shape[2] % k.shape[2]:
-        raise ValueError(f"num_heads={q.shape[2]} must be a multiple of num_kv_heads={k.shape[2]} (GQA).")
+        raise ConfigError(f"num_heads={q.shape[2]} must be a multiple of num_kv_heads={k.shape[2]} (GQA).")
     if seg.shape != q.shape[:2] or pos.shape != q.shape[:2]:
-        raise ValueError(f"segment_ids {seg.shape} and position_ids {pos.shape} must be [B, T] = {q.shape[:2]}.")
+        raise ConfigError(f"segment_ids {seg.shape} and position_ids {pos.shape} must be [B, T] = {q.shape[:2]}.")
 
 
 def _to_internal(q_BTND, k_BTKD, v_BTKD):
@@ -272,8 +274,8 @@ def _cfg(axis_name, num_shards, q_BTND, k_len, scale, block_q, block_k) -> _Cfg:
     block_q = block_q or _default_block(len_q)
     block_k = block_k or _default_block(k_len)
     if len_q % block_q or k_len % block_k:
-        raise ValueError(f"block_q={block_q} must divide the local query length {len_q} and block_k={block_k} "
-                         f"the local key length {k_len}; pick divisors (default: half a shard).")
+        raise ConfigError(f"block_q={block_q} must divide the local query length {len_q} and block_k={block_k} "
+                          f"the local key length {k_len}; pick divisors (default: half a shard).")
     scale = q_BTND.shape[3] ** -0.5 if scale is None else float(scale)
     return _Cfg(axis_name, int(num_shards), scale, int(block_q), int(block_k))
 
@@ -344,19 +346,19 @@ def sharded_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, m
     in that same order). B is split over ``batch_axes`` (default: every other mesh axis).
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not valid; choose one of {STRATEGIES}.")
+        raise ConfigError(f"strategy={strategy!r} is not valid; choose one of {STRATEGIES}.")
     if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name={axis_name!r} is not a mesh axis; the mesh has {mesh.axis_names}.")
+        raise ConfigError(f"axis_name={axis_name!r} is not a mesh axis; the mesh has {mesh.axis_names}.")
     _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
     cp = mesh.shape[axis_name]
     if q_BTND.shape[1] % cp:
-        raise ValueError(f"sequence length T={q_BTND.shape[1]} is not divisible by cp={cp}; pad with "
-                         f"--pad-to-multiple-of {2 * cp}.")
+        raise ConfigError(f"sequence length T={q_BTND.shape[1]} is not divisible by cp={cp}; pad with "
+                          f"--pad-to-multiple-of {2 * cp}.")
     batch = _batch_spec(mesh, axis_name, batch_axes)
     num_replicas = int(np.prod([mesh.shape[a] for a in batch or ()]))
     if q_BTND.shape[0] % num_replicas:
-        raise ValueError(f"batch size B={q_BTND.shape[0]} is not divisible by the {num_replicas} devices of the "
-                         f"batch axes {batch}; use a multiple of {num_replicas} or pass batch_axes=().")
+        raise ConfigError(f"batch size B={q_BTND.shape[0]} is not divisible by the {num_replicas} devices of the "
+                          f"batch axes {batch}; use a multiple of {num_replicas} or pass batch_axes=().")
     local = ring_attention_shard if strategy == "ring" else allgather_attention_shard
     fn = functools.partial(local, axis_name=axis_name, scale=scale, block_q=block_q, block_k=block_k)
     x_spec, id_spec = P(batch, axis_name, None, None), P(batch, axis_name)

@@ -24,6 +24,7 @@ from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.dpo import ArrayOps, DPOLossConfig, dpo_family
 from twinseq.common.dpo_batching import PreferenceBatch
 from twinseq.common.backend import Model
+from twinseq.common.errors import ConfigError
 from twinseq.jax_backend.logprobs import sequence_logps
 from twinseq.jax_backend.model import LlamaForCausalLM, batch_inputs, cast_floating, in_hf_order, state_to_hf
 
@@ -107,8 +108,8 @@ def _ref_arrays(pbatch: PreferenceBatch, ref_chosen, ref_rejected):
     ref_chosen = pbatch.ref_chosen_logps if ref_chosen is None else ref_chosen
     ref_rejected = pbatch.ref_rejected_logps if ref_rejected is None else ref_rejected
     if ref_chosen is None or ref_rejected is None:
-        raise ValueError("no reference log-probs: pass ref_chosen_logps/ref_rejected_logps (a reference model's "
-                         "compute_sequence_logps) or precompute them into the rows (precompute_ref_log_probs=True).")
+        raise ConfigError("no reference log-probs: pass ref_chosen_logps/ref_rejected_logps (a reference model's "
+                          "compute_sequence_logps) or precompute them into the rows (precompute_ref_log_probs=True).")
     return tuple(jnp.asarray(np.asarray(a, np.float32).reshape(-1)) for a in (ref_chosen, ref_rejected))
 
 
@@ -120,8 +121,8 @@ def dpo_loss_and_grads(model: Model, pbatch: PreferenceBatch, config: DPOLossCon
     ``twinseq.torch_backend.dpo.dpo_loss_and_grads``."""
     denom = pbatch.num_examples if num_examples_in_step is None else int(num_examples_in_step)
     if denom < pbatch.num_examples:
-        raise ValueError(f"num_examples_in_step={denom} is smaller than this micro-batch's {pbatch.num_examples} "
-                         f"pairs; it must count the pairs of the whole optimizer step.")
+        raise ConfigError(f"num_examples_in_step={denom} is smaller than this micro-batch's {pbatch.num_examples} "
+                          f"pairs; it must count the pairs of the whole optimizer step.")
     graphdef, state = nnx.split(model)
     (loss, per_pair), grads = dpo_grads_jit(
         graphdef, state, preference_inputs(pbatch, model.config.vocab_size),

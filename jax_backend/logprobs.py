@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
+from twinseq.common.errors import ConfigError
 from twinseq.common.loss import IGNORE_INDEX
 from twinseq.jax_backend.losses import logits_f32, to_token_chunks, shift_labels, vocab_chunked_grads
 
@@ -82,10 +83,10 @@ def token_logps(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Arr
     Naive equivalent: ``log_softmax(hidden @ W.T)[..., shift_labels(labels)]``.
     """
     if loss_type not in LOGPS_LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r} is not supported by the JAX DPO log-probs; choose one of "
-                         f"{LOGPS_LOSS_TYPES}.")
+        raise ConfigError(f"loss_type={loss_type!r} is not supported by the JAX DPO log-probs; choose one of "
+                          f"{LOGPS_LOSS_TYPES}.")
     if int(chunk_size) <= 0:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+        raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
     hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
     targets_N = shift_labels(labels_BT).reshape(-1)
     if loss_type == "nll":

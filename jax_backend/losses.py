@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
+from twinseq.common.errors import ConfigError
 from twinseq.common.loss import IGNORE_INDEX, check_num_items, check_targets
 
 LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
@@ -235,9 +236,9 @@ def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.
     reordered, so shifting them here would pair tokens with the wrong targets.
     """
     if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r} is not supported by the JAX backend; choose one of {LOSS_TYPES}.")
+        raise ConfigError(f"loss_type={loss_type!r} is not supported by the JAX backend; choose one of {LOSS_TYPES}.")
     if int(chunk_size) <= 0:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+        raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
     h = hidden_BTH.shape[-1]
     hidden_NH = hidden_BTH.reshape(-1, h)
     targets_N = (labels_BT if targets_are_shifted else shift_labels(labels_BT)).reshape(-1)

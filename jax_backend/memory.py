@@ -24,6 +24,8 @@ from typing import Callable, Optional, Sequence
 
 import jax
 
+from twinseq.common.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 REMAT_POLICIES = ("none", "full", "save_nothing", "dots_saveable", "offload_dots")
@@ -44,12 +46,12 @@ def check_policy(name: str, memory_kinds: Sequence[str]) -> None:
     (see ``device_memory_kinds``).
     """
     if name not in REMAT_POLICIES:
-        raise ValueError(f"remat policy {name!r} is unknown; choose one of {', '.join(REMAT_POLICIES)}.")
+        raise ConfigError(f"remat policy {name!r} is unknown; choose one of {', '.join(REMAT_POLICIES)}.")
     if name in HOST_OFFLOAD_POLICIES and HOST_MEMORY_KIND not in memory_kinds:
-        raise ValueError(
-            f"remat policy {name!r} offloads activations to {HOST_MEMORY_KIND!r} memory, but this device only "
-            f"has memory kinds {tuple(memory_kinds)}; pick 'full' or 'dots_saveable' instead, or run on a "
-            f"platform with host memory spaces (GPU/TPU).")
+        raise ConfigError(
+                          f"remat policy {name!r} offloads activations to {HOST_MEMORY_KIND!r} memory, but this device only "
+                          f"has memory kinds {tuple(memory_kinds)}; pick 'full' or 'dots_saveable' instead, or run on a "
+                          f"platform with host memory spaces (GPU/TPU).")
 
 
 def _policy(name: str) -> Optional[Callable[..., bool]]:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from twinseq.common.batching import Batch
+from twinseq.common.batching import Batch, check_batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, ModelConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.init import check_weights, parameter_shapes
@@ -287,12 +287,7 @@ def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = Non
 
 def batch_inputs(batch: Batch, vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(input_ids, position_ids, segment_ids, labels) as int32 device arrays, after range checks."""
-    if not isinstance(batch, Batch):
-        raise TypeError(f"batch must be a twinseq.common.batching.Batch (from collate), got {type(batch).__name__}.")
-    ids = np.asarray(batch.input_ids)
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(f"input_ids hold values in [{ids.min()}, {ids.max()}], outside the vocabulary "
-                         f"[0, {vocab_size}); fix the tokenisation or the model's vocab_size.")
+    check_batch(batch, vocab_size)
     return tuple(jnp.asarray(a, jnp.int32) for a in  # type: ignore[return-value]
                  (batch.input_ids, batch.position_ids, batch.segment_ids, batch.labels))
 

@@ -41,6 +41,7 @@ from twinseq.common.config import TrainConfig
 from twinseq.common.context_parallel import CPBatch
 from twinseq.common.context_parallel import shard_batch as reorder_batch
 from twinseq.common.context_parallel import unshard_sequence
+from twinseq.common.errors import ConfigError
 from twinseq.jax_backend.context_parallel import STRATEGIES, sharded_attention
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ CP_AXIS = "cp"
 
 def _check_axis_size(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"mesh axis {name}={value!r} must be a positive integer.")
+        raise ConfigError(f"mesh axis {name}={value!r} must be a positive integer.")
     return int(value)
 
 
@@ -66,22 +67,22 @@ def make_mesh(data: int = 1, cp: int = 1, fsdp: int = 1, devices: Optional[Seque
              "cp": _check_axis_size("cp", cp)}
     devices = list(jax.devices() if devices is None else devices)
     if sizes["cp"] > len(devices):
-        raise ValueError(f"cp={cp} is larger than the {len(devices)} available devices; use cp <= {len(devices)} "
-                         f"(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax).")
+        raise ConfigError(f"cp={cp} is larger than the {len(devices)} available devices; use cp <= {len(devices)} "
+                          f"(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax).")
     product = sizes["data"] * sizes["fsdp"] * sizes["cp"]
     if product != len(devices):
         model_parallel = sizes["fsdp"] * sizes["cp"]
         fits = len(devices) % model_parallel == 0
         hint = f"e.g. data={len(devices) // model_parallel}" if fits else "pick sizes whose product is the device count"
-        raise ValueError(f"mesh axes data={data} x fsdp={fsdp} x cp={cp} = {product} do not multiply to the "
-                         f"{len(devices)} devices; {hint}, or pass devices=jax.devices()[:{product}].")
+        raise ConfigError(f"mesh axes data={data} x fsdp={fsdp} x cp={cp} = {product} do not multiply to the "
+                          f"{len(devices)} devices; {hint}, or pass devices=jax.devices()[:{product}].")
     grid = np.asarray(devices, dtype=object).reshape(sizes["data"], sizes["fsdp"], sizes["cp"])
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def _check_mesh(mesh: Mesh) -> None:
     if tuple(mesh.axis_names) != MESH_AXES:
-        raise ValueError(f"mesh axes {tuple(mesh.axis_names)} are not {MESH_AXES}; build the mesh with make_mesh().")
+        raise ConfigError(f"mesh axes {tuple(mesh.axis_names)} are not {MESH_AXES}; build the mesh with make_mesh().")
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -136,8 +137,8 @@ def shard_batch(batch: Batch, mesh: Mesh, load_balance: bool = True) -> dict[str
     _check_mesh(mesh)
     num_rows = mesh.shape["data"] * mesh.shape["fsdp"]
     if batch.input_ids.shape[0] % num_rows:
-        raise ValueError(f"batch size B={batch.input_ids.shape[0]} is not divisible by data x fsdp = {num_rows}; "
-                         f"set per_device_train_batch_size so that B is a multiple of {num_rows}.")
+        raise ConfigError(f"batch size B={batch.input_ids.shape[0]} is not divisible by data x fsdp = {num_rows}; "
+                          f"set per_device_train_batch_size so that B is a multiple of {num_rows}.")
     cp_batch = reorder_batch(batch, mesh.shape[CP_AXIS], load_balance)
     sharding = batch_sharding(mesh)
     arrays: dict[str, Any] = {k: jax.device_put(v, sharding) for k, v in cp_batch.arrays().items()}
@@ -167,7 +168,7 @@ def ring_attention_fn(mesh: Mesh, strategy: str = "ring", block_q: Optional[int]
     """
     _check_mesh(mesh)
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not valid; choose one of {STRATEGIES}.")
+        raise ConfigError(f"strategy={strategy!r} is not valid; choose one of {STRATEGIES}.")
 
     def attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling):
         out_BTND = sharded_attention(q_BNTD.transpose(0, 2, 1, 3), k_BKTD.transpose(0, 2, 1, 3),

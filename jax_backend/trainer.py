@@ -37,15 +37,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from twinseq.common.batching import Batch, pad_batch
-from twinseq.common.capabilities import Runtime, check_runtime
+from twinseq.common.capabilities import Runtime
 from twinseq.common.config import TrainConfig, resolve_model_config
 from twinseq.common.errors import CheckpointError, ConfigError
-from twinseq.common.hf_checkpoint import read_hf_checkpoint
+from twinseq.common.hf_checkpoint import inspect_model_folder, read_hf_checkpoint
 from twinseq.common.init import check_weights, init_weights
 from twinseq.common.metrics import peak_rss_bytes
-from twinseq.common.runner import run
+from twinseq.common.runner import preflight, run
 from twinseq.common.schedule import lr_multiplier
-from twinseq.common.step_metrics import dpo_step_metrics, sft_step_sums, with_means
+from twinseq.common.step_metrics import apply_or_skip, dpo_step_metrics, first_nonfinite, sft_step_sums, with_means
 from twinseq.jax_backend.checkpoint import from_numpy_tree, save_pretrained, to_numpy_tree
 from twinseq.jax_backend.losses import check_labels
 from twinseq.jax_backend.model import LlamaForCausalLM, batch_inputs, export_weights, grads_jit
@@ -111,18 +111,18 @@ def _add(tree_a, tree_b):
     return jax.tree.map(jnp.add, tree_a, tree_b)
 
 
+_global_norm = jax.jit(optax.global_norm)
+
+
 def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> LlamaForCausalLM:
     """The model of ``cfg.model.model_config`` (a local folder, or a preset with ``common``'s initial
     weights) with float32 master weights (``dtype`` only changes the compute dtype, like torch autocast)."""
     spec = cfg.model.model_config
-    if Path(spec).is_dir():
-        model_cfg, weights = read_hf_checkpoint(spec)
-    else:
-        model_cfg = resolve_model_config(spec)
-        weights = init_weights(model_cfg, seed=cfg.seed)
+    model_cfg = inspect_model_folder(spec)[0] if Path(spec).is_dir() else resolve_model_config(spec)
     if model_cfg.vocab_size < vocab_size:
         raise ConfigError(f"model_config={spec!r} has vocab_size={model_cfg.vocab_size} but the tokenizer has "
                           f"{vocab_size} tokens; use a tokenizer of at most that size.")
+    weights = read_hf_checkpoint(spec)[1] if Path(spec).is_dir() else init_weights(model_cfg, seed=cfg.seed)
     return LlamaForCausalLM(model_cfg, weights, dtype="float32")
 
 
@@ -166,6 +166,9 @@ class Trainer:
     def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
         raise NotImplementedError
 
+    def micro_losses(self, records: list[Any]) -> list[float]:
+        raise NotImplementedError
+
     def step(self, micro_batches: list[Any]) -> dict[str, Any]:
         records, grads = [], None
         for micro in micro_batches:
@@ -173,9 +176,19 @@ class Trainer:
             grads = micro_grads if grads is None else _add(grads, micro_grads)
             records.append(record)
         lr = float(self._lr(self.steps_done))
-        self.params, self.opt_state, grad_norm = apply_updates(self.optimizer, self.params, self.opt_state, grads)
-        self.steps_done += 1
-        return {**self.summarize(records, micro_batches), "lr": lr, "grad_norm": float(grad_norm)}
+        grad_norm = float(_global_norm(grads))
+        apply = apply_or_skip(first_nonfinite(self.micro_losses(records), grad_norm),
+                              skip=self.cfg.optim.skip_nonfinite_steps)
+        if apply:
+            self.params, self.opt_state, applied_norm = apply_updates(self.optimizer, self.params, self.opt_state,
+                                                                      grads)
+            grad_norm = float(applied_norm)
+            self.steps_done += 1
+        return {**self.summarize(records, micro_batches), "lr": lr, "grad_norm": grad_norm,
+                "num_skipped_steps": int(not apply)}
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag  # one process drives every device
 
     def model(self) -> LlamaForCausalLM:
         return nnx.merge(self.graphdef, self.params)
@@ -238,6 +251,9 @@ class SFTTrainer(Trainer):
         return {"loss": float(loss), **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum")}}, \
             grads
 
+    def micro_losses(self, records: list[dict[str, Any]]) -> list[float]:
+        return [r["loss"] for r in records]
+
     def summarize(self, records: list[dict[str, Any]], micro_batches: list[Batch]) -> dict[str, Any]:
         return with_means(sft_step_sums(records, num_tokens=sum(b.num_tokens for b in micro_batches)))
 
@@ -274,6 +290,9 @@ class DPOTrainer(Trainer):
                                               loss_type=loss.loss_type, chunk_size=loss.loss_chunk_size,
                                               compute_dtype=_compute_dtype(self.cfg))
         return (float(value), pairs), grads
+
+    def micro_losses(self, records: list[Any]) -> list[float]:
+        return [value for value, _ in records]
 
     def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
         per_pair = {k: [np.asarray(pairs[k], np.float64) for _, pairs in records]
@@ -346,7 +365,7 @@ def train(config: TrainConfig) -> Path:
     """Run ``config.max_steps`` optimizer steps of ``config.task``; returns the path of ``metrics.jsonl``."""
     cfg = config
     platform = jax.devices()[0].platform
-    check_runtime(cfg, Runtime("jax", platform, jax.device_count(), accelerator=platform != "cpu"))
+    preflight(cfg, Runtime("jax", platform, jax.device_count(), accelerator=platform != "cpu"))
     trainer, source, tokenizer, announce = (_build_dpo if cfg.task == "dpo" else _build_sft)(cfg)
     plot_keys = ("loss", "rewards/accuracies", "tokens_per_second") if cfg.task == "dpo" else \
         ("loss", "tokens_per_second")

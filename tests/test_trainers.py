@@ -76,3 +76,34 @@ def test_dpo_learns_the_embedded_preferences(backend, tmp_path):
     accuracies = [r["rewards/accuracies"] for r in read_metrics(tmp_path)]
     assert np.mean(accuracies[-10:]) > 0.7, accuracies
     assert accuracies[0] == 0.0  # at step 1 the policy is the reference: ties, and a tie is not a win
+
+
+def _diverging_args(backend: str, out, *extra) -> list[str]:
+    """A learning rate so large that the first update blows the weights up: the next loss is not finite."""
+    return ["train", "--backend", backend, "--output-dir", str(out), "--max-steps", "6", "--max-length", "64",
+            "--dataset-split", "train[:64]", "--per-device-train-batch-size", "2", "--gradient-accumulation-steps",
+            "2", "--learning-rate", "1e30", "--lr-scheduler-type", "constant", "--max-grad-norm", "None",
+            "--save-steps", "1", "--disable-tqdm", *extra]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_non_finite_step_stops_the_run_before_its_update(backend, tmp_path, capsys):
+    assert cli_main(_diverging_args(backend, tmp_path)) == 2
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if line.startswith("twinseq train: error: "))
+    step = int(line.split("step ")[1].split(":")[0])
+    assert step >= 2 and ("the loss of micro-batch 0 is" in line or "the gradient norm is" in line), line
+    assert f"checkpoint-{step - 1}" in line and "--skip-nonfinite-steps" in line
+    assert (tmp_path / f"checkpoint-{step - 1}").is_dir() and not (tmp_path / f"checkpoint-{step}").exists()
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, step))
+    assert not (tmp_path / "final").exists()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_skip_nonfinite_steps_counts_and_logs_them(backend, tmp_path, capsys):
+    assert cli_main(_diverging_args(backend, tmp_path, "--skip-nonfinite-steps")) == 0
+    records = read_metrics(tmp_path)
+    skipped = sum(r["num_skipped_steps"] for r in records)
+    assert [r["step"] for r in records] == list(range(1, 7)) and skipped >= 1
+    assert records[0]["num_skipped_steps"] == 0 and records[-1]["num_skipped_steps"] == 1
+    assert f"skipped {skipped} optimizer step(s)" in capsys.readouterr().out

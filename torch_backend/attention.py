@@ -32,8 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from twinseq.common.batching import Batch
+from twinseq.common.batching import Batch, check_batch
 from twinseq.common.config import ATTN_IMPLEMENTATIONS
+from twinseq.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -58,24 +59,24 @@ def check_attention_supported(attn_implementation: str, padding_free: bool = Fal
     to something else in HF, so it is refused instead of risking a silent leak.
     """
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation={attn_implementation!r} is unknown; choose one of "
-                         f"{', '.join(ATTN_IMPLEMENTATIONS)}.")
+        raise ConfigError(f"attn_implementation={attn_implementation!r} is unknown; choose one of "
+                          f"{', '.join(ATTN_IMPLEMENTATIONS)}.")
     device_type = torch.device(device).type
     what = "padding-free/packed batches" if padding_free else "this run"
     if attn_implementation in _FLASH_MODULES:
         module = _FLASH_MODULES[attn_implementation]
         if device_type != "cuda":
-            raise ValueError(f"attn_implementation={attn_implementation!r} needs a CUDA device (got "
-                             f"{device_type!r}); refusing {what} rather than attending across documents. "
-                             f"Use attn_implementation='varlen' (padding-free, document-masked) or 'sdpa'.")
+            raise ConfigError(f"attn_implementation={attn_implementation!r} needs a CUDA device (got "
+                              f"{device_type!r}); refusing {what} rather than attending across documents. "
+                              f"Use attn_implementation='varlen' (padding-free, document-masked) or 'sdpa'.")
         if importlib.util.find_spec(module) is None:
-            raise ValueError(f"attn_implementation={attn_implementation!r} needs the {module!r} package, which is "
-                             f"not installed; refusing {what} rather than attending across documents. Install "
-                             f"it with `pip install -e '.[gpu]'` or use attn_implementation='varlen'.")
+            raise ConfigError(f"attn_implementation={attn_implementation!r} needs the {module!r} package, which is "
+                              f"not installed; refusing {what} rather than attending across documents. Install "
+                              f"it with `pip install -e '.[gpu]'` or use attn_implementation='varlen'.")
     if attn_implementation == "flex_attention" and device_type == "cpu" and requires_grad:
-        raise ValueError("attn_implementation='flex_attention' cannot train on CPU: torch "
-                         f"{torch.__version__} has no FlexAttention backward on CPU. Use 'varlen' or 'sdpa' on "
-                         "CPU, or flex_attention on CUDA (forward-only CPU use works under torch.no_grad()).")
+        raise ConfigError("attn_implementation='flex_attention' cannot train on CPU: torch "
+                          f"{torch.__version__} has no FlexAttention backward on CPU. Use 'varlen' or 'sdpa' on "
+                          "CPU, or flex_attention on CUDA (forward-only CPU use works under torch.no_grad()).")
 
 
 def hf_attn_name(attn_implementation: str) -> str:
@@ -283,9 +284,9 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
     if plan is None:
         if kwargs.get("position_ids") is None:
-            raise ValueError("attn_implementation='varlen' needs document boundaries: call "
-                             "twinseq.torch_backend.attention.forward_hidden(model, batch), or pass position_ids "
-                             "that restart at 0 for each document.")
+            raise ConfigError("attn_implementation='varlen' needs document boundaries: call "
+                              "twinseq.torch_backend.attention.forward_hidden(model, batch), or pass position_ids "
+                              "that restart at 0 for each document.")
         _log_once("twinseq_varlen called without a VarlenPlan: documents taken from position_ids restarts "
                   "(use forward_hidden to pass segment_ids).")
         plan = _plan_from_position_ids(kwargs["position_ids"], query.shape[0])
@@ -329,8 +330,8 @@ def _ensure_attn(model: torch.nn.Module, attn_implementation: Optional[str]) -> 
     if attn_implementation is None or attn_implementation == current:
         return current
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation={attn_implementation!r} is unknown; choose one of "
-                         f"{', '.join(ATTN_IMPLEMENTATIONS)}.")
+        raise ConfigError(f"attn_implementation={attn_implementation!r} is unknown; choose one of "
+                          f"{', '.join(ATTN_IMPLEMENTATIONS)}.")
     logger.info("switching the model's attention from %r to %r as requested", current, attn_implementation)
     model.set_attn_implementation(hf_attn_name(attn_implementation))
     return attn_implementation
@@ -351,9 +352,9 @@ def model_inputs(batch: Batch, attn_implementation: str, device: Any,
     else:
         plan = varlen_plan(batch.segment_ids, batch.position_ids, device)
         if plan is None and attn_implementation in _FLASH_MODULES:
-            raise ValueError(f"attn_implementation={attn_implementation!r} needs contiguous documents with "
-                             f"position_ids 0, 1, 2, ... (as common.batching.collate builds them); this batch "
-                             f"has other positions. Use attn_implementation='sdpa'.")
+            raise ConfigError(f"attn_implementation={attn_implementation!r} needs contiguous documents with "
+                              f"position_ids 0, 1, 2, ... (as common.batching.collate builds them); this batch "
+                              f"has other positions. Use attn_implementation='sdpa'.")
         if plan is None:
             logger.info("varlen: documents are not contiguous runs with positions 0..n-1; using the dense "
                         "document mask for this batch")
@@ -371,6 +372,7 @@ def forward_hidden(model: torch.nn.Module, batch: Batch, attn_implementation: Op
 
     ``attn_implementation`` defaults to the model's; a different one switches the model to it.
     """
+    check_batch(batch, model.config.vocab_size)
     attn = _ensure_attn(model, attn_implementation)
     device = next(model.parameters()).device
     check_attention_supported(attn, padding_free=int(batch.segment_ids.max(initial=0)) > 1, device=device,

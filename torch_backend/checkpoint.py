@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any, Optional
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from twinseq.common.errors import CheckpointError
+from twinseq.common.hf_checkpoint import inspect_model_folder
 from twinseq.common.backend import Model, PathLike
 
 
@@ -33,21 +33,20 @@ def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_impleme
     from twinseq.torch_backend.model import _as_dtype, model_config_of
 
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"model path {str(path)!r} holds no config.json; pass a directory written by "
-                              f"save_pretrained (or any local Hugging Face Llama checkpoint).")
-    model_type = json.loads(config_file.read_text()).get("model_type")
-    if model_type != "llama":
-        raise CheckpointError(f"{config_file} has model_type={model_type!r}; twinseq loads Llama checkpoints only.")
+    inspect_model_folder(path)  # config.json, every file and shape, before anything loads
     device = torch.device("cpu" if device is None else device)
     check_attention_supported(attn_implementation, device=device, requires_grad=False)
-    model = LlamaForCausalLM.from_pretrained(str(path), local_files_only=True,
+    # safetensors only: a pickled pytorch_model.bin is never unpickled
+    model = LlamaForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
                                              dtype="auto" if dtype is None else _as_dtype(dtype),
                                              attn_implementation=hf_attn_name(attn_implementation))
     if model.dtype not in (torch.float32, torch.bfloat16):
         model = model.float()
     model_config_of(model)  # refuses architectures twinseq does not build (RoPE scaling, biases)
+    for name, param in model.named_parameters():
+        if not bool(torch.isfinite(param).all()):
+            raise CheckpointError(f"{path}: tensor {name} holds NaN or Inf values; the checkpoint is corrupt or came "
+                                  f"from a diverged run: use an earlier one.")
     model.config.use_cache = False
     return model.to(device).train()
 

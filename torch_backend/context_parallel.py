@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from twinseq.common.batching import Batch
 from twinseq.common.context_parallel import check_seq_len, cp_permutation, shard_batch
+from twinseq.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -203,8 +204,8 @@ def local_document_attention(q_BHLD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD:
 def _context(kwargs: dict, name: str) -> CPAttentionContext:
     ctx = kwargs.get(CP_KWARG)
     if ctx is None:
-        raise ValueError(f"attention {name!r} needs a CPAttentionContext in the {CP_KWARG!r} keyword; run the "
-                         f"model through twinseq.torch_backend.parallel (CausalLMLoss), not model(input_ids).")
+        raise ConfigError(f"attention {name!r} needs a CPAttentionContext in the {CP_KWARG!r} keyword; run the "
+                          f"model through twinseq.torch_backend.parallel (CausalLMLoss), not model(input_ids).")
     return ctx
 
 
@@ -252,13 +253,13 @@ def check_ring_batch(batch: Batch) -> None:
     """``ValueError`` unless every row holds one document, right-padded (what ``is_causal`` can mask)."""
     seg_BT = np.asarray(batch.segment_ids)
     if int(seg_BT.max(initial=0)) > 1:
-        raise ValueError("context_parallel_strategy='ring' got a packed/padding-free batch (several documents per "
-                         "row); torch's ring attention only applies a causal mask and would attend across "
-                         "documents (TRL #6843). Use --context-parallel-strategy allgather, which masks documents.")
+        raise ConfigError("context_parallel_strategy='ring' got a packed/padding-free batch (several documents per "
+                          "row); torch's ring attention only applies a causal mask and would attend across "
+                          "documents (TRL #6843). Use --context-parallel-strategy allgather, which masks documents.")
     real_BT = seg_BT != 0
     if (real_BT[:, 1:] & ~real_BT[:, :-1]).any():
-        raise ValueError("context_parallel_strategy='ring' needs right padding (a causal mask lets real tokens "
-                         "see left padding); set --padding-side right or use --context-parallel-strategy allgather.")
+        raise ConfigError("context_parallel_strategy='ring' needs right padding (a causal mask lets real tokens "
+                          "see left padding); set --padding-side right or use --context-parallel-strategy allgather.")
 
 
 @dataclass

@@ -61,8 +61,8 @@ def _ref_tensors(pbatch: PreferenceBatch, ref_chosen, ref_rejected, like: torch.
     ref_chosen = pbatch.ref_chosen_logps if ref_chosen is None else ref_chosen
     ref_rejected = pbatch.ref_rejected_logps if ref_rejected is None else ref_rejected
     if ref_chosen is None or ref_rejected is None:
-        raise ValueError("no reference log-probs: pass ref_chosen_logps/ref_rejected_logps (a reference model's "
-                         "sequence_logps) or precompute them into the rows (precompute_ref_log_probs=True).")
+        raise ConfigError("no reference log-probs: pass ref_chosen_logps/ref_rejected_logps (a reference model's "
+                          "sequence_logps) or precompute them into the rows (precompute_ref_log_probs=True).")
     return tuple(torch.as_tensor(a, device=like.device).to(like.dtype).reshape(-1)
                  for a in (ref_chosen, ref_rejected))
 
@@ -80,8 +80,8 @@ def dpo_from_logps(logps_D: torch.Tensor, pbatch: PreferenceBatch, config: DPOLo
                                 rejected_num_tokens=counts[n:])
     denom = n if num_examples_in_step is None else int(num_examples_in_step)
     if denom < n:
-        raise ValueError(f"num_examples_in_step={denom} is smaller than this micro-batch's {n} pairs; it must "
-                         f"count the pairs of the whole optimizer step.")
+        raise ConfigError(f"num_examples_in_step={denom} is smaller than this micro-batch's {n} pairs; it must "
+                          f"count the pairs of the whole optimizer step.")
     return DPOOutput(losses.sum() / denom, losses, chosen, rejected, rc, rr)
 
 

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.dpo_batching import PreferenceBatch
+from twinseq.common.errors import ConfigError, DataError
 from twinseq.common.loss import shift_labels
 
 LOGPS_LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
@@ -51,8 +52,8 @@ class TargetRows:
         idx = np.flatnonzero(doc_N >= 0)
         targets = shift_labels(pbatch.batch.labels).reshape(-1)[idx]
         if targets.size and (targets.min() < 0 or targets.max() >= vocab_size):
-            raise ValueError(f"labels hold values in [{targets.min()}, {targets.max()}], outside the vocabulary "
-                             f"[0, {vocab_size}); fix the tokenisation or the model's vocab_size.")
+            raise DataError(f"labels hold values in [{targets.min()}, {targets.max()}], outside the vocabulary "
+                            f"[0, {vocab_size}); fix the tokenisation or the model's vocab_size.")
         as_long = lambda a: torch.as_tensor(a, dtype=torch.long, device=device)  # noqa: E731
         return cls(as_long(idx), as_long(targets), as_long(doc_N[idx]), pbatch.num_docs)
 
@@ -151,10 +152,10 @@ def token_logps(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, rows:
                 loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
     """[n] log-probs of the targets at ``rows.idx_n`` (fp32; fp64 for fp64 inputs)."""
     if loss_type not in LOGPS_LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r} has no log-prob kernel here; choose one of {LOGPS_LOSS_TYPES} "
-                         f"('liger' is the separate liger_dpo_loss path).")
+        raise ConfigError(f"loss_type={loss_type!r} has no log-prob kernel here; choose one of {LOGPS_LOSS_TYPES} "
+                          f"('liger' is the separate liger_dpo_loss path).")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+        raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
     hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
     if loss_type == "nll":
         return _token_logps_full(hidden_NH, lm_head_weight_VH, rows)

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from twinseq.common.capabilities import GPU_EXTRA as _GPU_EXTRA
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, LOSS_TYPES
+from twinseq.common.errors import ConfigError, ConfigTypeError, DataError
 from twinseq.common.loss import IGNORE_INDEX, check_num_items
 
 logger = logging.getLogger(__name__)
@@ -45,15 +46,15 @@ def shift_labels(labels_BT: torch.Tensor) -> torch.Tensor:
 
 def _check_inputs(hidden_BTH, weight_VH, labels_BT, bias_V) -> None:
     if hidden_BTH.dim() != 3 or labels_BT.shape != hidden_BTH.shape[:2]:
-        raise ValueError(f"hidden must be [B, T, H] and labels [B, T]; got hidden {tuple(hidden_BTH.shape)} "
-                         f"and labels {tuple(labels_BT.shape)}.")
+        raise ConfigError(f"hidden must be [B, T, H] and labels [B, T]; got hidden {tuple(hidden_BTH.shape)} "
+                          f"and labels {tuple(labels_BT.shape)}.")
     if weight_VH.dim() != 2 or weight_VH.shape[1] != hidden_BTH.shape[2]:
-        raise ValueError(f"lm_head_weight must be [V, H] with H={hidden_BTH.shape[2]}; got "
-                         f"{tuple(weight_VH.shape)} (pass lm_head.weight, not its transpose).")
+        raise ConfigError(f"lm_head_weight must be [V, H] with H={hidden_BTH.shape[2]}; got "
+                          f"{tuple(weight_VH.shape)} (pass lm_head.weight, not its transpose).")
     if bias_V is not None and bias_V.shape != weight_VH.shape[:1]:
-        raise ValueError(f"lm_head_bias must be [V]={weight_VH.shape[0]}, got {tuple(bias_V.shape)}.")
+        raise ConfigError(f"lm_head_bias must be [V]={weight_VH.shape[0]}, got {tuple(bias_V.shape)}.")
     if labels_BT.dtype.is_floating_point:
-        raise TypeError(f"labels must be an integer tensor, got {labels_BT.dtype}.")
+        raise ConfigTypeError(f"labels must be an integer tensor, got {labels_BT.dtype}.")
 
 
 def _num_valid_checked(targets_N: torch.Tensor, vocab_size: int, num_items_in_batch) -> tuple[int, int]:
@@ -68,7 +69,7 @@ def _num_valid_checked(targets_N: torch.Tensor, vocab_size: int, num_items_in_ba
         in_vocab_N = torch.where(valid_N, targets_N, 0)
         num_valid, lowest, highest = torch.stack([valid_N.sum(), in_vocab_N.amin(), in_vocab_N.amax()]).tolist()
     if num_valid and (lowest < 0 or highest >= vocab_size):
-        raise ValueError(f"labels hold values outside the vocabulary [0, {vocab_size}) that are not the ignore "
+        raise DataError(f"labels hold values outside the vocabulary [0, {vocab_size}) that are not the ignore "
                          f"index {IGNORE_INDEX} (min {lowest}, max {highest}); fix the tokenisation or vocab_size.")
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.item()
@@ -233,9 +234,9 @@ def _accumulate_chunk_grads(g_cV, h_cH, weight_VH, grad_h, grad_w, grad_b, rows_
 
 def _liger(hidden_nH, weight_VH, bias_V, targets_n):
     if not hidden_nH.is_cuda:
-        raise ValueError(f"loss_type='liger' needs CUDA (Liger's kernels are Triton); the hidden states are on "
-                         f"{hidden_nH.device}. Use loss_type='fused_linear', the CPU implementation of the same "
-                         f"fused loss, or run on a GPU with `{_GPU_EXTRA}`.")
+        raise ConfigError(f"loss_type='liger' needs CUDA (Liger's kernels are Triton); the hidden states are on "
+                          f"{hidden_nH.device}. Use loss_type='fused_linear', the CPU implementation of the same "
+                          f"fused loss, or run on a GPU with `{_GPU_EXTRA}`.")
     if importlib.util.find_spec("liger_kernel") is None:
         raise ImportError(f"loss_type='liger' needs the liger-kernel package; install the gpu extra with "
                           f"`{_GPU_EXTRA}`, or use loss_type='fused_linear'.")
@@ -272,9 +273,9 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
     shard does (``common.context_parallel.shard_batch``): they are used as they are.
     """
     if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r} is not valid; choose one of {LOSS_TYPES}.")
+        raise ConfigError(f"loss_type={loss_type!r} is not valid; choose one of {LOSS_TYPES}.")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+        raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
     _check_inputs(hidden_BTH, lm_head_weight_VH, labels_BT, lm_head_bias)
     hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
     targets_N = (labels_BT if targets_are_shifted else shift_labels(labels_BT)).reshape(-1).long()

@@ -37,6 +37,8 @@ from typing import Any, Optional
 
 import torch
 
+from twinseq.common.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 INPLACE_LOSS_TYPES = ("liger",)
@@ -114,19 +116,19 @@ class ActivationOffloader:
                  allow_cpu_for_testing: bool = False) -> None:
         if device is None:
             if model is None:
-                raise ValueError("ActivationOffloader needs the model or an explicit device=.")
+                raise ConfigError("ActivationOffloader needs the model or an explicit device=.")
             device = next(model.parameters()).device
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.testing = self.device.type != "cuda"
         if self.testing and not allow_cpu_for_testing:
-            raise ValueError(f"activation offloading moves activations from a CUDA device to host memory; the "
-                             f"model is on {self.device.type!r}, where activations already live in host memory. "
-                             f"Drop activation_offloading (gradient_checkpointing saves memory on CPU).")
+            raise ConfigError(f"activation offloading moves activations from a CUDA device to host memory; the "
+                              f"model is on {self.device.type!r}, where activations already live in host memory. "
+                              f"Drop activation_offloading (gradient_checkpointing saves memory on CPU).")
         if loss_type in INPLACE_LOSS_TYPES and model is None:
-            raise ValueError(f"loss_type={loss_type!r} modifies its input in place, which breaks offloaded "
-                             f"tensors; pass the model so that only the decoder region is offloaded.")
+            raise ConfigError(f"loss_type={loss_type!r} modifies its input in place, which breaks offloaded "
+                              f"tensors; pass the model so that only the decoder region is offloaded.")
         self.region = None if model is None else self._decoder_of(model)
         self.param_ptrs = set() if model is None else {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.min_offload_bytes, self.prefetch = min_offload_bytes, prefetch
@@ -144,8 +146,8 @@ class ActivationOffloader:
     def _decoder_of(model: torch.nn.Module) -> torch.nn.Module:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
         if decoder is None or decoder is model:
-            raise ValueError(f"cannot find the decoder of {type(model).__name__} (expected a .model submodule as "
-                             f"in LlamaForCausalLM); pass model=None to offload everything (not with Liger).")
+            raise ConfigError(f"cannot find the decoder of {type(model).__name__} (expected a .model submodule as "
+                              f"in LlamaForCausalLM); pass model=None to offload everything (not with Liger).")
         return decoder
 
     # ---- public state ----------------------------------------------------------------
@@ -309,6 +311,6 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: str = "full")
     (``"full"``), so other policies are refused rather than approximated.
     """
     if policy != "full":
-        raise ValueError(f"activation checkpointing policy={policy!r} is not available on the torch backend, "
-                         f"which recomputes whole layers ('full'); use policy='full'.")
+        raise ConfigError(f"activation checkpointing policy={policy!r} is not available on the torch backend, "
+                          f"which recomputes whole layers ('full'); use policy='full'.")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -58,10 +58,10 @@ def model_config_from_hf(config) -> ModelConfig:
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
         raise ConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported; twinseq builds default "
-                         f"(unscaled) RoPE only. Use a checkpoint without RoPE scaling.")
+                          f"(unscaled) RoPE only. Use a checkpoint without RoPE scaling.")
     if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
         raise ConfigError("attention_bias/mlp_bias=True is not supported by twinseq's Llama; use a checkpoint "
-                         "without biases.")
+                          "without biases.")
     values = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
                                               "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                                               "head_dim", "rms_norm_eps", "max_position_embeddings",

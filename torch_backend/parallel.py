@@ -86,17 +86,17 @@ def check_launcher_env(cfg: TrainConfig, env: Optional[Mapping[str, str]] = None
     env = os.environ if env is None else env
     if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and env.get("FSDP_VERSION", "2") != "2":
         raise ConfigError(f"the accelerate config asks for fsdp_version={env['FSDP_VERSION']}; twinseq shards with "
-                         f"FSDP2 only. Set fsdp_version: 2 in the accelerate YAML.")
+                          f"FSDP2 only. Set fsdp_version: 2 in the accelerate YAML.")
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
         cp_env = int(env.get("PARALLELISM_CONFIG_CP_SIZE", "1"))
         if cp_env != cfg.parallel.context_parallel_size:
             raise ConfigError(f"the accelerate config sets parallelism_config_cp_size={cp_env} but "
                               f"context_parallel_size={cfg.parallel.context_parallel_size}; pass --context-parallel-size "
-                             f"{cp_env} (or change the YAML) so both agree.")
+                              f"{cp_env} (or change the YAML) so both agree.")
     precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision == "bf16" and cfg.model.dtype != "bfloat16":
         raise ConfigError(f"the accelerate config sets mixed_precision=bf16 but dtype={cfg.model.dtype!r}; pass "
-                         f"--dtype bfloat16 (or set mixed_precision: 'no').")
+                          f"--dtype bfloat16 (or set mixed_precision: 'no').")
 
 
 def wants_distributed(cfg: TrainConfig, env: Optional[Mapping[str, str]] = None) -> bool:
@@ -151,13 +151,13 @@ def init_runtime(cfg: TrainConfig, env: Optional[Mapping[str, str]] = None) -> R
     from torch.distributed.device_mesh import init_device_mesh
 
     from twinseq.common.capabilities import Runtime as CapabilityRuntime
-    from twinseq.common.capabilities import check_runtime
+    from twinseq.common.runner import preflight
 
     env = os.environ if env is None else env
     world_size, rank = _env_int(env, "WORLD_SIZE", 1), _env_int(env, "RANK", 0)
     local_rank = _env_int(env, "LOCAL_RANK", 0)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    check_runtime(cfg, CapabilityRuntime("torch", device.type, world_size, accelerator=device.type == "cuda"))
+    preflight(cfg, CapabilityRuntime("torch", device.type, world_size, accelerator=device.type == "cuda"))
     check_launcher_env(cfg, env)
     mesh_cfg = MeshConfig(world_size=world_size, cp=cfg.parallel.context_parallel_size)
     owns_group = not dist.is_initialized()
@@ -310,6 +310,12 @@ def reduce_step_metrics(out: dict[str, Any], device: torch.device) -> dict[str, 
         if k in out:
             out[k] = int(round(out[k]))
     return out
+
+
+def any_over_ranks(flag: bool, device: torch.device) -> bool:
+    t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 def max_over_ranks(value: int, device: torch.device) -> int:

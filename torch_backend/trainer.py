@@ -24,17 +24,17 @@ import torch
 import torch.distributed as dist
 
 from twinseq.common.capabilities import Runtime as CapabilityRuntime
-from twinseq.common.capabilities import check_runtime
 from twinseq.common.config import TrainConfig, resolve_model_config
 from twinseq.common.errors import CheckpointError, ConfigError
+from twinseq.common.hf_checkpoint import inspect_model_folder
 from twinseq.common.init import check_weights, init_weights, parameter_shapes
 from twinseq.common.metrics import peak_rss_bytes
-from twinseq.common.runner import run
+from twinseq.common.runner import preflight, run
 from twinseq.common.schedule import lr_multiplier
-from twinseq.common.step_metrics import dpo_step_metrics, sft_step_sums, with_means
+from twinseq.common.step_metrics import apply_or_skip, dpo_step_metrics, first_nonfinite, sft_step_sums, with_means
 from twinseq.torch_backend.checkpoint import (from_numpy_tree, load_pretrained, rng_state, save_pretrained,
                                               set_rng_state, to_numpy_tree)
-from twinseq.torch_backend.parallel import (Runtime, full_model_state, full_optimizer_state, init_runtime,
+from twinseq.torch_backend.parallel import (Runtime, any_over_ranks, full_model_state, full_optimizer_state, init_runtime,
                                             load_full_model_state, load_full_optimizer_state, main_process_first,
                                             max_over_ranks, micro_batch_context, parallelize, prepare_micro_batches,
                                             reduce_step_metrics, wants_distributed)
@@ -54,13 +54,13 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int, device: torch.device) -> 
     from twinseq.torch_backend.model import build_model
 
     spec, attn = cfg.model.model_config, cfg.model.attn_implementation
+    model_cfg = inspect_model_folder(spec)[0] if Path(spec).is_dir() else resolve_model_config(spec)
+    if model_cfg.vocab_size < vocab_size:
+        raise ConfigError(f"model_config={spec!r} has vocab_size={model_cfg.vocab_size} but the tokenizer has "
+                          f"{vocab_size} tokens; use a tokenizer of at most that size.")
     if Path(spec).is_dir():
         model = load_pretrained(spec, dtype="float32", attn_implementation=attn)
     else:
-        model_cfg = resolve_model_config(spec)
-        if model_cfg.vocab_size < vocab_size:
-            raise ConfigError(f"model_config={spec!r} has vocab_size={model_cfg.vocab_size} but the tokenizer has "
-                              f"{vocab_size} tokens; use a tokenizer of at most that size.")
         model = build_model(model_cfg, init_weights(model_cfg, seed=cfg.seed), attn_implementation=attn)
     return model.to(device).train()
 
@@ -79,6 +79,15 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
     return optimizer, scheduler
 
 
+def grad_norm_fp64(params: list) -> torch.Tensor:
+    """The total 2-norm of the gradients of ``params`` (float64; DTensor gradients give the global norm)."""
+    if not params:
+        return torch.tensor(0.0, dtype=torch.float64)
+    device = params[0].grad.device
+    norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float64).to(device) for p in params]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
 def clip_grad_norm_fp64_(parameters, max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` (``grads *= min(1, max_norm / (norm + 1e-6))``, returns the
     pre-clip total norm), with the norm accumulated in float64.
@@ -89,12 +98,9 @@ def clip_grad_norm_fp64_(parameters, max_norm: float) -> torch.Tensor:
     so DTensor (FSDP2) gradients work as before.
     """
     params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return torch.tensor(0.0, dtype=torch.float64)
-    device = params[0].grad.device
-    norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float64).to(device) for p in params]
-    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    total = grad_norm_fp64(params)
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
@@ -135,19 +141,31 @@ class Trainer:
     def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
         raise NotImplementedError
 
+    def micro_losses(self, records: list[Any]) -> list[float]:
+        raise NotImplementedError
+
     def step(self, micro_batches: list[Any]) -> dict[str, Any]:
         micro_batches = self.prepare(micro_batches)
         records = [self.micro_step(mb) for mb in micro_batches]
         max_norm = self.cfg.optim.max_grad_norm
-        grad_norm = clip_grad_norm_fp64_(self.module.parameters(), max_norm) if max_norm is not None else None
+        if max_norm is not None:
+            grad_norm = clip_grad_norm_fp64_(self.module.parameters(), max_norm)
+        else:
+            grad_norm = grad_norm_fp64([p for p in self.module.parameters() if p.grad is not None])
+        problem = first_nonfinite(self.micro_losses(records), float(grad_norm))
+        if self.any_rank(problem is not None):  # every rank applies or skips the same step
+            problem = problem or "a loss or gradient norm on another rank is not finite"
+        apply = apply_or_skip(problem, skip=self.cfg.optim.skip_nonfinite_steps)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        if apply:
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = {**self.summarize(records, micro_batches), "lr": lr}
-        if grad_norm is not None:
-            out["grad_norm"] = float(grad_norm)
-        return out
+        return {**self.summarize(records, micro_batches), "lr": lr, "grad_norm": float(grad_norm),
+                "num_skipped_steps": int(not apply)}
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag if self.runtime is None else any_over_ranks(flag, self.device)
 
     def _weight_names(self) -> list[str]:
         from twinseq.torch_backend.model import model_config_of
@@ -199,6 +217,9 @@ class SFTTrainer(Trainer):
     def prepare(self, micro_batches: list[Any]) -> list[Any]:
         return micro_batches if self.runtime is None else prepare_micro_batches(micro_batches, self.cfg, self.runtime)
 
+    def micro_losses(self, records: list[dict[str, float]]) -> list[float]:
+        return [r["loss"] for r in records]
+
     def micro_step(self, micro: Any) -> dict[str, float]:
         with micro_batch_context(micro, self.runtime) as inputs:
             with offload_context(self.cfg, self.causal_lm):
@@ -219,6 +240,9 @@ class DPOTrainer(Trainer):
                  examples_per_step: int) -> None:
         super().__init__(cfg, module, device)
         self.ref_model, self.config, self.examples_per_step = ref_model, config, examples_per_step
+
+    def micro_losses(self, records: list[Any]) -> list[float]:
+        return [float(o.loss.detach()) for o in records]
 
     def micro_step(self, pbatch: Any):
         from twinseq.torch_backend.dpo import dpo_forward, liger_dpo_forward, reference_logps
@@ -323,7 +347,7 @@ def train(config: TrainConfig) -> Path:
     try:
         device = pick_device() if runtime is None else runtime.device
         if runtime is None:
-            check_runtime(cfg, CapabilityRuntime("torch", device.type, 1, accelerator=device.type == "cuda"))
+            preflight(cfg, CapabilityRuntime("torch", device.type, 1, accelerator=device.type == "cuda"))
         torch.manual_seed(cfg.seed)
         build = _build_dpo if cfg.task == "dpo" else _build_sft
         trainer, source, tokenizer, announce = build(cfg, device, runtime)

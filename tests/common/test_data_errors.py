@@ -55,9 +55,9 @@ def test_prompt_without_completion(embedded_tokenizer):
 
 def test_non_string_prompt(embedded_tokenizer):
     data = {"prompt": [[{"role": "user", "content": "q"}]], "completion": ["a"]}
-    with pytest.raises(TypeError, match=r"example 0: field 'prompt' must be a string, got list.*'messages'"):
+    with pytest.raises(TypeError, match=r"row 0 \(line 1 of a JSONL file\): field 'prompt' must be a string, got list.*'messages'"):
         tokenize_sft(data, embedded_tokenizer)
-    with pytest.raises(TypeError, match=r"example 0: field 'completion' must be a string, got int"):
+    with pytest.raises(TypeError, match=r"row 0 .*: field 'completion' must be a string, got int"):
         tokenize_sft({"prompt": ["q"], "completion": [7]}, embedded_tokenizer)
 
 
@@ -69,7 +69,7 @@ def test_mixed_column_types(embedded_tokenizer):
 
 def test_unknown_message_role(embedded_tokenizer):
     conv = [[{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
-    with pytest.raises(ValueError, match=r"example 0: messages\[0\]\['role'\]='human'.*'user'"):
+    with pytest.raises(ValueError, match=r"row 0 .*: messages\[0\]\['role'\]='human'.*'user'"):
         tokenize_sft({"messages": conv}, embedded_tokenizer)
 
 
@@ -98,7 +98,7 @@ def test_nonexistent_local_path(tmp_path):
 def test_malformed_jsonl(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "q", "completion": "a"}\n{not json\n')
-    with pytest.raises(ValueError, match=r"could not read dataset file .*bad\.jsonl.* as jsonl"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not valid JSON"):
         load_dataset_any(str(path))
 
 
@@ -154,3 +154,37 @@ def test_profiler_arguments():
         profile_lengths([], [4])
     with pytest.raises(ValueError, match=r"--candidates='128,abc'.*comma-separated"):
         lengths_main(["embedded", "--candidates", "128,abc"])
+
+
+def test_empty_texts_and_identical_pairs_are_dropped_and_counted(embedded_tokenizer):
+    from twinseq.common.truncation import DROP_EMPTY_TEXT, DROP_SAME_PAIR
+
+    rows, stats = tokenize_sft({"text": ["hello world", "", "   ", "bye"]}, embedded_tokenizer)
+    assert len(rows) == 2 and stats.dropped == {DROP_EMPTY_TEXT: 2} and "dropped: 2 (empty_text)" in str(stats)
+    rows, stats = tokenize_dpo({"prompt": ["q", "q2"], "chosen": ["same", "a"], "rejected": ["same", "b"]},
+                               embedded_tokenizer)
+    assert len(rows) == 1 and stats.dropped == {DROP_SAME_PAIR: 1}
+
+
+def test_pre_tokenised_rows_are_checked_against_the_vocabulary(embedded_tokenizer):
+    rows, stats = tokenize_sft({"input_ids": [[1, 5, 6], [1, 7]], "completion_mask": [[0, 1, 1], [0, 1]]},
+                               embedded_tokenizer)
+    assert rows["input_ids"] == [[1, 5, 6], [1, 7]] and rows["completion_mask"] == [[0, 1, 1], [0, 1]]
+    with pytest.raises(ValueError, match=r"row 1 \(line 2 of a JSONL file\): input_ids hold -3"):
+        tokenize_sft({"input_ids": [[1, 5], [1, -3]]}, embedded_tokenizer)
+    with pytest.raises(ValueError, match=r"input_ids hold 8192, outside the tokenizer's vocabulary \[0, 8192\)"):
+        tokenize_sft({"input_ids": [[1, 8192]]}, embedded_tokenizer)
+
+
+def test_json_top_level_and_line_numbers(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text('{"prompt": "q", "completion": "a"}')
+    with pytest.raises(TypeError, match="the top level is a dict"):
+        load_dataset_any(str(path))
+    path.write_text('[{"prompt": "q", "completion": "a"},\n{"prompt": "q2" "completion": "b"}]')
+    with pytest.raises(ValueError, match=r"rows\.json:2:17: not valid JSON"):
+        load_dataset_any(str(path))
+    lines = tmp_path / "rows.jsonl"
+    lines.write_text('{"prompt": "q", "completion": "a"}\n\n3\n')
+    with pytest.raises(TypeError, match=r"rows\.jsonl:3: the line holds a int"):
+        load_dataset_any(str(lines))
