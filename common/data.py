@@ -106,7 +106,7 @@ def _load_file(path: Path):
         return _from_table(pc.read_csv(path, parse_options=pc.ParseOptions(delimiter=delimiter)))
     except TwinseqError:
         raise
-    except (pa.ArrowInvalid, json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as err:
+    except (pa.ArrowException, json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as err:
         raise DataError(f"could not read dataset file {str(path)!r} as {fmt}: {one_line_of(err)}") from None
 
 
@@ -244,7 +244,7 @@ def _as_dataset(data: Any, source: str = "the data"):
             return Dataset.from_dict(data)
         if isinstance(data, list):
             return Dataset.from_list(data)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, ValueError, TypeError) as err:
+    except (pa.ArrowException, ValueError, TypeError) as err:
         raise DataTypeError(f"{source} cannot be made into a table ({one_line_of(err)}); every value of a column must "
                             f"have the same type (e.g. all prompts strings) and every column the same length.") from None
     raise DataTypeError(f"expected a datasets.Dataset, a dict of lists or a list of dicts, got {type(data).__name__}.")

@@ -67,13 +67,13 @@ def test_committed_files_without_provenance_are_marked():
 
 
 def _new_format_copy(tmp_path: Path, what: str, date: str, **prov_overrides) -> Path:
-    """An old result re-dressed with a provenance block, in a temporary results folder."""
+    """A committed result re-dressed with another provenance block, in a temporary results folder."""
     old = json.loads(next(RESULTS.glob(f"{what}_*.json")).read_text())
     prov = {"started_utc": f"{date}T10:00:00+00:00", "date_utc": date, "hardware_slug": "cpu-4core",
             "git": {"commit": "0123456789abcdef", "dirty": False, "changed_paths": []},
             "non_default_arguments": {}, **prov_overrides}
     path = tmp_path / f"{what}_cpu-4core_{date}.json"
-    path.write_text(json.dumps({"what": what, "provenance": prov, **old}))
+    path.write_text(json.dumps({**old, "what": what, "provenance": prov}))
     return path
 
 

@@ -29,10 +29,12 @@ def test_flags_override_yaml_and_use_dashes():
     assert cfg.data.padding_free is True  # from the YAML
 
 
-def test_bad_flag_value_exits_nonzero():
-    with pytest.raises(SystemExit) as err:
+def test_bad_flag_value_is_a_twinseq_error():
+    from twinseq.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="per_device_train_batch_size=0"):
         parse_train_args(["--per-device-train-batch-size", "0"])
-    assert err.value.code != 0
+    assert main(["train", "--per-device-train-batch-size", "0"]) == 2
 
 
 def test_unknown_command_and_help(capsys):

@@ -109,10 +109,10 @@ def test_save_load_round_trip_bitwise(cfg, weights, batch, tmp_path):
 
 
 def test_load_pretrained_refuses_bad_paths(tmp_path):
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match="has no config.json"):
         load_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="Llama checkpoints only"):
+    with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
         load_pretrained(tmp_path)
 
 
