@@ -51,7 +51,9 @@ def setup(preset: str, seq_len: int, batch_size: int, loss_type: str, gradient_c
     cfg = ModelConfig.preset(preset)
     model = build_model(cfg, init_weights(cfg, seed=0), attn_implementation="sdpa", device=device)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from twinseq.torch_backend.memory import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model)
     model.train()
     rng = np.random.default_rng(0)
     docs = [{"input_ids": rng.integers(3, cfg.vocab_size, seq_len).tolist()} for _ in range(batch_size)]

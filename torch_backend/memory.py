@@ -313,4 +313,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: str = "full")
     if policy != "full":
         raise ConfigError(f"activation checkpointing policy={policy!r} is not available on the torch backend, "
                           f"which recomputes whole layers ('full'); use policy='full'.")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name is deprecated
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
