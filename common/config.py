@@ -27,21 +27,21 @@ An invalid value raises ``ConfigError``/``ConfigTypeError`` naming the field, th
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import difflib
-import functools
-import math
 import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional
 
 import yaml
 
 from twinseq.common.errors import ConfigError, ConfigTypeError
+from twinseq.common.fields import (  # noqa: F401  (re-exported: the config surface)
+    _CHECKS_ON, _check_fields, _flag, deferred_checks, knob)
+from twinseq.common.models import (  # noqa: F401  (re-exported: the config surface)
+    MODEL_PRESETS, MODEL_TYPES, ModelConfig, resolve_model_config)
 
 Backend = Literal["torch", "jax"]
 Task = Literal["sft", "dpo"]
@@ -68,216 +68,6 @@ CONTEXT_PARALLEL_STRATEGIES = typing.get_args(ContextParallelStrategy)
 REPORT_TO = typing.get_args(ReportTo)
 DEFAULT_CHUNK_SIZE = 256
 """Tokens per chunk of the chunked and fused losses and log-probs, on both backends."""
-
-
-def _bounds(*, ge: Optional[float] = None, gt: Optional[float] = None, lt: Optional[float] = None,
-            le: Optional[float] = None) -> dict[str, Any]:
-    return {"bounds": {k: v for k, v in (("ge", ge), ("gt", gt), ("lt", lt), ("le", le)) if v is not None}}
-
-
-def knob(default: Any, **bounds: float) -> Any:
-    """A dataclass field with a numeric range: ``knob(1e-3, ge=0)`` (checked by ``_check_fields``)."""
-    return field(default=default, metadata=_bounds(**bounds))
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-# ---------------------------------------------------------------------------------------
-# Field checks: types from the annotations, ranges from the field metadata
-# ---------------------------------------------------------------------------------------
-
-
-def _type_name(hint: Any) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Literal:
-        return "one of " + ", ".join(map(repr, args))
-    if origin is Union:
-        return " or ".join("None" if a is type(None) else _type_name(a) for a in args)
-    if origin is list:
-        return f"a list of {_type_name(args[0])}"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
-
-
-def _coerce(name: str, value: Any, hint: Any) -> Any:
-    """``value`` checked against ``hint`` (and normalised: a single string for a list of strings, an
-    int for a float); raises ``ConfigTypeError`` or ``ConfigError`` naming the field."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is Union:
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            return _coerce(name, value, inner[0])
-        for alternative in inner:
-            try:
-                return _coerce(name, value, alternative)
-            except (ConfigError, ConfigTypeError):
-                continue
-        raise ConfigTypeError(f"{name}={value!r} is not valid: it must be {_type_name(hint)} ({_flag(name)}).")
-    if origin is Literal:
-        if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-            hint_text = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{name}={value!r} is not valid{hint_text}; choose one of "
-                              f"{', '.join(map(repr, args))} ({_flag(name)}).")
-        return value
-    if origin is list:
-        if isinstance(value, str) and (args[0] is str or typing.get_origin(args[0]) is Literal):
-            value = [value]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be {_type_name(hint)}.")
-        return [_coerce(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be true or false (a boolean, not "
-                                  f"{type(value).__name__}); on the command line use {_flag(name)} or "
-                                  f"--no-{_flag(name)[2:]}.")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be an integer, not "
-                                  f"{type(value).__name__} ({_flag(name)}).")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be a number, not "
-                                  f"{type(value).__name__} ({_flag(name)}).")
-        if not math.isfinite(value):
-            raise ConfigError(f"{name}={value!r} is not valid: it must be a finite number ({_flag(name)}).")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be a string, not "
-                                  f"{type(value).__name__} ({_flag(name)}).")
-        return value
-    raise AssertionError(f"unsupported config annotation {hint!r} for {name}")
-
-
-_RANGE_TEXT = {"ge": ">=", "gt": ">", "lt": "<", "le": "<="}
-_RANGE_OK = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "lt": lambda v, b: v < b,
-             "le": lambda v, b: v <= b}
-
-
-def _check_range(name: str, value: Any, bounds: Mapping[str, float]) -> None:
-    if value is None or not bounds:
-        return
-    values = value if isinstance(value, list) else [value]
-    for v in values:
-        if not all(_RANGE_OK[k](v, b) for k, b in bounds.items()):
-            allowed = " and ".join(f"{_RANGE_TEXT[k]} {b:g}" for k, b in bounds.items())
-            raise ConfigError(f"{name}={value!r} is not valid: it must be {allowed} ({_flag(name)}).")
-
-
-@functools.lru_cache(maxsize=None)
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-_CHECKS_ON: contextvars.ContextVar[bool] = contextvars.ContextVar("twinseq_config_checks", default=True)
-
-
-@contextlib.contextmanager
-def deferred_checks() -> typing.Iterator[None]:
-    """Build config objects without checking them; the caller then calls ``TrainConfig.validate()``.
-
-    The CLI parser builds the tree this way, so that a bad value reaches the user through
-    twinseq's error path (one line, exit 2) rather than inside the parser's own report.
-    """
-    token = _CHECKS_ON.set(False)
-    try:
-        yield
-    finally:
-        _CHECKS_ON.reset(token)
-
-
-def _check_fields(section: Any) -> None:
-    """Check (and normalise in place) every non-section field of a config dataclass: the one place."""
-    hints = _hints(type(section))
-    for f in dataclasses.fields(section):
-        if dataclasses.is_dataclass(hints[f.name]):
-            continue
-        value = _coerce(f.name, getattr(section, f.name), hints[f.name])
-        _check_range(f.name, value, f.metadata.get("bounds", {}))
-        object.__setattr__(section, f.name, value)
-
-
-# ---------------------------------------------------------------------------------------
-# Model architecture
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class ModelConfig:
-    """Architecture of a Llama-family causal LM, in Hugging Face ``LlamaConfig`` names.
-
-    Both backends build exactly this architecture: RMSNorm with ``rms_norm_eps``, default
-    (non-scaled) RoPE with ``rope_theta`` on the half-split layout of HF Llama, grouped-query
-    attention, SwiGLU MLP, and tied or untied embeddings.
-    """
-
-    vocab_size: int = knob(8192, ge=1)
-    hidden_size: int = knob(64, ge=1)
-    intermediate_size: int = knob(176, ge=1)
-    num_hidden_layers: int = knob(2, ge=1)
-    num_attention_heads: int = knob(4, ge=1)
-    num_key_value_heads: int = knob(2, ge=1)
-    head_dim: Optional[int] = knob(None, ge=1)
-    rms_norm_eps: float = knob(1e-5, gt=0)
-    rope_theta: float = knob(10000.0, gt=0)
-    max_position_embeddings: int = knob(4096, ge=1)
-    tie_word_embeddings: bool = True
-    initializer_range: float = knob(0.02, ge=0)
-    bos_token_id: Optional[int] = 1
-    eos_token_id: Union[int, list[int], None] = 2
-    pad_token_id: Optional[int] = 0
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ConfigError(
-                                  f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
-                                  f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly or "
-                                  f"change one of them.")
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                              f"ModelConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
-                              f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention).")
-
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
-        """Named architecture presets: ``tiny`` (~1.0M params, tests) and ``small`` (~12.6M, demo)."""
-        if name not in MODEL_PRESETS:
-            raise ConfigError(f"model preset {name!r} is unknown; choose one of {sorted(MODEL_PRESETS)} "
-                              f"or pass a path to a local Hugging Face checkpoint.")
-        return cls(**{**MODEL_PRESETS[name], **overrides})
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def num_parameters(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * q * 2 + h * kv * 2 + 3 * h * i + 2 * h
-        lm_head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * per_layer + h + lm_head
-
-
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=8192, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2),
-    "small": dict(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                  num_attention_heads=6, num_key_value_heads=2),
-}
 
 
 # ---------------------------------------------------------------------------------------
@@ -576,24 +366,3 @@ def load_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of field: value, "
                           f"not a {type(values).__name__}.")
     return values
-
-
-def resolve_model_config(name_or_path: str) -> ModelConfig:
-    """A preset name, or a directory holding a Hugging Face ``config.json``."""
-    if name_or_path in MODEL_PRESETS:
-        return ModelConfig.preset(name_or_path)
-    config_json = Path(name_or_path) / "config.json"
-    if config_json.is_file():
-        import json
-
-        values = json.loads(config_json.read_text())
-        # transformers 5 keeps rope_theta inside rope_parameters.
-        rope = values.get("rope_parameters") or {}
-        if "rope_theta" not in values and "rope_theta" in rope:
-            values["rope_theta"] = rope["rope_theta"]
-        if rope.get("rope_type", "default") != "default":
-            raise ConfigError(f"{config_json}: rope_type={rope['rope_type']!r} is not supported; twinseq "
-                              f"builds default (unscaled) RoPE only.")
-        return ModelConfig.from_dict(values)
-    raise ConfigError(f"model_config={name_or_path!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a "
-                      f"directory with a config.json; pass a preset name or a local checkpoint path.")

@@ -1,7 +1,7 @@
 """Hugging Face model folders as numpy, without any framework: ``config.json`` + safetensors.
 
 A model folder holds ``config.json`` and ``model.safetensors`` (or shards listed by
-``model.safetensors.index.json``), as ``LlamaForCausalLM.save_pretrained`` writes it. Tensors
+``model.safetensors.index.json``), as ``save_pretrained`` of transformers writes it. Tensors
 are read and written with ``safetensors.numpy``, never converted on the way through (float32
 stays float32, bfloat16 stays bfloat16), so torch -> jax -> torch is bitwise exact. The JAX
 backend loads and saves models through this module; both backends check folders with it.
@@ -16,9 +16,9 @@ from typing import Optional
 
 import numpy as np
 
-from twinseq.common.config import ModelConfig
 from twinseq.common.errors import CheckpointError
-from twinseq.common.init import check_weights, parameter_shapes
+from twinseq.common.init import check_weights
+from twinseq.common.models import ModelConfig, from_hf_config, parameter_shapes, to_hf_config
 
 logger = logging.getLogger(__name__)
 
@@ -28,33 +28,26 @@ INDEX_FILE = "model.safetensors.index.json"
 CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _hf_config_to_model_config(values: dict, source: str) -> ModelConfig:
-    """ModelConfig from an HF ``config.json`` dict; raises on features this Llama does not have."""
-    if values.get("model_type", "llama") != "llama":
-        raise CheckpointError(f"{source}: model_type={values.get('model_type')!r} is not supported; only 'llama' "
-                              f"checkpoints can be imported.")
-    for flag in ("attention_bias", "mlp_bias"):
-        if values.get(flag, False):
-            raise CheckpointError(f"{source}: {flag}=True is not supported (twinseq's Llama has no biases); "
-                                  f"use a checkpoint with {flag}=false.")
-    if values.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{source}: hidden_act={values['hidden_act']!r} is not supported; only 'silu' (SwiGLU).")
-    rope = dict(values.get("rope_parameters") or values.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise CheckpointError(f"{source}: rope_type={rope_type!r} is not supported; only the default (unscaled) RoPE.")
-    values = dict(values)
-    if "rope_theta" in rope:
-        values["rope_theta"] = rope["rope_theta"]
-    return ModelConfig.from_dict(values)
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of a model folder's ``config.json`` (weights not needed), or ``CheckpointError``
+    naming the file: missing, corrupt, or an architecture twinseq does not build (the error names the
+    ``model_type`` and the supported list)."""
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{str(Path(path))!r} has no {CONFIG_FILE}; pass a Hugging Face checkpoint directory "
+                              f"(config.json + model.safetensors), or a folder with a hand-written config.json to "
+                              f"train from random weights.")
+    try:
+        return from_hf_config(read_json(config_path), str(config_path))
+    except (ValueError, TypeError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(str(err) if str(err).startswith(str(config_path)) else f"{config_path}: {err}") from None
 
 
-def _model_config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
-    values = cfg.to_dict()
-    rope_theta = values.pop("rope_theta")
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-            "attention_dropout": 0.0, "hidden_act": "silu", "mlp_bias": False, "dtype": dtype,
-            "rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"}, **values}
+def has_weights(path: str | Path) -> bool:
+    """Whether a model folder holds weights (``model.safetensors`` or a safetensors index)."""
+    return (Path(path) / WEIGHTS_FILE).is_file() or (Path(path) / INDEX_FILE).is_file()
 
 
 def read_json(path: Path) -> dict:
@@ -126,16 +119,7 @@ def inspect_model_folder(path: str | Path) -> tuple[ModelConfig, dict[str, tuple
     ``config.json`` implies. Both backends run it before they load a model folder.
     """
     directory = Path(path)
-    config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
-        raise CheckpointError(f"{str(directory)!r} has no {CONFIG_FILE}; pass a Hugging Face checkpoint directory "
-                              f"(config.json + model.safetensors).")
-    try:
-        cfg = _hf_config_to_model_config(read_json(config_path), str(config_path))
-    except (ValueError, TypeError) as err:
-        if isinstance(err, CheckpointError):
-            raise
-        raise CheckpointError(f"{config_path}: {err}") from None
+    cfg = read_model_config(directory)
     shapes: dict[str, tuple[int, ...]] = {}
     for file in _weight_files(directory):
         if not file.is_file():
@@ -163,7 +147,7 @@ def check_finite(name: str, values, source: str) -> None:
 
 
 def read_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read an HF Llama checkpoint directory -> (ModelConfig, HF-named numpy weights as stored).
+    """Read a Hugging Face checkpoint directory -> (ModelConfig, HF-named numpy weights as stored).
 
     The folder is checked first (``inspect_model_folder``), then every tensor for NaN and Inf.
     """
@@ -183,7 +167,7 @@ def read_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndar
 
 def write_hf_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], path: str | Path,
                         dtype: Optional[str] = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` loadable by ``LlamaForCausalLM.from_pretrained``.
+    """Write ``config.json`` + ``model.safetensors`` loadable by ``AutoModelForCausalLM.from_pretrained``.
 
     ``dtype`` (``float32``/``bfloat16``/``float16``) casts every tensor; None keeps each as given.
     """
@@ -202,7 +186,7 @@ def write_hf_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], path: 
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    config = _model_config_to_hf(cfg, stored.pop() if len(stored) == 1 else "float32")
+    config = to_hf_config(cfg, stored.pop() if len(stored) == 1 else "float32")
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory
 

@@ -1,59 +1,47 @@
 """Initial weights, drawn once in numpy so that both backends start from the same model.
 
-The layout is Hugging Face Llama's ``state_dict`` (``model.layers.{i}.self_attn.q_proj.weight``,
-shape ``[out_features, in_features]``), so a torch ``LlamaForCausalLM`` loads it directly and
-the JAX backend transposes where it needs to.
+The layout is Hugging Face's ``state_dict`` of the family (``model.layers.{i}.self_attn.q_proj.weight``,
+shape ``[out_features, in_features]``; ``common.models.parameter_shapes``), so a torch
+``AutoModelForCausalLM`` loads it directly and the JAX backend transposes where it needs to.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from twinseq.common.config import ModelConfig
 from twinseq.common.errors import ConfigError
+from twinseq.common.models import ModelConfig, parameter_shapes
 
-
-def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Ordered ``{hf_name: shape}`` for every parameter of the model ``cfg`` describes."""
-    h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
-    q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
-    for layer in range(cfg.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
-        shapes[p + "mlp.gate_proj.weight"] = (i, h)
-        shapes[p + "mlp.up_proj.weight"] = (i, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, i)
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
+__all__ = ["check_weights", "init_weights", "parameter_shapes"]
 
 
 def init_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
-    """Draw float32 weights: N(0, initializer_range) for matrices, ones for RMSNorm scales.
+    """Draw float32 weights in ``parameter_shapes`` order, from one ``numpy`` generator.
+
+    - matrices and biases: N(0, initializer_range). Hugging Face starts biases at zero; drawing them
+      makes every bias (Qwen2's q/k/v) matter from the first step, so a test that drops one fails;
+    - RMSNorm scales: ones, so the norm starts as the identity scale. Gemma's norms compute
+      ``x * (1 + w)``, so their ones are stored as zeros.
 
     >>> w = init_weights(ModelConfig.preset("tiny"), seed=0)
     >>> w["model.norm.weight"][:3]
     array([1., 1., 1.], dtype=float32)
+    >>> init_weights(ModelConfig.preset("tiny-gemma2"), seed=0)["model.norm.weight"][:3]
+    array([0., 0., 0.], dtype=float32)
     """
     rng = np.random.default_rng(seed)
     weights: dict[str, np.ndarray] = {}
     for name, shape in parameter_shapes(cfg).items():
-        if len(shape) == 1:
-            weights[name] = np.ones(shape, dtype=np.float32)
+        if name.endswith("norm.weight"):
+            scale = 0.0 if cfg.gemma and not name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0
+            weights[name] = np.full(shape, scale, dtype=np.float32)
         else:
             weights[name] = (rng.standard_normal(shape, dtype=np.float32) * cfg.initializer_range).astype(np.float32)
     return weights
 
 
 def check_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
-    """Raise ``ValueError`` naming every missing, unexpected or mis-shaped tensor."""
+    """Raise ``ConfigError`` naming every missing, unexpected or mis-shaped tensor."""
     expected = parameter_shapes(cfg)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -67,6 +55,6 @@ def check_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
     if wrong:
         problems.append("wrong shape " + "; ".join(wrong[:5]))
     if problems:
-        raise ConfigError("weights do not match the ModelConfig: " + " | ".join(problems)
-                         + ". Check vocab_size/hidden_size/num_hidden_layers/tie_word_embeddings "
-                           "against the checkpoint's config.json.")
+        raise ConfigError(f"weights do not match the ModelConfig (model_type {cfg.model_type!r}): "
+                          + " | ".join(problems) + ". Check model_type/vocab_size/hidden_size/num_hidden_layers/"
+                          "tie_word_embeddings against the checkpoint's config.json.")

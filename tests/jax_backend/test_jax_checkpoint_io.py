@@ -100,10 +100,13 @@ def test_config_mismatch_on_import(tmp_path):
 
 
 @pytest.mark.parametrize("values,match", [
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type='llama3'"),
-    ({"attention_bias": True}, "attention_bias=True"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type='yarn'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"model_type": "mistral"}, "model_type='mistral'"),
+    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; twinseq builds llama, qwen2, qwen3, mistral, gemma2"),
+    # a supported feature whose tensors the folder lacks: named, not loaded half-way
+    ({"attention_bias": True}, r"missing \['model\.layers\.0\.self_attn\.k_proj\.bias'"),
 ])
 def test_unsupported_architectures_raise(tmp_path, values, match):
     _saved(tmp_path)

@@ -1,0 +1,382 @@
+"""The model families twinseq builds, described once for both backends: ``ModelConfig``.
+
+One dataclass in Hugging Face's names covers Llama (and Llama 3.x RoPE scaling), Qwen2/Qwen2.5,
+Qwen3, Mistral and Gemma 2. ``model_type`` picks the family; the family decides what the
+architecture has, and the fields hold its sizes and knobs:
+
+==========  ===================================================================================
+family      what differs from Llama
+==========  ===================================================================================
+llama       ``rope_type`` ``linear``/``dynamic``/``llama3``; optional ``attention_bias``/``mlp_bias``
+qwen2       q, k and v projections carry biases (o does not); optional sliding-window layers
+qwen3       RMSNorm of every query and key head (``q_norm``, ``k_norm``) before RoPE; ``head_dim``
+            independent of ``hidden_size``
+mistral     every layer attends within ``sliding_window`` positions
+gemma2      embeddings scaled by ``sqrt(hidden_size)``; RMSNorm computes ``x * (1 + w)`` in float32;
+            four norms per layer (input, post-attention, pre- and post-feedforward); GELU (tanh);
+            sliding and global layers alternate (``layer_types``); attention and final logits are
+            soft-capped (``c * tanh(x / c)``); attention scale ``query_pre_attn_scalar ** -0.5``
+==========  ===================================================================================
+
+``parameter_shapes`` lists every tensor of a family in Hugging Face's names and layout, which is
+what ``init_weights`` draws, checkpoints hold, and both backends load. ``to_hf_config`` and
+``from_hf_config`` translate to and from a ``config.json`` (transformers 5 layout).
+
+>>> cfg = ModelConfig.preset("tiny-gemma2")
+>>> cfg.model_type, cfg.layer_is_sliding(0), cfg.layer_is_sliding(1), cfg.attention_scale
+('gemma2', True, False, 0.0625)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+from twinseq.common.fields import _check_fields, knob
+from twinseq.common.errors import ConfigError
+
+ModelType = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2"]
+MODEL_TYPES = typing.get_args(ModelType)
+RopeType = Literal["default", "linear", "dynamic", "llama3"]
+LayerType = Literal["full_attention", "sliding_attention"]
+Activation = Literal["silu", "gelu_pytorch_tanh"]
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a causal LM of one of ``MODEL_TYPES``, in Hugging Face config names.
+
+    Both backends build exactly this architecture: pre-norm decoder layers with RMSNorm,
+    grouped-query attention with RoPE on the half-split layout, a gated MLP, and tied or untied
+    embeddings, plus the features of its family (see the module docstring).
+    """
+
+    model_type: ModelType = "llama"
+    vocab_size: int = knob(8192, ge=1)
+    hidden_size: int = knob(64, ge=1)
+    intermediate_size: int = knob(176, ge=1)
+    num_hidden_layers: int = knob(2, ge=1)
+    num_attention_heads: int = knob(4, ge=1)
+    num_key_value_heads: int = knob(2, ge=1)
+    head_dim: Optional[int] = knob(None, ge=1)
+    hidden_act: Activation = "silu"
+    rms_norm_eps: float = knob(1e-5, gt=0)
+    rope_theta: float = knob(10000.0, gt=0)
+    rope_type: RopeType = "default"
+    rope_factor: float = knob(1.0, gt=0)
+    """``linear``: positions divided by it; ``dynamic``: NTK base stretch; ``llama3``: low-frequency scale."""
+    rope_low_freq_factor: float = knob(1.0, gt=0)
+    rope_high_freq_factor: float = knob(4.0, gt=0)
+    rope_original_max_position_embeddings: Optional[int] = knob(None, ge=1)
+    max_position_embeddings: int = knob(4096, ge=1)
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: Optional[int] = knob(None, ge=1)
+    layer_types: Optional[list[LayerType]] = None
+    """Per layer; None: every layer ``sliding_attention`` if the family slides everywhere (mistral with a
+    ``sliding_window``), else ``full_attention``."""
+    attn_logit_softcapping: Optional[float] = knob(None, gt=0)
+    final_logit_softcapping: Optional[float] = knob(None, gt=0)
+    query_pre_attn_scalar: Optional[int] = knob(None, ge=1)
+    tie_word_embeddings: bool = True
+    initializer_range: float = knob(0.02, ge=0)
+    bos_token_id: Optional[int] = 1
+    eos_token_id: Union[int, list[int], None] = 2
+    pad_token_id: Optional[int] = 0
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
+                                  f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly or "
+                                  f"change one of them.")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"ModelConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                              f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention).")
+        if self.model_type == "gemma2" and self.layer_types is None:  # HF's default: sliding, global, sliding, ...
+            self.layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                for i in range(self.num_hidden_layers)]
+        if self.model_type == "mistral" and self.layer_types is not None:
+            raise ConfigError("ModelConfig.layer_types is not used by model_type 'mistral' (every layer slides within "
+                              "sliding_window); drop layer_types, or use model_type 'qwen2' for per-layer windows.")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"ModelConfig.layer_types has {len(self.layer_types)} entries for "
+                              f"num_hidden_layers={self.num_hidden_layers}; give one per layer.")
+        if any(self.layer_is_sliding(i) for i in range(self.num_hidden_layers)) and self.sliding_window is None:
+            raise ConfigError("ModelConfig.layer_types has 'sliding_attention' layers but sliding_window is None; "
+                              "set sliding_window (the number of positions a query attends to).")
+        if self.rope_type == "llama3" and self.rope_original_max_position_embeddings is None:
+            raise ConfigError("ModelConfig.rope_type='llama3' needs rope_original_max_position_embeddings (the "
+                              "context length before scaling, 8192 for Llama 3.1/3.2).")
+
+    # -- what the family has ---------------------------------------------------------------
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias or self.model_type == "qwen2"
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma's embedding scale, ``1 + w`` norms and pre/post feedforward norms."""
+        return self.model_type == "gemma2"
+
+    def layer_is_sliding(self, layer: int) -> bool:
+        if self.layer_types is not None:
+            return self.layer_types[layer] == "sliding_attention"
+        return self.model_type == "mistral" and self.sliding_window is not None
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        """Named architecture presets (``MODEL_PRESETS``): ``tiny`` and ``small`` Llamas, and a tiny model
+        of every family for tests and offline runs (``tiny-llama3``, ``tiny-qwen2``, ...)."""
+        if name not in MODEL_PRESETS:
+            raise ConfigError(f"model preset {name!r} is unknown; choose one of {sorted(MODEL_PRESETS)} "
+                              f"or pass a path to a local Hugging Face checkpoint.")
+        return cls(**{**MODEL_PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in known})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def num_parameters(self) -> int:
+        return sum(_numel(shape) for shape in parameter_shapes(self).values())
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+_TINY = dict(vocab_size=8192, hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": _TINY,
+    "small": dict(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+                  num_attention_heads=6, num_key_value_heads=2),
+    "tiny-llama3": dict(_TINY, rope_type="llama3", rope_theta=500000.0, rope_factor=8.0, rope_low_freq_factor=1.0,
+                        rope_high_freq_factor=4.0, rope_original_max_position_embeddings=64),
+    "tiny-qwen2": dict(_TINY, model_type="qwen2", rope_theta=1000000.0, rms_norm_eps=1e-6),
+    "tiny-qwen3": dict(_TINY, model_type="qwen3", head_dim=32, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
+    "tiny-mistral": dict(_TINY, model_type="mistral", sliding_window=16, tie_word_embeddings=False),
+    "tiny-gemma2": dict(_TINY, model_type="gemma2", head_dim=32, hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                        sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256),
+}
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Ordered ``{hf_name: shape}`` for every parameter of the model ``cfg`` describes (HF layout:
+    a linear weight is ``[out_features, in_features]``)."""
+    h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        for name, out, inp in (("q_proj", q_out, h), ("k_proj", kv_out, h), ("v_proj", kv_out, h)):
+            shapes[f"{p}self_attn.{name}.weight"] = (out, inp)
+            if cfg.qkv_bias:
+                shapes[f"{p}self_attn.{name}.bias"] = (out,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        if cfg.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        for name, out, inp in (("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)):
+            shapes[f"{p}mlp.{name}.weight"] = (out, inp)
+            if cfg.mlp_bias:
+                shapes[f"{p}mlp.{name}.bias"] = (out,)
+        for norm in layer_norm_names(cfg):
+            shapes[f"{p}{norm}.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def layer_norm_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The RMSNorms of one decoder layer, in forward order."""
+    if cfg.gemma:
+        return ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm")
+    return ("input_layernorm", "post_attention_layernorm")
+
+
+# --------------------------------------------------------------------------------------
+# config.json (transformers 5)
+# --------------------------------------------------------------------------------------
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type in ("linear", "dynamic", "llama3"):
+        rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
+    if cfg.rope_original_max_position_embeddings is not None and cfg.rope_type != "default":
+        rope["original_max_position_embeddings"] = cfg.rope_original_max_position_embeddings
+    return rope
+
+
+def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
+    """The ``config.json`` of ``cfg`` that ``AutoConfig``/``AutoModelForCausalLM`` of transformers 5 read."""
+    values = {"architectures": [ARCHITECTURES[cfg.model_type]], "model_type": cfg.model_type, "dtype": dtype,
+              "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+              "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+              "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": _rope_parameters(cfg),
+              "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+              "initializer_range": cfg.initializer_range, "attention_dropout": 0.0, "bos_token_id": cfg.bos_token_id,
+              "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id, "use_cache": False,
+              ("hidden_activation" if cfg.gemma else "hidden_act"): cfg.hidden_act}
+    if cfg.model_type in ("llama", "qwen3", "gemma2"):
+        values["attention_bias"] = cfg.attention_bias
+    if cfg.model_type == "llama":
+        values["mlp_bias"] = cfg.mlp_bias
+    if cfg.model_type in ("qwen2", "qwen3"):
+        values.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                      max_window_layers=cfg.num_hidden_layers)
+    if cfg.model_type in ("qwen2", "qwen3", "gemma2"):
+        values["layer_types"] = [("sliding_attention" if cfg.layer_is_sliding(i) else "full_attention")
+                                 for i in range(cfg.num_hidden_layers)]
+    if cfg.model_type in ("mistral", "gemma2"):
+        values["sliding_window"] = cfg.sliding_window
+    if cfg.gemma:
+        values.update(attn_logit_softcapping=cfg.attn_logit_softcapping,
+                      final_logit_softcapping=cfg.final_logit_softcapping,
+                      query_pre_attn_scalar=cfg.query_pre_attn_scalar)
+    return values
+
+
+def _refuse(source: str, field: str, value: Any, fix: str) -> None:
+    raise ConfigError(f"{source}: {field}={value!r} is not supported; {fix}")
+
+
+# What transformers 5 assumes for a key that config.json leaves out, per family: a hand-written
+# config.json means here what it means to ``AutoConfig``. ``"heads"`` is num_attention_heads,
+# ``"split"`` is hidden_size // num_attention_heads.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads="heads", head_dim="split", max_position_embeddings=2048,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=None),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim="split", max_position_embeddings=32768,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
+                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim="split", max_position_embeddings=131072,
+                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=None, sliding_window=4096),
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                   tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, sliding_window=4096,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256),
+}
+_COMMON_DEFAULTS = dict(rms_norm_eps=1e-6, initializer_range=0.02, attention_bias=False, mlp_bias=False,
+                        rope_theta=10000.0)
+
+
+def from_hf_config(values: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """``ModelConfig`` of a Hugging Face ``config.json`` dict, read as transformers 5 reads it (its defaults
+    for absent keys, per family); raises ``ConfigError`` naming the field of an architecture twinseq
+    does not build (another ``model_type``, activation, RoPE) and what it builds instead."""
+    model_type = values.get("model_type")
+    if model_type not in MODEL_TYPES:
+        _refuse(source, "model_type", model_type, f"twinseq builds {', '.join(MODEL_TYPES)} "
+                f"(model_type in config.json).")
+    act_key = "hidden_activation" if model_type == "gemma2" else "hidden_act"
+    act = values.get(act_key) or values.get("hidden_act") or ("gelu_pytorch_tanh" if model_type == "gemma2" else "silu")
+    if act not in typing.get_args(Activation):
+        _refuse(source, act_key, act, f"twinseq builds {', '.join(typing.get_args(Activation))} MLPs.")
+    rope = dict(values.get("rope_parameters") or values.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in typing.get_args(RopeType):
+        _refuse(source, "rope_type", rope_type, f"twinseq builds {', '.join(typing.get_args(RopeType))} RoPE.")
+    if float(rope.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))) != 1.0:
+        _refuse(source, "partial_rotary_factor", rope.get("partial_rotary_factor", values.get("partial_rotary_factor")),
+                "twinseq rotates whole heads.")
+    defaults = {**_COMMON_DEFAULTS, **_HF_DEFAULTS[model_type]}
+    out = {k: values.get(k, defaults.get(k)) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+        "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "attention_bias", "mlp_bias")}
+    if out["num_key_value_heads"] in (None, "heads"):
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    if out["head_dim"] in (None, "split"):
+        out["head_dim"] = None  # ModelConfig splits hidden_size
+    if model_type in ("qwen2", "mistral"):
+        out["attention_bias"] = False  # Qwen2's q/k/v biases come with the family; neither has an o_proj bias
+    if model_type != "llama":
+        out["mlp_bias"] = False
+    out.update(model_type=model_type, hidden_act=act, rope_type=rope_type,
+               rope_theta=float(rope.get("rope_theta", values.get("rope_theta", defaults["rope_theta"]))))
+    for key, name in (("factor", "rope_factor"), ("low_freq_factor", "rope_low_freq_factor"),
+                      ("high_freq_factor", "rope_high_freq_factor"),
+                      ("original_max_position_embeddings", "rope_original_max_position_embeddings")):
+        if rope.get(key) is not None and rope_type != "default":
+            out[name] = rope[key]
+    if model_type == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            out[key] = values.get(key, defaults[key])
+    sliding_window = values.get("sliding_window", defaults.get("sliding_window"))
+    if model_type in ("qwen2", "qwen3"):
+        if values.get("use_sliding_window", False) and sliding_window is not None:
+            out["sliding_window"] = sliding_window
+            window_from = values.get("max_window_layers", 28)
+            out["layer_types"] = values.get("layer_types") or [
+                "sliding_attention" if i >= window_from else "full_attention" for i in range(out["num_hidden_layers"])]
+    elif model_type == "mistral":
+        out["sliding_window"] = sliding_window
+    elif model_type == "gemma2":
+        out["sliding_window"] = sliding_window
+        out["layer_types"] = values.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(out["num_hidden_layers"])]
+    try:
+        return ModelConfig.from_dict(out)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def resolve_model_config(name_or_path: str) -> ModelConfig:
+    """A preset name, or a directory holding a Hugging Face ``config.json``."""
+    if name_or_path in MODEL_PRESETS:
+        return ModelConfig.preset(name_or_path)
+    config_json = Path(name_or_path) / "config.json"
+    if config_json.is_file():
+        try:
+            values = json.loads(config_json.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{config_json}:{err.lineno}: not valid JSON ({err.msg}).") from None
+        return from_hf_config(values, str(config_json))
+    raise ConfigError(f"model_config={name_or_path!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a "
+                      f"directory with a config.json; pass a preset name or a local checkpoint path.")
