@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from twinseq.common.errors import CheckpointError
+from twinseq.common.errors import CheckpointError, ConfigError
 from twinseq.common.init import check_weights
 from twinseq.common.models import ModelConfig, from_hf_config, parameter_shapes, to_hf_config
 
@@ -137,6 +138,49 @@ def inspect_model_folder(path: str | Path) -> tuple[ModelConfig, dict[str, tuple
         raise CheckpointError(f"{directory}: the weights do not match {CONFIG_FILE}: {'; '.join(problems)}; the "
                               f"folder mixes files of two models, or config.json was edited.")
     return cfg, shapes
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What ``model_config`` names: an architecture, and the folder its weights come from (None: twinseq
+    draws them with ``common.init.init_weights``, the same model on both backends)."""
+
+    config: ModelConfig
+    weights_folder: Optional[Path]
+    description: str
+
+
+def resolve_model_source(spec: str) -> ModelSource:
+    """The model a run trains, from ``--model-config``: a preset name, a Hugging Face checkpoint folder
+    (``config.json`` + safetensors, checked by ``inspect_model_folder``), or a folder holding only a
+    ``config.json`` (written by hand, say): that architecture from random initial weights, as the log says.
+
+    >>> resolve_model_source("tiny-qwen3").description
+    "preset 'tiny-qwen3' (qwen3, 1.79M parameters), random initial weights"
+    """
+    from twinseq.common.models import MODEL_PRESETS, resolve_model_config
+
+    path = Path(spec)
+    if spec not in MODEL_PRESETS and path.is_dir():
+        if has_weights(path):
+            cfg = inspect_model_folder(path)[0]
+            return ModelSource(cfg, path, f"{spec} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M parameters)")
+        cfg = read_model_config(path)
+        logger.info("%s has a config.json but no weights: training %s from random initial weights", spec,
+                    cfg.model_type)
+        return ModelSource(cfg, None, f"{spec} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M parameters), "
+                                      f"config.json only: random initial weights")
+    cfg = resolve_model_config(spec)
+    return ModelSource(cfg, None, f"preset {spec!r} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M "
+                                  f"parameters), random initial weights")
+
+
+def check_tokenizer_fits(cfg: ModelConfig, tokenizer_vocab_size: int, spec: str) -> None:
+    """``ConfigError`` when the tokenizer can produce ids the model has no embedding for."""
+    if cfg.vocab_size < tokenizer_vocab_size:
+        raise ConfigError(f"model_config={spec!r} has vocab_size={cfg.vocab_size} but the tokenizer has "
+                          f"{tokenizer_vocab_size} tokens; use the model's own tokenizer (--tokenizer-name-or-path) "
+                          f"or one of at most {cfg.vocab_size} tokens.")
 
 
 def check_finite(name: str, values, source: str) -> None:

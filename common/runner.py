@@ -99,12 +99,11 @@ def preflight(cfg: TrainConfig, runtime: Any) -> None:
     """Every check that needs no data and no model, in the order a user would fix them: what this
     machine can run (``common.capabilities``), the output folder, the model folder, the checkpoint."""
     from twinseq.common.capabilities import check_runtime
-    from twinseq.common.hf_checkpoint import inspect_model_folder
+    from twinseq.common.hf_checkpoint import resolve_model_source
 
     check_runtime(cfg, runtime)
     check_output_dir(cfg.output_dir)
-    if Path(cfg.model.model_config).is_dir():
-        inspect_model_folder(cfg.model.model_config)
+    resolve_model_source(cfg.model.model_config)
     if cfg.resume_from_checkpoint not in (None, "latest", "auto"):
         read_meta(cfg.resume_from_checkpoint)
 

@@ -38,9 +38,9 @@ from jax.sharding import PartitionSpec as P
 
 from twinseq.common.batching import Batch, pad_batch
 from twinseq.common.capabilities import Runtime
-from twinseq.common.config import TrainConfig, resolve_model_config
-from twinseq.common.errors import CheckpointError, ConfigError
-from twinseq.common.hf_checkpoint import inspect_model_folder, read_hf_checkpoint
+from twinseq.common.config import TrainConfig
+from twinseq.common.errors import CheckpointError
+from twinseq.common.hf_checkpoint import check_tokenizer_fits, read_hf_checkpoint, resolve_model_source
 from twinseq.common.init import check_weights, init_weights
 from twinseq.common.metrics import peak_rss_bytes
 from twinseq.common.runner import preflight, run
@@ -118,12 +118,11 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> LlamaForCausalLM:
     """The model of ``cfg.model.model_config`` (a local folder, or a preset with ``common``'s initial
     weights) with float32 master weights (``dtype`` only changes the compute dtype, like torch autocast)."""
     spec = cfg.model.model_config
-    model_cfg = inspect_model_folder(spec)[0] if Path(spec).is_dir() else resolve_model_config(spec)
-    if model_cfg.vocab_size < vocab_size:
-        raise ConfigError(f"model_config={spec!r} has vocab_size={model_cfg.vocab_size} but the tokenizer has "
-                          f"{vocab_size} tokens; use a tokenizer of at most that size.")
-    weights = read_hf_checkpoint(spec)[1] if Path(spec).is_dir() else init_weights(model_cfg, seed=cfg.seed)
-    return LlamaForCausalLM(model_cfg, weights, dtype="float32")
+    source = resolve_model_source(spec)
+    check_tokenizer_fits(source.config, vocab_size, spec)
+    weights = (read_hf_checkpoint(source.weights_folder)[1] if source.weights_folder is not None
+               else init_weights(source.config, seed=cfg.seed))
+    return LlamaForCausalLM(source.config, weights, dtype="float32")
 
 
 def _compute_dtype(cfg: TrainConfig) -> Optional[str]:

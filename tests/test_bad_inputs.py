@@ -174,8 +174,10 @@ def _break_model(kind: str, folder: Path) -> None:
     elif kind == "unsupported architecture":
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
-    elif kind == "no weights":
+    elif kind == "index lists a missing shard":  # (a folder with config.json alone trains from random weights)
         weights.unlink()
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}))
     elif kind == "truncated weights":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     elif kind == "not safetensors":
@@ -191,7 +193,7 @@ MODEL_CASES = {
     "no config.json": "has no config.json",
     "corrupt config.json": "config.json:2: not valid JSON",
     "unsupported architecture": "model_type='gpt2'",
-    "no weights": "holds neither model.safetensors",
+    "index lists a missing shard": "model-00001-of-00002.safetensors is listed in model.safetensors.index.json but missing",
     "truncated weights": "model.safetensors is truncated",
     "not safetensors": "not a readable safetensors file",
     "shapes differ from config.json": "do not match config.json",

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from twinseq.common.capabilities import Runtime as CapabilityRuntime
-from twinseq.common.config import TrainConfig, resolve_model_config
-from twinseq.common.errors import CheckpointError, ConfigError
-from twinseq.common.hf_checkpoint import inspect_model_folder
+from twinseq.common.config import TrainConfig
+from twinseq.common.errors import CheckpointError
+from twinseq.common.hf_checkpoint import check_tokenizer_fits, resolve_model_source
 from twinseq.common.init import check_weights, init_weights, parameter_shapes
 from twinseq.common.metrics import peak_rss_bytes
 from twinseq.common.runner import preflight, run
@@ -54,14 +54,12 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int, device: torch.device) -> 
     from twinseq.torch_backend.model import build_model
 
     spec, attn = cfg.model.model_config, cfg.model.attn_implementation
-    model_cfg = inspect_model_folder(spec)[0] if Path(spec).is_dir() else resolve_model_config(spec)
-    if model_cfg.vocab_size < vocab_size:
-        raise ConfigError(f"model_config={spec!r} has vocab_size={model_cfg.vocab_size} but the tokenizer has "
-                          f"{vocab_size} tokens; use a tokenizer of at most that size.")
-    if Path(spec).is_dir():
-        model = load_pretrained(spec, dtype="float32", attn_implementation=attn)
+    source = resolve_model_source(spec)
+    check_tokenizer_fits(source.config, vocab_size, spec)
+    if source.weights_folder is not None:
+        model = load_pretrained(source.weights_folder, dtype="float32", attn_implementation=attn)
     else:
-        model = build_model(model_cfg, init_weights(model_cfg, seed=cfg.seed), attn_implementation=attn)
+        model = build_model(source.config, init_weights(source.config, seed=cfg.seed), attn_implementation=attn)
     return model.to(device).train()
 
 
