@@ -1,8 +1,8 @@
 """Datasets in, tokenised and truncated rows out: the data side of both trainers.
 
-- ``load_dataset_any(name_or_path, split)``: the embedded datasets, local JSONL / JSON /
-  Parquet / CSV files, a folder saved with ``Dataset.save_to_disk``, or a Hub name (which
-  needs network; offline it fails at once with a message that says so).
+- ``load_dataset_any(name_or_path, split)`` (``twinseq.common.data_loading``): the embedded
+  datasets, local JSONL / JSON / Parquet / CSV files, a folder saved with
+  ``Dataset.save_to_disk``, or a Hub name (which needs network; offline it fails at once).
 - ``tokenize_sft``: ``prompt``/``completion`` -> ``input_ids`` + ``completion_mask``;
   ``text`` -> ``input_ids``; ``messages`` -> ``input_ids`` + ``assistant_masks`` (chat template).
 - ``tokenize_dpo``: ``prompt``/``chosen``/``rejected`` -> ``prompt_input_ids``,
@@ -14,17 +14,11 @@ Truncation rules and drop reasons live in ``twinseq.common.truncation``.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import re
-import urllib.error
-import urllib.request
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from twinseq.common import corpus
-from twinseq.common.errors import DataError, DataTypeError, TwinseqError
+from twinseq.common.data_loading import as_dataset, from_table, load_dataset_any
+from twinseq.common.errors import DataError, DataTypeError
 from twinseq.common.tokenizer import TwinseqTokenizer, load_tokenizer, row_name, validate_messages
 from twinseq.common.truncation import (DROP_EMPTY_CHOSEN, DROP_EMPTY_COMPLETION, DROP_EMPTY_REJECTED,
                                        DROP_EMPTY_TEXT, DROP_NO_ASSISTANT, DROP_NO_TARGETS, DROP_SAME_PAIR,
@@ -34,220 +28,13 @@ from twinseq.common.truncation import (DROP_EMPTY_CHOSEN, DROP_EMPTY_COMPLETION,
 
 logger = logging.getLogger(__name__)
 
-FILE_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv"}
-_PATH_LIKE_SUFFIXES = set(FILE_FORMATS) | {".txt", ".arrow", ".gz", ".zip", ".xlsx", ".md", ".yaml", ".yml"}
 CHUNK_ROWS = 1000
 PROGRESS_MIN_ROWS = 20_000
-NETWORK_PROBE_TIMEOUT_S = 3.0
-
-
-# --------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------
-
-
-def one_line_of(err: BaseException) -> str:
-    return " ".join(str(err).split())
-
-
-def _parse_split(split: str) -> tuple[str, Optional[str]]:
-    """``"train[:100]"`` -> ``("train", ":100")``; ``"train"`` -> ``("train", None)``."""
-    m = re.fullmatch(r"(\w+)(?:\[(-?\d*%?:-?\d*%?)\])?", split)
-    if not m:
-        raise DataError(f"dataset_split={split!r} is not valid; use a split name such as 'train', "
-                        f"optionally sliced: 'train[:1000]', 'train[100:200]', 'train[:10%]'.")
-    return m.group(1), m.group(2)
-
-
-def _apply_slice(ds, spec: Optional[str]):
-    if spec is None:
-        return ds
-    n = len(ds)
-
-    def bound(text: str, default: int) -> int:
-        if not text:
-            return default
-        return int(text[:-1]) * n // 100 if text.endswith("%") else int(text)
-
-    start, stop = spec.split(":")
-    return ds.select(range(*slice(bound(start, 0), bound(stop, n)).indices(n)))
-
-
-def _from_table(table):
-    from datasets import Dataset
-    from datasets.table import InMemoryTable
-
-    return Dataset(InMemoryTable(table))
-
-
-def _load_file(path: Path):
-    import pyarrow as pa
-
-    fmt = FILE_FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise DataError(f"dataset file {str(path)!r} has the unsupported extension {path.suffix!r}; "
-                        f"supported: {', '.join(FILE_FORMATS)}. Convert it, e.g. to JSONL with one "
-                        f"{{\"prompt\", \"completion\"}} object per line.")
-    try:
-        if fmt == "json":
-            return _as_dataset(_read_json_rows(path), source=str(path))
-        if fmt == "jsonl":
-            import pyarrow.json as pj
-
-            _check_jsonl_lines(path)
-            return _from_table(pj.read_json(path))
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            return _from_table(pq.read_table(path))
-        import pyarrow.csv as pc
-
-        delimiter = "\t" if fmt == "tsv" else ","
-        return _from_table(pc.read_csv(path, parse_options=pc.ParseOptions(delimiter=delimiter)))
-    except TwinseqError:
-        raise
-    except (pa.ArrowException, json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as err:
-        raise DataError(f"could not read dataset file {str(path)!r} as {fmt}: {one_line_of(err)}") from None
-
-
-def _read_json_rows(path: Path):
-    """A ``.json`` file: a list of row objects, or an object of equal-length columns."""
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}); fix that line, or write one "
-                        f"object per line as JSONL.") from None
-    if isinstance(data, list) and all(isinstance(row, dict) for row in data):
-        return data
-    if isinstance(data, dict) and all(isinstance(col, list) for col in data.values()):
-        return data
-    kind = type(data).__name__ if not isinstance(data, list) else "list of " + ", ".join(
-        sorted({type(row).__name__ for row in data}))
-    raise DataTypeError(f"{path}: the top level is a {kind}; a dataset file holds rows: a list of objects "
-                        f"([{{\"prompt\": ..., \"completion\": ...}}, ...]) or an object of columns.")
-
-
-def _check_jsonl_lines(path: Path) -> None:
-    """Name the first line of a JSONL file that is not a JSON object (Arrow's reader names none)."""
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}); fix that line "
-                                f"(one JSON object per line).") from None
-            if not isinstance(row, dict):
-                raise DataTypeError(f"{path}:{number}: the line holds a {type(row).__name__}, not an object; a JSONL "
-                                    f"dataset has one {{\"field\": value}} object per line.")
-
-
-def _load_folder(path: Path, split: str):
-    import datasets
-
-    if any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
-        loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded:
-                raise DataError(f"dataset_split={split!r} is not in {str(path)!r}; available splits: "
-                                f"{sorted(loaded)}.")
-            return loaded[split]
-        return loaded
-    logger.info("%s is not a save_to_disk folder; reading its data files with datasets.load_dataset", path)
-    return datasets.load_dataset(str(path), split=split)
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _network_error(endpoint: str, timeout: float = NETWORK_PROBE_TIMEOUT_S) -> Optional[str]:
-    """None if ``endpoint`` answers within ``timeout`` seconds, else the error as text."""
-    try:
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout)
-    except urllib.error.HTTPError:
-        return None  # the server answered; the network works
-    except (urllib.error.URLError, OSError, ValueError) as err:
-        return f"{type(err).__name__}: {getattr(err, 'reason', err)}"
-    return None
-
-
-def _load_hub(name: str, split: str):
-    hint = ("Pass a local JSONL, JSON, Parquet or CSV file, a folder saved with Dataset.save_to_disk, "
-            "or 'embedded' (the offline default).")
-    if _env_flag("HF_HUB_OFFLINE") or _env_flag("HF_DATASETS_OFFLINE"):
-        import datasets
-
-        if not datasets.config.HF_HUB_OFFLINE:  # the variable was set after datasets was imported
-            raise DataError(f"dataset_name={name!r} is not a local file or folder and HF_HUB_OFFLINE is set, "
-                            f"so it cannot be fetched from the Hugging Face Hub. {hint}")
-        try:
-            return datasets.load_dataset(name, split=split)
-        except Exception as err:  # noqa: BLE001 - datasets raises many types; all mean "not cached"
-            raise DataError(f"dataset_name={name!r} is not a local path and, with HF_HUB_OFFLINE set, not in "
-                            f"the local Hugging Face cache either ({type(err).__name__}: {err}). {hint}") from err
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    error = _network_error(endpoint)
-    if error is not None:
-        raise DataError(f"dataset_name={name!r} is not a local file or folder, so it was looked up on the "
-                        f"Hugging Face Hub, but {endpoint} cannot be reached (network problem: {error}). "
-                        f"{hint}")
-    import datasets
-
-    return datasets.load_dataset(name, split=split)
-
-
-def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or Path(name).suffix.lower() in _PATH_LIKE_SUFFIXES
-
-
-def load_dataset_any(name_or_path: str, split: str = "train"):
-    """A ``datasets.Dataset`` from an embedded name, a local file or folder, or a Hub name.
-
-    ``split`` may be sliced like in ``datasets``: ``"train[:1000]"``, ``"train[:10%]"``.
-    A single file or an embedded dataset only has the split ``train``.
-    """
-    if not isinstance(name_or_path, (str, os.PathLike)):
-        raise DataTypeError(f"dataset_name must be a string, got {type(name_or_path).__name__} ({name_or_path!r}).")
-    name_or_path = str(name_or_path)
-    split_name, spec = _parse_split(split)
-    path = Path(name_or_path).expanduser()
-    if name_or_path in corpus.EMBEDDED_NAMES or path.is_file():
-        if split_name != "train":
-            raise DataError(f"dataset_split={split!r}: {name_or_path!r} has a single split, 'train'; "
-                            f"select a part of it with e.g. 'train[:90%]'.")
-        ds = corpus.load_embedded(name_or_path) if name_or_path in corpus.EMBEDDED_NAMES else _load_file(path)
-    elif path.is_dir():
-        ds = _load_folder(path, split_name)
-    elif _looks_like_path(name_or_path):
-        raise DataError(f"dataset_name={name_or_path!r}: no such file or folder ({str(path.resolve())!r}); "
-                        f"check the path, or use 'embedded' for the offline default data.")
-    else:
-        ds = _load_hub(name_or_path, split_name)
-    return _apply_slice(ds, spec)
 
 
 # --------------------------------------------------------------------------------------
 # Tokenisation helpers
 # --------------------------------------------------------------------------------------
-
-
-def _as_dataset(data: Any, source: str = "the data"):
-    import pyarrow as pa
-    from datasets import Dataset
-
-    if isinstance(data, Dataset):
-        return data
-    try:
-        if isinstance(data, dict):
-            return Dataset.from_dict(data)
-        if isinstance(data, list):
-            return Dataset.from_list(data)
-    except (pa.ArrowException, ValueError, TypeError) as err:
-        raise DataTypeError(f"{source} cannot be made into a table ({one_line_of(err)}); every value of a column must "
-                            f"have the same type (e.g. all prompts strings) and every column the same length.") from None
-    raise DataTypeError(f"expected a datasets.Dataset, a dict of lists or a list of dicts, got {type(data).__name__}.")
 
 
 def _chunks(ds, progress: Optional[bool], desc: str) -> Iterator[tuple[int, dict]]:
@@ -409,7 +196,7 @@ def tokenize_sft(dataset: Any, tokenizer: TwinseqTokenizer, *, max_length: Optio
     """
     check_truncation_mode(truncation_mode)
     check_length("max_length", max_length)
-    ds = _as_dataset(dataset)
+    ds = as_dataset(dataset)
     fmt = detect_sft_format(ds.column_names)
     mask_field = _loss_mask_field(fmt, completion_only_loss, assistant_only_loss)
     stats = TruncationStats(task="sft")
@@ -429,7 +216,7 @@ def tokenize_sft(dataset: Any, tokenizer: TwinseqTokenizer, *, max_length: Optio
             if _keep_sft_row(row, mask_field, stats):
                 for key, value in row.items():
                     columns[key].append(value)
-    return _from_table(_columns_table(columns)), stats
+    return from_table(_columns_table(columns)), stats
 
 
 # --------------------------------------------------------------------------------------
@@ -469,7 +256,7 @@ def tokenize_dpo(dataset: Any, tokenizer: TwinseqTokenizer, *, max_prompt_length
     for name, value in (("max_prompt_length", max_prompt_length), ("max_completion_length", max_completion_length),
                         ("max_length", max_length)):
         check_length(name, value)
-    ds = _as_dataset(dataset)
+    ds = as_dataset(dataset)
     _missing_columns(ds.column_names, ("prompt", "chosen", "rejected"), "DPO",
                      "{'prompt': 'Q', 'chosen': 'good A', 'rejected': 'bad A'}")
     limits = dict(max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
@@ -492,7 +279,7 @@ def tokenize_dpo(dataset: Any, tokenizer: TwinseqTokenizer, *, max_prompt_length
             if row is not None:
                 for key, value in row.items():
                     columns[key].append(value)
-    return _from_table(_columns_table(columns)), stats
+    return from_table(_columns_table(columns)), stats
 
 
 # --------------------------------------------------------------------------------------
@@ -547,3 +334,7 @@ def prepare_dpo_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     stats.log()
     _raise_if_empty(rows, stats, cfg)
     return rows, tokenizer, stats
+
+
+__all__ = ["load_dataset_any", "tokenize_sft", "tokenize_dpo", "prepare_sft_dataset", "prepare_dpo_dataset",
+           "detect_sft_format"]
