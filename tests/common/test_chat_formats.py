@@ -331,3 +331,20 @@ def test_any_conversational_rows(toks, scheme, family, data):
         assert str(err).strip() and "\n" not in str(err)
         return
     assert stats.examples_seen == len(rows) == len(out) + stats.examples_dropped
+
+
+def test_prompt_ids_are_the_ids_generation_starts_from(embedded_tokenizer):
+    """Where a BPE merge crosses the prompt/completion boundary (a Llama 3 shaped template ends
+    its generation prompt with "\\n\\n"; the embedded GPT-2 style BPE merges "\\n\\n" only at the
+    end of a text), the prompt ids are those of the prompt alone, not a slice of the whole
+    conversation's ids (docs/data-formats.md)."""
+    config = {**embedded_tokenizer.config, "chat_template": FAMILIES["llama3"].template}
+    tok = TwinseqTokenizer(embedded_tokenizer.backend, config)
+    prompt_text = tok.render_prompt([USER])
+    whole = tok.encode(tok.render_text([USER, BLUE]))
+    assert whole[:len(tok.encode(prompt_text))] != tok.encode(prompt_text)  # the merge crosses the boundary
+    rows, _ = tokenize_sft({"prompt": [[USER]], "completion": [[BLUE]]}, tok)
+    n = len(tok.encode(prompt_text))
+    assert rows[0]["input_ids"][:n] == tok.encode(prompt_text)
+    assert tok.decode(rows[0]["input_ids"]) == tok.decode(whole)  # the same text either way
+    assert tok.decode(rows[0]["input_ids"][n:]) == "It is blue.<|eot_id|>"
