@@ -263,8 +263,8 @@ def split_rendered(prompt_text: str, full_text: str, index: Optional[int], field
               min(len(prompt_text), len(full_text)))
     raise DataError(f"{_where(index)}the chat template renders 'prompt' + {field!r} so that it does not start with "
                     f"the rendered prompt (they differ at character {at}: prompt {prompt_text[at:at + 30]!r}, "
-                    f"conversation {full_text[at:at + 30]!r}): the template renders a turn differently depending on what "
-                    f"follows it. Fix the template{fix}.")
+                    f"conversation {full_text[at:at + 30]!r}): the template renders a turn differently depending "
+                    f"on what follows it. Fix the template{fix}.")
 
 
 __all__ = ["VALID_ROLES", "EXTRA_ROLES", "row_name", "template_roles", "validate_messages", "clean_messages",

@@ -461,7 +461,8 @@ def load_tokenizer(name_or_path: str = "embedded") -> TwinseqTokenizer:
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a corrupt file
         raise DataError(f"{folder / 'tokenizer.json'} cannot be read by the tokenizers library "
-                        f"({' '.join(str(err).split())[:200]}); restore the file from the model's repository.") from None
+                        f"({' '.join(str(err).split())[:200]}); restore the file from the model's "
+                        f"repository.") from None
     config, source, missing = _read_config(folder)
     if name_or_path == "embedded":
         source = "the embedded default (common/chat_template.jinja)"

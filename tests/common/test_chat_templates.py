@@ -177,6 +177,19 @@ def test_broken_folders_are_refused_at_load(tmp_path, case, edit, fragment):
         load_tokenizer(str(folder))
 
 
+@pytest.mark.parametrize("name,text,fragment", [
+    ("tokenizer.json", '{"version": "1.0", "model": 3}', r"tokenizer\.json cannot be read by the tokenizers library"),
+    ("tokenizer_config.json", "{not json", r"tokenizer_config\.json is not valid JSON"),
+    ("special_tokens_map.json", "[1, 2]", r"special_tokens_map\.json holds a list, not a JSON object"),
+])
+def test_corrupt_files_are_refused_at_load(tmp_path, name, text, fragment):
+    folder = save_tokenizer_folder(tmp_path / "corrupt", "chatml")
+    _edit_config(folder, added_tokens_decoder=None)  # so that special_tokens_map.json is read
+    (folder / name).write_text(text)
+    with pytest.raises(TwinseqError, match=fragment):
+        load_tokenizer(str(folder))
+
+
 def test_roles_come_from_the_template(folders):
     """ChatML names a 'tool' role, so tool turns are allowed there and refused by the Llama 3 one."""
     chatml, llama3 = load_tokenizer(str(folders["chatml", "config"])), load_tokenizer(str(folders["llama3", "config"]))
