@@ -1,31 +1,31 @@
 """Datasets in, tokenised and truncated rows out: the data side of both trainers.
 
-- ``load_dataset_any(name_or_path, split)``: the embedded datasets, local JSONL / JSON /
-  Parquet / CSV files, a folder saved with ``Dataset.save_to_disk``, or a Hub name (which
-  needs network; offline it fails at once with a message that says so).
-- ``tokenize_sft``: ``prompt``/``completion`` -> ``input_ids`` + ``completion_mask``;
-  ``text`` -> ``input_ids``; ``messages`` -> ``input_ids`` + ``assistant_masks`` (chat template).
-- ``tokenize_dpo``: ``prompt``/``chosen``/``rejected`` -> ``prompt_input_ids``,
-  ``chosen_input_ids``, ``rejected_input_ids``.
+- ``load_dataset_any(name_or_path, split)`` (``twinseq.common.data_loading``): the embedded
+  datasets, local JSONL / JSON / Parquet / CSV files, a folder saved with
+  ``Dataset.save_to_disk``, or a Hub name (which needs network; offline it fails at once).
+- ``tokenize_sft``: ``prompt``/``completion`` (strings or message lists) -> ``input_ids`` +
+  ``completion_mask``; ``text`` -> ``input_ids``; ``messages`` -> ``input_ids`` +
+  ``assistant_masks`` (chat template).
+- ``tokenize_dpo``: ``prompt``/``chosen``/``rejected`` (strings or message lists; ``prompt``
+  may be implicit) -> ``prompt_input_ids``, ``chosen_input_ids``, ``rejected_input_ids``.
 - ``prepare_sft_dataset(cfg)`` / ``prepare_dpo_dataset(cfg)``: what a trainer calls.
 
-Truncation rules and drop reasons live in ``twinseq.common.truncation``.
+Which columns make which format is ``twinseq.common.formats`` (TRL's format table); chat
+rendering is ``twinseq.common.chat``; truncation rules and drop reasons live in
+``twinseq.common.truncation``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import re
-import urllib.error
-import urllib.request
-from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
-from twinseq.common import corpus
-from twinseq.common.errors import DataError, DataTypeError, TwinseqError
-from twinseq.common.tokenizer import TwinseqTokenizer, load_tokenizer, row_name, validate_messages
+from twinseq.common import formats
+from twinseq.common.chat import row_name
+from twinseq.common.data_loading import as_dataset, from_table, load_dataset_any
+from twinseq.common.errors import DataError, DataTypeError
+from twinseq.common.formats import detect_dpo_format, detect_sft_format
+from twinseq.common.tokenizer import TwinseqTokenizer, load_tokenizer
 from twinseq.common.truncation import (DROP_EMPTY_CHOSEN, DROP_EMPTY_COMPLETION, DROP_EMPTY_REJECTED,
                                        DROP_EMPTY_TEXT, DROP_NO_ASSISTANT, DROP_NO_TARGETS, DROP_SAME_PAIR,
                                        DROP_TOO_SHORT, TruncationStats,
@@ -34,220 +34,13 @@ from twinseq.common.truncation import (DROP_EMPTY_CHOSEN, DROP_EMPTY_COMPLETION,
 
 logger = logging.getLogger(__name__)
 
-FILE_FORMATS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".tsv": "tsv"}
-_PATH_LIKE_SUFFIXES = set(FILE_FORMATS) | {".txt", ".arrow", ".gz", ".zip", ".xlsx", ".md", ".yaml", ".yml"}
 CHUNK_ROWS = 1000
 PROGRESS_MIN_ROWS = 20_000
-NETWORK_PROBE_TIMEOUT_S = 3.0
-
-
-# --------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------
-
-
-def one_line_of(err: BaseException) -> str:
-    return " ".join(str(err).split())
-
-
-def _parse_split(split: str) -> tuple[str, Optional[str]]:
-    """``"train[:100]"`` -> ``("train", ":100")``; ``"train"`` -> ``("train", None)``."""
-    m = re.fullmatch(r"(\w+)(?:\[(-?\d*%?:-?\d*%?)\])?", split)
-    if not m:
-        raise DataError(f"dataset_split={split!r} is not valid; use a split name such as 'train', "
-                        f"optionally sliced: 'train[:1000]', 'train[100:200]', 'train[:10%]'.")
-    return m.group(1), m.group(2)
-
-
-def _apply_slice(ds, spec: Optional[str]):
-    if spec is None:
-        return ds
-    n = len(ds)
-
-    def bound(text: str, default: int) -> int:
-        if not text:
-            return default
-        return int(text[:-1]) * n // 100 if text.endswith("%") else int(text)
-
-    start, stop = spec.split(":")
-    return ds.select(range(*slice(bound(start, 0), bound(stop, n)).indices(n)))
-
-
-def _from_table(table):
-    from datasets import Dataset
-    from datasets.table import InMemoryTable
-
-    return Dataset(InMemoryTable(table))
-
-
-def _load_file(path: Path):
-    import pyarrow as pa
-
-    fmt = FILE_FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise DataError(f"dataset file {str(path)!r} has the unsupported extension {path.suffix!r}; "
-                        f"supported: {', '.join(FILE_FORMATS)}. Convert it, e.g. to JSONL with one "
-                        f"{{\"prompt\", \"completion\"}} object per line.")
-    try:
-        if fmt == "json":
-            return _as_dataset(_read_json_rows(path), source=str(path))
-        if fmt == "jsonl":
-            import pyarrow.json as pj
-
-            _check_jsonl_lines(path)
-            return _from_table(pj.read_json(path))
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            return _from_table(pq.read_table(path))
-        import pyarrow.csv as pc
-
-        delimiter = "\t" if fmt == "tsv" else ","
-        return _from_table(pc.read_csv(path, parse_options=pc.ParseOptions(delimiter=delimiter)))
-    except TwinseqError:
-        raise
-    except (pa.ArrowException, json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as err:
-        raise DataError(f"could not read dataset file {str(path)!r} as {fmt}: {one_line_of(err)}") from None
-
-
-def _read_json_rows(path: Path):
-    """A ``.json`` file: a list of row objects, or an object of equal-length columns."""
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}); fix that line, or write one "
-                        f"object per line as JSONL.") from None
-    if isinstance(data, list) and all(isinstance(row, dict) for row in data):
-        return data
-    if isinstance(data, dict) and all(isinstance(col, list) for col in data.values()):
-        return data
-    kind = type(data).__name__ if not isinstance(data, list) else "list of " + ", ".join(
-        sorted({type(row).__name__ for row in data}))
-    raise DataTypeError(f"{path}: the top level is a {kind}; a dataset file holds rows: a list of objects "
-                        f"([{{\"prompt\": ..., \"completion\": ...}}, ...]) or an object of columns.")
-
-
-def _check_jsonl_lines(path: Path) -> None:
-    """Name the first line of a JSONL file that is not a JSON object (Arrow's reader names none)."""
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}); fix that line "
-                                f"(one JSON object per line).") from None
-            if not isinstance(row, dict):
-                raise DataTypeError(f"{path}:{number}: the line holds a {type(row).__name__}, not an object; a JSONL "
-                                    f"dataset has one {{\"field\": value}} object per line.")
-
-
-def _load_folder(path: Path, split: str):
-    import datasets
-
-    if any((path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
-        loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.DatasetDict):
-            if split not in loaded:
-                raise DataError(f"dataset_split={split!r} is not in {str(path)!r}; available splits: "
-                                f"{sorted(loaded)}.")
-            return loaded[split]
-        return loaded
-    logger.info("%s is not a save_to_disk folder; reading its data files with datasets.load_dataset", path)
-    return datasets.load_dataset(str(path), split=split)
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _network_error(endpoint: str, timeout: float = NETWORK_PROBE_TIMEOUT_S) -> Optional[str]:
-    """None if ``endpoint`` answers within ``timeout`` seconds, else the error as text."""
-    try:
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout)
-    except urllib.error.HTTPError:
-        return None  # the server answered; the network works
-    except (urllib.error.URLError, OSError, ValueError) as err:
-        return f"{type(err).__name__}: {getattr(err, 'reason', err)}"
-    return None
-
-
-def _load_hub(name: str, split: str):
-    hint = ("Pass a local JSONL, JSON, Parquet or CSV file, a folder saved with Dataset.save_to_disk, "
-            "or 'embedded' (the offline default).")
-    if _env_flag("HF_HUB_OFFLINE") or _env_flag("HF_DATASETS_OFFLINE"):
-        import datasets
-
-        if not datasets.config.HF_HUB_OFFLINE:  # the variable was set after datasets was imported
-            raise DataError(f"dataset_name={name!r} is not a local file or folder and HF_HUB_OFFLINE is set, "
-                            f"so it cannot be fetched from the Hugging Face Hub. {hint}")
-        try:
-            return datasets.load_dataset(name, split=split)
-        except Exception as err:  # noqa: BLE001 - datasets raises many types; all mean "not cached"
-            raise DataError(f"dataset_name={name!r} is not a local path and, with HF_HUB_OFFLINE set, not in "
-                            f"the local Hugging Face cache either ({type(err).__name__}: {err}). {hint}") from err
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    error = _network_error(endpoint)
-    if error is not None:
-        raise DataError(f"dataset_name={name!r} is not a local file or folder, so it was looked up on the "
-                        f"Hugging Face Hub, but {endpoint} cannot be reached (network problem: {error}). "
-                        f"{hint}")
-    import datasets
-
-    return datasets.load_dataset(name, split=split)
-
-
-def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or Path(name).suffix.lower() in _PATH_LIKE_SUFFIXES
-
-
-def load_dataset_any(name_or_path: str, split: str = "train"):
-    """A ``datasets.Dataset`` from an embedded name, a local file or folder, or a Hub name.
-
-    ``split`` may be sliced like in ``datasets``: ``"train[:1000]"``, ``"train[:10%]"``.
-    A single file or an embedded dataset only has the split ``train``.
-    """
-    if not isinstance(name_or_path, (str, os.PathLike)):
-        raise DataTypeError(f"dataset_name must be a string, got {type(name_or_path).__name__} ({name_or_path!r}).")
-    name_or_path = str(name_or_path)
-    split_name, spec = _parse_split(split)
-    path = Path(name_or_path).expanduser()
-    if name_or_path in corpus.EMBEDDED_NAMES or path.is_file():
-        if split_name != "train":
-            raise DataError(f"dataset_split={split!r}: {name_or_path!r} has a single split, 'train'; "
-                            f"select a part of it with e.g. 'train[:90%]'.")
-        ds = corpus.load_embedded(name_or_path) if name_or_path in corpus.EMBEDDED_NAMES else _load_file(path)
-    elif path.is_dir():
-        ds = _load_folder(path, split_name)
-    elif _looks_like_path(name_or_path):
-        raise DataError(f"dataset_name={name_or_path!r}: no such file or folder ({str(path.resolve())!r}); "
-                        f"check the path, or use 'embedded' for the offline default data.")
-    else:
-        ds = _load_hub(name_or_path, split_name)
-    return _apply_slice(ds, spec)
 
 
 # --------------------------------------------------------------------------------------
 # Tokenisation helpers
 # --------------------------------------------------------------------------------------
-
-
-def _as_dataset(data: Any, source: str = "the data"):
-    import pyarrow as pa
-    from datasets import Dataset
-
-    if isinstance(data, Dataset):
-        return data
-    try:
-        if isinstance(data, dict):
-            return Dataset.from_dict(data)
-        if isinstance(data, list):
-            return Dataset.from_list(data)
-    except (pa.ArrowException, ValueError, TypeError) as err:
-        raise DataTypeError(f"{source} cannot be made into a table ({one_line_of(err)}); every value of a column must "
-                            f"have the same type (e.g. all prompts strings) and every column the same length.") from None
-    raise DataTypeError(f"expected a datasets.Dataset, a dict of lists or a list of dicts, got {type(data).__name__}.")
 
 
 def _chunks(ds, progress: Optional[bool], desc: str) -> Iterator[tuple[int, dict]]:
@@ -271,30 +64,6 @@ def _check_strings(values: list, field: str, offset: int, fix: str) -> None:
                                 f"{type(value).__name__} {str(value)[:80]!r}; {fix}")
 
 
-def _missing_columns(columns: list[str], needed: tuple[str, ...], task: str, example: str) -> None:
-    missing = [c for c in needed if c not in columns]
-    if missing:
-        raise DataError(f"{task} data needs the column(s) {missing}, but the dataset has {sorted(columns)}; "
-                        f"rename your columns, e.g. {example}.")
-
-
-def detect_sft_format(columns: list[str]) -> str:
-    """``input_ids`` (pre-tokenised) > ``messages`` > ``prompt_completion`` > ``text``, by the columns present."""
-    if "input_ids" in columns:
-        return "tokenized"
-    if "messages" in columns:
-        return "messages"
-    if "prompt" in columns or "completion" in columns:
-        _missing_columns(columns, ("prompt", "completion"), "prompt/completion SFT",
-                         "{'prompt': 'Q', 'completion': 'A'}")
-        return "prompt_completion"
-    if "text" in columns:
-        return "text"
-    raise DataError(f"SFT data needs a 'messages', a 'prompt'+'completion' or a 'text' column, but the dataset "
-                    f"has {sorted(columns)}; rename your columns (for preference data with "
-                    f"prompt/chosen/rejected, use task='dpo').")
-
-
 def _columns_table(columns: dict[str, list]):
     import pyarrow as pa
 
@@ -302,39 +71,80 @@ def _columns_table(columns: dict[str, list]):
     return pa.table({k: pa.array(v, type=pa.list_(types.get(k, pa.int32()))) for k, v in columns.items()})
 
 
+def _special(tok: TwinseqTokenizer) -> tuple[list[int], list[int]]:
+    """``([bos], [eos])`` for plain text (empty lists where the tokenizer has none)."""
+    return ([tok.bos_token_id] if tok.bos_token_id is not None else [],
+            [tok.eos_token_id] if tok.eos_token_id is not None else [])
+
+
+def _log_format(task: str, fmt: str, tok: TwinseqTokenizer) -> None:
+    template = f"; chat template from {tok.chat_template_source}" if fmt in formats.CONVERSATIONAL else ""
+    logger.info("%s data format: %s%s", task, formats.DESCRIPTIONS[fmt], template)
+
+
 # --------------------------------------------------------------------------------------
 # SFT
 # --------------------------------------------------------------------------------------
 
+# An encoder turns a chunk of rows into one entry per row: the tokenised columns, or the
+# reason the row is dropped (a key of TruncationStats.dropped).
+Encoded = list[Union[dict, str]]
+_MIXED_FIX = ("pass strings in both 'prompt' and 'completion' (standard), or lists of {'role', 'content'} "
+              "messages in both (conversational; or one 'messages' column with the whole conversation).")
 
-def _encode_prompt_completion(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[Optional[dict]]:
-    fix = "conversational prompt/completion is not supported; use a 'messages' column instead."
-    _check_strings(batch["prompt"], "prompt", offset, fix)
-    _check_strings(batch["completion"], "completion", offset, fix)
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    out: list[Optional[dict]] = []
+
+def _encode_prompt_completion(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) -> Encoded:
+    _check_strings(batch["prompt"], "prompt", offset, _MIXED_FIX)
+    _check_strings(batch["completion"], "completion", offset, _MIXED_FIX)
+    bos, eos = _special(tok)
+    out: Encoded = []
     for p, c, comp in zip(tok.encode_batch(batch["prompt"]), tok.encode_batch(batch["completion"]),
                           batch["completion"]):
         if not comp.strip():
-            out.append(None)
+            out.append(DROP_EMPTY_COMPLETION)
             continue
         head, tail = bos + p, c + eos
         out.append({"input_ids": head + tail, "completion_mask": [0] * len(head) + [1] * len(tail)})
     return out
 
 
-def _encode_text(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[Optional[dict]]:
+def _encode_conversational_prompt_completion(batch: dict, offset: int, tok: TwinseqTokenizer,
+                                             assistant_masks: bool) -> Encoded:
+    """Prompt and completion message lists -> ``input_ids`` = prompt ids + completion ids.
+
+    The prompt text (``render_prompt``) and the completion text (the rest of the rendered
+    conversation) are tokenised separately, so the prompt ids are the ids a generation call
+    starts from; ``completion_mask`` is 1 on the completion ids. No bos/eos is added: the
+    template writes them.
+    """
+    out: Encoded = []
+    for i, (prompt, completion) in enumerate(zip(batch["prompt"], batch["completion"])):
+        index = offset + i
+        prompt = tok.validate_messages(prompt, index, "prompt")
+        completion = tok.validate_messages(completion, index, "completion")
+        if formats.is_empty_conversation(completion):
+            out.append(DROP_EMPTY_COMPLETION)
+            continue
+        prompt_text, completion_text = tok.render_prompt_completion(prompt, completion, index)
+        spans = tok.render_chat(prompt + completion, index=index, field="completion")[1] if assistant_masks else ()
+        (p_ids, c_ids), mask = tok.encode_with_spans([prompt_text, completion_text], spans)
+        row = {"input_ids": p_ids + c_ids, "completion_mask": [0] * len(p_ids) + [1] * len(c_ids)}
+        if assistant_masks:
+            row["assistant_masks"] = mask
+        out.append(row)
+    return out
+
+
+def _encode_text(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) -> Encoded:
     _check_strings(batch["text"], "text", offset, "tokenise plain text only.")
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    return [{"input_ids": bos + ids + eos} if text.strip() else None
+    bos, eos = _special(tok)
+    return [{"input_ids": bos + ids + eos} if text.strip() else DROP_EMPTY_TEXT
             for ids, text in zip(tok.encode_batch(batch["text"]), batch["text"])]
 
 
-def _encode_tokenized(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[Optional[dict]]:
+def _encode_tokenized(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) -> Encoded:
     """Pre-tokenised rows (``input_ids``, maybe ``completion_mask``), checked against the vocabulary."""
-    out: list[Optional[dict]] = []
+    out: Encoded = []
     for i, ids in enumerate(batch["input_ids"]):
         where = row_name(offset + i)
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -350,43 +160,52 @@ def _encode_tokenized(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[O
                 raise DataError(f"{where}: completion_mask must be a list as long as input_ids ({len(ids)}), got "
                                 f"{str(mask)[:80]!r}.")
             row["completion_mask"] = list(mask)
-        out.append(row if ids else None)
+        out.append(row if ids else DROP_EMPTY_TEXT)
     return out
 
 
-def _encode_messages(batch: dict, offset: int, tok: TwinseqTokenizer) -> list[Optional[dict]]:
-    out: list[Optional[dict]] = []
+def _encode_messages(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) -> Encoded:
+    out: Encoded = []
     for i, messages in enumerate(batch["messages"]):
-        validate_messages(messages, index=offset + i)
-        # Arrow structs may carry extra keys (e.g. a null 'name'); the template wants role/content
-        clean = [{"role": m["role"], "content": m["content"]} for m in messages]
-        ids, mask = tok.apply_chat_template(clean)
+        ids, mask = tok.apply_chat_template(messages, index=offset + i)
         out.append({"input_ids": ids, "assistant_masks": mask})
     return out
 
 
-_SFT_COLUMNS = {"prompt_completion": ("input_ids", "completion_mask"), "text": ("input_ids",),
-                "messages": ("input_ids", "assistant_masks"), "tokenized": ("input_ids",)}
-_ENCODERS: dict[str, Callable] = {"prompt_completion": _encode_prompt_completion, "text": _encode_text,
-                                  "messages": _encode_messages, "tokenized": _encode_tokenized}
+_ENCODERS: dict[str, Callable] = {
+    formats.PROMPT_COMPLETION: _encode_prompt_completion, formats.TEXT: _encode_text,
+    formats.MESSAGES: _encode_messages, formats.TOKENIZED: _encode_tokenized,
+    formats.CONVERSATIONAL_PROMPT_COMPLETION: _encode_conversational_prompt_completion}
 
 
-def _loss_mask_field(fmt: str, completion_only_loss: Optional[bool], assistant_only_loss: bool) -> Optional[str]:
-    """The mask the collator will apply, which decides whether a row has any target left."""
-    if fmt == "prompt_completion" and completion_only_loss is not False:
-        return "completion_mask"
-    if fmt == "messages" and assistant_only_loss:
-        return "assistant_masks"
-    if fmt == "tokenized" and completion_only_loss is not False:
-        return "completion_mask"
-    return None
+def _sft_columns(fmt: str, column_names: list[str], assistant_only_loss: bool) -> tuple[str, ...]:
+    if fmt == formats.TEXT:
+        return ("input_ids",)
+    if fmt == formats.MESSAGES:
+        return ("input_ids", "assistant_masks")
+    if fmt == formats.TOKENIZED:
+        return ("input_ids",) + (("completion_mask",) if "completion_mask" in column_names else ())
+    extra = ("assistant_masks",) if fmt == formats.CONVERSATIONAL_PROMPT_COMPLETION and assistant_only_loss else ()
+    return ("input_ids", "completion_mask") + extra
 
 
-def _keep_sft_row(row: dict, mask_field: Optional[str], stats: TruncationStats) -> bool:
-    if mask_field == "assistant_masks" and not any(row["assistant_masks"]):
+def _loss_mask_fields(fmt: str, completion_only_loss: Optional[bool], assistant_only_loss: bool) -> tuple[str, ...]:
+    """The masks the collator will apply, which decide whether a row has any target left."""
+    fields = ()
+    if fmt in (formats.PROMPT_COMPLETION, formats.CONVERSATIONAL_PROMPT_COMPLETION, formats.TOKENIZED) \
+            and completion_only_loss is not False:
+        fields += ("completion_mask",)
+    if fmt in (formats.MESSAGES, formats.CONVERSATIONAL_PROMPT_COMPLETION) and assistant_only_loss:
+        fields += ("assistant_masks",)
+    return fields
+
+
+def _keep_sft_row(row: dict, mask_fields: tuple[str, ...], stats: TruncationStats) -> bool:
+    if "assistant_masks" in mask_fields and not any(row["assistant_masks"]):
         stats.drop(DROP_NO_ASSISTANT)
         return False
-    mask = row.get(mask_field) if mask_field else None
+    masks = [row[f] for f in mask_fields if f in row]
+    mask = [min(bits) for bits in zip(*masks)] if masks else None
     if num_targets(mask, len(row["input_ids"])) == 0:
         stats.drop(DROP_NO_TARGETS if mask is not None else DROP_TOO_SHORT)
         return False
@@ -398,9 +217,12 @@ def tokenize_sft(dataset: Any, tokenizer: TwinseqTokenizer, *, max_length: Optio
                  assistant_only_loss: bool = False, progress: Optional[bool] = None):
     """Tokenise and truncate SFT data; returns ``(datasets.Dataset, TruncationStats)``.
 
-    prompt/completion: ``[bos] + prompt + completion + [eos]``, ``completion_mask`` 1 on
-    completion and eos. ``text``: ``[bos] + text + [eos]``. ``messages``: the chat template,
-    with ``assistant_masks``. Rows with no loss target left are dropped and counted (an
+    Formats (``twinseq.common.formats``): standard prompt/completion gives
+    ``[bos] + prompt + completion + [eos]`` with ``completion_mask`` 1 on completion and
+    eos; ``text`` gives ``[bos] + text + [eos]``; ``messages`` the chat template with
+    ``assistant_masks``; conversational prompt/completion the chat template with
+    ``completion_mask`` 1 on the completion (and ``assistant_masks`` when
+    ``assistant_only_loss``). Rows with no loss target left are dropped and counted (an
     empty completion is always dropped).
 
     >>> rows, stats = tokenize_sft({"prompt": ["Q"], "completion": ["A"]}, tok)  # doctest: +SKIP
@@ -409,27 +231,25 @@ def tokenize_sft(dataset: Any, tokenizer: TwinseqTokenizer, *, max_length: Optio
     """
     check_truncation_mode(truncation_mode)
     check_length("max_length", max_length)
-    ds = _as_dataset(dataset)
-    fmt = detect_sft_format(ds.column_names)
-    mask_field = _loss_mask_field(fmt, completion_only_loss, assistant_only_loss)
+    ds = as_dataset(dataset)
+    fmt = formats.detect_sft_format(ds.column_names, formats.column_kinds(ds))
+    _log_format("sft", fmt, tokenizer)
+    mask_fields = _loss_mask_fields(fmt, completion_only_loss, assistant_only_loss)
     stats = TruncationStats(task="sft")
-    names = _SFT_COLUMNS[fmt] + (("completion_mask",) if fmt == "tokenized" and "completion_mask" in ds.column_names
-                                 else ())
-    columns: dict[str, list] = {name: [] for name in names}
-    empty = DROP_EMPTY_COMPLETION if fmt == "prompt_completion" else DROP_EMPTY_TEXT
+    columns: dict[str, list] = {name: [] for name in _sft_columns(fmt, ds.column_names, assistant_only_loss)}
     for offset, batch in _chunks(ds, progress, "tokenizing sft"):
-        for row in _ENCODERS[fmt](batch, offset, tokenizer):
-            if row is None:
+        for row in _ENCODERS[fmt](batch, offset, tokenizer, assistant_only_loss):
+            if isinstance(row, str):
                 stats.record(0, 0)
-                stats.drop(empty)
+                stats.drop(row)
                 continue
             n = len(row["input_ids"])
             row, removed = truncate_sft(row, max_length, truncation_mode)
             stats.record(n, removed)
-            if _keep_sft_row(row, mask_field, stats):
+            if _keep_sft_row(row, mask_fields, stats):
                 for key, value in row.items():
                     columns[key].append(value)
-    return _from_table(_columns_table(columns)), stats
+    return from_table(_columns_table(columns)), stats
 
 
 # --------------------------------------------------------------------------------------
@@ -453,14 +273,47 @@ def _dpo_row(prompt_ids: list, chosen_ids: list, rejected_ids: list, limits: dic
     return {"prompt_input_ids": prompt_ids, "chosen_input_ids": chosen_ids, "rejected_input_ids": rejected_ids}
 
 
+_PREFERENCE_FIX = ("pass strings in every one of 'prompt', 'chosen' and 'rejected' (standard), or lists of "
+                   "{'role', 'content'} messages in every one (conversational).")
+
+
+def _standard_preference(batch: dict, offset: int, implicit: bool) -> list[Union[tuple[str, str, str], str]]:
+    """String rows -> ``(prompt, chosen, rejected)`` texts or a drop reason; extracts implicit prompts."""
+    fields = ("chosen", "rejected") if implicit else ("prompt", "chosen", "rejected")
+    for field in fields:
+        _check_strings(batch[field], field, offset, _PREFERENCE_FIX)
+    out: list[Union[tuple[str, str, str], str]] = []
+    for i, (chosen, rejected) in enumerate(zip(batch["chosen"], batch["rejected"])):
+        if not chosen.strip() or not rejected.strip():
+            out.append(DROP_EMPTY_COMPLETION)
+        elif chosen == rejected:
+            out.append(DROP_SAME_PAIR)
+        elif implicit:
+            out.append(formats.split_implicit_prompt(chosen, rejected, offset + i))
+        else:
+            out.append((batch["prompt"][i], chosen, rejected))
+    return out
+
+
+def _conversational_preference(batch: dict, offset: int, tok: TwinseqTokenizer,
+                               implicit: bool) -> list[Union[tuple[str, str, str], str]]:
+    prompts = [None] * len(batch["chosen"]) if implicit else batch["prompt"]
+    return [formats.conversational_preference(tok, p, c, r, offset + i, DROP_EMPTY_COMPLETION, DROP_SAME_PAIR)
+            for i, (p, c, r) in enumerate(zip(prompts, batch["chosen"], batch["rejected"]))]
+
+
 def tokenize_dpo(dataset: Any, tokenizer: TwinseqTokenizer, *, max_prompt_length: Optional[int] = None,
                  max_completion_length: Optional[int] = None, max_length: Optional[int] = None,
                  truncation_mode: str = "keep_start", progress: Optional[bool] = None):
     """Tokenise and truncate preference data; returns ``(datasets.Dataset, TruncationStats)``.
 
-    ``prompt_input_ids = [bos] + prompt``, ``chosen_input_ids = chosen + [eos]`` (same for
-    rejected), then the DPO truncation rule of ``twinseq.common.truncation.truncate_dpo``.
-    ``tokens_seen`` counts the prompt once plus both completions.
+    Standard (strings): ``prompt_input_ids = [bos] + prompt``, ``chosen_input_ids = chosen +
+    [eos]`` (same for rejected). Conversational (message lists): the prompt rendered with
+    the generation prompt, and each completion the rest of its rendered conversation, with
+    no bos/eos added (the template writes its own). Without a ``prompt`` column the prompt
+    is the shared start of chosen and rejected. Then the DPO truncation rule of
+    ``twinseq.common.truncation.truncate_dpo``. ``tokens_seen`` counts the prompt once plus
+    both completions.
     """
     check_truncation_mode(truncation_mode)
     if truncation_mode != "keep_start":
@@ -469,33 +322,32 @@ def tokenize_dpo(dataset: Any, tokenizer: TwinseqTokenizer, *, max_prompt_length
     for name, value in (("max_prompt_length", max_prompt_length), ("max_completion_length", max_completion_length),
                         ("max_length", max_length)):
         check_length(name, value)
-    ds = _as_dataset(dataset)
-    _missing_columns(ds.column_names, ("prompt", "chosen", "rejected"), "DPO",
-                     "{'prompt': 'Q', 'chosen': 'good A', 'rejected': 'bad A'}")
+    ds = as_dataset(dataset)
+    fmt = formats.detect_dpo_format(ds.column_names, formats.column_kinds(ds))
+    _log_format("dpo", fmt, tokenizer)
+    conversational = fmt in formats.CONVERSATIONAL
+    implicit = fmt in (formats.IMPLICIT_PREFERENCE, formats.CONVERSATIONAL_IMPLICIT_PREFERENCE)
     limits = dict(max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
                   max_length=max_length)
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    bos, eos = ([], []) if conversational else _special(tokenizer)
     stats = TruncationStats(task="dpo")
     columns: dict[str, list] = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": []}
     for offset, batch in _chunks(ds, progress, "tokenizing dpo"):
-        for field in ("prompt", "chosen", "rejected"):
-            _check_strings(batch[field], field, offset, "conversational preference data is not supported; "
-                                                         "pass plain strings.")
-        encoded = [tokenizer.encode_batch(batch[f]) for f in ("prompt", "chosen", "rejected")]
-        for p, c, r, c_text, r_text in zip(*encoded, batch["chosen"], batch["rejected"]):
-            if not c_text.strip() or not r_text.strip() or c_text == r_text:
-                stats.record(0, 0)
-                stats.drop(DROP_EMPTY_COMPLETION if not c_text.strip() or not r_text.strip() else DROP_SAME_PAIR)
-                continue
+        rows = (_conversational_preference(batch, offset, tokenizer, implicit) if conversational
+                else _standard_preference(batch, offset, implicit))
+        kept = [r for r in rows if not isinstance(r, str)]
+        encoded = [tokenizer.encode_batch([r[k] for r in kept]) for k in range(3)]
+        for reason in (r for r in rows if isinstance(r, str)):
+            stats.record(0, 0)
+            stats.drop(reason)
+        for p, c, r in zip(*encoded):
             row = _dpo_row(bos + p, c + eos, r + eos, limits, stats)
             if row is not None:
                 for key, value in row.items():
                     columns[key].append(value)
-    return _from_table(_columns_table(columns)), stats
+    return from_table(_columns_table(columns)), stats
 
 
-# --------------------------------------------------------------------------------------
 # Trainer entry points
 # --------------------------------------------------------------------------------------
 
@@ -547,3 +399,7 @@ def prepare_dpo_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     stats.log()
     _raise_if_empty(rows, stats, cfg)
     return rows, tokenizer, stats
+
+
+__all__ = ["load_dataset_any", "tokenize_sft", "tokenize_dpo", "prepare_sft_dataset", "prepare_dpo_dataset",
+           "detect_sft_format", "detect_dpo_format"]

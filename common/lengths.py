@@ -204,7 +204,7 @@ def sequence_lengths(dataset, tokenizer, progress: Optional[bool] = None) -> np.
     """Untruncated token lengths: one per SFT example, two (prompt+chosen, prompt+rejected) per DPO pair."""
     from twinseq.common.data import tokenize_dpo, tokenize_sft
 
-    if {"prompt", "chosen", "rejected"} <= set(dataset.column_names):
+    if {"chosen", "rejected"} <= set(dataset.column_names):  # a prompt may be implicit
         rows, stats = tokenize_dpo(dataset, tokenizer, progress=progress)
         prompt = np.array([len(x) for x in rows["prompt_input_ids"]], dtype=np.int64)
         chosen = np.array([len(x) for x in rows["chosen_input_ids"]], dtype=np.int64)

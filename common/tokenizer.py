@@ -10,16 +10,23 @@ Special tokens of the embedded tokenizer: ``<pad>``=0, ``<s>``=1 (bos), ``</s>``
 then the chat role markers ``<|system|>``, ``<|user|>``, ``<|assistant|>``.
 
 ``load_tokenizer(path)`` loads any local folder holding a ``tokenizer.json``; a Hub name is
-resolved only from the local Hugging Face cache, never downloaded.
+resolved only from the local Hugging Face cache, never downloaded. The folder is read as
+``transformers.AutoTokenizer`` reads it, so a conversation renders to the same ids here and
+at inference:
+
+- special tokens (bos, eos, pad, ...) from ``tokenizer_config.json``; ``special_tokens_map.json``
+  overrides them only in older saves without ``added_tokens_decoder``. A special token that
+  is not in the vocabulary is refused. No pad token: pad with eos (logged), as TRL does.
+- the chat template from ``chat_template.jinja`` (and ``additional_chat_templates/``) when
+  present, else from ``tokenizer_config.json``; of a list of named templates, ``default``.
+  Chat rendering itself is ``twinseq.common.chat``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
-import re
 import shutil
 from importlib import resources
 from pathlib import Path
@@ -29,6 +36,8 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from twinseq.common import corpus
+from twinseq.common.chat import (VALID_ROLES, check_template, clean_messages, render_chat, render_text, row_name,
+                                 split_rendered, template_roles, validate_messages)
 from twinseq.common.errors import DataError, DataTypeError
 
 logger = logging.getLogger(__name__)
@@ -40,140 +49,9 @@ SPECIAL_TOKENS = (PAD, BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>")
 MODEL_MAX_LENGTH = 4096
 
 
-VALID_ROLES = ("system", "user", "assistant")
-# Private-use code points bracket the output of {% generation %} blocks while rendering; they
-# are removed afterwards and their positions become the assistant character spans.
-_GEN_OPEN, _GEN_CLOSE = "\ue000", "\ue001"
-_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
-
-
 def default_chat_template() -> str:
     """The chat template shipped with twinseq (``common/chat_template.jinja``)."""
     return resources.files("twinseq.common").joinpath("chat_template.jinja").read_text()
-
-
-# --------------------------------------------------------------------------------------
-# Chat rendering (jinja2, the same sandbox settings as transformers)
-# --------------------------------------------------------------------------------------
-
-
-def row_name(index: int) -> str:
-    """How an error names a row: its 0-based index and, for a JSONL file, its 1-based line."""
-    return f"row {index} (line {index + 1} of a JSONL file)"
-
-
-def validate_messages(messages: Any, index: Optional[int] = None) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the bad entry of a ``messages`` list."""
-    where = "" if index is None else f"{row_name(index)}: "
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise DataTypeError(f"{where}'messages' must be a non-empty list of {{'role', 'content'}} dicts, got "
-                            f"{type(messages).__name__} {str(messages)[:80]!r}.")
-    for j, msg in enumerate(messages):
-        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
-            raise DataTypeError(f"{where}messages[{j}] must be a dict with 'role' and 'content', got {str(msg)[:80]!r}.")
-        if msg["role"] not in VALID_ROLES:
-            raise DataError(f"{where}messages[{j}]['role']={msg['role']!r} is not a known role; use one of "
-                            f"{VALID_ROLES} (rename e.g. 'human'->'user', 'gpt'->'assistant').")
-        if not isinstance(msg["content"], str):
-            raise DataTypeError(f"{where}messages[{j}]['content'] must be a string, got "
-                                f"{type(msg['content']).__name__} {str(msg['content'])[:80]!r}; flatten "
-                                f"multimodal content to text.")
-
-
-def _generation_extension():
-    from jinja2 import nodes
-    from jinja2.ext import Extension
-
-    class GenerationMarker(Extension):
-        """``{% generation %}...{% endgeneration %}``: brackets the assistant text with markers."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
-
-        def _mark(self, caller):
-            return _GEN_OPEN + caller() + _GEN_CLOSE
-
-    return GenerationMarker
-
-
-@functools.lru_cache(maxsize=16)
-def _compile(template: str):
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_generation_extension(), "jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template)
-
-
-def _strip_markers(text: str) -> tuple[str, list[tuple[int, int]]]:
-    out, spans, pos, start = [], [], 0, None
-    for piece in re.split(f"([{_GEN_OPEN}{_GEN_CLOSE}])", text):
-        if piece == _GEN_OPEN:
-            start = pos
-        elif piece == _GEN_CLOSE:
-            assert start is not None, "unbalanced generation markers"
-            spans.append((start, pos))
-            start = None
-        else:
-            out.append(piece)
-            pos += len(piece)
-    return "".join(out), spans
-
-
-def _render(template: str, messages: Sequence[dict], add_generation_prompt: bool, **special: str) -> str:
-    return _compile(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                     **special)
-
-
-def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: bool = False,
-                **special: str) -> tuple[str, list[tuple[int, int]]]:
-    """Render ``messages``; returns the text and the character spans of the assistant turns.
-
-    With ``{% generation %}`` blocks in the template, the spans are their output. Without
-    them, the span of assistant message i is the text that message i adds after the
-    generation prompt: ``render(m[:i+1])`` minus ``render(m[:i], add_generation_prompt=True)``.
-    """
-    for msg in messages:
-        if _GEN_OPEN in msg["content"] or _GEN_CLOSE in msg["content"]:
-            raise DataError("message content holds the private-use characters U+E000/U+E001, which "
-                            "twinseq reserves for chat rendering; remove them from the data.")
-    text, spans = _strip_markers(_render(template, messages, add_generation_prompt, **special))
-    if _GENERATION_TAG.search(template):
-        return text, spans
-    return text, _prefix_spans(template, messages, text, **special)
-
-
-@functools.lru_cache(maxsize=16)
-def _log_prefix_mode(template: str) -> None:
-    logger.info("the chat template has no {%% generation %%} block; assistant tokens are located by "
-                "rendering each conversation prefix (template starts %r)", template[:60])
-
-
-def _prefix_spans(template: str, messages: Sequence[dict], text: str, **special: str) -> list[tuple[int, int]]:
-    if any(m["role"] == "assistant" for m in messages):
-        _log_prefix_mode(template)
-    spans = []
-    for i, msg in enumerate(messages):
-        if msg["role"] != "assistant":
-            continue
-        before, _ = _strip_markers(_render(template, messages[:i], True, **special))
-        upto, _ = _strip_markers(_render(template, messages[: i + 1], False, **special))
-        if not (upto.startswith(before) and text.startswith(upto)):
-            raise DataError("the chat template renders a conversation differently from its prefixes, so "
-                            "assistant tokens cannot be located; add {% generation %}...{% endgeneration %} "
-                            "around the assistant content in the template.")
-        spans.append((len(before), len(upto)))
-    return spans
 
 
 # --------------------------------------------------------------------------------------
@@ -238,7 +116,6 @@ def embedded_tokenizer_dir(vocab_size: int = EMBEDDED_VOCAB_SIZE) -> Path:
     return folder
 
 
-# --------------------------------------------------------------------------------------
 # The wrapper
 # --------------------------------------------------------------------------------------
 
@@ -250,24 +127,47 @@ def _token_text(value: Any) -> Optional[str]:
     return value
 
 
+# The special tokens transformers hands to a chat template (its ``special_tokens_map``).
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
 class TwinseqTokenizer:
     """A ``tokenizers.Tokenizer`` plus its special tokens and chat template; no torch.
 
     ``encode`` never adds special tokens unless asked: the data pipeline adds bos and eos
-    itself, so that prompt and completion can be tokenised separately.
+    itself for plain text, and a chat template writes them for conversations.
+
+    ``chat_template`` is the tokenizer's own template (``tokenizer_config.json`` or
+    ``chat_template.jinja``); ``chat_template_source`` says where it came from.
     """
 
-    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any], name_or_path: str = ""):
+    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any], name_or_path: str = "",
+                 chat_template_source: str = "tokenizer_config.json", no_template_reason: Optional[str] = None):
         self._tok = tokenizer
         self.config = dict(config)
         self.name_or_path = name_or_path
         self.chat_template: Optional[str] = config.get("chat_template")
+        self.chat_template_source = chat_template_source if self.chat_template else None
+        self._no_template_reason = no_template_reason
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.pad_token = _token_text(config.get("pad_token"))
+        self._check_special_tokens()
         if self.pad_token is None and self.eos_token is not None:
-            logger.info("tokenizer %s has no pad token; padding with the eos token %r", name_or_path, self.eos_token)
+            logger.info("tokenizer %s has no pad token; padding with the eos token %r (id %s), as TRL does",
+                        name_or_path or "(unnamed)", self.eos_token, self.eos_token_id)
             self.pad_token = self.eos_token
+        elif self.pad_token is None:
+            logger.info("tokenizer %s has neither a pad nor an eos token; padding with id 0 (padding positions "
+                        "are masked out of attention and loss, so the id only fills space)", name_or_path)
+
+    def _check_special_tokens(self) -> None:
+        for name in _TEMPLATE_TOKENS:
+            token = _token_text(self.config.get(name))
+            if isinstance(token, str) and self._tok.token_to_id(token) is None:
+                raise DataError(f"tokenizer {self.name_or_path!r}: {name}={token!r} (tokenizer_config.json or "
+                                f"special_tokens_map.json) is not in the vocabulary of tokenizer.json; fix the "
+                                f"token name, or add the token to tokenizer.json.")
 
     @property
     def backend(self) -> Tokenizer:
@@ -310,31 +210,110 @@ class TwinseqTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> tuple[str, list]:
-        """The chat as text, and the character spans ``[(start, end)]`` of the assistant turns."""
-        if not self.chat_template:
-            raise DataError(f"tokenizer {self.name_or_path!r} has no chat_template; add one to its "
-                            f"tokenizer_config.json, or use prompt/completion or text data.")
-        validate_messages(messages)
-        return render_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+    # ----------------------------------------------------------------- chat templates
 
-    def apply_chat_template(self, messages: Sequence[dict],
-                            add_generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The message roles the chat template handles (``twinseq.common.chat.template_roles``)."""
+        return template_roles(self.chat_template)
+
+    def _template(self) -> str:
+        if not self.chat_template:
+            reason = self._no_template_reason or "has no chat_template"
+            raise DataError(f"tokenizer {self.name_or_path!r} {reason}; add one to its tokenizer_config.json (or "
+                            f"a chat_template.jinja file next to it), or use prompt/completion or text data.")
+        return self.chat_template
+
+    def template_kwargs(self) -> dict[str, str]:
+        """The special tokens a template sees, as transformers passes them (``bos_token``, ...)."""
+        out = {"bos_token": "", "eos_token": ""}
+        for name in _TEMPLATE_TOKENS:
+            token = _token_text(self.config.get(name))
+            if isinstance(token, str):
+                out[name] = token
+        return out
+
+    def validate_messages(self, messages: Any, index: Optional[int] = None, field: str = "messages") -> list[dict]:
+        """Check a conversation against the template's roles; returns it as plain dicts."""
+        validate_messages(messages, index=index, field=field, roles=self.roles)
+        return clean_messages(messages)
+
+    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False,
+                    index: Optional[int] = None, field: str = "messages") -> tuple[str, list]:
+        """The chat as text, and the character spans ``[(start, end)]`` of the assistant turns."""
+        template = self._template()
+        messages = self.validate_messages(messages, index, field)
+        return render_chat(template, messages, add_generation_prompt=add_generation_prompt, index=index,
+                           field=field, **self.template_kwargs())
+
+    def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = False,
+                    continue_final_message: bool = False, index: Optional[int] = None,
+                    field: str = "messages") -> str:
+        """The chat as text (transformers' ``apply_chat_template(..., tokenize=False)``)."""
+        template = self._template()
+        messages = self.validate_messages(messages, index, field)
+        return render_text(template, messages, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, index=index, field=field,
+                           **self.template_kwargs())
+
+    def render_prompt(self, prompt: Sequence[dict], index: Optional[int] = None) -> str:
+        """The prompt as a generation call sees it: with the generation prompt, or, when it ends with
+        an assistant message, stopping inside that message so that the completion continues it."""
+        prompt = self.validate_messages(prompt, index, "prompt")
+        continues = prompt[-1]["role"] == "assistant"
+        return self.render_text(prompt, add_generation_prompt=not continues, continue_final_message=continues,
+                                index=index, field="prompt")
+
+    def render_completion(self, prompt: Sequence[dict], completion: Sequence[dict], prompt_text: str,
+                          index: Optional[int] = None, field: str = "completion") -> str:
+        """The rendered ``prompt + completion`` minus ``prompt_text`` (``render_prompt(prompt)``)."""
+        prompt = self.validate_messages(prompt, index, "prompt")
+        completion = self.validate_messages(completion, index, field)
+        full_text = self.render_text(prompt + completion, index=index, field=field)
+        return split_rendered(prompt_text, full_text, index, field)
+
+    def render_prompt_completion(self, prompt: Sequence[dict], completion: Sequence[dict],
+                                 index: Optional[int] = None, field: str = "completion") -> tuple[str, str]:
+        """Conversational prompt + completion -> ``(prompt_text, completion_text)``.
+
+        ``prompt_text`` is ``render_prompt(prompt)``: exactly the text a generation call starts
+        from. ``completion_text`` is the rest of the rendered ``prompt + completion``,
+        end-of-turn tokens included. A template that renders the prompt differently when a
+        completion follows is refused, naming the row.
+
+        >>> tok.render_prompt_completion([{"role": "user", "content": "Hi"}],
+        ...                              [{"role": "assistant", "content": "Yo"}])  # doctest: +SKIP
+        ('<s><|user|>\\nHi</s><|assistant|>\\n', 'Yo</s>')
+        """
+        prompt_text = self.render_prompt(prompt, index)
+        return prompt_text, self.render_completion(prompt, completion, prompt_text, index, field)
+
+    def encode_with_spans(self, pieces: Sequence[str], spans: Sequence[tuple[int, int]] = ()
+                          ) -> tuple[list[list[int]], list[int]]:
+        """Encode each piece on its own; returns the ids per piece and a 0/1 mask of the tokens
+        overlapping ``spans`` (character spans of the concatenated pieces).
+
+        Pieces are encoded separately so that a prompt gives the same ids whatever follows it.
+        """
+        ids, offsets, shift = [], [], 0
+        for enc, piece in zip(self._tok.encode_batch(list(pieces), add_special_tokens=False), pieces):
+            ids.append(list(enc.ids))
+            offsets.append(np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2) + shift)
+            shift += len(piece)
+        return ids, _span_mask(np.concatenate(offsets) if offsets else np.zeros((0, 2), np.int64), spans)
+
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
+                            index: Optional[int] = None, field: str = "messages") -> tuple[list[int], list[int]]:
         """Messages -> ``(input_ids, assistant_mask)``; mask is 1 on assistant tokens (eos included).
 
         >>> tok.apply_chat_template([{"role": "user", "content": "Hi"},
         ...                          {"role": "assistant", "content": "Yo"}])  # doctest: +SKIP
         ([1, 4, ..., 2, 5, ..., 2], [0, 0, ..., 0, 0, ..., 1, 1])
         """
-        text, spans = self.render_chat(messages, add_generation_prompt)
+        text, spans = self.render_chat(messages, add_generation_prompt, index=index, field=field)
         enc = self._tok.encode(text, add_special_tokens=False)
         offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
-        mask = np.zeros(len(enc.ids), dtype=np.int64)
-        for start, end in spans:
-            # overlap, not containment: a token may start with whitespace just before the span
-            mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
-        return list(enc.ids), mask.tolist()
+        return list(enc.ids), _span_mask(offsets, spans)
 
     def save_pretrained(self, directory: str | os.PathLike) -> list[str]:
         """Write ``tokenizer.json`` and ``tokenizer_config.json``; returns the paths written."""
@@ -351,25 +330,93 @@ class TwinseqTokenizer:
                 f"bos={self.bos_token_id}, eos={self.eos_token_id}, pad={self.pad_token_id})")
 
 
+def _span_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> list[int]:
+    mask = np.zeros(len(offsets), dtype=np.int64)
+    for start, end in spans:
+        # overlap, not containment: a token may start with whitespace just before the span
+        mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+    return mask.tolist()
+
+
 # --------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
-    config: dict[str, Any] = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # later file wins
-        path = folder / name
-        if path.is_file():
-            config.update(json.loads(path.read_text()))
-    template = config.get("chat_template")
-    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template}
-        config["chat_template"] = named.get("default")
-    jinja_file = folder / "chat_template.jinja"
-    if not config.get("chat_template") and jinja_file.is_file():
-        config["chat_template"] = jinja_file.read_text()
-    return config
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path} is not valid JSON ({err}); restore the file from the model's repository.") from None
+    if not isinstance(data, dict):
+        raise DataTypeError(f"{path} holds a {type(data).__name__}, not a JSON object; restore the file from the "
+                            f"model's repository.")
+    return data
+
+
+def _named_templates(value: Any, folder: Path) -> dict[str, str]:
+    """``chat_template`` of tokenizer_config.json: a string, or ``[{"name", "template"}, ...]``."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
+        return dict(value)
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        return {t["name"]: t["template"] for t in value}
+    raise DataTypeError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+                        f"{{'name': ..., 'template': ...}} objects, got {str(value)[:80]!r}.")
+
+
+def _read_templates(folder: Path, config: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """The folder's named chat templates and where they came from.
+
+    As in transformers (4.43 and later): template files (``chat_template.jinja`` as the
+    ``default`` one, ``additional_chat_templates/NAME.jinja``) take priority over the
+    ``chat_template`` entry of ``tokenizer_config.json``.
+    """
+    files: dict[str, str] = {}
+    if (folder / "chat_template.jinja").is_file():
+        files["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    extra = folder / "additional_chat_templates"
+    if extra.is_dir():
+        for path in sorted(extra.glob("*.jinja")):
+            files[path.stem] = path.read_text(encoding="utf-8")
+    if files:
+        if config.get("chat_template"):
+            logger.info("tokenizer folder %s has template files and a chat_template in tokenizer_config.json; "
+                        "the files win, as in transformers", folder)
+        source = "chat_template.jinja" if "default" in files else "additional_chat_templates/"
+        return files, f"{folder / source}"
+    return _named_templates(config.get("chat_template"), folder), f"{folder / 'tokenizer_config.json'}"
+
+
+def _read_config(folder: Path) -> tuple[dict[str, Any], str, Optional[str]]:
+    """``tokenizer_config.json`` with its special tokens and chosen chat template; the template's
+    source; and, when there are templates but none is usable, why.
+
+    ``special_tokens_map.json`` overrides the config only when the config has no
+    ``added_tokens_decoder`` (older saves), which is transformers' rule. Of several named
+    templates, twinseq uses ``default``, as ``apply_chat_template`` does without a name.
+    """
+    path = folder / "tokenizer_config.json"
+    config = _read_json(path) if path.is_file() else {}
+    special = folder / "special_tokens_map.json"
+    if special.is_file() and "added_tokens_decoder" not in config:
+        config.update(_read_json(special))
+    templates, source = _read_templates(folder, config)
+    config["chat_template"] = templates.get("default")
+    missing = None
+    if templates and "default" not in templates:
+        missing = (f"has chat templates named {sorted(templates)} but none named 'default', which twinseq uses; "
+                   f"rename the one for training data to 'default'")
+    if config["chat_template"]:
+        try:
+            check_template(config["chat_template"])
+        except DataError as err:
+            raise DataError(f"{source}: {err}") from None
+    return config, source, missing
 
 
 def _hub_cache_snapshot(name: str) -> Optional[Path]:
@@ -410,9 +457,21 @@ def load_tokenizer(name_or_path: str = "embedded") -> TwinseqTokenizer:
                             f"({name_or_path!r}); pass 'embedded' or a folder path.")
     name_or_path = str(name_or_path)
     folder = embedded_tokenizer_dir() if name_or_path == "embedded" else _resolve_folder(name_or_path)
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    return TwinseqTokenizer(tok, _read_config(folder), name_or_path=name_or_path)
+    try:
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a corrupt file
+        raise DataError(f"{folder / 'tokenizer.json'} cannot be read by the tokenizers library "
+                        f"({' '.join(str(err).split())[:200]}); restore the file from the model's "
+                        f"repository.") from None
+    config, source, missing = _read_config(folder)
+    if name_or_path == "embedded":
+        source = "the embedded default (common/chat_template.jinja)"
+    tok = TwinseqTokenizer(tok, config, name_or_path=name_or_path, chat_template_source=source,
+                           no_template_reason=missing)
+    logger.info("tokenizer %s: vocab %d, bos=%r eos=%r pad=%r, chat template from %s", name_or_path, tok.vocab_size,
+                tok.bos_token, tok.eos_token, tok.pad_token, tok.chat_template_source or "nowhere (none)")
+    return tok
 
 
 __all__ = ["TwinseqTokenizer", "load_tokenizer", "train_bpe", "embedded_tokenizer_dir", "SPECIAL_TOKENS",
-           "VALID_ROLES", "default_chat_template"]
+           "VALID_ROLES", "default_chat_template", "row_name", "validate_messages"]
