@@ -86,7 +86,8 @@ class ModelArgs(_Section):
     """Which model to train and how its layers compute."""
 
     model_config: str = "tiny"
-    """A preset name (tiny, small) or the path of a local Hugging Face checkpoint."""
+    """A preset (tiny, small, tiny-llama3, tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-gemma2), a local Hugging Face
+    checkpoint folder (Llama, Qwen2, Qwen3, Mistral, Gemma 2), or a folder with a config.json alone (random init)."""
     attn_implementation: AttnImplementation = "sdpa"
     """Attention path; every path masks packed documents (a path that cannot refuses to run)."""
     dtype: DType = "float32"
@@ -100,7 +101,9 @@ class DataConfig(_Section):
     dataset_name: str = "embedded"
     """``embedded`` (built offline from the stdlib), a local JSONL/Parquet/CSV path, or a hub name."""
     dataset_split: str = "train"
-    tokenizer_name_or_path: str = "embedded"
+    tokenizer_name_or_path: Optional[str] = None
+    """``embedded``, or a local Hugging Face tokenizer folder. None: the tokenizer of the model folder
+    (``--model-config DIR`` holding a ``tokenizer.json``), else the embedded one."""
     max_length: Optional[int] = knob(512, ge=1)
     truncation_mode: TruncationMode = "keep_start"
     max_prompt_length: Optional[int] = knob(256, ge=1)

@@ -18,6 +18,7 @@ rendering is ``twinseq.common.chat``; truncation rules and drop reasons live in
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
 from twinseq.common import formats
@@ -378,7 +379,7 @@ def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
         logger.info("packing_strategy=%r keeps every token (not the target at each cut): not truncating to "
                     "max_length before packing", d.packing_strategy)
         max_length = None
-    tokenizer = load_tokenizer(d.tokenizer_name_or_path)
+    tokenizer = run_tokenizer(cfg)
     dataset = load_dataset_any(_dataset_name(cfg, "sft"), split=d.dataset_split)
     rows, stats = tokenize_sft(dataset, tokenizer, max_length=max_length, truncation_mode=d.truncation_mode,
                                completion_only_loss=d.completion_only_loss, assistant_only_loss=d.assistant_only_loss,
@@ -388,10 +389,24 @@ def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     return rows, tokenizer, stats
 
 
+def run_tokenizer(cfg) -> TwinseqTokenizer:
+    """The tokenizer of a run: ``tokenizer_name_or_path`` when given, else the model folder's own (a
+    ``--model-config`` folder holding a ``tokenizer.json``, as a Hugging Face checkpoint does), else the
+    embedded one. The log says which."""
+    name = cfg.data.tokenizer_name_or_path
+    if name is None:
+        folder = Path(cfg.model.model_config)
+        name = str(folder) if (folder / "tokenizer.json").is_file() else "embedded"
+        if folder.is_dir():
+            logger.info("tokenizer: %s", f"the model folder's own ({folder})" if name != "embedded" else
+                        f"the embedded one ({folder} has no tokenizer.json; --tokenizer-name-or-path picks another)")
+    return load_tokenizer(name)
+
+
 def prepare_dpo_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     """``TrainConfig`` -> (rows with prompt/chosen/rejected ``*_input_ids``, tokenizer, stats)."""
     d = cfg.data
-    tokenizer = load_tokenizer(d.tokenizer_name_or_path)
+    tokenizer = run_tokenizer(cfg)
     dataset = load_dataset_any(_dataset_name(cfg, "dpo"), split=d.dataset_split)
     rows, stats = tokenize_dpo(dataset, tokenizer, max_prompt_length=d.max_prompt_length,
                                max_completion_length=d.max_completion_length, max_length=d.max_length,

@@ -225,3 +225,25 @@ def test_in_memory_tokenizer_with_another_template(embedded_tokenizer):
     fam = FAMILIES["chatml"]
     tok = TwinseqTokenizer(embedded_tokenizer.backend, {**embedded_tokenizer.config, "chat_template": fam.template})
     assert tok.render_text(CHAT[1:3]).startswith("<|im_start|>system\nYou are a helpful assistant.")
+
+
+def test_a_run_takes_the_model_folders_tokenizer_unless_told_otherwise(tmp_path, caplog):
+    """``tokenizer_name_or_path`` None: a ``--model-config`` folder with a tokenizer.json brings its tokenizer
+    (as a Hugging Face checkpoint does); a folder without one, or a preset, gets the embedded tokenizer;
+    an explicit ``tokenizer_name_or_path`` wins over both."""
+    from twinseq.common.config import TrainConfig
+    from twinseq.common.data import run_tokenizer
+
+    model = save_tokenizer_folder(tmp_path / "model", "chatml")
+    (model / "config.json").write_text("{}")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    embedded = len(load_tokenizer("embedded"))
+    with caplog.at_level(logging.INFO, logger="twinseq.common.data"):
+        assert len(run_tokenizer(TrainConfig.from_flat(model_config=str(model)))) == len(load_tokenizer(str(model)))
+    assert f"the model folder's own ({model})" in caplog.text
+    assert len(load_tokenizer(str(model))) != embedded
+    assert len(run_tokenizer(TrainConfig.from_flat(model_config=str(bare)))) == embedded
+    assert len(run_tokenizer(TrainConfig.from_flat(model_config="tiny"))) == embedded
+    explicit = TrainConfig.from_flat(model_config=str(model), tokenizer_name_or_path="embedded")
+    assert len(run_tokenizer(explicit)) == embedded
