@@ -68,6 +68,7 @@ def run(state: dict) -> dict:
 
     from twinseq.torch_backend.attention import forward_hidden
     from twinseq.torch_backend.losses import causal_lm_loss
+    from twinseq.torch_backend.model import final_logit_softcap
 
     model, batch, device = state["model"], state["batch"], state["device"]
     if device == "cuda":
@@ -80,7 +81,8 @@ def run(state: dict) -> dict:
     with offload:
         hidden = forward_hidden(model, batch, "sdpa")
         labels = torch.as_tensor(batch.labels, dtype=torch.long, device=device)
-        loss = causal_lm_loss(hidden, model.lm_head.weight, labels, batch.num_items_in_batch, state["loss_type"])
+        loss = causal_lm_loss(hidden, model.lm_head.weight, labels, batch.num_items_in_batch, state["loss_type"],
+                              logit_softcap=final_logit_softcap(model))
         loss.backward()
     model.zero_grad(set_to_none=True)
     out = {"loss": float(loss)}

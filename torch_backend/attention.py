@@ -1,23 +1,37 @@
-"""Document-masked attention for every attention path of the HF Llama, and ``forward_hidden``.
+"""Document-masked attention for every attention path of every family, and ``forward_hidden``.
 
 The rule (``common.batching.Batch``): token i may attend to token j iff
-``segment_ids[i] == segment_ids[j] != 0`` and ``position_ids[j] <= position_ids[i]``.
-Padded, packed and padding-free batches all go through it, so no path leaks across
-documents (TRL #1230/#3910 only warn; here a path that cannot mask refuses to run).
+``segment_ids[i] == segment_ids[j] != 0`` and ``position_ids[j] <= position_ids[i]``; in a
+sliding-window layer also ``position_ids[i] - position_ids[j] < sliding_window`` (transformers'
+``sliding_window_overlay``, counted in positions within the document). Padded, packed and
+padding-free batches all go through it, so no path leaks across documents (TRL #1230/#3910 only
+warn; here a path that cannot mask refuses to run).
+
+Which layers slide is the family's business (``mask_layout``): none in Llama, every layer in
+Mistral (one mask for the model), the ``sliding_attention`` entries of ``layer_types`` in Qwen2,
+Qwen3 and Gemma 2, whose models take a mask per layer type as a dict
+``{"full_attention": m, "sliding_attention": m}`` (transformers' ``causal_mask_mapping``).
+Gemma 2 also soft-caps the attention scores (``softcap * tanh(scores / softcap)``).
 
 How each ``attn_implementation`` gets the rule:
 
-- ``sdpa``, ``eager``: a 4-D *float* additive mask [B, 1, T, T] (0 allowed, dtype-min
-  not). ``masking_utils._preprocess_mask_arguments`` returns any 4-D mask untouched. Float,
-  not bool: eager adds the mask to the scores, and a bool mask added as 0/1 is a no-op
+- ``sdpa``, ``eager``: a 4-D *float* additive mask [B, 1, T, T] per layer type (0 allowed,
+  dtype-min not). ``masking_utils._preprocess_mask_arguments`` returns any 4-D mask untouched.
+  Float, not bool: eager adds the mask to the scores, and a bool mask added as 0/1 is a no-op
   (ANCHORS failure 1). Padding queries attend to themselves only, so no row is empty (no NaN).
-- ``flex_attention``: a ``BlockMask`` from ``create_block_mask`` (also passed through as is).
+  ``sdpa`` cannot soft-cap scores (HF marks Gemma 2 ``_supports_sdpa=False``): a model that
+  soft-caps runs ``eager`` instead, with the same mask, and says so in the log once.
+- ``flex_attention``: a ``BlockMask`` per layer type from ``create_block_mask`` (also passed
+  through as is); HF's flex function soft-caps in its ``score_mod``.
 - ``varlen``: ``twinseq_varlen``, registered in ``transformers.AttentionInterface``. It cuts
   q/k/v into documents (a ``VarlenPlan``, passed down the model's ``**kwargs``), groups
   documents of similar length into buckets, pads within a bucket and runs causal
-  ``F.scaled_dot_product_attention`` per bucket: no work on masked blocks or on padding.
+  ``F.scaled_dot_product_attention`` per bucket: no work on masked blocks or on padding. The
+  layer's ``sliding_window`` becomes a band mask per bucket, its ``softcap`` a score computation
+  with ``tanh`` (``softcapped_attention``).
 - ``flash_attention_2``/``_3``: HF's flash varlen path, given ``cu_seq_lens_q/k`` and
-  ``max_length_q/k`` over the flattened batch (CUDA + flash-attn only).
+  ``max_length_q/k`` over the flattened batch (CUDA + flash-attn only); HF passes each layer's
+  ``sliding_window`` and ``softcap`` to the kernel.
 """
 
 from __future__ import annotations
@@ -26,7 +40,7 @@ import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -34,7 +48,8 @@ import torch.nn.functional as F
 
 from twinseq.common.batching import Batch, check_batch
 from twinseq.common.config import ATTN_IMPLEMENTATIONS
-from twinseq.common.errors import ConfigError
+from twinseq.common.errors import ConfigError, MissingDependencyError
+from twinseq.common.models import MODEL_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +58,10 @@ PLAN_KWARG = "twinseq_varlen_plan"
 DEFAULT_BUCKET_RATIO = 1.25
 SMALL_DOC_LEN = 16  # documents up to this length share one bucket: padding them costs next to nothing
 _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+# families whose HF model takes one mask per layer type ({"full_attention": .., "sliding_attention": ..})
+_MASK_MAPPING_FAMILIES = ("qwen2", "qwen3", "gemma2")
+# flash-attn 2 releases that first took window_size (HF drops the window silently below) and softcap
+_FLASH2_MIN_VERSION = {"sliding windows": (2, 3), "soft-capping": (2, 6)}
 
 
 # --------------------------------------------------------------------------------------
@@ -99,36 +118,109 @@ def register_varlen() -> None:
         AttentionInterface.register(VARLEN_HF_NAME, varlen_attention_forward)
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def resolve_attn_implementation(attn_implementation: str, config: Any) -> str:
+    """The path that runs ``attn_implementation`` for a model of HF ``config``: itself, except ``sdpa`` for a
+    model that soft-caps attention scores (Gemma 2), which runs ``eager`` with the same document mask.
+
+    ``F.scaled_dot_product_attention`` has no score modifier, so sdpa cannot compute ``softcap *
+    tanh(scores / softcap)``; transformers refuses sdpa for Gemma 2 for that reason. The fallback is
+    logged once per message (a warning: the user asked for another kernel).
+    """
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if attn_implementation != "sdpa" or cap is None:
+        return attn_implementation
+    _warn_once(f"attn_implementation='sdpa' cannot soft-cap attention scores (model_type "
+               f"{config.model_type!r}, attn_logit_softcapping={cap}); running 'eager' instead, with the same "
+               f"document mask. Pass 'varlen' or 'flex_attention' for a kernel that skips masked blocks.")
+    return "eager"
+
+
+@dataclass(frozen=True)
+class MaskLayout:
+    """How the HF model of a family takes its attention mask, read from its config (``mask_layout``)."""
+
+    mapping: bool                   # one mask per layer type in a dict (qwen2, qwen3, gemma2), else one mask
+    sliding_window: Optional[int]   # window of the sliding layers (mistral: of every layer); None: none slides
+    softcap: Optional[float]        # attention score soft-cap (gemma2), else None
+
+
+def mask_layout(config: Any) -> MaskLayout:
+    """The ``MaskLayout`` of an HF model config; ``ConfigError`` for a family twinseq does not build.
+
+    >>> from transformers import AutoConfig
+    >>> mask_layout(AutoConfig.for_model("mistral", sliding_window=8))
+    MaskLayout(mapping=False, sliding_window=8, softcap=None)
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"model_type={model_type!r} is not supported; twinseq builds {', '.join(MODEL_TYPES)} "
+                          f"(model_type in config.json).")
+    window = getattr(config, "sliding_window", None)
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if model_type == "mistral":  # one mask, and HF passes config.sliding_window to every layer
+        return MaskLayout(False, window, cap)
+    if model_type in _MASK_MAPPING_FAMILIES:
+        slides = "sliding_attention" in (getattr(config, "layer_types", None) or ())
+        return MaskLayout(True, window if slides else None, cap)
+    return MaskLayout(False, None, cap)
+
+
+def per_layer_type(layout: MaskLayout, make: Callable[[Optional[int]], Any]) -> Any:
+    """The ``attention_mask`` argument of the model: ``make(window)`` once, or per layer type in a dict.
+
+    ``make(None)`` builds the document mask, ``make(w)`` the same mask within a window of ``w``.
+    """
+    if not layout.mapping:
+        return make(layout.sliding_window)
+    masks = {"full_attention": make(None)}
+    if layout.sliding_window is not None:
+        masks["sliding_attention"] = make(layout.sliding_window)
+    return masks
+
+
 # --------------------------------------------------------------------------------------
 # Dense and block masks
 # --------------------------------------------------------------------------------------
 
 
-def allowed_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor) -> torch.Tensor:
-    """bool [B, T, T]: the document-causal rule, plus the diagonal of padding queries.
+def allowed_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
+                 sliding_window: Optional[int] = None) -> torch.Tensor:
+    """bool [B, T, T]: the document-causal rule (within ``sliding_window`` positions when given), plus the
+    diagonal of padding queries.
 
     >>> seg, pos = torch.tensor([[1, 1, 2, 0]]), torch.tensor([[0, 1, 0, 0]])
     >>> allowed_mask(seg, pos).int()[0].tolist()
     [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+    >>> allowed_mask(torch.ones(1, 3, dtype=torch.long), torch.arange(3)[None], sliding_window=2).int()[0].tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
     """
     seg_q, seg_k = segment_ids_BT[:, :, None], segment_ids_BT[:, None, :]
     same_doc = (seg_q == seg_k) & (seg_q != 0)
-    causal = position_ids_BT[:, None, :] <= position_ids_BT[:, :, None]
+    distance = position_ids_BT[:, :, None] - position_ids_BT[:, None, :]
+    causal = distance >= 0
+    if sliding_window is not None:
+        causal = causal & (distance < sliding_window)
     # padding queries get themselves as their only key: no empty softmax row, hence no NaN
     eye = torch.eye(segment_ids_BT.shape[1], dtype=torch.bool, device=segment_ids_BT.device)
     return (same_doc & causal) | (eye & (seg_q == 0))
 
 
 def document_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32, sliding_window: Optional[int] = None) -> torch.Tensor:
     """Additive float mask [B, 1, T, T]: 0 where ``allowed_mask`` holds, ``finfo(dtype).min`` elsewhere."""
-    allowed = allowed_mask(segment_ids_BT, position_ids_BT)[:, None]
+    allowed = allowed_mask(segment_ids_BT, position_ids_BT, sliding_window)[:, None]
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
-def document_block_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor):
-    """FlexAttention ``BlockMask`` of ``allowed_mask`` (blocks fully outside a document are skipped)."""
+def document_block_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
+                        sliding_window: Optional[int] = None):
+    """FlexAttention ``BlockMask`` of ``allowed_mask`` (blocks fully outside a document, or a window, are skipped)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     seg, pos = segment_ids_BT, position_ids_BT
@@ -138,8 +230,42 @@ def document_block_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Ten
         pad_self = (seg[b, q_idx] == 0) & (q_idx == kv_idx)
         return (same_doc & (pos[b, kv_idx] <= pos[b, q_idx])) | pad_self
 
+    def window_mask_mod(b, h, q_idx, kv_idx):
+        # a padding query's own key is at distance 0, inside every window
+        return mask_mod(b, h, q_idx, kv_idx) & (pos[b, q_idx] - pos[b, kv_idx] < sliding_window)
+
     B, T = seg.shape
-    return create_block_mask(mask_mod, B, None, T, T, device=seg.device)
+    return create_block_mask(mask_mod if sliding_window is None else window_mask_mod, B, None, T, T,
+                             device=seg.device)
+
+
+def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                         scaling: Optional[float], softcap: Optional[float], dropout: float = 0.0) -> torch.Tensor:
+    """Attention with soft-capped scores, as transformers' eager Gemma 2: q [..., H, L, D], k/v [..., KV, S, D]
+    -> [..., H, L, Dv]. ``mask`` is a bool ``allowed`` mask or an additive float one, broadcast to the scores.
+
+    Naive equivalent::
+
+        scores = softcap * tanh((q @ k.T * scaling) / softcap) + mask
+        out = softmax(scores, -1, dtype=float32).to(q.dtype) @ v
+
+    (scores of masked keys become ``finfo.min``: soft-capping before masking keeps them masked).
+    """
+    groups = query.shape[-3] // key.shape[-3]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if dropout > 0:
+        probs = F.dropout(probs, p=dropout, training=True)
+    return torch.matmul(probs, value)
 
 
 # --------------------------------------------------------------------------------------
@@ -268,20 +394,36 @@ def _plan_from_position_ids(position_ids: torch.Tensor, batch_size: int) -> Varl
     return plan
 
 
+_UNSUPPORTED_KWARGS = ("s_aux", "position_bias")
+
+
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, attention_mask: Optional[torch.Tensor],
                              dropout: float = 0.0, scaling: Optional[float] = None,
+                             sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                              **kwargs) -> tuple[torch.Tensor, None]:
     """HF attention function ``twinseq_varlen``: q [B, H, T, D], k/v [B, KV, T, D] -> out [B, T, H, D].
 
-    Naive equivalent: ``sdpa(q, k, v, attn_mask=document_mask(...))`` on real tokens; padding
-    tokens get a zero output (they attend to nothing and nothing attends to them).
+    ``sliding_window`` and ``softcap`` are the layer's (HF's attention modules pass them: Mistral,
+    Qwen2/3 and Gemma 2 the window of a sliding layer, Gemma 2 its score cap). Naive equivalent:
+    eager attention with ``document_mask(..., sliding_window)`` and the soft-cap, on real tokens;
+    padding tokens get a zero output (they attend to nothing and nothing attends to them).
     """
+    unsupported = sorted(k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None)
+    if unsupported or kwargs.get("is_causal") is False:
+        raise ConfigError(f"attn_implementation='varlen' got {unsupported or 'is_causal=False'} from "
+                          f"{type(module).__name__}, which it cannot compute; use attn_implementation='eager'.")
     plan: Optional[VarlenPlan] = kwargs.get(PLAN_KWARG)
     if plan is None and attention_mask is not None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        # the dense fallback of model_inputs: this layer type's mask already holds the window
+        if softcap is None:
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling)
+        out = softcapped_attention(query, key, value, attention_mask, scaling, softcap,
+                                   dropout if module.training else 0.0)
+        return out.transpose(1, 2).contiguous(), None
     if plan is None:
         if kwargs.get("position_ids") is None:
             raise ConfigError("attn_implementation='varlen' needs document boundaries: call "
@@ -292,14 +434,37 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         plan = _plan_from_position_ids(kwargs["position_ids"], query.shape[0])
     B, H, T, D = query.shape
     assert (plan.num_rows, plan.seq_len) == (B, T), "VarlenPlan built for another batch shape"
-    out_NHD = _bucketed_attention(query, key, value, plan, scaling, dropout if module.training else 0.0)
+    out_NHD = _bucketed_attention(query, key, value, plan, scaling, dropout if module.training else 0.0,
+                                  sliding_window, softcap)
     return out_NHD.view(B, T, H, value.shape[-1]), None
 
 
-def _bucketed_attention(query, key, value, plan: VarlenPlan, scaling, dropout) -> torch.Tensor:
-    """[B, H, T, D] q and [B, KV, T, D] k/v -> [B*T, H, Dv]: causal attention inside each document."""
+def _band(L: int, sliding_window: int, device: Any) -> torch.Tensor:
+    """bool [L, L]: slot i sees slot j iff ``0 <= i - j < sliding_window`` (slots are document positions)."""
+    distance = torch.arange(L, device=device)[:, None] - torch.arange(L, device=device)[None, :]
+    return (distance >= 0) & (distance < sliding_window)
+
+
+def _bucket_attention(q, k, v, scaling, dropout, sliding_window, softcap) -> torch.Tensor:
+    """One bucket: q [n, H, L, D], k/v [n, KV, L, D] -> [n, H, L, Dv], causal within each row (slot = position)."""
+    L = q.shape[2]
+    window = sliding_window if sliding_window is not None and L > sliding_window else None
+    if softcap is not None:
+        allowed = _band(L, L if window is None else window, q.device)
+        return softcapped_attention(q, k, v, allowed, scaling, softcap, dropout)
+    if window is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_band(L, window, q.device), dropout_p=dropout,
+                                          scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _bucketed_attention(query, key, value, plan: VarlenPlan, scaling, dropout, sliding_window=None,
+                        softcap=None) -> torch.Tensor:
+    """[B, H, T, D] q and [B, KV, T, D] k/v -> [B*T, H, Dv]: causal attention inside each document (within
+    ``sliding_window`` positions, with soft-capped scores when given)."""
     B, H, T, D = query.shape
-    num_kv, dv = key.shape[1], value.shape[-1]
+    dv = value.shape[-1]
     q_HS, k_KS, v_KS = (x.transpose(0, 1).reshape(x.shape[1], B * T, x.shape[-1]).index_select(1, plan.slot_index)
                         for x in (query, key, value))
     sizes = [n * L for n, L in plan.bucket_shapes]
@@ -307,8 +472,7 @@ def _bucketed_attention(query, key, value, plan: VarlenPlan, scaling, dropout) -
     for (n, L), q, k, v in zip(plan.bucket_shapes, q_HS.split(sizes, 1), k_KS.split(sizes, 1),
                                v_KS.split(sizes, 1)):
         q, k, v = (x.view(x.shape[0], n, L, x.shape[-1]).transpose(0, 1) for x in (q, k, v))
-        o_nHLD = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
-                                                enable_gqa=num_kv != H)
+        o_nHLD = _bucket_attention(q, k, v, scaling, dropout, sliding_window, softcap)
         outs.append(o_nHLD.transpose(1, 2).reshape(n * L, H, dv))
     outs.append(query.new_zeros(1, H, dv))  # the zero row padding tokens read
     return torch.cat(outs).index_select(0, plan.gather_idx)
@@ -332,23 +496,57 @@ def _ensure_attn(model: torch.nn.Module, attn_implementation: Optional[str]) -> 
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ConfigError(f"attn_implementation={attn_implementation!r} is unknown; choose one of "
                           f"{', '.join(ATTN_IMPLEMENTATIONS)}.")
-    logger.info("switching the model's attention from %r to %r as requested", current, attn_implementation)
-    model.set_attn_implementation(hf_attn_name(attn_implementation))
-    return attn_implementation
+    resolved = resolve_attn_implementation(attn_implementation, model.config)
+    if resolved != current:
+        logger.info("switching the model's attention from %r to %r as requested", current, resolved)
+        model.set_attn_implementation(hf_attn_name(resolved))
+    return resolved
 
 
-def model_inputs(batch: Batch, attn_implementation: str, device: Any,
-                 mask_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """Keyword arguments for ``LlamaModel.forward`` that implement the document rule on one path."""
+def check_flash_features(attn_implementation: str, layout: MaskLayout) -> None:
+    """``ConfigError`` when the installed flash-attn 2 would drop the model's sliding window or soft-cap.
+
+    transformers passes ``window_size`` only when the kernel accepts it and otherwise attends to
+    the whole document without a word; flash-attn 2 took ``window_size`` in 2.3 and ``softcap`` in 2.6.
+    """
+    if attn_implementation != "flash_attention_2":
+        return
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version("flash_attn")
+    except importlib.metadata.PackageNotFoundError:
+        raise MissingDependencyError("attn_implementation='flash_attention_2' needs the flash-attn package; "
+                                     "install it with `pip install -e '.[gpu]'` or use attn_implementation='varlen'.")
+    have = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    for feature, on in (("sliding windows", layout.sliding_window is not None), ("soft-capping", layout.softcap)):
+        if on and have < _FLASH2_MIN_VERSION[feature]:
+            need = ".".join(map(str, _FLASH2_MIN_VERSION[feature]))
+            raise ConfigError(f"attn_implementation='flash_attention_2': flash-attn {version} has no {feature}, "
+                              f"which this model uses; upgrade to flash-attn>={need} or use "
+                              f"attn_implementation='varlen'.")
+
+
+def model_inputs(batch: Batch, attn_implementation: str, device: Any, mask_dtype: torch.dtype = torch.float32,
+                 layout: MaskLayout = MaskLayout(False, None, None)) -> dict[str, Any]:
+    """Keyword arguments for the HF decoder's ``forward`` that implement the document rule on one path.
+
+    ``layout`` (``mask_layout`` of the model's config) says which layers slide and how the model
+    takes its masks; the default is Llama's (one mask, no window).
+    """
     device = torch.device(device)
     seg_BT = torch.as_tensor(batch.segment_ids, dtype=torch.long, device=device)
     pos_BT = torch.as_tensor(batch.position_ids, dtype=torch.long, device=device)
     inputs: dict[str, Any] = {"input_ids": torch.as_tensor(batch.input_ids, dtype=torch.long, device=device),
                               "position_ids": pos_BT, "use_cache": False}
+
+    def dense(window: Optional[int]) -> torch.Tensor:
+        return document_mask(seg_BT, pos_BT, mask_dtype, window)
+
     if attn_implementation in ("sdpa", "eager"):
-        inputs["attention_mask"] = document_mask(seg_BT, pos_BT, mask_dtype)
+        inputs["attention_mask"] = per_layer_type(layout, dense)
     elif attn_implementation == "flex_attention":
-        inputs["attention_mask"] = document_block_mask(seg_BT, pos_BT)
+        inputs["attention_mask"] = per_layer_type(layout, lambda w: document_block_mask(seg_BT, pos_BT, w))
     else:
         plan = varlen_plan(batch.segment_ids, batch.position_ids, device)
         if plan is None and attn_implementation in _FLASH_MODULES:
@@ -358,7 +556,7 @@ def model_inputs(batch: Batch, attn_implementation: str, device: Any,
         if plan is None:
             logger.info("varlen: documents are not contiguous runs with positions 0..n-1; using the dense "
                         "document mask for this batch")
-            inputs["attention_mask"] = document_mask(seg_BT, pos_BT, mask_dtype)
+            inputs["attention_mask"] = per_layer_type(layout, dense)
         elif attn_implementation == "varlen":
             inputs[PLAN_KWARG] = plan
         else:
@@ -368,14 +566,18 @@ def model_inputs(batch: Batch, attn_implementation: str, device: Any,
 
 
 def forward_hidden(model: torch.nn.Module, batch: Batch, attn_implementation: Optional[str] = None) -> torch.Tensor:
-    """Final-norm hidden states [B, T, H] of ``batch`` (no lm_head), documents masked on every path.
+    """Final-norm hidden states [B, T, H] of ``batch`` (no lm_head), documents masked on every path,
+    sliding-window layers within their window.
 
-    ``attn_implementation`` defaults to the model's; a different one switches the model to it.
+    ``attn_implementation`` defaults to the model's; a different one switches the model to it
+    (``sdpa`` on a model with soft-capped attention scores runs ``eager``, logged once).
     """
     check_batch(batch, model.config.vocab_size)
+    layout = mask_layout(model.config)
     attn = _ensure_attn(model, attn_implementation)
     device = next(model.parameters()).device
     check_attention_supported(attn, padding_free=int(batch.segment_ids.max(initial=0)) > 1, device=device,
                               requires_grad=torch.is_grad_enabled())
-    inputs = model_inputs(batch, attn, device, _mask_dtype(model, device))
+    check_flash_features(attn, layout)
+    inputs = model_inputs(batch, attn, device, _mask_dtype(model, device), layout)
     return model.model(**inputs).last_hidden_state

@@ -1,7 +1,8 @@
 """Model folders on disk (Hugging Face layout) and the torch side of training checkpoints.
 
-- ``load_pretrained`` / ``save_pretrained``: a local HF Llama folder (``config.json`` +
-  ``model.safetensors``) in and out, with transformers' own reader and writer.
+- ``load_pretrained`` / ``save_pretrained``: a local HF folder (``config.json`` +
+  ``model.safetensors``) of any family of ``common.models`` in and out, with transformers' own
+  reader and writer.
 - ``to_numpy_tree`` / ``from_numpy_tree``: a state dict of tensors as numpy arrays and back, so
   that ``common.checkpoint`` writes it as safetensors + JSON (nothing pickled, nothing that runs
   code on load) and a resumed run continues bitwise (fp32 on CPU).
@@ -23,31 +24,40 @@ from twinseq.common.backend import Model, PathLike
 
 def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
                     device: Any = None) -> Model:
-    """Load a local HF Llama checkpoint directory (no download); returned in train mode.
+    """Load a local HF checkpoint directory of any family twinseq builds (no download); train mode.
 
-    ``dtype`` None keeps the stored dtype when it is float32 or bfloat16 (else float32).
+    The folder is checked first with numpy (``common.hf_checkpoint.inspect_model_folder``: its
+    ``config.json`` must describe a ``model_type`` of ``common.models.MODEL_TYPES``, and every
+    tensor must be there with its shape), then ``AutoModelForCausalLM`` loads it with
+    transformers' own reader, safetensors only. ``dtype`` None keeps the stored dtype when it is
+    float32 or bfloat16 (else float32).
     """
-    from transformers import LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from twinseq.torch_backend.attention import check_attention_supported, hf_attn_name
-    from twinseq.torch_backend.model import _as_dtype, model_config_of
+    from twinseq.torch_backend.attention import check_attention_supported, hf_attn_name, resolve_attn_implementation
+    from twinseq.torch_backend.model import _as_dtype, make_rope_stateless_, model_config_of
 
     path = Path(path)
-    inspect_model_folder(path)  # config.json, every file and shape, before anything loads
+    # config.json (an unsupported model_type is refused here, naming the supported ones), every file
+    # and shape, before anything loads
+    inspect_model_folder(path)
     device = torch.device("cpu" if device is None else device)
     check_attention_supported(attn_implementation, device=device, requires_grad=False)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    attn = hf_attn_name(resolve_attn_implementation(attn_implementation, config))
     # safetensors only: a pickled pytorch_model.bin is never unpickled
-    model = LlamaForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
-                                             dtype="auto" if dtype is None else _as_dtype(dtype),
-                                             attn_implementation=hf_attn_name(attn_implementation))
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
+                                                 dtype="auto" if dtype is None else _as_dtype(dtype),
+                                                 attn_implementation=attn)
     if model.dtype not in (torch.float32, torch.bfloat16):
         model = model.float()
-    model_config_of(model)  # refuses architectures twinseq does not build (RoPE scaling, biases)
+    model_config_of(model)  # the loaded config must read back as a ModelConfig (an invariant, checked again)
     for name, param in model.named_parameters():
         if not bool(torch.isfinite(param).all()):
             raise CheckpointError(f"{path}: tensor {name} holds NaN or Inf values; the checkpoint is corrupt or came "
                                   f"from a diverged run: use an earlier one.")
     model.config.use_cache = False
+    make_rope_stateless_(model)
     return model.to(device).train()
 
 

@@ -12,11 +12,16 @@ Two strategies, both run as HF attention functions registered in ``transformers.
 
   so packed and padding-free rows never mix documents, also when a document crosses a shard
   boundary (the failure of TRL #6843, where accelerate's CP hook drops the mask). It runs on
-  gloo (CPU) and NCCL. Memory: the gathered K/V [B, KV, T, D] and a bool mask [B, 1, T/cp, T].
+  gloo (CPU) and NCCL. Memory: the gathered K/V [B, KV, T, D] and a bool mask [B, 1, T/cp, T]
+  (two for a model with sliding-window layers: the window is one more condition on the
+  gathered positions, ``pos[i] - pos[j] < sliding_window``). Soft-capped scores (Gemma 2) go
+  through ``attention.softcapped_attention`` instead of SDPA.
 - ``ring`` (``twinseq_cp_ring``): torch's native ``context_parallel`` (CUDA SDPA flash or
   efficient kernels, head-tail load balancing, K/V rotated around the ring). It knows only
   ``is_causal``, so it is correct for UNPACKED, right-padded rows only; packed or
-  padding-free data is refused with a ``ValueError`` (``check_ring_batch``), never mixed.
+  padding-free data is refused with a ``ValueError`` (``check_ring_batch``), never mixed. For
+  the same reason it cannot slide a window or soft-cap scores: such models are refused
+  (``check_ring_model``).
 
 Naive equivalent of either strategy (what the tests check): the dense document-masked attention
 of ``twinseq.torch_backend.attention.document_mask`` on the unsharded row, then the rank's slice.
@@ -40,6 +45,7 @@ import torch.nn.functional as F
 from twinseq.common.batching import Batch
 from twinseq.common.context_parallel import check_seq_len, cp_permutation, shard_batch
 from twinseq.common.errors import ConfigError
+from twinseq.torch_backend.attention import mask_layout, softcapped_attention
 
 logger = logging.getLogger(__name__)
 
@@ -154,14 +160,18 @@ def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def cp_allowed_mask(seg_q_BL: torch.Tensor, pos_q_BL: torch.Tensor, seg_k_BT: torch.Tensor,
-                    pos_k_BT: torch.Tensor, q_offset: int) -> torch.Tensor:
-    """bool [B, 1, L, T]: the mask rule for L local queries against all T keys (zigzag order).
+                    pos_k_BT: torch.Tensor, q_offset: int, sliding_window: Optional[int] = None) -> torch.Tensor:
+    """bool [B, 1, L, T]: the mask rule for L local queries against all T keys (zigzag order), within
+    ``sliding_window`` positions when given.
 
     A padding query (segment 0) gets its own key (global index ``q_offset + i``) as its only
     key, as ``attention.allowed_mask`` does: no empty softmax row, hence no NaN.
     """
     same_doc = (seg_q_BL[:, :, None] == seg_k_BT[:, None, :]) & (seg_q_BL[:, :, None] != 0)
-    causal = pos_k_BT[:, None, :] <= pos_q_BL[:, :, None]
+    distance = pos_q_BL[:, :, None] - pos_k_BT[:, None, :]
+    causal = distance >= 0
+    if sliding_window is not None:
+        causal = causal & (distance < sliding_window)
     L, T = seg_q_BL.shape[1], seg_k_BT.shape[1]
     q_idx = torch.arange(q_offset, q_offset + L, device=seg_q_BL.device)
     self_key = q_idx[:, None] == torch.arange(T, device=seg_q_BL.device)[None, :]
@@ -174,10 +184,14 @@ class CPAttentionContext:
 
     group: Any                          # the cp ProcessGroup (None: one rank, nothing to gather)
     allowed_B1LT: Optional[torch.Tensor]  # bool [B, 1, T/cp, T] for allgather; None for ring
+    sliding_window: Optional[int] = None  # the window of the model's sliding layers, if any
+    sliding_allowed_B1LT: Optional[torch.Tensor] = None  # allowed_B1LT within sliding_window
 
 
-def make_context(shard: CPShard, group, strategy: str) -> CPAttentionContext:
-    """Gather the segment and position ids of the whole row once (no gradient) and build the mask."""
+def make_context(shard: CPShard, group, strategy: str, sliding_window: Optional[int] = None) -> CPAttentionContext:
+    """Gather the segment and position ids of the whole row once (no gradient) and build the mask(s):
+    one for full-attention layers and, for a model whose layers slide within ``sliding_window``
+    positions (``attention.mask_layout``), one for those layers."""
     if strategy == "ring":
         return CPAttentionContext(group, None)
     seg_k, pos_k = shard.segment_ids, shard.position_ids
@@ -187,16 +201,21 @@ def make_context(shard: CPShard, group, strategy: str) -> CPAttentionContext:
         seg_k, pos_k = gathered[0], gathered[1]
     q_offset = shard.cp_rank * shard.segment_ids.shape[1]
     allowed = cp_allowed_mask(shard.segment_ids, shard.position_ids, seg_k, pos_k, q_offset)
-    return CPAttentionContext(group, allowed)
+    sliding = None if sliding_window is None else cp_allowed_mask(shard.segment_ids, shard.position_ids, seg_k,
+                                                                  pos_k, q_offset, sliding_window)
+    return CPAttentionContext(group, allowed, sliding_window, sliding)
 
 
 def local_document_attention(q_BHLD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor,
                              allowed_B1LT: torch.Tensor, scaling: Optional[float],
-                             dropout: float = 0.0) -> torch.Tensor:
+                             dropout: float = 0.0, softcap: Optional[float] = None) -> torch.Tensor:
     """[B, H, L, D]: local queries against every key, masked by ``allowed_B1LT`` (GQA-aware).
 
-    Naive equivalent: ``softmax(q k^T * scaling + where(allowed, 0, -inf)) v``.
+    Naive equivalent: ``softmax(softcap(q k^T * scaling) + where(allowed, 0, -inf)) v``, where
+    ``softcap(s) = softcap * tanh(s / softcap)`` only when ``softcap`` is given (Gemma 2).
     """
+    if softcap is not None:
+        return softcapped_attention(q_BHLD, k_BKTD, v_BKTD, allowed_B1LT, scaling, softcap, dropout)
     return F.scaled_dot_product_attention(q_BHLD, k_BKTD, v_BKTD, attn_mask=allowed_B1LT, dropout_p=dropout,
                                           scale=scaling, enable_gqa=k_BKTD.shape[1] != q_BHLD.shape[1])
 
@@ -212,13 +231,24 @@ def _context(kwargs: dict, name: str) -> CPAttentionContext:
 def allgather_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask: Optional[torch.Tensor],
                                 dropout: float = 0.0, scaling: Optional[float] = None,
+                                sliding_window: Optional[int] = None, softcap: Optional[float] = None,
                                 **kwargs) -> tuple[torch.Tensor, None]:
-    """HF attention ``twinseq_cp_allgather``: q [B, H, L, D], k/v [B, KV, L, D] (local) -> [B, L, H, D]."""
+    """HF attention ``twinseq_cp_allgather``: q [B, H, L, D], k/v [B, KV, L, D] (local) -> [B, L, H, D].
+
+    ``sliding_window`` and ``softcap`` are the layer's, as HF's attention modules pass them.
+    """
     ctx = _context(kwargs, ALLGATHER_HF_NAME)
+    allowed = ctx.allowed_B1LT
+    if sliding_window is not None:
+        if sliding_window != ctx.sliding_window:
+            raise ConfigError(f"a layer of {type(module).__name__} slides within {sliding_window} positions but the "
+                              f"CPAttentionContext was built for sliding_window={ctx.sliding_window}; build it with "
+                              f"make_context(..., sliding_window=mask_layout(model.config).sliding_window).")
+        allowed = ctx.sliding_allowed_B1LT
     if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
         key, value = gather_sequence(key, ctx.group, 2), gather_sequence(value, ctx.group, 2)
-    out_BHLD = local_document_attention(query, key, value, ctx.allowed_B1LT, scaling,
-                                        dropout if module.training else 0.0)
+    out_BHLD = local_document_attention(query, key, value, allowed, scaling, dropout if module.training else 0.0,
+                                        softcap)
     return out_BHLD.transpose(1, 2).contiguous(), None
 
 
@@ -239,6 +269,9 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     _context(kwargs, RING_HF_NAME)
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise ConfigError(f"context_parallel_strategy='ring' cannot slide a window or soft-cap scores (layer of "
+                          f"{type(module).__name__}); use --context-parallel-strategy allgather.")
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -247,6 +280,21 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         out_BHLD = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout if module.training else 0.0,
                                                   is_causal=True, scale=scaling)
     return out_BHLD.transpose(1, 2).contiguous(), None
+
+
+def check_ring_model(config: Any) -> None:
+    """``ConfigError`` for a model whose attention the ring cannot compute: it knows ``is_causal`` only, so
+    neither a sliding window (Mistral, Qwen2/3 with ``use_sliding_window``, Gemma 2) nor soft-capped
+    scores (Gemma 2)."""
+    layout = mask_layout(config)
+    features = [f"sliding_window={layout.sliding_window}" if layout.sliding_window is not None else "",
+                f"attn_logit_softcapping={layout.softcap}" if layout.softcap is not None else ""]
+    features = [f for f in features if f]
+    if features:
+        raise ConfigError(f"context_parallel_strategy='ring' cannot compute the attention of model_type "
+                          f"{config.model_type!r} ({', '.join(features)}): torch's ring attention applies a plain "
+                          f"causal mask only. Use --context-parallel-strategy allgather, which masks windows and "
+                          f"soft-caps scores.")
 
 
 def check_ring_batch(batch: Batch) -> None:

@@ -102,10 +102,12 @@ def reference_logps(ref_model: torch.nn.Module, pbatch: PreferenceBatch, *, loss
                     chunk_size: int = DEFAULT_CHUNK_SIZE, attn_implementation: Optional[str] = None):
     """(chosen [N], rejected [N]) fp32 tensors of ``ref_model``, no graph (liger -> fused_linear)."""
     from twinseq.torch_backend.attention import forward_hidden
+    from twinseq.torch_backend.model import final_logit_softcap
 
     kernel = "fused_linear" if loss_type == "liger" else loss_type
     hidden_BTH = forward_hidden(ref_model, pbatch.batch, attn_implementation)
-    logps_D = sequence_logps(hidden_BTH, ref_model.lm_head.weight, pbatch, kernel, chunk_size)
+    logps_D = sequence_logps(hidden_BTH, ref_model.lm_head.weight, pbatch, kernel, chunk_size,
+                             logit_softcap=final_logit_softcap(ref_model))
     return logps_D[:pbatch.num_examples], logps_D[pbatch.num_examples:]
 
 
@@ -122,9 +124,11 @@ def dpo_forward(model: torch.nn.Module, pbatch: PreferenceBatch, config: DPOLoss
                 attn_implementation: Optional[str] = None) -> DPOOutput:
     """Policy forward + DPO loss of one micro-batch (graph kept for ``.backward()``)."""
     from twinseq.torch_backend.attention import forward_hidden
+    from twinseq.torch_backend.model import final_logit_softcap
 
     hidden_BTH = forward_hidden(model, pbatch.batch, attn_implementation)
-    logps_D = sequence_logps(hidden_BTH, model.lm_head.weight, pbatch, loss_type, chunk_size)
+    logps_D = sequence_logps(hidden_BTH, model.lm_head.weight, pbatch, loss_type, chunk_size,
+                             logit_softcap=final_logit_softcap(model))
     return dpo_from_logps(logps_D, pbatch, config, ref_chosen_logps=ref_chosen_logps,
                           ref_rejected_logps=ref_rejected_logps, num_examples_in_step=num_examples_in_step)
 
@@ -177,11 +181,21 @@ def precompute_ref_logps(ref_model: torch.nn.Module, rows: Any, cfg: Any, pad_to
 # --------------------------------------------------------------------------------------
 
 
-def check_liger_dpo(config: DPOLossConfig, *, padding_free: bool, device: Any) -> None:
-    """Raise unless Liger's fused DPO loss can compute exactly what twinseq's would, here."""
+def check_liger_dpo(config: DPOLossConfig, *, padding_free: bool, device: Any,
+                    logit_softcap: Optional[float] = None, model_type: str = "") -> None:
+    """Raise unless Liger's fused DPO loss can compute exactly what twinseq's would, here.
+
+    Liger's chunked preference losses compute ``log_softmax(hidden @ W.T)`` with no final logit
+    soft-cap, so a model that caps its logits (Gemma 2) is refused rather than scored on other
+    logits than its own forward produces.
+    """
     from twinseq.common.dpo import check_liger_dpo_config
 
     check_liger_dpo_config(config.loss_type, padding_free=padding_free, precompute=False)
+    if logit_softcap is not None:
+        raise ConfigError(f"loss_type='liger' (or use_liger_kernel=True) for DPO: Liger's fused DPO loss has no final "
+                          f"logit soft-cap, and model_type {model_type!r} caps its logits (final_logit_softcapping="
+                          f"{logit_softcap}); use --loss-type fused_linear, the same fused log-probs with the cap.")
     if torch.device(device).type != "cuda":
         raise ConfigError("loss_type='liger' (or use_liger_kernel=True) needs a CUDA GPU with liger-kernel "
                           f"(`{GPU_EXTRA}`); on CPU use --loss-type fused_linear, the same fused log-probs.")
@@ -191,9 +205,12 @@ def check_liger_dpo(config: DPOLossConfig, *, padding_free: bool, device: Any) -
 
 
 def liger_dpo_loss(hidden_BTH, weight_VH, ref_hidden_BTH, ref_weight_VH, pbatch: PreferenceBatch,
-                   config: DPOLossConfig, num_examples_in_step: int) -> torch.Tensor:
-    """Liger's ``LigerFusedLinearDPOLoss`` on a padded batch, as a micro-batch of the step's mean."""
-    check_liger_dpo(config, padding_free=pbatch.batch.shape[0] != pbatch.num_docs, device=hidden_BTH.device)
+                   config: DPOLossConfig, num_examples_in_step: int, *, logit_softcap: Optional[float] = None,
+                   model_type: str = "") -> torch.Tensor:
+    """Liger's ``LigerFusedLinearDPOLoss`` on a padded batch, as a micro-batch of the step's mean (refused for
+    a model with a final logit soft-cap, see ``check_liger_dpo``)."""
+    check_liger_dpo(config, padding_free=pbatch.batch.shape[0] != pbatch.num_docs, device=hidden_BTH.device,
+                    logit_softcap=logit_softcap, model_type=model_type)
     from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
 
     params = inspect.signature(LigerFusedLinearDPOLoss.__init__).parameters
@@ -219,15 +236,19 @@ def liger_dpo_forward(model: torch.nn.Module, ref_model: torch.nn.Module, pbatch
     """``dpo_forward`` with Liger's fused DPO loss (CUDA); the per-pair outputs for the metrics cost one
     no-grad ``fused_linear`` pass each, since Liger returns no log-probs."""
     from twinseq.torch_backend.attention import forward_hidden
+    from twinseq.torch_backend.model import final_logit_softcap
 
+    cap = final_logit_softcap(model)
     w, ref_w = model.lm_head.weight, ref_model.lm_head.weight
     hidden_BTH = forward_hidden(model, pbatch.batch, attn_implementation)
     with torch.no_grad():
         ref_hidden_BTH = forward_hidden(ref_model, pbatch.batch, attn_implementation)
-    loss = liger_dpo_loss(hidden_BTH, w, ref_hidden_BTH, ref_w, pbatch, config, num_examples_in_step)
+    loss = liger_dpo_loss(hidden_BTH, w, ref_hidden_BTH, ref_w, pbatch, config, num_examples_in_step,
+                          logit_softcap=cap, model_type=model.config.model_type)
     with torch.no_grad():
-        ref_D = sequence_logps(ref_hidden_BTH, ref_w, pbatch, "fused_linear", chunk_size)
-        out = dpo_from_logps(sequence_logps(hidden_BTH.detach(), w, pbatch, "fused_linear", chunk_size), pbatch,
+        ref_D = sequence_logps(ref_hidden_BTH, ref_w, pbatch, "fused_linear", chunk_size, logit_softcap=cap)
+        policy_D = sequence_logps(hidden_BTH.detach(), w, pbatch, "fused_linear", chunk_size, logit_softcap=cap)
+        out = dpo_from_logps(policy_D, pbatch,
                              config, ref_chosen_logps=ref_D[:pbatch.num_examples],
                              ref_rejected_logps=ref_D[pbatch.num_examples:], num_examples_in_step=num_examples_in_step)
     out.loss = loss

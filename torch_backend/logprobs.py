@@ -12,12 +12,16 @@ token-loss kernel ``loss_type``, as for SFT:
 - ``fused_linear``: ``FusedLinearTokenLogps``, a custom autograd Function that keeps only the
   per-token logsumexp between forward and backward and recomputes one chunk's logits at a
   time in backward: no ``[tokens, V]`` tensor ever, and one ``[V, H]`` gradient buffer.
+
+``logit_softcap`` (the model's final logit soft-cap, Gemma 2's ``final_logit_softcapping``)
+replaces the float32 logits by ``c * tanh(logits / c)`` before the ``log_softmax`` on every path,
+as transformers' forward does; the fused backward multiplies by its derivative ``1 - tanh^2``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -28,6 +32,7 @@ from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.dpo_batching import PreferenceBatch
 from twinseq.common.errors import ConfigError, DataError
 from twinseq.common.loss import shift_labels
+from twinseq.torch_backend.losses import apply_logit_softcap, check_logit_softcap, softcap_with_derivative_
 
 LOGPS_LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
 
@@ -70,24 +75,24 @@ def _picked_logps(logits_cV: torch.Tensor, targets_c: torch.Tensor) -> tuple[tor
     return picked_c - log_sum_c, (log_sum_c + max_c).detach()
 
 
-def _token_logps_full(hidden_NH, weight_VH, rows: TargetRows) -> torch.Tensor:
+def _token_logps_full(hidden_NH, weight_VH, rows: TargetRows, logit_softcap=None) -> torch.Tensor:
     """Baseline: logits for every position ``[B*T, V]`` (padding and prompts included, as Hugging
     Face computes them), ``log_softmax``, then the target of each scored row."""
-    logp_NV = F.log_softmax(_acc(F.linear(hidden_NH, weight_VH)), dim=-1)
+    logp_NV = F.log_softmax(apply_logit_softcap(_acc(F.linear(hidden_NH, weight_VH)), logit_softcap), dim=-1)
     # gather on all rows (target 0 where none), then pick the scored ones: one [N, V] buffer in backward
     targets_N = torch.zeros(hidden_NH.shape[0], dtype=torch.long, device=hidden_NH.device)
     targets_N[rows.idx_n] = rows.targets_n
     return logp_NV.gather(1, targets_N[:, None])[:, 0].index_select(0, rows.idx_n)
 
 
-def _chunk_logps(hidden_cH, weight_VH, targets_c):
-    return _picked_logps(_acc(F.linear(hidden_cH, weight_VH)), targets_c)[0]
+def _chunk_logps(hidden_cH, weight_VH, targets_c, logit_softcap=None):
+    return _picked_logps(apply_logit_softcap(_acc(F.linear(hidden_cH, weight_VH)), logit_softcap), targets_c)[0]
 
 
-def _token_logps_chunked(hidden_nH, weight_VH, targets_n, chunk_size: int) -> torch.Tensor:
+def _token_logps_chunked(hidden_nH, weight_VH, targets_n, chunk_size: int, logit_softcap=None) -> torch.Tensor:
     """Checkpointed chunks: naive equivalent ``log_softmax(hidden_nH @ W.T)[arange(n), targets_n]``."""
     parts = [checkpoint(_chunk_logps, hidden_nH[s:s + chunk_size], weight_VH, targets_n[s:s + chunk_size],
-                        use_reentrant=False) for s in range(0, hidden_nH.shape[0], chunk_size)]
+                        logit_softcap, use_reentrant=False) for s in range(0, hidden_nH.shape[0], chunk_size)]
     assert parts, "collate_preference guarantees at least one scored token per document"
     return torch.cat(parts)
 
@@ -97,17 +102,20 @@ class FusedLinearTokenLogps(torch.autograd.Function):
 
     Naive equivalent::
 
-        logp_n = log_softmax((hidden_nH @ weight_VH.T).float(), -1)[arange(n), targets_n]
+        logits = (hidden_nH @ weight_VH.T).float()
+        logits = c * tanh(logits / c)                     # only with a logit_softcap c
+        logp_n = log_softmax(logits, -1)[arange(n), targets_n]
 
     Forward keeps only the per-row logsumexp [n]. Backward gets ``g_n = dL/dlogp_n`` (one
     upstream gradient per token: DPO's is not a constant, unlike a token-mean loss, so the
     gradients cannot be formed in forward), recomputes each chunk's logits and forms
     ``dL/dlogits = g_n (onehot - softmax)`` in place; the weight gradient is accumulated
-    in one fp32 ``[V, H]`` buffer.
+    in one fp32 ``[V, H]`` buffer. With a soft-cap, that gradient is multiplied by the cap's
+    derivative ``1 - tanh^2`` (recomputed with the chunk's logits).
     """
 
     @staticmethod
-    def forward(ctx, hidden_nH, weight_VH, targets_n, chunk_size: int):
+    def forward(ctx, hidden_nH, weight_VH, targets_n, chunk_size: int, logit_softcap: Optional[float] = None):
         # Backward runs outside autocast, so the matmul dtype is fixed here and the operands saved in it.
         device_type = hidden_nH.device.type
         compute = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
@@ -119,12 +127,12 @@ class FusedLinearTokenLogps(torch.autograd.Function):
         lse_n = torch.empty(n, dtype=acc_dtype, device=h_nH.device)
         with torch.autocast(device_type, enabled=False):
             for s in range(0, n, chunk_size):
-                logits_cV = _acc(F.linear(h_nH[s:s + chunk_size], w_VH))
+                logits_cV = apply_logit_softcap(_acc(F.linear(h_nH[s:s + chunk_size], w_VH)), logit_softcap)
                 logps_n[s:s + chunk_size], lse_n[s:s + chunk_size] = _picked_logps(logits_cV,
                                                                                   targets_n[s:s + chunk_size])
                 del logits_cV  # else the next chunk's logits are allocated while these are alive
         ctx.save_for_backward(h_nH, w_VH, targets_n, lse_n)
-        ctx.chunk_size, ctx.dtypes = chunk_size, (hidden_nH.dtype, weight_VH.dtype)
+        ctx.chunk_size, ctx.dtypes, ctx.cap = chunk_size, (hidden_nH.dtype, weight_VH.dtype), logit_softcap
         return logps_n
 
     @staticmethod
@@ -138,42 +146,51 @@ class FusedLinearTokenLogps(torch.autograd.Function):
         for s in range(0, hidden_nH.shape[0], cs):
             h_cH, t_c, g_c = hidden_nH[s:s + cs], targets_n[s:s + cs], grad_logps_n[s:s + cs].to(lse_n.dtype)
             # dlogp/dlogits = onehot - softmax, scaled by the upstream gradient; in place on the chunk's logits
-            g_cV = _acc(F.linear(h_cH, weight_VH)).sub_(lse_n[s:s + cs, None]).exp_().mul_(-g_c[:, None])
+            logits_cV, dcap_cV = softcap_with_derivative_(_acc(F.linear(h_cH, weight_VH)), ctx.cap, True)
+            g_cV = logits_cV.sub_(lse_n[s:s + cs, None]).exp_().mul_(-g_c[:, None])
             g_cV[torch.arange(len(t_c), device=t_c.device), t_c] += g_c
+            if dcap_cV is not None:
+                g_cV.mul_(dcap_cV)
             if grad_h is not None:
                 grad_h[s:s + cs] = g_cV.to(weight_VH.dtype) @ weight_VH
             if grad_w is not None:
                 grad_w.addmm_(g_cV.t(), h_cH.to(grad_w.dtype))
-            del g_cV
-        return grad_h, None if grad_w is None else grad_w.to(ctx.dtypes[1]), None, None
+            del g_cV, dcap_cV
+        return grad_h, None if grad_w is None else grad_w.to(ctx.dtypes[1]), None, None, None
 
 
 def token_logps(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, rows: TargetRows,
-                loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
-    """[n] log-probs of the targets at ``rows.idx_n`` (fp32; fp64 for fp64 inputs)."""
+                loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                logit_softcap: Optional[float] = None) -> torch.Tensor:
+    """[n] log-probs of the targets at ``rows.idx_n`` (fp32; fp64 for fp64 inputs), from the logits soft-capped
+    by ``logit_softcap`` when given (the model's ``final_logit_softcapping``)."""
     if loss_type not in LOGPS_LOSS_TYPES:
         raise ConfigError(f"loss_type={loss_type!r} has no log-prob kernel here; choose one of {LOGPS_LOSS_TYPES} "
                           f"('liger' is the separate liger_dpo_loss path).")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+    check_logit_softcap(logit_softcap)
     hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
     if loss_type == "nll":
-        return _token_logps_full(hidden_NH, lm_head_weight_VH, rows)
+        return _token_logps_full(hidden_NH, lm_head_weight_VH, rows, logit_softcap)
     hidden_nH = hidden_NH.index_select(0, rows.idx_n)
     if loss_type == "chunked_nll":
-        return _token_logps_chunked(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size)
-    return FusedLinearTokenLogps.apply(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size)
+        return _token_logps_chunked(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size, logit_softcap)
+    return FusedLinearTokenLogps.apply(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size, logit_softcap)
 
 
 def sequence_logps(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, pbatch: PreferenceBatch,
-                   loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+                   loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                   logit_softcap: Optional[float] = None) -> torch.Tensor:
     """[2N] sequence log-probs (chosen documents, then rejected) from the final hidden states.
 
     Naive equivalent (``common.dpo_batching.sequence_logps_from_logits``)::
 
-        logp_BT = log_softmax(hidden_BTH @ W.T)[b, t, labels[b, t + 1]]
+        logp_BT = log_softmax(softcap(hidden_BTH @ W.T))[b, t, labels[b, t + 1]]
         out[d] = Σ logp_BT[b, t] over (b, t) with target_doc_ids[b, t] == d
+
+    ``logit_softcap``: the model's final logit soft-cap (``softcap`` above is the identity without one).
     """
     rows = TargetRows.of(pbatch, lm_head_weight_VH.shape[0], hidden_BTH.device)
-    logps_n = token_logps(hidden_BTH, lm_head_weight_VH, rows, loss_type, chunk_size)
+    logps_n = token_logps(hidden_BTH, lm_head_weight_VH, rows, loss_type, chunk_size, logit_softcap=logit_softcap)
     return logps_n.new_zeros(rows.num_docs).index_add(0, rows.doc_n, logps_n)

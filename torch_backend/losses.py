@@ -3,7 +3,12 @@
 All four compute the same number (``twinseq.common.loss.nll_loss`` is the reference):
 
     targets = labels shifted left by one (last position -100)
-    loss = sum over targets != -100 of CE(hidden @ W.T + b, target) / num_items_in_batch
+    logits = hidden @ W.T + b, in float32; with ``logit_softcap`` c: c * tanh(logits / c)
+    loss = sum over targets != -100 of CE(logits, target) / num_items_in_batch
+
+``logit_softcap`` is the model's final logit soft-cap (Gemma 2's ``final_logit_softcapping``),
+applied to the float32 logits in transformers' operation order; every path caps the same
+values, and the fused path differentiates through it (``d capped / d logits = 1 - (capped / c)^2``).
 
 They differ only in what they keep in memory:
 
@@ -24,7 +29,9 @@ Chunked and fused paths first gather the rows whose target is valid, so ignored 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -86,6 +93,25 @@ def _upcast(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(_acc_dtype(logits.dtype))
 
 
+def apply_logit_softcap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` in the operation order of transformers (``/``, ``tanh``, ``*``), so that
+    float32 results are bitwise those of HF's ``Gemma2ForCausalLM``; ``logits`` unchanged when ``cap`` is None.
+
+    >>> apply_logit_softcap(torch.tensor([0.0, 100.0]), 2.0).tolist()
+    [0.0, 2.0]
+    """
+    if cap is None:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+
+
+def _capped_logits(hidden_NH, weight_VH, bias_V, logit_softcap):
+    """float32 (fp64 for fp64) logits of the lm_head, soft-capped after the upcast when ``logit_softcap`` is set."""
+    return apply_logit_softcap(_upcast(F.linear(hidden_NH, weight_VH, bias_V)), logit_softcap)
+
+
 @torch.no_grad()
 def _metric_sums(logits_NV: torch.Tensor, targets_N: torch.Tensor, row_chunk: int = 1024) -> torch.Tensor:
     """[2], accumulation dtype: (valid targets that are the argmax, sum of entropies over valid targets).
@@ -114,28 +140,28 @@ def _metrics_dict(sums: torch.Tensor, num_valid: int) -> dict:
             "num_tokens": num_valid, "num_correct_tokens": int(round(num_correct)), "entropy_sum": entropy_sum}
 
 
-def _nll(hidden_NH, weight_VH, bias_V, targets_N, want_metrics):
-    logits_NV = _upcast(F.linear(hidden_NH, weight_VH, bias_V))
+def _nll(hidden_NH, weight_VH, bias_V, targets_N, want_metrics, logit_softcap=None):
+    logits_NV = _capped_logits(hidden_NH, weight_VH, bias_V, logit_softcap)
     loss_sum = F.cross_entropy(logits_NV, targets_N, ignore_index=IGNORE_INDEX, reduction="sum")
     sums = _metric_sums(logits_NV.detach(), targets_N) if want_metrics else None
     return loss_sum, sums
 
 
-def _chunk_ce(hidden_cH, weight_VH, bias_V, targets_c, want_metrics):
-    logits_cV = _upcast(F.linear(hidden_cH, weight_VH, bias_V))
+def _chunk_ce(hidden_cH, weight_VH, bias_V, targets_c, want_metrics, logit_softcap=None):
+    logits_cV = _capped_logits(hidden_cH, weight_VH, bias_V, logit_softcap)
     loss_sum = F.cross_entropy(logits_cV, targets_c, ignore_index=IGNORE_INDEX, reduction="sum")
     sums = _metric_sums(logits_cV.detach(), targets_c) if want_metrics else None
     return loss_sum, sums
 
 
-def _chunked_nll(hidden_nH, weight_VH, bias_V, targets_n, chunk_size, want_metrics):
+def _chunked_nll(hidden_nH, weight_VH, bias_V, targets_n, chunk_size, want_metrics, logit_softcap=None):
     """Checkpointed chunks over the valid rows. Naive equivalent: ``_nll`` on the same rows."""
     loss_sum, sums = 0.0, torch.zeros(2, dtype=_acc_dtype(hidden_nH.dtype), device=hidden_nH.device)
     # max(n, 1): an empty input still runs one (empty) chunk so the weight gets a zero gradient
     for start in range(0, max(hidden_nH.shape[0], 1), chunk_size):
         end = start + chunk_size
         part, part_sums = checkpoint(_chunk_ce, hidden_nH[start:end], weight_VH, bias_V, targets_n[start:end],
-                                     want_metrics, use_reentrant=False)
+                                     want_metrics, logit_softcap, use_reentrant=False)
         loss_sum = loss_sum + part
         if want_metrics:
             sums += part_sums
@@ -149,6 +175,7 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     are computed. Naive equivalent::
 
         logits = (hidden_NH @ weight_VH.T + bias_V).float()
+        logits = c * tanh(logits / c)                     # only with a logit_softcap c
         loss = F.cross_entropy(logits, targets_N, ignore_index=-100, reduction="sum") / denom
 
     Forward keeps ``grad_hidden`` [N, H] (input dtype) and ``grad_weight`` [V, H] (fp32
@@ -156,11 +183,14 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     ``(softmax - onehot) / denom`` and multiplied out at once. Backward only rescales them by
     ``grad_output``. A gradient is computed only for inputs that need it (a frozen lm_head, as
     with LoRA, skips the [V, H] buffer and a third of the FLOPs). Backward runs once.
+
+    With a soft-cap, the logit gradient is that of the capped logits times ``1 - tanh^2``, the
+    derivative of ``c * tanh(x / c)``; it costs one more [c, V] buffer per chunk.
     """
 
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, valid_idx_n, denom: int, chunk_size: int,
-                want_metrics: bool):
+                want_metrics: bool, logit_softcap: Optional[float] = None):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         targets_n = targets_N.index_select(0, valid_idx_n)
         n, V = targets_n.shape[0], weight_VH.shape[0]
@@ -172,14 +202,18 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             rows_c, t_c = valid_idx_n[start:start + chunk_size], targets_n[start:start + chunk_size]
             h_cH = hidden_NH.index_select(0, rows_c)  # per chunk: no [n, H] copy of the valid rows
-            logits_cV = _upcast(F.linear(h_cH, weight_VH, bias_V))
+            need_grad = need_h or need_w or need_b
+            logits_cV, dcap_cV = softcap_with_derivative_(_upcast(F.linear(h_cH, weight_VH, bias_V)), logit_softcap,
+                                                           need_grad)
             if want_metrics:
                 sums += _metric_sums(logits_cV, t_c)
-            chunk_loss, g_cV = _ce_and_logit_grad_(logits_cV, t_c, denom, need_h or need_w or need_b)
+            chunk_loss, g_cV = _ce_and_logit_grad_(logits_cV, t_c, denom, need_grad)
+            if g_cV is not None and dcap_cV is not None:
+                g_cV.mul_(dcap_cV)
             loss_sum += chunk_loss
             if g_cV is not None:
                 _accumulate_chunk_grads(g_cV, h_cH, weight_VH, grad_h, grad_w, grad_b, rows_c)
-            del logits_cV, g_cV  # else the next chunk's logits are allocated while these are alive
+            del logits_cV, g_cV, dcap_cV  # else the next chunk's logits are allocated while these are alive
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.dtypes = (hidden_NH.dtype, weight_VH.dtype, None if bias_V is None else bias_V.dtype)
         ctx.mark_non_differentiable(sums)
@@ -197,7 +231,19 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
                 if g is not None:
                     g.mul_(grad_loss.to(g.dtype))
         grad_h, grad_w, grad_b = (None if g is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes))
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def softcap_with_derivative_(logits_cV, cap: Optional[float], need_grad: bool):
+    """(``cap * tanh(logits / cap)``, its derivative ``1 - tanh^2`` or None), reusing ``logits_cV``'s buffer.
+
+    The capped values are bitwise ``apply_logit_softcap``'s (same operations, same order).
+    """
+    if cap is None:
+        return logits_cV, None
+    tanh_cV = logits_cV.div_(cap).tanh_()
+    dcap_cV = tanh_cV.square().neg_().add_(1.0) if need_grad else None
+    return tanh_cV.mul_(cap), dcap_cV
 
 
 def _ce_and_logit_grad_(logits_cV, targets_c, denom: int, need_grad: bool):
@@ -232,7 +278,7 @@ def _accumulate_chunk_grads(g_cV, h_cH, weight_VH, grad_h, grad_w, grad_b, rows_
         grad_b += g_cV.sum(0)
 
 
-def _liger(hidden_nH, weight_VH, bias_V, targets_n):
+def _liger(hidden_nH, weight_VH, bias_V, targets_n, logit_softcap=None):
     if not hidden_nH.is_cuda:
         raise ConfigError(f"loss_type='liger' needs CUDA (Liger's kernels are Triton); the hidden states are on "
                           f"{hidden_nH.device}. Use loss_type='fused_linear', the CPU implementation of the same "
@@ -242,11 +288,26 @@ def _liger(hidden_nH, weight_VH, bias_V, targets_n):
                           f"`{_GPU_EXTRA}`, or use loss_type='fused_linear'.")
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    out = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")(
-        weight_VH, hidden_nH, targets_n, bias_V)
+    kwargs = dict(ignore_index=IGNORE_INDEX, reduction="sum")
+    if logit_softcap is not None:
+        if "softcap" not in inspect.signature(LigerFusedLinearCrossEntropyLoss.__init__).parameters:
+            raise ConfigError(f"loss_type='liger': this liger-kernel version has no softcap option, and the model "
+                              f"soft-caps its logits (final_logit_softcapping={logit_softcap}); upgrade liger-kernel "
+                              f"(`{_GPU_EXTRA}`) or use loss_type='fused_linear'.")
+        kwargs["softcap"] = logit_softcap
+    out = LigerFusedLinearCrossEntropyLoss(**kwargs)(weight_VH, hidden_nH, targets_n, bias_V)
     # newer liger versions may return (loss, z_loss, ...) or an output object
     out = getattr(out, "loss", out)
     return out[0] if isinstance(out, tuple) else out
+
+
+def check_logit_softcap(logit_softcap) -> None:
+    """``ConfigError`` unless ``logit_softcap`` is None or a positive number (a cap of 0 would divide by 0)."""
+    if logit_softcap is None:
+        return
+    if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, numbers.Real) or not logit_softcap > 0:
+        raise ConfigError(f"logit_softcap={logit_softcap!r} must be a positive number (the model's "
+                          f"final_logit_softcapping) or None for no cap.")
 
 
 def _valid_rows(targets_N):
@@ -257,7 +318,8 @@ def _valid_rows(targets_N):
 def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, labels_BT: torch.Tensor,
                    num_items_in_batch: Union[int, torch.Tensor], loss_type: str = "nll",
                    chunk_size: int = DEFAULT_CHUNK_SIZE, return_metrics: bool = False,
-                   lm_head_bias: Optional[torch.Tensor] = None, targets_are_shifted: bool = False):
+                   lm_head_bias: Optional[torch.Tensor] = None, targets_are_shifted: bool = False,
+                   logit_softcap: Optional[float] = None):
     """Next-token cross-entropy from the last hidden state, normalised by the whole step.
 
     In: ``hidden_BTH`` (final-norm output), ``lm_head_weight_VH`` (``lm_head.weight``),
@@ -271,42 +333,46 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
     chunk of ``chunked_nll`` and ``fused_linear``. ``targets_are_shifted=True`` means
     ``labels_BT`` already holds the targets (``labels[t + 1]`` at t), as a context-parallel
     shard does (``common.context_parallel.shard_batch``): they are used as they are.
+    ``logit_softcap`` is the model's final logit soft-cap ``c`` (``final_logit_softcapping``; None:
+    none): every loss type computes the cross-entropy of ``c * tanh(logits / c)``.
     """
     if loss_type not in LOSS_TYPES:
         raise ConfigError(f"loss_type={loss_type!r} is not valid; choose one of {LOSS_TYPES}.")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+    check_logit_softcap(logit_softcap)
     _check_inputs(hidden_BTH, lm_head_weight_VH, labels_BT, lm_head_bias)
     hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
     targets_N = (labels_BT if targets_are_shifted else shift_labels(labels_BT)).reshape(-1).long()
     num_valid, denom = _num_valid_checked(targets_N, lm_head_weight_VH.shape[0], num_items_in_batch)
     args = (lm_head_weight_VH, lm_head_bias)
     if loss_type == "nll":
-        loss_sum, sums = _nll(hidden_NH, *args, targets_N, return_metrics)
+        loss_sum, sums = _nll(hidden_NH, *args, targets_N, return_metrics, logit_softcap)
         loss = loss_sum / denom
     elif loss_type == "fused_linear":
         loss, sums = FusedLinearCrossEntropy.apply(hidden_NH, *args, targets_N, _valid_rows(targets_N), denom,
-                                                   chunk_size, return_metrics)
+                                                   chunk_size, return_metrics, logit_softcap)
     else:
         idx = _valid_rows(targets_N)
         hidden_nH, targets_n = hidden_NH.index_select(0, idx), targets_N.index_select(0, idx)
         if loss_type == "chunked_nll":
-            loss_sum, sums = _chunked_nll(hidden_nH, *args, targets_n, chunk_size, return_metrics)
+            loss_sum, sums = _chunked_nll(hidden_nH, *args, targets_n, chunk_size, return_metrics, logit_softcap)
             loss = loss_sum / denom
         else:
-            loss = _liger(hidden_nH, *args, targets_n) / denom
+            loss = _liger(hidden_nH, *args, targets_n, logit_softcap) / denom
             # Liger returns no logits, so metrics cost one extra no-grad lm_head pass, chunked
-            sums = _metric_sums_chunked(hidden_nH, *args, targets_n, chunk_size) if return_metrics else None
+            sums = (_metric_sums_chunked(hidden_nH, *args, targets_n, chunk_size, logit_softcap) if return_metrics
+                    else None)
     if not return_metrics:
         return loss
     return loss, _metrics_dict(sums, num_valid)
 
 
 @torch.no_grad()
-def _metric_sums_chunked(hidden_nH, weight_VH, bias_V, targets_n, chunk_size):
+def _metric_sums_chunked(hidden_nH, weight_VH, bias_V, targets_n, chunk_size, logit_softcap=None):
     sums = torch.zeros(2, dtype=_acc_dtype(hidden_nH.dtype), device=hidden_nH.device)
     for start in range(0, hidden_nH.shape[0], chunk_size):
-        logits_cV = F.linear(hidden_nH[start:start + chunk_size], weight_VH, bias_V)
+        logits_cV = _capped_logits(hidden_nH[start:start + chunk_size], weight_VH, bias_V, logit_softcap)
         sums += _metric_sums(logits_cV, targets_n[start:start + chunk_size])
         del logits_cV
     return sums

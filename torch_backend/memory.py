@@ -146,8 +146,9 @@ class ActivationOffloader:
     def _decoder_of(model: torch.nn.Module) -> torch.nn.Module:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
         if decoder is None or decoder is model:
-            raise ConfigError(f"cannot find the decoder of {type(model).__name__} (expected a .model submodule as "
-                              f"in LlamaForCausalLM); pass model=None to offload everything (not with Liger).")
+            raise ConfigError(f"cannot find the decoder of {type(model).__name__} (expected a .model submodule, as "
+                              f"every *ForCausalLM twinseq builds has); pass model=None to offload everything "
+                              f"(not with Liger).")
         return decoder
 
     # ---- public state ----------------------------------------------------------------

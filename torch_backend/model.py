@@ -1,10 +1,14 @@
-"""The torch model: a Hugging Face ``LlamaForCausalLM`` built from the neutral ``ModelConfig``.
+"""The torch model: a Hugging Face ``AutoModelForCausalLM`` of any family ``ModelConfig`` describes.
 
-Weights come from ``common.init.init_weights`` (numpy, HF names) or a local HF checkpoint
-(``checkpoint.load_pretrained``), so the torch and JAX backends start from the same model.
-The protocol functions ``build_model``, ``export_weights``, ``logits`` and ``loss_and_grads``
-(``common.backend.Backend``) live here; ``logits`` and ``loss_and_grads`` run through
-``attention.forward_hidden``, which masks documents on every attention path.
+``common.models`` decides the architecture (Llama, Qwen2, Qwen3, Mistral, Gemma 2) and writes its
+``config.json`` (``to_hf_config``); this module hands that to transformers' own classes
+(``AutoConfig.for_model`` + ``AutoModelForCausalLM``), so the torch backend runs exactly the
+modules a Hugging Face checkpoint runs. Weights come from ``common.init.init_weights`` (numpy, HF
+names) or a local HF checkpoint (``checkpoint.load_pretrained``), so the torch and JAX backends
+start from the same model. The protocol functions ``build_model``, ``export_weights``, ``logits``
+and ``loss_and_grads`` (``common.backend.Backend``) live here; ``logits`` and ``loss_and_grads``
+run through ``attention.forward_hidden``, which masks documents (and sliding windows) on every
+attention path, and apply the family's final logit soft-cap (Gemma 2) before the softmax.
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ from twinseq.common.batching import Batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, ModelConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.init import check_weights, init_weights, parameter_shapes
+from twinseq.common.models import from_hf_config, to_hf_config
 from twinseq.common.backend import Model
-from twinseq.torch_backend.attention import check_attention_supported, forward_hidden, hf_attn_name
+from twinseq.torch_backend.attention import (check_attention_supported, forward_hidden, hf_attn_name,
+                                             resolve_attn_implementation)
+from twinseq.torch_backend.losses import apply_logit_softcap
 
 logger = logging.getLogger(__name__)
 
@@ -35,66 +42,84 @@ def _as_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def to_llama_config(cfg: ModelConfig, attn_implementation: str = "sdpa"):
-    """``transformers.LlamaConfig`` of exactly the architecture ``cfg`` describes."""
-    from transformers import LlamaConfig
+def to_hf_model_config(cfg: ModelConfig, attn_implementation: str = "sdpa"):
+    """The transformers config object (``LlamaConfig``, ``Gemma2Config``, ...) of exactly ``cfg``.
 
-    config = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_act="silu",
-        max_position_embeddings=cfg.max_position_embeddings, initializer_range=cfg.initializer_range,
-        rms_norm_eps=cfg.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False, mlp_bias=False,
-        attention_dropout=0.0, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-        pad_token_id=cfg.pad_token_id, use_cache=False)
-    config._attn_implementation = hf_attn_name(attn_implementation)
+    Built by ``AutoConfig.for_model`` from ``common.models.to_hf_config``, i.e. from the same
+    ``config.json`` a checkpoint of ``cfg`` holds, so a built model and a loaded one agree.
+    ``attn_implementation`` is resolved first (``resolve_attn_implementation``: Gemma 2's
+    soft-capped attention runs ``eager`` where ``sdpa`` is asked for).
+    """
+    from transformers import AutoConfig
+
+    values = to_hf_config(cfg)
+    values.pop("architectures")
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    config._attn_implementation = hf_attn_name(resolve_attn_implementation(attn_implementation, config))
     return config
 
 
-def model_config_from_hf(config) -> ModelConfig:
-    """The neutral ``ModelConfig`` of a ``LlamaConfig`` (rope_theta read from ``rope_parameters``)."""
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
-        raise ConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported; twinseq builds default "
-                          f"(unscaled) RoPE only. Use a checkpoint without RoPE scaling.")
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        raise ConfigError("attention_bias/mlp_bias=True is not supported by twinseq's Llama; use a checkpoint "
-                          "without biases.")
-    values = {k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                              "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                                              "head_dim", "rms_norm_eps", "max_position_embeddings",
-                                              "tie_word_embeddings", "initializer_range", "bos_token_id",
-                                              "eos_token_id", "pad_token_id")}
-    values["rope_theta"] = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    values = {k: v for k, v in values.items() if v is not None}
-    return ModelConfig(**values)
-
-
 def model_config_of(model: torch.nn.Module) -> ModelConfig:
-    return model_config_from_hf(model.config)
+    """The neutral ``ModelConfig`` of a transformers model, read from its config as a ``config.json``
+    (``common.models.from_hf_config``: an architecture twinseq does not build raises ``ConfigError``)."""
+    return from_hf_config(model.config.to_dict(), f"{type(model).__name__}.config")
+
+
+def final_logit_softcap(model: torch.nn.Module) -> Optional[float]:
+    """The model's final logit soft-cap ``c`` (logits become ``c * tanh(logits / c)``), or None.
+
+    Gemma 2 has one (``final_logit_softcapping``); the other families have none. Every loss and
+    log-prob path takes it as ``logit_softcap``.
+    """
+    return getattr(model.config, "final_logit_softcapping", None)
+
+
+def make_rope_stateless_(model: torch.nn.Module) -> None:
+    """Make dynamic RoPE depend on the current batch only (``common.rope``'s rule), in place.
+
+    transformers' ``dynamic_rope_update`` keeps the largest ``seq_len`` seen so far in the rotary
+    module (``inv_freq``, ``max_seq_len_cached``) and only shrinks back below
+    ``max_position_embeddings``: a batch whose longest document is 22 tokens is rotated with the
+    frequencies of a 23-token batch that came before it. A forward pre-hook restores the module's
+    original state before every call, so each forward recomputes from its own largest position id.
+    Other RoPE types have no state; the hook is installed only where it matters.
+    """
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or "dynamic" not in str(getattr(rotary, "rope_type", "")):
+        return
+    if not getattr(rotary, "_twinseq_stateless", False):
+        rotary.register_forward_pre_hook(_reset_dynamic_rope)
+        rotary._twinseq_stateless = True
+
+
+def _reset_dynamic_rope(rotary: torch.nn.Module, _args) -> None:
+    # HF's own "reset" branch, taken unconditionally: the next forward grows from the original state
+    rotary.register_buffer("inv_freq", rotary.original_inv_freq.clone(), persistent=False)
+    rotary.max_seq_len_cached = rotary.original_max_seq_len
 
 
 def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *, dtype: str = "float32",
                 attn_implementation: str = "sdpa", device: Any = None) -> Model:
-    """A ``LlamaForCausalLM`` of ``cfg`` in ``dtype`` on ``device`` (default CPU), in train mode.
+    """An ``AutoModelForCausalLM`` of ``cfg`` (its family's HF class) in ``dtype`` on ``device``
+    (default CPU), in train mode.
 
     ``weights`` are HF-named numpy arrays, checked strictly by name and shape (``ValueError``
     listing every mismatch); None draws ``common.init.init_weights(cfg, seed=0)``, the same
     model the JAX backend builds.
     """
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
     device = torch.device("cpu" if device is None else device)
     check_attention_supported(attn_implementation, device=device, requires_grad=False)
     weights = init_weights(cfg, seed=0) if weights is None else weights
     check_weights(cfg, weights)
+    config = to_hf_model_config(cfg, attn_implementation)
     # HF's random init would only be overwritten; no_init_weights also skips the tying step
     with no_init_weights():
-        model = LlamaForCausalLM(to_llama_config(cfg, attn_implementation))
+        model = AutoModelForCausalLM.from_config(config)
     model.tie_weights()
+    make_rope_stateless_(model)
     load_weights_(model, weights)
     model.to(device)
     _cast_parameters(model, _as_dtype(dtype))
@@ -136,21 +161,24 @@ def export_weights(model: Model) -> dict[str, np.ndarray]:
 
 @torch.no_grad()
 def logits(model: Model, batch: Batch) -> np.ndarray:
-    """np.float32 [B, T, V] logits of ``batch`` with the model's attention path, documents masked."""
+    """np.float32 [B, T, V] logits of ``batch`` with the model's attention path, documents masked, after the
+    family's final soft-cap (applied in float32, after the upcast)."""
     hidden_BTH = forward_hidden(model, batch)
-    return model.lm_head(hidden_BTH).float().cpu().numpy()
+    return apply_logit_softcap(model.lm_head(hidden_BTH).float(), final_logit_softcap(model)).cpu().numpy()
 
 
 def compute_loss(model: torch.nn.Module, batch: Batch, loss_type: str = "nll", *,
                  attn_implementation: Optional[str] = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  return_metrics: bool = False):
-    """Scalar loss tensor: ``sum of NLL over batch's targets / batch.num_items_in_batch``."""
+    """Scalar loss tensor: ``sum of NLL over batch's targets / batch.num_items_in_batch`` (of the soft-capped
+    logits when the family caps them)."""
     from twinseq.torch_backend.losses import causal_lm_loss
 
     hidden_BTH = forward_hidden(model, batch, attn_implementation)
     labels_BT = torch.as_tensor(batch.labels, dtype=torch.long, device=hidden_BTH.device)
     return causal_lm_loss(hidden_BTH, model.lm_head.weight, labels_BT, batch.num_items_in_batch, loss_type,
-                          chunk_size=chunk_size, return_metrics=return_metrics)
+                          chunk_size=chunk_size, return_metrics=return_metrics,
+                          logit_softcap=final_logit_softcap(model))
 
 
 def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,

@@ -201,22 +201,29 @@ class CausalLMLoss(torch.nn.Module):
         if isinstance(micro, Batch):
             hidden = forward_hidden(self.causal_lm, micro, self.cfg.model.attn_implementation)
             return hidden, torch.as_tensor(micro.labels, dtype=torch.long, device=hidden.device), False
-        ctx = cpmod.make_context(micro, self.cp_group, self.cfg.parallel.context_parallel_strategy)
+        from twinseq.torch_backend.attention import mask_layout
+
+        ctx = cpmod.make_context(micro, self.cp_group, self.cfg.parallel.context_parallel_strategy,
+                                 mask_layout(self.causal_lm.config).sliding_window)
         out = self.causal_lm.model(input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False,
                                    **{cpmod.CP_KWARG: ctx})
         return out.last_hidden_state, micro.targets, True
 
     def forward(self, micro):
         from twinseq.torch_backend.losses import causal_lm_loss
+        from twinseq.torch_backend.model import final_logit_softcap
 
         hidden_BTH, labels_BT, shifted = self._hidden(micro)
         return causal_lm_loss(hidden_BTH, self.causal_lm.lm_head.weight, labels_BT, micro.num_items_in_batch,
                               self.cfg.loss.loss_type, chunk_size=self.cfg.loss.loss_chunk_size, return_metrics=True,
-                              targets_are_shifted=shifted)
+                              targets_are_shifted=shifted, logit_softcap=final_logit_softcap(self.causal_lm))
 
 
 def use_cp_attention(model: torch.nn.Module, strategy: str) -> None:
-    """Switch an HF model's attention to the registered CP function of ``strategy`` (logged)."""
+    """Switch an HF model's attention to the registered CP function of ``strategy`` (logged); the ring
+    refuses models with sliding windows or soft-capped scores (``context_parallel.check_ring_model``)."""
+    if strategy == "ring":
+        cpmod.check_ring_model(model.config)
     cpmod.register_cp_attention()
     name = cpmod.HF_NAMES[strategy]
     logger.info("context parallelism: attention runs %r (replaces %r)", name, model.config._attn_implementation)

@@ -1,4 +1,5 @@
-"""The HF Llama built from the neutral config and weights: names, shapes, I/O round trips, protocol."""
+"""The HF model built from the neutral config and weights (the tiny Llama here; every family in
+test_families.py): names, shapes, I/O round trips, protocol."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from twinseq.common.init import init_weights, parameter_shapes
 from twinseq.common.loss import nll_loss
 from twinseq.torch_backend.checkpoint import load_pretrained, save_pretrained
 from twinseq.torch_backend.model import (build_model, export_weights, logits, loss_and_grads, model_config_of,
-                                         to_llama_config)
+                                         to_hf_model_config)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
@@ -37,7 +38,8 @@ def batch(cfg):
 
 
 def test_config_translation_round_trips(cfg):
-    config = to_llama_config(cfg)
+    config = to_hf_model_config(cfg)
+    assert type(config).__name__ == "LlamaConfig"
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 5000.0}
     assert (config.hidden_act, config.attention_bias, config.mlp_bias) == ("silu", False, False)
     model = build_model(cfg)
@@ -58,11 +60,11 @@ def test_weights_load_and_export_bitwise(cfg, weights):
 
 def test_skipping_hf_init_changes_nothing(cfg, weights, batch):
     """build_model skips HF's random init; a model built with it and then loaded is identical."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from twinseq.torch_backend.model import load_weights_
 
-    reference = LlamaForCausalLM(to_llama_config(cfg))
+    reference = AutoModelForCausalLM.from_config(to_hf_model_config(cfg))
     load_weights_(reference, weights)
     np.testing.assert_array_equal(logits(build_model(cfg, weights), batch), logits(reference, batch))
     buffers = dict(reference.named_buffers())
