@@ -2,6 +2,10 @@
 
 The mask rule is the one of DESIGN.md ("The data contract"): query i may attend to key j
 iff ``segment_ids[i] == segment_ids[j] != 0`` and ``position_ids[j] <= position_ids[i]``.
+On a sliding-window layer (Mistral, Gemma 2's local layers, Qwen2's optional ones) also
+``position_ids[i] - position_ids[j] < sliding_window``: transformers' rule ``q_idx - kv_idx <
+window`` with positions counted within the document, so a window never reaches into another
+document nor depends on where the document sits in a packed row.
 Padded batches (one document per row, segment 0 on padding) and padding-free batches
 (many documents in one row) go through the same code; only B, T and the ids differ.
 
@@ -10,20 +14,28 @@ Every shape depends on (B, T) alone, so a jitted step compiles once per (B, T) b
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
 
-def document_causal_mask(segment_ids_BT: jax.Array, position_ids_BT: jax.Array) -> jax.Array:
+def document_causal_mask(segment_ids_BT: jax.Array, position_ids_BT: jax.Array,
+                         sliding_window: Optional[int] = None) -> jax.Array:
     """bool [B, 1, T, T]: ``allowed[b, 0, i, j]`` per the mask rule (head axis broadcast).
 
     >>> seg = jnp.array([[1, 1, 2, 2, 0]]); pos = jnp.array([[0, 1, 0, 1, 0]])
     >>> document_causal_mask(seg, pos)[0, 0].astype(int).tolist()
     [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 0, 0]]
+    >>> one_doc = jnp.array([[1, 1, 1]]), jnp.array([[0, 1, 2]])
+    >>> document_causal_mask(*one_doc, sliding_window=2)[0, 0].astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
     """
     seg_q, seg_k = segment_ids_BT[:, :, None], segment_ids_BT[:, None, :]
     pos_q, pos_k = position_ids_BT[:, :, None], position_ids_BT[:, None, :]
     allowed_BTT = (seg_q == seg_k) & (seg_q != 0) & (pos_k <= pos_q)
+    if sliding_window is not None:
+        allowed_BTT = allowed_BTT & (pos_q - pos_k < sliding_window)
     return allowed_BTT[:, None, :, :]
 
 
@@ -34,11 +46,17 @@ def repeat_kv(x_BKTD: jax.Array, num_groups: int) -> jax.Array:
     return jnp.repeat(x_BKTD, num_groups, axis=1)
 
 
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """``cap * tanh(x / cap)`` in HF's operation order (divide, tanh, multiply), in ``x``'s dtype."""
+    return jnp.tanh(x / jnp.asarray(cap, x.dtype)) * jnp.asarray(cap, x.dtype)
+
+
 def dot_product_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
-                          allowed_B1TT: jax.Array, scaling: float) -> jax.Array:
+                          allowed_B1TT: jax.Array, scaling: float, softcap: Optional[float] = None) -> jax.Array:
     """Masked softmax attention, as HF's eager path: [B, N, T, D] out.
 
-    Scores are computed in the input dtype and the softmax in float32, then cast back, like
+    Scores are computed in the input dtype (and soft-capped there, after the scaling and before the mask,
+    when ``softcap`` is set: Gemma 2), and the softmax in float32, then cast back, like
     ``eager_attention_forward`` of transformers. Masked scores take the dtype's lowest finite
     value (HF's additive mask value), so allowed entries are bit-identical to HF.
 
@@ -49,6 +67,8 @@ def dot_product_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Arra
     k_BNTD = repeat_kv(k_BKTD, num_groups)
     v_BNTD = repeat_kv(v_BKTD, num_groups)
     scores_BNTT = jnp.einsum("bnqd,bnkd->bnqk", q_BNTD, k_BNTD) * jnp.asarray(scaling, q_BNTD.dtype)
+    if softcap is not None:
+        scores_BNTT = soft_cap(scores_BNTT, softcap)
     scores_BNTT = jnp.where(allowed_B1TT, scores_BNTT, jnp.finfo(scores_BNTT.dtype).min)
     probs_BNTT = jax.nn.softmax(scores_BNTT.astype(jnp.float32), axis=-1)
     # Fully-masked rows would be uniform over masked keys; zero them (padding queries only).
@@ -57,13 +77,15 @@ def dot_product_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Arra
 
 
 def document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, segment_ids_BT: jax.Array,
-                       position_ids_BT: jax.Array, scaling: float) -> jax.Array:
+                       position_ids_BT: jax.Array, scaling: float, *, sliding_window: Optional[int] = None,
+                       softcap: Optional[float] = None) -> jax.Array:
     """The model's default attention in the pluggable signature, ``[B, N, T, D]`` out.
 
-    ``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling) -> out_BNTD`` is
-    what ``LlamaForCausalLM(..., attend=...)`` accepts; ``parallel.ring_attention_fn(mesh)``
-    returns a context-parallel one. This is the dense reference they must match:
-    ``dot_product_attention(q, k, v, document_causal_mask(seg, pos), scaling)``.
+    ``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, **options) -> out_BNTD`` is
+    what ``CausalLM(..., attend=...)`` accepts (``options``: ``sliding_window``, ``softcap`` on the layers
+    that have them); ``parallel.ring_attention_fn(mesh)`` returns a context-parallel one. This is the dense
+    reference they must match:
+    ``dot_product_attention(q, k, v, document_causal_mask(seg, pos, sliding_window), scaling, softcap)``.
     """
-    return dot_product_attention(q_BNTD, k_BKTD, v_BKTD, document_causal_mask(segment_ids_BT, position_ids_BT),
-                                 scaling)
+    allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT, sliding_window)
+    return dot_product_attention(q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, scaling, softcap)

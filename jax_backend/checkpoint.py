@@ -1,6 +1,6 @@
 """Model folders on disk (Hugging Face layout) for the JAX backend, and its side of training checkpoints.
 
-- ``load_pretrained`` / ``save_pretrained``: a local HF Llama folder in and out, through
+- ``load_pretrained`` / ``save_pretrained``: a local HF model folder (any family) in and out, through
   ``common.hf_checkpoint`` (numpy + safetensors, no torch), bitwise in both directions.
 - ``to_numpy_tree`` / ``from_numpy_tree``: an optax state as numpy arrays and back, for
   ``common.checkpoint`` (safetensors + JSON: nothing pickled).
@@ -21,7 +21,7 @@ from twinseq.common.errors import CheckpointError
 
 def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
                     device: Any = None) -> Model:
-    """A JAX ``LlamaForCausalLM`` from an HF checkpoint directory.
+    """A JAX ``CausalLM`` (any family of ``common.models``) from an HF checkpoint directory.
 
     ``dtype`` None uses the stored dtype when it is float32 or bfloat16 (else float32).
     """
@@ -35,7 +35,7 @@ def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_impleme
 
 
 def save_pretrained(model: Model, path: PathLike) -> Path:
-    """Write a JAX ``LlamaForCausalLM`` as an HF checkpoint, in the model's own dtype; returns ``path``."""
+    """Write a JAX ``CausalLM`` as an HF checkpoint, in the model's own dtype; returns ``path``."""
     from twinseq.jax_backend.model import export_weights
 
     return write_hf_checkpoint(model.config, export_weights(model), path, dtype=model.dtype)

@@ -5,14 +5,18 @@ device owns ``T / cp`` queries and the keys/values of the same tokens. The row m
 token order (e.g. the load-balanced zigzag order of ``twinseq.common.context_parallel``):
 the mask reads ``segment_ids`` and ``position_ids`` only, per DESIGN.md,
 
-    query i may attend key j  iff  seg[i] == seg[j] != 0  and  pos[j] <= pos[i],
+    query i may attend key j  iff  seg[i] == seg[j] != 0  and  pos[j] <= pos[i]
+                                  (and pos[i] - pos[j] < sliding_window on a sliding-window layer),
 
-so packed documents never mix, also when a document spans several shards.
+so packed documents never mix, also when a document spans several shards. The window is a band
+in positions, so every block reads it from the ids it already carries; a block pair entirely
+outside the band is skipped like any fully masked pair. ``softcap`` (Gemma 2) caps the scaled
+scores, ``c * tanh(s / c)``, before the mask; the backward multiplies by ``1 - (capped / c) ** 2``.
 
 Naive equivalent (what both strategies must match, up to float32 rounding)::
 
-    allowed = document_causal_mask(seg, pos)            # [B, 1, T, T]
-    out = dot_product_attention(q, k, v, allowed, scale)   # twinseq.jax_backend.attention
+    allowed = document_causal_mask(seg, pos, sliding_window)          # [B, 1, T, T]
+    out = dot_product_attention(q, k, v, allowed, scale, softcap)     # twinseq.jax_backend.attention
 
 Layout: ``[B, T, H, D]`` (sequence second, so the sharded axis is the same for q, k, v and
 the [B, T] ids). Hugging Face's ``[B, H, T, D]`` is one transpose away; see
@@ -65,6 +69,8 @@ class _Cfg(NamedTuple):
     scale: float
     block_q: int
     block_k: int
+    sliding_window: Optional[int] = None
+    softcap: Optional[float] = None
 
 
 def _slice(x: jax.Array, start, size: int, axis: int) -> jax.Array:
@@ -75,15 +81,22 @@ def _update(x: jax.Array, block: jax.Array, start, axis: int) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(x, block.astype(x.dtype), start, axis=axis)
 
 
-def _allowed(seg_q_BQ, pos_q_BQ, seg_k_BC, pos_k_BC) -> jax.Array:
-    """bool [B, 1, 1, Q, C]: the mask rule, broadcast over (kv head, group)."""
+def _allowed(cfg: _Cfg, seg_q_BQ, pos_q_BQ, seg_k_BC, pos_k_BC) -> jax.Array:
+    """bool [B, 1, 1, Q, C]: the mask rule (with the window band), broadcast over (kv head, group)."""
     same = (seg_q_BQ[:, :, None] == seg_k_BC[:, None, :]) & (seg_q_BQ[:, :, None] != 0)
-    return (same & (pos_k_BC[:, None, :] <= pos_q_BQ[:, :, None]))[:, None, None]
+    allowed = same & (pos_k_BC[:, None, :] <= pos_q_BQ[:, :, None])
+    if cfg.sliding_window is not None:
+        allowed = allowed & (pos_q_BQ[:, :, None] - pos_k_BC[:, None, :] < cfg.sliding_window)
+    return allowed[:, None, None]
 
 
-def _scores(q_BKGQD, k_BKCD, scale: float) -> jax.Array:
+def _scores(cfg: _Cfg, q_BKGQD, k_BKCD) -> jax.Array:
+    """float32 scaled scores, soft-capped after the scaling when ``cfg.softcap`` is set (HF's order)."""
     s = jnp.einsum("bkgqd,bkcd->bkgqc", q_BKGQD, k_BKCD, preferred_element_type=_F32)
-    return s * jnp.asarray(scale, _F32)
+    s = s * jnp.asarray(cfg.scale, _F32)
+    if cfg.softcap is not None:
+        s = jnp.tanh(s / _F32(cfg.softcap)) * _F32(cfg.softcap)
+    return s
 
 
 def _block_pairs(cfg: _Cfg, len_q: int, len_k: int) -> tuple[int, int]:
@@ -101,13 +114,13 @@ def _fwd_shard(cfg: _Cfg, state, q, k, v, seg_q, pos_q, seg_k, pos_k):
 
     def pair(i, state):
         qs, ks = (i // num_k) * bq, (i % num_k) * bk
-        allowed = _allowed(_slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1),
+        allowed = _allowed(cfg, _slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1),
                            _slice(seg_k, ks, bk, 1), _slice(pos_k, ks, bk, 1))
 
         def compute(state):
             o, m, l = state
             o_a, m_a, l_a = _slice(o, qs, bq, 3), _slice(m, qs, bq, 3), _slice(l, qs, bq, 3)
-            s = _scores(_slice(q, qs, bq, 3), _slice(k, ks, bk, 2), cfg.scale)
+            s = _scores(cfg, _slice(q, qs, bq, 3), _slice(k, ks, bk, 2))
             s = jnp.where(allowed, s, -jnp.inf)
             m_new = jnp.maximum(m_a, s.max(axis=-1))
             # A row with no allowed key yet keeps m = -inf; shift by 0 there so exp gives 0, not NaN.
@@ -128,7 +141,8 @@ def _bwd_shard(cfg: _Cfg, grads, q, k, v, dout, lse, delta, seg_q, pos_q, seg_k,
     """Add one K/V shard's contribution to ``(dq, dk, dv)`` (float32, dk/dv of that shard).
 
     FlashAttention-2 backward: ``p = exp(s - lse)``, ``dv += p^T do``, ``dp = do v^T``,
-    ``ds = p * (dp - delta)`` with ``delta = rowsum(do * out)``, ``dq += ds k``, ``dk += ds^T q``.
+    ``ds = p * (dp - delta)`` with ``delta = rowsum(do * out)``, ``dq += ds k``, ``dk += ds^T q``
+    (``ds`` times ``1 - (s / c) ** 2`` first when the scores ``s`` are soft-capped at ``c``).
     """
     bq, bk = cfg.block_q, cfg.block_k
     num_q, num_k = _block_pairs(cfg, q.shape[3], k.shape[2])
@@ -136,18 +150,21 @@ def _bwd_shard(cfg: _Cfg, grads, q, k, v, dout, lse, delta, seg_q, pos_q, seg_k,
 
     def pair(i, grads):
         qs, ks = (i // num_k) * bq, (i % num_k) * bk
-        allowed = _allowed(_slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1),
+        allowed = _allowed(cfg, _slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1),
                            _slice(seg_k, ks, bk, 1), _slice(pos_k, ks, bk, 1))
 
         def compute(grads):
             dq, dk, dv = grads
             q_a, k_b, v_b = _slice(q, qs, bq, 3), _slice(k, ks, bk, 2), _slice(v, ks, bk, 2)
             do_a = _slice(dout, qs, bq, 3).astype(_F32)
-            s = _scores(q_a, k_b, cfg.scale)
+            s = _scores(cfg, q_a, k_b)
             p = jnp.where(allowed, jnp.exp(s - _slice(lse_safe, qs, bq, 3)[..., None]), 0.0)
             dv_b = jnp.einsum("bkgqc,bkgqd->bkcd", p, do_a)
             dp = jnp.einsum("bkgqd,bkcd->bkgqc", do_a, v_b.astype(_F32))
-            ds = p * (dp - _slice(delta, qs, bq, 3)[..., None]) * jnp.asarray(cfg.scale, _F32)
+            ds = p * (dp - _slice(delta, qs, bq, 3)[..., None])
+            if cfg.softcap is not None:
+                ds = ds * (1.0 - jnp.square(s / _F32(cfg.softcap)))
+            ds = ds * jnp.asarray(cfg.scale, _F32)
             dq_a = jnp.einsum("bkgqc,bkcd->bkgqd", ds, k_b.astype(_F32))
             dk_b = jnp.einsum("bkgqc,bkgqd->bkcd", ds, q_a.astype(_F32))
             return (_update(dq, _slice(dq, qs, bq, 3) + dq_a, qs, 3),
@@ -269,7 +286,18 @@ def _from_internal(out_BKGTD) -> jax.Array:
     return out_BKGTD.transpose(0, 3, 1, 2, 4).reshape(b, t, kv * g, d)
 
 
-def _cfg(axis_name, num_shards, q_BTND, k_len, scale, block_q, block_k) -> _Cfg:
+def _check_options(sliding_window, softcap) -> None:
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ConfigError(f"sliding_window={sliding_window!r} must be a positive integer (positions a query "
+                          f"attends to) or None for full attention.")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                                    and softcap > 0):
+        raise ConfigError(f"softcap={softcap!r} must be a positive number (the attention logit soft-cap) or None.")
+
+
+def _cfg(axis_name, num_shards, q_BTND, k_len, scale, block_q, block_k, sliding_window=None, softcap=None) -> _Cfg:
+    _check_options(sliding_window, softcap)
     len_q = q_BTND.shape[1]
     block_q = block_q or _default_block(len_q)
     block_k = block_k or _default_block(k_len)
@@ -277,18 +305,20 @@ def _cfg(axis_name, num_shards, q_BTND, k_len, scale, block_q, block_k) -> _Cfg:
         raise ConfigError(f"block_q={block_q} must divide the local query length {len_q} and block_k={block_k} "
                           f"the local key length {k_len}; pick divisors (default: half a shard).")
     scale = q_BTND.shape[3] ** -0.5 if scale is None else float(scale)
-    return _Cfg(axis_name, int(num_shards), scale, int(block_q), int(block_k))
+    return _Cfg(axis_name, int(num_shards), scale, int(block_q), int(block_k),
+                None if sliding_window is None else int(sliding_window), None if softcap is None else float(softcap))
 
 
 def blocked_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, scale: Optional[float] = None,
-                      block_q: Optional[int] = None, block_k: Optional[int] = None) -> jax.Array:
+                      block_q: Optional[int] = None, block_k: Optional[int] = None,
+                      sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> jax.Array:
     """Single-device memory-efficient attention (online softmax forward, FlashAttention-2 backward).
 
     Same inputs/outputs and mask as the module docstring; ``[B, T, N, D]`` out in q's dtype. Queries
     with no allowed key (padding) get zeros, like ``dot_product_attention``.
     """
     _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
-    cfg = _cfg(None, 1, q_BTND, k_BTKD.shape[1], scale, block_q, block_k)
+    cfg = _cfg(None, 1, q_BTND, k_BTKD.shape[1], scale, block_q, block_k, sliding_window, softcap)
     q, k, v = _to_internal(q_BTND, k_BTKD, v_BTKD)
     seg, pos = segment_ids_BT, position_ids_BT
     return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos))
@@ -296,13 +326,15 @@ def blocked_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *
 
 def ring_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, axis_name: str,
                          scale: Optional[float] = None, block_q: Optional[int] = None,
-                         block_k: Optional[int] = None) -> jax.Array:
+                         block_k: Optional[int] = None, sliding_window: Optional[int] = None,
+                         softcap: Optional[float] = None) -> jax.Array:
     """Ring attention for the local shard; call inside ``shard_map`` over ``axis_name``.
 
     Every argument is this device's ``[B, T/cp, ...]`` shard; returns this device's output shard.
     """
     _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
-    cfg = _cfg(axis_name, jax.lax.axis_size(axis_name), q_BTND, k_BTKD.shape[1], scale, block_q, block_k)
+    cfg = _cfg(axis_name, jax.lax.axis_size(axis_name), q_BTND, k_BTKD.shape[1], scale, block_q, block_k,
+               sliding_window, softcap)
     q, k, v = _to_internal(q_BTND, k_BTKD, v_BTKD)
     seg, pos = segment_ids_BT, position_ids_BT
     return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos))
@@ -310,7 +342,8 @@ def ring_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT
 
 def allgather_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, axis_name: str,
                                scale: Optional[float] = None, block_q: Optional[int] = None,
-                               block_k: Optional[int] = None) -> jax.Array:
+                               block_k: Optional[int] = None, sliding_window: Optional[int] = None,
+                               softcap: Optional[float] = None) -> jax.Array:
     """All-gather K/V (and their ids) over ``axis_name``, then blocked attention for the local queries.
 
     Call inside ``shard_map``. ``block_k`` defaults to half a shard, so block skipping sees the
@@ -323,7 +356,7 @@ def allgather_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_i
         return jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
 
     k_all, v_all, seg_all, pos_all = gather(k_BTKD), gather(v_BTKD), gather(segment_ids_BT), gather(position_ids_BT)
-    cfg = _cfg(None, 1, q_BTND, k_all.shape[1], scale, block_q, block_k)
+    cfg = _cfg(None, 1, q_BTND, k_all.shape[1], scale, block_q, block_k, sliding_window, softcap)
     q, k, v = _to_internal(q_BTND, k_all, v_all)
     return _from_internal(_attention_core(cfg, q, k, v, segment_ids_BT, position_ids_BT, seg_all, pos_all))
 
@@ -338,12 +371,14 @@ def _batch_spec(mesh: Mesh, axis_name: str, batch_axes) -> Union[None, str, tupl
 def sharded_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, mesh: Mesh, *,
                       strategy: str = "ring", axis_name: str = "cp",
                       batch_axes: Union[None, str, Sequence[str]] = None, scale: Optional[float] = None,
-                      block_q: Optional[int] = None, block_k: Optional[int] = None) -> jax.Array:
+                      block_q: Optional[int] = None, block_k: Optional[int] = None,
+                      sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> jax.Array:
     """Context-parallel attention on global ``[B, T, ...]`` arrays: ``shard_map`` over ``mesh``.
 
     T is split over ``axis_name`` in the row's current order: pass rows already reordered with
     ``twinseq.common.context_parallel.shard_sequence`` for load balancing (the output comes back
     in that same order). B is split over ``batch_axes`` (default: every other mesh axis).
+    ``sliding_window`` and ``softcap`` as the module docstring (None: full attention, no cap).
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is not valid; choose one of {STRATEGIES}.")
@@ -360,7 +395,9 @@ def sharded_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, m
         raise ConfigError(f"batch size B={q_BTND.shape[0]} is not divisible by the {num_replicas} devices of the "
                           f"batch axes {batch}; use a multiple of {num_replicas} or pass batch_axes=().")
     local = ring_attention_shard if strategy == "ring" else allgather_attention_shard
-    fn = functools.partial(local, axis_name=axis_name, scale=scale, block_q=block_q, block_k=block_k)
+    _check_options(sliding_window, softcap)
+    fn = functools.partial(local, axis_name=axis_name, scale=scale, block_q=block_q, block_k=block_k,
+                           sliding_window=sliding_window, softcap=softcap)
     x_spec, id_spec = P(batch, axis_name, None, None), P(batch, axis_name)
     return jax.shard_map(fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, id_spec, id_spec),
                          out_specs=x_spec)(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)

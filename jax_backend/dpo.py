@@ -26,7 +26,7 @@ from twinseq.common.dpo_batching import PreferenceBatch
 from twinseq.common.backend import Model
 from twinseq.common.errors import ConfigError
 from twinseq.jax_backend.logprobs import sequence_logps
-from twinseq.jax_backend.model import LlamaForCausalLM, batch_inputs, cast_floating, in_hf_order, state_to_hf
+from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, in_hf_order, state_to_hf
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +43,15 @@ def dpo_losses(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref
     return out.losses, out.chosen_rewards, out.rejected_rewards
 
 
-def dpo_loss_fn(model: LlamaForCausalLM, inputs, ref_chosen_logps, ref_rejected_logps, num_examples_in_step, *,
+def dpo_loss_fn(model: CausalLM, inputs, ref_chosen_logps, ref_rejected_logps, num_examples_in_step, *,
                 config: DPOLossConfig, loss_type: str, chunk_size: int):
     """(loss, per-pair dict) of one micro-batch; traceable. ``inputs`` as ``preference_inputs`` returns."""
     input_ids, position_ids, segment_ids, labels, target_doc_ids, counts_D = inputs
     num_docs = counts_D.shape[0]
     n = num_docs // 2
     hidden_BTH = model(input_ids, position_ids, segment_ids)
-    logps_D = sequence_logps(hidden_BTH, model.lm_head_VH(), labels, target_doc_ids, num_docs, loss_type, chunk_size)
+    logps_D = sequence_logps(hidden_BTH, model.lm_head_VH(), labels, target_doc_ids, num_docs, loss_type, chunk_size,
+                             logit_softcap=model.final_logit_softcapping)
     counts_D = counts_D.astype(jnp.float32)
     losses, cr, rr = dpo_losses(logps_D[:n], logps_D[n:], ref_chosen_logps, ref_rejected_logps, config,
                                 chosen_num_tokens=counts_D[:n], rejected_num_tokens=counts_D[n:])
@@ -92,7 +93,7 @@ def sequence_logps_jit(graphdef, state, inputs, *, loss_type: str, chunk_size: i
     input_ids, position_ids, segment_ids, labels, target_doc_ids, counts_D = inputs
     hidden_BTH = model(input_ids, position_ids, segment_ids)
     return sequence_logps(hidden_BTH, model.lm_head_VH(), labels, target_doc_ids, counts_D.shape[0], loss_type,
-                          chunk_size)
+                          chunk_size, logit_softcap=model.final_logit_softcapping)
 
 
 def compute_sequence_logps(model: Model, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear",
@@ -142,7 +143,7 @@ def pad_preference_batch(pbatch: PreferenceBatch, multiple: int) -> PreferenceBa
     return dataclasses.replace(pbatch, batch=batch, target_doc_ids=target_doc_ids)
 
 
-def precompute_ref_logps(model: LlamaForCausalLM, rows: Any, cfg: Any, pad_token_id: int, bucket: int) -> Any:
+def precompute_ref_logps(model: CausalLM, rows: Any, cfg: Any, pad_token_id: int, bucket: int) -> Any:
     """``rows`` plus ``ref_chosen_logps`` / ``ref_rejected_logps`` columns from one pass of ``model``."""
     from twinseq.common.dpo_loader import iter_preference_batches, with_ref_logps
 

@@ -11,12 +11,16 @@ first. ``loss_type`` picks the per-token kernel, as for SFT:
                   ``logits[:, rows]`` and forms ``g_t (onehot - softmax)`` by hand, writing
                   ``dW[rows]`` in place. Nothing of size ``[tokens, V]`` and no second ``[V, H]``.
 
+``logit_softcap`` (Gemma 2's ``final_logit_softcapping``) caps the float32 logits of every kernel, as
+in ``losses``; the fused backward multiplies by the cap's derivative.
+
 Every shape depends on (B, T, N) only, so a jitted step compiles once per bucket.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +28,8 @@ import jax.numpy as jnp
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.errors import ConfigError
 from twinseq.common.loss import IGNORE_INDEX
-from twinseq.jax_backend.losses import logits_f32, to_token_chunks, shift_labels, vocab_chunked_grads
+from twinseq.jax_backend.losses import (check_softcap, logits_f32, shift_labels, to_token_chunks,
+                                        vocab_chunked_grads)
 
 LOGPS_LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
 
@@ -40,13 +45,13 @@ def _picked_logps(logits_NV: jax.Array, targets_N: jax.Array) -> tuple[jax.Array
     return jnp.where(valid_N, picked_N - log_sum_N, 0.0), jax.lax.stop_gradient(log_sum_N + max_N)
 
 
-def _scan_logps(hidden_NH, lm_head_VH, targets_N, chunk_size: int, remat: bool):
+def _scan_logps(hidden_NH, lm_head_VH, targets_N, chunk_size: int, remat: bool, softcap: Optional[float]):
     """(logp [N], lse [N]) over token chunks; one chunk's logits at a time."""
     n = hidden_NH.shape[0]
     hidden_CSH, targets_CS = to_token_chunks(hidden_NH, targets_N, chunk_size)
 
     def chunk(h_SH, w_VH, t_S):
-        return _picked_logps(logits_f32(h_SH, w_VH), t_S)
+        return _picked_logps(logits_f32(h_SH, w_VH, softcap), t_S)
 
     chunk_fn = jax.checkpoint(chunk) if remat else chunk
     _, (logp_CS, lse_CS) = jax.lax.scan(lambda carry, xs: (carry, chunk_fn(xs[0], lm_head_VH, xs[1])), None,
@@ -54,22 +59,22 @@ def _scan_logps(hidden_NH, lm_head_VH, targets_N, chunk_size: int, remat: bool):
     return logp_CS.reshape(-1)[:n], lse_CS.reshape(-1)[:n]
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused_logps(hidden_NH, lm_head_VH, targets_N, chunk_size: int) -> jax.Array:
-    return _scan_logps(hidden_NH, lm_head_VH, targets_N, chunk_size, remat=False)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused_logps(hidden_NH, lm_head_VH, targets_N, chunk_size: int, softcap: Optional[float]) -> jax.Array:
+    return _scan_logps(hidden_NH, lm_head_VH, targets_N, chunk_size, False, softcap)[0]
 
 
-def _fused_fwd(hidden_NH, lm_head_VH, targets_N, chunk_size: int):
-    logp_N, lse_N = _scan_logps(hidden_NH, lm_head_VH, targets_N, chunk_size, remat=False)
+def _fused_fwd(hidden_NH, lm_head_VH, targets_N, chunk_size: int, softcap: Optional[float]):
+    logp_N, lse_N = _scan_logps(hidden_NH, lm_head_VH, targets_N, chunk_size, False, softcap)
     return logp_N, (hidden_NH, lm_head_VH, targets_N, lse_N)
 
 
-def _fused_bwd(chunk_size: int, residuals, g_N):
+def _fused_bwd(chunk_size: int, softcap: Optional[float], residuals, g_N):
     """``d logp_t / d logits = onehot - softmax``: the NLL's vocabulary-chunked backward with the
     upstream gradient negated (bit for bit the same numbers)."""
     hidden_NH, lm_head_VH, targets_N, lse_N = residuals
     scale_N = jnp.where(targets_N != IGNORE_INDEX, -g_N, 0.0).astype(jnp.float32)
-    dh_NH, dw_VH = vocab_chunked_grads(hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_size)
+    dh_NH, dw_VH = vocab_chunked_grads(hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_size, softcap)
     return dh_NH, dw_VH, None
 
 
@@ -77,29 +82,33 @@ _fused_logps.defvjp(_fused_fwd, _fused_bwd)
 
 
 def token_logps(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Array,
-                loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE) -> jax.Array:
+                loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                logit_softcap: Optional[float] = None) -> jax.Array:
     """float32 [B*T]: log-prob of ``labels[t + 1]`` at t (flattened), 0 where the target is -100.
 
-    Naive equivalent: ``log_softmax(hidden @ W.T)[..., shift_labels(labels)]``.
+    Naive equivalent: ``log_softmax(logits_f32(hidden, W, logit_softcap))[..., shift_labels(labels)]``.
     """
     if loss_type not in LOGPS_LOSS_TYPES:
         raise ConfigError(f"loss_type={loss_type!r} is not supported by the JAX DPO log-probs; choose one of "
                           f"{LOGPS_LOSS_TYPES}.")
     if int(chunk_size) <= 0:
         raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+    softcap = check_softcap(logit_softcap)
     hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
     targets_N = shift_labels(labels_BT).reshape(-1)
     if loss_type == "nll":
-        return _picked_logps(logits_f32(hidden_NH, lm_head_VH), targets_N)[0]
+        return _picked_logps(logits_f32(hidden_NH, lm_head_VH, softcap), targets_N)[0]
     if loss_type == "chunked_nll":
-        return _scan_logps(hidden_NH, lm_head_VH, targets_N, int(chunk_size), remat=True)[0]
-    return _fused_logps(hidden_NH, lm_head_VH, targets_N, int(chunk_size))
+        return _scan_logps(hidden_NH, lm_head_VH, targets_N, int(chunk_size), True, softcap)[0]
+    return _fused_logps(hidden_NH, lm_head_VH, targets_N, int(chunk_size), softcap)
 
 
 def sequence_logps(hidden_BTH, lm_head_VH, labels_BT, target_doc_ids_BT, num_docs: int,
-                   loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE) -> jax.Array:
-    """float32 [2N]: per-document sums of the target log-probs (``common.dpo_batching``'s rule)."""
-    logp_N = token_logps(hidden_BTH, lm_head_VH, labels_BT, loss_type, chunk_size)
+                   loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                   logit_softcap: Optional[float] = None) -> jax.Array:
+    """float32 [2N]: per-document sums of the target log-probs (``common.dpo_batching``'s rule);
+    ``logit_softcap`` as ``token_logps``."""
+    logp_N = token_logps(hidden_BTH, lm_head_VH, labels_BT, loss_type, chunk_size, logit_softcap=logit_softcap)
     doc_N = target_doc_ids_BT.reshape(-1)
     # -1 (no target) goes to an extra segment that is dropped
     seg_N = jnp.where(doc_N >= 0, doc_N, num_docs)

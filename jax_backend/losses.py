@@ -4,6 +4,10 @@
 - The loss is ``sum of NLL over targets != -100 / num_items_in_batch``; when
   ``num_items_in_batch`` is 0 the loss is exactly 0 and every gradient is 0 (finite).
 - Logits are computed in the model dtype and upcast to float32, as HF's ``ForCausalLMLoss``.
+- ``logit_softcap`` (Gemma 2's ``final_logit_softcapping``): the float32 logits become
+  ``c * tanh(logits / c)`` (HF's order: divide, tanh, multiply) before anything else sees them, in
+  every loss type; the fused backward multiplies by the derivative ``1 - (capped / c) ** 2``.
+  (HF caps in the model dtype, before its loss upcasts; in float32 the two are the same numbers.)
 
 Three implementations of the same number, picked by ``loss_type``:
 
@@ -20,6 +24,7 @@ Three implementations of the same number, picked by ``loss_type``:
 The naive equivalent of all three::
 
     logits = (hidden_BTH @ lm_head_VH.T).astype(float32)
+    logits = c * tanh(logits / c)                             # only with logit_softcap=c
     targets = shift_labels(labels_BT)
     nll = logsumexp(logits, -1) - logits[..., targets]        # 0 where targets == -100
     loss = nll.sum() / max(num_items_in_batch, 1)
@@ -28,7 +33,7 @@ The naive equivalent of all three::
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +42,7 @@ import numpy as np
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.errors import ConfigError
 from twinseq.common.loss import IGNORE_INDEX, check_num_items, check_targets
+from twinseq.jax_backend.attention import soft_cap
 
 LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
 
@@ -66,8 +72,18 @@ def shift_labels(labels_BT: jax.Array) -> jax.Array:
     return jnp.concatenate([labels_BT[:, 1:], pad_B1], axis=1)
 
 
-def logits_f32(hidden_NH: jax.Array, lm_head_VH: jax.Array) -> jax.Array:
-    return (hidden_NH @ lm_head_VH.T).astype(jnp.float32)
+def logits_f32(hidden_NH: jax.Array, lm_head_VH: jax.Array, softcap: Optional[float] = None) -> jax.Array:
+    """float32 ``hidden @ W.T`` (any leading shape), then ``softcap * tanh(logits / softcap)`` if set."""
+    logits_NV = (hidden_NH @ lm_head_VH.T).astype(jnp.float32)
+    return logits_NV if softcap is None else soft_cap(logits_NV, softcap)
+
+
+def softcap_grad(dcapped_NV: jax.Array, capped_NV: jax.Array, softcap: Optional[float]) -> jax.Array:
+    """The gradient w.r.t. the uncapped logits from the one w.r.t. the capped ones:
+    ``d/dx [c tanh(x / c)] = 1 - tanh(x / c) ** 2 = 1 - (capped / c) ** 2``."""
+    if softcap is None:
+        return dcapped_NV
+    return dcapped_NV * (1.0 - jnp.square(capped_NV / jnp.float32(softcap)))
 
 
 def _nll_and_stats(logits_NV: jax.Array, targets_N: jax.Array) -> tuple[jax.Array, jax.Array, Stats]:
@@ -94,16 +110,17 @@ def _stats(logits_NV, lse_N, safe_N, valid_N) -> Stats:
                  valid_N.sum(dtype=jnp.int32))
 
 
-def token_nll(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Array) -> jax.Array:
+def token_nll(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Array, *,
+              logit_softcap: Optional[float] = None) -> jax.Array:
     """float32 [B, T]: the NLL of ``labels[:, t + 1]`` at position t; 0 where the target is -100."""
     b, t, h = hidden_BTH.shape
-    nll_N, _, _ = _nll_and_stats(logits_f32(hidden_BTH.reshape(-1, h), lm_head_VH),
+    nll_N, _, _ = _nll_and_stats(logits_f32(hidden_BTH.reshape(-1, h), lm_head_VH, logit_softcap),
                                  shift_labels(labels_BT).reshape(-1))
     return nll_N.reshape(b, t)
 
 
-def _full_sums(hidden_NH, lm_head_VH, targets_N) -> tuple[jax.Array, Stats]:
-    nll_N, _, stats = _nll_and_stats(logits_f32(hidden_NH, lm_head_VH), targets_N)
+def _full_sums(hidden_NH, lm_head_VH, targets_N, softcap: Optional[float]) -> tuple[jax.Array, Stats]:
+    nll_N, _, stats = _nll_and_stats(logits_f32(hidden_NH, lm_head_VH, softcap), targets_N)
     return nll_N.sum(), stats
 
 
@@ -118,7 +135,7 @@ def to_token_chunks(hidden_NH, targets_N, chunk_size: int):
     return hidden_NH.reshape(num_chunks, chunk_size, h), targets_N.reshape(num_chunks, chunk_size)
 
 
-def _scan_token_chunks(hidden_NH, lm_head_VH, targets_N, chunk_size: int):
+def _scan_token_chunks(hidden_NH, lm_head_VH, targets_N, chunk_size: int, softcap: Optional[float]):
     """Scan chunks of ``chunk_size`` tokens, each under ``jax.checkpoint``.
 
     Returns (NLL sum, metric sums, per-token logsumexp [N]); one chunk's logits at a time.
@@ -128,7 +145,7 @@ def _scan_token_chunks(hidden_NH, lm_head_VH, targets_N, chunk_size: int):
 
     @jax.checkpoint
     def chunk_sums(h_SH, w_VH, t_S):
-        nll_S, lse_S, stats = _nll_and_stats(logits_f32(h_SH, w_VH), t_S)
+        nll_S, lse_S, stats = _nll_and_stats(logits_f32(h_SH, w_VH, softcap), t_S)
         return nll_S.sum(), stats, jax.lax.stop_gradient(lse_S)
 
     def step(carry, xs):
@@ -141,19 +158,20 @@ def _scan_token_chunks(hidden_NH, lm_head_VH, targets_N, chunk_size: int):
     return total, stats, lse_CS.reshape(-1)[:n]
 
 
-def _chunked_sums(hidden_NH, lm_head_VH, targets_N, chunk_size: int) -> tuple[jax.Array, Stats]:
-    total, stats, _ = _scan_token_chunks(hidden_NH, lm_head_VH, targets_N, chunk_size)
+def _chunked_sums(hidden_NH, lm_head_VH, targets_N, chunk_size: int,
+                  softcap: Optional[float]) -> tuple[jax.Array, Stats]:
+    total, stats, _ = _scan_token_chunks(hidden_NH, lm_head_VH, targets_N, chunk_size, softcap)
     return total, stats
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused_sums(hidden_NH, lm_head_VH, targets_N, chunk_size: int) -> tuple[jax.Array, Stats]:
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused_sums(hidden_NH, lm_head_VH, targets_N, chunk_size: int, softcap: Optional[float]) -> tuple[jax.Array, Stats]:
     # Without differentiation the fused loss is exactly the chunked one.
-    return _chunked_sums(hidden_NH, lm_head_VH, targets_N, chunk_size)
+    return _chunked_sums(hidden_NH, lm_head_VH, targets_N, chunk_size, softcap)
 
 
-def _fused_fwd(hidden_NH, lm_head_VH, targets_N, chunk_size: int):
-    total, stats, lse_N = _scan_token_chunks(hidden_NH, lm_head_VH, targets_N, chunk_size)
+def _fused_fwd(hidden_NH, lm_head_VH, targets_N, chunk_size: int, softcap: Optional[float]):
+    total, stats, lse_N = _scan_token_chunks(hidden_NH, lm_head_VH, targets_N, chunk_size, softcap)
     return (total, stats), (hidden_NH, lm_head_VH, targets_N, lse_N)
 
 
@@ -164,13 +182,15 @@ def _vocab_chunking(num_tokens: int, vocab_size: int, chunk_size: int) -> tuple[
     return num_chunks, -(-vocab_size // num_chunks)
 
 
-def vocab_chunked_grads(hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_size: int):
+def vocab_chunked_grads(hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_size: int,
+                        softcap: Optional[float] = None):
     """(dh [N, H], dW [V, H]) of ``Σ_n scale_n · nll_n``, scanning the vocabulary in chunks.
 
-    Recomputes ``logits[:, chunk]`` from the saved logsumexp, forms ``(softmax - onehot) · scale``
-    by hand, writes ``dW[chunk]`` in place and accumulates ``dh``. Nothing of size [N, V] or a
+    Recomputes ``logits[:, chunk]`` (soft-capped with ``softcap``) from the saved logsumexp, forms
+    ``(softmax - onehot) · scale`` by hand (times the cap's derivative ``1 - (capped / c) ** 2``),
+    writes ``dW[chunk]`` in place and accumulates ``dh``. Nothing of size [N, V] or a
     second [V, H] ever exists (XLA would otherwise materialise each chunk's [V, H] dW before adding
-    it). Naive equivalent: ``jax.vjp`` of ``(scale * nll(hidden @ W.T)).sum()``.
+    it). Naive equivalent: ``jax.vjp`` of ``(scale * nll(logits_f32(hidden, W, softcap))).sum()``.
     """
     (n, h), v = hidden_NH.shape, lm_head_VH.shape[0]
     num_chunks, rows = _vocab_chunking(n, v, chunk_size)
@@ -181,9 +201,10 @@ def vocab_chunked_grads(hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_
         start = jnp.minimum(nominal, v - rows)  # the last chunk overlaps the previous one
         w_RH = jax.lax.dynamic_slice_in_dim(lm_head_VH, start, rows, axis=0)
         cols_R = start + jnp.arange(rows)
-        probs_NR = jnp.exp(logits_f32(hidden_NH, w_RH) - lse_N[:, None])
+        logits_NR = logits_f32(hidden_NH, w_RH, softcap)
+        probs_NR = jnp.exp(logits_NR - lse_N[:, None])
         dlogits_NR = (probs_NR - (targets_N[:, None] == cols_R[None, :])) * scale_N[:, None]
-        dlogits_NR = dlogits_NR.astype(hidden_NH.dtype)
+        dlogits_NR = softcap_grad(dlogits_NR, logits_NR, softcap).astype(hidden_NH.dtype)
         dw_RH = (dlogits_NR.T @ hidden_NH).astype(dw_VH.dtype)
         dw_VH = jax.lax.dynamic_update_slice_in_dim(dw_VH, dw_RH, start, axis=0)
         fresh_NR = jnp.where((cols_R >= nominal)[None, :], dlogits_NR, 0)  # overlap: dh counts once
@@ -194,15 +215,26 @@ def vocab_chunked_grads(hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_
     return dh_NH.astype(hidden_NH.dtype), dw_VH
 
 
-def _fused_bwd(chunk_size: int, residuals, cotangents):
+def _fused_bwd(chunk_size: int, softcap: Optional[float], residuals, cotangents):
     hidden_NH, lm_head_VH, targets_N, lse_N = residuals
     g = cotangents[0]  # the metrics carry no gradient
     scale_N = jnp.where(targets_N != IGNORE_INDEX, g, 0.0).astype(jnp.float32)
-    dh_NH, dw_VH = vocab_chunked_grads(hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_size)
+    dh_NH, dw_VH = vocab_chunked_grads(hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_size, softcap)
     return dh_NH, dw_VH, None
 
 
 _fused_sums.defvjp(_fused_fwd, _fused_bwd)
+
+
+def check_softcap(logit_softcap: Optional[float]) -> Optional[float]:
+    """``logit_softcap`` as a float (a static, hashable argument of the kernels), or ``ConfigError``."""
+    if logit_softcap is None:
+        return None
+    if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float, np.floating, np.integer)) \
+            or not logit_softcap > 0:
+        raise ConfigError(f"logit_softcap={logit_softcap!r} must be a positive number (the model's "
+                          f"final_logit_softcapping) or None for no cap.")
+    return float(logit_softcap)
 
 
 def check_labels(labels_BT, vocab_size: int, num_items_in_batch, *, targets_are_shifted: bool = False) -> int:
@@ -220,7 +252,8 @@ def check_labels(labels_BT, vocab_size: int, num_items_in_batch, *, targets_are_
 
 def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Array,
                    num_items_in_batch, loss_type: str = "nll", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                   return_metrics: bool = False, *, targets_are_shifted: bool = False):
+                   return_metrics: bool = False, *, targets_are_shifted: bool = False,
+                   logit_softcap: Optional[float] = None):
     """Mean next-token NLL over the optimizer step: ``sum(nll) / max(num_items_in_batch, 1)``.
 
     ``hidden_BTH`` are the final-norm hidden states, ``lm_head_VH`` the LM head in HF layout
@@ -234,20 +267,24 @@ def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.
     ``targets_are_shifted=True``: ``labels_BT`` already holds the targets (``targets[t]`` is scored at position
     t), as the context-parallel batches of ``common.context_parallel.shard_batch`` do: their rows are
     reordered, so shifting them here would pair tokens with the wrong targets.
+
+    ``logit_softcap``: the model's ``final_logit_softcapping`` (Gemma 2), applied to the float32 logits
+    of every loss type; None (every other family) leaves them as they are.
     """
     if loss_type not in LOSS_TYPES:
         raise ConfigError(f"loss_type={loss_type!r} is not supported by the JAX backend; choose one of {LOSS_TYPES}.")
     if int(chunk_size) <= 0:
         raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+    softcap = check_softcap(logit_softcap)
     h = hidden_BTH.shape[-1]
     hidden_NH = hidden_BTH.reshape(-1, h)
     targets_N = (labels_BT if targets_are_shifted else shift_labels(labels_BT)).reshape(-1)
     if loss_type == "nll":
-        total, stats = _full_sums(hidden_NH, lm_head_VH, targets_N)
+        total, stats = _full_sums(hidden_NH, lm_head_VH, targets_N, softcap)
     elif loss_type == "chunked_nll":
-        total, stats = _chunked_sums(hidden_NH, lm_head_VH, targets_N, int(chunk_size))
+        total, stats = _chunked_sums(hidden_NH, lm_head_VH, targets_N, int(chunk_size), softcap)
     else:
-        total, stats = _fused_sums(hidden_NH, lm_head_VH, targets_N, int(chunk_size))
+        total, stats = _fused_sums(hidden_NH, lm_head_VH, targets_N, int(chunk_size), softcap)
     loss = total / jnp.maximum(jnp.asarray(num_items_in_batch, jnp.float32), 1.0)
     if not return_metrics:
         return loss

@@ -1,6 +1,6 @@
-"""A Flax NNX Llama that mirrors Hugging Face transformers' ``LlamaForCausalLM`` op for op, and the
-protocol functions ``build_model``, ``export_weights``, ``logits`` and ``loss_and_grads``
-(``common.backend.Backend``).
+"""Flax NNX causal LMs that mirror Hugging Face transformers' ``*ForCausalLM`` op for op (Llama 3.x,
+Qwen2/2.5, Qwen3, Mistral, Gemma 2: ``common.models``), and the protocol functions ``build_model``,
+``export_weights``, ``logits`` and ``loss_and_grads`` (``common.backend.Backend``).
 
 Every jitted function takes the model as ``(graphdef, state)`` (``nnx.split``), so it compiles
 once per (B, T) bucket, loss type and chunk size; ``num_items_in_batch`` is traced.
@@ -8,17 +8,26 @@ once per (B, T) bucket, loss type and chunk size; ``num_items_in_batch`` is trac
 The module tree and attribute names follow HF's parameter names, so a parameter's NNX path
 *is* its HF name: ``model.layers.0.self_attn.q_proj.kernel`` <-> ``model.layers.0.self_attn.
 q_proj.weight``. Linear layers keep Flax's ``kernel`` layout ``[in, out]`` (the transpose of
-torch's ``[out, in]``); embeddings and RMSNorm scales keep HF's layout under the name ``weight``.
+torch's ``[out, in]``) and their ``bias`` as is; embeddings and RMSNorm scales keep HF's layout
+under the name ``weight``. One ``CausalLM`` class builds every family: the config decides which
+parameters exist (``common.models.parameter_shapes``) and which of the branches below run.
 
-HF details reproduced on purpose (transformers 5.x ``modeling_llama.py``):
+HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3,mistral,gemma2}.py``):
 
 - RMSNorm: variance in float32, ``x * rsqrt(var + eps)``, cast back, *then* times the weight;
-- RoPE: default (unscaled) ``inv_freq = 1 / theta ** (arange(0, d, 2) / d)`` in float32, the
-  half-split ``rotate_half`` layout, angles from ``position_ids`` (so they restart per document);
-- attention: grouped-query (kv heads repeated in place), scaling ``head_dim ** -0.5``,
-  softmax in float32 (see ``attention.py``); pluggable: ``model(..., attend=fn)`` runs ``fn``
-  (e.g. ``parallel.ring_attention_fn(mesh)``, context parallel) instead of the dense path;
-- MLP: ``down(silu(gate(x)) * up(x))``; no biases anywhere;
+  Gemma's instead multiplies by ``1 + w`` in float32 and casts last;
+- RoPE: ``inv_freq`` of ``common.rope`` (every ``rope_type``; ``dynamic`` recomputed from the
+  batch's largest position id, under ``jit``), the half-split ``rotate_half`` layout, angles from
+  ``position_ids`` (so they restart per document);
+- attention: q/k/v biases where the family has them; Qwen3's per-head RMSNorm of q and k before
+  RoPE; grouped-query (kv heads repeated in place); scaling ``cfg.attention_scale``; Gemma 2's
+  score soft-cap after scaling and before the mask; sliding windows on the layers that have them;
+  softmax in float32 (``attention.py``); pluggable: ``model(..., attend=fn)`` runs ``fn`` (e.g.
+  ``parallel.ring_attention_fn(mesh)``, context parallel) instead of the dense path;
+- MLP: ``down(act(gate(x)) * up(x))``, SiLU or GELU (tanh), biases with ``mlp_bias``;
+- Gemma 2: embeddings times ``sqrt(hidden_size)`` (a float32 constant cast to the compute dtype),
+  norms on the attention and MLP *outputs* before each residual add, final logits soft-capped
+  (``losses.logits_f32``);
 - tied embeddings: the LM head is ``embed_tokens.weight`` itself.
 """
 
@@ -37,14 +46,25 @@ from twinseq.common.config import DEFAULT_CHUNK_SIZE, ModelConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.init import check_weights, parameter_shapes
 from twinseq.common.backend import Model
+from twinseq.common.models import layer_norm_names
+from twinseq.common.rope import rope_inv_freq
 from twinseq.jax_backend.attention import document_causal_mask, dot_product_attention
-from twinseq.jax_backend.losses import LOSS_TYPES, causal_lm_loss, check_labels, token_nll
+from twinseq.jax_backend.losses import LOSS_TYPES, causal_lm_loss, check_labels, logits_f32, token_nll
 from twinseq.jax_backend.memory import remat
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 AttendFn = Callable[..., jax.Array]
-"""``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling) -> out_BNTD``."""
+"""``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, **options) -> out_BNTD``.
+
+``options`` holds ``sliding_window=`` (int) and/or ``softcap=`` (float) on the layers that have a window
+or an attention soft-cap, and nothing on the others, so a hook written for a plain Llama keeps working
+there and fails loudly (an unexpected keyword) on a layer it cannot serve."""
+
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": partial(jax.nn.gelu, approximate=True),
+}
 
 
 def _param(array: np.ndarray, dtype: str) -> nnx.Param:
@@ -52,47 +72,75 @@ def _param(array: np.ndarray, dtype: str) -> nnx.Param:
 
 
 class Linear(nnx.Module):
-    """``y = x @ kernel`` with ``kernel = W.T`` for a torch ``nn.Linear(bias=False)`` weight ``W``."""
+    """``y = x @ kernel (+ bias)`` with ``kernel = W.T`` for a torch ``nn.Linear`` weight ``W``."""
 
-    def __init__(self, weight_OI: np.ndarray, dtype: str):
+    def __init__(self, weight_OI: np.ndarray, dtype: str, bias_O: Optional[np.ndarray] = None):
         self.kernel = _param(np.asarray(weight_OI).T, dtype)
+        self.bias = None if bias_O is None else _param(bias_O, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.kernel[...]
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + self.bias[...]
+
+
+def _linear(w: dict[str, np.ndarray], name: str, dtype: str, bias: bool) -> Linear:
+    return Linear(w[name + ".weight"], dtype, w[name + ".bias"] if bias else None)
 
 
 class Embedding(nnx.Module):
-    def __init__(self, weight_VH: np.ndarray, dtype: str):
+    """Token embeddings; ``scale`` (Gemma: ``sqrt(hidden_size)``) multiplies them in the compute dtype,
+    as HF's float32 ``embed_scale`` buffer cast to the weight dtype (bfloat16 rounds sqrt(96) = 9.798 to 9.8125)."""
+
+    def __init__(self, weight_VH: np.ndarray, dtype: str, scale: Optional[float] = None):
         self.weight = _param(weight_VH, dtype)
+        self.scale = None if scale is None else float(np.float32(scale))
 
     def __call__(self, input_ids_BT: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], input_ids_BT, axis=0)
+        x_BTH = jnp.take(self.weight[...], input_ids_BT, axis=0)
+        if self.scale is None:
+            return x_BTH
+        return x_BTH * jnp.asarray(np.float32(self.scale), x_BTH.dtype)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, weight_H: np.ndarray, eps: float, dtype: str):
+    """HF's RMSNorm over the last axis. ``unit_offset`` (Gemma): ``(x_normed * (1 + w))`` in float32, cast
+    last; otherwise (Llama, Qwen, Mistral) the normed ``x`` is cast to the input dtype first, then times ``w``."""
+
+    def __init__(self, weight_H: np.ndarray, eps: float, dtype: str, unit_offset: bool = False):
         self.weight = _param(weight_H, dtype)
         self.eps = float(eps)
+        self.unit_offset = bool(unit_offset)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+        if self.unit_offset:
+            normed32 = x32 * jax.lax.rsqrt(variance + self.eps)
+            return (normed32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
         return self.weight[...] * normed
 
 
-def rope_inv_freq(head_dim: int, rope_theta: float) -> np.ndarray:
-    """float32 [head_dim / 2]: HF's default RoPE inverse frequencies ``1 / theta ** (arange(0, d, 2) / d)``.
+def dynamic_rope_inv_freq(position_ids_BT: jax.Array, inv_freq_F: np.ndarray, head_dim: int, rope_theta: float,
+                          factor: float, max_position_embeddings: int) -> jax.Array:
+    """float32 [head_dim / 2] of ``dynamic`` (NTK) RoPE for this batch, traceable: ``common.rope.dynamic_inv_freq``
+    with the largest position id read from the traced ``position_ids_BT``.
 
-    The exponent is float32 as in torch; the power is taken in float64 and rounded, which
-    reproduces torch's float32 ``pow`` bit for bit on almost every entry (1 ulp otherwise).
+    ``inv_freq_F`` (the config's unstretched frequencies) is used as is while ``max(position_ids) + 1 <=
+    max_position_embeddings``, as HF keeps its initial buffer there; past it the base is stretched with the
+    same float32 formula and operation order as ``common.rope`` (and transformers). Nothing is remembered
+    between calls: a batch's frequencies depend on that batch only.
     """
-    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    power = np.power(np.float64(rope_theta), exponent.astype(np.float64)).astype(np.float32)
-    return (np.float32(1.0) / power).astype(np.float32)
+    f32 = np.float32
+    seq_len = jnp.maximum(jnp.max(position_ids_BT) + 1, max_position_embeddings).astype(jnp.float32)
+    base = f32(rope_theta) * ((f32(factor) * seq_len / f32(max_position_embeddings)) - f32(factor - 1)) \
+        ** f32(head_dim / (head_dim - 2))
+    exponent_F = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / f32(head_dim)
+    stretched_F = f32(1.0) / jnp.power(base, exponent_F)
+    return jnp.where(seq_len > max_position_embeddings, stretched_F, jnp.asarray(inv_freq_F))
 
 
-def rope_cos_sin(position_ids_BT: jax.Array, inv_freq: np.ndarray, dtype) -> tuple[jax.Array, jax.Array]:
+def rope_cos_sin(position_ids_BT: jax.Array, inv_freq: Any, dtype) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape [B, 1, T, head_dim] (the frequencies repeated twice, HF layout)."""
     freqs_BTF = position_ids_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     emb_BTD = jnp.concatenate([freqs_BTF, freqs_BTF], axis=-1)
@@ -109,50 +157,80 @@ def apply_rope(x_BNTD: jax.Array, cos_B1TD: jax.Array, sin_B1TD: jax.Array) -> j
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], prefix: str, dtype: str):
-        self.q_proj = Linear(w[prefix + "q_proj.weight"], dtype)
-        self.k_proj = Linear(w[prefix + "k_proj.weight"], dtype)
-        self.v_proj = Linear(w[prefix + "v_proj.weight"], dtype)
-        self.o_proj = Linear(w[prefix + "o_proj.weight"], dtype)
+    def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], prefix: str, layer: int, dtype: str):
+        self.q_proj = _linear(w, prefix + "q_proj", dtype, cfg.qkv_bias)
+        self.k_proj = _linear(w, prefix + "k_proj", dtype, cfg.qkv_bias)
+        self.v_proj = _linear(w, prefix + "v_proj", dtype, cfg.qkv_bias)
+        self.o_proj = _linear(w, prefix + "o_proj", dtype, cfg.o_bias)
+        self.q_norm = RMSNorm(w[prefix + "q_norm.weight"], cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(w[prefix + "k_norm.weight"], cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.head_dim = int(cfg.head_dim)
-        self.scaling = float(cfg.head_dim) ** -0.5
+        self.scaling = cfg.attention_scale
+        self.sliding_window = int(cfg.sliding_window) if cfg.layer_is_sliding(layer) else None
+        self.softcap = None if cfg.attn_logit_softcapping is None else float(cfg.attn_logit_softcapping)
 
     def _heads(self, x_BTX: jax.Array) -> jax.Array:
         b, t, _ = x_BTX.shape
         return x_BTX.reshape(b, t, -1, self.head_dim).transpose(0, 2, 1, 3)
 
-    def __call__(self, x_BTH, cos, sin, attn_args: tuple, attend: Callable[..., jax.Array]) -> jax.Array:
-        """``attend(q, k, v, *attn_args, scaling)``: ``attn_args`` is ``(allowed_B1TT,)`` for the dense
-        path (``dot_product_attention``) or ``(segment_ids_BT, position_ids_BT)`` for an ``AttendFn``."""
-        q_BNTD = apply_rope(self._heads(self.q_proj(x_BTH)), cos, sin)
-        k_BKTD = apply_rope(self._heads(self.k_proj(x_BTH)), cos, sin)
+    @staticmethod
+    def _qk_norm(norm: Optional[RMSNorm], x_BNTD: jax.Array) -> jax.Array:
+        """Qwen3's RMSNorm of every head over head_dim, before RoPE (HF normalises ``[B, T, N, D]``; the
+        transpose to ``[B, N, T, D]`` does not change a norm over the last axis)."""
+        return x_BNTD if norm is None else norm(x_BNTD)
+
+    def attend_options(self) -> dict[str, Any]:
+        """The keywords an ``AttendFn`` gets on this layer (none on a plain Llama layer)."""
+        options = {"sliding_window": self.sliding_window, "softcap": self.softcap}
+        return {k: v for k, v in options.items() if v is not None}
+
+    def __call__(self, x_BTH, cos, sin, attn_args: tuple, attend: Optional[AttendFn]) -> jax.Array:
+        """``attend`` None: dense attention, ``attn_args = (allowed_B1TT, allowed_sliding_B1TT or None)``;
+        else ``attend(q, k, v, *attn_args, scaling, **attend_options())`` with ``attn_args = (segment_ids_BT,
+        position_ids_BT)``."""
+        q_BNTD = apply_rope(self._qk_norm(self.q_norm, self._heads(self.q_proj(x_BTH))), cos, sin)
+        k_BKTD = apply_rope(self._qk_norm(self.k_norm, self._heads(self.k_proj(x_BTH))), cos, sin)
         v_BKTD = self._heads(self.v_proj(x_BTH))
-        out_BNTD = attend(q_BNTD, k_BKTD, v_BKTD, *attn_args, self.scaling)
+        if attend is None:
+            allowed_B1TT = attn_args[1] if self.sliding_window is not None else attn_args[0]
+            out_BNTD = dot_product_attention(q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, self.scaling, softcap=self.softcap)
+        else:
+            out_BNTD = attend(q_BNTD, k_BKTD, v_BKTD, *attn_args, self.scaling, **self.attend_options())
         b, _, t, _ = out_BNTD.shape
         return self.o_proj(out_BNTD.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
 
 class MLP(nnx.Module):
-    def __init__(self, w: dict[str, np.ndarray], prefix: str, dtype: str):
-        self.gate_proj = Linear(w[prefix + "gate_proj.weight"], dtype)
-        self.up_proj = Linear(w[prefix + "up_proj.weight"], dtype)
-        self.down_proj = Linear(w[prefix + "down_proj.weight"], dtype)
+    def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], prefix: str, dtype: str):
+        self.gate_proj = _linear(w, prefix + "gate_proj", dtype, cfg.mlp_bias)
+        self.up_proj = _linear(w, prefix + "up_proj", dtype, cfg.mlp_bias)
+        self.down_proj = _linear(w, prefix + "down_proj", dtype, cfg.mlp_bias)
+        self.hidden_act = cfg.hidden_act
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.hidden_act](self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):
+    """Pre-norm decoder layer. Llama-like families: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (HF calls
+    the second norm ``post_attention_layernorm``). Gemma 2 ("sandwich"): ``x + post_attn(attn(in(x)))``, then
+    ``x + post_ff(mlp(pre_ff(x)))``: its ``post_attention_layernorm`` normalises the attention *output*."""
+
     def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], layer: int, dtype: str):
         p = f"model.layers.{layer}."
-        self.self_attn = Attention(cfg, w, p + "self_attn.", dtype)
-        self.mlp = MLP(w, p + "mlp.", dtype)
-        self.input_layernorm = RMSNorm(w[p + "input_layernorm.weight"], cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, w, p + "self_attn.", layer, dtype)
+        self.mlp = MLP(cfg, w, p + "mlp.", dtype)
+        for name in layer_norm_names(cfg):
+            setattr(self, name, RMSNorm(w[f"{p}{name}.weight"], cfg.rms_norm_eps, dtype, unit_offset=cfg.gemma))
+        self.sandwich = cfg.gemma
 
-    def __call__(self, x_BTH, cos, sin, attn_args: tuple, attend: Callable[..., jax.Array]) -> jax.Array:
-        x_BTH = x_BTH + self.self_attn(self.input_layernorm(x_BTH), cos, sin, attn_args, attend)
-        return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
+    def __call__(self, x_BTH, cos, sin, attn_args: tuple, attend: Optional[AttendFn]) -> jax.Array:
+        attn_BTH = self.self_attn(self.input_layernorm(x_BTH), cos, sin, attn_args, attend)
+        if not self.sandwich:
+            x_BTH = x_BTH + attn_BTH
+            return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
+        x_BTH = x_BTH + self.post_attention_layernorm(attn_BTH)
+        return x_BTH + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x_BTH)))
 
 
 def _layer_apply(graphdef, attend, state, x_BTH, cos, sin, attn_args):
@@ -163,21 +241,39 @@ def _layer_apply(graphdef, attend, state, x_BTH, cos, sin, attn_args):
     return nnx.merge(graphdef, state)(x_BTH, cos, sin, attn_args, attend)
 
 
-class LlamaModel(nnx.Module):
+class DecoderModel(nnx.Module):
+    """HF's ``model.`` prefix: embeddings, decoder layers, final norm, and the RoPE of the config."""
+
     def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], dtype: str, remat_policy: str):
-        self.embed_tokens = Embedding(w["model.embed_tokens.weight"], dtype)
+        embed_scale = cfg.hidden_size ** 0.5 if cfg.gemma else None
+        self.embed_tokens = Embedding(w["model.embed_tokens.weight"], dtype, embed_scale)
         self.layers = nnx.List([DecoderLayer(cfg, w, i, dtype) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(w["model.norm.weight"], cfg.rms_norm_eps, dtype)
-        self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg.head_dim, cfg.rope_theta))
+        self.norm = RMSNorm(w["model.norm.weight"], cfg.rms_norm_eps, dtype, unit_offset=cfg.gemma)
+        self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg))  # static: floats live in the graphdef
+        self.dynamic_rope = None if cfg.rope_type != "dynamic" else (
+            int(cfg.head_dim), float(cfg.rope_theta), float(cfg.rope_factor), int(cfg.max_position_embeddings))
+        windows = {layer.self_attn.sliding_window for layer in self.layers} - {None}
+        assert len(windows) <= 1, windows  # one window per model (HF's config has one sliding_window)
+        self.sliding_window = windows.pop() if windows else None
         self.remat_policy = remat_policy
         remat(_layer_apply, remat_policy, static_argnums=(0, 1))  # validate the policy at build time
 
+    def rope_inv_freq(self, position_ids_BT: jax.Array) -> Any:
+        """float32 [head_dim / 2]: the config's constants, or for ``dynamic`` RoPE this batch's frequencies."""
+        inv_freq_F = np.asarray(self.inv_freq, np.float32)
+        if self.dynamic_rope is None:
+            return inv_freq_F
+        return dynamic_rope_inv_freq(position_ids_BT, inv_freq_F, *self.dynamic_rope)
+
     def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
         x_BTH = self.embed_tokens(input_ids_BT)
-        cos, sin = rope_cos_sin(position_ids_BT, np.asarray(self.inv_freq, np.float32), x_BTH.dtype)
+        cos, sin = rope_cos_sin(position_ids_BT, self.rope_inv_freq(position_ids_BT), x_BTH.dtype)
         if attend is None:
-            # The dense mask is built once and shared by every layer.
-            attend, attn_args = dot_product_attention, (document_causal_mask(segment_ids_BT, position_ids_BT),)
+            # The dense masks are built once and shared by every layer of their kind.
+            allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT)
+            sliding_B1TT = None if self.sliding_window is None else \
+                document_causal_mask(segment_ids_BT, position_ids_BT, sliding_window=self.sliding_window)
+            attn_args = (allowed_B1TT, sliding_B1TT)
         else:
             attn_args = (segment_ids_BT, position_ids_BT)
         layer_fn = remat(_layer_apply, self.remat_policy, static_argnums=(0, 1))
@@ -187,13 +283,19 @@ class LlamaModel(nnx.Module):
         return self.norm(x_BTH)
 
 
-class LlamaForCausalLM(nnx.Module):
-    """``model(input_ids, position_ids, segment_ids, attend=None) -> hidden_BTH`` (after the final norm).
+def _hashable(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+class CausalLM(nnx.Module):
+    """``model(input_ids, position_ids, segment_ids, attend=None) -> hidden_BTH`` (after the final norm), for
+    every family of ``common.models``.
 
     ``attend`` (an ``AttendFn``, static under ``jit``) replaces the dense document-causal
     attention of every layer, e.g. ``parallel.ring_attention_fn(mesh)`` on a batch placed by
-    ``parallel.shard_batch``. ``logits(...)`` adds the LM head; losses take ``hidden_BTH`` and
-    ``lm_head_VH()`` so that a chunked or fused loss never needs the full logits.
+    ``parallel.shard_batch``. ``logits(...)`` adds the LM head (and Gemma's final soft-cap); losses
+    take ``hidden_BTH``, ``lm_head_VH()`` and ``final_logit_softcapping`` so that a chunked or fused
+    loss never needs the full logits.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, dtype: str = "float32",
@@ -201,14 +303,17 @@ class LlamaForCausalLM(nnx.Module):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype={dtype!r} is not valid; choose one of {tuple(DTYPES)}.")
         check_weights(cfg, weights)
-        self.model = LlamaModel(cfg, weights, dtype, remat_policy)
+        self.model = DecoderModel(cfg, weights, dtype, remat_policy)
         self.lm_head: Optional[Linear] = None if cfg.tie_word_embeddings else Linear(weights["lm_head.weight"], dtype)
-        self.config_items = tuple(sorted(cfg.to_dict().items()))  # hashable: lives in the static graphdef
+        # hashable (lists as tuples): it lives in the static graphdef
+        self.config_items = tuple(sorted((k, _hashable(v)) for k, v in cfg.to_dict().items()))
+        self.final_logit_softcapping = None if cfg.final_logit_softcapping is None \
+            else float(cfg.final_logit_softcapping)
         self.dtype = dtype
 
     @property
     def config(self) -> ModelConfig:
-        return ModelConfig.from_dict(dict(self.config_items))
+        return ModelConfig.from_dict({k: list(v) if isinstance(v, tuple) else v for k, v in self.config_items})
 
     def lm_head_VH(self) -> jax.Array:
         if self.lm_head is None:
@@ -219,9 +324,9 @@ class LlamaForCausalLM(nnx.Module):
         return self.model(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
 
     def logits(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
-        """[B, T, V] in the model dtype, as HF's ``lm_head(hidden_states)``."""
+        """float32 [B, T, V]: HF's ``lm_head(hidden_states)`` upcast, then soft-capped where the family caps."""
         hidden_BTH = self(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
-        return hidden_BTH @ self.lm_head_VH().T
+        return logits_f32(hidden_BTH, self.lm_head_VH(), self.final_logit_softcapping)
 
 
 def hf_name(path: tuple) -> str:
@@ -268,7 +373,7 @@ def cast_floating(state: Any, compute_dtype: Optional[str]) -> Any:
 
 def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *, dtype: str = "float32",
                 attn_implementation: str = "sdpa", device: Any = None) -> Model:
-    """An NNX ``LlamaForCausalLM`` holding ``weights`` (HF names, torch layout), on ``device``.
+    """An NNX ``CausalLM`` of ``cfg``'s family holding ``weights`` (HF names, torch layout), on ``device``.
 
     ``weights`` None draws ``common.init.init_weights(cfg, seed=0)``, the same model the torch
     backend builds. ``dtype`` is the parameter and compute dtype (``float32`` or ``bfloat16``, as
@@ -278,7 +383,7 @@ def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = Non
     """
     from twinseq.common.init import init_weights
 
-    model = LlamaForCausalLM(cfg, init_weights(cfg, seed=0) if weights is None else weights, dtype=dtype)
+    model = CausalLM(cfg, init_weights(cfg, seed=0) if weights is None else weights, dtype=dtype)
     if device is not None:
         graphdef, state = nnx.split(model)
         model = nnx.merge(graphdef, jax.device_put(state, device))
@@ -294,11 +399,13 @@ def batch_inputs(batch: Batch, vocab_size: int) -> tuple[jax.Array, jax.Array, j
 
 @partial(jax.jit, static_argnums=(0,))
 def _forward_jit(graphdef, state, input_ids_BT, position_ids_BT, segment_ids_BT, labels_BT):
-    """(float32 logits [B, T, V], per-token NLL [B, T]) from one compiled forward pass."""
+    """(float32 logits [B, T, V], per-token NLL [B, T]) from one compiled forward pass (both soft-capped
+    where the family caps its logits)."""
     model = nnx.merge(graphdef, state)
     hidden_BTH = model(input_ids_BT, position_ids_BT, segment_ids_BT)
-    logits_BTV = (hidden_BTH @ model.lm_head_VH().T).astype(jnp.float32)
-    return logits_BTV, token_nll(hidden_BTH, model.lm_head_VH(), labels_BT)
+    cap = model.final_logit_softcapping
+    logits_BTV = logits_f32(hidden_BTH, model.lm_head_VH(), cap)
+    return logits_BTV, token_nll(hidden_BTH, model.lm_head_VH(), labels_BT, logit_softcap=cap)
 
 
 def logits(model: Model, batch: Batch) -> np.ndarray:
@@ -307,24 +414,25 @@ def logits(model: Model, batch: Batch) -> np.ndarray:
     return np.asarray(_forward_jit(graphdef, state, *batch_inputs(batch, model.config.vocab_size))[0])
 
 
-def token_losses(model: LlamaForCausalLM, batch: Batch) -> np.ndarray:
+def token_losses(model: CausalLM, batch: Batch) -> np.ndarray:
     """np.float32 [B, T]: the NLL of ``labels[:, t + 1]`` predicted at t; 0 where ignored."""
     check_labels(batch.labels, model.config.vocab_size, batch.num_items_in_batch)
     graphdef, state = nnx.split(model)
     return np.asarray(_forward_jit(graphdef, state, *batch_inputs(batch, model.config.vocab_size))[1])
 
 
-def loss_fn(model: LlamaForCausalLM, input_ids_BT, position_ids_BT, segment_ids_BT, labels_BT,
+def loss_fn(model: CausalLM, input_ids_BT, position_ids_BT, segment_ids_BT, labels_BT,
             num_items_in_batch, loss_type: str = "nll", chunk_size: int = DEFAULT_CHUNK_SIZE, *, attend=None,
             targets_are_shifted: bool = False):
     """(loss, metrics) of one micro-batch; traceable, used by ``loss_and_grads`` and the trainer.
 
-    ``attend``: the model's attention function (None: dense; see ``LlamaForCausalLM``);
+    ``attend``: the model's attention function (None: dense; see ``CausalLM``);
     ``targets_are_shifted``: ``labels_BT`` are already the targets (context-parallel batches).
     """
     hidden_BTH = model(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
     return causal_lm_loss(hidden_BTH, model.lm_head_VH(), labels_BT, num_items_in_batch, loss_type,
-                          chunk_size=chunk_size, return_metrics=True, targets_are_shifted=targets_are_shifted)
+                          chunk_size=chunk_size, return_metrics=True, targets_are_shifted=targets_are_shifted,
+                          logit_softcap=model.final_logit_softcapping)
 
 
 @partial(jax.jit, static_argnums=(0,),
@@ -346,7 +454,7 @@ def grads_jit(graphdef, state, inputs, num_items, *, loss_type: str, chunk_size:
     return jax.value_and_grad(scalar_loss, has_aux=True)(state)
 
 
-def loss_grads_and_metrics(model: LlamaForCausalLM, batch: Batch, loss_type: str = "nll",
+def loss_grads_and_metrics(model: CausalLM, batch: Batch, loss_type: str = "nll",
                            chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
     """``loss_and_grads`` plus the loss metrics of ``twinseq.common.loss.metrics`` (as floats)."""
     if loss_type not in LOSS_TYPES:

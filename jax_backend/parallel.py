@@ -161,20 +161,23 @@ def ring_attention_fn(mesh: Mesh, strategy: str = "ring", block_q: Optional[int]
                       block_k: Optional[int] = None) -> AttentionFn:
     """Context-parallel attention with the model's (Hugging Face) layout.
 
-    The returned ``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling) -> out_BNTD``
-    takes global arrays whose T axis is in the ``shard_batch`` order (and sharded over ``cp``);
-    it equals ``dot_product_attention(q, k, v, document_causal_mask(seg, pos), scaling)`` of
-    ``twinseq.jax_backend.attention``, except that queries with no allowed key give zeros in both.
+    The returned ``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, *,
+    sliding_window=None, softcap=None) -> out_BNTD`` takes global arrays whose T axis is in the
+    ``shard_batch`` order (and sharded over ``cp``); it equals ``document_attention(q, k, v, seg, pos,
+    scaling, sliding_window=..., softcap=...)`` of ``twinseq.jax_backend.attention`` (the window is a band
+    in positions, so the zigzag order does not matter), and queries with no allowed key give zeros in both.
     """
     _check_mesh(mesh)
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is not valid; choose one of {STRATEGIES}.")
 
-    def attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling):
+    def attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, *,
+               sliding_window: Optional[int] = None, softcap: Optional[float] = None):
         out_BTND = sharded_attention(q_BNTD.transpose(0, 2, 1, 3), k_BKTD.transpose(0, 2, 1, 3),
                                      v_BKTD.transpose(0, 2, 1, 3), segment_ids_BT, position_ids_BT, mesh,
                                      strategy=strategy, axis_name=CP_AXIS, batch_axes=BATCH_AXES,
-                                     scale=scaling, block_q=block_q, block_k=block_k)
+                                     scale=scaling, block_q=block_q, block_k=block_k,
+                                     sliding_window=sliding_window, softcap=softcap)
         return out_BTND.transpose(0, 2, 1, 3)
 
     return attend

@@ -48,7 +48,7 @@ from twinseq.common.schedule import lr_multiplier
 from twinseq.common.step_metrics import apply_or_skip, dpo_step_metrics, first_nonfinite, sft_step_sums, with_means
 from twinseq.jax_backend.checkpoint import from_numpy_tree, save_pretrained, to_numpy_tree
 from twinseq.jax_backend.losses import check_labels
-from twinseq.jax_backend.model import LlamaForCausalLM, batch_inputs, export_weights, grads_jit
+from twinseq.jax_backend.model import CausalLM, batch_inputs, export_weights, grads_jit
 from twinseq.jax_backend.parallel import (CP_AXIS, DataParallelSteps, attention_of_config, mesh_from_config,
                                           parallelize, sequence_multiple, shard_batch, shard_params)
 
@@ -114,7 +114,7 @@ def _add(tree_a, tree_b):
 _global_norm = jax.jit(optax.global_norm)
 
 
-def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> LlamaForCausalLM:
+def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> CausalLM:
     """The model of ``cfg.model.model_config`` (a local folder, or a preset with ``common``'s initial
     weights) with float32 master weights (``dtype`` only changes the compute dtype, like torch autocast)."""
     spec = cfg.model.model_config
@@ -122,7 +122,7 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> LlamaForCausalLM:
     check_tokenizer_fits(source.config, vocab_size, spec)
     weights = (read_hf_checkpoint(source.weights_folder)[1] if source.weights_folder is not None
                else init_weights(source.config, seed=cfg.seed))
-    return LlamaForCausalLM(source.config, weights, dtype="float32")
+    return CausalLM(source.config, weights, dtype="float32")
 
 
 def _compute_dtype(cfg: TrainConfig) -> Optional[str]:
@@ -140,7 +140,7 @@ class Trainer:
 
     is_main = True  # one process drives every device
 
-    def __init__(self, model: LlamaForCausalLM, cfg: TrainConfig, mesh: Optional[Mesh] = None) -> None:
+    def __init__(self, model: CausalLM, cfg: TrainConfig, mesh: Optional[Mesh] = None) -> None:
         self.cfg, self.mesh = cfg, mesh
         self.graphdef, params = nnx.split(model)
         self.params = jax.tree.map(jnp.copy, params)  # apply_updates donates: copy the caller's
@@ -189,7 +189,7 @@ class Trainer:
     def any_rank(self, flag: bool) -> bool:
         return flag  # one process drives every device
 
-    def model(self) -> LlamaForCausalLM:
+    def model(self) -> CausalLM:
         return nnx.merge(self.graphdef, self.params)
 
     def state_dict(self) -> dict[str, Any]:
@@ -203,7 +203,7 @@ class Trainer:
             opt_state = from_numpy_tree(state["optimizer"], self.opt_state)
         except ValueError as err:
             raise CheckpointError(f"the checkpoint does not fit this run: {err}") from None
-        restored = LlamaForCausalLM(model.config, state["model"], remat_policy=model.model.remat_policy)
+        restored = CausalLM(model.config, state["model"], remat_policy=model.model.remat_policy)
         self.graphdef, params = nnx.split(restored)
         self.params = params if self.mesh is None else shard_params(self.mesh, params)
         self.opt_state = self._place_like(opt_state, self.opt_state)
@@ -261,7 +261,7 @@ class DPOTrainer(Trainer):
     """One DPO optimizer step per ``step(pbatches)``; the live reference is a frozen copy of the initial
     parameters (``ref_params``), unless the batches carry precomputed log-probs."""
 
-    def __init__(self, model: LlamaForCausalLM, cfg: TrainConfig, *, config, examples_per_step: int,
+    def __init__(self, model: CausalLM, cfg: TrainConfig, *, config, examples_per_step: int,
                  live_reference: bool) -> None:
         super().__init__(model, cfg)
         self.config, self.examples_per_step = config, examples_per_step
