@@ -30,7 +30,8 @@ from twinseq.common.errors import ConfigError, MissingDependencyError
 _EXTRA_FOR = {"torch": ("torch", "transformers"), "jax": ("jax", "flax", "optax")}
 
 Model = Any
-"""A backend's model: a Hugging Face ``LlamaForCausalLM`` (torch) or twinseq's Flax NNX one (jax)."""
+"""A backend's model: a Hugging Face ``AutoModelForCausalLM`` of one of ``common.models.MODEL_TYPES`` (torch) or
+twinseq's Flax NNX ``CausalLM`` of the same family (jax)."""
 PathLike = Union[str, os.PathLike]
 
 

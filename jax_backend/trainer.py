@@ -311,7 +311,8 @@ def _describe(cfg: TrainConfig, trainer: Trainer) -> str:
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.params))
     where = str(jax.devices()[0]) if trainer.mesh is None else \
         f"a mesh {dict(trainer.mesh.shape)} (cp attention: {cfg.parallel.context_parallel_strategy})"
-    return (f"twinseq jax {cfg.task}: {num_params / 1e6:.2f}M params on {where}, loss={cfg.loss.loss_type}, "
+    return (f"twinseq jax {cfg.task}: {trainer.model().config.model_type} {cfg.model.model_config!r}, "
+            f"{num_params / 1e6:.2f}M params on {where}, loss={cfg.loss.loss_type}, "
             f"remat={trainer.model().model.remat_policy}, packing={d.packing}({d.packing_strategy}), "
             f"padding_free={d.padding_free}, dtype={cfg.model.dtype}")
 

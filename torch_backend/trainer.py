@@ -283,8 +283,11 @@ def _describe(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, wo
     d = cfg.data
     num_params = sum(p.numel() for p in model.parameters())
     effective = d.per_device_train_batch_size * world_size * d.gradient_accumulation_steps
-    return (f"twinseq torch {cfg.task}: {num_params / 1e6:.2f}M params on {device}, "
-            f"attn={cfg.model.attn_implementation}, loss={cfg.loss.loss_type}, packing={d.packing}"
+    from twinseq.torch_backend.attention import twinseq_attn_name
+
+    attn = twinseq_attn_name(model.config._attn_implementation)  # what runs (sdpa may have fallen back)
+    return (f"twinseq torch {cfg.task}: {model.config.model_type} {cfg.model.model_config!r}, "
+            f"{num_params / 1e6:.2f}M params on {device}, attn={attn}, loss={cfg.loss.loss_type}, packing={d.packing}"
             f"({d.packing_strategy}), padding_free={d.padding_free}; effective batch = "
             f"{d.per_device_train_batch_size} per device x {world_size} devices x {d.gradient_accumulation_steps} "
             f"accumulation steps = {effective} {'packed rows' if d.packing else 'examples'} per optimizer step")
