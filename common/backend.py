@@ -26,6 +26,7 @@ from twinseq.common.config import BACKENDS, DEFAULT_CHUNK_SIZE, ModelConfig, Tra
 from twinseq.common.dpo import DPOLossConfig
 from twinseq.common.dpo_batching import PreferenceBatch
 from twinseq.common.errors import ConfigError, MissingDependencyError
+from twinseq.common.peft import PeftConfig
 
 _EXTRA_FOR = {"torch": ("torch", "transformers"), "jax": ("jax", "flax", "optax")}
 
@@ -72,6 +73,19 @@ class Backend(Protocol):
                            num_examples_in_step: Optional[int] = None
                            ) -> tuple[float, dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(DPO loss, float32 gradients by HF name, per-pair float64 outputs) of one micro-batch."""
+
+    def add_adapters(self, model: Model, cfg: ModelConfig, peft: PeftConfig,
+                     adapters: Optional[dict[str, np.ndarray]] = None) -> Model:
+        """``model`` with LoRA/DoRA adapters on ``common.peft.lora_targets`` (plus trainable tokens, and a 4-bit
+        NF4 base with ``load_in_4bit``), loaded from ``adapters`` (PEFT keys; None: ``common.peft.init_adapters``
+        with seed 0). Only adapter tensors train: ``loss_and_grads`` and ``dpo_loss_and_grads`` of the result
+        return gradients by PEFT key, and DPO's reference model is the base with the adapters switched off."""
+
+    def export_adapters(self, model: Model) -> dict[str, np.ndarray]:
+        """float32 adapter tensors by PEFT key (what ``common.peft.save_adapters`` writes)."""
+
+    def merge_adapters(self, model: Model) -> Model:
+        """A plain model, without adapters, whose weights have the adapters folded in (for export)."""
 
 
 PROTOCOL = tuple(name for name in vars(Backend) if not name.startswith("_"))

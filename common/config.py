@@ -12,6 +12,7 @@ loss        ``LossConfig``      loss_type (the token-loss kernel), loss_chunk_si
 memory      ``MemoryConfig``    gradient_checkpointing, activation_offloading, torch_compile
 parallel    ``ParallelConfig``  fsdp, context_parallel_size, context_parallel_strategy
 dpo         ``DPOConfig``       beta, dpo_loss_type, loss_weights, label_smoothing, ...
+peft        ``PeftConfig``      use_peft, lora_r, lora_alpha, lora_target_modules, load_in_4bit, ...
 ==========  ==================  ================================================================
 
 Field names are unique across sections, so the CLI and YAML files stay flat, with TRL's names
@@ -42,6 +43,7 @@ from twinseq.common.fields import (  # noqa: F401  (re-exported: the config surf
     _CHECKS_ON, _check_fields, _flag, deferred_checks, knob)
 from twinseq.common.models import (  # noqa: F401  (re-exported: the config surface)
     MODEL_PRESETS, MODEL_TYPES, ModelConfig, resolve_model_config)
+from twinseq.common.peft import PeftConfig  # noqa: F401  (re-exported: the config surface)
 
 Backend = Literal["torch", "jax"]
 Task = Literal["sft", "dpo"]
@@ -54,6 +56,7 @@ PaddingSide = Literal["right", "left"]
 LRScheduler = Literal["constant", "linear", "cosine"]
 ContextParallelStrategy = Literal["allgather", "ring"]
 ReportTo = Literal["none", "tensorboard"]
+Optimizer = Literal["adamw_torch", "adamw_bnb_8bit"]
 
 BACKENDS = typing.get_args(Backend)
 TASKS = typing.get_args(Task)
@@ -66,6 +69,7 @@ PADDING_SIDES = typing.get_args(PaddingSide)
 LR_SCHEDULERS = typing.get_args(LRScheduler)
 CONTEXT_PARALLEL_STRATEGIES = typing.get_args(ContextParallelStrategy)
 REPORT_TO = typing.get_args(ReportTo)
+OPTIMIZERS = typing.get_args(Optimizer)
 DEFAULT_CHUNK_SIZE = 256
 """Tokens per chunk of the chunked and fused losses and log-probs, on both backends."""
 
@@ -133,6 +137,9 @@ class OptimConfig(_Section):
     adam_beta2: float = knob(0.999, ge=0, lt=1)
     adam_epsilon: float = knob(1e-8, gt=0)
     max_grad_norm: Optional[float] = knob(1.0, gt=0)
+    optimizer: Optimizer = "adamw_torch"
+    """``adamw_torch`` (float32 moments) or ``adamw_bnb_8bit`` (bitsandbytes' 8-bit moments, torch only; HF's
+    ``optim``)."""
     skip_nonfinite_steps: bool = False
     """A step whose loss or gradient norm is NaN/Inf is skipped (counted, logged) instead of stopping the run."""
 
@@ -183,7 +190,8 @@ class DPOConfig(_Section):
 
 
 SECTIONS: dict[str, type] = {"model": ModelArgs, "data": DataConfig, "optim": OptimConfig, "loss": LossConfig,
-                             "memory": MemoryConfig, "parallel": ParallelConfig, "dpo": DPOConfig}
+                             "memory": MemoryConfig, "parallel": ParallelConfig, "dpo": DPOConfig,
+                             "peft": PeftConfig}
 TASK_SECTIONS = {"dpo": "dpo"}
 """Sections read by one task only: setting them on another task is refused, not ignored."""
 
@@ -217,6 +225,7 @@ class TrainConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     def __post_init__(self) -> None:
         if _CHECKS_ON.get():
@@ -257,6 +266,9 @@ class TrainConfig:
             if loss.loss_type == "liger" or loss.use_liger_kernel:
                 check_liger_dpo_config(self.dpo.dpo_loss_type, padding_free=d.padding_free,
                                        precompute=self.dpo.precompute_ref_log_probs)
+        from twinseq.common.peft import check_peft_config
+
+        check_peft_config(self.peft)
         if loss.use_liger_kernel and loss.loss_type not in ("nll", "liger"):
             raise ConfigError(f"use_liger_kernel=True selects Liger's fused cross-entropy, but loss_type="
                               f"{loss.loss_type!r} asks for another kernel; drop --use-liger-kernel or use "

@@ -7,11 +7,12 @@ public names. Importing it imports torch and transformers.
 from twinseq.torch_backend.attention import check_attention_supported, forward_hidden
 from twinseq.torch_backend.checkpoint import load_pretrained, save_pretrained
 from twinseq.torch_backend.dpo import compute_sequence_logps, dpo_loss_and_grads
+from twinseq.torch_backend.peft import add_adapters, export_adapters, merge_adapters
 from twinseq.torch_backend.memory import ActivationOffloader, offload_activations
 from twinseq.torch_backend.model import build_model, compute_loss, export_weights, logits, loss_and_grads
 from twinseq.torch_backend.trainer import train
 
 __all__ = ["build_model", "export_weights", "logits", "loss_and_grads", "train", "load_pretrained", "save_pretrained",
-           "compute_sequence_logps", "dpo_loss_and_grads",
+           "compute_sequence_logps", "dpo_loss_and_grads", "add_adapters", "export_adapters", "merge_adapters",
            "compute_loss", "forward_hidden", "check_attention_supported", "ActivationOffloader",
            "offload_activations"]
