@@ -5,6 +5,9 @@
   override.
 - ``twinseq lengths [DATASET]``: the sequence-length profiler that helps choose max_length.
 - ``twinseq data``: build (or show) the embedded offline datasets and tokenizer.
+- ``twinseq memory [--config FILE] [train flags] [--devices N] [--device cpu|cuda] [--budget 24GiB]``:
+  the planned memory of that run per component (``common.memory_plan``), and with ``--budget`` the
+  cheapest set of knobs that fits, as the flags to add.
 
 Errors. Every error caused by the user's input is one of twinseq's own exceptions
 (``common.errors``); the CLI prints it as one line, ``twinseq <command>: error: ...``, and exits
@@ -25,9 +28,10 @@ from typing import Iterator, Optional, Sequence
 from twinseq.common.config import TrainConfig, deferred_checks, flag_names
 from twinseq.common.errors import ConfigError, TrainingInterrupted, TwinseqError
 
-USAGE = """usage: twinseq {train,lengths,data} [--debug] ...
+USAGE = """usage: twinseq {train,lengths,data,memory} [--debug] ...
 
   train     train a model (twinseq train --help)
+  memory    plan a run's memory per component; --budget 24GiB: what to turn on to fit
   lengths   profile sequence lengths and choose max_length (twinseq lengths --help)
   data      build the embedded offline datasets and tokenizer (twinseq data --help)
 
@@ -140,12 +144,61 @@ def one_line(err: BaseException) -> str:
     return " | ".join(lines) or type(err).__name__
 
 
-COMMANDS = ("train", "lengths", "data")
+MEMORY_HELP = """usage: twinseq memory [--config FILE] [any twinseq train flag] [--devices N] [--device cpu|cuda]
+                      [--budget SIZE]
+
+Plan the memory of one training step of that run, per component (twinseq.common.memory_plan), without
+building anything. --dtype (a train flag) sets the compute dtype; --devices N plans an FSDP run over N
+devices; --device cuda plans for a GPU (activation offloading saves memory there only). --budget SIZE
+(24GiB, 500MB, ...) also prints the cheapest set of knobs under which the run fits, as flags to add.
+"""
+
+
+def memory_main(argv: Sequence[str]) -> int:
+    from twinseq.common.memory_plan import advise, format_bytes, parse_bytes, plan_memory
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(MEMORY_HELP)
+        return 0
+    pre = argparse.ArgumentParser(prog="twinseq memory", add_help=False, allow_abbrev=False)
+    pre.add_argument("--devices", default="1")
+    pre.add_argument("--device", default="cpu")
+    pre.add_argument("--budget", default=None)
+    known, rest = pre.parse_known_args(list(argv))
+    try:
+        devices = int(known.devices)
+        if devices < 1:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--devices {known.devices!r} is not a positive integer; pass the number of devices "
+                          f"FSDP shards over (e.g. --devices 8).") from None
+    if known.device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {known.device!r} is not planned; use --device cpu or --device cuda.")
+    budget = parse_bytes(known.budget, "--budget") if known.budget is not None else None
+    cfg = parse_train_args(rest)
+    plan = plan_memory(cfg, devices=devices, device=known.device)
+    print(plan.table())
+    if budget is None:
+        return 0
+    advice = advise(cfg, budget, devices=devices, device=known.device)
+    if not advice.changes:
+        print(f"\nbudget {format_bytes(budget)}: fits as is ({format_bytes(plan.total)}).")
+        return 0
+    print(f"\nbudget {format_bytes(budget)}: {format_bytes(plan.total)} does not fit. Cheapest set that fits "
+          f"(free knobs first, then compute for memory, then what trains): {', '.join(advice.knobs)}\n")
+    print(advice.plan.table())
+    print(f"\nadd: {' '.join(advice.flags)}")
+    return 0
+
+
+COMMANDS = ("train", "lengths", "data", "memory")
 
 
 def _dispatch(command: str, rest: list[str]) -> int:
     if command == "train":
         return train_main(rest)
+    if command == "memory":
+        return memory_main(rest)
     if command == "lengths":
         from twinseq.common.lengths import main as lengths_main
 

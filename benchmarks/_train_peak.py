@@ -1,0 +1,205 @@
+"""Peak memory of a real ``twinseq train`` run, measured in the run's own code path (a subprocess per run).
+
+- torch (CPU): the child runs ``twinseq.common.cli.main(["train", ...])`` unchanged, with two hooks:
+  just before ``build_causal_lm`` it takes the RSS (framework imports + tokenizer + data already built: the
+  *baseline*, reported separately) and resets the kernel's high-water mark (``/proc/self/clear_refs``);
+  right before the first optimizer step it reads the high-water mark (the *build* peak: model
+  construction, e.g. numpy weights copied into torch) and resets it again; after every step it reads it.
+  The *training* peak is the largest high-water mark over the steps, minus the baseline; the final save
+  (numpy copies for the checkpoint) comes after the last step and is not part of it.
+- jax: the child runs the same ``twinseq train --backend jax`` with ``grads_jit`` and ``apply_updates``
+  wrapped: each call is first lowered and compiled with the call's own arguments and its
+  ``compiled.memory_analysis()`` recorded (argument + output + temp - alias bytes). The training peak is
+  ``max(grads phase + optimizer-state bytes (live, not an argument), update phase)``.
+
+Used by ``memory_planner_check.py``, ``peft_staircase.py`` and the tests. ``measure(flags)`` returns a
+dict (``peak_bytes``, ``baseline_rss_bytes``, ``build_peak_bytes``, ``seconds_per_step``, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+_MARKER = "__TRAIN_PEAK__ "
+
+
+def flags_of(values: dict[str, Any]) -> list[str]:
+    """``{"max_length": 512, "packing": True}`` -> ``["--max-length", "512", "--packing"]``."""
+    out: list[str] = []
+    for key, value in values.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_hwm() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _child_torch(argv: list[str]) -> dict[str, Any]:
+    import gc
+    import time
+
+    import torch
+
+    from twinseq.common.cli import main
+    from twinseq.torch_backend import trainer as tt
+
+    rec: dict[str, Any] = {"step_hwm": [], "step_seconds": []}
+    build = tt.build_causal_lm
+
+    def build_hooked(*args, **kwargs):
+        # framework code the build imports lazily belongs to the baseline, not to the model
+        import transformers  # noqa: F401
+        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+        import transformers.models.llama.modeling_llama  # noqa: F401
+        gc.collect()
+        rec["baseline_rss_bytes"] = _status("VmRSS")
+        _reset_hwm()
+        return build(*args, **kwargs)
+
+    step = tt.Trainer.step
+
+    def step_hooked(self, micro_batches):
+        if "build_hwm" not in rec:
+            gc.collect()
+            rec["build_hwm"] = _status("VmHWM")
+            rec["before_steps_rss_bytes"] = _status("VmRSS")
+            _reset_hwm()
+        t0 = time.perf_counter()
+        out = step(self, micro_batches)
+        rec["step_seconds"].append(time.perf_counter() - t0)
+        rec["step_hwm"].append(_status("VmHWM"))
+        rec.setdefault("num_tokens", []).append(int(out.get("num_tokens", 0)))
+        return out
+
+    tt.build_causal_lm, tt.Trainer.step = build_hooked, step_hooked
+    torch.set_num_threads(int(os.environ.get("TWINSEQ_MEASURE_THREADS", "2")))
+    code = main(["train", *argv])
+    if code != 0:
+        raise SystemExit(code)
+    base = rec["baseline_rss_bytes"]
+    rec["peak_bytes"] = max(rec["step_hwm"]) - base
+    rec["build_peak_bytes"] = rec["build_hwm"] - base
+    rec["resident_before_steps_bytes"] = rec["before_steps_rss_bytes"] - base
+    return rec
+
+
+def _tree_bytes(tree) -> int:
+    import jax
+
+    return int(sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree)))
+
+
+def _analysis_bytes(compiled) -> dict[str, int]:
+    ma = compiled.memory_analysis()
+    out = {k: int(getattr(ma, k + "_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
+    out["total"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
+
+
+def _child_jax(argv: list[str]) -> dict[str, Any]:
+    import time
+
+    from twinseq.common.cli import main
+    from twinseq.jax_backend import trainer as jt
+
+    rec: dict[str, Any] = {"grads": [], "update": [], "step_seconds": []}
+    grads_jit, apply_updates = jt.grads_jit, jt.apply_updates
+
+    def grads_hooked(graphdef, state, inputs, num_items, **kwargs):
+        compiled = grads_jit.lower(graphdef, state, inputs, num_items, **kwargs).compile()
+        rec["grads"].append(_analysis_bytes(compiled))
+        return grads_jit(graphdef, state, inputs, num_items, **kwargs)
+
+    def update_hooked(optimizer, params, opt_state, grads):
+        compiled = apply_updates.lower(optimizer, params, opt_state, grads).compile()
+        rec["update"].append(_analysis_bytes(compiled))
+        return apply_updates(optimizer, params, opt_state, grads)
+
+    step = jt.Trainer.step
+
+    def step_hooked(self, micro_batches):
+        rec["opt_state_bytes"] = _tree_bytes(self.opt_state)
+        rec["params_bytes"] = _tree_bytes(self.params)
+        t0 = time.perf_counter()
+        out = step(self, micro_batches)
+        rec["step_seconds"].append(time.perf_counter() - t0)
+        rec.setdefault("num_tokens", []).append(int(out.get("num_tokens", 0)))
+        return out
+
+    jt.grads_jit, jt.apply_updates, jt.Trainer.step = grads_hooked, update_hooked, step_hooked
+    code = main(["train", *argv])
+    if code != 0:
+        raise SystemExit(code)
+    grads_phase = max(g["total"] for g in rec["grads"]) + rec["opt_state_bytes"]
+    update_phase = max(u["total"] for u in rec["update"]) if rec["update"] else 0
+    rec["peak_bytes"] = max(grads_phase, update_phase)
+    rec["baseline_rss_bytes"] = None
+    return rec
+
+
+def child_main(argv: Sequence[str]) -> None:
+    backend, flags = argv[0], json.loads(argv[1])
+    rec = (_child_jax if backend == "jax" else _child_torch)(flags)
+    print(_MARKER + json.dumps(rec), flush=True)
+
+
+def measure(values: dict[str, Any], *, max_steps: int = 2, timeout: float = 900.0,
+            threads: int = 2, extra_env: Optional[dict] = None) -> dict[str, Any]:
+    """Run ``twinseq train`` with ``values`` (flat config fields; ``backend`` among them) for ``max_steps`` steps
+    in a fresh subprocess and return its measured peak (see the module docstring)."""
+    values = dict(values)
+    backend = values.get("backend", "torch")
+    with tempfile.TemporaryDirectory(prefix="twinseq-peak-") as tmp:
+        values.setdefault("output_dir", str(Path(tmp) / "run"))
+        values.setdefault("max_steps", max_steps)
+        values.setdefault("disable_tqdm", True)
+        env = dict(os.environ)
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # freed big blocks leave RSS (see _memory.py)
+        env["TWINSEQ_MEASURE_THREADS"] = str(threads)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = str(threads)
+        env.setdefault("JAX_PLATFORMS", "cpu")
+        env.update(extra_env or {})
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", backend, json.dumps(flags_of(values))]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARKER)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"measured twinseq train failed (exit {proc.returncode}) for {values}:\n"
+                           f"{proc.stderr[-3000:]}")
+    rec = json.loads(lines[-1][len(_MARKER):])
+    steps = rec["step_seconds"][1:] or rec["step_seconds"]  # the first step compiles / warms up
+    rec["seconds_per_step"] = sorted(steps)[len(steps) // 2]
+    tokens = rec.get("num_tokens", [0])[-1]
+    rec["tokens_per_second"] = tokens / rec["seconds_per_step"] if rec["seconds_per_step"] else None
+    rec["command"] = "twinseq train " + " ".join(flags_of(values))
+    return rec
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child_main(sys.argv[2:])
+    else:
+        print(json.dumps(measure(json.loads(sys.argv[1])), indent=1))
