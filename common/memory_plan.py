@@ -18,8 +18,8 @@ Parameters
     bfloat16 run adds **compute-dtype copies** of the matmul weights (2 bytes each), which autograd
     keeps for backward (torch autocast's cast cache / jax's cast state). QLoRA stores every decoder
     linear weight as NF4 (0.5 byte) plus its quantisation statistics (``QUANT_STATS_BYTES``: bitsandbytes
-    keeps a float32 absmax per block of 64, or, with double quantisation, an 8-bit absmax per block of 64
-    and a float32 one per 256 blocks; qwix a float32 scale per block of 64); embeddings, norms and an
+    ``Params4bit`` defaults to double quantisation: an 8-bit absmax per block of 64 and a float32 one per 256
+    blocks; qwix keeps a float32 scale per block of 64); embeddings, norms and an
     untied ``lm_head`` stay float32. FSDP over ``devices`` divides parameters, gradients and optimizer
     state, and adds the all-gathered full weights of two decoder layers (the one running and the prefetch).
 
@@ -109,10 +109,13 @@ NF4_BYTES = 0.5
 QUANT_BLOCK = 64
 QUANT_STATS_BYTES = {
     # bytes of quantisation statistics per quantised weight element
-    "torch": 4 / QUANT_BLOCK,  # bitsandbytes Linear4bit without double quant: one float32 absmax per 64
-    "torch-double-quant": 1 / QUANT_BLOCK + 4 / (QUANT_BLOCK * 256),
-    "jax": 4 / QUANT_BLOCK,  # qwix: one float32 scale per block of 64
+    # torch: bitsandbytes Params4bit's default compress_statistics=True (double quantisation): an 8-bit absmax
+    # per block of 64 and a float32 absmax per 256 of those blocks
+    "torch": 1 / QUANT_BLOCK + 4 / (QUANT_BLOCK * 256),
+    "jax": 4 / QUANT_BLOCK,  # qwix NF4: one float32 scale per block of 64 input features
 }
+LORA_DROPOUT_APPLIED = {"torch": True, "jax": False}
+"""The jax trainer does not apply LoRA dropout (jax_backend.peft), so it keeps no dropout output or mask."""
 BNB_8BIT_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 LOGITS_COPIES = {"torch": 3.0, "jax": 2.5}
@@ -184,11 +187,6 @@ class MemoryPlan:
 
     def get(self, component: str) -> int:
         return int(sum(r.bytes for r in self.rows if r.component == component))
-
-    @property
-    def states(self) -> int:
-        """Everything that does not grow with the batch."""
-        return self.total - self.activations
 
     @property
     def activations(self) -> int:
@@ -378,6 +376,12 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     per_layer = coef.norm * h + coef.attn * q + coef.mlp * i + coef.kv * cfg.num_key_value_heads * cfg.head_dim
     if cfg.gemma:
         per_layer += coef.norm * h  # two more norms
+    frozen_inputs = 0.0
+    if peft.use_peft:
+        # the frozen base's linears keep no inputs for weight gradients: their inputs (norm outputs, the attention
+        # output, the MLP product) leave the saved set (an adapter may keep them again: "LoRA activations")
+        frozen_inputs = 2 * h + q + i
+        per_layer -= frozen_inputs
     ckpt = config.memory.gradient_checkpointing
     offload = config.memory.activation_offloading
     if offload and device == "cpu":
@@ -433,15 +437,22 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
 
     lora_kept = lora_recompute = 0.0
     if peft.use_peft:
+        dropout = peft.lora_dropout > 0 and LORA_DROPOUT_APPLIED[backend]
         per_token = 0.0
         for fan_in, _fan_out in targets.values():
-            per_token += peft.lora_r * act_bytes + (fan_in * (act_bytes + 1) if peft.lora_dropout > 0 else 0)
+            per_token += peft.lora_r * act_bytes + (fan_in * (act_bytes + 1) if dropout else 0)
+        if not dropout:  # A reads the base linear's input itself: it is saved again, once per distinct input
+            inputs = {"q_proj": ("n1", h), "k_proj": ("n1", h), "v_proj": ("n1", h), "o_proj": ("attn", q),
+                      "gate_proj": ("n2", h), "up_proj": ("n2", h), "down_proj": ("prod", i)}
+            distinct = {inputs[m.rsplit(".", 1)[-1]] for m in targets}
+            per_token += layers * sum(size for _, size in distinct) * act_bytes
         if ckpt:
             lora_recompute = tokens * per_token / layers
         else:
             lora_kept = tokens * per_token * (min(2, layers) / layers if offloaded else 1)
         rows.append(MemoryRow("LoRA activations", int(lora_kept + lora_recompute),
-                              "dropout(x) and A x per adapted linear"))
+                              f"A x per adapted linear, {'dropout(x) + its mask' if dropout else 'and their inputs'}"
+                              f" (the frozen base keeps {frozen_inputs:.0f} fewer numbers per token per layer)"))
 
     loss_type = config.loss.loss_type
     head_grad = 0 if peft.use_peft else v * h * 4  # the lm_head/embedding gradient, made by the loss

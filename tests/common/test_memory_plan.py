@@ -1,0 +1,204 @@
+"""Invariants of ``common.memory_plan``: what each knob must do to the plan, whatever the coefficients.
+
+No framework is imported: the plan is arithmetic on the config. How close the plan is to measured peaks is
+``tests/test_memory_planner_accuracy.py``'s business.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from twinseq.common.config import TrainConfig
+from twinseq.common.errors import ConfigError
+from twinseq.common.memory_plan import (ACTIVATION_ROWS, CHUNK_COPIES, LOGITS_COPIES, NF4_BYTES, QUANT_STATS_BYTES,
+                                        advise, format_bytes, parse_bytes, plan_memory)
+from twinseq.common.models import ModelConfig, parameter_shapes
+from twinseq.common.peft import LINEAR_MODULES, PeftConfig, trainable_parameter_count
+
+BASE = dict(model_config="tiny", max_length=512, packing=True, per_device_train_batch_size=8)
+BACKENDS = ("torch", "jax")
+
+
+def plan(backend="torch", **kw):
+    return plan_memory(TrainConfig.from_flat(**{**BASE, "backend": backend, **kw}))
+
+
+def rows(p, skip=("not alive at once",)):
+    return {r.component: r.bytes for r in p.rows if r.component not in skip}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_fine_tune_states_are_four_times_the_parameters(backend):
+    """float32 master weights + float32 gradients + AdamW's two float32 moments: P x (1 + 1 + 2) x 4 bytes."""
+    p = plan(backend)
+    n = ModelConfig.preset("tiny").num_parameters()
+    assert p.trainable_parameters == p.total_parameters == n
+    assert p.get("weights (float32)") == p.get("gradients (float32)") == 4 * n
+    assert p.get("optimizer state (AdamW)") == 8 * n
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_loss_removes_exactly_the_logits_term(backend):
+    nll, fused = plan(backend, loss_type="nll"), plan(backend, loss_type="fused_linear")
+    tokens, v, h = nll.tokens, 8192, 96
+    assert nll.get("logits (loss kernel)") == LOGITS_COPIES[backend] * tokens * v * 4
+    assert fused.get("logits (loss kernel)") == CHUNK_COPIES * 256 * v * 4 + tokens * h * 4
+    others = lambda p: {k: b for k, b in rows(p).items() if k != "logits (loss kernel)"}  # noqa: E731
+    assert others(nll) == others(fused)
+    term = nll.get("logits (loss kernel)") - fused.get("logits (loss kernel)")
+    # here the logits are the peak's largest term, so the whole saving is the logits term
+    assert nll.total - fused.total == term > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_type", ["nll", "fused_linear"])
+def test_checkpointing_reduces_activations(backend, loss_type):
+    off, on = plan(backend, loss_type=loss_type), plan(backend, loss_type=loss_type, gradient_checkpointing=True)
+    assert on.get("activations (decoder layers)") < off.get("activations (decoder layers)")
+    assert on.total < off.total
+    for row in ("weights (float32)", "gradients (float32)", "optimizer state (AdamW)", "logits (loss kernel)"):
+        assert on.get(row) == off.get(row)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_activations_grow_linearly_with_rows(backend):
+    """Without a T x T term (sdpa on torch), doubling the rows doubles the decoder activations."""
+    one, two = plan(backend, per_device_train_batch_size=4), plan(backend, per_device_train_batch_size=8)
+    assert 2 * one.get("activations (decoder layers)") == two.get("activations (decoder layers)")
+    assert two.tokens == 2 * one.tokens == 4096
+
+
+def test_fsdp_divides_weights_gradients_and_optimizer():
+    one, four = plan(), plan_memory(TrainConfig.from_flat(**BASE, fsdp=True), devices=4)
+    for row in ("weights (float32)", "gradients (float32)", "optimizer state (AdamW)"):
+        assert four.get(row) == pytest.approx(one.get(row) / 4, abs=1)
+    for row in ACTIVATION_ROWS:
+        assert four.get(row) == one.get(row)  # activations are per device
+    assert four.get("FSDP all-gather buffers") > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("targets", [["all-linear"], ["q_proj", "v_proj"]])
+def test_lora_trains_only_the_adapters(backend, targets):
+    p = plan(backend, use_peft=True, lora_r=8, lora_alpha=16.0, lora_target_modules=targets, lora_dropout=0.0)
+    count = trainable_parameter_count(ModelConfig.preset("tiny"),
+                                      PeftConfig(use_peft=True, lora_r=8, lora_alpha=16.0, lora_target_modules=targets))
+    assert p.trainable_parameters == count
+    assert p.get("gradients (float32)") == 4 * count
+    assert p.get("optimizer state (AdamW)") == 8 * count
+    assert p.get("LoRA adapters (float32)") == 4 * count
+    assert p.get("weights (float32)") == 4 * ModelConfig.preset("tiny").num_parameters()  # the frozen base
+    assert p.total < plan(backend).total
+    assert p.get("activations (decoder layers)") < plan(backend).get("activations (decoder layers)")
+
+
+def test_lora_dropout_copies_the_adapted_inputs():
+    """PEFT's dropout makes a new tensor (and a mask) per adapted linear: on a tiny model with a big batch that
+    costs more than the states LoRA saves; the jax trainer applies no LoRA dropout."""
+    no, yes = plan(use_peft=True, lora_dropout=0.0), plan(use_peft=True, lora_dropout=0.1)
+    assert yes.get("LoRA activations") > no.get("LoRA activations")
+    assert plan("jax", use_peft=True, lora_dropout=0.1).get("LoRA activations") == \
+        plan("jax", use_peft=True, lora_dropout=0.0).get("LoRA activations")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qlora_stores_decoder_linears_in_nf4_and_keeps_the_rest_float32(backend):
+    cfg = ModelConfig.preset("tiny")
+    shapes = parameter_shapes(cfg)
+    linear = sum(a * b for n, (a, *rest) in shapes.items() if rest and n.split(".")[-2] in LINEAR_MODULES
+                 for b in rest)
+    p = plan(backend, use_peft=True, load_in_4bit=True)
+    assert p.get("weights (NF4 + absmax)") == int(linear * (NF4_BYTES + QUANT_STATS_BYTES[backend]))
+    assert p.get("weights (float32)") == 4 * (cfg.num_parameters() - linear)  # embeddings and norms
+    assert p.total < plan(backend, use_peft=True).total
+
+
+def test_8bit_adam_keeps_a_quarter_of_the_moments():
+    adam, bnb = plan(), plan(optimizer="adamw_bnb_8bit")
+    ratio = bnb.get("optimizer state (AdamW 8-bit)") / adam.get("optimizer state (AdamW)")
+    assert 0.25 < ratio < 0.26  # 2 bytes + a float32 absmax per 256 instead of 8 bytes (norms stay 32-bit)
+    with pytest.raises(ConfigError, match="adamw_bnb_8bit"):
+        plan("jax", optimizer="adamw_bnb_8bit")
+
+
+def test_bfloat16_halves_activations_and_adds_weight_copies():
+    f32, bf16 = plan(), plan(dtype="bfloat16")
+    assert 2 * bf16.get("activations (decoder layers)") == f32.get("activations (decoder layers)")
+    assert bf16.get("bfloat16 weight copies") > 0
+    assert bf16.get("weights (float32)") == f32.get("weights (float32)")  # master weights stay float32
+
+
+def test_eager_attention_materialises_scores_sdpa_does_not():
+    sdpa, eager = plan(attn_implementation="sdpa"), plan(attn_implementation="eager")
+    assert sdpa.get("attention scores") == 0
+    assert eager.get("attention scores") == 8 * 4 * 512 * 512 * 4 * 2  # B x heads x T x T float32, 2 layers
+    assert plan("jax").get("attention scores") > 0  # jax's dense path (no mesh) always does
+
+
+def test_offloading_saves_on_cuda_only():
+    base = plan()
+    assert plan(activation_offloading=True).total == base.total
+    assert any("offloading" in n for n in plan(activation_offloading=True).notes)
+    on_gpu = plan_memory(TrainConfig.from_flat(**BASE, activation_offloading=True), device="cuda")
+    assert on_gpu.get("activations (decoder layers)") <= base.get("activations (decoder layers)")
+
+
+def test_dpo_doubles_tokens_and_keeps_a_reference():
+    dpo = plan_memory(TrainConfig.from_flat(model_config="tiny", task="dpo", max_length=256,
+                                            per_device_train_batch_size=4))
+    assert dpo.tokens == 2 * 4 * 256
+    assert dpo.get("reference model (DPO)") == 4 * dpo.total_parameters
+    pre = plan_memory(TrainConfig.from_flat(model_config="tiny", task="dpo", max_length=256,
+                                            per_device_train_batch_size=4, precompute_ref_log_probs=True))
+    assert pre.get("reference model (DPO)") == 0
+
+
+def test_the_rows_add_up_to_the_total_and_print():
+    p = plan()
+    assert sum(r.bytes for r in p.rows) == p.total
+    text = p.table()
+    assert "logits (loss kernel)" in text and format_bytes(p.total) in text
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 2 ** 30
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes("512mib") == 512 * 2 ** 20
+    for bad in ("24 GB?", "", "GiB", "-3GB", "0", "12 parsecs"):
+        with pytest.raises(ConfigError, match="not a memory size"):
+            parse_bytes(bad)
+
+
+def test_advice_fits_and_prefers_free_knobs():
+    cfg = TrainConfig.from_flat(**BASE)
+    full = plan_memory(cfg)
+    fused = plan(loss_type="fused_linear")
+    advice = advise(cfg, (full.total + fused.total) // 2)
+    assert advice.plan.total <= advice.budget
+    assert advice.knobs == ["loss_type=fused_linear"] and advice.flags == ["--loss-type", "fused_linear"]
+    assert advise(cfg, full.total).changes == {}  # fits as is
+
+
+def test_advice_keeps_the_effective_batch():
+    """Every other knob already on: only a smaller micro-batch (with more accumulation) can fit."""
+    cfg = TrainConfig.from_flat(**{**BASE, "model_config": "small", "max_length": 2048, "loss_type": "fused_linear",
+                                   "gradient_checkpointing": True, "use_peft": True, "load_in_4bit": True,
+                                   "padding_free": True, "attn_implementation": "varlen",
+                                   "optimizer": "adamw_bnb_8bit"})
+    advice = advise(cfg, plan_memory(cfg.replace(per_device_train_batch_size=2, gradient_accumulation_steps=4)).total)
+    d = advice.plan
+    assert advice.knobs == ["micro_batch=2x4"], advice.knobs
+    new = cfg.replace(**advice.changes)
+    assert (new.data.per_device_train_batch_size * new.data.gradient_accumulation_steps
+            == cfg.data.per_device_train_batch_size * cfg.data.gradient_accumulation_steps)
+    assert d.total <= advice.budget
+
+
+def test_budget_below_the_minimum_names_the_minimum():
+    with pytest.raises(ConfigError, match=r"smallest this run can plan to: [0-9.]+ MiB"):
+        advise(TrainConfig.from_flat(**BASE), "1MiB")
+
+
+def test_max_length_none_is_refused():
+    with pytest.raises(ConfigError, match="max_length"):
+        plan_memory(TrainConfig.from_flat(model_config="tiny", max_length=None))
