@@ -47,7 +47,24 @@ PEFT_VARIANTS = {
 }
 
 
-def configurations(peft: bool = False, small: bool = True) -> dict[str, dict[str, Any]]:
+HELD_OUT = {
+    # not used to fit any coefficient: other attention paths, dtypes, losses, shapes and tasks
+    "torch-tiny-eager-nll": dict(BASE, backend="torch", attn_implementation="eager", loss_type="nll"),
+    "torch-tiny-bf16-chunked": dict(BASE, backend="torch", dtype="bfloat16", loss_type="chunked_nll"),
+    "torch-tiny-padfree-varlen-fused": dict(BASE, backend="torch", padding_free=True, attn_implementation="varlen",
+                                            loss_type="fused_linear"),
+    "torch-tiny-chunked": dict(BASE, backend="torch", loss_type="chunked_nll"),
+    "torch-small-fused": dict(SMALL, backend="torch", loss_type="fused_linear"),
+    "torch-tiny-dpo-fused": dict(model_config="tiny", task="dpo", max_length=256, per_device_train_batch_size=8,
+                                 backend="torch", loss_type="fused_linear", learning_rate=1e-3),
+    "jax-tiny-bf16-fused": dict(BASE, backend="jax", dtype="bfloat16", loss_type="fused_linear"),
+    "jax-tiny-4x1024-fused": dict(BASE, backend="jax", max_length=1024, per_device_train_batch_size=4,
+                                  loss_type="fused_linear"),
+    "jax-tiny-chunked": dict(BASE, backend="jax", loss_type="chunked_nll"),
+}
+
+
+def configurations(peft: bool = False, small: bool = True, held_out: bool = True) -> dict[str, dict[str, Any]]:
     """``{name: flat TrainConfig fields}`` of the checked runs."""
     out: dict[str, dict[str, Any]] = {}
     for backend in ("torch", "jax"):
@@ -56,6 +73,8 @@ def configurations(peft: bool = False, small: bool = True) -> dict[str, dict[str
         if small:
             for name in ("full-nll", "full-fused-ckpt"):
                 out[f"{backend}-small-{name}"] = dict(SMALL, backend=backend, **VARIANTS[name])
+    if held_out:
+        out.update(HELD_OUT)
     return out
 
 

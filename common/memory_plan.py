@@ -382,6 +382,15 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
         # output, the MLP product) leave the saved set (an adapter may keep them again: "LoRA activations")
         frozen_inputs = 2 * h + q + i
         per_layer -= frozen_inputs
+    # bytes per saved number: jax casts the whole state to the compute dtype; torch autocast keeps the residual
+    # stream, the norms and RoPE's products in float32 and saves compute-dtype casts of each linear's input
+    layer_bytes = per_layer * act_bytes
+    resid_bytes = act_bytes
+    if backend == "torch" and dtype != "float32":
+        resid_bytes = 4
+        casts = 0.0 if peft.use_peft else 2 * h + q + i
+        layer_bytes = (coef.norm * h * 4 + casts * act_bytes + (coef.attn * q + coef.mlp * i) * act_bytes
+                       + 2 * q * 4 - (frozen_inputs * act_bytes if peft.use_peft else 0))
     ckpt = config.memory.gradient_checkpointing
     offload = config.memory.activation_offloading
     if offload and device == "cpu":
@@ -389,24 +398,24 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     offloaded = offload and device == "cuda"
     # what stays saved for backward once the forward is done, and what one layer's recompute adds back
     if ckpt and backend == "jax" and device == "cpu":
-        kept_per_token = layers * per_layer * coef.ckpt_cpu_kept
+        kept_per_token = layers * layer_bytes * coef.ckpt_cpu_kept
         recompute = 0.0
         how = (f"{layers} layers x {per_layer:.0f} numbers per token, x {coef.ckpt_cpu_kept:g} with remat "
                f"(XLA:CPU schedules the recompute early)")
         notes.append("jax on CPU: jax.checkpoint barely lowers the compiled peak (XLA:CPU hoists the "
                      "recomputation); on GPU the plan's checkpointing saving is the theoretical one.")
     elif ckpt:
-        kept_per_token = layers * coef.ckpt_keep * h
-        recompute = tokens * per_layer * act_bytes
+        kept_per_token = layers * coef.ckpt_keep * h * resid_bytes
+        recompute = tokens * layer_bytes
         how = f"{layers} layer inputs + 1 layer recomputed"
     else:
-        kept_per_token = layers * per_layer
+        kept_per_token = layers * layer_bytes
         recompute = 0.0
         how = f"{layers} layers x {per_layer:.0f} numbers per token"
     if offloaded:
-        kept_per_token = min(2, layers) * (coef.ckpt_keep * h if ckpt else per_layer)
+        kept_per_token = min(2, layers) * (coef.ckpt_keep * h * resid_bytes if ckpt else layer_bytes)
         how += ", offloaded to host (2 layers in flight)"
-    kept = tokens * (kept_per_token + coef.final * h) * act_bytes
+    kept = tokens * (kept_per_token + coef.final * h * resid_bytes)
     rows.append(MemoryRow("activations (decoder layers)", int(kept + recompute), f"{tokens} tokens, {how}"))
 
     attn = config.model.attn_implementation
@@ -470,7 +479,7 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
         rows.append(MemoryRow("runtime", int(runtime), "fitted: autograd engine, kernels' scratch (torch CPU)"))
     largest = max(map(_numel, trainable_shapes)) * 4
     if backend == "torch":
-        work = tokens * coef.work * per_layer * act_bytes
+        work = tokens * coef.work * layer_bytes
         rows.append(MemoryRow("backward working set", int(work), f"one layer's activation gradients "
                                                                  f"({coef.work:g} x a layer's activations)"))
         # torch frees as it goes: the peak is the largest of three moments, not the sum of every row
