@@ -301,11 +301,17 @@ class TrainConfig:
         sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         unknown = []
         for key, value in values.items():
+            if not isinstance(key, str):
+                raise ConfigTypeError(f"{source}: key {key!r} is not a field name; write `field: value` with a "
+                                      f"field listed by `twinseq train --help`.")
             if key in SECTIONS and not isinstance(value, Mapping):
                 raise ConfigTypeError(f"{source}: section {key!r} must be a mapping of its fields (e.g. {key}: "
                                       f"{{{next(iter(_fields_of(key)))}: ...}}), not a {type(value).__name__}.")
             if key in SECTIONS:
                 for sub_key, sub_value in value.items():
+                    if not isinstance(sub_key, str):
+                        raise ConfigTypeError(f"{source}: key {key}.{sub_key!r} is not a field name; write "
+                                              f"`{key}: {{field: value}}` with fields of that section.")
                     if _FLAT_INDEX.get(sub_key) != key:
                         unknown.append(f"{key}.{sub_key}")
                     sections[key][sub_key] = sub_value

@@ -26,7 +26,7 @@ from twinseq.common.dpo_batching import PreferenceBatch
 from twinseq.common.backend import Model
 from twinseq.common.errors import ConfigError
 from twinseq.jax_backend.logprobs import sequence_logps
-from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, in_hf_order, state_to_hf
+from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, grads_by_name, merge_state, split_trainable
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +75,13 @@ def preference_inputs(pbatch: PreferenceBatch, vocab_size: int) -> tuple[jax.Arr
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("config", "loss_type", "chunk_size", "compute_dtype"))
 def dpo_grads_jit(graphdef, state, inputs, ref_chosen_logps, ref_rejected_logps, num_examples_in_step, *,
-                  config: DPOLossConfig, loss_type: str, chunk_size: int, compute_dtype: Optional[str] = None):
-    """((loss, per-pair dict), grads as an NNX state) of one micro-batch."""
+                  config: DPOLossConfig, loss_type: str, chunk_size: int, compute_dtype: Optional[str] = None,
+                  frozen=None):
+    """((loss, per-pair dict), grads as an NNX state) of one micro-batch; ``frozen``: the state that gets no
+    gradient (``model.split_trainable``: adapters train, their base does not)."""
     def scalar_loss(s):
-        return dpo_loss_fn(nnx.merge(graphdef, cast_floating(s, compute_dtype)), inputs, ref_chosen_logps,
+        model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
+        return dpo_loss_fn(model, inputs, ref_chosen_logps,
                            ref_rejected_logps, num_examples_in_step, config=config, loss_type=loss_type,
                            chunk_size=chunk_size)
 
@@ -87,9 +90,10 @@ def dpo_grads_jit(graphdef, state, inputs, ref_chosen_logps, ref_rejected_logps,
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("loss_type", "chunk_size", "compute_dtype"))
 def sequence_logps_jit(graphdef, state, inputs, *, loss_type: str, chunk_size: int,
-                       compute_dtype: Optional[str] = None) -> jax.Array:
-    """[2N] sequence log-probs of a model (no gradient): the reference pass."""
-    model = nnx.merge(graphdef, cast_floating(state, compute_dtype))
+                       compute_dtype: Optional[str] = None, frozen=None) -> jax.Array:
+    """[2N] sequence log-probs of a model (no gradient): the reference pass. ``frozen`` as ``dpo_grads_jit``
+    (the PEFT reference: the graphdef of the same model with its adapters switched off)."""
+    model = merge_state(graphdef, cast_floating(state, compute_dtype), cast_floating(frozen, compute_dtype))
     input_ids, position_ids, segment_ids, labels, target_doc_ids, counts_D = inputs
     hidden_BTH = model(input_ids, position_ids, segment_ids)
     return sequence_logps(hidden_BTH, model.lm_head_VH(), labels, target_doc_ids, counts_D.shape[0], loss_type,
@@ -119,18 +123,18 @@ def dpo_loss_and_grads(model: Model, pbatch: PreferenceBatch, config: DPOLossCon
                        chunk_size: int = DEFAULT_CHUNK_SIZE, num_examples_in_step: Optional[int] = None
                        ) -> tuple[float, dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(loss, float32 numpy gradients in HF names and layout, per-pair float64 outputs): the mirror of
-    ``twinseq.torch_backend.dpo.dpo_loss_and_grads``."""
+    ``twinseq.torch_backend.dpo.dpo_loss_and_grads``. On a model with adapters the gradients are the adapters'
+    only, by PEFT key; its reference is the same model with them switched off (``peft.adapters_disabled``)."""
     denom = pbatch.num_examples if num_examples_in_step is None else int(num_examples_in_step)
     if denom < pbatch.num_examples:
         raise ConfigError(f"num_examples_in_step={denom} is smaller than this micro-batch's {pbatch.num_examples} "
                           f"pairs; it must count the pairs of the whole optimizer step.")
-    graphdef, state = nnx.split(model)
+    graphdef, state, frozen = split_trainable(model)
     (loss, per_pair), grads = dpo_grads_jit(
         graphdef, state, preference_inputs(pbatch, model.config.vocab_size),
         *_ref_arrays(pbatch, ref_chosen_logps, ref_rejected_logps), jnp.asarray(denom, jnp.float32),
-        config=config, loss_type=loss_type, chunk_size=int(chunk_size))
-    grads_hf = in_hf_order(model.config, state_to_hf(grads))
-    return float(loss), grads_hf, {k: np.asarray(v, np.float64) for k, v in per_pair.items()}
+        config=config, loss_type=loss_type, chunk_size=int(chunk_size), frozen=frozen)
+    return float(loss), grads_by_name(model, grads), {k: np.asarray(v, np.float64) for k, v in per_pair.items()}
 
 
 def pad_preference_batch(pbatch: PreferenceBatch, multiple: int) -> PreferenceBatch:

@@ -67,6 +67,12 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
+class AdapterParam(nnx.Param):
+    """A PEFT adapter tensor (``lora_A``, ``lora_B``, DoRA's magnitude, trainable-token rows): on a model with
+    adapters (``peft.add_adapters``) these are the only parameters that train; every other ``nnx.Param`` is
+    frozen (``split_trainable``)."""
+
+
 def _param(array: np.ndarray, dtype: str) -> nnx.Param:
     return nnx.Param(jnp.asarray(np.asarray(array, dtype=np.float32), dtype=DTYPES[dtype]))
 
@@ -95,8 +101,12 @@ class Embedding(nnx.Module):
         self.weight = _param(weight_VH, dtype)
         self.scale = None if scale is None else float(np.float32(scale))
 
+    def table(self) -> jax.Array:
+        """[V, H]: the rows looked up (and the tied LM head); trainable tokens replace some of them."""
+        return self.weight[...]
+
     def __call__(self, input_ids_BT: jax.Array) -> jax.Array:
-        x_BTH = jnp.take(self.weight[...], input_ids_BT, axis=0)
+        x_BTH = jnp.take(self.table(), input_ids_BT, axis=0)
         if self.scale is None:
             return x_BTH
         return x_BTH * jnp.asarray(np.float32(self.scale), x_BTH.dtype)
@@ -317,7 +327,7 @@ class CausalLM(nnx.Module):
 
     def lm_head_VH(self) -> jax.Array:
         if self.lm_head is None:
-            return self.model.embed_tokens.weight[...]
+            return self.model.embed_tokens.table()
         return self.lm_head.kernel[...].T
 
     def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
@@ -353,8 +363,45 @@ def in_hf_order(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, n
 
 
 def export_weights(model: Model) -> dict[str, np.ndarray]:
-    """HF-named float32 numpy weights, in the order of ``parameter_shapes`` (``init_weights`` order)."""
+    """HF-named float32 numpy weights, in the order of ``parameter_shapes`` (``init_weights`` order).
+
+    On a model with adapters: its base weights (a 4-bit base dequantised), without the adapters
+    (``peft.export_adapters``; ``peft.merge_adapters`` folds them in)."""
+    if has_adapters(model):
+        from twinseq.jax_backend.peft import base_weights
+
+        return base_weights(model)
     return in_hf_order(model.config, state_to_hf(nnx.state(model, nnx.Param)))
+
+
+def has_adapters(model: Model) -> bool:
+    """Whether ``peft.add_adapters`` gave ``model`` adapters."""
+    return getattr(model, "peft_json", None) is not None
+
+
+def split_trainable(model: Model) -> tuple[Any, Any, Any]:
+    """(graphdef, trainable state, frozen state or None): a plain model trains every parameter (its whole
+    state); a model with adapters trains its ``AdapterParam``s only, the rest (base, 4-bit codes) is frozen.
+    ``merge_state`` undoes it."""
+    if has_adapters(model):
+        return nnx.split(model, AdapterParam, ...)
+    graphdef, state = nnx.split(model)
+    return graphdef, state, None
+
+
+def merge_state(graphdef, state, frozen=None) -> Any:
+    """The model of ``split_trainable``'s parts (``frozen`` None: a plain model's whole state)."""
+    return nnx.merge(graphdef, state) if frozen is None else nnx.merge(graphdef, state, frozen)
+
+
+def grads_by_name(model: Model, grads: Any) -> dict[str, np.ndarray]:
+    """Gradients of ``split_trainable``'s trainable state as float32 numpy: by HF name and layout (a plain
+    model), or by PEFT saved key (a model with adapters, in ``common.peft.adapter_shapes`` order)."""
+    if has_adapters(model):
+        from twinseq.jax_backend.peft import adapters_by_key
+
+        return adapters_by_key(model, grads)
+    return in_hf_order(model.config, state_to_hf(grads))
 
 
 def cast_floating(state: Any, compute_dtype: Optional[str]) -> Any:
@@ -438,7 +485,7 @@ def loss_fn(model: CausalLM, input_ids_BT, position_ids_BT, segment_ids_BT, labe
 @partial(jax.jit, static_argnums=(0,),
          static_argnames=("loss_type", "chunk_size", "compute_dtype", "attend", "targets_are_shifted"))
 def grads_jit(graphdef, state, inputs, num_items, *, loss_type: str, chunk_size: int,
-              compute_dtype: Optional[str] = None, attend=None, targets_are_shifted: bool = False):
+              compute_dtype: Optional[str] = None, attend=None, targets_are_shifted: bool = False, frozen=None):
     """((loss, metrics), grads as an NNX state) of one micro-batch; ``inputs`` as ``batch_inputs`` returns.
 
     ``attend`` and ``targets_are_shifted`` as ``loss_fn`` (the trainer's context-parallel step passes
@@ -446,10 +493,13 @@ def grads_jit(graphdef, state, inputs, num_items, *, loss_type: str, chunk_size:
 
     ``compute_dtype="bfloat16"`` runs the forward pass on bfloat16 copies of float32 ``state``
     (mixed precision, like torch autocast); the gradients stay float32, w.r.t. ``state``.
+
+    ``frozen``: the state that gets no gradient (``split_trainable``: a model with adapters trains only them).
     """
     def scalar_loss(s):
-        return loss_fn(nnx.merge(graphdef, cast_floating(s, compute_dtype)), *inputs, num_items, loss_type,
-                       chunk_size, attend=attend, targets_are_shifted=targets_are_shifted)
+        model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
+        return loss_fn(model, *inputs, num_items, loss_type, chunk_size, attend=attend,
+                       targets_are_shifted=targets_are_shifted)
 
     return jax.value_and_grad(scalar_loss, has_aux=True)(state)
 
@@ -460,12 +510,11 @@ def loss_grads_and_metrics(model: CausalLM, batch: Batch, loss_type: str = "nll"
     if loss_type not in LOSS_TYPES:
         raise ConfigError(f"loss_type={loss_type!r} is not supported by the JAX backend; choose one of {LOSS_TYPES}.")
     check_labels(batch.labels, model.config.vocab_size, batch.num_items_in_batch)
-    graphdef, state = nnx.split(model)
+    graphdef, state, frozen = split_trainable(model)
     (loss, metrics), grads = grads_jit(graphdef, state, batch_inputs(batch, model.config.vocab_size),
                                        jnp.asarray(batch.num_items_in_batch, jnp.int32),
-                                       loss_type=loss_type, chunk_size=int(chunk_size))
-    grads_hf = in_hf_order(model.config, state_to_hf(grads))
-    return float(loss), grads_hf, {k: float(v) for k, v in metrics.items()}
+                                       loss_type=loss_type, chunk_size=int(chunk_size), frozen=frozen)
+    return float(loss), grads_by_name(model, grads), {k: float(v) for k, v in metrics.items()}
 
 
 def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,
@@ -475,6 +524,8 @@ def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,
     The loss is normalised by ``batch.num_items_in_batch`` (the whole step's label count). With
     tied embeddings ``model.embed_tokens.weight`` carries both the embedding and the LM-head
     gradient, and there is no ``lm_head.weight`` entry (as torch's ``named_parameters``).
+    On a model with adapters (``peft.add_adapters``) the gradients are the adapters' only, by PEFT
+    saved key (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, PEFT's layout).
     """
     loss, grads, _ = loss_grads_and_metrics(model, batch, loss_type, chunk_size)
     return loss, grads

@@ -1,27 +1,292 @@
 """PEFT on the jax backend: LoRA/DoRA/rsLoRA adapters, QLoRA's 4-bit base and trainable tokens.
 
-The rules (targets, initial values, scaling, key names, merge) are twinseq.common.peft's.
+The rules (targets, initial values, scaling, key names, merge) are twinseq.common.peft's; this module
+reproduces peft 0.21's forward passes op for op, in float32 adapters:
+
+- LoRA (``peft.tuners.lora.layer.Linear.forward``): ``y = base(x) + lora_B(lora_A(dropout(x))) * scaling``,
+  i.e. ``((x @ A.T) @ B.T) * scaling`` with ``A`` [r, in] and ``B`` [out, r] kept in PEFT's layout (so their
+  gradients come out in it), ``x`` cast to the adapters' dtype first and the sum cast back to the base's;
+- DoRA (``peft.tuners.lora.dora.DoraLinearLayer.forward``): ``y = base(x) + (m / n - 1) * (x W^T) +
+  (m / n) * lora(x) * scaling`` with ``n = ||W + scaling * B A||_row`` *detached* (no gradient flows
+  through the norm: DoRA paper 4.3, as PEFT does), and ``x W^T`` the base output without its bias;
+- trainable tokens (``peft.tuners.trainable_tokens.layer``): the selected embedding rows are *replaced* by
+  the trainable values (``index_copy``), in the lookup and in a tied LM head; Gemma's embedding scale is
+  applied after the lookup, as PEFT does;
+- QLoRA (``load_in_4bit``): every decoder linear layer's weight is stored as 4-bit NF4 codes with a
+  float32 absmax scale per block of (up to) 64 input features per output row (bitsandbytes' blocksize 64),
+  quantised and dequantised by ``qwix``; the LoRA above runs on the dequantised weight.
+
+Only ``model.AdapterParam`` tensors train (``model.split_trainable``); a switch on every adapted module
+(``adapters_disabled``) gives the base model back without a second copy of it (DPO's reference).
+
+Dropout (``lora_dropout``): the protocol functions (``logits``, ``loss_and_grads``, ...) are deterministic
+(PEFT in eval mode, or ``lora_dropout=0``); the jax trainer does not apply LoRA dropout (it logs so).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import dataclasses
+import json
+import math
+from typing import Any, Iterator, Optional
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from twinseq.common.backend import Model
+from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.models import ModelConfig
-from twinseq.common.peft import PeftConfig
+from twinseq.common import peft as common_peft
+from twinseq.common.peft import (TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes, check_adapters,
+                                 check_peft_config, init_adapters, lora_targets)
+from twinseq.jax_backend.model import (AdapterParam, CausalLM, Embedding, Linear, has_adapters, in_hf_order,
+                                       state_to_hf)
+
+NF4_BLOCK = 64
+"""bitsandbytes' default 4-bit blocksize: one absmax scale per 64 consecutive weights of a row."""
+
+__all__ = ["add_adapters", "export_adapters", "merge_adapters", "adapters_disabled", "peft_config",
+           "base_weights", "adapters_by_key", "AdapterParam", "NF4Codes", "NF4Scale"]
+
+
+class NF4Codes(nnx.Variable):
+    """A frozen 4-bit NF4 weight, ``uint4`` codes in the kernel layout [in, out]."""
+
+
+class NF4Scale(nnx.Variable):
+    """The absmax scale of every NF4 block, float32 [in / block, out]."""
+
+
+def _nf4_block(fan_in: int) -> int:
+    """The largest block (at most ``NF4_BLOCK``) that divides ``fan_in`` (qwix tiles must divide the axis)."""
+    return math.gcd(fan_in, NF4_BLOCK)
+
+
+def _require_qwix():
+    try:
+        import qwix
+    except ImportError:  # pragma: no cover - qwix is in the [jax] extra
+        raise MissingDependencyError("load_in_4bit=True on the jax backend quantises the base with qwix's NF4, "
+                                     "and qwix is not installed; `pip install -e '.[jax]'` or drop "
+                                     "--load-in-4bit.") from None
+    return qwix
+
+
+class PeftLinear(nnx.Module):
+    """A linear layer ``y = x @ W.T (+ bias)`` with a frozen (optionally NF4) base and, when it is a target,
+    LoRA/DoRA adapters (``lora_A`` [r, in], ``lora_B`` [out, r], ``lora_magnitude_vector`` [out]).
+
+    The base keeps ``Linear``'s names (``kernel`` [in, out], ``bias``); a 4-bit base is ``kernel_nf4`` +
+    ``kernel_scale`` instead of ``kernel``.
+    """
+
+    def __init__(self, base: Linear, *, lora_A: Optional[np.ndarray] = None, lora_B: Optional[np.ndarray] = None,
+                 magnitude: Optional[np.ndarray] = None, scaling: float = 1.0, load_in_4bit: bool = False):
+        kernel = base.kernel[...]
+        self.dtype = str(kernel.dtype)
+        if load_in_4bit:
+            qwix = _require_qwix()
+            q = qwix.quantize(kernel.astype(jnp.float32), "nf4", tiled_axes={0: _nf4_block(kernel.shape[0])},
+                              channelwise_axes=(1,))
+            self.kernel = None
+            self.kernel_nf4, self.kernel_scale = NF4Codes(q.qvalue), NF4Scale(q.scale)
+        else:
+            self.kernel = base.kernel
+            self.kernel_nf4 = self.kernel_scale = None
+        self.bias = base.bias
+        self.lora_A = None if lora_A is None else AdapterParam(jnp.asarray(lora_A, jnp.float32))
+        self.lora_B = None if lora_B is None else AdapterParam(jnp.asarray(lora_B, jnp.float32))
+        self.lora_magnitude_vector = None if magnitude is None else AdapterParam(jnp.asarray(magnitude, jnp.float32))
+        self.scaling = float(scaling)
+        self.adapters_enabled = True
+
+    def base_kernel(self) -> jax.Array:
+        """[in, out] in the compute dtype: the weight, or the NF4 codes dequantised."""
+        if self.kernel is not None:
+            return self.kernel[...]
+        from qwix._src.core.qarray import QArray, dequantize
+
+        scale = self.kernel_scale[...]
+        return dequantize(QArray(self.kernel_nf4[...], scale, None, "nf4")).astype(scale.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w_IO = self.base_kernel()
+        y = x @ w_IO
+        if self.bias is not None:
+            y = y + self.bias[...]
+        if self.lora_A is None or not self.adapters_enabled:
+            return y
+        a_RI, b_OR = self.lora_A[...], self.lora_B[...]
+        x = x.astype(a_RI.dtype)  # PEFT: x = self._cast_input_dtype(x, lora_A.weight.dtype)
+        lora = (x @ a_RI.T) @ b_OR.T
+        if self.lora_magnitude_vector is None:
+            return (y + lora * self.scaling).astype(y.dtype)
+        # DoRA: the weight norm is a constant of the backward pass (PEFT detaches it).
+        lora_weight_OI = jax.lax.stop_gradient(b_OR @ a_RI)
+        weight_OI = w_IO.T.astype(x.dtype)
+        norm_O = jax.lax.stop_gradient(jnp.linalg.norm(weight_OI + self.scaling * lora_weight_OI, axis=1))
+        mag_norm_scale_O = self.lora_magnitude_vector[...] / norm_O
+        base_result = y if self.bias is None else y - self.bias[...]
+        result_dora = (mag_norm_scale_O - 1) * base_result + mag_norm_scale_O * lora * self.scaling
+        return (y + result_dora).astype(y.dtype)
+
+
+class TokenEmbedding(Embedding):
+    """An embedding whose rows ``token_indices`` are replaced by the trainable ``token_values`` (PEFT's
+    ``trainable_tokens_delta``), in the lookup and, tied, in the LM head."""
+
+    def __init__(self, base: Embedding, token_indices: list[int], token_values: np.ndarray):
+        self.weight = base.weight
+        self.scale = base.scale
+        self.token_indices = tuple(int(i) for i in token_indices)
+        self.token_values = AdapterParam(jnp.asarray(token_values, jnp.float32))
+        self.adapters_enabled = True
+
+    def table(self) -> jax.Array:
+        weight_VH = self.weight[...]
+        if not self.adapters_enabled:
+            return weight_VH
+        rows = np.asarray(self.token_indices, np.int32)
+        return weight_VH.at[rows].set(self.token_values[...].astype(weight_VH.dtype))
+
+
+# ---------------------------------------------------------------------------------------
+# Protocol functions
+# ---------------------------------------------------------------------------------------
+
+
+def peft_config(model: Model) -> PeftConfig:
+    """The ``PeftConfig`` ``add_adapters`` gave ``model`` (``ConfigError`` on a plain model)."""
+    if not has_adapters(model):
+        raise ConfigError("this model has no adapters; add them with add_adapters(model, cfg, peft) first.")
+    return PeftConfig(**json.loads(model.peft_json))
+
+
+def _locate(model: Model, path: str) -> tuple[Any, str]:
+    """(parent module, attribute name) of a dotted HF module path such as ``model.layers.0.self_attn.q_proj``."""
+    *parents, name = path.split(".")
+    node = model
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+    return node, name
 
 
 def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
                  adapters: Optional[dict[str, np.ndarray]] = None) -> Model:
-    raise NotImplementedError("PEFT on the jax backend is being built")
+    """A copy of ``model`` with adapters on ``common.peft.lora_targets(cfg, peft)`` (and trainable tokens, and
+    an NF4 base with ``load_in_4bit``); ``adapters`` (PEFT keys) None: ``init_adapters(cfg, peft, seed=0)``."""
+    check_peft_config(peft)
+    if not peft.use_peft:
+        raise ConfigError("add_adapters with use_peft=False adds nothing; set use_peft=True (--use-peft).")
+    if has_adapters(model):
+        raise ConfigError("this model already has adapters; add_adapters takes a plain model (merge_adapters "
+                          "gives one).")
+    if model.config.to_dict() != cfg.to_dict():
+        raise ConfigError(f"add_adapters: cfg (model_type={cfg.model_type}) is not the config of this model "
+                          f"({model.config.model_type}); pass model.config.")
+    if peft.load_in_4bit:
+        _require_qwix()
+    from twinseq.jax_backend.model import export_weights
+
+    if adapters is None:
+        needs_base = peft.use_dora or bool(peft.trainable_token_indices)
+        adapters = init_adapters(cfg, peft, seed=0, base_weights=export_weights(model) if needs_base else None)
+    else:
+        common_peft.check_token_indices(cfg, peft)
+    check_adapters(cfg, peft, adapters, "add_adapters")
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, state)  # a new module tree: the caller's model keeps no adapters
+    targets = lora_targets(cfg, peft)
+    linear_paths = [name[: -len(".weight")] for name in in_hf_order(cfg, state_to_hf(nnx.state(model, nnx.Param)))
+                    if name.startswith("model.layers.") and name.endswith("_proj.weight")]
+    for path in linear_paths:
+        parent, name = _locate(model, path)
+        base = getattr(parent, name)
+        if path in targets:
+            magnitude = adapters.get(adapter_key(path, "lora_magnitude_vector"))
+            setattr(parent, name, PeftLinear(base, lora_A=adapters[adapter_key(path, "lora_A")],
+                                             lora_B=adapters[adapter_key(path, "lora_B")], magnitude=magnitude,
+                                             scaling=peft.scaling, load_in_4bit=peft.load_in_4bit))
+        elif peft.load_in_4bit:  # QLoRA quantises every decoder linear layer, adapted or not (bitsandbytes)
+            setattr(parent, name, PeftLinear(base, load_in_4bit=True))
+    if peft.trainable_token_indices:
+        model.model.embed_tokens = TokenEmbedding(model.model.embed_tokens, peft.trainable_token_indices,
+                                                  adapters[TOKENS_KEY])
+    model.peft_json = json.dumps(dataclasses.asdict(peft), sort_keys=True)
+    return model
+
+
+def _adapter_key_of_path(path: tuple) -> str:
+    parts = [str(p) for p in path]
+    if parts[-1] == "token_values":
+        return TOKENS_KEY
+    return adapter_key(".".join(parts[:-1]), parts[-1])
+
+
+def adapters_by_key(model: Model, state: Any) -> dict[str, np.ndarray]:
+    """An adapter state (``nnx.state(model, AdapterParam)``, or a gradient of one) as float32 numpy by PEFT
+    key, in ``common.peft.adapter_shapes`` order."""
+    out = {_adapter_key_of_path(path): np.asarray(jnp.asarray(v.get_value(), jnp.float32))
+           for path, v in nnx.to_flat_state(state)}
+    order = adapter_shapes(model.config, peft_config(model))
+    assert set(order) == set(out), sorted(set(order) ^ set(out))
+    return {k: out[k] for k in order}
 
 
 def export_adapters(model: Model) -> dict[str, np.ndarray]:
-    raise NotImplementedError("PEFT on the jax backend is being built")
+    """float32 numpy adapter tensors by PEFT key (what ``common.peft.save_adapters`` writes)."""
+    return adapters_by_key(model, nnx.state(model, AdapterParam))
+
+
+def load_adapter_values(model: Model, adapters: dict[str, np.ndarray]) -> None:
+    """Write ``adapters`` (PEFT keys, checked) into ``model``'s adapter parameters, in place."""
+    check_adapters(model.config, peft_config(model), adapters, "load_adapter_values")
+    for path, variable in nnx.to_flat_state(nnx.state(model, AdapterParam)):
+        del variable
+        parent, name = _locate(model, ".".join(str(p) for p in path))
+        getattr(parent, name).set_value(jnp.asarray(adapters[_adapter_key_of_path(path)], jnp.float32))
+
+
+def base_weights(model: Model) -> dict[str, np.ndarray]:
+    """The base's HF-named float32 weights (NF4 weights dequantised), in ``parameter_shapes`` order."""
+    frozen = nnx.state(model, nnx.All(nnx.Param, nnx.Not(AdapterParam)))
+    out = state_to_hf(frozen)
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, PeftLinear) and module.kernel is None:
+            out[".".join(str(p) for p in path) + ".weight"] = np.asarray(
+                jnp.asarray(module.base_kernel(), jnp.float32)).T
+    return in_hf_order(model.config, out)
 
 
 def merge_adapters(model: Model) -> Model:
-    raise NotImplementedError("PEFT on the jax backend is being built")
+    """A plain ``CausalLM`` whose weights have the adapters folded in (``common.peft.merge_adapters``; a 4-bit
+    base is dequantised first), in the model's dtype."""
+    peft = peft_config(model)
+    merged = common_peft.merge_adapters(model.config, peft, base_weights(model), export_adapters(model))
+    return CausalLM(model.config, merged, dtype=model.dtype, remat_policy=model.model.remat_policy)
+
+
+def _adapted_modules(model: Model) -> Iterator[Any]:
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, (PeftLinear, TokenEmbedding)):
+            yield module
+
+
+def set_adapters_enabled(model: Model, enabled: bool) -> None:
+    """Switch every adapter of ``model`` on or off, in place (a static switch: it lives in the graphdef)."""
+    peft_config(model)
+    for module in _adapted_modules(model):
+        module.adapters_enabled = bool(enabled)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: Model) -> Iterator[Model]:
+    """``with adapters_disabled(model):`` ``model`` computes its base (the NF4 base with QLoRA)."""
+    set_adapters_enabled(model, False)
+    try:
+        yield model
+    finally:
+        set_adapters_enabled(model, True)

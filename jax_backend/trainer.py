@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from twinseq.common.batching import Batch, pad_batch
 from twinseq.common.capabilities import Runtime
 from twinseq.common.config import TrainConfig
-from twinseq.common.errors import CheckpointError
+from twinseq.common.errors import CheckpointError, ConfigError
 from twinseq.common.hf_checkpoint import check_tokenizer_fits, read_hf_checkpoint, resolve_model_source
 from twinseq.common.init import check_weights, init_weights
 from twinseq.common.metrics import peak_rss_bytes
@@ -48,7 +48,8 @@ from twinseq.common.schedule import lr_multiplier
 from twinseq.common.step_metrics import apply_or_skip, dpo_step_metrics, first_nonfinite, sft_step_sums, with_means
 from twinseq.jax_backend.checkpoint import from_numpy_tree, save_pretrained, to_numpy_tree
 from twinseq.jax_backend.losses import check_labels
-from twinseq.jax_backend.model import CausalLM, batch_inputs, export_weights, grads_jit
+from twinseq.jax_backend.model import (CausalLM, batch_inputs, export_weights, grads_jit, has_adapters, merge_state,
+                                       split_trainable)
 from twinseq.jax_backend.parallel import (CP_AXIS, DataParallelSteps, attention_of_config, mesh_from_config,
                                           parallelize, sequence_multiple, shard_batch, shard_params)
 
@@ -90,12 +91,21 @@ def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     Weight decay only on matrices (``ndim >= 2``), as HF Trainer and the torch trainer.
     """
     opt = cfg.optim
+    check_optimizer(cfg)
     adamw = optax.adamw(lr_schedule(cfg), b1=opt.adam_beta1, b2=opt.adam_beta2, eps=opt.adam_epsilon,
                         eps_root=0.0, weight_decay=opt.weight_decay,
                         mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
     if opt.max_grad_norm is None:
         return adamw
     return optax.chain(clip_by_global_norm_like_torch(opt.max_grad_norm), adamw)
+
+
+def check_optimizer(cfg: TrainConfig) -> None:
+    """The jax backend has one optimizer, AdamW with float32 moments (``adamw_torch``)."""
+    if cfg.optim.optimizer != "adamw_torch":
+        raise ConfigError(f"optimizer={cfg.optim.optimizer!r} is a torch option (bitsandbytes' 8-bit AdamW states "
+                          f"need CUDA kernels that JAX does not have); the jax backend trains with AdamW in float32 "
+                          f"('adamw_torch'): use --optimizer adamw_torch or --backend torch.")
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(1, 2))
@@ -122,7 +132,21 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> CausalLM:
     check_tokenizer_fits(source.config, vocab_size, spec)
     weights = (read_hf_checkpoint(source.weights_folder)[1] if source.weights_folder is not None
                else init_weights(source.config, seed=cfg.seed))
-    return CausalLM(source.config, weights, dtype="float32")
+    return with_adapters(CausalLM(source.config, weights, dtype="float32"), cfg)
+
+
+def with_adapters(model: CausalLM, cfg: TrainConfig) -> CausalLM:
+    """``model`` with the adapters of ``cfg.peft`` (``init_adapters`` with ``cfg.seed``), or ``model`` as is."""
+    if not cfg.peft.use_peft:
+        return model
+    from twinseq.common.peft import init_adapters
+    from twinseq.jax_backend.peft import add_adapters
+
+    if cfg.peft.lora_dropout > 0:
+        logger.warning("lora_dropout=%s is not applied by the jax trainer (its adapters train without dropout, "
+                       "as PEFT with lora_dropout=0); set --lora-dropout 0 to silence this.", cfg.peft.lora_dropout)
+    adapters = init_adapters(model.config, cfg.peft, seed=cfg.seed, base_weights=export_weights(model))
+    return add_adapters(model, model.config, cfg.peft, adapters)
 
 
 def _compute_dtype(cfg: TrainConfig) -> Optional[str]:
@@ -142,7 +166,9 @@ class Trainer:
 
     def __init__(self, model: CausalLM, cfg: TrainConfig, mesh: Optional[Mesh] = None) -> None:
         self.cfg, self.mesh = cfg, mesh
-        self.graphdef, params = nnx.split(model)
+        # A model with adapters trains them only: ``params`` are the adapters, ``frozen`` the rest (else None).
+        self.graphdef, params, self.frozen = split_trainable(model)
+        self.peft = has_adapters(model)
         self.params = jax.tree.map(jnp.copy, params)  # apply_updates donates: copy the caller's
         self.vocab_size = model.config.vocab_size
         self.optimizer = build_optimizer(cfg)
@@ -190,14 +216,23 @@ class Trainer:
         return flag  # one process drives every device
 
     def model(self) -> CausalLM:
-        return nnx.merge(self.graphdef, self.params)
+        return merge_state(self.graphdef, self.params, self.frozen)
 
     def state_dict(self) -> dict[str, Any]:
+        """The trained parameters (a PEFT run: its adapters by PEFT key, the frozen base is rebuilt from the
+        config), the optimizer state and the step count."""
+        if self.peft:
+            from twinseq.jax_backend.peft import export_adapters
+
+            return {"adapters": export_adapters(self.model()), "optimizer": to_numpy_tree(self.opt_state),
+                    "steps_done": self.steps_done}
         return {"model": export_weights(self.model()), "optimizer": to_numpy_tree(self.opt_state),
                 "steps_done": self.steps_done}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model = self.model()
+        if self.peft or "adapters" in state:
+            return self._load_adapter_state(model, state)
         try:
             check_weights(model.config, state["model"])
             opt_state = from_numpy_tree(state["optimizer"], self.opt_state)
@@ -205,6 +240,23 @@ class Trainer:
             raise CheckpointError(f"the checkpoint does not fit this run: {err}") from None
         restored = CausalLM(model.config, state["model"], remat_policy=model.model.remat_policy)
         self.graphdef, params = nnx.split(restored)
+        self.params = params if self.mesh is None else shard_params(self.mesh, params)
+        self.opt_state = self._place_like(opt_state, self.opt_state)
+        self.steps_done = int(state["steps_done"])
+
+    def _load_adapter_state(self, model: CausalLM, state: dict[str, Any]) -> None:
+        from twinseq.jax_backend.peft import load_adapter_values
+
+        if not (self.peft and "adapters" in state):
+            raise CheckpointError(f"the checkpoint holds {'adapters' if 'adapters' in state else 'full weights'} but "
+                                  f"this run trains {'adapters' if self.peft else 'every weight'} (use_peft="
+                                  f"{self.cfg.peft.use_peft}); resume with the run's own --use-peft setting.")
+        try:
+            load_adapter_values(model, state["adapters"])
+            opt_state = from_numpy_tree(state["optimizer"], self.opt_state)
+        except ValueError as err:
+            raise CheckpointError(f"the checkpoint does not fit this run: {err}") from None
+        graphdef, params, frozen = split_trainable(model)
         self.params = params if self.mesh is None else shard_params(self.mesh, params)
         self.opt_state = self._place_like(opt_state, self.opt_state)
         self.steps_done = int(state["steps_done"])
@@ -222,7 +274,16 @@ class Trainer:
         return jax.tree.map(place, restored, initial)
 
     def save_final(self, path: Path) -> None:
-        save_pretrained(self.model(), path)
+        """An HF model folder, or with PEFT the adapter folder ``peft.PeftModel.from_pretrained`` loads."""
+        if not self.peft:
+            save_pretrained(self.model(), path)
+            return
+        from twinseq.common.peft import save_adapters
+        from twinseq.jax_backend.peft import export_adapters
+
+        model = self.model()
+        save_adapters(path, model.config, self.cfg.peft, export_adapters(model),
+                      base_model_name_or_path=str(self.cfg.model.model_config))
 
     def peak_memory_bytes(self) -> int:
         """Accelerator peak bytes in use where JAX reports it, else the process's peak RSS (CPU)."""
@@ -241,12 +302,13 @@ class SFTTrainer(Trainer):
         inputs = batch_inputs(batch, self.vocab_size)  # also range-checks the token ids
         num_items = jnp.asarray(batch.num_items_in_batch, jnp.int32)
         if self.mesh is None:
-            (loss, metrics), grads = grads_jit(self.graphdef, self.params, inputs, num_items, **kwargs)
+            (loss, metrics), grads = grads_jit(self.graphdef, self.params, inputs, num_items, frozen=self.frozen,
+                                               **kwargs)
         else:
             arrays = shard_batch(batch, self.mesh)  # reordered for CP, targets shifted before the reorder
             inputs = tuple(arrays[k] for k in ("input_ids", "position_ids", "segment_ids", "targets"))
             (loss, metrics), grads = grads_jit(self.graphdef, self.params, inputs, num_items, attend=self.attend,
-                                               targets_are_shifted=True, **kwargs)
+                                               targets_are_shifted=True, frozen=self.frozen, **kwargs)
         return {"loss": float(loss), **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum")}}, \
             grads
 
@@ -265,15 +327,29 @@ class DPOTrainer(Trainer):
                  live_reference: bool) -> None:
         super().__init__(model, cfg)
         self.config, self.examples_per_step = config, examples_per_step
-        self.ref_params = jax.tree.map(jnp.copy, self.params) if live_reference else None
+        self.ref_graphdef = None
+        if self.peft:  # the reference is the same parameters with the adapters switched off: no copy
+            from twinseq.jax_backend.peft import adapters_disabled
+
+            with adapters_disabled(model):
+                self.ref_graphdef = split_trainable(model)[0]
+            self.ref_params = None
+            self.live_reference = live_reference
+        else:
+            self.ref_params = jax.tree.map(jnp.copy, self.params) if live_reference else None
+            self.live_reference = live_reference
 
     def _reference(self, pbatch, inputs):
         from twinseq.jax_backend.dpo import _ref_arrays, sequence_logps_jit
 
-        if self.ref_params is None:
+        if not self.live_reference:
             return _ref_arrays(pbatch, None, None)
         loss = self.cfg.loss
-        logps_D = sequence_logps_jit(self.graphdef, self.ref_params, inputs, loss_type=loss.loss_type,
+        if self.peft:
+            graphdef, state, frozen = self.ref_graphdef, self.params, self.frozen
+        else:
+            graphdef, state, frozen = self.graphdef, self.ref_params, None
+        logps_D = sequence_logps_jit(graphdef, state, inputs, loss_type=loss.loss_type, frozen=frozen,
                                      chunk_size=loss.loss_chunk_size, compute_dtype=_compute_dtype(self.cfg))
         return logps_D[:pbatch.num_examples], logps_D[pbatch.num_examples:]
 
@@ -286,6 +362,7 @@ class DPOTrainer(Trainer):
         loss = self.cfg.loss
         (value, pairs), grads = dpo_grads_jit(self.graphdef, self.params, inputs, ref_c, ref_r,
                                               jnp.asarray(self.examples_per_step, jnp.float32), config=self.config,
+                                              frozen=self.frozen,
                                               loss_type=loss.loss_type, chunk_size=loss.loss_chunk_size,
                                               compute_dtype=_compute_dtype(self.cfg))
         return (float(value), pairs), grads
@@ -309,10 +386,20 @@ class DPOTrainer(Trainer):
 def _describe(cfg: TrainConfig, trainer: Trainer) -> str:
     d = cfg.data
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.params))
+    if trainer.peft:
+        frozen = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.frozen))
+        p = cfg.peft
+        kind = ("QLoRA (NF4 base)" if p.load_in_4bit else "LoRA") + (" DoRA" if p.use_dora else "") + \
+            (" rsLoRA" if p.use_rslora else "") + (f" + {len(p.trainable_token_indices)} trainable tokens"
+                                                  if p.trainable_token_indices else "")
+        params_line = (f"{kind} r={p.lora_r} alpha={p.lora_alpha}: trainable params: {num_params:,} || all params: "
+                       f"{num_params + frozen:,} || trainable%: {100 * num_params / (num_params + frozen):.4f}")
+    else:
+        params_line = f"{num_params / 1e6:.2f}M params"
     where = str(jax.devices()[0]) if trainer.mesh is None else \
         f"a mesh {dict(trainer.mesh.shape)} (cp attention: {cfg.parallel.context_parallel_strategy})"
     return (f"twinseq jax {cfg.task}: {trainer.model().config.model_type} {cfg.model.model_config!r}, "
-            f"{num_params / 1e6:.2f}M params on {where}, loss={cfg.loss.loss_type}, "
+            f"{params_line} on {where}, loss={cfg.loss.loss_type}, "
             f"remat={trainer.model().model.remat_policy}, packing={d.packing}({d.packing_strategy}), "
             f"padding_free={d.padding_free}, dtype={cfg.model.dtype}")
 
@@ -348,7 +435,13 @@ def _build_dpo(cfg: TrainConfig):
     model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), None, cfg)
     if cfg.dpo.precompute_ref_log_probs:  # the initial model, before any checkpoint is loaded
         t0 = time.perf_counter()
-        rows = precompute_ref_logps(model, rows, cfg, tokenizer.pad_token_id,
+        reference = model
+        if has_adapters(model):  # PEFT: the base, adapters switched off (a shallow copy shares the weights)
+            from twinseq.jax_backend.peft import set_adapters_enabled
+
+            reference = nnx.merge(*nnx.split(model))
+            set_adapters_enabled(reference, False)
+        rows = precompute_ref_logps(reference, rows, cfg, tokenizer.pad_token_id,
                                     cfg.data.pad_to_multiple_of or DEFAULT_BUCKET)
         logger.info("precomputed reference log-probs of %d pairs in %.1fs", len(rows), time.perf_counter() - t0)
     source = build_preference_iterator(cfg, rows, tokenizer.pad_token_id)
@@ -356,7 +449,8 @@ def _build_dpo(cfg: TrainConfig):
                          live_reference=not cfg.dpo.precompute_ref_log_probs)
     announce = [_describe(cfg, trainer),
                 f"dpo_loss_type={list(config.loss_type)}, beta={config.beta}, reference="
-                f"{'precomputed' if cfg.dpo.precompute_ref_log_probs else 'live copy'}, "
+                f"{'precomputed' if cfg.dpo.precompute_ref_log_probs else 'live copy'}"
+                f"{' (the base: adapters off)' if trainer.peft else ''}, "
                 f"{source.examples_per_step} pairs per step; data: {stats}"]
     return trainer, source, tokenizer, announce
 
@@ -364,6 +458,7 @@ def _build_dpo(cfg: TrainConfig):
 def train(config: TrainConfig) -> Path:
     """Run ``config.max_steps`` optimizer steps of ``config.task``; returns the path of ``metrics.jsonl``."""
     cfg = config
+    check_optimizer(cfg)
     platform = jax.devices()[0].platform
     preflight(cfg, Runtime("jax", platform, jax.device_count(), accelerator=platform != "cpu"))
     trainer, source, tokenizer, announce = (_build_dpo if cfg.task == "dpo" else _build_sft)(cfg)
