@@ -341,9 +341,16 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
         trainable_shapes = list(shapes.values())
     trainable = int(sum(map(_numel, trainable_shapes)))
     matmul_elems = sum(_numel(s) for n, s in shapes.items() if len(s) == 2 and n not in quantised)
+    copies_all = copies_layer = 0
     if dtype != "float32":
-        rows.append(MemoryRow(f"{dtype} weight copies", int(matmul_elems * act_bytes / shard),
-                              "compute-dtype casts of the matmul weights, kept for backward"))
+        copies_all = int(matmul_elems * act_bytes / shard)
+        layer_matmul = sum(_numel(s) for n, s in shapes.items()
+                           if n.startswith("model.layers.0.") and len(s) == 2 and n not in quantised)
+        head = shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"])
+        copies_layer = int((layer_matmul + _numel(head)) * act_bytes)
+        rows.append(MemoryRow(f"{dtype} weight copies", copies_all,
+                              "compute-dtype casts of the matmul weights (torch: autocast's cache, or saved for "
+                              "backward; with checkpointing one layer's at a time in backward)"))
     if quant_elems:
         biggest = max(_numel(shapes[n]) for n in quantised)
         rows.append(MemoryRow("dequantised weight (transient)", int(biggest * act_bytes),
@@ -484,13 +491,20 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
                                                                  f"({coef.work:g} x a layer's activations)"))
         # torch frees as it goes: the peak is the largest of three moments, not the sum of every row
         alive = kept + mask + scores_kept + lora_kept
-        at_loss = alive + logits + head_grad
-        in_backward = alive + recompute + scores_recompute + lora_recompute + work + head_grad + tokens * h * 4
-        at_update = trainable * 4 + 2 * largest  # every gradient + the float64 norm copy of the largest one
+        # autocast caches the casts of trainable weights until the forward ends; frozen weights' casts are only
+        # kept when saved for backward (not under checkpointing)
+        copies_at_loss = copies_layer if (ckpt and peft.use_peft) else copies_all
+        copies_in_backward = copies_layer if ckpt else copies_all
+        at_loss = alive + logits + head_grad + copies_at_loss
+        in_backward = (alive + recompute + scores_recompute + lora_recompute + work + head_grad + tokens * h * 4
+                       + copies_in_backward)
+        # every gradient, and clip_grad_norm_fp64's float64 copy of one gradient at a time (vector_norm with
+        # dtype=float64 casts the whole tensor first: 8 bytes per number of the largest)
+        at_update = trainable * 4 + 2 * largest
         peak = max(at_loss, in_backward, at_update)
         moment = {at_loss: "the loss", in_backward: "the backward pass", at_update: "the optimizer step"}[peak]
         listed = sum(r.bytes for r in rows if r.component in ACTIVATION_ROWS + ("backward working set",)) \
-            + trainable * 4
+            + trainable * 4 + copies_all
         rows.append(MemoryRow("not alive at once", int(peak - listed),
                               f"rows above freed before the peak, at {moment} (torch frees saved tensors as "
                               f"backward consumes them; gradients appear as activations go)"))
