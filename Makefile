@@ -48,6 +48,8 @@ bench: setup
 	$(BIN)/python benchmarks/torch_vs_jax.py
 	$(BIN)/python benchmarks/dpo_memory.py
 	$(BIN)/python benchmarks/ring_attention.py
+	$(BIN)/python benchmarks/memory_planner_check.py
+	$(BIN)/python benchmarks/peft_staircase.py
 	$(BIN)/python benchmarks/readme_table.py
 
 clean:

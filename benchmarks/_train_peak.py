@@ -83,6 +83,7 @@ def _child_torch(argv: list[str]) -> dict[str, Any]:
 
     def step_hooked(self, micro_batches):
         if "build_hwm" not in rec:
+            rec["trainable_parameters"] = int(sum(p.numel() for p in self.module.parameters() if p.requires_grad))
             gc.collect()
             rec["build_hwm"] = _status("VmHWM")
             rec["before_steps_rss_bytes"] = _status("VmRSS")
@@ -122,6 +123,8 @@ def _analysis_bytes(compiled) -> dict[str, int]:
 def _child_jax(argv: list[str]) -> dict[str, Any]:
     import time
 
+    import jax
+
     from twinseq.common.cli import main
     from twinseq.jax_backend import trainer as jt
 
@@ -143,6 +146,7 @@ def _child_jax(argv: list[str]) -> dict[str, Any]:
     def step_hooked(self, micro_batches):
         rec["opt_state_bytes"] = _tree_bytes(self.opt_state)
         rec["params_bytes"] = _tree_bytes(self.params)
+        rec["trainable_parameters"] = int(sum(x.size for x in jax.tree.leaves(self.params)))
         t0 = time.perf_counter()
         out = step(self, micro_batches)
         rec["step_seconds"].append(time.perf_counter() - t0)

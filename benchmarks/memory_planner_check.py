@@ -85,6 +85,10 @@ def check_one(values: dict[str, Any], *, max_steps: int = 2) -> dict[str, Any]:
 
     plan = plan_memory(TrainConfig.from_flat(**values))
     got = measure(values, max_steps=max_steps)
+    if got.get("trainable_parameters") != plan.trainable_parameters:
+        # e.g. a checkout whose trainer does not apply --use-peft yet: its peak is not this configuration's
+        raise RuntimeError(f"the run trained {got.get('trainable_parameters')} parameters but the configuration "
+                           f"trains {plan.trainable_parameters}: this checkout does not run it as configured")
     measured = int(got["peak_bytes"])
     return {"config": values, "planned": plan.total, "measured": measured,
             "error": (plan.total - measured) / measured, "plan": plan.to_dict(),

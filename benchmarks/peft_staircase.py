@@ -89,8 +89,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         values = dict(backend=backend, model_config=model_paths[model], learning_rate=1e-3, **SHAPES[model], **change)
         row: dict[str, Any] = {"model": model, "backend": backend, "step": step, "config": values}
         try:
-            row["planned_bytes"] = plan_memory(TrainConfig.from_flat(**values)).total
+            plan = plan_memory(TrainConfig.from_flat(**values))
+            row["planned_bytes"] = plan.total
             got = measure(values, max_steps=args.max_steps, timeout=1200)
+            if got.get("trainable_parameters") != plan.trainable_parameters:
+                raise RuntimeError(f"the run trained {got.get('trainable_parameters')} parameters, the step asks for "
+                                   f"{plan.trainable_parameters}: this checkout does not run it as configured")
             row.update(peak_bytes=got["peak_bytes"], tokens_per_second=got["tokens_per_second"],
                        seconds_per_step=got["seconds_per_step"], baseline_rss_bytes=got.get("baseline_rss_bytes"),
                        command=got["command"])

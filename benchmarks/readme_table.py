@@ -132,11 +132,31 @@ def ring_attention_row(d: dict) -> tuple[str, str, str]:
             f"zigzag balance max/mean {balance[True]:.3f} vs {balance[False]:.3f}")
 
 
+def memory_planner_check_row(d: dict) -> tuple[str, str, str]:
+    errors = [abs(r["error"]) for r in d["results"].values()]
+    within = sum(e <= d["tolerance"] for e in errors)
+    return (f"memory planner vs measured peak of `twinseq train`, {len(errors)} configurations (torch, jax)",
+            "measured: torch peak RSS, jax compiled memory_analysis",
+            f"{within}/{len(errors)} within {d['tolerance']:.0%}; median error {100 * sorted(errors)[len(errors) // 2]:.1f} %, "
+            f"worst {100 * max(errors):.1f} %")
+
+
+def peft_staircase_row(d: dict) -> tuple[str, str, str]:
+    done = [r for r in d["results"] if "peak_bytes" in r]
+    model = "llama-100m" if any(r["model"] == "llama-100m" for r in done) else done[0]["model"]
+    mine = [r for r in done if r["model"] == model and r["backend"] == "torch"]
+    base, last = mine[0], mine[-1]
+    return (f"memory staircase, `{model}` torch: baseline -> {last['step'].lstrip('+ ')} (all techniques up to it)",
+            f"{base['step']}: {_mib(base['peak_bytes'])}",
+            f"{_mib(last['peak_bytes'])} ({_x(last['peak_bytes'] / base['peak_bytes'])}×)")
+
+
 # The README's rows, in its order; every benchmark script in benchmarks/ has one (a test checks).
 ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "packing": packing_row, "loss_memory": loss_memory_row, "jax_loss_memory": jax_loss_memory_row,
     "memory_techniques": memory_techniques_row, "padding_free": padding_free_row, "torch_vs_jax": torch_vs_jax_row,
     "dpo_memory": dpo_memory_row, "ring_attention": ring_attention_row,
+    "memory_planner_check": memory_planner_check_row, "peft_staircase": peft_staircase_row,
 }
 
 
