@@ -539,7 +539,8 @@ KNOBS = (
     Knob("load_in_4bit", 12.0, "changes the base: NF4-quantised frozen weights (QLoRA)"),
 )
 """The advisor's cost ordering: free knobs first (same model, same numbers), then compute-for-memory, then
-knobs that change what trains. The cheapest fitting set minimises the summed costs (ties: fewer knobs).
+knobs that change what trains. The cheapest fitting set minimises the summed costs; among sets of equal cost the
+one with the smallest plan wins (so the free knobs come along whenever something has to change).
 
 Packing is not a memory knob here: the plan takes ``max_length`` as the row length a micro-batch reaches,
 padded or packed, so packing changes tokens per second, not the planned peak. Padding-free saves the
@@ -650,7 +651,7 @@ def advise(config, budget: Any, *, dtype: Optional[str] = None, devices: int = 1
         if smallest is None or plan.total < smallest.total:
             smallest = plan
         if plan.total <= budget_bytes:
-            key = (cost, len(names), plan.total)
+            key = (cost, plan.total, len(names))
             if best is None or key < best[0]:
                 best = (key, names, changes, plan)
     if best is None:
