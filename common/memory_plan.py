@@ -317,7 +317,7 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     shapes = parameter_shapes(cfg)
     total_params = sum(_numel(s) for s in shapes.values())
     targets = lora_targets(cfg, peft) if peft.use_peft else {}
-    quantised = {m + ".weight" for m in targets} if (peft.use_peft and peft.load_in_4bit) else set()
+    quantised: set[str] = set()
     if peft.use_peft and peft.load_in_4bit:
         # QLoRA quantises every decoder linear, adapted or not (bitsandbytes/qwix replace all of them)
         quantised = {n for n, s in shapes.items() if len(s) == 2 and n.split(".")[-2] in LINEAR_MODULES}
@@ -340,7 +340,10 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     else:
         trainable_shapes = list(shapes.values())
     trainable = int(sum(map(_numel, trainable_shapes)))
-    matmul_elems = sum(_numel(s) for n, s in shapes.items() if len(s) == 2 and n not in quantised)
+    # the matmul weights autocast casts: decoder linears and the lm_head (a tied embedding is one; an untied
+    # embedding is a lookup, never cast)
+    lookup = set() if cfg.tie_word_embeddings else {"model.embed_tokens.weight"}
+    matmul_elems = sum(_numel(s) for n, s in shapes.items() if len(s) == 2 and n not in quantised | lookup)
     copies_all = copies_layer = 0
     if dtype != "float32":
         copies_all = int(matmul_elems * act_bytes / shard)
