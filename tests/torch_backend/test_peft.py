@@ -24,6 +24,7 @@ from twinseq.common.dpo_batching import collate_preference  # noqa: E402
 from twinseq.common.errors import ConfigError, MissingDependencyError  # noqa: E402
 from twinseq.common.hf_checkpoint import write_hf_checkpoint  # noqa: E402
 from twinseq.common.init import init_weights  # noqa: E402
+from twinseq.common.loss import nll_loss  # noqa: E402
 from twinseq.common.peft import (PeftConfig, TOKENS_KEY, adapter_shapes, init_adapters, read_adapters,  # noqa: E402
                                  save_adapters)
 from twinseq.torch_backend import dpo as tdpo  # noqa: E402
@@ -212,6 +213,9 @@ def test_every_loss_gives_the_same_adapter_gradients(lora_tiny, loss_type):
     model = add_adapters(build_model(cfg, weights), cfg, peft, adapters)
     batch = collate(_docs(cfg), padding_free=True)
     ref_loss, ref = loss_and_grads(model, batch, "nll")
+    # the loss's lm_head weight is the one PEFT's wrapper multiplies by in its own forward (``logits`` calls the
+    # wrapped lm_head module; tokens 3 and 7 are targets in every document, so their rows count)
+    assert abs(nll_loss(logits(model, batch), batch.labels, batch.num_items_in_batch) - ref_loss) <= 1e-5
     loss, grads = loss_and_grads(model, batch, loss_type, chunk_size=8)
     assert abs(loss - ref_loss) <= 1e-5
     assert max(_max_diff(grads[k], ref[k]) for k in ref) <= 1e-5
