@@ -288,6 +288,10 @@ def peft_config_from_json(values: Mapping[str, Any], source: str) -> PeftConfig:
             raise CheckpointError(f"{source}: target_modules={targets!r} is a regular expression; twinseq reads a "
                                   f"list of layer names or 'all-linear'.")
         targets = ["all-linear"]
+    # peft >= 0.1x saves "all-linear" (and any target it matched by suffix) as the full module paths it adapted,
+    # e.g. "model.layers.0.self_attn.q_proj": read them as layer names; a folder that adapted only some layers
+    # then fails check_adapters (missing tensors), as it should
+    targets = list(dict.fromkeys(t.rsplit(".", 1)[-1] for t in sorted(targets)))
     tokens = values.get("trainable_token_indices")
     if isinstance(tokens, dict):
         if set(tokens) - {"embed_tokens"}:

@@ -580,4 +580,6 @@ def forward_hidden(model: torch.nn.Module, batch: Batch, attn_implementation: Op
                               requires_grad=torch.is_grad_enabled())
     check_flash_features(attn, layout)
     inputs = model_inputs(batch, attn, device, _mask_dtype(model, device), layout)
-    return model.model(**inputs).last_hidden_state
+    from twinseq.torch_backend.peft import causal_lm_of  # an adapter model: the HF model inside PEFT's wrapper
+
+    return causal_lm_of(model).model(**inputs).last_hidden_state

@@ -103,10 +103,11 @@ def reference_logps(ref_model: torch.nn.Module, pbatch: PreferenceBatch, *, loss
     """(chosen [N], rejected [N]) fp32 tensors of ``ref_model``, no graph (liger -> fused_linear)."""
     from twinseq.torch_backend.attention import forward_hidden
     from twinseq.torch_backend.model import final_logit_softcap
+    from twinseq.torch_backend.peft import lm_head_weight
 
     kernel = "fused_linear" if loss_type == "liger" else loss_type
     hidden_BTH = forward_hidden(ref_model, pbatch.batch, attn_implementation)
-    logps_D = sequence_logps(hidden_BTH, ref_model.lm_head.weight, pbatch, kernel, chunk_size,
+    logps_D = sequence_logps(hidden_BTH, lm_head_weight(ref_model), pbatch, kernel, chunk_size,
                              logit_softcap=final_logit_softcap(ref_model))
     return logps_D[:pbatch.num_examples], logps_D[pbatch.num_examples:]
 
@@ -125,9 +126,10 @@ def dpo_forward(model: torch.nn.Module, pbatch: PreferenceBatch, config: DPOLoss
     """Policy forward + DPO loss of one micro-batch (graph kept for ``.backward()``)."""
     from twinseq.torch_backend.attention import forward_hidden
     from twinseq.torch_backend.model import final_logit_softcap
+    from twinseq.torch_backend.peft import lm_head_weight
 
     hidden_BTH = forward_hidden(model, pbatch.batch, attn_implementation)
-    logps_D = sequence_logps(hidden_BTH, model.lm_head.weight, pbatch, loss_type, chunk_size,
+    logps_D = sequence_logps(hidden_BTH, lm_head_weight(model), pbatch, loss_type, chunk_size,
                              logit_softcap=final_logit_softcap(model))
     return dpo_from_logps(logps_D, pbatch, config, ref_chosen_logps=ref_chosen_logps,
                           ref_rejected_logps=ref_rejected_logps, num_examples_in_step=num_examples_in_step)
@@ -139,21 +141,26 @@ def dpo_loss_and_grads(model: Model, pbatch: PreferenceBatch, config: DPOLossCon
                        ) -> tuple[float, dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(loss, float32 numpy gradient per HF name, per-pair float64 outputs) of one micro-batch.
 
-    The per-pair dict holds ``losses``, ``chosen_logps``, ``rejected_logps``, ``chosen_rewards``,
+    Of an adapter model (``add_adapters``) the gradients are the adapter tensors', by PEFT saved key. The per-pair
+    dict holds ``losses``, ``chosen_logps``, ``rejected_logps``, ``chosen_rewards``,
     ``rejected_rewards``. ``.grad`` is cleared before and after.
     """
     from twinseq.common.init import parameter_shapes
     from twinseq.torch_backend.model import model_config_of
+    from twinseq.torch_backend.peft import adapter_grads, is_adapter_model
 
     model.zero_grad(set_to_none=True)
     out = dpo_forward(model, pbatch, config, ref_chosen_logps=ref_chosen_logps,
                       ref_rejected_logps=ref_rejected_logps, loss_type=loss_type, chunk_size=chunk_size,
                       num_examples_in_step=num_examples_in_step)
     out.loss.backward()
-    params = dict(model.named_parameters())
-    grads = {name: (np.zeros(tuple(params[name].shape), np.float32) if params[name].grad is None
-                    else params[name].grad.detach().float().cpu().numpy().copy())
-             for name in parameter_shapes(model_config_of(model))}
+    if is_adapter_model(model):  # the adapter tensors only, by PEFT saved key
+        grads = adapter_grads(model)
+    else:
+        params = dict(model.named_parameters())
+        grads = {name: (np.zeros(tuple(params[name].shape), np.float32) if params[name].grad is None
+                        else params[name].grad.detach().float().cpu().numpy().copy())
+                 for name in parameter_shapes(model_config_of(model))}
     model.zero_grad(set_to_none=True)
     per_pair = {k: getattr(out, k).detach().double().cpu().numpy()
                 for k in ("losses", "chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards")}

@@ -148,7 +148,14 @@ def load_weights_(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> Non
 
 
 def export_weights(model: Model) -> dict[str, np.ndarray]:
-    """float32 numpy copies of every parameter, HF names; ``lm_head.weight`` omitted when tied."""
+    """float32 numpy copies of every parameter, HF names; ``lm_head.weight`` omitted when tied.
+
+    Of an adapter model (``add_adapters``): its base weights (NF4 dequantised under QLoRA), without the adapters
+    (``export_adapters`` has those; ``merge_adapters`` folds them in)."""
+    from twinseq.torch_backend.peft import base_weights, is_adapter_model
+
+    if is_adapter_model(model):
+        return base_weights(model)
     names = parameter_shapes(model_config_of(model))
     params = dict(model.named_parameters())
     return {name: params[name].detach().to(device="cpu", dtype=torch.float32).numpy().copy() for name in names}
@@ -163,8 +170,11 @@ def export_weights(model: Model) -> dict[str, np.ndarray]:
 def logits(model: Model, batch: Batch) -> np.ndarray:
     """np.float32 [B, T, V] logits of ``batch`` with the model's attention path, documents masked, after the
     family's final soft-cap (applied in float32, after the upcast)."""
+    from twinseq.torch_backend.peft import causal_lm_of
+
     hidden_BTH = forward_hidden(model, batch)
-    return apply_logit_softcap(model.lm_head(hidden_BTH).float(), final_logit_softcap(model)).cpu().numpy()
+    head = causal_lm_of(model).lm_head  # through PEFT's wrapper: trainable-token rows of a tied head included
+    return apply_logit_softcap(head(hidden_BTH).float(), final_logit_softcap(model)).cpu().numpy()
 
 
 def compute_loss(model: torch.nn.Module, batch: Batch, loss_type: str = "nll", *,
@@ -173,10 +183,11 @@ def compute_loss(model: torch.nn.Module, batch: Batch, loss_type: str = "nll", *
     """Scalar loss tensor: ``sum of NLL over batch's targets / batch.num_items_in_batch`` (of the soft-capped
     logits when the family caps them)."""
     from twinseq.torch_backend.losses import causal_lm_loss
+    from twinseq.torch_backend.peft import lm_head_weight
 
     hidden_BTH = forward_hidden(model, batch, attn_implementation)
     labels_BT = torch.as_tensor(batch.labels, dtype=torch.long, device=hidden_BTH.device)
-    return causal_lm_loss(hidden_BTH, model.lm_head.weight, labels_BT, batch.num_items_in_batch, loss_type,
+    return causal_lm_loss(hidden_BTH, lm_head_weight(model), labels_BT, batch.num_items_in_batch, loss_type,
                           chunk_size=chunk_size, return_metrics=return_metrics,
                           logit_softcap=final_logit_softcap(model))
 
@@ -187,11 +198,18 @@ def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,
 
     The loss is normalised by ``batch.num_items_in_batch`` (the whole step's label count), so
     summing the results of a step's micro-batches gives the full-batch loss and gradients.
-    The model's ``.grad`` fields are cleared before and after.
+    The model's ``.grad`` fields are cleared before and after. Of an adapter model (``add_adapters``): the
+    gradients of the adapter tensors only, by PEFT saved key.
     """
+    from twinseq.torch_backend.peft import adapter_grads, is_adapter_model
+
     model.zero_grad(set_to_none=True)
     loss = compute_loss(model, batch, loss_type, chunk_size=chunk_size)
     loss.backward()
+    if is_adapter_model(model):
+        grads = adapter_grads(model)
+        model.zero_grad(set_to_none=True)
+        return float(loss.detach()), grads
     params = dict(model.named_parameters())
     grads = {}
     for name in parameter_shapes(model_config_of(model)):

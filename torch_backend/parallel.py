@@ -205,16 +205,19 @@ class CausalLMLoss(torch.nn.Module):
 
         ctx = cpmod.make_context(micro, self.cp_group, self.cfg.parallel.context_parallel_strategy,
                                  mask_layout(self.causal_lm.config).sliding_window)
-        out = self.causal_lm.model(input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False,
+        from twinseq.torch_backend.peft import causal_lm_of
+
+        out = causal_lm_of(self.causal_lm).model(input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False,
                                    **{cpmod.CP_KWARG: ctx})
         return out.last_hidden_state, micro.targets, True
 
     def forward(self, micro):
         from twinseq.torch_backend.losses import causal_lm_loss
         from twinseq.torch_backend.model import final_logit_softcap
+        from twinseq.torch_backend.peft import lm_head_weight
 
         hidden_BTH, labels_BT, shifted = self._hidden(micro)
-        return causal_lm_loss(hidden_BTH, self.causal_lm.lm_head.weight, labels_BT, micro.num_items_in_batch,
+        return causal_lm_loss(hidden_BTH, lm_head_weight(self.causal_lm), labels_BT, micro.num_items_in_batch,
                               self.cfg.loss.loss_type, chunk_size=self.cfg.loss.loss_chunk_size, return_metrics=True,
                               targets_are_shifted=shifted, logit_softcap=final_logit_softcap(self.causal_lm))
 
@@ -237,7 +240,9 @@ def apply_fsdp(module: CausalLMLoss, runtime: Runtime, cfg: TrainConfig) -> Caus
     kwargs: dict[str, Any] = {"mesh": runtime.fsdp_mesh}
     if runtime.device.type == "cuda" and cfg.model.dtype == "bfloat16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in module.causal_lm.model.layers:
+    from twinseq.torch_backend.peft import causal_lm_of
+
+    for layer in causal_lm_of(module.causal_lm).model.layers:  # an adapter model: inside PEFT's wrapper
         fully_shard(layer, **kwargs)
     fully_shard(module, **kwargs)
     for sub in module.modules():
@@ -251,7 +256,9 @@ def apply_fsdp(module: CausalLMLoss, runtime: Runtime, cfg: TrainConfig) -> Caus
 def apply_compile(causal_lm: torch.nn.Module) -> None:
     """``torch.compile`` each decoder layer in place (dynamic shapes: batches vary in length), as
     torchtitan does: per-layer graphs compose with checkpointing and FSDP2's per-layer hooks."""
-    for layer in causal_lm.model.layers:
+    from twinseq.torch_backend.peft import causal_lm_of
+
+    for layer in causal_lm_of(causal_lm).model.layers:
         layer.compile(dynamic=True)
 
 

@@ -1,27 +1,360 @@
 """PEFT on the torch backend: LoRA/DoRA/rsLoRA adapters, QLoRA's 4-bit base and trainable tokens.
 
-The rules (targets, initial values, scaling, key names, merge) are twinseq.common.peft's.
+The rules (targets, initial values, scaling, key names, merge) are ``twinseq.common.peft``'s; the layers are
+the real ``peft`` library's (``LoraConfig`` + ``get_peft_model``), so an adapter model here is a
+``peft.PeftModel`` that PEFT, TRL and ``transformers`` recognise:
+
+- ``add_adapters`` wraps a plain model (``model.build_model``/``load_pretrained``) and overwrites PEFT's random
+  initialisation with ``common.peft.init_adapters`` (or given adapters), so the torch and JAX backends start
+  from the same numbers. With ``load_in_4bit`` the decoder's linear layers are first quantised to NF4 by
+  bitsandbytes (``Linear4bit``, float32 compute; its CPU backend runs forward and backward), and PEFT wraps
+  them with its own 4-bit LoRA layers (QLoRA).
+- Only the adapter tensors (``lora_A``, ``lora_B``, DoRA's ``lora_magnitude_vector``, the trainable-token
+  rows) require grad; every other tensor is frozen.
+- ``adapter_parameters`` maps the live parameters to PEFT's *saved* key names (``...q_proj.lora_A.weight``:
+  PEFT's in-memory names carry the adapter name ``default``), the keys of ``export_adapters`` and of the
+  gradients ``loss_and_grads``/``dpo_loss_and_grads`` return for an adapter model.
+- ``causal_lm_of`` and ``lm_head_weight`` let the rest of the backend reach the HF ``*ForCausalLM`` inside the
+  wrapper and the lm_head weight the forward really uses (with trainable tokens on a tied embedding, the
+  head's rows are the adapter's), so every attention path and every loss (``nll``, ``chunked_nll``,
+  ``fused_linear``) runs on an adapter model.
+- DPO's reference is the same model under ``adapters_disabled`` (PEFT's ``disable_adapter``), never a copy.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import importlib.util
+import logging
+import re
+from typing import Any, Iterator, Optional
 
 import numpy as np
+import torch
 
 from twinseq.common.backend import Model
+from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.models import ModelConfig
-from twinseq.common.peft import PeftConfig
+from twinseq.common.peft import PeftConfig, adapter_shapes, check_adapters, check_token_indices, lora_targets
+from twinseq.common.peft import merge_adapters as merge_adapter_weights
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_NAME = "default"
+PEFT_EXTRA = "pip install -e '.[peft]'"
+_CONFIG_ATTR = "_twinseq_peft"
+
+
+# --------------------------------------------------------------------------------------
+# Dependencies
+# --------------------------------------------------------------------------------------
+
+
+def peft_available() -> bool:
+    return importlib.util.find_spec("peft") is not None
+
+
+def bitsandbytes_available() -> bool:
+    """bitsandbytes importable (QLoRA's NF4 layers, ``adamw_bnb_8bit``); tests patch this to simulate its absence."""
+    return importlib.util.find_spec("bitsandbytes") is not None
+
+
+def require_peft() -> None:
+    if not peft_available():
+        raise MissingDependencyError(f"use_peft=True needs the 'peft' package; install it with `{PEFT_EXTRA}`.")
+
+
+def require_bitsandbytes(what: str) -> None:
+    if not bitsandbytes_available():
+        raise MissingDependencyError(f"{what} needs the 'bitsandbytes' package (its CPU backend works too); install "
+                                     f"it with `{PEFT_EXTRA}`, or drop {what}.")
+
+
+# --------------------------------------------------------------------------------------
+# What an adapter model is, and how to reach inside it
+# --------------------------------------------------------------------------------------
+
+
+def is_adapter_model(model: Any) -> bool:
+    """True for a model ``add_adapters`` returned (a ``peft.PeftModel`` carrying its ``PeftConfig``)."""
+    return isinstance(model, torch.nn.Module) and _CONFIG_ATTR in model.__dict__
+
+
+def peft_config_of(model: Model) -> PeftConfig:
+    if not is_adapter_model(model):
+        raise ConfigError(f"{type(model).__name__} has no adapters; call add_adapters(model, cfg, peft) first.")
+    return model.__dict__[_CONFIG_ATTR]
+
+
+def causal_lm_of(model: Model) -> torch.nn.Module:
+    """The HF ``*ForCausalLM`` that runs: the model itself, or the one inside a ``PeftModel`` (its linear layers
+    are PEFT's LoRA layers, so calling it runs the adapters)."""
+    return model.get_base_model() if is_adapter_model(model) else model
+
+
+def _token_adapter(module: torch.nn.Module):
+    """PEFT's ``TrainableTokensLayer`` of a wrapped embedding or tied lm_head, else None."""
+    return getattr(module, "token_adapter", None) if "token_adapter" in getattr(module, "_modules", {}) else None
+
+
+def lm_head_weight(model: Model) -> torch.Tensor:
+    """The [V, H] weight the lm_head multiplies by in this forward: ``lm_head.weight``, or, with trainable tokens
+    on a tied embedding, the base weight with the adapter's rows written in (differentiable in those rows;
+    the base rows again while the adapters are disabled)."""
+    head = causal_lm_of(model).lm_head
+    adapter = _token_adapter(head)
+    if adapter is None:
+        return head.weight
+    if adapter.disable_adapters or not adapter.active_adapters:
+        return adapter.base_layer.weight
+    return adapter.get_merged_weights(adapter.active_adapters)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: Model) -> Iterator[Model]:
+    """The base model inside this block: PEFT's ``disable_adapter`` (DPO's reference, as TRL does)."""
+    if not is_adapter_model(model):
+        raise ConfigError("adapters_disabled needs an adapter model (add_adapters); a plain model has none to "
+                          "disable.")
+    with model.disable_adapter():
+        yield model
+
+
+@contextlib.contextmanager
+def reference_mode(model: Model) -> Iterator[Model]:
+    """DPO's reference model: the policy with its adapters disabled, in eval mode (no dropout), restored after."""
+    was_training = model.training
+    with adapters_disabled(model):
+        model.eval()
+        try:
+            yield model
+        finally:
+            model.train(was_training)
+
+
+# --------------------------------------------------------------------------------------
+# add_adapters
+# --------------------------------------------------------------------------------------
+
+
+def check_peft_model(model: torch.nn.Module, cfg: ModelConfig, peft: PeftConfig) -> None:
+    """Refuse what cannot combine, before anything is built."""
+    if not peft.use_peft:
+        raise ConfigError("add_adapters was given use_peft=False; set use_peft=True (--use-peft) to add adapters.")
+    if is_adapter_model(model):
+        raise ConfigError("this model already has adapters (add_adapters was called on it); merge_adapters or "
+                          "build a new base model first.")
+    lora_targets(cfg, peft)  # ConfigError for unknown target modules, empty lists, repeated token ids
+    check_token_indices(cfg, peft)
+    if peft.lora_r <= 0:  # PeftConfig checks this on construction; a config built with checks off still must not
+        raise ConfigError(f"lora_r={peft.lora_r} is not valid: the adapter rank must be an integer >= 1 (--lora-r).")
+    dtypes = {p.dtype for p in model.parameters()}
+    if peft.load_in_4bit and dtypes != {torch.float32}:
+        raise ConfigError(f"load_in_4bit=True quantises a float32 base here (parameters are {sorted(map(str, dtypes))}); "
+                          f"build the model with dtype='float32' (bitsandbytes computes in float32 on CPU).")
 
 
 def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
                  adapters: Optional[dict[str, np.ndarray]] = None) -> Model:
-    raise NotImplementedError("PEFT on the torch backend is being built")
+    """``model`` wrapped by ``peft.get_peft_model`` with LoRA/DoRA adapters on ``common.peft.lora_targets`` (and
+    trainable tokens, and an NF4 base with ``load_in_4bit``), loaded from ``adapters`` (PEFT keys; None:
+    ``common.peft.init_adapters(cfg, peft, seed=0, base_weights=...)``). Only the adapters require grad.
+
+    The plain model is modified in place (PEFT injects its layers into it); use the returned ``PeftModel``.
+    """
+    return add_adapters_seeded(model, cfg, peft, adapters, seed=0)
+
+
+def add_adapters_seeded(model: Model, cfg: ModelConfig, peft: PeftConfig,
+                        adapters: Optional[dict[str, np.ndarray]] = None, *, seed: int = 0) -> Model:
+    """``add_adapters`` whose fresh adapters are drawn with ``seed`` (the trainer's ``TrainConfig.seed``)."""
+    require_peft()
+    check_peft_model(model, cfg, peft)
+    from peft import LoraConfig, get_peft_model
+
+    from twinseq.common.peft import init_adapters
+
+    if peft.load_in_4bit:
+        require_bitsandbytes("load_in_4bit=True (QLoRA)")
+    if adapters is not None:
+        check_adapters(cfg, peft, adapters, "add_adapters(adapters=...)")
+    if peft.load_in_4bit:
+        quantize_4bit_(model)
+    if adapters is None:
+        # from the weights the forward multiplies by (NF4 dequantised under QLoRA): DoRA's magnitude starts at
+        # their row norms, so the adapted model starts equal to its base, as PEFT's own initialisation does
+        adapters = init_adapters(cfg, peft, seed=seed, base_weights=base_weights(model))
+    targets = sorted(lora_targets(cfg, peft))
+    config = LoraConfig(
+        r=peft.lora_r, lora_alpha=peft.lora_alpha, lora_dropout=peft.lora_dropout,
+        # explicit module paths (not "all-linear"): exactly common.peft's targets, whatever PEFT's own rule is
+        target_modules=targets, use_rslora=peft.use_rslora, use_dora=peft.use_dora, bias="none",
+        task_type="CAUSAL_LM",
+        trainable_token_indices=({"embed_tokens": list(peft.trainable_token_indices)}
+                                 if peft.trainable_token_indices else None))
+    wrapped = get_peft_model(model, config)
+    wrapped.__dict__[_CONFIG_ATTR] = peft
+    params = adapter_parameters(wrapped)
+    expected = adapter_shapes(cfg, peft)
+    if set(params) != set(expected):
+        raise AssertionError(f"PEFT built other adapter tensors than common.peft expects: missing "
+                             f"{sorted(set(expected) - set(params))[:3]}, extra {sorted(set(params) - set(expected))[:3]}")
+    load_adapters_(wrapped, adapters)
+    trainable = {id(p) for p in params.values()}
+    for param in wrapped.parameters():
+        param.requires_grad_(id(param) in trainable)
+    return wrapped
+
+
+def adapter_parameters(model: Model) -> dict[str, torch.nn.Parameter]:
+    """``{PEFT saved key: parameter}`` of every adapter tensor (PEFT's in-memory names carry the adapter name
+    ``.default``, and DoRA's magnitude a ``.weight``, that the saved names drop)."""
+    return {saved_key(name): param for name, param in model.named_parameters() if is_adapter_name(name)}
+
+
+_ADAPTER_PARTS = ("lora_A", "lora_B", "lora_magnitude_vector", "trainable_tokens_delta")
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a ``PeftModel`` parameter name is an adapter tensor's."""
+    return any(f".{part}." in name or name.endswith(f".{part}") for part in _ADAPTER_PARTS)
+
+
+def saved_key(name: str) -> str:
+    """PEFT's saved key of a ``PeftModel`` parameter name (``...lora_A.default.weight`` -> ``...lora_A.weight``,
+    ``...lora_magnitude_vector.default.weight`` -> ``...lora_magnitude_vector``)."""
+    key = re.sub(rf"\.{ADAPTER_NAME}(?=\.|$)", "", name)
+    return key.removesuffix(".weight") if key.endswith("lora_magnitude_vector.weight") else key
+
+
+@torch.no_grad()
+def load_adapters_(model: Model, adapters: dict[str, np.ndarray]) -> None:
+    """Copy adapter tensors (PEFT keys) into an adapter model, in place (strict names and shapes)."""
+    params = adapter_parameters(model)
+    missing, unexpected = sorted(set(params) - set(adapters)), sorted(set(adapters) - set(params))
+    if missing or unexpected:
+        raise ConfigError(f"the adapters do not fit this adapter model: missing {missing[:3]}, unexpected "
+                          f"{unexpected[:3]}; pass the tensors of the same PeftConfig.")
+    for key, param in params.items():
+        value = torch.as_tensor(np.asarray(adapters[key]), device=param.device, dtype=param.dtype)
+        if tuple(value.shape) != tuple(param.shape):
+            raise ConfigError(f"adapter {key}: shape {tuple(value.shape)} != {tuple(param.shape)} of this model.")
+        param.copy_(value)
 
 
 def export_adapters(model: Model) -> dict[str, np.ndarray]:
-    raise NotImplementedError("PEFT on the torch backend is being built")
+    """float32 numpy adapter tensors by PEFT saved key (what ``common.peft.save_adapters`` writes)."""
+    peft_config_of(model)
+    return {k: p.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
+            for k, p in adapter_parameters(model).items()}
+
+
+def adapter_grads(model: Model) -> dict[str, np.ndarray]:
+    """float32 numpy gradients of the adapter tensors by PEFT key (zeros where none flowed)."""
+    return {k: (np.zeros(tuple(p.shape), np.float32) if p.grad is None
+                else p.grad.detach().to(device="cpu", dtype=torch.float32).numpy().copy())
+            for k, p in adapter_parameters(model).items()}
+
+
+# --------------------------------------------------------------------------------------
+# The base weights: HF names through PEFT's wrappers, NF4 dequantised
+# --------------------------------------------------------------------------------------
+
+
+def _base_module(module: torch.nn.Module) -> torch.nn.Module:
+    while True:
+        adapter = _token_adapter(module)
+        if adapter is not None:
+            module = adapter.base_layer
+        elif "base_layer" in module._modules:
+            module = module.base_layer
+        else:
+            return module
+
+
+def _dense_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 copy of a weight; a bitsandbytes NF4 ``Params4bit`` is dequantised."""
+    if type(weight).__name__ == "Params4bit" and getattr(weight, "quant_state", None) is not None:
+        import bitsandbytes.functional as bnbf
+
+        data, state = weight.data, weight.quant_state
+        if getattr(state, "packing_format_for_cpu", False):
+            from bitsandbytes.backends.cpu.ops import _convert_weight_packed_for_cpu_inverse  # noqa: PLC0415
+
+            data, state = _convert_weight_packed_for_cpu_inverse(data, state)
+        return bnbf.dequantize_4bit(data, state).to(torch.float32)
+    return weight.detach().to(torch.float32)
+
+
+def base_weights(model: Model) -> dict[str, np.ndarray]:
+    """float32 numpy base weights in HF names (``common.models.parameter_shapes``), through PEFT's wrappers; an
+    NF4 weight dequantised (the numbers QLoRA's forward multiplies by)."""
+    from twinseq.common.init import parameter_shapes
+    from twinseq.torch_backend.model import model_config_of
+
+    inner = causal_lm_of(model)
+    out = {}
+    for name in parameter_shapes(model_config_of(inner)):
+        module_name, _, attr = name.rpartition(".")
+        module = _base_module(inner.get_submodule(module_name))
+        out[name] = _dense_weight(getattr(module, attr)).cpu().numpy().copy()
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# QLoRA: the decoder's linear layers in NF4
+# --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def quantize_4bit_(model: torch.nn.Module) -> int:
+    """Replace every ``nn.Linear`` of the decoder layers (never the embedding or lm_head, as transformers'
+    bitsandbytes quantiser does) by bitsandbytes' ``Linear4bit`` (NF4, float32 compute), in place; returns how
+    many layers were quantised."""
+    import bitsandbytes as bnb
+
+    device = next(model.parameters()).device
+    count = 0
+    for layer in causal_lm_of(model).model.layers:
+        for name, child in list(layer.named_modules()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            parent_name, _, attr = name.rpartition(".")
+            parent = layer.get_submodule(parent_name) if parent_name else layer
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=torch.float32, quant_type="nf4", quant_storage=torch.uint8,
+                                  device="meta")
+            q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False, quant_type="nf4",
+                                         quant_storage=torch.uint8).to(device)
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
+            setattr(parent, attr, q)
+            count += 1
+    logger.info("load_in_4bit: %d linear layers quantised to NF4 (bitsandbytes %s, float32 compute)", count,
+                getattr(bnb, "__version__", "?"))
+    return count
+
+
+def is_quantized(model: Model) -> bool:
+    return any(type(p).__name__ == "Params4bit" for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------
+# merge
+# --------------------------------------------------------------------------------------
 
 
 def merge_adapters(model: Model) -> Model:
-    raise NotImplementedError("PEFT on the torch backend is being built")
+    """A plain HF model (float32, same attention path) whose weights are the base's (NF4 dequantised) with the
+    adapters folded in by ``common.peft.merge_adapters``; ``model`` is left as it is."""
+    from twinseq.torch_backend.attention import twinseq_attn_name
+    from twinseq.torch_backend.model import build_model, model_config_of
+
+    peft = peft_config_of(model)
+    inner = causal_lm_of(model)
+    cfg = model_config_of(inner)
+    merged = merge_adapter_weights(cfg, peft, base_weights(model), export_adapters(model))
+    device = next(model.parameters()).device
+    plain = build_model(cfg, merged, attn_implementation=twinseq_attn_name(inner.config._attn_implementation),
+                        device=device)
+    return plain.train(model.training)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from twinseq.common.capabilities import Runtime as CapabilityRuntime
 from twinseq.common.config import TrainConfig
-from twinseq.common.errors import CheckpointError
+from twinseq.common.errors import CheckpointError, ConfigError
 from twinseq.common.hf_checkpoint import check_tokenizer_fits, resolve_model_source
 from twinseq.common.init import check_weights, init_weights, parameter_shapes
 from twinseq.common.metrics import peak_rss_bytes
@@ -63,14 +63,32 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int, device: torch.device) -> 
     return model.to(device).train()
 
 
+def add_peft(cfg: TrainConfig, causal_lm: torch.nn.Module) -> torch.nn.Module:
+    """The plain model with ``cfg.peft``'s adapters (``peft.add_adapters``, drawn with ``cfg.seed``)."""
+    from twinseq.torch_backend.model import model_config_of
+    from twinseq.torch_backend.peft import add_adapters_seeded
+
+    return add_adapters_seeded(causal_lm, model_config_of(causal_lm), cfg.peft, seed=cfg.seed)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
-    """AdamW; weight decay on matrices only (norm scales are not decayed), as HF Trainer does."""
+    """AdamW over the parameters that train (all, or the adapters only); weight decay on matrices only (norm
+    scales are not decayed), as HF Trainer does. ``optimizer='adamw_bnb_8bit'``: bitsandbytes' ``AdamW8bit``."""
     opt = cfg.optim
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2),
-                                  eps=opt.adam_epsilon, foreach=False)
+    if opt.optimizer == "adamw_bnb_8bit":
+        from twinseq.torch_backend.peft import require_bitsandbytes
+
+        require_bitsandbytes("optimizer='adamw_bnb_8bit'")
+        import bitsandbytes as bnb
+
+        optimizer = bnb.optim.AdamW8bit(groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2),
+                                        eps=opt.adam_epsilon)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2),
+                                      eps=opt.adam_epsilon, foreach=False)
     warmup, total, kind = cfg.effective_warmup_steps, cfg.max_steps, opt.lr_scheduler_type
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda k: lr_multiplier(k, warmup_steps=warmup, max_steps=total, scheduler=kind))
@@ -165,9 +183,18 @@ class Trainer:
     def any_rank(self, flag: bool) -> bool:
         return flag if self.runtime is None else any_over_ranks(flag, self.device)
 
+    @property
+    def is_peft(self) -> bool:
+        from twinseq.torch_backend.peft import is_adapter_model
+
+        return is_adapter_model(self.causal_lm)
+
     def _weight_names(self) -> list[str]:
+        """The parameters a checkpoint holds: every weight (HF names), or the adapters only (PeftModel names)."""
         from twinseq.torch_backend.model import model_config_of
 
+        if self.is_peft:
+            return [name for name, p in self.causal_lm.named_parameters() if p.requires_grad]
         return list(parameter_shapes(model_config_of(self.causal_lm)))
 
     def state_dict(self) -> dict[str, Any]:
@@ -182,16 +209,28 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from twinseq.torch_backend.model import model_config_of
 
-        try:
-            check_weights(model_config_of(self.causal_lm), state["model"])
-        except ValueError as err:
-            raise CheckpointError(f"the checkpoint's weights do not fit this model: {err}") from None
+        if self.is_peft or any("lora_" in k or "trainable_tokens" in k for k in state["model"]):
+            expected, got = set(self._weight_names()), set(state["model"])
+            if expected != got:
+                raise CheckpointError(
+                    f"the checkpoint holds {'adapter' if any('lora_' in k for k in got) else 'full-model'} weights "
+                    f"that do not fit this {'PEFT' if self.is_peft else 'full fine-tuning'} run (missing "
+                    f"{sorted(expected - got)[:2]}, unexpected {sorted(got - expected)[:2]}); resume with the "
+                    f"peft settings (use_peft, lora_r, lora_target_modules, ...) the checkpoint was written with.")
+        else:
+            try:
+                check_weights(model_config_of(self.causal_lm), state["model"])
+            except ValueError as err:
+                raise CheckpointError(f"the checkpoint's weights do not fit this model: {err}") from None
         load_full_model_state(self.module, state["model"], _PREFIX)
         load_full_optimizer_state(self.module, self.optimizer, from_numpy_tree(state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
 
     def save_final(self, path: Path) -> None:
+        if self.is_peft:
+            self._save_final_adapters(path)
+            return
         if self.runtime is None:
             save_pretrained(self.causal_lm, path)
             return
@@ -203,6 +242,28 @@ class Trainer:
             save_pretrained(build_model(model_cfg, {k: weights[k].float().numpy() for k in self._weight_names()}),
                             path)
         dist.barrier()
+
+    def _save_final_adapters(self, path: Path) -> None:
+        """PEFT's folder (``adapter_config.json`` + ``adapter_model.safetensors``, which
+        ``peft.PeftModel.from_pretrained`` loads); its ``base_model_name_or_path`` is the model folder the run
+        started from, or, for a preset (weights drawn by ``init_weights``), the base written to ``path/base``."""
+        from twinseq.common.peft import save_adapters
+        from twinseq.torch_backend.model import build_model, model_config_of
+        from twinseq.torch_backend.peft import peft_config_of, saved_key
+
+        weights = full_model_state(self.module, _PREFIX)  # a collective under FSDP2
+        if self.is_main:
+            model_cfg = model_config_of(self.causal_lm)
+            adapters = {saved_key(k): weights[k].float().numpy() for k in self._weight_names()}
+            source = resolve_model_source(self.cfg.model.model_config)
+            if source.weights_folder is not None:
+                base = Path(source.weights_folder).resolve()
+            else:
+                base = (Path(path) / "base").resolve()
+                save_pretrained(build_model(model_cfg, init_weights(model_cfg, seed=self.cfg.seed)), base)
+            save_adapters(path, model_cfg, peft_config_of(self.causal_lm), adapters, base_model_name_or_path=str(base))
+        if self.runtime is not None:
+            dist.barrier()
 
     def peak_memory_bytes(self) -> int:
         peak = int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda" else peak_rss_bytes()
@@ -238,6 +299,8 @@ class DPOTrainer(Trainer):
                  examples_per_step: int) -> None:
         super().__init__(cfg, module, device)
         self.ref_model, self.config, self.examples_per_step = ref_model, config, examples_per_step
+        # PEFT: the reference is the policy with its adapters disabled (TRL's way), unless precomputed
+        self.adapter_reference = self.is_peft and ref_model is None and not cfg.dpo.precompute_ref_log_probs
 
     def micro_losses(self, records: list[Any]) -> list[float]:
         return [float(o.loss.detach()) for o in records]
@@ -252,6 +315,13 @@ class DPOTrainer(Trainer):
                 ref_c, ref_r = reference_logps(self.ref_model, pbatch, loss_type=loss.loss_type,
                                                chunk_size=loss.loss_chunk_size,
                                                attn_implementation=c.model.attn_implementation)
+            elif self.adapter_reference:
+                from twinseq.torch_backend.peft import reference_mode
+
+                with reference_mode(self.causal_lm):
+                    ref_c, ref_r = reference_logps(self.causal_lm, pbatch, loss_type=loss.loss_type,
+                                                   chunk_size=loss.loss_chunk_size,
+                                                   attn_implementation=c.model.attn_implementation)
         with offload_context(c, self.causal_lm):
             with autocast(c, self.device):
                 if loss.loss_type == "liger":
@@ -282,12 +352,23 @@ class DPOTrainer(Trainer):
 def _describe(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, world_size: int = 1) -> str:
     d = cfg.data
     num_params = sum(p.numel() for p in model.parameters())
+    params = f"{num_params / 1e6:.2f}M params"
+    from twinseq.torch_backend.peft import is_adapter_model, is_quantized
+
+    if is_adapter_model(model):
+        p = cfg.peft
+        trainable = sum(t.numel() for t in model.parameters() if t.requires_grad)
+        kind = ("Q" if p.load_in_4bit else "") + ("DoRA" if p.use_dora else "LoRA") + (" rs" if p.use_rslora else "")
+        params = (f"{kind} r={p.lora_r} alpha={p.lora_alpha} on {','.join(p.lora_target_modules)}"
+                  f"{' + trainable tokens' if p.trainable_token_indices else ''}"
+                  f"{' (NF4 base)' if is_quantized(model) else ''}: {trainable:,} trainable of {num_params:,} "
+                  f"params ({100 * trainable / num_params:.2f}%)")
     effective = d.per_device_train_batch_size * world_size * d.gradient_accumulation_steps
     from twinseq.torch_backend.attention import twinseq_attn_name
 
     attn = twinseq_attn_name(model.config._attn_implementation)  # what runs (sdpa may have fallen back)
     return (f"twinseq torch {cfg.task}: {model.config.model_type} {cfg.model.model_config!r}, "
-            f"{num_params / 1e6:.2f}M params on {device}, attn={attn}, loss={cfg.loss.loss_type}, packing={d.packing}"
+            f"{params} on {device}, attn={attn}, loss={cfg.loss.loss_type}, packing={d.packing}"
             f"({d.packing_strategy}), padding_free={d.padding_free}; effective batch = "
             f"{d.per_device_train_batch_size} per device x {world_size} devices x {d.gradient_accumulation_steps} "
             f"accumulation steps = {effective} {'packed rows' if d.packing else 'examples'} per optimizer step")
@@ -299,7 +380,13 @@ def _build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime
     dp, dp_rank = (1, 0) if runtime is None else (runtime.mesh_cfg.dp, runtime.dp_rank)
     with main_process_first(runtime):
         source, tokenizer, stats = build_step_iterator(cfg, world_size=dp, rank=dp_rank)
-    module = parallelize(build_causal_lm(cfg, tokenizer.vocab_size, device), runtime, cfg)
+    causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device)
+    if cfg.peft.use_peft:
+        if runtime is not None and cfg.peft.load_in_4bit:
+            raise ConfigError("load_in_4bit=True (QLoRA) runs in one process here: FSDP2 cannot shard "
+                              "bitsandbytes' packed NF4 weights; drop --load-in-4bit (LoRA shards) or run one process.")
+        causal_lm = add_peft(cfg, causal_lm)
+    module = parallelize(causal_lm, runtime, cfg)
     announce = [_describe(cfg, module.causal_lm, device, dp), f"data: {stats}"]
     if runtime is not None:
         m = runtime.mesh_cfg
@@ -318,12 +405,24 @@ def _build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime
     config = validate_dpo_config(cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing)
     rows, tokenizer, stats = prepare_dpo_dataset(cfg)
     causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device)
-    # The reference is the *initial* policy, copied before any checkpoint is loaded.
-    ref_model = frozen_reference(causal_lm)
+    if cfg.peft.use_peft:
+        if cfg.loss.loss_type == "liger":
+            raise ConfigError("loss_type='liger' (or use_liger_kernel=True) for DPO needs a separate reference "
+                              "model, and with use_peft=True the reference is the policy with its adapters "
+                              "disabled; use --loss-type fused_linear with --use-peft.")
+        causal_lm = add_peft(cfg, causal_lm)
+        # The reference is the base: the policy with its adapters disabled, no second copy (as TRL does).
+        ref_model = None
+    else:
+        # The reference is the *initial* policy, copied before any checkpoint is loaded.
+        ref_model = frozen_reference(causal_lm)
     if cfg.dpo.precompute_ref_log_probs:
+        from twinseq.torch_backend.peft import reference_mode
+
         t0 = time.perf_counter()
-        with autocast(cfg, device):
-            rows = precompute_ref_logps(ref_model, rows, cfg, tokenizer.pad_token_id)
+        with autocast(cfg, device), (reference_mode(causal_lm) if ref_model is None else contextlib.nullcontext()):
+            rows = precompute_ref_logps(causal_lm if ref_model is None else ref_model, rows, cfg,
+                                        tokenizer.pad_token_id)
         logger.info("precomputed reference log-probs of %d pairs in %.1fs; the reference model is freed", len(rows),
                     time.perf_counter() - t0)
         ref_model = None
@@ -331,7 +430,7 @@ def _build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime
     module = parallelize(causal_lm, None, cfg)
     announce = [_describe(cfg, causal_lm, device),
                 f"dpo_loss_type={list(config.loss_type)}, beta={config.beta}, reference="
-                f"{'precomputed' if ref_model is None else 'live copy'}, {source.examples_per_step} pairs per step; "
+                f"{'precomputed' if cfg.dpo.precompute_ref_log_probs else 'the base (adapters disabled)' if cfg.peft.use_peft else 'live copy'}, {source.examples_per_step} pairs per step; "
                 f"data: {stats}"]
     trainer = DPOTrainer(cfg, module, device, ref_model=ref_model, config=config,
                          examples_per_step=source.examples_per_step)

@@ -73,7 +73,12 @@ def _trainer(cfg, runtime=None):
 
     torch.manual_seed(cfg.seed)
     device = torch.device("cpu") if runtime is None else runtime.device
-    return SFTTrainer(cfg, parallelize(_model(cfg), runtime, cfg), device, runtime)
+    model = _model(cfg)
+    if cfg.peft.use_peft:  # LoRA: adapters on the plain model before parallelize, as train() adds them
+        from twinseq.torch_backend.trainer import add_peft
+
+        model = add_peft(cfg, model)
+    return SFTTrainer(cfg, parallelize(model, runtime, cfg), device, runtime)
 
 
 def reference_losses(cfg, rows, *, return_batches: bool = False):
@@ -107,12 +112,13 @@ def distributed_losses(cfg, rows) -> list[float]:
 
 
 def distributed_grads(cfg, rows) -> dict[str, np.ndarray]:
-    """The full (unsharded) gradients of the first step, HF names, after FSDP2's reduce-scatter."""
+    """The full (unsharded) gradients of the first step, HF names (PeftModel names of the adapters under LoRA),
+    after FSDP2's reduce-scatter."""
     trainer, iterator = _parallel_setup(cfg, rows)
     for micro in trainer.prepare(iterator.next_step()):
         trainer.micro_step(micro)
     return {n.removeprefix("causal_lm."): p.grad.full_tensor().cpu().numpy()
-            for n, p in trainer.module.named_parameters()}
+            for n, p in trainer.module.named_parameters() if p.requires_grad}
 
 
 def reference_grads(cfg, rows) -> dict[str, np.ndarray]:
@@ -122,7 +128,8 @@ def reference_grads(cfg, rows) -> dict[str, np.ndarray]:
     trainer = _trainer(cfg)
     for batch in StepIterator(rows, cfg, pad_token_id=0).next_step():
         trainer.micro_step(batch)
-    return {n.removeprefix("causal_lm."): p.grad.numpy() for n, p in trainer.module.named_parameters()}
+    return {n.removeprefix("causal_lm."): p.grad.numpy() for n, p in trainer.module.named_parameters()
+            if p.requires_grad}
 
 
 def packed_batch(seed: int = 1, pad_to: int = 8):
