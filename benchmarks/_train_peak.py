@@ -74,6 +74,11 @@ def _child_torch(argv: list[str]) -> dict[str, Any]:
         import transformers  # noqa: F401
         from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
         import transformers.models.llama.modeling_llama  # noqa: F401
+        for optional in ("peft", "bitsandbytes", "twinseq.torch_backend.peft"):  # PEFT runs import them lazily
+            try:
+                __import__(optional)
+            except ImportError:
+                pass
         gc.collect()
         rec["baseline_rss_bytes"] = _status("VmRSS")
         _reset_hwm()
