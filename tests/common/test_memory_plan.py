@@ -89,7 +89,7 @@ def test_lora_trains_only_the_adapters(backend, targets):
     assert p.get("LoRA adapters (float32)") == 4 * count
     assert p.get("weights (float32)") == 4 * ModelConfig.preset("tiny").num_parameters()  # the frozen base
     assert p.total < plan(backend).total
-    assert p.get("activations (decoder layers)") < plan(backend).get("activations (decoder layers)")
+    assert p.get("activations (decoder layers)") == plan(backend).get("activations (decoder layers)")
 
 
 def test_lora_dropout_copies_the_adapted_inputs():
