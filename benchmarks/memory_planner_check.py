@@ -157,8 +157,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                             rows, "lrrrl"), "",
             f"{within} of {len(results)} configurations within {TOLERANCE:.0%}. The coefficients of "
             "`common/memory_plan.py` were fitted on the tiny/small full fine-tune runs; the rows marked held out "
-            "(other attention paths, bf16, padding-free, chunked loss, DPO, longer rows) and the LoRA/QLoRA rows "
-            "were not used to fit anything."]
+            "(other attention paths, bf16, padding-free, chunked loss, DPO, longer rows) were not used to fit "
+            "anything; the first torch LoRA measurement informed one structural choice (the frozen base keeps a full "
+            "fine-tune's saved set), no coefficient."]
     if failed:
         body += ["", "Not measured (the run failed):", ""] + [f"- `{k}`: {v}" for k, v in failed.items()]
 
