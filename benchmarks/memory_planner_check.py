@@ -142,7 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    f"error {100 * r['error']:+6.1f}%")
     results = dict(sorted(results.items()))
     rows = [[name + (" (held out)" if name in HELD_OUT else "")
-             + (f" (measured in {r['reused_from']})" if "reused_from" in r else ""), f"{r['planned'] / MIB:,.1f}",
+             + (" †" if "reused_from" in r else ""), f"{r['planned'] / MIB:,.1f}",
              f"{r['measured'] / MIB:,.1f}", f"{100 * r['error']:+.1f}%",
              "yes" if abs(r["error"]) <= TOLERANCE else "**no**"] for name, r in results.items()]
     within = sum(abs(r["error"]) <= TOLERANCE for r in results.values())
@@ -160,6 +160,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "(other attention paths, bf16, padding-free, chunked loss, DPO, longer rows) were not used to fit "
             "anything; the first torch LoRA measurement informed one structural choice (the frozen base keeps a full "
             "fine-tune's saved set), no coefficient."]
+    reused = sorted({r["reused_from"] for r in results.values() if "reused_from" in r})
+    if reused:
+        body += ["", f"† measured by an earlier run of this script ({', '.join(reused)}, `--reuse`) and re-planned "
+                     "with the current formula; each measurement's own command is in the .json."]
     if failed:
         body += ["", "Not measured (the run failed):", ""] + [f"- `{k}`: {v}" for k, v in failed.items()]
 
