@@ -34,8 +34,8 @@ test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
 
 # Every benchmark that runs on a CPU, at its default (full) size, then the README table from
-# the results. About 70 minutes on 2 cores (from the committed runs' timings; padding_free and
-# loss_memory take most of it). Each script writes benchmarks/results/<what>_<hardware>_<date>.*
+# the results. About 100 minutes on 2 cores (from the committed runs' timings; padding_free,
+# loss_memory, memory_planner_check and peft_staircase take most of it). Each script writes benchmarks/results/<what>_<hardware>_<date>.*
 # and records the commit, so commit the code first. tests/test_benchmarks_report.py checks that
 # this list names every script in benchmarks/.
 

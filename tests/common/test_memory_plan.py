@@ -110,7 +110,14 @@ def test_qlora_stores_decoder_linears_in_nf4_and_keeps_the_rest_float32(backend)
     p = plan(backend, use_peft=True, load_in_4bit=True)
     assert p.get("weights (NF4 + absmax)") == int(linear * (NF4_BYTES + QUANT_STATS_BYTES[backend]))
     assert p.get("weights (float32)") == 4 * (cfg.num_parameters() - linear)  # embeddings and norms
-    assert p.total < plan(backend, use_peft=True).total
+    on_gpu = lambda **kw: plan_memory(TrainConfig.from_flat(**{**BASE, "backend": backend, "use_peft": True, **kw}),  # noqa: E731
+                                      device="cuda")
+    assert on_gpu(load_in_4bit=True).total < on_gpu().total
+    if backend == "jax":  # measured: XLA:CPU keeps every dequantised weight alive, so QLoRA saves nothing there
+        assert p.get("dequantised weights") == 4 * linear
+        assert p.total >= plan(backend, use_peft=True).total
+    else:
+        assert p.total < plan(backend, use_peft=True).total
 
 
 def test_8bit_adam_keeps_a_quarter_of_the_moments():
