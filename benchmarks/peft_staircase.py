@@ -67,6 +67,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--backends", default="torch,jax")
     parser.add_argument("--steps", default=",".join(STEPS), help="which staircase steps to run")
     parser.add_argument("--max-steps", type=int, default=2, help="optimizer steps per run")
+    parser.add_argument("--reuse", type=Path, default=None,
+                        help="a previous result .json: keep its measured cells (re-planned with the current "
+                             "formula) and measure only the cells it lacks")
     add_output_args(parser)
     return parser.parse_args(argv)
 
@@ -85,9 +88,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     model_paths = {"small": "small", "llama-100m": write_model(tmp / "llama-100m")}
     jobs = [(m, b, s, c) for m in models for b in backends for s, c in step_configs(b).items() if s in wanted]
     results: list[dict[str, Any]] = []
+    old = {}
+    if args.reuse is not None:
+        old = {(r["model"], r["backend"], r["step"]): r for r in json.loads(args.reuse.read_text())["results"]
+               if "peak_bytes" in r}
     for model, backend, step, change in tqdm(jobs, desc="staircase", unit="run"):
         values = dict(backend=backend, model_config=model_paths[model], learning_rate=1e-3, **SHAPES[model], **change)
         row: dict[str, Any] = {"model": model, "backend": backend, "step": step, "config": values}
+        if (model, backend, step) in old:
+            row = {**old[(model, backend, step)], "config": values, "reused_from": args.reuse.name,
+                   "planned_bytes": plan_memory(TrainConfig.from_flat(**values)).total}
+            results.append(row)
+            continue
         try:
             plan = plan_memory(TrainConfig.from_flat(**values))
             row["planned_bytes"] = plan.total
@@ -123,7 +135,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "the RSS before the model is built; jax, the compiled step's `memory_analysis()` (argument + output + "
             "temp - alias) + optimizer state. tokens/s: the last step (timings are noisy: 2 shared cores). "
             "jax's packing step packs rows but stays padded (its dense attention would pay a (B T)^2 mask for "
-            "padding-free).", "",
+            "padding-free)." + (f" Cells measured by an earlier run ({args.reuse.name}, `--reuse`) are re-planned with "
+                                "the current formula." if args.reuse else ""), "",
             *markdown_table(["model", "backend", "step", "peak MiB", "vs baseline", "planned MiB", "tokens/s",
                              "note"], table, "lllrrrrl")]
 
