@@ -48,8 +48,8 @@ from twinseq.common.schedule import lr_multiplier
 from twinseq.common.step_metrics import apply_or_skip, dpo_step_metrics, first_nonfinite, sft_step_sums, with_means
 from twinseq.jax_backend.checkpoint import from_numpy_tree, save_pretrained, to_numpy_tree
 from twinseq.jax_backend.losses import check_labels
-from twinseq.jax_backend.model import (CausalLM, batch_inputs, export_weights, grads_jit, has_adapters, merge_state,
-                                       split_trainable)
+from twinseq.jax_backend.model import (CausalLM, batch_inputs, build_model, export_weights, grads_jit, has_adapters,
+                                       merge_state, split_trainable)
 from twinseq.jax_backend.parallel import (CP_AXIS, DataParallelSteps, attention_of_config, mesh_from_config,
                                           parallelize, sequence_multiple, shard_batch, shard_params)
 
@@ -282,8 +282,15 @@ class Trainer:
         from twinseq.jax_backend.peft import export_adapters
 
         model = self.model()
-        save_adapters(path, model.config, self.cfg.peft, export_adapters(model),
-                      base_model_name_or_path=str(self.cfg.model.model_config))
+        # As on torch: base_model_name_or_path is the model folder the run started from, or, for a preset
+        # (weights drawn by init_weights), the base written beside the adapters.
+        source = resolve_model_source(self.cfg.model.model_config)
+        if source.weights_folder is not None:
+            base = Path(source.weights_folder).resolve()
+        else:
+            base = (Path(path) / "base").resolve()
+            save_pretrained(build_model(model.config, init_weights(model.config, seed=self.cfg.seed)), base)
+        save_adapters(path, model.config, self.cfg.peft, export_adapters(model), base_model_name_or_path=str(base))
 
     def peak_memory_bytes(self) -> int:
         """Accelerator peak bytes in use where JAX reports it, else the process's peak RSS (CPU)."""
