@@ -31,7 +31,7 @@ def main(kind: str) -> None:
     from twinseq.torch_backend.peft import add_adapters
 
     torch.set_num_threads(1)
-    cfg = ModelConfig.preset("tiny", hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+    cfg = ModelConfig.preset("tiny", hidden_size=512, intermediate_size=2048, num_hidden_layers=8,
                              num_attention_heads=8, num_key_value_heads=8, head_dim=64)
     peft = PeftConfig(use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, load_in_4bit=kind == "qlora")
     model = add_adapters(build_model(cfg), cfg, peft)
