@@ -121,3 +121,17 @@ def harness(exact_fp32) -> Harness:
 @pytest.fixture(scope="session")
 def harness_bf16(exact_fp32) -> Harness:
     return Harness("bfloat16")
+
+
+@pytest.fixture(scope="session")
+def sft_jsonl(tmp_path_factory) -> str:
+    """160 prompt/completion rows of the embedded SFT data, as a local JSONL file (CLI and train() parity)."""
+    import json
+
+    from twinseq.common.corpus import load_embedded
+
+    path = tmp_path_factory.mktemp("data") / "sft.jsonl"
+    with path.open("w") as f:
+        for row in load_embedded("embedded-sft").select(range(160)):
+            f.write(json.dumps({"prompt": row["prompt"], "completion": row["completion"]}) + "\n")
+    return str(path)

@@ -15,8 +15,6 @@ Layouts: padded rows, and packed padding-free rows (documents share a row).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from parity_tests.tolerances import tol
@@ -27,18 +25,6 @@ pytest.importorskip("jax")
 
 NUM_STEPS = 50
 LAYOUT_FLAGS = {"padded": [], "packed": ["--packing", "--padding-free"]}
-
-
-@pytest.fixture(scope="module")
-def sft_jsonl(tmp_path_factory):
-    """160 prompt/completion rows of the embedded SFT data, as a local JSONL file."""
-    from twinseq.common.corpus import load_embedded
-
-    path = tmp_path_factory.mktemp("data") / "sft.jsonl"
-    with path.open("w") as f:
-        for row in load_embedded("embedded-sft").select(range(160)):
-            f.write(json.dumps({"prompt": row["prompt"], "completion": row["completion"]}) + "\n")
-    return str(path)
 
 
 def _flags(data: str, layout: str) -> list[str]:

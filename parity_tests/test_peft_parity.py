@@ -15,8 +15,6 @@ non-zero). Invariants, float32 on CPU, the bounds of TOLERANCES.md (no looser on
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -87,17 +85,6 @@ def test_other_adapters_break_the_bounds(exact_fp32):
     assert max(rel_norm(j_grads[k], t_grads[k]) for k in t_grads) > tol("float32", "grad_rel")
 
 
-@pytest.fixture(scope="module")
-def sft_jsonl(tmp_path_factory):
-    from twinseq.common.corpus import load_embedded
-
-    path = tmp_path_factory.mktemp("data") / "sft.jsonl"
-    with path.open("w") as f:
-        for row in load_embedded("embedded-sft").select(range(64)):
-            f.write(json.dumps({"prompt": row["prompt"], "completion": row["completion"]}) + "\n")
-    return path
-
-
 @pytest.mark.slow
 def test_twenty_lora_steps_agree(sft_jsonl, tmp_path, exact_fp32):
     from twinseq.common.config import TrainConfig
@@ -108,7 +95,7 @@ def test_twenty_lora_steps_agree(sft_jsonl, tmp_path, exact_fp32):
     runs = {}
     for backend in ("torch", "jax"):
         cfg = TrainConfig.from_flat(
-            backend=backend, output_dir=str(tmp_path / backend), dataset_name=str(sft_jsonl), max_steps=20,
+            backend=backend, output_dir=str(tmp_path / backend), dataset_name=sft_jsonl, max_steps=20,
             max_length=64, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-2,
             warmup_steps=2, max_grad_norm=1.0, disable_tqdm=True, use_peft=True, lora_r=4, lora_alpha=8.0,
             lora_dropout=0.0, use_dora=True, seed=3)

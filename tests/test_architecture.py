@@ -86,6 +86,6 @@ def test_the_two_checkpoint_meanings_have_distinct_names():
 
 
 def test_nothing_in_the_repository_points_outside_it():
-    hits = subprocess.run(["git", "grep", "-nF", "../shared", "--", ".", ":(exclude)tests/test_architecture.py"],
+    hits = subprocess.run(["git", "grep", "-nF", "../" + "shared", "--", ".", ":(exclude)tests/test_architecture.py"],
                           cwd=ROOT, capture_output=True, text=True).stdout
     assert hits == "", hits
