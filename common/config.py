@@ -162,6 +162,14 @@ class MemoryConfig(_Section):
     gradient_checkpointing: bool = False
     activation_offloading: bool = False
     torch_compile: bool = False
+    tiled_mlp: bool = False
+    """Run each decoder MLP over chunks of ``tiled_mlp_chunk_size`` tokens, recomputed in backward (ALST's
+    tiled MLP): the ``[tokens, intermediate]`` activations of one chunk are live at a time, not of the sequence."""
+    tiled_mlp_chunk_size: int = knob(4096, ge=1)
+    """Tokens per MLP tile (with ``tiled_mlp``)."""
+    attention_block_size: int = knob(512, ge=1)
+    """Query and key block of the blocked (online-softmax) attention paths: their memory is
+    O(tokens x block), never O(tokens^2)."""
 
 
 @dataclass
