@@ -50,6 +50,7 @@ bench: setup
 	$(BIN)/python benchmarks/ring_attention.py
 	$(BIN)/python benchmarks/memory_planner_check.py
 	$(BIN)/python benchmarks/peft_staircase.py
+	$(BIN)/python benchmarks/max_length.py
 	$(BIN)/python benchmarks/readme_table.py
 
 clean:

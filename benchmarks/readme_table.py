@@ -151,12 +151,24 @@ def peft_staircase_row(d: dict) -> tuple[str, str, str]:
             f"{_mib(last['peak_bytes'])} ({_x(last['peak_bytes'] / base['peak_bytes'])}×)")
 
 
+def max_length_row(d: dict) -> tuple[str, str, str]:
+    rows = d["results"]
+    trl = next((r for r in rows if r["setup"] == "trl"), None)
+    best = max((r for r in rows if r["setup"] != "trl"), key=lambda r: r["max_length"])
+    bound = "" if best["bound"] == "memory" else ">= "
+    return (f"longest single document that trains one step, `{d['model']}` fp32 CPU, cap {_mib(d['cap_bytes'])}",
+            f"TRL SFTTrainer: {trl['max_length']:,} tokens" if trl else "TRL not run",
+            f"{best['setup']} ({best['row']}): {bound}{best['max_length']:,} tokens"
+            + (f" ({_x(best['max_length'] / trl['max_length'])}×)" if trl and trl["max_length"] else ""))
+
+
 # The README's rows, in its order; every benchmark script in benchmarks/ has one (a test checks).
 ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "packing": packing_row, "loss_memory": loss_memory_row, "jax_loss_memory": jax_loss_memory_row,
     "memory_techniques": memory_techniques_row, "padding_free": padding_free_row, "torch_vs_jax": torch_vs_jax_row,
     "dpo_memory": dpo_memory_row, "ring_attention": ring_attention_row,
     "memory_planner_check": memory_planner_check_row, "peft_staircase": peft_staircase_row,
+    "max_length": max_length_row,
 }
 
 
