@@ -111,12 +111,14 @@ def check_zero3_config(cfg: TrainConfig) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def ds_config(cfg: TrainConfig, world_size: int, *, param_persistence_threshold: Optional[int] = None) -> dict:
+def ds_config(cfg: TrainConfig, *, param_persistence_threshold: Optional[int] = None) -> dict:
     """DeepSpeed's config dict for ``cfg``: ZeRO stage 3, batch sizes, clipping, precision.
 
     ``param_persistence_threshold``: parameters of at most this many elements stay whole on every rank
     (DeepSpeed's ``stage3_param_persistence_threshold``; None keeps its default, 1e5). 0 partitions all.
     """
+    # train_batch_size is left for DeepSpeed to derive (micro x accumulation x ranks): zero.Init reads this
+    # config before DeepSpeed's own process group knows the world size, and would check it against 1
     d = cfg.data
     zero: dict[str, Any] = {"stage": 3}
     if param_persistence_threshold is not None:
@@ -125,7 +127,6 @@ def ds_config(cfg: TrainConfig, world_size: int, *, param_persistence_threshold:
     return {
         "train_micro_batch_size_per_gpu": d.per_device_train_batch_size,
         "gradient_accumulation_steps": d.gradient_accumulation_steps,
-        "train_batch_size": d.per_device_train_batch_size * d.gradient_accumulation_steps * world_size,
         "gradient_clipping": float(cfg.optim.max_grad_norm or 0.0),
         "zero_optimization": zero,
         "bf16": {"enabled": bf16},
@@ -296,7 +297,7 @@ def build_zero3_engine(cfg: TrainConfig, *, model_config=None, weights: Optional
     check_zero3_config(cfg)
     deepspeed = _import_deepspeed()
     ensure_process_group()
-    conf = ds_config(cfg, dist.get_world_size(), param_persistence_threshold=param_persistence_threshold)
+    conf = ds_config(cfg, param_persistence_threshold=param_persistence_threshold)
     if model is None:
         if model_config is None:
             raise ConfigError("build_zero3_engine needs model= (a built twinseq model) or model_config= (a "
