@@ -33,6 +33,7 @@ import _dist_workers as W  # noqa: E402
 from twinseq.common.errors import ConfigError, MissingDependencyError  # noqa: E402
 
 REL = 1e-5
+GRAD_NORM_REL = 1e-5
 STEPS = 5
 ZERO3 = dict(deepspeed_zero_stage=3, max_steps=STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=1)
 # the single process sees the same 4 rows per step as 2 ranks x 2 rows: as 2 micro-batches of 2
@@ -65,8 +66,9 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
     partitioned = all(p.ds_tensor.numel() * world >= p.ds_numel > p.ds_tensor.numel() for p in params) \
         if world > 1 else all(hasattr(p, "ds_id") for p in params)
     iterator = StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0, world_size=world, rank=rank)
-    losses = [engine.train_step(iterator.next_step())["loss"] for _ in range(cfg.max_steps)]
-    out = {"losses": losses, "partitioned": bool(partitioned)}
+    steps = [engine.train_step(iterator.next_step()) for _ in range(cfg.max_steps)]
+    out = {"losses": [s["loss"] for s in steps], "grad_norms": [s["grad_norm"] for s in steps],
+           "partitioned": bool(partitioned)}
     for gather in (True, False):
         out[f"greedy_gather={gather}"] = engine.generate(PROMPTS, gather_for_generation=gather,
                                                          max_new_tokens=NEW_TOKENS)
@@ -138,18 +140,34 @@ def _hf_greedy(weights: dict) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference_losses():
-    return W.reference_losses(W.make_config(**REFERENCE), W.synthetic_rows(seed=0))
+def reference():
+    """(losses, pre-clip gradient norms) of the single-process torch trainer, step by step."""
+    from twinseq.common.loader import StepIterator
+
+    cfg = W.make_config(**REFERENCE)
+    trainer, iterator = W._trainer(cfg), StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0)
+    steps = [trainer.step(iterator.next_step()) for _ in range(STEPS)]
+    return [s["loss"] for s in steps], [s["grad_norm"] for s in steps]
+
+
+def _assert_norms_match(got, want):
+    """The pre-clip gradient norms: a gradient averaged over ranks or micro-batches instead of summed halves
+    them, which the loss alone would hide (clipping and Adam are blind to the gradient's scale)."""
+    got, want = np.asarray(got), np.asarray(want)
+    rel = np.abs(got - want) / want
+    assert rel.max() <= GRAD_NORM_REL, f"max relative gradient-norm difference {rel.max():.2e}:\n{got}\n{want}"
 
 
 @needs_deepspeed
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_zero3_on_two_ranks_matches_single_process_and_generates_alike(tmp_path, reference_losses):
+def test_zero3_on_two_ranks_matches_single_process_and_generates_alike(tmp_path, reference):
+    reference_losses, reference_norms = reference
     results = launch(ZERO3, tmp_path, world_size=2)
     assert all(r["partitioned"] for r in results), "every parameter must be partitioned over the 2 ranks"
     assert results[0]["losses"] == results[1]["losses"], "ranks logged different reduced losses"
     _assert_losses_match(results[0]["losses"], reference_losses)
+    _assert_norms_match(results[0]["grad_norms"], reference_norms)
     assert reference_losses[-1] < 0.99 * reference_losses[0], "the data must be learnable"
     greedy = _hf_greedy(dict(np.load(tmp_path / "weights.npz")))
     assert len({tuple(map(tuple, greedy))}) == 1 and len(greedy) == len(PROMPTS)
@@ -163,9 +181,10 @@ def test_zero3_on_two_ranks_matches_single_process_and_generates_alike(tmp_path,
 @needs_deepspeed
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_zero3_in_one_process_without_a_launcher_matches(tmp_path, reference_losses):
+def test_zero3_in_one_process_without_a_launcher_matches(tmp_path, reference):
     results = launch({**ZERO3, "gradient_accumulation_steps": 2}, tmp_path, world_size=1)
-    _assert_losses_match(results[0]["losses"], reference_losses)
+    _assert_losses_match(results[0]["losses"], reference[0])
+    _assert_norms_match(results[0]["grad_norms"], reference[1])
     assert results[0]["greedy_gather=True"] == results[0]["greedy_gather=False"]
 
 
