@@ -413,3 +413,168 @@ def _cut(tokens: list[int], eos_token_id: Optional[int], pad_token_id: int) -> l
     if eos_token_id is not None and eos_token_id in tokens:
         return tokens[:tokens.index(eos_token_id) + 1]
     return tokens
+
+
+# --------------------------------------------------------------------------------------
+# `twinseq train --deepspeed-zero-stage 3` (under torchrun; one process works too)
+# --------------------------------------------------------------------------------------
+
+
+class Zero3Trainer:
+    """``common.runner.StepTrainer`` over a ``Zero3Engine``: the step, the full (unpartitioned) state as
+    numpy + JSON, and the final Hugging Face folder. State is read and written one parameter at a time
+    with DeepSpeed's ``safe_get/set_full_*`` (collectives: every rank calls them)."""
+
+    def __init__(self, engine: Zero3Engine) -> None:
+        self.engine, self.cfg = engine, engine.cfg
+
+    @property
+    def is_main(self) -> bool:
+        return self.engine.is_main
+
+    def step(self, micro_batches: list[Any]) -> dict[str, Any]:
+        from twinseq.common.step_metrics import apply_or_skip, first_nonfinite
+
+        out = self.engine.train_step(micro_batches)
+        # DeepSpeed has applied the update already: a non-finite step stops the run (check_zero3_config
+        # refuses skip_nonfinite_steps)
+        problem = first_nonfinite([out["loss"]], out["grad_norm"])
+        if self.any_rank(problem is not None):
+            apply_or_skip(problem or "a loss or gradient norm on another rank is not finite", skip=False)
+        return {**out, "num_skipped_steps": 0}
+
+    def any_rank(self, flag: bool) -> bool:
+        from twinseq.torch_backend.parallel import any_over_ranks
+
+        return any_over_ranks(flag, self.engine.device)
+
+    def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return list(self.engine.causal_lm.named_parameters())  # a tied weight once, under its first name
+
+    def _adam_step(self) -> float:
+        inner = self.engine.engine.optimizer.optimizer  # the client AdamW over DeepSpeed's flat partitions
+        steps = [float(s["step"]) for s in inner.state.values() if "step" in s]
+        return steps[0] if steps else 0.0
+
+    def _set_adam_step(self, step: float) -> None:
+        """Write Adam's step count, creating its (zero) state where no step has run yet: torch's AdamW builds
+        its state lazily at the first step, and DeepSpeed can only write moments into an existing state."""
+        zero3 = self.engine.engine.optimizer
+        for flat in zero3.fp32_partitioned_groups_flat:  # the tensors AdamW steps: one per partition sub-group
+            state = zero3.optimizer.state[flat]
+            state.setdefault("exp_avg", torch.zeros_like(flat))
+            state.setdefault("exp_avg_sq", torch.zeros_like(flat))
+            state["step"] = torch.tensor(step, dtype=torch.float32)
+
+    def state_dict(self) -> dict[str, Any]:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        from twinseq.torch_backend.checkpoint import rng_state, to_numpy_tree
+
+        weights, moments = {}, {}
+        for name, param in self._named():
+            weights[name] = safe_get_full_fp32_param(param).cpu().numpy()
+            moments[name] = {k: safe_get_full_optimizer_state(param, k).cpu().numpy()
+                             for k in ("exp_avg", "exp_avg_sq")}
+        if not self.is_main:
+            return {}
+        return {"model": weights, "optimizer": {"state": moments, "step": self._adam_step()},
+                "scheduler": to_numpy_tree(self.engine.scheduler.state_dict()), "rng": rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        from twinseq.common.errors import CheckpointError
+        from twinseq.torch_backend.checkpoint import set_rng_state
+
+        named = self._named()
+        missing = sorted({n for n, _ in named} - set(state["model"]))
+        if missing or "state" not in state["optimizer"]:
+            raise CheckpointError(f"the checkpoint does not hold this model's full state (missing {missing[:2]}, or "
+                                  f"an optimizer state of another trainer); resume a deepspeed_zero_stage=3 run from "
+                                  f"its own checkpoint.")
+        import deepspeed
+
+        self._set_adam_step(float(state["optimizer"]["step"]))
+        for name, param in named:
+            value = torch.as_tensor(np.asarray(state["model"][name]))
+            safe_set_full_fp32_param(param, value)  # the optimizer's fp32 partition
+            # ... and the parameter the forward reads (its own partition, refreshed only by an optimizer step)
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+                if dist.get_rank() == 0:
+                    param.copy_(value.to(param.dtype))
+            for key, value in state["optimizer"]["state"][name].items():
+                safe_set_full_optimizer_state(param, torch.as_tensor(np.asarray(value)), key)
+        scheduler = self.engine.scheduler
+        scheduler.load_state_dict(state["scheduler"])
+        # LambdaLR's state holds the last rates, but the optimizer reads its groups' (torch's optimizer
+        # load_state_dict restores those; the moments here are loaded one parameter at a time instead)
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+        set_rng_state(state["rng"])
+
+    def save_final(self, path) -> None:
+        from twinseq.torch_backend.checkpoint import save_pretrained
+        from twinseq.torch_backend.model import build_model, model_config_of
+
+        weights = self.engine.full_weights()
+        if self.is_main:
+            model_cfg = model_config_of(self.engine.causal_lm)
+            from twinseq.common.init import parameter_shapes
+
+            save_pretrained(build_model(model_cfg, {k: weights[k] for k in parameter_shapes(model_cfg)}), path)
+        dist.barrier()
+
+    def peak_memory_bytes(self) -> int:
+        from twinseq.common.metrics import peak_rss_bytes
+        from twinseq.torch_backend.parallel import max_over_ranks
+
+        device = self.engine.device
+        peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else peak_rss_bytes()
+        return max_over_ranks(peak, device)
+
+
+def train_zero3(cfg: TrainConfig):
+    """``twinseq train`` with ``deepspeed_zero_stage=3``: SFT on every rank of a torchrun launch (or one
+    process), through ``common.runner.run``; returns the path of ``metrics.jsonl``."""
+    from twinseq.common.capabilities import Runtime as CapabilityRuntime
+    from twinseq.common.hf_checkpoint import check_tokenizer_fits, resolve_model_source
+    from twinseq.common.loader import build_step_iterator
+    from twinseq.common.runner import preflight, run
+    from twinseq.torch_backend.checkpoint import load_pretrained
+
+    check_zero3_config(cfg)
+    if cfg.optim.skip_nonfinite_steps:
+        raise ConfigError("skip_nonfinite_steps=True does not combine with deepspeed_zero_stage=3: DeepSpeed applies "
+                          "the update before the step's norm is known here; drop --skip-nonfinite-steps.")
+    require_deepspeed()
+    owns_group = not dist.is_initialized()
+    ensure_process_group()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        preflight(cfg, CapabilityRuntime("torch", device.type, world, accelerator=device.type == "cuda"))
+        torch.manual_seed(cfg.seed)
+        if rank != 0:
+            dist.barrier()  # rank 0 builds the caches (corpus, tokenizer) first
+        source, tokenizer, stats = build_step_iterator(cfg, world_size=world, rank=rank)
+        if rank == 0:
+            dist.barrier()
+        spec = resolve_model_source(cfg.model.model_config)
+        check_tokenizer_fits(spec.config, tokenizer.vocab_size, cfg.model.model_config)
+        model = None
+        if spec.weights_folder is not None:  # whole on each rank, partitioned by deepspeed.initialize
+            model = load_pretrained(spec.weights_folder, dtype="float32",
+                                    attn_implementation=cfg.model.attn_implementation)
+        engine = build_zero3_engine(cfg, model_config=spec.config, model=model)
+        d = cfg.data
+        announce = [f"twinseq torch sft: DeepSpeed ZeRO-3 over {world} rank(s) ({dist.get_backend()}), "
+                    f"{cfg.model.model_config!r}; effective batch = {d.per_device_train_batch_size} per device x "
+                    f"{world} x {d.gradient_accumulation_steps} accumulation steps", f"data: {stats}"]
+        return run(cfg, Zero3Trainer(engine), source, tokenizer=tokenizer, desc="sft[torch-zero3]",
+                   announce=announce)
+    finally:
+        if owns_group:
+            dist.barrier()
+            dist.destroy_process_group()

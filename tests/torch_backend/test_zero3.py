@@ -5,7 +5,8 @@ Invariants:
   the single-process torch trainer on the same step (same rows, same ``num_items_in_batch``): the
   per-step loss of 5 steps within 1e-5 relative. A gradient averaged over ranks or micro-batches
   instead of summed would change the clipped update and show in the loss.
-- One process (no launcher, a world size of 1) does the same.
+- ``twinseq``'s ``train`` with ``deepspeed_zero_stage=3`` in one process (no launcher, a world size of 1)
+  logs the plain trainer's losses, and resuming from its checkpoint continues the run exactly.
 - Generation: ``gather_for_generation=True`` (full weights gathered once) and ``False`` (the partitioned
   model, layer by layer) give identical greedy completions, and identical samples from one seed, on
   every rank; the greedy ones equal Hugging Face ``generate`` of a plain model with the gathered weights.
@@ -30,6 +31,7 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent))
 import _dist_workers as W  # noqa: E402
 
+from twinseq.common.config import TrainConfig  # noqa: E402
 from twinseq.common.errors import ConfigError, MissingDependencyError  # noqa: E402
 
 REL = 1e-5
@@ -49,6 +51,17 @@ needs_deepspeed = pytest.mark.skipif(
 # --------------------------------------------------------------------------------------
 # The rank's side (run as a script by the launcher below)
 # --------------------------------------------------------------------------------------
+
+
+def train_job(configs: list[dict]) -> dict:
+    """``twinseq.torch_backend.trainer.train`` of each config (``deepspeed_zero_stage=3`` dispatches to
+    ``train_zero3``); the caller reads their metrics.jsonl."""
+    from twinseq.common.config import TrainConfig
+    from twinseq.torch_backend.trainer import train
+
+    for values in configs:
+        train(TrainConfig.from_flat(**values))
+    return {"done": len(configs)}
 
 
 def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
@@ -112,9 +125,9 @@ def launch(cfg_overrides: dict, tmp_path: Path, world_size: int, timeout: float 
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-def _assert_losses_match(got, want):
+def _assert_losses_match(got, want, steps: int = STEPS):
     got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape == (STEPS,)
+    assert got.shape == want.shape == (steps,)
     rel = np.abs(got - want) / np.abs(want)
     assert rel.max() <= REL, f"max relative loss difference {rel.max():.2e}:\n{got}\n{want}"
 
@@ -178,14 +191,38 @@ def test_zero3_on_two_ranks_matches_single_process_and_generates_alike(tmp_path,
     assert results[0]["sampled_gather=True"] != results[1]["sampled_gather=True"], "seeds differ per rank"
 
 
+def _losses(output_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 @needs_deepspeed
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_zero3_in_one_process_without_a_launcher_matches(tmp_path, reference):
-    results = launch({**ZERO3, "gradient_accumulation_steps": 2}, tmp_path, world_size=1)
-    _assert_losses_match(results[0]["losses"], reference[0])
-    _assert_norms_match(results[0]["grad_norms"], reference[1])
-    assert results[0]["greedy_gather=True"] == results[0]["greedy_gather=False"]
+def test_twinseq_train_with_zero3_in_one_process_matches_and_resumes(tmp_path):
+    """``train`` with ``deepspeed_zero_stage=3`` and no launcher (a world size of 1): the losses of the plain
+    torch trainer on the same JSONL; a run resumed from its step-2 checkpoint (weights, Adam moments and
+    step, schedule, data position) continues exactly as the uninterrupted one; the final folder loads."""
+    from twinseq.common.corpus import load_embedded
+    from twinseq.torch_backend.checkpoint import load_pretrained
+    from twinseq.torch_backend.trainer import train
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["completion"]}) + "\n"
+                            for r in load_embedded("embedded-sft").select(range(48))))
+    base = dict(model_config="tiny", dataset_name=str(data), max_length=64, max_steps=4, save_steps=2, seed=0,
+                learning_rate=3e-3, per_device_train_batch_size=2, gradient_accumulation_steps=2, disable_tqdm=True)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    # one process each: DeepSpeed keeps its own handles on a process group, which train() destroys at its end
+    launch({"train": [{**base, "deepspeed_zero_stage": 3, "output_dir": str(full)}]}, tmp_path, world_size=1)
+    launch({"train": [{**base, "deepspeed_zero_stage": 3, "output_dir": str(resumed),
+                       "resume_from_checkpoint": str(full / "checkpoint-2")}]}, tmp_path, world_size=1)
+    train(TrainConfig.from_flat(**base, output_dir=str(tmp_path / "plain")))
+    reference = _losses(tmp_path / "plain")
+    _assert_losses_match(_losses(full), reference, steps=4)
+    assert _losses(resumed) == _losses(full)[2:], "the resumed run must continue the uninterrupted one exactly"
+    weights = load_pretrained(full / "final").state_dict()
+    again = load_pretrained(resumed / "final").state_dict()
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
 
 
 # --------------------------------------------------------------------------------------
@@ -244,8 +281,8 @@ def test_ds_config_carries_twinseqs_optimizer_settings():
 
 
 def main(argv: list[str]) -> int:
-    overrides = json.loads(Path(argv[0]).read_text())
-    result = rank_job(overrides, argv[1])
+    spec = json.loads(Path(argv[0]).read_text())
+    result = train_job(spec["train"]) if "train" in spec else rank_job(spec, argv[1])
     Path(argv[1], f"rank{os.environ['TWINSEQ_TEST_RANK']}.json").write_text(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)  # skip teardown: gloo's static destructors can race (as _dist_workers does)
