@@ -258,6 +258,13 @@ def test_other_zero_stages_are_refused_by_the_config(stage):
         W.make_config(deepspeed_zero_stage=stage)
 
 
+def test_the_jax_backend_refuses_zero3():
+    from twinseq.common.capabilities import Runtime, check_runtime
+
+    with pytest.raises(ConfigError, match="deepspeed_zero_stage=3 is a torch option"):
+        check_runtime(W.make_config(**ZERO3, backend="jax"), Runtime("jax", "cpu", 1, accelerator=False))
+
+
 def test_left_pad_ends_every_prompt_at_the_last_column():
     from twinseq.torch_backend.deepspeed import left_pad
 
