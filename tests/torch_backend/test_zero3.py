@@ -10,6 +10,7 @@ Invariants:
 - Generation: ``gather_for_generation=True`` (full weights gathered once) and ``False`` (the partitioned
   model, layer by layer) give identical greedy completions, and identical samples from one seed, on
   every rank; the greedy ones equal Hugging Face ``generate`` of a plain model with the gathered weights.
+  Generating between two optimizer steps leaves training on the single-process trajectory.
 - Refusals: DeepSpeed missing names the extra; FSDP, context parallelism and other stages are refused.
 
 The spawned ranks run this file (``python test_zero3.py SPEC.json OUT_DIR``).
@@ -79,9 +80,9 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
     partitioned = all(p.ds_tensor.numel() * world >= p.ds_numel > p.ds_tensor.numel() for p in params) \
         if world > 1 else all(hasattr(p, "ds_id") for p in params)
     iterator = StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0, world_size=world, rank=rank)
-    steps = [engine.train_step(iterator.next_step()) for _ in range(cfg.max_steps)]
-    out = {"losses": [s["loss"] for s in steps], "grad_norms": [s["grad_norm"] for s in steps],
-           "partitioned": bool(partitioned)}
+    # generation between two optimizer steps, as online RL does: training must go on exactly after it
+    steps = [engine.train_step(iterator.next_step()) for _ in range(cfg.max_steps - 1)]
+    out: dict = {"partitioned": bool(partitioned)}
     for gather in (True, False):
         out[f"greedy_gather={gather}"] = engine.generate(PROMPTS, gather_for_generation=gather,
                                                          max_new_tokens=NEW_TOKENS)
@@ -91,6 +92,8 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
     weights = engine.full_weights()
     if rank == 0:
         np.savez(Path(out_dir, "weights.npz"), **weights)
+    steps.append(engine.train_step(iterator.next_step()))
+    out.update(losses=[s["loss"] for s in steps], grad_norms=[s["grad_norm"] for s in steps])
     dist.barrier()
     dist.destroy_process_group()
     return out
