@@ -91,7 +91,7 @@ def check_zero3_config(cfg: TrainConfig) -> None:
         (par.fsdp, "fsdp=True", "ZeRO-3 and FSDP2 both partition the parameters; pick one (drop --fsdp)"),
         (par.context_parallel_size > 1, f"context_parallel_size={par.context_parallel_size}",
          "context parallelism runs under FSDP2 only; use --context-parallel-size 1"),
-        (cfg.task != "sft", f"task={cfg.task!r}", "the ZeRO-3 trainer runs SFT; use --task sft"),
+        (cfg.task == "dpo", "task='dpo'", "DPO's frozen reference copy is not partitioned here; use --task sft"),
         (cfg.peft.use_peft, "use_peft=True", "adapters are trained with FSDP2 or one process here; drop --use-peft"),
         (cfg.optim.optimizer != "adamw_torch", f"optimizer={cfg.optim.optimizer!r}",
          "ZeRO-3 partitions a client torch AdamW; use --optimizer adamw_torch"),
@@ -242,13 +242,18 @@ class Zero3Engine:
     def is_main(self) -> bool:
         return dist.get_rank() == 0
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of a loss already normalised by the whole step (any task's: SFT here, an RL loss
+        elsewhere), so that the reduced gradient is the sum over ranks and micro-batches."""
+        # undo DeepSpeed's mean over ranks (see the module docstring); not its mean over micro-batches either
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
     def micro_step(self, micro: Any) -> dict[str, float]:
         from twinseq.torch_backend.trainer import autocast
 
         with autocast(self.cfg, self.device):
             loss, metrics = self.engine(micro)
-        # undo DeepSpeed's mean over ranks (see the module docstring); not its mean over micro-batches either
-        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        self.backward(loss)
         return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
     def train_step(self, micro_batches: Sequence[Any]) -> dict[str, Any]:
@@ -544,6 +549,10 @@ def train_zero3(cfg: TrainConfig):
     from twinseq.torch_backend.checkpoint import load_pretrained
 
     check_zero3_config(cfg)
+    if cfg.task != "sft":
+        raise ConfigError(f"task={cfg.task!r} does not combine with deepspeed_zero_stage=3 in `twinseq train`: its "
+                          f"ZeRO-3 trainer runs SFT (online RL builds its engine with build_zero3_engine); use "
+                          f"--task sft.")
     if cfg.optim.skip_nonfinite_steps:
         raise ConfigError("skip_nonfinite_steps=True does not combine with deepspeed_zero_stage=3: DeepSpeed applies "
                           "the update before the step's norm is known here; drop --skip-nonfinite-steps.")

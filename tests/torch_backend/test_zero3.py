@@ -246,6 +246,7 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
     (dict(fsdp=True), "fsdp=True"),
     (dict(context_parallel_size=2), "context_parallel_size=2"),
     (dict(use_peft=True), "use_peft"),
+    (dict(task="dpo"), "task='dpo'"),
     (dict(deepspeed_zero_stage=0), "deepspeed_zero_stage=0"),
 ])
 def test_unsupported_combinations_are_refused(overrides, match):
