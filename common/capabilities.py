@@ -112,6 +112,9 @@ def _check_parallel(cfg: TrainConfig, rt: Runtime) -> None:
     if par.fsdp and rt.backend != "torch":
         raise ConfigError("fsdp=True is a torch option (FSDP2); the jax backend shards over its device mesh. "
                           "Drop --fsdp.")
+    if par.deepspeed_zero_stage and rt.backend != "torch":
+        raise ConfigError(f"deepspeed_zero_stage={par.deepspeed_zero_stage} is a torch option (DeepSpeed); the jax "
+                          f"backend shards over its device mesh. Drop --deepspeed-zero-stage.")
     if cp == 1:
         return
     if cp > rt.world_size:

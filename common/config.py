@@ -57,6 +57,7 @@ LRScheduler = Literal["constant", "linear", "cosine"]
 ContextParallelStrategy = Literal["allgather", "ring"]
 ReportTo = Literal["none", "tensorboard"]
 Optimizer = Literal["adamw_torch", "adamw_bnb_8bit"]
+DeepSpeedZeroStage = Literal[0, 3]
 
 BACKENDS = typing.get_args(Backend)
 TASKS = typing.get_args(Task)
@@ -182,6 +183,10 @@ class ParallelConfig(_Section):
     context_parallel_strategy: ContextParallelStrategy = "allgather"
     """``allgather``: packed/padding-free safe, CPU or GPU. ``ring``: torch's ring attention, CUDA,
     unpacked only (jax's ring runs everywhere)."""
+    deepspeed_zero_stage: DeepSpeedZeroStage = 0
+    """0: off. 3: DeepSpeed ZeRO-3 (torch only, ``pip install 'twinseq[deepspeed]'``): parameters, gradients and
+    optimizer state partitioned over the ranks of a torchrun launch; not with fsdp or context parallelism.
+    Stages 1 and 2 are not wired (FSDP2 covers their use)."""
 
 
 @dataclass

@@ -443,6 +443,10 @@ def train(config: TrainConfig) -> Path:
     One process, or every rank of a ``torchrun``/``accelerate launch`` (FSDP2, context parallelism).
     """
     cfg = config
+    if cfg.parallel.deepspeed_zero_stage:  # DeepSpeed owns the process group, the model and the optimizer
+        from twinseq.torch_backend.deepspeed import train_zero3
+
+        return train_zero3(cfg)
     runtime = init_runtime(cfg) if wants_distributed(cfg) else None
     try:
         device = pick_device() if runtime is None else runtime.device

@@ -1,0 +1,589 @@
+"""DeepSpeed ZeRO-3 for the torch backend: partitioned training and generation for online RL.
+
+ZeRO-3 partitions every parameter, its gradient and its optimizer state over the ranks; a module's
+parameters are all-gathered just before its forward (and backward) and released after. This module
+wraps a plain twinseq model (``model.build_model`` / ``checkpoint.load_pretrained``, or the same
+built here under ``deepspeed.zero.Init`` so no rank ever holds the full model) in a DeepSpeed engine
+built from twinseq's own config, and steps it with twinseq's loss path.
+
+What matches the plain torch trainer (``trainer.SFTTrainer``), and why:
+
+- The loss. The engine runs ``parallel.CausalLMLoss`` (body, lm_head and ``causal_lm_loss`` in one
+  forward); each micro-batch loss is ``sum(NLL) / num_items_in_batch`` of the WHOLE step (every
+  micro-batch, every rank), so the summed gradients equal one big batch's. DeepSpeed would divide
+  twice more: by ``gradient_accumulation_steps`` in ``backward`` (we pass ``scale_wrt_gas=False``) and
+  by the world size in its gradient reduce-scatter (we multiply the loss by the world size, exact
+  for a power of two). The reduced gradient is then the plain SUM over ranks, as under FSDP2.
+- The optimizer. A client ``torch.optim.AdamW`` (``foreach=False``, weight decay on matrices only) and
+  the same ``LambdaLR`` schedule; DeepSpeed's FusedAdam/CPUAdam would compile C++ at run time.
+- Clipping. DeepSpeed's ``gradient_clipping`` scales by ``max_norm / (norm + 1e-6)`` when above
+  ``max_norm``, torch's rule; its norm is float32 (the plain trainer's is float64).
+- Precision: float32 on CPU; ``dtype=bfloat16`` enables DeepSpeed's bf16 mode on CUDA only.
+
+Generation (``generate``): ``gather_for_generation=True`` (TRL's ``ds3_gather_for_generation``)
+gathers the full weights once per call and runs HF ``generate`` with the ZeRO-3 hooks lifted: fast,
+but every rank holds a full copy for the call. ``False`` generates on the partitioned model: the
+hooks gather layer by layer at every decoding step (slow, no full copy); ranks stay in lock-step
+with ``synced_gpus`` because each forward is a collective.
+
+>>> engine = build_zero3_engine(cfg, model_config=ModelConfig.preset("tiny"))   # doctest: +SKIP
+>>> engine.train_step(iterator.next_step())["loss"]                               # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from twinseq.common.config import TrainConfig
+from twinseq.common.errors import ConfigError, MissingDependencyError
+from twinseq.common.step_metrics import sft_step_sums, with_means
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'twinseq[deepspeed]'"
+
+
+# --------------------------------------------------------------------------------------
+# Availability and the configurations it refuses
+# --------------------------------------------------------------------------------------
+
+
+def deepspeed_available() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def require_deepspeed(what: str = "deepspeed_zero_stage=3") -> None:
+    """Raise ``MissingDependencyError`` naming the extra when DeepSpeed is not installed."""
+    if not deepspeed_available():
+        raise MissingDependencyError(f"{what} needs DeepSpeed, which is not installed; {INSTALL_HINT} (pure Python "
+                                     f"at install, CPU or CUDA), or set --deepspeed-zero-stage 0.")
+
+
+def _import_deepspeed():
+    """``import deepspeed`` on the accelerator this process has: DeepSpeed guesses CUDA unless told, and on a
+    CPU-only machine its guess fails later, inside ``initialize``."""
+    require_deepspeed()
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
+
+
+def check_zero3_config(cfg: TrainConfig) -> None:
+    """Refuse what ZeRO-3 here does not combine with, naming the flag to drop."""
+    par = cfg.parallel
+    if par.deepspeed_zero_stage != 3:
+        raise ConfigError(f"deepspeed_zero_stage={par.deepspeed_zero_stage!r}: the DeepSpeed path runs ZeRO-3 "
+                          f"only; pass --deepspeed-zero-stage 3 (or 0 for the plain/FSDP2 trainer).")
+    if cfg.backend != "torch":
+        raise ConfigError("deepspeed_zero_stage=3 is a torch option; the jax backend shards over its device mesh. "
+                          "Drop --deepspeed-zero-stage or use --backend torch.")
+    refusals = [
+        (par.fsdp, "fsdp=True", "ZeRO-3 and FSDP2 both partition the parameters; pick one (drop --fsdp)"),
+        (par.context_parallel_size > 1, f"context_parallel_size={par.context_parallel_size}",
+         "context parallelism runs under FSDP2 only; use --context-parallel-size 1"),
+        (cfg.task == "dpo", "task='dpo'", "DPO's frozen reference copy is not partitioned here; use --task sft"),
+        (cfg.peft.use_peft, "use_peft=True", "adapters are trained with FSDP2 or one process here; drop --use-peft"),
+        (cfg.optim.optimizer != "adamw_torch", f"optimizer={cfg.optim.optimizer!r}",
+         "ZeRO-3 partitions a client torch AdamW; use --optimizer adamw_torch"),
+        (cfg.memory.activation_offloading, "activation_offloading=True",
+         "its saved-tensor hooks are not wired to ZeRO-3's parameter release; drop --activation-offloading"),
+        (cfg.memory.torch_compile, "torch_compile=True", "not wired with ZeRO-3's hooks; drop --torch-compile"),
+        (cfg.model.dtype == "bfloat16" and not torch.cuda.is_available(), "dtype='bfloat16' on CPU",
+         "DeepSpeed's bf16 mode needs CUDA; use --dtype float32 on CPU"),
+    ]
+    for bad, what, fix in refusals:
+        if bad:
+            raise ConfigError(f"{what} does not combine with deepspeed_zero_stage=3: {fix}.")
+
+
+# --------------------------------------------------------------------------------------
+# The DeepSpeed config, from twinseq's
+# --------------------------------------------------------------------------------------
+
+
+def ds_config(cfg: TrainConfig, *, param_persistence_threshold: Optional[int] = None) -> dict:
+    """DeepSpeed's config dict for ``cfg``: ZeRO stage 3, batch sizes, clipping, precision.
+
+    ``param_persistence_threshold``: parameters of at most this many elements stay whole on every rank
+    (DeepSpeed's ``stage3_param_persistence_threshold``; None keeps its default, 1e5). 0 partitions all.
+    """
+    # train_batch_size is left for DeepSpeed to derive (micro x accumulation x ranks): zero.Init reads this
+    # config before DeepSpeed's own process group knows the world size, and would check it against 1
+    d = cfg.data
+    zero: dict[str, Any] = {"stage": 3}
+    if param_persistence_threshold is not None:
+        zero["stage3_param_persistence_threshold"] = int(param_persistence_threshold)
+    bf16 = cfg.model.dtype == "bfloat16" and torch.cuda.is_available()
+    return {
+        "train_micro_batch_size_per_gpu": d.per_device_train_batch_size,
+        "gradient_accumulation_steps": d.gradient_accumulation_steps,
+        "gradient_clipping": float(cfg.optim.max_grad_norm or 0.0),
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        # a client torch optimizer is what we want (DeepSpeed's own compile C++ at run time)
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2 ** 31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _full_shape(param: torch.nn.Parameter) -> torch.Size:
+    """The unpartitioned shape (a partitioned parameter's own ``.shape`` is an empty placeholder's)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def build_zero3_optimizer(module: torch.nn.Module, cfg: TrainConfig):
+    """``trainer.build_optimizer``'s AdamW and schedule, with the decay groups read from the full shapes."""
+    from twinseq.common.schedule import lr_multiplier
+
+    opt = cfg.optim
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    decay = [p for p in trainable if len(_full_shape(p)) >= 2]
+    no_decay = [p for p in trainable if len(_full_shape(p)) < 2]
+    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2),
+                                  eps=opt.adam_epsilon, foreach=False)
+    warmup, total, kind = cfg.effective_warmup_steps, cfg.max_steps, opt.lr_scheduler_type
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda k: lr_multiplier(k, warmup_steps=warmup, max_steps=total, scheduler=kind))
+    return optimizer, scheduler
+
+
+# --------------------------------------------------------------------------------------
+# The model, partitioned from its construction on
+# --------------------------------------------------------------------------------------
+
+
+def ensure_process_group() -> None:
+    """A process group for DeepSpeed: the launcher's (torchrun's environment), gloo on CPU, or a
+    one-rank group when this is a plain single process (a world size of 1 is fine)."""
+    for name, default in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        if name not in os.environ:  # DeepSpeed reads these itself (zero.Init: LOCAL_RANK), as torchrun sets them
+            logger.info("%s is not set (no launcher): this process is rank 0 of 1", name)
+            os.environ[name] = default
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend)
+
+
+def build_partitioned_model(model_cfg, weights: Mapping[str, np.ndarray], ds_cfg: dict, *,
+                            attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """The HF model of ``model_cfg`` built under ``deepspeed.zero.Init``: each parameter is partitioned as
+    it is created, then ``weights`` (HF names, the same on every rank, e.g. ``init_weights(cfg, seed)``)
+    are written one tensor at a time (gathered, written on rank 0, re-partitioned).
+
+    The same model as ``model.build_model(model_cfg, weights)``, without a full copy per rank.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    from twinseq.common.init import check_weights, parameter_shapes
+    from twinseq.torch_backend.model import make_rope_stateless_, to_hf_model_config
+
+    deepspeed = _import_deepspeed()
+    ensure_process_group()
+    check_weights(model_cfg, weights)
+    config = to_hf_model_config(model_cfg, attn_implementation)
+    with deepspeed.zero.Init(config_dict_or_path=ds_cfg, dtype=torch.float32), no_init_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()
+    make_rope_stateless_(model)
+    params = dict(model.named_parameters())
+    for name in parameter_shapes(model_cfg):
+        param = params[name]
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+            if dist.get_rank() == 0:
+                param.copy_(torch.as_tensor(np.asarray(weights[name]), dtype=param.dtype))
+    return model.train()
+
+
+# --------------------------------------------------------------------------------------
+# The engine: one optimizer step, and generation
+# --------------------------------------------------------------------------------------
+
+
+class Zero3Engine:
+    """A DeepSpeed ZeRO-3 engine around ``parallel.CausalLMLoss(causal_lm)`` and its training step.
+
+    ``train_step(micro_batches)`` is ``trainer.SFTTrainer.step`` under ZeRO-3: this rank's micro-batches
+    (``common.loader.StepIterator(..., world_size, rank)``), losses normalised by the step's label count,
+    one optimizer step; the returned ``loss`` is summed over ranks (the step's mean token loss).
+    """
+
+    def __init__(self, engine: Any, scheduler: Any, cfg: TrainConfig) -> None:
+        self.engine, self.scheduler, self.cfg = engine, scheduler, cfg
+        self.world_size = dist.get_world_size()
+        self.device = engine.device if isinstance(engine.device, torch.device) else torch.device(engine.device)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def causal_lm(self) -> torch.nn.Module:
+        return self.engine.module.causal_lm
+
+    @property
+    def is_main(self) -> bool:
+        return dist.get_rank() == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of a loss already normalised by the whole step (any task's: SFT here, an RL loss
+        elsewhere), so that the reduced gradient is the sum over ranks and micro-batches."""
+        # undo DeepSpeed's mean over ranks (see the module docstring); not its mean over micro-batches either
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def micro_step(self, micro: Any) -> dict[str, float]:
+        from twinseq.torch_backend.trainer import autocast
+
+        with autocast(self.cfg, self.device):
+            loss, metrics = self.engine(micro)
+        self.backward(loss)
+        return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+
+    def train_step(self, micro_batches: Sequence[Any]) -> dict[str, Any]:
+        from twinseq.torch_backend.parallel import reduce_step_metrics
+
+        assert len(micro_batches) == self.engine.gradient_accumulation_steps(), (
+            "one optimizer step is gradient_accumulation_steps micro-batches")
+        lr = self.scheduler.get_last_lr()[0]
+        records = []
+        for micro in micro_batches:
+            records.append(self.micro_step(micro))
+            self.engine.step()  # DeepSpeed steps the optimizer (and the schedule) at the accumulation boundary
+        norm = self.engine.get_global_grad_norm()
+        sums = sft_step_sums(records, num_tokens=sum(mb.num_tokens for mb in micro_batches))
+        out = with_means(reduce_step_metrics(sums, self.device))
+        return {**out, "lr": lr, "grad_norm": float(norm) if norm is not None else float("nan")}
+
+    def full_weights(self) -> dict[str, np.ndarray]:
+        """Every parameter, unpartitioned, float32 numpy, HF names (a collective: every rank calls it)."""
+        deepspeed = _import_deepspeed()
+        named = list(self.causal_lm.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {name: p.detach().float().cpu().numpy().copy() for name, p in named}
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, gather_for_generation: bool = True,
+                 **kwargs: Any) -> list[list[int]]:
+        """``generate(self.causal_lm, ...)`` on this engine (every rank calls it, each with its own prompts)."""
+        offload = getattr(self.engine.optimizer, "parameter_offload", None)
+        return generate(self.causal_lm, prompts, gather_for_generation=gather_for_generation,
+                        parameter_offload=offload, **kwargs)
+
+
+def build_zero3_engine(cfg: TrainConfig, *, model_config=None, weights: Optional[Mapping[str, np.ndarray]] = None,
+                       model: Optional[torch.nn.Module] = None, zero_init: bool = True,
+                       param_persistence_threshold: Optional[int] = None) -> Zero3Engine:
+    """A ``Zero3Engine`` for ``cfg`` (``deepspeed_zero_stage=3``), on every rank of the launch.
+
+    The model is either ``model`` (a plain twinseq model, whole on each rank, partitioned by
+    ``deepspeed.initialize``), or built here from ``model_config`` (a ``ModelConfig``) and ``weights``
+    (default ``init_weights(model_config, seed=cfg.seed)``) under ``zero.Init`` (``zero_init=True``) or whole.
+    """
+    from twinseq.common.init import init_weights
+    from twinseq.torch_backend.parallel import CausalLMLoss
+    from twinseq.torch_backend.peft import lm_head_weight
+
+    check_zero3_config(cfg)
+    deepspeed = _import_deepspeed()
+    ensure_process_group()
+    conf = ds_config(cfg, param_persistence_threshold=param_persistence_threshold)
+    if model is None:
+        if model_config is None:
+            raise ConfigError("build_zero3_engine needs model= (a built twinseq model) or model_config= (a "
+                              "ModelConfig to build under zero.Init).")
+        weights = init_weights(model_config, seed=cfg.seed) if weights is None else weights
+        if zero_init:
+            model = build_partitioned_model(model_config, weights, conf,
+                                            attn_implementation=cfg.model.attn_implementation)
+        else:
+            from twinseq.torch_backend.model import build_model
+
+            model = build_model(model_config, dict(weights), attn_implementation=cfg.model.attn_implementation)
+    module = CausalLMLoss(model, cfg)
+    optimizer, scheduler = build_zero3_optimizer(module, cfg)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=conf,
+                                           dist_init_required=False)
+    # The loss multiplies by the lm_head weight outside lm_head's own forward: DeepSpeed must gather it
+    # around the whole root forward and backward (with tied embeddings it is the embedding's weight).
+    deepspeed.zero.register_external_parameter(engine.module, lm_head_weight(model))
+    return Zero3Engine(engine, scheduler, cfg)
+
+
+# --------------------------------------------------------------------------------------
+# Generation (online RL): left-padded prompts, HF generate, gathered or layer by layer
+# --------------------------------------------------------------------------------------
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids_BT`` and ``attention_mask_BT`` with the padding on the left, so every prompt ends at
+    column T-1 and the first new token of every row is written at column T.
+
+    >>> ids, mask = left_pad([[5, 6, 7], [8]], pad_token_id=0)
+    >>> ids.tolist(), mask.tolist()
+    ([[5, 6, 7], [0, 0, 8]], [[1, 1, 1], [0, 0, 1]])
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("generate needs at least one prompt and no empty prompt (each a list of token ids).")
+    T = max(len(p) for p in prompts)
+    ids_BT = torch.full((len(prompts), T), pad_token_id, dtype=torch.long)
+    mask_BT = torch.zeros((len(prompts), T), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids_BT[row, T - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+        mask_BT[row, T - len(prompt):] = 1
+    return ids_BT, mask_BT
+
+
+def _is_partitioned(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+@contextlib.contextmanager
+def gathered_for_generation(model: torch.nn.Module, parameter_offload: Any = None) -> Iterator[torch.nn.Module]:
+    """All of ``model``'s ZeRO-3 parameters gathered (read-only) for the block, and the engine's
+    per-module hooks lifted, so no forward inside re-partitions them; both restored after."""
+    deepspeed = _import_deepspeed()
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        if parameter_offload is not None:
+            parameter_offload._remove_module_hooks()
+        try:
+            yield model
+        finally:
+            if parameter_offload is not None:
+                parameter_offload.setup_zero_stage3_hooks()
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, gather_for_generation: bool = True,
+             max_new_tokens: int = 16, do_sample: bool = False, temperature: float = 1.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, pad_token_id: int = 0,
+             eos_token_id: Optional[int] = None, seed: Optional[int] = None, parameter_offload: Any = None,
+             ) -> list[list[int]]:
+    """Completions (new token ids, up to ``max_new_tokens``, cut after ``eos_token_id``) of ``prompts``.
+
+    HF ``generate`` on left-padded prompts, greedy (``do_sample=False``) or sampled (``temperature``,
+    ``top_k``, ``top_p``; ``seed`` seeds torch's generator first). A ZeRO-3 model is run gathered
+    (``gather_for_generation=True``: one all-gather per call, the engine's hooks lifted through
+    ``parameter_offload``) or partitioned (False: layer by layer, every rank in lock-step through
+    ``synced_gpus``, so every rank must call this). A plain model runs as it is.
+    """
+    from transformers import GenerationConfig
+
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1 (max_completion_length).")
+    if do_sample and temperature <= 0:
+        raise ConfigError(f"temperature={temperature} must be > 0 when sampling; use do_sample=False for greedy.")
+    device = next(model.parameters()).device
+    ids_BT, mask_BT = left_pad(prompts, pad_token_id)
+    partitioned = _is_partitioned(model)
+    if partitioned and gather_for_generation and parameter_offload is None:
+        logger.warning("gather_for_generation=True on a ZeRO-3 model without its engine's parameter_offload: "
+                       "the per-module hooks stay on (slower); pass Zero3Engine.generate instead")
+    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_token_id,
+                               eos_token_id=eos_token_id, use_cache=True,
+                               **({"temperature": temperature, "top_k": top_k, "top_p": top_p} if do_sample else {}))
+    synced = partitioned and not gather_for_generation and dist.is_initialized() and dist.get_world_size() > 1
+    context = gathered_for_generation(model, parameter_offload) if partitioned and gather_for_generation else \
+        contextlib.nullcontext(model)
+    was_training = model.training
+    model.eval()
+    try:
+        if seed is not None:
+            torch.manual_seed(seed)
+        with context:
+            out_BS = model.generate(input_ids=ids_BT.to(device), attention_mask=mask_BT.to(device),
+                                    generation_config=gen_cfg, synced_gpus=synced)
+    finally:
+        model.train(was_training)
+    return [_cut(row[ids_BT.shape[1]:].tolist(), eos_token_id, pad_token_id) for row in out_BS.cpu()]
+
+
+def _cut(tokens: list[int], eos_token_id: Optional[int], pad_token_id: int) -> list[int]:
+    """The completion up to and including the first EOS (HF pads finished rows after it)."""
+    if eos_token_id is not None and eos_token_id in tokens:
+        return tokens[:tokens.index(eos_token_id) + 1]
+    return tokens
+
+
+# --------------------------------------------------------------------------------------
+# `twinseq train --deepspeed-zero-stage 3` (under torchrun; one process works too)
+# --------------------------------------------------------------------------------------
+
+
+class Zero3Trainer:
+    """``common.runner.StepTrainer`` over a ``Zero3Engine``: the step, the full (unpartitioned) state as
+    numpy + JSON, and the final Hugging Face folder. State is read and written one parameter at a time
+    with DeepSpeed's ``safe_get/set_full_*`` (collectives: every rank calls them)."""
+
+    def __init__(self, engine: Zero3Engine) -> None:
+        self.engine, self.cfg = engine, engine.cfg
+
+    @property
+    def is_main(self) -> bool:
+        return self.engine.is_main
+
+    def step(self, micro_batches: list[Any]) -> dict[str, Any]:
+        from twinseq.common.step_metrics import apply_or_skip, first_nonfinite
+
+        out = self.engine.train_step(micro_batches)
+        # DeepSpeed has applied the update already: a non-finite step stops the run (check_zero3_config
+        # refuses skip_nonfinite_steps)
+        problem = first_nonfinite([out["loss"]], out["grad_norm"])
+        if self.any_rank(problem is not None):
+            apply_or_skip(problem or "a loss or gradient norm on another rank is not finite", skip=False)
+        return {**out, "num_skipped_steps": 0}
+
+    def any_rank(self, flag: bool) -> bool:
+        from twinseq.torch_backend.parallel import any_over_ranks
+
+        return any_over_ranks(flag, self.engine.device)
+
+    def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return list(self.engine.causal_lm.named_parameters())  # a tied weight once, under its first name
+
+    def _adam_step(self) -> float:
+        inner = self.engine.engine.optimizer.optimizer  # the client AdamW over DeepSpeed's flat partitions
+        steps = [float(s["step"]) for s in inner.state.values() if "step" in s]
+        return steps[0] if steps else 0.0
+
+    def _set_adam_step(self, step: float) -> None:
+        """Write Adam's step count, creating its (zero) state where no step has run yet: torch's AdamW builds
+        its state lazily at the first step, and DeepSpeed can only write moments into an existing state."""
+        zero3 = self.engine.engine.optimizer
+        for flat in zero3.fp32_partitioned_groups_flat:  # the tensors AdamW steps: one per partition sub-group
+            state = zero3.optimizer.state[flat]
+            state.setdefault("exp_avg", torch.zeros_like(flat))
+            state.setdefault("exp_avg_sq", torch.zeros_like(flat))
+            state["step"] = torch.tensor(step, dtype=torch.float32)
+
+    def state_dict(self) -> dict[str, Any]:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        from twinseq.torch_backend.checkpoint import rng_state, to_numpy_tree
+
+        weights, moments = {}, {}
+        for name, param in self._named():
+            weights[name] = safe_get_full_fp32_param(param).cpu().numpy()
+            moments[name] = {k: safe_get_full_optimizer_state(param, k).cpu().numpy()
+                             for k in ("exp_avg", "exp_avg_sq")}
+        if not self.is_main:
+            return {}
+        return {"model": weights, "optimizer": {"state": moments, "step": self._adam_step()},
+                "scheduler": to_numpy_tree(self.engine.scheduler.state_dict()), "rng": rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        from twinseq.common.errors import CheckpointError
+        from twinseq.torch_backend.checkpoint import set_rng_state
+
+        named = self._named()
+        missing = sorted({n for n, _ in named} - set(state["model"]))
+        if missing or "state" not in state["optimizer"]:
+            raise CheckpointError(f"the checkpoint does not hold this model's full state (missing {missing[:2]}, or "
+                                  f"an optimizer state of another trainer); resume a deepspeed_zero_stage=3 run from "
+                                  f"its own checkpoint.")
+        import deepspeed
+
+        self._set_adam_step(float(state["optimizer"]["step"]))
+        for name, param in named:
+            value = torch.as_tensor(np.asarray(state["model"][name]))
+            safe_set_full_fp32_param(param, value)  # the optimizer's fp32 partition
+            # ... and the parameter the forward reads (its own partition, refreshed only by an optimizer step)
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+                if dist.get_rank() == 0:
+                    param.copy_(value.to(param.dtype))
+            for key, value in state["optimizer"]["state"][name].items():
+                safe_set_full_optimizer_state(param, torch.as_tensor(np.asarray(value)), key)
+        scheduler = self.engine.scheduler
+        scheduler.load_state_dict(state["scheduler"])
+        # LambdaLR's state holds the last rates, but the optimizer reads its groups' (torch's optimizer
+        # load_state_dict restores those; the moments here are loaded one parameter at a time instead)
+        for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+        set_rng_state(state["rng"])
+
+    def save_final(self, path) -> None:
+        from twinseq.torch_backend.checkpoint import save_pretrained
+        from twinseq.torch_backend.model import build_model, model_config_of
+
+        weights = self.engine.full_weights()
+        if self.is_main:
+            model_cfg = model_config_of(self.engine.causal_lm)
+            from twinseq.common.init import parameter_shapes
+
+            save_pretrained(build_model(model_cfg, {k: weights[k] for k in parameter_shapes(model_cfg)}), path)
+        dist.barrier()
+
+    def peak_memory_bytes(self) -> int:
+        from twinseq.common.metrics import peak_rss_bytes
+        from twinseq.torch_backend.parallel import max_over_ranks
+
+        device = self.engine.device
+        peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else peak_rss_bytes()
+        return max_over_ranks(peak, device)
+
+
+def train_zero3(cfg: TrainConfig):
+    """``twinseq train`` with ``deepspeed_zero_stage=3``: SFT on every rank of a torchrun launch (or one
+    process), through ``common.runner.run``; returns the path of ``metrics.jsonl``."""
+    from twinseq.common.capabilities import Runtime as CapabilityRuntime
+    from twinseq.common.hf_checkpoint import check_tokenizer_fits, resolve_model_source
+    from twinseq.common.loader import build_step_iterator
+    from twinseq.common.runner import preflight, run
+    from twinseq.torch_backend.checkpoint import load_pretrained
+
+    check_zero3_config(cfg)
+    if cfg.task != "sft":
+        raise ConfigError(f"task={cfg.task!r} does not combine with deepspeed_zero_stage=3 in `twinseq train`: its "
+                          f"ZeRO-3 trainer runs SFT (online RL builds its engine with build_zero3_engine); use "
+                          f"--task sft.")
+    if cfg.optim.skip_nonfinite_steps:
+        raise ConfigError("skip_nonfinite_steps=True does not combine with deepspeed_zero_stage=3: DeepSpeed applies "
+                          "the update before the step's norm is known here; drop --skip-nonfinite-steps.")
+    require_deepspeed()
+    owns_group = not dist.is_initialized()
+    ensure_process_group()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        preflight(cfg, CapabilityRuntime("torch", device.type, world, accelerator=device.type == "cuda"))
+        torch.manual_seed(cfg.seed)
+        if rank != 0:
+            dist.barrier()  # rank 0 builds the caches (corpus, tokenizer) first
+        source, tokenizer, stats = build_step_iterator(cfg, world_size=world, rank=rank)
+        if rank == 0:
+            dist.barrier()
+        spec = resolve_model_source(cfg.model.model_config)
+        check_tokenizer_fits(spec.config, tokenizer.vocab_size, cfg.model.model_config)
+        model = None
+        if spec.weights_folder is not None:  # whole on each rank, partitioned by deepspeed.initialize
+            model = load_pretrained(spec.weights_folder, dtype="float32",
+                                    attn_implementation=cfg.model.attn_implementation)
+        engine = build_zero3_engine(cfg, model_config=spec.config, model=model)
+        d = cfg.data
+        announce = [f"twinseq torch sft: DeepSpeed ZeRO-3 over {world} rank(s) ({dist.get_backend()}), "
+                    f"{cfg.model.model_config!r}; effective batch = {d.per_device_train_batch_size} per device x "
+                    f"{world} x {d.gradient_accumulation_steps} accumulation steps", f"data: {stats}"]
+        return run(cfg, Zero3Trainer(engine), source, tokenizer=tokenizer, desc="sft[torch-zero3]",
+                   announce=announce)
+    finally:
+        if owns_group:
+            dist.barrier()
+            dist.destroy_process_group()
