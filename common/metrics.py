@@ -389,9 +389,13 @@ def summarize_losses(records: list[dict[str, Any]], window: int = 5) -> Optional
     losses = [r["loss"] for r in records]
     w = max(1, min(window, len(losses) // 2 or 1))
     first, last = sum(losses[:w]) / w, sum(losses[-w:]) / w
+
+    def ratio(a: float, b: float) -> str:  # a GRPO loss can be exactly 0 (on-policy, advantages summing to 0)
+        return f"{a / b:.3f}" if b != 0 else "n/a"
+
     return (f"loss: first step {losses[0]:.4f}, final step {losses[-1]:.4f} (final/first = "
-            f"{losses[-1] / losses[0]:.3f}); mean of first/last {w} steps {first:.4f} -> {last:.4f} "
-            f"(ratio {last / first:.3f}) over {len(losses)} steps")
+            f"{ratio(losses[-1], losses[0])}); mean of first/last {w} steps {first:.4f} -> {last:.4f} "
+            f"(ratio {ratio(last, first)}) over {len(losses)} steps")
 
 
 def plot_metrics(output_dir: str | os.PathLike, *, keys: tuple[str, ...] = ("loss", "tokens_per_second")) -> Path:

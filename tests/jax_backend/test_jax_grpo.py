@@ -156,7 +156,7 @@ def _cfg(tmp_path, **overrides) -> TrainConfig:
     values = dict(task="grpo", backend="jax", model_config="tiny", dataset_name="embedded", max_steps=2,
                   learning_rate=3e-3, lr_scheduler_type="constant", per_device_train_batch_size=8,
                   num_generations=4, max_prompt_length=64, max_completion_length=6, padding_free=True,
-                  loss_type="fused_linear", output_dir=str(tmp_path / "run"), save_strategy="no")
+                  loss_type="fused_linear", output_dir=str(tmp_path / "run"))
     values.update(overrides)
     return TrainConfig.from_dict(values)
 
@@ -169,8 +169,9 @@ def _cfg(tmp_path, **overrides) -> TrainConfig:
 def test_trainer_refuses_what_it_cannot_do(tmp_path, overrides, match):
     from twinseq.jax_backend.trainer import train
 
+    cfg = _cfg(tmp_path, **overrides)
     with pytest.raises(ConfigError, match=match):
-        train(_cfg(tmp_path, **overrides))
+        train(cfg)
 
 
 def _rewards(path) -> list[float]:
@@ -192,7 +193,8 @@ def test_two_steps_run_and_log_trl_metrics(tmp_path):
 def test_mean_reward_rises_on_the_embedded_task(tmp_path):
     from twinseq.jax_backend.trainer import train
 
-    rewards = _rewards(train(_cfg(tmp_path, max_steps=24, per_device_train_batch_size=16, num_generations=8,
-                                  max_completion_length=8)))
+    # measured: the format reward goes from ~0.5 (random tokens) to ~0.95 over 24 steps at lr 1e-2
+    rewards = _rewards(train(_cfg(tmp_path, max_steps=24, learning_rate=1e-2, per_device_train_batch_size=16,
+                                  num_generations=8, max_completion_length=8)))
     first, last = np.mean(rewards[:6]), np.mean(rewards[-6:])
-    assert last > first + 0.1, (first, last, rewards)
+    assert last > first + 0.15, (first, last, rewards)
