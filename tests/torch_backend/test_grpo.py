@@ -198,9 +198,9 @@ def test_a_run_logs_grpo_metrics_with_kl_and_reused_generations(tmp_path):
 
 @pytest.mark.slow
 def test_the_embedded_task_raises_the_mean_reward(tmp_path):
-    rows = _run(tmp_path, max_steps=16, per_device_train_batch_size=8, num_generations=4,
-                max_completion_length=6, learning_rate=1e-2)
+    rows = _run(tmp_path, max_steps=10, per_device_train_batch_size=8, num_generations=4)
     rewards = [r["reward"] for r in rows]
-    first, last = np.mean(rewards[:4]), np.mean(rewards[-4:])
-    print(f"mean reward: first 4 steps {first:.3f} -> last 4 steps {last:.3f}")
-    assert last > first + 0.15, rewards
+    first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
+    print(f"mean reward: first 3 steps {first:.3f} -> last 3 steps {last:.3f}; entropy "
+          f"{rows[0]['entropy']:.2f} -> {rows[-1]['entropy']:.2f}")
+    assert last > first + 0.2, rewards
