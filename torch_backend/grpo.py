@@ -205,7 +205,7 @@ def liger_grpo_loss(model: torch.nn.Module, micro: "GRPOMicroBatch", spec: LossS
     loss_fn = LigerFusedLinearGRPOLoss(beta=spec.beta, epsilon_low=eps_low, epsilon_high=eps_high,
                                        temperature=temperature, use_ref_model=spec.beta > 0,
                                        loss_type=spec.loss_type, max_completion_length=spec.max_completion_length)
-    out = loss_fn(hidden_NCH, lm_head_weight(model), ids_NC, mask_NC, micro.advantages_N,
+    out = loss_fn(hidden_NCH, lm_head_weight(model), ids_NC, mask_NC.to(hidden_NCH.dtype), micro.advantages_N,
                   ref_per_token_logps=micro.ref_logps_NC, old_per_token_logps=micro.old_logps_NC)
     loss, extra = (out[0], out[1]) if isinstance(out, tuple) else (out, [])
     n, tokens = mask_NC.shape[0], float(mask_NC.sum().clamp(min=1))

@@ -204,3 +204,27 @@ def test_the_embedded_task_raises_the_mean_reward(tmp_path):
     print(f"mean reward: first 3 steps {first:.3f} -> last 3 steps {last:.3f}; entropy "
           f"{rows[0]['entropy']:.2f} -> {rows[-1]['entropy']:.2f}")
     assert last > first + 0.2, rewards
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_liger_grpo_loss_equals_twinseq_on_cuda(loss_type):
+    """Liger's fused GRPO loss (CUDA + liger-kernel) against the chunked path, same micro-batch and weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("liger_kernel", reason="needs liger-kernel (the gpu extra)")
+    cfg = ModelConfig.preset("tiny")
+    model = build_model(cfg, init_weights(cfg, seed=0)).cuda()
+    prompts, completions = _docs(seed=2, n=4)
+    cb = collate_completions(prompts, completions, padding_free=False, pad_token_id=0, num_columns=8)
+    lengths = np.array([len(c) for c in completions])
+    mask = torch.as_tensor(np.arange(8)[None, :] < lengths[:, None], dtype=torch.int64, device="cuda")
+    adv = torch.tensor([1.0, -0.5, 0.25, -0.75], device="cuda")
+    logps = tgrpo.completion_logps(model, cb, temperature=0.9)[0]
+    old = (logps.detach() + 0.3 * torch.randn_like(logps)) * mask  # ratios past both clip bounds
+    micro = tgrpo.GRPOMicroBatch(cb, mask, adv, old_logps_NC=old)
+    spec = tgrpo.LossSpec(loss_type=loss_type, max_completion_length=8, num_sequences_in_step=4,
+                          num_tokens_in_step=int(lengths.sum()))
+    want, _ = tgrpo.grpo_loss_torch(logps, adv, mask, spec, old_logps_NC=old)
+    got, _ = tgrpo.liger_grpo_loss(model, micro, spec, temperature=0.9)
+    assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
