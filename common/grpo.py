@@ -157,7 +157,8 @@ def epsilon_bounds(grpo: GRPOConfig) -> tuple[float, float]:
 
 
 def reward_func_name(func: Any) -> str:
-    return getattr(func, "__name__", None) or type(func).__name__
+    """The name metrics use: a built-in's registered name (``reward_name``), else the function's."""
+    return getattr(func, "reward_name", None) or getattr(func, "__name__", None) or type(func).__name__
 
 
 def _call_reward_func(func: RewardFunc, prompts: Sequence[Any], completions: Sequence[Any],

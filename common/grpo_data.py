@@ -3,7 +3,7 @@
 The embedded task (``dataset_name: embedded``) is built offline and deterministically: each
 prompt lists a few words and asks for the last one,
 
-    prompt: "Repeat the last word: river stone apple\\nAnswer:"     answer: "apple"
+    prompt: "Repeat the last word: file value node\\nAnswer:"     answer: "node"
 
 with two built-in reward functions (``REWARD_FUNCTIONS``), called as TRL calls them,
 ``f(prompts, completions, **columns)`` with the dataset's other columns (here ``answer``):
@@ -28,9 +28,10 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from twinseq.common.errors import ConfigError, DataError
 
 EMBEDDED_GRPO_NAMES = ("embedded", "embedded-grpo")
-TASK_WORDS = ("river", "stone", "apple", "house", "light", "water", "green", "table", "music", "paper", "cloud",
-              "field", "glass", "horse", "money", "night", "plant", "sound", "train", "world", "bread", "chair",
-              "dream", "earth", "fruit", "heart", "lemon", "metal", "ocean", "piano", "queen", "sugar")
+TASK_WORDS = ("file", "value", "list", "string", "data", "name", "path", "type", "object", "line", "time", "error",
+              "class", "module", "number", "key", "text", "field", "size", "mode", "item", "index", "order",
+              "result", "count", "node", "test", "code", "user", "host", "port", "word")
+"""Words that the embedded tokenizer encodes as one token, with or without a leading space."""
 PROMPT_TEMPLATE = "Repeat the last word: {words}\nAnswer:"
 _WORD = re.compile(r"[a-z]+")
 
@@ -96,6 +97,8 @@ def format_reward(prompts: Sequence[Any], completions: Sequence[Any], **columns:
 
 REWARD_FUNCTIONS: dict[str, Callable[..., list]] = {"exact_match": exact_match_reward, "format": format_reward}
 """Built-in reward functions by the name ``reward_funcs`` gives."""
+for _name, _func in REWARD_FUNCTIONS.items():
+    _func.reward_name = _name  # type: ignore[attr-defined]  (the metrics' name: rewards/<name>/mean)
 
 
 def resolve_reward_funcs(funcs: Sequence[Any]) -> list[Callable[..., list]]:
