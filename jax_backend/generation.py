@@ -195,9 +195,9 @@ def _empty_cache(model: CausalLM, batch_size: int, num_slots: int) -> tuple:
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("max_completion_length", "params", "eos_ids", "pad_id",
-                                                        "use_cache"))
+                                                        "use_cache", "min_new_tokens"))
 def _generate_jit(graphdef, state, prompt_ids_BP, prompt_mask_BP, key, *, max_completion_length: int,
-                  params: SamplingParams, eos_ids: tuple, pad_id: int, use_cache: bool):
+                  params: SamplingParams, eos_ids: tuple, pad_id: int, use_cache: bool, min_new_tokens: int = 0):
     """int32 completion ids [B, C]; the rollout of ``generate``, compiled once per (B, P, C) and settings."""
     model = nnx.merge(graphdef, state)
     (b, p), c = prompt_ids_BP.shape, max_completion_length
@@ -217,6 +217,9 @@ def _generate_jit(graphdef, state, prompt_ids_BP, prompt_mask_BP, key, *, max_co
         logits_BV = _full_forward(model, ids_BS, pos_BS, valid_BS, p - 1)
 
     def emit(i, logits_BV, key, tokens_BC, done_B):
+        if min_new_tokens and eos_ids:  # HF's MinNewTokensLengthLogitsProcessor: no EOS before min_new_tokens
+            logits_BV = jnp.where((i < min_new_tokens) & jnp.isin(jnp.arange(logits_BV.shape[-1]), eos_E),
+                                  -jnp.inf, logits_BV)
         token_B = jnp.where(done_B, pad_id, choose_tokens(logits_BV, key, params))
         return tokens_BC.at[:, i].set(token_B), done_B | jnp.isin(token_B, eos_E), token_B
 
@@ -282,13 +285,15 @@ def generate(model: CausalLM, prompts: Union[Sequence[Sequence[int]], tuple[np.n
              max_completion_length: int, key: Optional[jax.Array] = None, do_sample: bool = True,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              eos_token_id: Union[int, Sequence[int], None, str] = "config", pad_token_id: Optional[int] = None,
-             use_cache: bool = True, pad_to_multiple_of: Optional[int] = None) -> Completions:
+             use_cache: bool = True, pad_to_multiple_of: Optional[int] = None,
+             min_new_tokens: int = 0) -> Completions:
     """Sample up to ``max_completion_length`` tokens after each prompt.
 
     ``prompts``: token lists (left-padded here, to a multiple of ``pad_to_multiple_of`` to bound the
     number of compiled shapes), or an already left-padded ``(ids [B, P], mask [B, P])`` pair.
     ``eos_token_id`` defaults (``"config"``) to the model config's (None: no EOS stopping); ``pad_token_id`` to the
-    config's (or 0). ``key`` is a ``jax.random`` key (needed when ``do_sample``).
+    config's (or 0). ``key`` is a ``jax.random`` key (needed when ``do_sample``). ``min_new_tokens``: EOS
+    cannot be chosen before that many tokens (transformers' option of the same name).
 
     >>> from twinseq.common.config import ModelConfig
     >>> from twinseq.jax_backend.model import build_model
@@ -318,7 +323,8 @@ def generate(model: CausalLM, prompts: Union[Sequence[Sequence[int]], tuple[np.n
     tokens_BC = _generate_jit(graphdef, state, jnp.asarray(ids_BP), jnp.asarray(mask_BP),
                               jax.random.key(0) if key is None else key,
                               max_completion_length=int(max_completion_length), params=params, eos_ids=eos_ids,
-                              pad_id=pad_id, use_cache=bool(use_cache))
+                              pad_id=pad_id, use_cache=bool(use_cache),
+                              min_new_tokens=min(int(min_new_tokens), int(max_completion_length)))
     tokens_BC = np.asarray(tokens_BC, np.int32)
     return Completions(ids_BP, mask_BP, tokens_BC, completion_mask(tokens_BC, eos_ids))
 

@@ -365,7 +365,8 @@ class GRPOTrainer(_trainer_base()):
         return generate(policy, prompt_ids, max_completion_length=self.max_completion_length, key=key,
                         do_sample=not g.generation_greedy, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                        pad_to_multiple_of=self.cfg.data.pad_to_multiple_of or 16)
+                        pad_to_multiple_of=self.cfg.data.pad_to_multiple_of or 16,
+                        min_new_tokens=1)  # as the torch trainer: a completion is never a bare EOS
 
     def _generate(self, prompts: Sequence[dict]) -> GenerationRecord:
         c, g, tok = self.cfg, self.cfg.grpo, self.tokenizer

@@ -160,3 +160,13 @@ def test_dynamic_rope_past_its_range_is_refused():
     model = build_model(cfg, init_weights(cfg, seed=0))
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         generate(model, [[4, 5, 6]], max_completion_length=6, do_sample=False)
+
+
+def test_min_new_tokens_forbids_an_early_eos(tiny):
+    prompts = _prompts(tiny.config.vocab_size)
+    free = generate(tiny, prompts, max_completion_length=4, do_sample=False, eos_token_id=None)
+    eos = int(free.completion_ids[0, 0])  # row 0's greedy first token, made the EOS
+    early = generate(tiny, prompts, max_completion_length=4, do_sample=False, eos_token_id=eos)
+    late = generate(tiny, prompts, max_completion_length=4, do_sample=False, eos_token_id=eos, min_new_tokens=2)
+    assert early.completion_mask[0].tolist() == [1, 0, 0, 0]
+    assert late.completion_ids[0, 0] != eos and late.completion_ids[0, 1] != eos
