@@ -99,6 +99,7 @@ def test_completion_mask_stops_at_the_first_eos_of_any_id():
     assert completion_mask(ids, [2, 7]).tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0]]
 
 
+@pytest.mark.slow
 def test_top_k_one_is_greedy_and_keys_decide_samples(tiny):
     prompts = _prompts(tiny.config.vocab_size)
     kwargs = dict(max_completion_length=6, eos_token_id=None)
@@ -162,6 +163,7 @@ def test_dynamic_rope_past_its_range_is_refused():
         generate(model, [[4, 5, 6]], max_completion_length=6, do_sample=False)
 
 
+@pytest.mark.slow
 def test_min_new_tokens_forbids_an_early_eos(tiny):
     prompts = _prompts(tiny.config.vocab_size)
     free = generate(tiny, prompts, max_completion_length=4, do_sample=False, eos_token_id=None)

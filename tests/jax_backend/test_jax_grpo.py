@@ -117,7 +117,8 @@ def _naive_logps(model, cb, temperature: float) -> np.ndarray:
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
-@pytest.mark.parametrize("loss_type", ["nll", "chunked_nll", "fused_linear"])
+@pytest.mark.parametrize("loss_type", [pytest.param("nll", marks=pytest.mark.slow),
+                                       pytest.param("chunked_nll", marks=pytest.mark.slow), "fused_linear"])
 def test_completion_logps_equal_the_full_log_softmax(tiny, padding_free, loss_type):
     prompts, completions = _completions(tiny.config.vocab_size)
     cb = collate_completions(prompts, completions, padding_free=padding_free, num_columns=C)
@@ -137,6 +138,7 @@ def test_entropy_equals_the_naive_one():
                                naive, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_micro_batch_shares_add_up_to_the_batch(tiny):
     prompts, completions = _completions(tiny.config.vocab_size)
     mask = (np.arange(C)[None, :] < np.array([len(c) for c in completions])[:, None]).astype(np.float32)
@@ -178,6 +180,7 @@ def _rewards(path) -> list[float]:
     return [json.loads(line)["reward"] for line in open(path)]
 
 
+@pytest.mark.slow
 def test_two_steps_run_and_log_trl_metrics(tmp_path):
     from twinseq.jax_backend.trainer import train
 
@@ -193,8 +196,8 @@ def test_two_steps_run_and_log_trl_metrics(tmp_path):
 def test_mean_reward_rises_on_the_embedded_task(tmp_path):
     from twinseq.jax_backend.trainer import train
 
-    # measured: the format reward goes from ~0.5 (random tokens) to ~0.95 over 24 steps at lr 1e-2
-    rewards = _rewards(train(_cfg(tmp_path, max_steps=24, learning_rate=1e-2, per_device_train_batch_size=16,
-                                  num_generations=8, max_completion_length=8)))
-    first, last = np.mean(rewards[:6]), np.mean(rewards[-6:])
-    assert last > first + 0.15, (first, last, rewards)
+    # configs/grpo.yaml's settings: the format reward of near-uniform random tokens (~0.5) is learned in ~10 steps
+    rewards = _rewards(train(_cfg(tmp_path, max_steps=12, learning_rate=3e-2, per_device_train_batch_size=16,
+                                  num_generations=8, max_completion_length=4)))
+    first, last = np.mean(rewards[:3]), np.mean(rewards[-3:])
+    assert last > first + 0.2, (first, last, rewards)
