@@ -12,6 +12,7 @@ loss        ``LossConfig``      loss_type (the token-loss kernel), loss_chunk_si
 memory      ``MemoryConfig``    gradient_checkpointing, activation_offloading, torch_compile
 parallel    ``ParallelConfig``  fsdp, context_parallel_size, context_parallel_strategy
 dpo         ``DPOConfig``       beta, dpo_loss_type, loss_weights, label_smoothing, ...
+grpo        ``GRPOConfig``      num_generations, grpo_beta, epsilon, grpo_loss_type, reward_funcs, vllm_*, ...
 peft        ``PeftConfig``      use_peft, lora_r, lora_alpha, lora_target_modules, load_in_4bit, ...
 ==========  ==================  ================================================================
 
@@ -44,9 +45,10 @@ from twinseq.common.fields import (  # noqa: F401  (re-exported: the config surf
 from twinseq.common.models import (  # noqa: F401  (re-exported: the config surface)
     MODEL_PRESETS, MODEL_TYPES, ModelConfig, resolve_model_config)
 from twinseq.common.peft import PeftConfig  # noqa: F401  (re-exported: the config surface)
+from twinseq.common.grpo import GRPOConfig  # noqa: F401  (re-exported: the config surface)
 
 Backend = Literal["torch", "jax"]
-Task = Literal["sft", "dpo"]
+Task = Literal["sft", "dpo", "grpo"]
 TruncationMode = Literal["keep_start", "keep_end"]
 PackingStrategy = Literal["bfd", "bfd_split", "wrapped"]
 LossType = Literal["nll", "chunked_nll", "fused_linear", "liger"]
@@ -205,7 +207,9 @@ class DPOConfig(_Section):
 SECTIONS: dict[str, type] = {"model": ModelArgs, "data": DataConfig, "optim": OptimConfig, "loss": LossConfig,
                              "memory": MemoryConfig, "parallel": ParallelConfig, "dpo": DPOConfig,
                              "peft": PeftConfig}
+SECTIONS["grpo"] = GRPOConfig
 TASK_SECTIONS = {"dpo": "dpo"}
+TASK_SECTIONS["grpo"] = "grpo"
 """Sections read by one task only: setting them on another task is refused, not ignored."""
 
 
@@ -239,6 +243,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
         if _CHECKS_ON.get():
@@ -279,6 +284,15 @@ class TrainConfig:
             if loss.loss_type == "liger" or loss.use_liger_kernel:
                 check_liger_dpo_config(self.dpo.dpo_loss_type, padding_free=d.padding_free,
                                        precompute=self.dpo.precompute_ref_log_probs)
+        if self.task == "grpo":
+            from twinseq.common.grpo import check_grpo_config
+
+            if d.packing:
+                raise ConfigError("packing=True does not apply to GRPO (its batches are generated, one group of "
+                                  "completions per prompt); use --padding-free to put them in one row.")
+            check_grpo_config(self.grpo, per_device_train_batch_size=d.per_device_train_batch_size,
+                              gradient_accumulation_steps=d.gradient_accumulation_steps,
+                              max_completion_length=d.max_completion_length)
         from twinseq.common.peft import check_peft_config
 
         check_peft_config(self.peft)
@@ -314,6 +328,7 @@ class TrainConfig:
         sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         unknown = []
         for key, value in values.items():
+            key = FIELD_ALIASES.get(key, key) if isinstance(key, str) else key
             if not isinstance(key, str):
                 raise ConfigTypeError(f"{source}: key {key!r} is not a field name; write `field: value` with a "
                                       f"field listed by `twinseq train --help`.")
@@ -377,6 +392,8 @@ def _flat_index() -> dict[str, Optional[str]]:
 
 
 _FLAT_INDEX = _flat_index()
+FIELD_ALIASES = {"vllm_sleep_enabled": "vllm_enable_sleep_mode"}
+"""Other spellings accepted in YAML files and Python (the TRL guide writes ``vllm_sleep_enabled``)."""
 
 
 def flag_names() -> list[str]:

@@ -389,9 +389,15 @@ def summarize_losses(records: list[dict[str, Any]], window: int = 5) -> Optional
     losses = [r["loss"] for r in records]
     w = max(1, min(window, len(losses) // 2 or 1))
     first, last = sum(losses[:w]) / w, sum(losses[-w:]) / w
-    return (f"loss: first step {losses[0]:.4f}, final step {losses[-1]:.4f} (final/first = "
-            f"{losses[-1] / losses[0]:.3f}); mean of first/last {w} steps {first:.4f} -> {last:.4f} "
-            f"(ratio {last / first:.3f}) over {len(losses)} steps")
+    ratio = lambda a, b: f"{a / b:.3f}" if b else "n/a"  # noqa: E731  (GRPO's on-policy loss can be exactly 0)
+    line = (f"loss: first step {losses[0]:.4f}, final step {losses[-1]:.4f} (final/first = "
+            f"{ratio(losses[-1], losses[0])}); mean of first/last {w} steps {first:.4f} -> {last:.4f} "
+            f"(ratio {ratio(last, first)}) over {len(losses)} steps")
+    if all("reward" in r for r in records):  # GRPO: the reward is what should move
+        rewards = [r["reward"] for r in records]
+        line += (f"\nreward: mean of first/last {w} steps {sum(rewards[:w]) / w:.4f} -> "
+                 f"{sum(rewards[-w:]) / w:.4f}")
+    return line
 
 
 def plot_metrics(output_dir: str | os.PathLike, *, keys: tuple[str, ...] = ("loss", "tokens_per_second")) -> Path:

@@ -468,8 +468,13 @@ def train(config: TrainConfig) -> Path:
     check_optimizer(cfg)
     platform = jax.devices()[0].platform
     preflight(cfg, Runtime("jax", platform, jax.device_count(), accelerator=platform != "cpu"))
-    trainer, source, tokenizer, announce = (_build_dpo if cfg.task == "dpo" else _build_sft)(cfg)
+    build = _build_dpo if cfg.task == "dpo" else _build_sft
+    if cfg.task == "grpo":
+        from twinseq.jax_backend.grpo import build_grpo as build
+    trainer, source, tokenizer, announce = build(cfg)
     plot_keys = ("loss", "rewards/accuracies", "tokens_per_second") if cfg.task == "dpo" else \
         ("loss", "tokens_per_second")
+    if cfg.task == "grpo":
+        plot_keys = ("loss", "reward", "completions/mean_length", "tokens_per_second")
     return run(cfg, trainer, source, tokenizer=tokenizer, desc=f"{cfg.task}[jax]", announce=announce,
                plot_keys=plot_keys)

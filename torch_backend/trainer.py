@@ -454,9 +454,13 @@ def train(config: TrainConfig) -> Path:
             preflight(cfg, CapabilityRuntime("torch", device.type, 1, accelerator=device.type == "cuda"))
         torch.manual_seed(cfg.seed)
         build = _build_dpo if cfg.task == "dpo" else _build_sft
+        if cfg.task == "grpo":
+            from twinseq.torch_backend.grpo import build_grpo as build
         trainer, source, tokenizer, announce = build(cfg, device, runtime)
         plot_keys = ("loss", "rewards/accuracies", "tokens_per_second") if cfg.task == "dpo" else \
             ("loss", "tokens_per_second")
+        if cfg.task == "grpo":
+            plot_keys = ("loss", "reward", "completions/mean_length", "tokens_per_second")
         desc = f"{cfg.task}[torch{'' if runtime is None else '-fsdp2'}]"
         return run(cfg, trainer, source, tokenizer=tokenizer, desc=desc, announce=announce, plot_keys=plot_keys)
     finally:

@@ -66,7 +66,7 @@ def test_config_is_nested_by_concern_with_unique_flat_names():
     assert (cfg.data.max_length, cfg.optim.learning_rate, cfg.loss.loss_type) == (64, 3e-3, "fused_linear")
     assert (cfg.memory.gradient_checkpointing, cfg.parallel.context_parallel_size, cfg.model.model_config) == \
         (True, 2, "small")
-    assert set(SECTIONS) == {"model", "data", "optim", "loss", "memory", "parallel", "dpo", "peft"}
+    assert set(SECTIONS) == {"model", "data", "optim", "loss", "memory", "parallel", "dpo", "peft", "grpo"}
     flat = cfg.to_flat_dict()
     assert TrainConfig.from_dict(flat) == cfg == TrainConfig.from_dict(cfg.to_dict())
     assert cfg.replace(max_length=32).data.max_length == 32 and cfg.data.max_length == 64
@@ -84,11 +84,11 @@ def test_an_option_of_another_task_is_refused_not_ignored():
         TrainConfig.from_flat(task="dpo", packing=True, max_length=64)
 
 
-def test_unread_fields_are_gone():
-    """A field that no code reads does not exist (they come back with the GRPO work that reads them)."""
+def test_grpo_generation_fields_belong_to_the_grpo_task():
+    """They came back with the GRPO work that reads them (common.grpo.check_grpo_config, the GRPO trainers)."""
     for name in ("ds3_gather_for_generation", "vllm_sleep_enabled"):
-        with pytest.raises(ValueError, match=f"unknown field.*{name}"):
-            TrainConfig.from_flat(**{name: True})
+        with pytest.raises(ValueError, match="task='grpo'"):
+            TrainConfig.from_flat(**{name: name == "vllm_sleep_enabled"})
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path):

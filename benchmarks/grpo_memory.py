@@ -1,0 +1,209 @@
+"""GRPO memory and time: twinseq's torch GRPO trainer vs TRL 1.16's ``GRPOTrainer``, same run, same inputs.
+
+What is measured, per trainer: ``--steps`` optimizer steps of GRPO on the embedded last-word
+task (``common.grpo_data``), from the same ``tiny`` weights (``common.init``, seed 0, saved as
+a Hugging Face folder that both load), the same prompts, ``num_generations``, completion
+length, learning rate and loss (``dapo``, beta 0: no reference model), one ``format`` reward.
+
+- twinseq ``padded/nll``: padded batch, full logits (the layout TRL uses);
+- twinseq ``padding_free/fused_linear``: one packed row, chunked log-probs (no ``[tokens, V]``);
+- TRL ``GRPOTrainer`` (``use_cpu`` on CPU), its default kernels.
+
+Both generate with Hugging Face ``generate`` on the training model with a KV cache. Each
+trainer runs in a fresh subprocess (``benchmarks/_memory.py``): memory is the peak RSS above
+the RSS once the trainer is built (CPU), or ``torch.cuda.max_memory_allocated`` above the
+bytes allocated then (CUDA), over the whole run (generation and update). Step time is the
+median over steps after the first; generation time is the time inside ``generate`` (twinseq:
+its ``generation_seconds`` metric; TRL: a timer around the model's ``generate``), and update
+time is the step time minus generation and reward time.
+
+    .venv/bin/python benchmarks/grpo_memory.py                         # tiny, 16 completions of 32 tokens
+    .venv/bin/python benchmarks/grpo_memory.py --steps 2 --completion 8 --no-write   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _memory import (add_measure_args, cuda_peak_above_baseline, measure_in_subprocess,  # noqa: E402
+                     measured_settings, peak_bytes, resolve_device)
+from _report import MIB, acceptance_line, add_output_args, markdown_table, start_run  # noqa: E402
+
+VARIANTS = ("trl", "twinseq:padded:nll", "twinseq:padding_free:fused_linear")
+
+
+def _format_reward(prompts, completions, **kwargs):
+    from twinseq.common.grpo_data import format_reward
+
+    return format_reward(prompts, completions)
+
+
+# --- run inside the measured subprocess ----------------------------------------------------
+
+def setup(variant: str, model_dir: str, out_dir: str, steps: int, batch: int, generations: int, completion: int,
+          prompt: int, learning_rate: float, device: str) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    if variant == "trl":
+        return _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt, learning_rate, device)
+    _, layout, kernel = variant.split(":")
+    from twinseq.common.config import TrainConfig
+    from twinseq.torch_backend.grpo import build_grpo
+
+    cfg = TrainConfig.from_flat(task="grpo", model_config=model_dir, output_dir=out_dir, max_steps=steps,
+                                per_device_train_batch_size=batch, num_generations=generations,
+                                max_completion_length=completion, max_prompt_length=prompt,
+                                learning_rate=learning_rate, lr_scheduler_type="constant", grpo_loss_type="dapo",
+                                reward_funcs=["format"], padding_free=layout == "padding_free", loss_type=kernel,
+                                disable_tqdm=True, dtype="bfloat16" if device == "cuda" else "float32")
+    trainer, source, tokenizer, _ = build_grpo(cfg, torch.device(device), None, reward_funcs=[_format_reward])
+    return {"variant": variant, "cfg": cfg, "trainer": trainer, "source": source, "tokenizer": tokenizer,
+            "device": device}
+
+
+def _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt, learning_rate, device):
+    import time
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from twinseq.common.grpo_data import build_last_word_task
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+    timer = {"seconds": 0.0}
+    inner = model.generate
+
+    def timed_generate(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            timer["seconds"] += time.perf_counter() - t0
+
+    model.generate = timed_generate
+    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=batch, num_generations=generations,
+                      max_completion_length=completion, max_steps=steps, learning_rate=learning_rate,
+                      lr_scheduler_type="constant", beta=0.0, loss_type="dapo", report_to="none",
+                      use_cpu=device == "cpu", bf16=device == "cuda", logging_steps=1, save_strategy="no",
+                      disable_tqdm=True, temperature=1.0, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[_format_reward], args=args,
+                          train_dataset=Dataset.from_list(build_last_word_task()), processing_class=tokenizer)
+    return {"variant": "trl", "trainer": trainer, "timer": timer, "device": device}
+
+
+def run(state: dict[str, Any]) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    with cuda_peak_above_baseline(extra, enabled=state["device"] == "cuda"):
+        if state["variant"] == "trl":
+            state["trainer"].train()
+            logs = [h for h in state["trainer"].state.log_history if "step_time" in h]
+            extra["step_seconds"] = [h["step_time"] for h in logs]
+            extra["generation_seconds_total"] = state["timer"]["seconds"]
+            extra["reward"] = [h["reward"] for h in logs]
+        else:
+            from twinseq.common.metrics import read_metrics
+            from twinseq.common.runner import run as run_steps
+
+            cfg = state["cfg"]
+            run_steps(cfg, state["trainer"], state["source"], tokenizer=state["tokenizer"], desc="grpo-bench")
+            rows = read_metrics(cfg.output_dir)
+            extra["step_seconds"] = [r["step_seconds"] for r in rows]
+            extra["generation_seconds"] = [r["generation_seconds"] for r in rows]
+            extra["reward_seconds"] = [r["reward_seconds"] for r in rows]
+            extra["reward"] = [r["reward"] for r in rows]
+    return extra
+
+
+# --- the driver ----------------------------------------------------------------------------
+
+def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16, help="completions per step (per_device_train_batch_size)")
+    p.add_argument("--generations", type=int, default=8, help="num_generations")
+    p.add_argument("--completion", type=int, default=32, help="max_completion_length")
+    p.add_argument("--prompt", type=int, default=64, help="max_prompt_length")
+    p.add_argument("--learning-rate", type=float, default=1e-4)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    add_measure_args(p, timeout=1800.0)
+    add_output_args(p)
+    return p.parse_args(argv)
+
+
+def _save_model(folder: Path) -> None:
+    from twinseq.common.config import ModelConfig
+    from twinseq.common.init import init_weights
+    from twinseq.common.tokenizer import load_tokenizer
+    from twinseq.torch_backend.checkpoint import save_pretrained
+    from twinseq.torch_backend.model import build_model
+
+    cfg = ModelConfig.preset("tiny")
+    save_pretrained(build_model(cfg, init_weights(cfg, seed=0)), folder)
+    load_tokenizer("embedded").save_pretrained(folder)
+
+
+def _row(variant: str, res: dict[str, Any]) -> dict[str, Any]:
+    extra = res["records"][0]["extra"]
+    steps = extra["step_seconds"]
+    later = steps[1:] or steps
+    if variant == "trl":
+        generation = extra["generation_seconds_total"] / max(len(steps), 1)
+        reward = 0.0
+    else:
+        generation = statistics.median(extra["generation_seconds"][1:] or extra["generation_seconds"])
+        reward = statistics.median(extra["reward_seconds"])
+    step = statistics.median(later)
+    return {"variant": variant, "peak_bytes": peak_bytes(res), "step_seconds": step,
+            "generation_seconds": generation, "update_seconds": max(step - generation - reward, 0.0),
+            "run_seconds": res["median_seconds"], "first_reward": extra["reward"][0]}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    bench = start_run(parse, argv, __file__, device=resolve_device)
+    a = bench.args
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "tiny"
+        _save_model(model_dir)
+        for variant in a.variants.split(","):
+            kwargs = dict(variant=variant, model_dir=str(model_dir), out_dir=str(Path(tmp) / variant.replace(":", "_")),
+                          steps=a.steps, batch=a.batch, generations=a.generations, completion=a.completion,
+                          prompt=a.prompt, learning_rate=a.learning_rate, device=a.device)
+            res = measure_in_subprocess(__file__, "setup", "run", kwargs, repeats=a.repeats, warmup=a.warmup,
+                                        num_threads=a.threads, timeout=a.timeout)
+            rows.append(_row(variant, res))
+            r = rows[-1]
+            print(f"{variant:>36}: peak {r['peak_bytes'] / MIB:8.1f} MiB  step {r['step_seconds']:6.2f} s "
+                  f"(generation {r['generation_seconds']:5.2f} s, update {r['update_seconds']:5.2f} s)", flush=True)
+    base = next((r for r in rows if r["variant"] == "trl"), rows[0])
+    table = markdown_table(
+        ["trainer", "peak MiB", "x TRL", "step s", "x TRL", "generation s", "update s", "x TRL (update)"],
+        [[r["variant"], f"{r['peak_bytes'] / MIB:.1f}", f"{r['peak_bytes'] / max(base['peak_bytes'], 1):.2f}",
+          f"{r['step_seconds']:.2f}", f"{r['step_seconds'] / base['step_seconds']:.2f}",
+          f"{r['generation_seconds']:.2f}", f"{r['update_seconds']:.2f}",
+          f"{r['update_seconds'] / max(base['update_seconds'], 1e-9):.2f}"] for r in rows], "lrrrrrrr")
+    checks = {"every trainer ran": len(rows) == len(a.variants.split(","))}
+    body = "\n".join([
+        f"GRPO, model `tiny` (same seed-0 weights for all), {a.batch} completions per step = "
+        f"{a.batch // a.generations} prompts x {a.generations} generations, max_completion_length {a.completion}, "
+        f"{a.steps} steps, dapo loss, beta 0. Memory: {measured_settings(a)['memory_method']}, over the whole run "
+        f"(generation + update). Times: median over steps after the first.", "", *table, "",
+        acceptance_line(checks)])
+    bench.write({"arguments": bench.arguments(), "settings": measured_settings(a), "rows": rows},
+                title="GRPO: twinseq torch vs TRL GRPOTrainer", body=body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,504 @@
+"""GRPO on the JAX backend: completion log-probs from hidden states, the loss family, and the step trainer.
+
+The mirror of ``torch_backend/grpo.py``. One optimizer step (``GRPOTrainer``, on ``common.runner``'s loop):
+
+1. every ``num_iterations`` steps, sample ``num_generations`` completions per prompt with the KV-cache
+   sampler (``generation.generate``), score them with the reward functions and turn the rewards into
+   group advantages (``common.grpo``); with ``num_iterations > 1`` keep the sampling policy's
+   log-probs, with ``grpo_beta > 0`` the reference's (the initial parameters, or under PEFT the same
+   model with its adapters switched off);
+2. split the completions into micro-batches of ``per_device_train_batch_size``, collate each padded or
+   padding-free (``common.grpo.collate_completions``), compute its completion-token log-probs chunk by
+   chunk from hidden states (``logprobs.token_logps``: the token-loss kernel ``loss_type``;
+   ``fused_linear`` never holds a ``[tokens, V]`` tensor) and its share of the step loss; the shared
+   ``trainer.Trainer.step`` adds the gradients, clips and steps AdamW.
+
+The loss is ``common.grpo.grpo_loss`` written with jnp ops (``grpo_loss_jax``), tested equal within 1e-6.
+Logits are divided by the sampling ``temperature`` before the softmax, as TRL does, so that the ratio
+compares the distribution the completions were drawn from.
+
+Static shapes: a micro-batch is padded to a multiple of the trainer's bucket in tokens, and its
+completion matrix is ``[N, max_completion_length]``; the token positions are gathered through an
+``[N, C]`` index map (``-1``: no token), so one micro-batch shape compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from functools import partial
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from twinseq.common.batching import pad_batch
+from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
+from twinseq.common.errors import ConfigError
+from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_mask, compute_rewards,
+                                 epsilon_bounds, group_advantages, reward_func_name)
+from twinseq.jax_backend.logprobs import token_logps
+from twinseq.jax_backend.losses import check_labels, logits_f32
+from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, merge_state, split_trainable
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------
+# The loss (common.grpo.grpo_loss with jnp ops)
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """The static part of the loss (hashable: a ``jit`` static argument). The step's normalisers
+    (``LossNorms``) change with every generation and are traced instead."""
+
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    beta: float = 0.0
+    max_completion_length: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
+            raise ConfigError(f"grpo_loss_type={self.loss_type!r} is not valid; choose grpo, bnpo, dr_grpo or dapo.")
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ConfigError("grpo_loss_type='dr_grpo' needs max_completion_length.")
+
+
+def loss_norms(mask_NC, *, num_sequences_in_step=None, num_tokens_in_step=None, num_micro_batches: int = 1):
+    """float32 [3]: (sequences in the step, completion tokens in the step, micro-batches); None: this micro-batch's
+    own count (``common.grpo.LossNorm``'s defaults)."""
+    mask = np.asarray(mask_NC)
+    return jnp.asarray([mask.shape[0] if num_sequences_in_step is None else num_sequences_in_step,
+                        mask.sum() if num_tokens_in_step is None else num_tokens_in_step,
+                        num_micro_batches], jnp.float32)
+
+
+def grpo_loss_jax(logps_NC, advantages_N, mask_NC, norms_3, spec: LossSpec, *, old_logps_NC=None,
+                  ref_logps_NC=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(this micro-batch's share of the step loss, metrics as token means): ``common.grpo.grpo_loss`` in jnp;
+    traceable. ``norms_3`` as ``loss_norms`` returns; ``old_logps_NC`` None: the detached policy (ratio 1)."""
+    eps_low = spec.epsilon
+    eps_high = spec.epsilon if spec.epsilon_high is None else spec.epsilon_high
+    m = mask_NC.astype(logps_NC.dtype)
+    old = jax.lax.stop_gradient(logps_NC) if old_logps_NC is None else old_logps_NC.astype(logps_NC.dtype)
+    adv = advantages_N.astype(logps_NC.dtype)[:, None]
+    ratio = jnp.exp(logps_NC - old)
+    per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    count = jnp.maximum(m.sum(), 1.0)
+    metrics: dict[str, jax.Array] = {}
+    if spec.beta > 0:
+        if ref_logps_NC is None:
+            raise ConfigError("grpo_beta > 0 needs the reference model's log-probs (ref_logps).")
+        delta = ref_logps_NC.astype(logps_NC.dtype) - logps_NC
+        kl = jnp.exp(delta) - delta - 1
+        per_token = per_token + spec.beta * kl
+        metrics["kl"] = jax.lax.stop_gradient((kl * m).sum() / count)
+    summed = per_token * m
+    num_sequences, num_tokens, num_micro = norms_3[0], norms_3[1], norms_3[2]
+    if spec.loss_type == "grpo":
+        loss = (summed.sum(-1) / jnp.maximum(m.sum(-1), 1.0)).sum() / num_sequences
+    elif spec.loss_type == "bnpo":
+        loss = summed.sum() / count / num_micro
+    elif spec.loss_type == "dr_grpo":
+        loss = summed.sum() / (num_sequences * spec.max_completion_length)
+    else:  # dapo
+        loss = summed.sum() / jnp.maximum(num_tokens, 1.0)
+    r = jax.lax.stop_gradient(ratio)
+    low = (r < 1 - eps_low) & (adv < 0) & (m > 0)
+    high = (r > 1 + eps_high) & (adv > 0) & (m > 0)
+    metrics["clip_ratio/low_mean"] = low.sum() / count
+    metrics["clip_ratio/high_mean"] = high.sum() / count
+    metrics["clip_ratio/region_mean"] = (low | high).sum() / count
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------
+# Log-probs and entropy of completion tokens
+# --------------------------------------------------------------------------------------
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["inputs", "flat_NC"], meta_fields=[])
+@dataclasses.dataclass
+class CompletionInputs:
+    """A ``CompletionBatch`` as device arrays: ``batch_inputs`` of its (bucketed) batch, and ``flat_NC``, the
+    flattened ``[B*T]`` position whose target is completion i's token j (-1: none)."""
+
+    inputs: tuple
+    flat_NC: jax.Array
+
+    @classmethod
+    def of(cls, cb: CompletionBatch, vocab_size: int, rows: Optional[int] = None,
+           multiple: int = 1) -> "CompletionInputs":
+        batch = pad_batch(cb.batch, rows or cb.batch.shape[0], multiple)
+        b, t = cb.batch.shape
+        target_doc = np.pad(cb.target_doc_ids, ((0, batch.shape[0] - b), (0, batch.shape[1] - t)),
+                            constant_values=-1)
+        flat_n = np.flatnonzero(target_doc.reshape(-1) >= 0)  # flattened order = the order of token_row/col_n
+        flat_NC = np.full((cb.num_docs, cb.num_columns), -1, np.int32)
+        flat_NC[cb.token_row_n, cb.token_col_n] = flat_n
+        check_labels(batch.labels, vocab_size, max(int((batch.labels != -100).sum()), 1))
+        return cls(batch_inputs(batch, vocab_size), jnp.asarray(flat_NC))
+
+
+def _gather_NC(values_n: jax.Array, flat_NC: jax.Array) -> jax.Array:
+    return jnp.where(flat_NC >= 0, values_n[jnp.maximum(flat_NC, 0)], 0.0)
+
+
+def chunked_entropy(hidden_nH: jax.Array, lm_head_VH: jax.Array, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                    logit_softcap: Optional[float] = None) -> jax.Array:
+    """float32 [n] entropy of ``softmax(hidden @ W.T)`` per row, ``chunk_size`` rows of logits at a time, no
+    gradient. Naive equivalent: ``-(softmax(l) * log_softmax(l)).sum(-1)`` with ``l = logits_f32(h, W)``."""
+    hidden_nH, lm_head_VH = jax.lax.stop_gradient(hidden_nH), jax.lax.stop_gradient(lm_head_VH)
+    n = hidden_nH.shape[0]
+    pad = -n % chunk_size
+    hidden_CSH = jnp.pad(hidden_nH, ((0, pad), (0, 0))).reshape(-1, chunk_size, hidden_nH.shape[-1])
+
+    def chunk(h_SH):
+        logp_SV = jax.nn.log_softmax(logits_f32(h_SH, lm_head_VH, logit_softcap), axis=-1)
+        return -(jnp.exp(logp_SV) * logp_SV).sum(-1)
+
+    return jax.lax.map(chunk, hidden_CSH).reshape(-1)[:n]
+
+
+def completion_logps(model: CausalLM, ci: CompletionInputs, *, loss_type: str = "fused_linear",
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0, with_entropy: bool = False
+                     ) -> tuple[jax.Array, Optional[jax.Array]]:
+    """(log-probs [N, C], entropy [N, C] or None) of each completion token; 0 past a completion. Traceable.
+
+    Naive equivalent, for completion i and its token j, the target of flattened position t::
+
+        logp[i, j] = log_softmax(logits_f32(hidden[t], W) / temperature)[input_ids[t + 1]]
+    """
+    cap = model.final_logit_softcapping
+    check_temperature(temperature, cap)
+    input_ids, position_ids, segment_ids, labels = ci.inputs
+    hidden_BTH = model(input_ids, position_ids, segment_ids)
+    if temperature != 1.0:
+        hidden_BTH = hidden_BTH / jnp.asarray(temperature, hidden_BTH.dtype)  # (h / T) @ W.T = logits / T
+    logps_n = token_logps(hidden_BTH, model.lm_head_VH(), labels, loss_type, chunk_size, logit_softcap=cap)
+    entropy_NC = None
+    if with_entropy:
+        hidden_nH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[jnp.maximum(ci.flat_NC, 0).reshape(-1)]
+        entropy_n = chunked_entropy(hidden_nH, model.lm_head_VH(), chunk_size, cap)
+        entropy_NC = jnp.where(ci.flat_NC >= 0, entropy_n.reshape(ci.flat_NC.shape), 0.0)
+    return _gather_NC(logps_n, ci.flat_NC), entropy_NC
+
+
+def check_temperature(temperature: float, cap: Optional[float]) -> None:
+    if cap is not None and temperature != 1.0:
+        raise ConfigError(f"temperature={temperature} with a model that soft-caps its logits (final_logit_softcapping="
+                          f"{cap}): the temperature would have to divide the capped logits, which the chunked "
+                          f"kernels do not do; use --temperature 1.0 with this model.")
+
+
+# --------------------------------------------------------------------------------------
+# Jitted functions and the model-level API
+# --------------------------------------------------------------------------------------
+
+_STATIC = ("spec", "loss_type", "chunk_size", "temperature", "compute_dtype")
+
+
+@partial(jax.jit, static_argnums=(0,), static_argnames=_STATIC)
+def grpo_grads_jit(graphdef, state, ci: CompletionInputs, mask_NC, advantages_N, norms_3, old_logps_NC=None,
+                   ref_logps_NC=None, *, spec: LossSpec, loss_type: str, chunk_size: int, temperature: float,
+                   compute_dtype: Optional[str] = None, frozen=None):
+    """((loss, metrics), grads as an NNX state) of one micro-batch; ``frozen`` as ``model.grads_jit``."""
+    def scalar_loss(s):
+        model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
+        logps_NC, entropy_NC = completion_logps(model, ci, loss_type=loss_type, chunk_size=chunk_size,
+                                                temperature=temperature, with_entropy=True)
+        loss, metrics = grpo_loss_jax(logps_NC.astype(jnp.float32), advantages_N, mask_NC, norms_3, spec,
+                                      old_logps_NC=old_logps_NC, ref_logps_NC=ref_logps_NC)
+        metrics["entropy_sum"] = (entropy_NC * mask_NC).sum()
+        return loss, metrics
+
+    return jax.value_and_grad(scalar_loss, has_aux=True)(state)
+
+
+@partial(jax.jit, static_argnums=(0,), static_argnames=("loss_type", "chunk_size", "temperature", "compute_dtype"))
+def completion_logps_jit(graphdef, state, ci: CompletionInputs, *, loss_type: str, chunk_size: int,
+                         temperature: float, compute_dtype: Optional[str] = None, frozen=None) -> jax.Array:
+    """float32 [N, C] log-probs, no gradient: the sampling policy's and the reference's passes."""
+    model = merge_state(graphdef, cast_floating(state, compute_dtype), cast_floating(frozen, compute_dtype))
+    return completion_logps(model, ci, loss_type=loss_type, chunk_size=chunk_size,
+                            temperature=temperature)[0].astype(jnp.float32)
+
+
+def grpo_loss_and_grads(model: CausalLM, cb: CompletionBatch, mask_NC: np.ndarray, advantages_N: np.ndarray,
+                        spec: LossSpec, *, old_logps_NC: Optional[np.ndarray] = None,
+                        ref_logps_NC: Optional[np.ndarray] = None, loss_type: str = "fused_linear",
+                        chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0,
+                        num_sequences_in_step: Optional[int] = None, num_tokens_in_step: Optional[int] = None,
+                        num_micro_batches: int = 1) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
+    """(loss, float32 numpy gradients in HF names and layout, metrics) of one micro-batch of completions; the
+    mirror of the torch backend's GRPO step (``parity_tests/test_grpo_parity.py``)."""
+    from twinseq.jax_backend.model import grads_by_name
+
+    graphdef, state, frozen = split_trainable(model)
+    ci = CompletionInputs.of(cb, model.config.vocab_size)
+    as_f32 = (lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float32)))
+    (loss, metrics), grads = grpo_grads_jit(
+        graphdef, state, ci, as_f32(mask_NC), as_f32(advantages_N),
+        loss_norms(mask_NC, num_sequences_in_step=num_sequences_in_step, num_tokens_in_step=num_tokens_in_step,
+                   num_micro_batches=num_micro_batches),
+        as_f32(old_logps_NC), as_f32(ref_logps_NC), spec=spec, loss_type=loss_type, chunk_size=int(chunk_size),
+        temperature=float(temperature), frozen=frozen)
+    return float(loss), grads_by_name(model, grads), {k: float(v) for k, v in metrics.items()}
+
+
+def compute_completion_logps(model: CausalLM, cb: CompletionBatch, *, loss_type: str = "fused_linear",
+                             chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> np.ndarray:
+    """float64 numpy [N, C] completion-token log-probs of ``model`` (0 past each completion)."""
+    graphdef, state, frozen = split_trainable(model)
+    out = completion_logps_jit(graphdef, state, CompletionInputs.of(cb, model.config.vocab_size),
+                               loss_type=loss_type, chunk_size=int(chunk_size), temperature=float(temperature),
+                               frozen=frozen)
+    return np.asarray(out, np.float64)
+
+
+# --------------------------------------------------------------------------------------
+# The generated batch and its micro-batches
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class GRPOMicroBatch:
+    """One micro-batch of completions on device: inputs, loss mask, advantages and the kept log-probs."""
+
+    ci: CompletionInputs
+    mask_NC: jax.Array
+    advantages_N: jax.Array
+    num_tokens: int
+    old_logps_NC: Optional[jax.Array] = None
+    ref_logps_NC: Optional[jax.Array] = None
+
+
+@dataclasses.dataclass
+class GenerationRecord:
+    """What one generation produced: the micro-batches, and the metrics of the completions."""
+
+    micro_batches: list[GRPOMicroBatch]
+    metrics: dict[str, float]
+    num_loss_tokens: int
+    num_sequences: int
+
+
+def reward_metrics(total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str], num_generations: int
+                   ) -> dict[str, float]:
+    """TRL's reward metrics: ``reward``, ``reward_std`` (mean of the groups' std), per-function mean and std."""
+    groups = total_N.reshape(-1, num_generations)
+    out = {"reward": float(total_N.mean()), "reward_std": float(groups.std(axis=1, ddof=1).mean()),
+           "frac_reward_zero_std": float((groups.std(axis=1) == 0).mean())}
+    for j, name in enumerate(names):
+        ok = per_NF[:, j][~np.isnan(per_NF[:, j])]
+        out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else float("nan")
+        out[f"rewards/{name}/std"] = float(ok.std(ddof=1)) if ok.size > 1 else 0.0
+    return out
+
+
+def trim_completions(completion_ids_NC: np.ndarray, length_mask_NC: np.ndarray) -> list[np.ndarray]:
+    """Each completion up to and including its first EOS (at least one token: a completion is never empty)."""
+    lengths = np.maximum(length_mask_NC.sum(axis=1), 1)
+    return [row[:n] for row, n in zip(completion_ids_NC, lengths)]
+
+
+# --------------------------------------------------------------------------------------
+# The step trainer
+# --------------------------------------------------------------------------------------
+
+
+def _trainer_base():
+    from twinseq.jax_backend.trainer import Trainer
+
+    return Trainer
+
+
+class GRPOTrainer(_trainer_base()):
+    """GRPO's ``StepTrainer``: ``step`` generates (every ``num_iterations`` steps), splits the completions into
+    micro-batches, and hands them to the shared ``Trainer.step`` (``micro_step`` per micro-batch, then the
+    clip and the AdamW update)."""
+
+    def __init__(self, model: CausalLM, cfg: TrainConfig, *, tokenizer: Any, reward_funcs: Sequence[Any]) -> None:
+        super().__init__(model, cfg)
+        g = cfg.grpo
+        self.tokenizer, self.reward_funcs = tokenizer, list(reward_funcs)
+        self.num_generations, self.max_completion_length = g.num_generations, int(cfg.data.max_completion_length)
+        eps_low, eps_high = epsilon_bounds(g)
+        self.spec = LossSpec(g.grpo_loss_type, eps_low, eps_high, g.grpo_beta, self.max_completion_length)
+        check_temperature(g.temperature, model.final_logit_softcapping)
+        self.ref_graphdef, self.ref_params = None, None
+        if g.grpo_beta > 0 and self.peft:  # the reference is the same parameters with the adapters off: no copy
+            from twinseq.jax_backend.peft import adapters_disabled
+
+            with adapters_disabled(model):
+                self.ref_graphdef = split_trainable(model)[0]
+        elif g.grpo_beta > 0:
+            self.ref_params = jax.tree.map(jnp.copy, self.params)
+        self._record: Optional[GenerationRecord] = None
+        self._generated_now = False
+        self._num_generations_done = 0
+
+    def _logps_kwargs(self) -> dict[str, Any]:
+        from twinseq.jax_backend.trainer import _compute_dtype
+
+        c = self.cfg
+        return dict(loss_type=c.loss.loss_type, chunk_size=c.loss.loss_chunk_size, temperature=c.grpo.temperature,
+                    compute_dtype=_compute_dtype(c))
+
+    # -- generation ------------------------------------------------------------------
+
+    def _sample(self, prompt_ids: list[list[int]]):
+        from twinseq.jax_backend.generation import generate
+        from twinseq.jax_backend.trainer import _compute_dtype
+
+        g, tok = self.cfg.grpo, self.tokenizer
+        dtype = _compute_dtype(self.cfg)
+        policy = merge_state(self.graphdef, cast_floating(self.params, dtype), cast_floating(self.frozen, dtype))
+        # a key per generation, from the seed: a resumed run samples what the uninterrupted one would have
+        key = jax.random.fold_in(jax.random.key(self.cfg.seed), self._num_generations_done)
+        return generate(policy, prompt_ids, max_completion_length=self.max_completion_length, key=key,
+                        do_sample=not g.generation_greedy, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                        pad_to_multiple_of=self.cfg.data.pad_to_multiple_of or 16,
+                        min_new_tokens=1)  # as the torch trainer: a completion is never a bare EOS
+
+    def _generate(self, prompts: Sequence[dict]) -> GenerationRecord:
+        c, g, tok = self.cfg, self.cfg.grpo, self.tokenizer
+        expanded = [row for row in prompts for _ in range(self.num_generations)]
+        prompt_ids = [list(r["prompt_input_ids"]) for r in expanded]
+        t0 = time.perf_counter()
+        out = self._sample(prompt_ids)
+        gen_seconds = time.perf_counter() - t0
+        self._num_generations_done += 1
+        length_mask, truncated = completion_mask(out.completion_ids, tok.eos_token_id, tok.pad_token_id)
+        loss_mask = length_mask * (~truncated[:, None] if g.mask_truncated_completions else 1)
+        completions = trim_completions(out.completion_ids, length_mask)
+        texts = [tok.decode(ids.tolist(), skip_special_tokens=True) for ids in completions]
+        prompt_values = [r["prompt"] for r in expanded]
+        conversational = bool(prompt_values) and not isinstance(prompt_values[0], str)
+        texts_for_rewards = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: [r.get(k) for r in expanded] for k in expanded[0]
+                   if k not in {"prompt", "prompt_text", "prompt_input_ids"}}
+        t1 = time.perf_counter()
+        total, per = compute_rewards(self.reward_funcs, prompt_values, texts_for_rewards, weights=g.reward_weights,
+                                     columns=columns)
+        reward_seconds = time.perf_counter() - t1
+        advantages = group_advantages(total, self.num_generations, g.scale_rewards)
+        micro = self._micro_batches(prompt_ids, completions, loss_mask, advantages)
+        lengths = length_mask.sum(axis=1)
+        metrics = {**reward_metrics(total, per, [reward_func_name(f) for f in self.reward_funcs], self.num_generations),
+                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                   "completions/max_length": float(lengths.max()),
+                   "completions/clipped_ratio": float(truncated.mean()),
+                   "generation_seconds": gen_seconds, "reward_seconds": reward_seconds}
+        return GenerationRecord(micro, metrics, int(loss_mask.sum()), len(completions))
+
+    def _micro_batches(self, prompt_ids, completions, loss_mask_NC, advantages_N) -> list[GRPOMicroBatch]:
+        """Consecutive slices of ``per_device_train_batch_size`` completions, collated and bucketed, with the
+        sampling policy's (``num_iterations > 1``) and the reference's (``grpo_beta > 0``) log-probs."""
+        d, g = self.cfg.data, self.cfg.grpo
+        size, out = d.per_device_train_batch_size, []
+        for s in range(0, len(completions), size):
+            sl = slice(s, s + size)
+            cb = collate_completions(prompt_ids[sl], completions[sl], padding_free=d.padding_free,
+                                     pad_token_id=self.tokenizer.pad_token_id, num_columns=self.max_completion_length)
+            ci = CompletionInputs.of(cb, self.vocab_size, rows=1 if d.padding_free else size, multiple=self.bucket)
+            mb = GRPOMicroBatch(ci, jnp.asarray(loss_mask_NC[sl], jnp.float32),
+                                jnp.asarray(advantages_N[sl], jnp.float32), cb.batch.num_tokens)
+            if g.num_iterations > 1:
+                mb.old_logps_NC = completion_logps_jit(self.graphdef, self.params, ci, frozen=self.frozen,
+                                                       **self._logps_kwargs())
+            if g.grpo_beta > 0:
+                graphdef, state, frozen = (self.ref_graphdef, self.params, self.frozen) if self.peft else \
+                    (self.graphdef, self.ref_params, None)
+                mb.ref_logps_NC = completion_logps_jit(graphdef, state, ci, frozen=frozen, **self._logps_kwargs())
+            out.append(mb)
+        return out
+
+    # -- Trainer hooks -----------------------------------------------------------------
+
+    def step(self, micro_batches: list[Any]) -> dict[str, Any]:
+        (entry,) = micro_batches
+        self._generated_now = bool(entry["new_generation"] or self._record is None)
+        if self._generated_now:
+            self._record = self._generate(entry["prompts"])
+        rec = self._record
+        self._norms = jnp.asarray([rec.num_sequences, rec.num_loss_tokens, len(rec.micro_batches)], jnp.float32)
+        self._step_started = time.perf_counter()
+        return super().step(self._record.micro_batches)
+
+    def micro_step(self, mb: GRPOMicroBatch):
+        (loss, metrics), grads = grpo_grads_jit(self.graphdef, self.params, mb.ci, mb.mask_NC, mb.advantages_N,
+                                                self._norms, mb.old_logps_NC, mb.ref_logps_NC, spec=self.spec,
+                                                frozen=self.frozen, **self._logps_kwargs())
+        tokens = float(mb.mask_NC.sum())
+        record = {"loss": float(loss), "num_loss_tokens": tokens, "num_tokens": mb.num_tokens,
+                  "entropy_sum": float(metrics.pop("entropy_sum"))}
+        for k, v in metrics.items():  # token means -> token sums, so the step mean weighs micro-batches right
+            record[k + "_sum"] = float(v) * tokens
+        return record, grads
+
+    def micro_losses(self, records: list[dict[str, float]]) -> list[float]:
+        return [r["loss"] for r in records]
+
+    def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
+        tokens = max(sum(r["num_loss_tokens"] for r in records), 1.0)
+        out: dict[str, Any] = {"loss": sum(r["loss"] for r in records),
+                               "num_tokens": int(sum(r["num_tokens"] for r in records)),
+                               "num_completion_tokens": int(sum(r["num_loss_tokens"] for r in records))}
+        for key in sorted({k for r in records for k in r if k.endswith("_sum")}):
+            out[key[:-4]] = sum(r.get(key, 0.0) for r in records) / tokens
+        out.update(self._record.metrics)
+        out["generation_seconds"] = self._record.metrics["generation_seconds"] if self._generated_now else 0.0
+        out["training_seconds"] = time.perf_counter() - self._step_started
+        return out
+
+
+# --------------------------------------------------------------------------------------
+# `twinseq train --task grpo --backend jax`
+# --------------------------------------------------------------------------------------
+
+
+def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None):
+    """(trainer, source, tokenizer, announce lines) of a GRPO run; ``reward_funcs`` (names or callables)
+    overrides ``cfg.grpo.reward_funcs``."""
+    from twinseq.common.data import run_tokenizer
+    from twinseq.common.grpo_data import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
+    from twinseq.jax_backend.parallel import parallelize
+    from twinseq.jax_backend.trainer import _describe, build_causal_lm
+
+    g = cfg.grpo
+    if g.use_vllm:
+        raise ConfigError("use_vllm=True: vLLM generation is a torch/CUDA integration; the jax backend samples with "
+                          "its own KV-cache sampler (jax_backend.generation); drop --use-vllm or use --backend torch.")
+    if cfg.data.max_completion_length is None:
+        raise ConfigError("task=grpo needs max_completion_length (tokens generated per completion); set "
+                          "--max-completion-length, e.g. 16.")
+    if cfg.loss.loss_type == "liger" or cfg.loss.use_liger_kernel:
+        raise ConfigError("loss_type='liger' (Liger's fused GRPO loss) is a torch/CUDA kernel; on the jax backend use "
+                          "--loss-type fused_linear, the same chunked log-probs without a [tokens, vocab] tensor.")
+    if cfg.parallel.context_parallel_size > 1:
+        raise ConfigError("task=grpo runs on one device on the jax backend (generation is not sharded); drop "
+                          "--context-parallel-size.")
+    tokenizer = run_tokenizer(cfg)
+    funcs = resolve_reward_funcs(g.reward_funcs if reward_funcs is None else reward_funcs)
+    rows = prepare_grpo_prompts(cfg, tokenizer)
+    model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), None, cfg)
+    generation_batch = cfg.data.per_device_train_batch_size * cfg.data.gradient_accumulation_steps
+    prompts_per_step = generation_batch // g.num_generations
+    source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
+    trainer = GRPOTrainer(model, cfg, tokenizer=tokenizer, reward_funcs=funcs)
+    reference = "none (grpo_beta=0)" if g.grpo_beta == 0 else \
+        "the base (adapters disabled)" if trainer.peft else "frozen copy"
+    announce = [_describe(cfg, trainer),
+                f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
+                f"{generation_batch} completions per step, max_completion_length={cfg.data.max_completion_length}, "
+                f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference}, num_iterations="
+                f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}"]
+    return trainer, source, tokenizer, announce

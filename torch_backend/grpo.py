@@ -1,0 +1,486 @@
+"""GRPO on the torch backend: completion log-probs from hidden states, the loss family, and the step trainer.
+
+One optimizer step (``GRPOTrainer``, on ``common.runner``'s loop):
+
+1. every ``num_iterations`` steps, generate ``num_generations`` completions per prompt
+   (``generation.generate``, KV cache, left-padded prompts), score them with the reward
+   functions and turn the rewards into group advantages (``common.grpo``); with
+   ``num_iterations > 1`` keep the sampling policy's log-probs, with ``grpo_beta > 0`` the
+   reference's (the policy with its adapters disabled under PEFT, else a frozen copy);
+2. split the completions into micro-batches of ``per_device_train_batch_size``; each
+   computes its completion-token log-probs chunk by chunk from hidden states
+   (``logprobs.token_logps``: the token-loss kernel ``loss_type``; ``fused_linear`` never
+   holds a ``[tokens, V]`` tensor), over a padded or a padding-free batch
+   (``common.grpo.collate_completions``), and back-propagates its share of the step loss.
+
+The loss is ``common.grpo.grpo_loss`` written with torch ops (``grpo_loss_torch``); both are
+tested equal. Logits are divided by the sampling ``temperature`` before the softmax, as TRL
+does, so that the ratio compares the distribution the completions were drawn from.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from twinseq.common.capabilities import GPU_EXTRA
+from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
+from twinseq.common.errors import ConfigError, MissingDependencyError
+from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_mask, compute_rewards,
+                                 epsilon_bounds, group_advantages, reward_func_name)
+from twinseq.torch_backend.logprobs import TargetRows, token_logps
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------
+# Log-probs and entropy of completion tokens
+# --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def chunked_entropy(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+                    ) -> torch.Tensor:
+    """[n] entropy of ``softmax(hidden @ W.T)`` per row, ``chunk_size`` rows of logits at a time (no graph).
+
+    Naive equivalent: ``-(softmax(h @ W.T) * log_softmax(h @ W.T)).sum(-1)``.
+    """
+    acc = torch.promote_types(hidden_nH.dtype, torch.float32)  # fp32, or fp64 for an fp64 model (tests)
+    out = torch.empty(hidden_nH.shape[0], dtype=acc, device=hidden_nH.device)
+    for s in range(0, hidden_nH.shape[0], chunk_size):
+        logp_cV = torch.log_softmax(torch.nn.functional.linear(hidden_nH[s:s + chunk_size], weight_VH).to(acc), -1)
+        out[s:s + chunk_size] = -(logp_cV.exp() * logp_cV).sum(-1)
+        del logp_cV
+    return out
+
+
+def _scatter_NC(values_n: torch.Tensor, cb: CompletionBatch) -> torch.Tensor:
+    out = values_n.new_zeros((cb.num_docs, cb.num_columns))
+    rows = torch.as_tensor(cb.token_row_n, device=values_n.device)
+    cols = torch.as_tensor(cb.token_col_n, device=values_n.device)
+    return out.index_put((rows, cols), values_n)
+
+
+def completion_logps(model: torch.nn.Module, cb: CompletionBatch, *, loss_type: str = "fused_linear",
+                     chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0,
+                     attn_implementation: Optional[str] = None, with_entropy: bool = False
+                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(log-probs [N, C], entropy [N, C] or None) of each completion token under ``model``; 0 past a completion.
+
+    Naive equivalent, for completion i and its token j at flattened position t + 1::
+
+        logp[i, j] = log_softmax(hidden[t] @ W.T / temperature)[input_ids[t + 1]]
+
+    The graph is kept (for ``.backward()``) when grad is enabled.
+    """
+    from twinseq.torch_backend.attention import forward_hidden
+    from twinseq.torch_backend.model import final_logit_softcap
+    from twinseq.torch_backend.peft import lm_head_weight
+
+    cap = final_logit_softcap(model)
+    if cap is not None and temperature != 1.0:
+        raise ConfigError(f"temperature={temperature} with a model that soft-caps its logits (final_logit_softcapping="
+                          f"{cap}): the temperature would have to divide the capped logits, which the fused "
+                          f"kernels do not do; use --temperature 1.0 with this model.")
+    hidden_BTH = forward_hidden(model, cb.batch, attn_implementation)
+    if temperature != 1.0:
+        hidden_BTH = hidden_BTH / temperature  # (h / T) @ W.T = logits / T, exactly the sampled distribution
+    weight = lm_head_weight(model)
+    rows = TargetRows.of(cb, weight.shape[0], hidden_BTH.device)
+    logps_n = token_logps(hidden_BTH, weight, rows, loss_type, chunk_size, logit_softcap=cap)
+    entropy = None
+    if with_entropy:
+        hidden_nH = hidden_BTH.detach().reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows.idx_n)
+        entropy = _scatter_NC(chunked_entropy(hidden_nH, weight.detach(), chunk_size), cb)
+    return _scatter_NC(logps_n, cb), entropy
+
+
+# --------------------------------------------------------------------------------------
+# The loss (common.grpo.grpo_loss with torch ops)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What ``grpo_loss_torch`` needs besides the tensors (see ``common.grpo.LossNorm``)."""
+
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    beta: float = 0.0
+    max_completion_length: Optional[int] = None
+    num_sequences_in_step: Optional[int] = None
+    num_tokens_in_step: Optional[int] = None
+    num_micro_batches: int = 1
+
+
+def grpo_loss_torch(logps_NC: torch.Tensor, advantages_N: torch.Tensor, mask_NC: torch.Tensor, spec: LossSpec, *,
+                    old_logps_NC: Optional[torch.Tensor] = None, ref_logps_NC: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """(this micro-batch's share of the step loss, metrics): ``common.grpo.grpo_loss`` in torch."""
+    eps_low = spec.epsilon
+    eps_high = spec.epsilon if spec.epsilon_high is None else spec.epsilon_high
+    m = mask_NC.to(logps_NC.dtype)
+    old = logps_NC.detach() if old_logps_NC is None else old_logps_NC.to(logps_NC.dtype)
+    adv = advantages_N.to(logps_NC.dtype)[:, None]
+    ratio = torch.exp(logps_NC - old)
+    per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    count = m.sum().clamp(min=1.0)
+    metrics: dict[str, float] = {}
+    if spec.beta > 0:
+        if ref_logps_NC is None:
+            raise ConfigError("grpo_beta > 0 needs the reference model's log-probs (ref_logps).")
+        delta = ref_logps_NC.to(logps_NC.dtype) - logps_NC
+        kl = torch.exp(delta) - delta - 1
+        per_token = per_token + spec.beta * kl
+        metrics["kl"] = float((kl.detach() * m).sum() / count)
+    n = logps_NC.shape[0]
+    summed = per_token * m
+    if spec.loss_type == "grpo":
+        loss = (summed.sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / (spec.num_sequences_in_step or n)
+    elif spec.loss_type == "bnpo":
+        loss = summed.sum() / count / spec.num_micro_batches
+    elif spec.loss_type == "dr_grpo":
+        if spec.max_completion_length is None:
+            raise ConfigError("grpo_loss_type='dr_grpo' needs max_completion_length.")
+        loss = summed.sum() / ((spec.num_sequences_in_step or n) * spec.max_completion_length)
+    elif spec.loss_type == "dapo":
+        loss = summed.sum() / max(float(spec.num_tokens_in_step or m.sum()), 1.0)
+    else:
+        raise ConfigError(f"grpo_loss_type={spec.loss_type!r} is not valid; choose grpo, bnpo, dr_grpo or dapo.")
+    with torch.no_grad():
+        r = ratio.detach()
+        low = (r < 1 - eps_low) & (adv < 0) & (m > 0)
+        high = (r > 1 + eps_high) & (adv > 0) & (m > 0)
+        metrics["clip_ratio/low_mean"] = float(low.sum() / count)
+        metrics["clip_ratio/high_mean"] = float(high.sum() / count)
+        metrics["clip_ratio/region_mean"] = float((low | high).sum() / count)
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------
+# Liger (CUDA)
+# --------------------------------------------------------------------------------------
+
+
+def check_liger_grpo(device: Any) -> None:
+    """Raise (and log) unless Liger's fused GRPO loss can run here: a CUDA device and the liger-kernel package."""
+    if torch.device(device).type != "cuda":
+        msg = ("use_liger_kernel=True (loss_type='liger') for GRPO runs Liger's fused GRPO loss, which needs a CUDA "
+               f"GPU with liger-kernel (`{GPU_EXTRA}`); on CPU use --loss-type fused_linear, the same chunked "
+               "log-probs without a [tokens, vocab] tensor.")
+        logger.error(msg)
+        raise ConfigError(msg)
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise MissingDependencyError(f"loss_type='liger' needs the liger-kernel package; install the gpu extra "
+                                     f"with `{GPU_EXTRA}`, or use --loss-type fused_linear.")
+
+
+def liger_grpo_loss(model: torch.nn.Module, micro: "GRPOMicroBatch", spec: LossSpec, temperature: float,
+                    attn_implementation: Optional[str] = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Liger's ``LigerFusedLinearGRPOLoss`` on the padded completion positions of a micro-batch (CUDA).
+
+    Liger normalises by its own micro-batch; its loss is rescaled to this micro-batch's share of
+    the step (``dapo``: tokens of the step; the others: as TRL's trainer does with Liger)."""
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    from twinseq.torch_backend.attention import forward_hidden
+    from twinseq.torch_backend.peft import lm_head_weight
+
+    cb = micro.cb
+    hidden_BTH = forward_hidden(model, cb.batch, attn_implementation)
+    rows = TargetRows.of(cb, lm_head_weight(model).shape[0], hidden_BTH.device)
+    hidden_nH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows.idx_n)
+    hidden_NCH = _scatter_rows(hidden_nH, cb)
+    ids_NC = _scatter_NC(rows.targets_n, cb)
+    mask_NC = micro.mask_NC
+    eps_low, eps_high = spec.epsilon, spec.epsilon if spec.epsilon_high is None else spec.epsilon_high
+    loss_fn = LigerFusedLinearGRPOLoss(beta=spec.beta, epsilon_low=eps_low, epsilon_high=eps_high,
+                                       temperature=temperature, use_ref_model=spec.beta > 0,
+                                       loss_type=spec.loss_type, max_completion_length=spec.max_completion_length)
+    out = loss_fn(hidden_NCH, lm_head_weight(model), ids_NC, mask_NC.to(hidden_NCH.dtype), micro.advantages_N,
+                  ref_per_token_logps=micro.ref_logps_NC, old_per_token_logps=micro.old_logps_NC)
+    loss, extra = (out[0], out[1]) if isinstance(out, tuple) else (out, [])
+    n, tokens = mask_NC.shape[0], float(mask_NC.sum().clamp(min=1))
+    scale = {"dapo": tokens / max(spec.num_tokens_in_step or tokens, 1.0),
+             "grpo": n / (spec.num_sequences_in_step or n), "dr_grpo": n / (spec.num_sequences_in_step or n),
+             "bnpo": 1.0 / spec.num_micro_batches}[spec.loss_type]
+    metrics = {}
+    if spec.beta > 0 and len(extra) > 0:
+        metrics["kl"] = float(extra[0])
+    return loss * scale, metrics
+
+
+def _scatter_rows(values_nH: torch.Tensor, cb: CompletionBatch) -> torch.Tensor:
+    out = values_nH.new_zeros((cb.num_docs, cb.num_columns, values_nH.shape[-1]))
+    rows = torch.as_tensor(cb.token_row_n, device=values_nH.device)
+    cols = torch.as_tensor(cb.token_col_n, device=values_nH.device)
+    return out.index_put((rows, cols), values_nH)
+
+
+# --------------------------------------------------------------------------------------
+# The generated batch and its micro-batches
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class GRPOMicroBatch:
+    """One micro-batch of completions: its collated batch, loss mask, advantages and kept log-probs."""
+
+    cb: CompletionBatch
+    mask_NC: torch.Tensor
+    advantages_N: torch.Tensor
+    old_logps_NC: Optional[torch.Tensor] = None
+    ref_logps_NC: Optional[torch.Tensor] = None
+
+
+@dataclass
+class GenerationRecord:
+    """What one generation produced: the micro-batches, and the metrics of the completions."""
+
+    micro_batches: list[GRPOMicroBatch]
+    metrics: dict[str, float]
+    num_loss_tokens: int
+    num_sequences: int
+
+
+def reward_metrics(total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str], num_generations: int
+                   ) -> dict[str, float]:
+    """TRL's reward metrics: ``reward``, ``reward_std`` (mean of the groups' std), per-function mean/std."""
+    groups = total_N.reshape(-1, num_generations)
+    out = {"reward": float(total_N.mean()), "reward_std": float(groups.std(axis=1, ddof=1).mean()),
+           "frac_reward_zero_std": float((groups.std(axis=1) == 0).mean())}
+    for j, name in enumerate(names):
+        col = per_NF[:, j]
+        ok = col[~np.isnan(col)]
+        out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else float("nan")
+        out[f"rewards/{name}/std"] = float(ok.std(ddof=1)) if ok.size > 1 else 0.0
+    return out
+
+
+def split_micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequence[np.ndarray],
+                        mask_NC: np.ndarray, advantages_N: np.ndarray, micro_size: int, *, padding_free: bool,
+                        pad_token_id: int, device: torch.device, num_columns: int,
+                        pad_to_multiple_of: Optional[int] = None) -> list[GRPOMicroBatch]:
+    """Consecutive slices of ``micro_size`` completions, collated (``collate_completions``)."""
+    out = []
+    for s in range(0, len(completions), micro_size):
+        sl = slice(s, s + micro_size)
+        cb = collate_completions(prompt_ids[sl], completions[sl], padding_free=padding_free,
+                                 pad_token_id=pad_token_id, num_columns=num_columns,
+                                 pad_to_multiple_of=pad_to_multiple_of)
+        out.append(GRPOMicroBatch(cb, torch.as_tensor(mask_NC[sl], device=device),
+                                  torch.as_tensor(advantages_N[sl], dtype=torch.float32, device=device)))
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# The step trainer
+# --------------------------------------------------------------------------------------
+
+
+def _trainer_base():
+    from twinseq.torch_backend.trainer import Trainer
+
+    return Trainer
+
+
+class GRPOTrainer(_trainer_base()):
+    """GRPO's ``StepTrainer``: ``prepare`` generates (every ``num_iterations`` steps) and splits the completions
+    into micro-batches; ``micro_step`` back-propagates one micro-batch's share of the loss; the shared
+    ``Trainer.step`` clips, steps AdamW and the schedule."""
+
+    def __init__(self, cfg: TrainConfig, module: torch.nn.Module, device: torch.device, *, tokenizer: Any,
+                 reward_funcs: Sequence[Any], ref_model: Optional[torch.nn.Module] = None) -> None:
+        super().__init__(cfg, module, device)
+        self.tokenizer, self.reward_funcs, self.ref_model = tokenizer, list(reward_funcs), ref_model
+        g = cfg.grpo
+        self.num_generations = g.num_generations
+        self.max_completion_length = cfg.data.max_completion_length
+        self._record: Optional[GenerationRecord] = None
+        self._generated_now = False
+        self._micro_metrics: list[dict[str, float]] = []
+        eps_low, eps_high = epsilon_bounds(g)
+        self.spec_base = LossSpec(loss_type=g.grpo_loss_type, epsilon=eps_low, epsilon_high=eps_high, beta=g.grpo_beta,
+                                  max_completion_length=self.max_completion_length)
+
+    # -- generation ------------------------------------------------------------------
+
+    def _generate(self, prompts: Sequence[dict]) -> GenerationRecord:
+        from twinseq.torch_backend.generation import generate, trim_completions
+
+        c, g, tok = self.cfg, self.cfg.grpo, self.tokenizer
+        expanded = [row for row in prompts for _ in range(self.num_generations)]
+        prompt_ids = [list(r["prompt_input_ids"]) for r in expanded]
+        t0 = time.perf_counter()
+        out = generate(self.causal_lm, prompt_ids, max_completion_length=self.max_completion_length,
+                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=g.temperature,
+                       top_p=g.top_p, top_k=g.top_k, greedy=g.generation_greedy)
+        gen_seconds = time.perf_counter() - t0
+        length_mask, truncated = completion_mask(out.completion_ids, tok.eos_token_id, tok.pad_token_id)
+        loss_mask = length_mask * (~truncated[:, None] if g.mask_truncated_completions else 1)
+        completions = trim_completions(out.completion_ids, length_mask)
+        texts = [tok.decode(ids.tolist(), skip_special_tokens=True) for ids in completions]
+        prompt_values = [r["prompt"] for r in expanded]
+        if prompt_values and not isinstance(prompt_values[0], str):  # conversational: TRL passes messages back
+            texts_for_rewards = [[{"role": "assistant", "content": t}] for t in texts]
+        else:
+            texts_for_rewards = texts
+        skip = {"prompt", "prompt_text", "prompt_input_ids"}
+        columns = {k: [r.get(k) for r in expanded] for k in expanded[0] if k not in skip}
+        t1 = time.perf_counter()
+        total, per = compute_rewards(self.reward_funcs, prompt_values, texts_for_rewards, weights=g.reward_weights,
+                                     columns=columns)
+        reward_seconds = time.perf_counter() - t1
+        advantages = group_advantages(total, self.num_generations, g.scale_rewards)
+        micro = split_micro_batches(prompt_ids, completions, loss_mask, advantages, c.data.per_device_train_batch_size,
+                                    padding_free=c.data.padding_free, pad_token_id=tok.pad_token_id,
+                                    device=self.device, num_columns=out.completion_ids.shape[1],
+                                    pad_to_multiple_of=c.data.pad_to_multiple_of)
+        self._kept_logps(micro)
+        lengths = length_mask.sum(axis=1)
+        metrics = {**reward_metrics(total, per, [reward_func_name(f) for f in self.reward_funcs], self.num_generations),
+                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                   "completions/max_length": float(lengths.max()),
+                   "completions/clipped_ratio": float(truncated.mean()),
+                   "generation_seconds": gen_seconds, "reward_seconds": reward_seconds}
+        return GenerationRecord(micro, metrics, int(loss_mask.sum()), len(completions))
+
+    @torch.no_grad()
+    def _kept_logps(self, micro: list[GRPOMicroBatch]) -> None:
+        """The sampling policy's log-probs (``num_iterations > 1``) and the reference's (``grpo_beta > 0``)."""
+        from twinseq.torch_backend.trainer import autocast
+
+        c, g = self.cfg, self.cfg.grpo
+        kw = dict(loss_type="fused_linear" if c.loss.loss_type == "liger" else c.loss.loss_type,
+                  chunk_size=c.loss.loss_chunk_size, temperature=g.temperature,
+                  attn_implementation=c.model.attn_implementation)
+        for mb in micro:
+            with autocast(c, self.device):
+                if g.num_iterations > 1:
+                    mb.old_logps_NC = completion_logps(self.causal_lm, mb.cb, **kw)[0].float()
+                if g.grpo_beta > 0:
+                    if self.ref_model is not None:
+                        mb.ref_logps_NC = completion_logps(self.ref_model, mb.cb, **kw)[0].float()
+                    else:
+                        from twinseq.torch_backend.peft import reference_mode
+
+                        with reference_mode(self.causal_lm):
+                            mb.ref_logps_NC = completion_logps(self.causal_lm, mb.cb, **kw)[0].float()
+
+    # -- Trainer hooks -----------------------------------------------------------------
+
+    def prepare(self, micro_batches: list[Any]) -> list[Any]:
+        (entry,) = micro_batches
+        self._generated_now = bool(entry["new_generation"] or self._record is None)
+        if self._generated_now:
+            self._record = self._generate(entry["prompts"])
+        self._micro_metrics = []
+        rec = self._record
+        self._spec = LossSpec(**{**self.spec_base.__dict__, "num_sequences_in_step": rec.num_sequences,
+                                 "num_tokens_in_step": rec.num_loss_tokens,
+                                 "num_micro_batches": len(rec.micro_batches)})
+        self._step_started = time.perf_counter()
+        return rec.micro_batches
+
+    def micro_losses(self, records: list[dict[str, float]]) -> list[float]:
+        return [r["loss"] for r in records]
+
+    def micro_step(self, mb: GRPOMicroBatch) -> dict[str, float]:
+        from twinseq.torch_backend.trainer import autocast, offload_context
+
+        c = self.cfg
+        with offload_context(c, self.causal_lm):
+            with autocast(c, self.device):
+                if c.loss.loss_type == "liger":
+                    loss, metrics = liger_grpo_loss(self.causal_lm, mb, self._spec, c.grpo.temperature,
+                                                    c.model.attn_implementation)
+                    entropy = None
+                else:
+                    logps, entropy = completion_logps(self.causal_lm, mb.cb, loss_type=c.loss.loss_type,
+                                                      chunk_size=c.loss.loss_chunk_size,
+                                                      temperature=c.grpo.temperature,
+                                                      attn_implementation=c.model.attn_implementation,
+                                                      with_entropy=True)
+                    loss, metrics = grpo_loss_torch(logps.float(), mb.advantages_N, mb.mask_NC, self._spec,
+                                                    old_logps_NC=mb.old_logps_NC, ref_logps_NC=mb.ref_logps_NC)
+            loss.backward()
+        m = mb.mask_NC.float()
+        tokens = float(m.sum())
+        record = {"loss": float(loss.detach()), "num_loss_tokens": tokens, "num_tokens": mb.cb.batch.num_tokens}
+        for k, v in metrics.items():  # token means -> token sums, so the step mean weighs micro-batches right
+            record[k + "_sum"] = v * tokens
+        if entropy is not None:
+            record["entropy_sum"] = float((entropy * m).sum())
+        return record
+
+    def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
+        tokens = max(sum(r["num_loss_tokens"] for r in records), 1.0)
+        out: dict[str, Any] = {"loss": sum(r["loss"] for r in records),
+                               "num_tokens": int(sum(r["num_tokens"] for r in records)),
+                               "num_completion_tokens": int(sum(r["num_loss_tokens"] for r in records))}
+        for key in sorted({k for r in records for k in r if k.endswith("_sum")}):
+            out[key[:-4]] = sum(r.get(key, 0.0) for r in records) / tokens
+        out.update(self._record.metrics)
+        out["generation_seconds"] = self._record.metrics["generation_seconds"] if self._generated_now else 0.0
+        out["training_seconds"] = time.perf_counter() - self._step_started
+        return out
+
+
+# --------------------------------------------------------------------------------------
+# `twinseq train --task grpo --backend torch`
+# --------------------------------------------------------------------------------------
+
+
+def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_funcs: Optional[Sequence[Any]] = None):
+    """(trainer, source, tokenizer, announce lines) of a GRPO run; ``reward_funcs`` (names or callables)
+    overrides ``cfg.grpo.reward_funcs`` (the Python API passes callables)."""
+    from twinseq.common.data import run_tokenizer
+    from twinseq.common.grpo_data import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
+    from twinseq.torch_backend.trainer import _describe, add_peft, build_causal_lm
+    from twinseq.torch_backend.parallel import parallelize
+
+    if runtime is not None:
+        raise ConfigError("task=grpo runs in one process on the torch backend here (generation is not sharded); "
+                          "launch it without torchrun/accelerate.")
+    g = cfg.grpo
+    if g.use_vllm:
+        raise ConfigError("use_vllm=True: vLLM generation is not wired into twinseq's torch GRPO trainer yet; drop "
+                          "--use-vllm (generation uses Hugging Face generate with a KV cache on the training model).")
+    if not g.ds3_gather_for_generation:
+        logger.warning("ds3_gather_for_generation=False only changes generation under DeepSpeed ZeRO-3; this run "
+                       "holds the full weights, so it has no effect")
+    if cfg.data.max_completion_length is None:
+        raise ConfigError("task=grpo needs max_completion_length (tokens generated per completion); set "
+                          "--max-completion-length, e.g. 16.")
+    if cfg.loss.loss_type == "liger":
+        check_liger_grpo(device)
+    tokenizer = run_tokenizer(cfg)
+    funcs = resolve_reward_funcs(g.reward_funcs if reward_funcs is None else reward_funcs)
+    rows = prepare_grpo_prompts(cfg, tokenizer)
+    causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device)
+    ref_model = None
+    if cfg.peft.use_peft:
+        causal_lm = add_peft(cfg, causal_lm)  # the reference is the base: adapters disabled
+    elif g.grpo_beta > 0:
+        ref_model = copy.deepcopy(causal_lm).requires_grad_(False).eval()
+    module = parallelize(causal_lm, None, cfg)
+    generation_batch = cfg.data.per_device_train_batch_size * cfg.data.gradient_accumulation_steps
+    prompts_per_step = generation_batch // g.num_generations
+    source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
+    trainer = GRPOTrainer(cfg, module, device, tokenizer=tokenizer, reward_funcs=funcs, ref_model=ref_model)
+    reference = "none (grpo_beta=0)" if g.grpo_beta == 0 else \
+        "the base (adapters disabled)" if cfg.peft.use_peft else "frozen copy"
+    announce = [_describe(cfg, causal_lm, device),
+                f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
+                f"{generation_batch} completions per step, max_completion_length={cfg.data.max_completion_length}, "
+                f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference}, num_iterations="
+                f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}"]
+    return trainer, source, tokenizer, announce
