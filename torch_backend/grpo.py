@@ -33,8 +33,8 @@ import torch
 from twinseq.common.capabilities import GPU_EXTRA
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_mask, compute_rewards,
-                                 epsilon_bounds, group_advantages, reward_func_name)
+from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_budget, completion_mask,
+                                 compute_rewards, epsilon_bounds, group_advantages, reward_func_name)
 from twinseq.torch_backend.logprobs import TargetRows, token_logps
 
 logger = logging.getLogger(__name__)
@@ -303,7 +303,7 @@ class GRPOTrainer(_trainer_base()):
         self.tokenizer, self.reward_funcs, self.ref_model = tokenizer, list(reward_funcs), ref_model
         g = cfg.grpo
         self.num_generations = g.num_generations
-        self.max_completion_length = cfg.data.max_completion_length
+        self.max_completion_length = completion_budget(cfg.data.max_completion_length)
         self._record: Optional[GenerationRecord] = None
         self._generated_now = False
         self._micro_metrics: list[dict[str, float]] = []
@@ -457,9 +457,6 @@ def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_func
     if not g.ds3_gather_for_generation:
         logger.warning("ds3_gather_for_generation=False only changes generation under DeepSpeed ZeRO-3; this run "
                        "holds the full weights, so it has no effect")
-    if cfg.data.max_completion_length is None:
-        raise ConfigError("task=grpo needs max_completion_length (tokens generated per completion); set "
-                          "--max-completion-length, e.g. 16.")
     if cfg.loss.loss_type == "liger":
         check_liger_grpo(device)
     tokenizer = run_tokenizer(cfg)
@@ -480,7 +477,7 @@ def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_func
         "the base (adapters disabled)" if cfg.peft.use_peft else "frozen copy"
     announce = [_describe(cfg, causal_lm, device),
                 f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
-                f"{generation_batch} completions per step, max_completion_length={cfg.data.max_completion_length}, "
+                f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
                 f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference}, num_iterations="
                 f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}"]
     return trainer, source, tokenizer, announce

@@ -244,3 +244,9 @@ def test_prompt_source_reuses_a_generation_for_num_iterations_and_resumes():
 def test_the_guides_sleep_spelling_is_an_alias():
     cfg = _grpo(use_vllm=True, vllm_sleep_enabled=True)
     assert cfg.grpo.vllm_enable_sleep_mode is True
+
+
+def test_unset_completion_length_uses_trls_default():
+    from twinseq.common.grpo import completion_budget
+
+    assert completion_budget(None) == 256 and completion_budget(7) == 7
