@@ -36,6 +36,7 @@ from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_budget, completion_mask,
                                  compute_rewards, epsilon_bounds, group_advantages, reward_func_name)
 from twinseq.torch_backend.logprobs import TargetRows, token_logps
+from twinseq.torch_backend.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -286,13 +287,7 @@ def split_micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequen
 # --------------------------------------------------------------------------------------
 
 
-def _trainer_base():
-    from twinseq.torch_backend.trainer import Trainer
-
-    return Trainer
-
-
-class GRPOTrainer(_trainer_base()):
+class GRPOTrainer(Trainer):
     """GRPO's ``StepTrainer``: ``prepare`` generates (every ``num_iterations`` steps) and splits the completions
     into micro-batches; ``micro_step`` back-propagates one micro-batch's share of the loss; the shared
     ``Trainer.step`` clips, steps AdamW and the schedule."""
@@ -306,7 +301,6 @@ class GRPOTrainer(_trainer_base()):
         self.max_completion_length = completion_budget(cfg.data.max_completion_length)
         self._record: Optional[GenerationRecord] = None
         self._generated_now = False
-        self._micro_metrics: list[dict[str, float]] = []
         eps_low, eps_high = epsilon_bounds(g)
         self.spec_base = LossSpec(loss_type=g.grpo_loss_type, epsilon=eps_low, epsilon_high=eps_high, beta=g.grpo_beta,
                                   max_completion_length=self.max_completion_length)
@@ -382,7 +376,6 @@ class GRPOTrainer(_trainer_base()):
         self._generated_now = bool(entry["new_generation"] or self._record is None)
         if self._generated_now:
             self._record = self._generate(entry["prompts"])
-        self._micro_metrics = []
         rec = self._record
         self._spec = LossSpec(**{**self.spec_base.__dict__, "num_sequences_in_step": rec.num_sequences,
                                  "num_tokens_in_step": rec.num_loss_tokens,
