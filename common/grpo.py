@@ -390,7 +390,7 @@ def check_callable_reward(func: Any, index: int) -> None:
         raise ConfigTypeError(f"reward_funcs[{index}]={func!r} is not callable; pass a function "
                               f"f(prompts, completions, **columns) -> list[float | None] or a built-in name.")
     try:
-        inspect.signature(func).bind(prompts=[], completions=[])
+        inspect.signature(func).bind_partial(prompts=[], completions=[])  # dataset columns come as keywords too
     except TypeError:
         raise ConfigTypeError(f"reward function {reward_func_name(func)!r} cannot be called as "
                               f"f(prompts=..., completions=..., **columns); give it those keyword parameters "
