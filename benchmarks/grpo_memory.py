@@ -13,9 +13,12 @@ Both generate with Hugging Face ``generate`` on the training model with a KV cac
 trainer runs in a fresh subprocess (``benchmarks/_memory.py``): memory is the peak RSS above
 the RSS once the trainer is built (CPU), or ``torch.cuda.max_memory_allocated`` above the
 bytes allocated then (CUDA), over the whole run (generation and update). Step time is the
-median over steps after the first; generation time is the time inside ``generate`` (twinseq:
-its ``generation_seconds`` metric; TRL: a timer around the model's ``generate``), and update
-time is the step time minus generation and reward time.
+median over steps after the first (TRL: its ``step_time`` metric, which includes generation);
+generation time is the median time inside ``generate`` over the steps after the first (twinseq:
+its ``generation_seconds`` metric; TRL: a timer around the model's ``generate``, called once per
+step), and update time is the step time minus generation (and twinseq's reward) time. Note that
+twinseq's ``nll`` kernel computes logits at every position, prompts included, as Hugging Face's
+plain forward does, where TRL keeps only the completion positions (``logits_to_keep``).
 
     .venv/bin/python benchmarks/grpo_memory.py                         # tiny, 16 completions of 32 tokens
     .venv/bin/python benchmarks/grpo_memory.py --steps 2 --completion 8 --no-write   # quick
@@ -81,7 +84,7 @@ def _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
-    timer = {"seconds": 0.0}
+    timer: dict[str, list] = {"calls": []}
     inner = model.generate
 
     def timed_generate(*args, **kwargs):
@@ -89,7 +92,7 @@ def _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt
         try:
             return inner(*args, **kwargs)
         finally:
-            timer["seconds"] += time.perf_counter() - t0
+            timer["calls"].append(time.perf_counter() - t0)
 
     model.generate = timed_generate
     args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=batch, num_generations=generations,
@@ -109,7 +112,8 @@ def run(state: dict[str, Any]) -> dict[str, Any]:
             state["trainer"].train()
             logs = [h for h in state["trainer"].state.log_history if "step_time" in h]
             extra["step_seconds"] = [h["step_time"] for h in logs]
-            extra["generation_seconds_total"] = state["timer"]["seconds"]
+            extra["generation_seconds"] = state["timer"]["calls"]  # one call per step (steps_per_generation 1)
+            extra["reward_seconds"] = [0.0]
             extra["reward"] = [h["reward"] for h in logs]
         else:
             from twinseq.common.metrics import read_metrics
@@ -157,12 +161,8 @@ def _row(variant: str, res: dict[str, Any]) -> dict[str, Any]:
     extra = res["records"][0]["extra"]
     steps = extra["step_seconds"]
     later = steps[1:] or steps
-    if variant == "trl":
-        generation = extra["generation_seconds_total"] / max(len(steps), 1)
-        reward = 0.0
-    else:
-        generation = statistics.median(extra["generation_seconds"][1:] or extra["generation_seconds"])
-        reward = statistics.median(extra["reward_seconds"])
+    generation = statistics.median(extra["generation_seconds"][1:] or extra["generation_seconds"])
+    reward = statistics.median(extra["reward_seconds"])  # TRL's is inside its step: counted as update
     step = statistics.median(later)
     return {"variant": variant, "peak_bytes": peak_bytes(res), "step_seconds": step,
             "generation_seconds": generation, "update_seconds": max(step - generation - reward, 0.0),

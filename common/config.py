@@ -291,8 +291,7 @@ class TrainConfig:
                 raise ConfigError("packing=True does not apply to GRPO (its batches are generated, one group of "
                                   "completions per prompt); use --padding-free to put them in one row.")
             check_grpo_config(self.grpo, per_device_train_batch_size=d.per_device_train_batch_size,
-                              gradient_accumulation_steps=d.gradient_accumulation_steps,
-                              max_completion_length=d.max_completion_length)
+                              gradient_accumulation_steps=d.gradient_accumulation_steps)
         from twinseq.common.peft import check_peft_config
 
         check_peft_config(self.peft)

@@ -106,8 +106,8 @@ class GRPOConfig:
 # ---------------------------------------------------------------------------------------
 
 
-def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gradient_accumulation_steps: int,
-                      max_completion_length: Optional[int] = None) -> None:
+def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gradient_accumulation_steps: int
+                      ) -> None:
     """The rules that tie GRPO's knobs together; raises ``ConfigError`` naming the fields and the fix.
 
     The generation batch of one optimizer step is ``per_device_train_batch_size *
@@ -141,9 +141,20 @@ def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gra
     if not grpo.reward_funcs:
         raise ConfigError("reward_funcs=[] is not valid: GRPO needs at least one reward function "
                           "(--reward-funcs exact_match format).")
-    if grpo.grpo_loss_type == "dr_grpo" and max_completion_length is None:
-        raise ConfigError("grpo_loss_type='dr_grpo' divides by max_completion_length, which is None; set "
-                          "--max-completion-length.")
+
+
+DEFAULT_MAX_COMPLETION_LENGTH = 256
+"""Tokens generated per completion when ``max_completion_length`` is unset (TRL's GRPOConfig default)."""
+
+
+def completion_budget(max_completion_length: Optional[int]) -> int:
+    """``max_completion_length``, or TRL's default 256 when unset (logged: the data section's None means
+    "no truncation" for SFT/DPO, but generation needs a bound)."""
+    if max_completion_length is None:
+        logger.info("max_completion_length is unset: GRPO generates up to %d tokens (TRL's default); set "
+                    "--max-completion-length to change it", DEFAULT_MAX_COMPLETION_LENGTH)
+        return DEFAULT_MAX_COMPLETION_LENGTH
+    return max_completion_length
 
 
 def epsilon_bounds(grpo: GRPOConfig) -> tuple[float, float]:
@@ -379,7 +390,7 @@ def check_callable_reward(func: Any, index: int) -> None:
         raise ConfigTypeError(f"reward_funcs[{index}]={func!r} is not callable; pass a function "
                               f"f(prompts, completions, **columns) -> list[float | None] or a built-in name.")
     try:
-        inspect.signature(func).bind(prompts=[], completions=[])
+        inspect.signature(func).bind_partial(prompts=[], completions=[])  # dataset columns come as keywords too
     except TypeError:
         raise ConfigTypeError(f"reward function {reward_func_name(func)!r} cannot be called as "
                               f"f(prompts=..., completions=..., **columns); give it those keyword parameters "

@@ -33,9 +33,10 @@ import torch
 from twinseq.common.capabilities import GPU_EXTRA
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_mask, compute_rewards,
-                                 epsilon_bounds, group_advantages, reward_func_name)
+from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_budget, completion_mask,
+                                 compute_rewards, epsilon_bounds, group_advantages, reward_func_name)
 from twinseq.torch_backend.logprobs import TargetRows, token_logps
+from twinseq.torch_backend.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -286,13 +287,7 @@ def split_micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequen
 # --------------------------------------------------------------------------------------
 
 
-def _trainer_base():
-    from twinseq.torch_backend.trainer import Trainer
-
-    return Trainer
-
-
-class GRPOTrainer(_trainer_base()):
+class GRPOTrainer(Trainer):
     """GRPO's ``StepTrainer``: ``prepare`` generates (every ``num_iterations`` steps) and splits the completions
     into micro-batches; ``micro_step`` back-propagates one micro-batch's share of the loss; the shared
     ``Trainer.step`` clips, steps AdamW and the schedule."""
@@ -303,10 +298,9 @@ class GRPOTrainer(_trainer_base()):
         self.tokenizer, self.reward_funcs, self.ref_model = tokenizer, list(reward_funcs), ref_model
         g = cfg.grpo
         self.num_generations = g.num_generations
-        self.max_completion_length = cfg.data.max_completion_length
+        self.max_completion_length = completion_budget(cfg.data.max_completion_length)
         self._record: Optional[GenerationRecord] = None
         self._generated_now = False
-        self._micro_metrics: list[dict[str, float]] = []
         eps_low, eps_high = epsilon_bounds(g)
         self.spec_base = LossSpec(loss_type=g.grpo_loss_type, epsilon=eps_low, epsilon_high=eps_high, beta=g.grpo_beta,
                                   max_completion_length=self.max_completion_length)
@@ -382,7 +376,6 @@ class GRPOTrainer(_trainer_base()):
         self._generated_now = bool(entry["new_generation"] or self._record is None)
         if self._generated_now:
             self._record = self._generate(entry["prompts"])
-        self._micro_metrics = []
         rec = self._record
         self._spec = LossSpec(**{**self.spec_base.__dict__, "num_sequences_in_step": rec.num_sequences,
                                  "num_tokens_in_step": rec.num_loss_tokens,
@@ -457,9 +450,6 @@ def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_func
     if not g.ds3_gather_for_generation:
         logger.warning("ds3_gather_for_generation=False only changes generation under DeepSpeed ZeRO-3; this run "
                        "holds the full weights, so it has no effect")
-    if cfg.data.max_completion_length is None:
-        raise ConfigError("task=grpo needs max_completion_length (tokens generated per completion); set "
-                          "--max-completion-length, e.g. 16.")
     if cfg.loss.loss_type == "liger":
         check_liger_grpo(device)
     tokenizer = run_tokenizer(cfg)
@@ -480,7 +470,7 @@ def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_func
         "the base (adapters disabled)" if cfg.peft.use_peft else "frozen copy"
     announce = [_describe(cfg, causal_lm, device),
                 f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
-                f"{generation_batch} completions per step, max_completion_length={cfg.data.max_completion_length}, "
+                f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
                 f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference}, num_iterations="
                 f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}"]
     return trainer, source, tokenizer, announce

@@ -244,3 +244,25 @@ def test_prompt_source_reuses_a_generation_for_num_iterations_and_resumes():
 def test_the_guides_sleep_spelling_is_an_alias():
     cfg = _grpo(use_vllm=True, vllm_sleep_enabled=True)
     assert cfg.grpo.vllm_enable_sleep_mode is True
+
+
+def test_unset_completion_length_uses_trls_default():
+    from twinseq.common.grpo import completion_budget
+
+    assert completion_budget(None) == 256 and completion_budget(7) == 7
+
+
+def test_reward_callables_are_checked_for_trls_keywords():
+    from twinseq.common.errors import ConfigTypeError
+
+    def needs_answer(prompts, completions, answer, **kwargs):
+        return [0.0] * len(completions)
+
+    def wrong_names(p, c):
+        return [0.0] * len(c)
+
+    assert resolve_reward_funcs([needs_answer, "format"])[0] is needs_answer
+    with pytest.raises(ConfigTypeError, match="'wrong_names' cannot be called as f\\(prompts=..., completions="):
+        resolve_reward_funcs([wrong_names])
+    with pytest.raises(ConfigTypeError, match="not callable"):
+        resolve_reward_funcs([3])

@@ -228,3 +228,38 @@ def test_liger_grpo_loss_equals_twinseq_on_cuda(loss_type):
     want, _ = tgrpo.grpo_loss_torch(logps, adv, mask, spec, old_logps_NC=old)
     got, _ = tgrpo.liger_grpo_loss(model, micro, spec, temperature=0.9)
     assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
+
+
+def _conversational_jsonl(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"Repeat the last word: file {w}"}], "answer": w}
+            for w in ("node", "path", "key", "size")]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_conversational_jsonl_prompts_reach_python_reward_functions(tmp_path):
+    from twinseq.common.errors import DataError
+    from twinseq.torch_backend.grpo import build_grpo
+
+    seen = {}
+
+    def spy_reward(prompts, completions, answer, **kwargs):
+        seen.update(prompt=prompts[0], completion=completions[0], answer=answer[0])
+        return [float(len(c[0]["content"])) for c in completions]
+
+    cfg = TrainConfig.from_flat(task="grpo", dataset_name=str(_conversational_jsonl(tmp_path)), max_steps=1,
+                                per_device_train_batch_size=4, num_generations=4, max_completion_length=3,
+                                output_dir=str(tmp_path / "run"), disable_tqdm=True)
+    trainer, source, _, _ = build_grpo(cfg, torch.device("cpu"), None, reward_funcs=[spy_reward])
+    out = trainer.step(source.next_step())
+    assert seen["prompt"][0]["role"] == "user" and seen["completion"][0]["role"] == "assistant"
+    assert seen["answer"] in ("node", "path", "key", "size")
+    assert "rewards/spy_reward/mean" in out and np.isfinite(out["loss"])
+
+    def broken_reward(prompts, completions, **kwargs):
+        return [1.0]
+
+    trainer, source, _, _ = build_grpo(cfg, torch.device("cpu"), None, reward_funcs=[broken_reward])
+    with pytest.raises(DataError, match="broken_reward.*1 rewards for 4 completions"):
+        trainer.step(source.next_step())
