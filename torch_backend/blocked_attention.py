@@ -56,42 +56,54 @@ class BlockedPlan:
             raise ConfigError(f"attention_block_size={self.block_size!r} must be a positive integer (tokens per "
                               f"query and key block of the blocked attention); the default is 512.")
 
-    def pairs(self, sliding_window: Optional[int]) -> list[list[int]]:
-        """For every query block, the key blocks that may hold an allowed pair (a superset; exact masks follow)."""
+    def pairs(self, sliding_window: Optional[int]) -> list[list[tuple[int, bool]]]:
+        """For every query block, ``(key block, full)`` for the key blocks that may hold an allowed pair (a
+        superset: exact masks follow, except for ``full`` pairs, where every pair is allowed)."""
         if sliding_window not in self._pairs:
             self._pairs[sliding_window] = _candidate_pairs(self, sliding_window)
         return self._pairs[sliding_window]
 
 
-def _block_ranges(seg_BT: torch.Tensor, pos_BT: torch.Tensor, block: int):
-    """Per row and block, over real tokens (segment != 0): min and max segment and position, [B, nb] each.
-
-    A block with no real token gets empty ranges (min > max), so it pairs with nothing.
-    """
-    B, T = seg_BT.shape
+def _block_reduce(x_BT: torch.Tensor, block: int, fill: int, op) -> torch.Tensor:
+    """``op`` (torch.min/max) over each block of ``x_BT`` [B, T] -> [B, nb]; the last block padded with ``fill``."""
+    B, T = x_BT.shape
     nb = -(-T // block)
-    pad = nb * block - T
+    x = torch.nn.functional.pad(x_BT.long(), (0, nb * block - T), value=fill).view(B, nb, block)
+    return op(x, dim=-1).values
+
+
+def _block_ranges(seg_BT: torch.Tensor, pos_BT: torch.Tensor, block: int):
+    """Per row and block, over real tokens (segment != 0): min and max segment and position, [B, nb] each;
+    and whether the block is one document with no padding. A block with no real token gets empty ranges
+    (min > max), so it pairs with nothing."""
     real = seg_BT != 0
     big = 1 << 40  # beyond any position or segment id; exact in the float F.pad takes, no overflow on subtraction
 
-    def reduce(x: torch.Tensor, fill: int, op) -> torch.Tensor:
-        x = torch.where(real, x.long(), torch.full_like(x, fill, dtype=torch.long))
-        x = torch.nn.functional.pad(x, (0, pad), value=fill).view(B, nb, block)
-        return op(x, dim=-1).values
+    def masked(x: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.where(real, x.long(), torch.full_like(x, fill, dtype=torch.long))
 
-    return (reduce(seg_BT, big, torch.min), reduce(seg_BT, -big, torch.max),
-            reduce(pos_BT, big, torch.min), reduce(pos_BT, -big, torch.max))
+    seg_min, seg_max = _block_reduce(masked(seg_BT, big), block, big, torch.min), \
+        _block_reduce(masked(seg_BT, -big), block, -big, torch.max)
+    one_doc = (_block_reduce(seg_BT, block, big, torch.min) == seg_max) & (seg_max > 0)  # a 0 would be the min
+    return (seg_min, seg_max, _block_reduce(masked(pos_BT, big), block, big, torch.min),
+            _block_reduce(masked(pos_BT, -big), block, -big, torch.max), one_doc)
 
 
-def _candidate_pairs(plan: BlockedPlan, sliding_window: Optional[int]) -> list[list[int]]:
-    sq_min, sq_max, pq_min, pq_max = _block_ranges(plan.seg_q, plan.pos_q, plan.block_size)
-    sk_min, sk_max, pk_min, pk_max = _block_ranges(plan.seg_k, plan.pos_k, plan.block_size)
+def _candidate_pairs(plan: BlockedPlan, sliding_window: Optional[int]) -> list[list[tuple[int, bool]]]:
+    """Per query block, ``(key block, full)``: the pair may hold an allowed (query, key) pair; ``full``: every
+    pair of it is allowed in every row (one document on both sides, keys before queries), so no mask is built."""
+    sq_min, sq_max, pq_min, pq_max, q_one = _block_ranges(plan.seg_q, plan.pos_q, plan.block_size)
+    sk_min, sk_max, pk_min, pk_max, k_one = _block_ranges(plan.seg_k, plan.pos_k, plan.block_size)
     ok = (sq_min[:, :, None] <= sk_max[:, None, :]) & (sk_min[:, None, :] <= sq_max[:, :, None])
     ok &= pk_min[:, None, :] <= pq_max[:, :, None]                      # some key not after some query
+    full = q_one[:, :, None] & k_one[:, None, :] & (sq_min[:, :, None] == sk_min[:, None, :])
+    full &= pk_max[:, None, :] <= pq_min[:, :, None]                    # every key not after every query
     if sliding_window is not None:                                       # some key within the window
         ok &= pq_min[:, :, None] - pk_max[:, None, :] < sliding_window
-    ok_QK = ok.any(0).cpu()
-    return [torch.nonzero(row).flatten().tolist() for row in ok_QK]
+        full &= pq_max[:, :, None] - pk_min[:, None, :] < sliding_window
+    ok_QK, full_QK = ok.any(0).cpu(), full.all(0).cpu()
+    return [[(kj, bool(full_QK[qi, kj])) for kj in torch.nonzero(ok_QK[qi]).flatten().tolist()]
+            for qi in range(ok_QK.shape[0])]
 
 
 def _allowed(seg_q, pos_q, seg_k, pos_k, sliding_window: Optional[int]) -> torch.Tensor:
@@ -137,12 +149,13 @@ class _BlockedAttention(torch.autograd.Function):
             m = torch.full((B, KV, G, bq), float("-inf"), dtype=wd, device=q.device)
             l = torch.zeros(B, KV, G, bq, dtype=wd, device=q.device)
             acc = torch.zeros(B, KV, G, bq, Dv, dtype=wd, device=q.device)
-            for kj in key_blocks:
+            for kj, full in key_blocks:
                 ks = slice(kj * bs, (kj + 1) * bs)
-                ok = _allowed(plan.seg_q[:, qs], plan.pos_q[:, qs], plan.seg_k[:, ks], plan.pos_k[:, ks],
-                              sliding_window)[:, None, None]
                 s, _ = _scores(q_blk, k[:, :, ks].to(wd), scaling, softcap)
-                s = s.masked_fill(~ok, float("-inf"))
+                if not full:
+                    ok = _allowed(plan.seg_q[:, qs], plan.pos_q[:, qs], plan.seg_k[:, ks], plan.pos_k[:, ks],
+                                  sliding_window)[:, None, None]
+                    s = s.masked_fill(~ok, float("-inf"))
                 m_new = torch.maximum(m, s.amax(-1))
                 m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)   # rows with nothing allowed yet
                 p = torch.exp(s - m_safe[..., None])
@@ -176,13 +189,15 @@ class _BlockedAttention(torch.autograd.Function):
             qs = slice(qi * bs, (qi + 1) * bs)
             q_blk, do_blk = q5[:, :, :, qs].to(wd), do5[:, :, :, qs].to(wd)
             lse_blk, delta_blk = lse[:, :, :, qs, None], delta[:, :, :, qs, None]
-            for kj in key_blocks:
+            for kj, full in key_blocks:
                 ks = slice(kj * bs, (kj + 1) * bs)
-                ok = _allowed(plan.seg_q[:, qs], plan.pos_q[:, qs], plan.seg_k[:, ks], plan.pos_k[:, ks],
-                              window)[:, None, None]
                 k_blk, v_blk = k[:, :, ks].to(wd), v[:, :, ks].to(wd)
                 s, t = _scores(q_blk, k_blk, scaling, cap)
-                p = torch.where(ok, torch.exp(s - lse_blk), 0.0)               # [B, KV, G, bq, bk]
+                p = torch.exp(s - lse_blk)                                     # [B, KV, G, bq, bk]
+                if not full:
+                    ok = _allowed(plan.seg_q[:, qs], plan.pos_q[:, qs], plan.seg_k[:, ks], plan.pos_k[:, ks],
+                                  window)[:, None, None]
+                    p = torch.where(ok, p, 0.0)
                 dv[:, :, ks] += torch.einsum("bkgqn,bkgqd->bknd", p, do_blk)
                 ds = p * (torch.einsum("bkgqd,bknd->bkgqn", do_blk, v_blk) - delta_blk)
                 if t is not None:

@@ -407,7 +407,7 @@ def apply_tiled_mlp(model: torch.nn.Module, chunk_size: int = 4096) -> None:
 def apply_long_context(model: torch.nn.Module, memory_cfg: Any) -> None:
     """The long-context knobs of ``MemoryConfig`` on a plain HF model: the blocked attention's block size
     (read by ``attention.forward_hidden`` and the ``allgather`` CP attention) and the tiled MLP."""
-    from twinseq.torch_backend.attention import set_attention_block_size
+    from twinseq.torch_backend.blocked_attention import set_attention_block_size
 
     set_attention_block_size(model, memory_cfg.attention_block_size)
     if memory_cfg.tiled_mlp:

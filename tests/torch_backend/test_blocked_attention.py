@@ -81,10 +81,15 @@ def test_blocked_plan_skips_masked_block_pairs():
     blocks never meet; a window drops the far key blocks."""
     seg, pos = _ids([[32]], pad_to=32)
     plan = BA.BlockedPlan(seg, pos, seg, pos, 8)
-    assert plan.pairs(None) == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
-    assert plan.pairs(8) == [[0], [0, 1], [1, 2], [2, 3]]
-    seg2, pos2 = _ids([[16, 16]], pad_to=32)
-    assert BA.BlockedPlan(seg2, pos2, seg2, pos2, 8).pairs(None) == [[0], [0, 1], [2], [2, 3]]
+    # (key block, full): a block pair below the diagonal needs no mask, the diagonal one does
+    assert plan.pairs(None) == [[(0, False)], [(0, True), (1, False)], [(0, True), (1, True), (2, False)],
+                                [(0, True), (1, True), (2, True), (3, False)]]
+    assert plan.pairs(8) == [[(0, False)], [(0, False), (1, False)], [(1, False), (2, False)],
+                             [(2, False), (3, False)]]
+    assert plan.pairs(16)[3] == [(1, False), (2, True), (3, False)]
+    seg2, pos2 = _ids([[16, 15]], pad_to=32)  # the last block holds a padding token: never full
+    assert BA.BlockedPlan(seg2, pos2, seg2, pos2, 8).pairs(None) == [[(0, False)], [(0, True), (1, False)],
+                                                                    [(2, False)], [(2, False), (3, False)]]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
