@@ -29,6 +29,10 @@ How each ``attn_implementation`` gets the rule:
   ``F.scaled_dot_product_attention`` per bucket: no work on masked blocks or on padding. The
   layer's ``sliding_window`` becomes a band mask per bucket, its ``softcap`` a score computation
   with ``tanh`` (``softcapped_attention``).
+- ``sdpa``/``eager`` on CPU with long rows (``T >= BLOCKED_MIN_SEQ_LEN``): the blocked
+  attention of ``blocked_attention.py`` (online softmax over key blocks of
+  ``attention_block_size`` tokens, masks built per block pair, backward recomputed block by
+  block): no [T, T] mask or score matrix, memory linear in T. See ``uses_blocked_attention``.
 - ``flash_attention_2``/``_3``: HF's flash varlen path, given ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` over the flattened batch (CUDA + flash-attn only); HF passes each layer's
   ``sliding_window`` and ``softcap`` to the kernel.
@@ -55,6 +59,12 @@ logger = logging.getLogger(__name__)
 
 VARLEN_HF_NAME = "twinseq_varlen"
 PLAN_KWARG = "twinseq_varlen_plan"
+BLOCKED_HF_NAME = "twinseq_blocked"
+BLOCKED_KWARG = "twinseq_blocked_plan"
+# From this row length on, sdpa/eager on CPU run the blocked attention: the dense float mask is
+# 4 T^2 bytes per row (16 MiB at 2048) and CPU sdpa/eager with a mask hold H such score matrices.
+BLOCKED_MIN_SEQ_LEN = 2048
+DEFAULT_ATTENTION_BLOCK_SIZE = 512
 DEFAULT_BUCKET_RATIO = 1.25
 SMALL_DOC_LEN = 16  # documents up to this length share one bucket: padding them costs next to nothing
 _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
@@ -107,7 +117,7 @@ def hf_attn_name(attn_implementation: str) -> str:
 
 
 def twinseq_attn_name(hf_name: str) -> str:
-    return "varlen" if hf_name == VARLEN_HF_NAME else hf_name
+    return {VARLEN_HF_NAME: "varlen", BLOCKED_HF_NAME: "sdpa"}.get(hf_name, hf_name)
 
 
 def register_varlen() -> None:
@@ -489,8 +499,17 @@ def _mask_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+def _dense_attn_of(model: torch.nn.Module) -> str:
+    """The dense path (``sdpa``/``eager``) a model switched to ``twinseq_blocked`` runs for short rows."""
+    from twinseq.torch_backend.blocked_attention import attention_modules
+
+    return getattr(attention_modules(model)[0], "_twinseq_dense_attn", "sdpa")
+
+
 def _ensure_attn(model: torch.nn.Module, attn_implementation: Optional[str]) -> str:
     current = twinseq_attn_name(model.config._attn_implementation)
+    if model.config._attn_implementation == BLOCKED_HF_NAME:  # switched by a long batch: its dense path
+        current = _dense_attn_of(model)
     if attn_implementation is None or attn_implementation == current:
         return current
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -579,7 +598,13 @@ def forward_hidden(model: torch.nn.Module, batch: Batch, attn_implementation: Op
     check_attention_supported(attn, padding_free=int(batch.segment_ids.max(initial=0)) > 1, device=device,
                               requires_grad=torch.is_grad_enabled())
     check_flash_features(attn, layout)
-    inputs = model_inputs(batch, attn, device, _mask_dtype(model, device), layout)
+    from twinseq.torch_backend import blocked_attention as blocked
     from twinseq.torch_backend.peft import causal_lm_of  # an adapter model: the HF model inside PEFT's wrapper
+
+    if blocked.uses_blocked_attention(attn, device, batch.input_ids.shape[1]):
+        blocked.switch_to_blocked(model, attn)
+        inputs = blocked.blocked_model_inputs(model, batch, device)
+    else:
+        inputs = model_inputs(batch, attn, device, _mask_dtype(model, device), layout)
 
     return causal_lm_of(model).model(**inputs).last_hidden_state

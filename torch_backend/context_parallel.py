@@ -12,10 +12,13 @@ Two strategies, both run as HF attention functions registered in ``transformers.
 
   so packed and padding-free rows never mix documents, also when a document crosses a shard
   boundary (the failure of TRL #6843, where accelerate's CP hook drops the mask). It runs on
-  gloo (CPU) and NCCL. Memory: the gathered K/V [B, KV, T, D] and a bool mask [B, 1, T/cp, T]
-  (two for a model with sliding-window layers: the window is one more condition on the
-  gathered positions, ``pos[i] - pos[j] < sliding_window``). Soft-capped scores (Gemma 2) go
-  through ``attention.softcapped_attention`` instead of SDPA.
+  gloo (CPU) and NCCL. Memory: the gathered K/V [B, KV, T, D] and no mask (a sliding window
+  is one more condition on the
+  gathered positions, ``pos[i] - pos[j] < sliding_window``), soft-capped scores (Gemma 2)
+  included, all computed by ``blocked_attention.blocked_attention``: the local queries against
+  the gathered keys block by block (online softmax, each block pair's mask built from the
+  ids), so the attention temporaries are O(T/cp x block), never the [T/cp, T] mask or scores.
+  Padding queries get a zero output.
 - ``ring`` (``twinseq_cp_ring``): torch's native ``context_parallel`` (CUDA SDPA flash or
   efficient kernels, head-tail load balancing, K/V rotated around the ring). It knows only
   ``is_causal``, so it is correct for UNPACKED, right-padded rows only; packed or
@@ -45,7 +48,8 @@ import torch.nn.functional as F
 from twinseq.common.batching import Batch
 from twinseq.common.context_parallel import check_seq_len, cp_permutation, shard_batch
 from twinseq.common.errors import ConfigError
-from twinseq.torch_backend.attention import mask_layout, softcapped_attention
+from twinseq.torch_backend.attention import DEFAULT_ATTENTION_BLOCK_SIZE, mask_layout, softcapped_attention
+from twinseq.torch_backend.blocked_attention import BlockedPlan, attention_block_size, blocked_attention
 
 logger = logging.getLogger(__name__)
 
@@ -182,16 +186,24 @@ def cp_allowed_mask(seg_q_BL: torch.Tensor, pos_q_BL: torch.Tensor, seg_k_BT: to
 class CPAttentionContext:
     """What every attention layer of one forward needs; built once per forward by ``make_context``."""
 
-    group: Any                          # the cp ProcessGroup (None: one rank, nothing to gather)
-    allowed_B1LT: Optional[torch.Tensor]  # bool [B, 1, T/cp, T] for allgather; None for ring
+    group: Any                            # the cp ProcessGroup (None: one rank, nothing to gather)
+    plan: Optional[BlockedPlan]           # local queries' and gathered keys' ids (allgather); None for ring
     sliding_window: Optional[int] = None  # the window of the model's sliding layers, if any
-    sliding_allowed_B1LT: Optional[torch.Tensor] = None  # allowed_B1LT within sliding_window
+
+    def plan_for(self, block_size: int) -> BlockedPlan:
+        """``plan`` with blocks of ``block_size`` tokens (the layer's ``attention_block_size``), rebuilt once if
+        it was made with another size; its block-pair lists are then shared by every layer."""
+        if self.plan.block_size != block_size:
+            p = self.plan
+            self.plan = BlockedPlan(p.seg_q, p.pos_q, p.seg_k, p.pos_k, block_size)
+        return self.plan
 
 
-def make_context(shard: CPShard, group, strategy: str, sliding_window: Optional[int] = None) -> CPAttentionContext:
-    """Gather the segment and position ids of the whole row once (no gradient) and build the mask(s):
-    one for full-attention layers and, for a model whose layers slide within ``sliding_window``
-    positions (``attention.mask_layout``), one for those layers."""
+def make_context(shard: CPShard, group, strategy: str, sliding_window: Optional[int] = None,
+                 block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE) -> CPAttentionContext:
+    """Gather the segment and position ids of the whole row once (no gradient), for the blocked attention of
+    the local queries against the gathered keys (``sliding_window``: the window of the model's sliding
+    layers, ``attention.mask_layout``). No mask is built: each block pair's comes from these ids."""
     if strategy == "ring":
         return CPAttentionContext(group, None)
     seg_k, pos_k = shard.segment_ids, shard.position_ids
@@ -199,11 +211,8 @@ def make_context(shard: CPShard, group, strategy: str, sliding_window: Optional[
         ids = torch.stack([shard.segment_ids, shard.position_ids])
         gathered = torch.cat(_gather_chunks(ids.contiguous(), group), dim=2)
         seg_k, pos_k = gathered[0], gathered[1]
-    q_offset = shard.cp_rank * shard.segment_ids.shape[1]
-    allowed = cp_allowed_mask(shard.segment_ids, shard.position_ids, seg_k, pos_k, q_offset)
-    sliding = None if sliding_window is None else cp_allowed_mask(shard.segment_ids, shard.position_ids, seg_k,
-                                                                  pos_k, q_offset, sliding_window)
-    return CPAttentionContext(group, allowed, sliding_window, sliding)
+    plan = BlockedPlan(shard.segment_ids, shard.position_ids, seg_k, pos_k, block_size)
+    return CPAttentionContext(group, plan, sliding_window)
 
 
 def local_document_attention(q_BHLD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor,
@@ -238,17 +247,17 @@ def allgather_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
     ``sliding_window`` and ``softcap`` are the layer's, as HF's attention modules pass them.
     """
     ctx = _context(kwargs, ALLGATHER_HF_NAME)
-    allowed = ctx.allowed_B1LT
-    if sliding_window is not None:
-        if sliding_window != ctx.sliding_window:
-            raise ConfigError(f"a layer of {type(module).__name__} slides within {sliding_window} positions but the "
-                              f"CPAttentionContext was built for sliding_window={ctx.sliding_window}; build it with "
-                              f"make_context(..., sliding_window=mask_layout(model.config).sliding_window).")
-        allowed = ctx.sliding_allowed_B1LT
+    if sliding_window is not None and sliding_window != ctx.sliding_window:
+        raise ConfigError(f"a layer of {type(module).__name__} slides within {sliding_window} positions but the "
+                          f"CPAttentionContext was built for sliding_window={ctx.sliding_window}; build it with "
+                          f"make_context(..., sliding_window=mask_layout(model.config).sliding_window).")
+    if dropout > 0 and module.training:
+        raise ConfigError(f"context_parallel_strategy='allgather' has no attention dropout (got {dropout} from "
+                          f"{type(module).__name__}); set attention_dropout=0.")
     if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
         key, value = gather_sequence(key, ctx.group, 2), gather_sequence(value, ctx.group, 2)
-    out_BHLD = local_document_attention(query, key, value, allowed, scaling, dropout if module.training else 0.0,
-                                        softcap)
+    out_BHLD = blocked_attention(query, key, value, ctx.plan_for(attention_block_size(module)), scaling,
+                                 sliding_window, softcap)
     return out_BHLD.transpose(1, 2).contiguous(), None
 
 

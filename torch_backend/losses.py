@@ -268,7 +268,8 @@ def _accumulate_chunk_grads(g_cV, h_cH, weight_VH, grad_h, grad_w, grad_b, rows_
     its hidden gradient to the rows ``rows_c`` of ``grad_h``."""
     g_low = g_cV.to(weight_VH.dtype)
     if grad_h is not None:
-        grad_h.index_copy_(0, rows_c, g_low @ weight_VH)
+        # under autocast the matmul comes out in the autocast dtype (bf16), not the hidden states'
+        grad_h.index_copy_(0, rows_c, (g_low @ weight_VH).to(grad_h.dtype))
     if grad_w is not None:
         if h_cH.dtype == grad_w.dtype:
             grad_w.addmm_(g_cV.t(), h_cH)

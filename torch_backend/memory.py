@@ -318,3 +318,97 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: str = "full")
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+# --------------------------------------------------------------------------------------
+# Tiled MLP: the decoder MLP over sequence chunks, recomputed chunk by chunk in backward
+# --------------------------------------------------------------------------------------
+
+
+class _TiledMLP(torch.autograd.Function):
+    """``mlp(x)`` computed ``chunk_size`` tokens at a time; only ``x`` is saved, not the activations.
+
+    Naive equivalent: ``mlp(x_NH)``. The ``[tokens, intermediate]`` gate/up activations of a
+    SwiGLU/GeGLU MLP are 3-4x the hidden size per token; here one chunk's are alive at a time in
+    forward (under ``no_grad``) and in backward (each chunk is re-run with grad and differentiated
+    at once, its gradients added). ``params`` are the MLP's parameters, passed in so that autograd
+    routes their gradients through this Function (frozen ones, e.g. under LoRA, get none).
+    """
+
+    @staticmethod
+    def forward(ctx, x_NH: torch.Tensor, mlp_forward, chunk_size: int, *params: torch.Tensor) -> torch.Tensor:
+        ctx.mlp_forward, ctx.chunk_size, ctx.num_params = mlp_forward, chunk_size, len(params)
+        ctx.save_for_backward(x_NH, *params)
+        with torch.no_grad():
+            return torch.cat([mlp_forward(x_cH) for x_cH in x_NH.split(chunk_size)])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_NH: torch.Tensor):
+        x_NH, *params = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[0]
+        wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
+        grad_x = torch.zeros_like(x_NH) if need_x else None
+        grad_p: list = [None] * len(params)
+        for start in range(0, x_NH.shape[0], ctx.chunk_size):
+            x_cH = x_NH[start:start + ctx.chunk_size].detach().requires_grad_(need_x)
+            with torch.enable_grad():
+                y_cH = ctx.mlp_forward(x_cH)
+                inputs = ([x_cH] if need_x else []) + [params[i] for i in wanted]
+                grads = torch.autograd.grad(y_cH, inputs, grad_NH[start:start + ctx.chunk_size], allow_unused=True)
+            if need_x:
+                grad_x[start:start + ctx.chunk_size] = grads[0]
+                grads = grads[1:]
+            for i, g in zip(wanted, grads):
+                if g is not None:
+                    grad_p[i] = g if grad_p[i] is None else grad_p[i] + g
+        return (grad_x, None, None, *grad_p)
+
+
+def _tiled_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Instance ``forward`` of a tiled MLP: its class's own forward, over chunks of the flattened tokens."""
+    chunk_size = mlp._twinseq_tiled_mlp_chunk_size
+    mlp_forward = type(mlp).forward.__get__(mlp)
+    x_NH = x.reshape(-1, x.shape[-1])
+    if x_NH.shape[0] <= chunk_size:  # one tile: nothing to save, the plain MLP is the same computation
+        return mlp_forward(x)
+    params = [p for p in mlp.parameters()]
+    out_NH = _TiledMLP.apply(x_NH, mlp_forward, chunk_size, *params)
+    return out_NH.view(*x.shape[:-1], out_NH.shape[-1])
+
+
+def decoder_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The ``.mlp`` of every decoder layer of an HF causal LM (all families twinseq builds name it so)."""
+    from twinseq.torch_backend.peft import causal_lm_of
+
+    layers = getattr(getattr(causal_lm_of(model), "model", None), "layers", None)
+    if layers is None or not all(hasattr(layer, "mlp") for layer in layers):
+        raise ConfigError(f"tiled_mlp=True: cannot find the decoder layers' .mlp modules of {type(model).__name__}; "
+                          f"set tiled_mlp=False for this model.")
+    return [layer.mlp for layer in layers]
+
+
+def apply_tiled_mlp(model: torch.nn.Module, chunk_size: int = 4096) -> None:
+    """Run every decoder MLP over chunks of ``chunk_size`` tokens, recomputed in backward (``_TiledMLP``).
+
+    Installed as an instance ``forward`` on each MLP module, so parameter names, checkpoints and
+    FSDP units are unchanged; calling it again only updates the chunk size.
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ConfigError(f"tiled_mlp_chunk_size={chunk_size!r} must be a positive integer (tokens per MLP tile).")
+    import types
+
+    for mlp in decoder_mlps(model):
+        mlp._twinseq_tiled_mlp_chunk_size = chunk_size
+        mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
+    logger.info("tiled MLP: %d decoder MLPs run over chunks of %d tokens", len(decoder_mlps(model)), chunk_size)
+
+
+def apply_long_context(model: torch.nn.Module, memory_cfg: Any) -> None:
+    """The long-context knobs of ``MemoryConfig`` on a plain HF model: the blocked attention's block size
+    (read by ``attention.forward_hidden`` and the ``allgather`` CP attention) and the tiled MLP."""
+    from twinseq.torch_backend.blocked_attention import set_attention_block_size
+
+    set_attention_block_size(model, memory_cfg.attention_block_size)
+    if memory_cfg.tiled_mlp:
+        apply_tiled_mlp(model, memory_cfg.tiled_mlp_chunk_size)

@@ -274,6 +274,9 @@ def parallelize(causal_lm: torch.nn.Module, runtime: Optional[Runtime], cfg: Tra
     """
     if runtime is not None and runtime.mesh_cfg.cp > 1:
         use_cp_attention(causal_lm, cfg.parallel.context_parallel_strategy)
+    from twinseq.torch_backend.memory import apply_long_context
+
+    apply_long_context(causal_lm, cfg.memory)  # blocked attention's block size; tiled MLP (tiled_mlp)
     if cfg.memory.gradient_checkpointing:
         from twinseq.torch_backend.memory import apply_activation_checkpointing
 

@@ -166,6 +166,8 @@ def attention_check(seed: int = 0) -> dict[str, float]:
     H, KV, D = 4, 2, 8
     gen = torch.Generator().manual_seed(seed)
     q, k, v, w = (torch.randn(B, n, T, D, generator=gen, dtype=torch.float64) for n in (H, KV, KV, H))
+    # padding queries' outputs are don't-care (dense: the padding key itself; blocked: zero), so is their gradient
+    w = w * torch.as_tensor(batch.segment_ids != 0)[:, None, :, None]
     seg = torch.as_tensor(batch.segment_ids, dtype=torch.long)
     pos = torch.as_tensor(batch.position_ids, dtype=torch.long)
     q_ref, k_ref, v_ref = (x.clone().requires_grad_() for x in (q, k, v))
