@@ -179,8 +179,24 @@ def test_step_temp_memory_is_linear_in_t():
     print("small fp32 remat=full temp MiB by T:",
           {int(t): round(m / 2**20, 1) for t, m in zip(lengths, temps)}, f"slope {slope:.0f} B/token R^2 {r2:.5f}")
     assert r2 >= 0.99
-    # linear with a bounded slope: no hidden T x V buffer (V = 8192 float32 would be 32 KiB per token)
-    assert slope < 4 * cfg.vocab_size, slope
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["fused_linear", "chunked_nll"])
+def test_no_token_by_vocab_buffer_in_the_step(loss_type):
+    """Growing V by 24576 adds one float32 [T, V] buffer's worth (768 MiB at T = 8192) to any step that keeps
+    the logits, their softmax or a metric over them; the chunked losses (logits, accuracy, entropy) and
+    RoPE must add only O(V x H) (the LM head, its gradient) plus one chunk's [chunk, V] block."""
+    from twinseq.jax_backend.memory import compiled_step_memory
+
+    t, chunk = 8192, 256
+    temps = {v: compiled_step_memory(ModelConfig.preset("small", num_hidden_layers=1, vocab_size=v), t,
+                                     loss_type=loss_type, chunk_size=chunk).temp_bytes for v in (8192, 32768)}
+    growth = temps[32768] - temps[8192]
+    token_by_vocab = t * (32768 - 8192) * 4
+    print(f"{loss_type}: T={t} temp MiB by V {({v: round(b / 2**20, 1) for v, b in temps.items()})}, growth "
+          f"{growth / 2**20:.0f} MiB vs a [T, dV] float32 buffer {token_by_vocab / 2**20:.0f} MiB")
+    assert growth < token_by_vocab / 4
 
 
 @pytest.mark.slow
