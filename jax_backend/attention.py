@@ -10,14 +10,36 @@ Padded batches (one document per row, segment 0 on padding) and padding-free bat
 (many documents in one row) go through the same code; only B, T and the ids differ.
 
 Every shape depends on (B, T) alone, so a jitted step compiles once per (B, T) bucket.
+
+Two implementations of the same rule, picked by ``attn_implementation`` (``attention_for``):
+
+``eager``   the dense reference: a ``[B, 1, T, T]`` mask and ``[B, N, T, T]`` scores, HF's eager
+            operation order (scores in the input dtype). Memory O(T^2); parity tests and small T.
+``sdpa``    (the default, and every other name) ``blocked_document_attention``: online softmax over
+            ``[block, block]`` tiles with a custom VJP that recomputes the tiles in backward
+            (FlashAttention-2), the kernel of the ring (``context_parallel``). Memory O(T * block);
+            tiles with no allowed pair are skipped, so packed documents also save compute.
+
+No fused kernel is used: ``jax.nn.dot_product_attention`` (jax 0.10, cuDNN included) takes a dense
+mask or bias, ``is_causal``, one length per row and a left window, but no segment ids, so it cannot
+mask several documents in a row without the O(T^2) mask this module exists to avoid.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+
+from twinseq.common.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+DENSE_IMPLEMENTATIONS = ("eager",)
+"""``attn_implementation`` values that run the dense reference; every other value runs the blocked kernel."""
 
 
 def document_causal_mask(segment_ids_BT: jax.Array, position_ids_BT: jax.Array,
@@ -89,3 +111,67 @@ def document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, 
     """
     allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT, sliding_window)
     return dot_product_attention(q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, scaling, softcap)
+
+
+def blocked_document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, segment_ids_BT: jax.Array,
+                               position_ids_BT: jax.Array, scaling: float, *, block_size: int = 512,
+                               sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> jax.Array:
+    """``document_attention`` without the T x T mask or scores: ``[B, N, T, D]`` out, in q's dtype.
+
+    Naive equivalent (equal up to float32 rounding; the blocked kernel accumulates in float32 where
+    the dense path rounds bfloat16 scores and probabilities to the input dtype)::
+
+        document_attention(q, k, v, seg, pos, scaling, sliding_window=w, softcap=c)
+
+    T is padded up to a multiple of the block (``min(block_size, T)``) with segment 0, which no
+    query attends to and whose queries get zeros; the padding is sliced off again.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ConfigError(f"attention_block_size={block_size!r} must be a positive integer (tokens per query/key "
+                          f"tile of the blocked attention).")
+    from twinseq.jax_backend.context_parallel import blocked_attention_heads_first
+
+    t = q_BNTD.shape[2]
+    block = min(block_size, t)
+    pad = -t % block
+    if pad:
+        def pad_t(x, axis):
+            return jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)])
+        q_BNTD, k_BKTD, v_BKTD = pad_t(q_BNTD, 2), pad_t(k_BKTD, 2), pad_t(v_BKTD, 2)
+        segment_ids_BT, position_ids_BT = pad_t(segment_ids_BT, 1), pad_t(position_ids_BT, 1)
+    out_BNTD = blocked_attention_heads_first(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT,
+                                             scale=scaling, block_size=block, sliding_window=sliding_window,
+                                             softcap=softcap)
+    return out_BNTD[:, :, :t] if pad else out_BNTD
+
+
+@dataclass(frozen=True)
+class BlockedAttention:
+    """An ``AttendFn`` (see ``model.AttendFn``) running ``blocked_document_attention`` with ``block_size``.
+
+    A frozen dataclass, so it is hashable by value: a static argument of ``jit``/``checkpoint`` that
+    does not retrace when rebuilt with the same block size.
+    """
+
+    block_size: int = 512
+
+    def __call__(self, q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, *,
+                 sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> jax.Array:
+        return blocked_document_attention(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling,
+                                          block_size=self.block_size, sliding_window=sliding_window,
+                                          softcap=softcap)
+
+
+def attention_for(attn_implementation: str, block_size: int = 512) -> Optional[BlockedAttention]:
+    """The model's single-device attention for ``attn_implementation``: None (the dense ``eager``
+    reference) or a ``BlockedAttention``. The torch names of memory-efficient kernels (``sdpa``,
+    ``varlen``, ``flex_attention``, ``flash_attention_*``) all map to the blocked kernel here."""
+    if attn_implementation in DENSE_IMPLEMENTATIONS:
+        return None
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ConfigError(f"attention_block_size={block_size!r} must be a positive integer (tokens per query/key "
+                          f"tile of the blocked attention).")
+    if attn_implementation != "sdpa":
+        logger.info("attn_implementation=%r on the jax backend: blocked online-softmax attention (block %d), "
+                    "document-masked by segment ids", attn_implementation, block_size)
+    return BlockedAttention(int(block_size))

@@ -324,6 +324,31 @@ def blocked_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *
     return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos))
 
 
+def blocked_attention_heads_first(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, *, scale: float,
+                                  block_size: int, sliding_window: Optional[int] = None,
+                                  softcap: Optional[float] = None) -> jax.Array:
+    """``blocked_attention`` in the model's head-first layout: ``[B, N, T, D]`` in and out, ``T % block_size == 0``.
+
+    The single-device attention of the model (``attention.blocked_document_attention`` pads T and calls
+    this). Same kernel, mask and custom VJP as the ring: only ``O(T)`` residuals (q, k, v, out, log-sum-exp)
+    are kept for the backward pass, which recomputes each ``[block, block]`` score tile. ``[B, N, T, D]``
+    is ``[B, K, G, T, D]`` by a reshape (query head ``n = k * G + g``, HF's ``repeat_kv`` order), so no
+    transpose is needed on the way in or out.
+    """
+    b, n, t, d = q_BNTD.shape
+    kv = k_BKTD.shape[1]
+    if n % kv:
+        raise ConfigError(f"num_heads={n} must be a multiple of num_kv_heads={kv} (GQA).")
+    if t % block_size:
+        raise ConfigError(f"block_size={block_size} must divide the sequence length {t}; pad T first.")
+    _check_options(sliding_window, softcap)
+    cfg = _Cfg(None, 1, float(scale), int(block_size), int(block_size),
+               None if sliding_window is None else int(sliding_window), None if softcap is None else float(softcap))
+    q_BKGTD = q_BNTD.reshape(b, kv, n // kv, t, d)
+    seg, pos = segment_ids_BT, position_ids_BT
+    return _attention_core(cfg, q_BKGTD, k_BKTD, v_BKTD, seg, pos, seg, pos).reshape(b, n, t, d)
+
+
 def ring_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, axis_name: str,
                          scale: Optional[float] = None, block_q: Optional[int] = None,
                          block_k: Optional[int] = None, sliding_window: Optional[int] = None,

@@ -22,9 +22,12 @@ HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3
 - attention: q/k/v biases where the family has them; Qwen3's per-head RMSNorm of q and k before
   RoPE; grouped-query (kv heads repeated in place); scaling ``cfg.attention_scale``; Gemma 2's
   score soft-cap after scaling and before the mask; sliding windows on the layers that have them;
-  softmax in float32 (``attention.py``); pluggable: ``model(..., attend=fn)`` runs ``fn`` (e.g.
-  ``parallel.ring_attention_fn(mesh)``, context parallel) instead of the dense path;
-- MLP: ``down(act(gate(x)) * up(x))``, SiLU or GELU (tanh), biases with ``mlp_bias``;
+  softmax in float32 (``attention.py``); by default the blocked online-softmax kernel
+  (``attn_implementation="sdpa"``, O(T x block) memory), the dense T x T reference with ``"eager"``;
+  pluggable: ``model(..., attend=fn)`` runs ``fn`` (e.g. ``parallel.ring_attention_fn(mesh)``, context
+  parallel) instead;
+- MLP: ``down(act(gate(x)) * up(x))``, SiLU or GELU (tanh), biases with ``mlp_bias``; optionally tiled over
+  token chunks (``tiled_mlp_chunk_size``, ALST's tiled MLP), each chunk recomputed in backward;
 - Gemma 2: embeddings times ``sqrt(hidden_size)`` (a float32 constant cast to the compute dtype),
   norms on the attention and MLP *outputs* before each residual add, final logits soft-capped
   (``losses.logits_f32``);
@@ -42,13 +45,13 @@ import numpy as np
 from flax import nnx
 
 from twinseq.common.batching import Batch, check_batch
-from twinseq.common.config import DEFAULT_CHUNK_SIZE, ModelConfig
+from twinseq.common.config import ATTN_IMPLEMENTATIONS, DEFAULT_CHUNK_SIZE, ModelConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.init import check_weights, parameter_shapes
 from twinseq.common.backend import Model
 from twinseq.common.models import layer_norm_names
 from twinseq.common.rope import rope_inv_freq
-from twinseq.jax_backend.attention import document_causal_mask, dot_product_attention
+from twinseq.jax_backend.attention import attention_for, document_causal_mask, dot_product_attention
 from twinseq.jax_backend.losses import LOSS_TYPES, causal_lm_loss, check_labels, logits_f32, token_nll
 from twinseq.jax_backend.memory import remat
 
@@ -216,9 +219,38 @@ class MLP(nnx.Module):
         self.up_proj = _linear(w, prefix + "up_proj", dtype, cfg.mlp_bias)
         self.down_proj = _linear(w, prefix + "down_proj", dtype, cfg.mlp_bias)
         self.hidden_act = cfg.hidden_act
+        self.tile_size: Optional[int] = None  # tokens per tile (tiled MLP); None: the whole sequence at once
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def dense(self, x: jax.Array) -> jax.Array:
         return self.down_proj(ACTIVATIONS[self.hidden_act](self.gate_proj(x)) * self.up_proj(x))
+
+    def __call__(self, x_BTH: jax.Array) -> jax.Array:
+        b, t, h = x_BTH.shape
+        if self.tile_size is None or b * t <= self.tile_size:
+            return self.dense(x_BTH)
+        return tiled_mlp(self, x_BTH.reshape(b * t, h), self.tile_size).reshape(b, t, h)
+
+
+def tiled_mlp(mlp: MLP, x_NH: jax.Array, tile_size: int) -> jax.Array:
+    """``mlp.dense(x_NH)`` over tiles of ``tile_size`` tokens: ``lax.map`` over the tiles, each under
+    ``jax.checkpoint``, so the backward pass recomputes one tile's ``[tile, intermediate]`` gate/up
+    activations at a time instead of keeping the sequence's. The tail tile is padded with zero tokens
+    (their outputs are dropped; the gradients they would carry are zero because nothing reads them).
+
+    Naive equivalent: ``mlp.dense(x_NH)`` (the same per-token numbers; weight gradients are summed tile
+    by tile, so they match up to float32 reassociation).
+    """
+    n, h = x_NH.shape
+    num_tiles = -(-n // tile_size)
+    x_CSH = jnp.pad(x_NH, ((0, num_tiles * tile_size - n), (0, 0))).reshape(num_tiles, tile_size, h)
+    graphdef, state = nnx.split(mlp)
+
+    @jax.checkpoint
+    def tile(state, x_SH):
+        return nnx.merge(graphdef, state).dense(x_SH)
+
+    y_CSH = jax.lax.map(lambda x_SH: tile(state, x_SH), x_CSH)
+    return y_CSH.reshape(num_tiles * tile_size, -1)[:n]
 
 
 class DecoderLayer(nnx.Module):
@@ -254,7 +286,8 @@ def _layer_apply(graphdef, attend, state, x_BTH, cos, sin, attn_args):
 class DecoderModel(nnx.Module):
     """HF's ``model.`` prefix: embeddings, decoder layers, final norm, and the RoPE of the config."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], dtype: str, remat_policy: str):
+    def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], dtype: str, remat_policy: str,
+                 attn_implementation: str = "sdpa", attention_block_size: int = 512):
         embed_scale = cfg.hidden_size ** 0.5 if cfg.gemma else None
         self.embed_tokens = Embedding(w["model.embed_tokens.weight"], dtype, embed_scale)
         self.layers = nnx.List([DecoderLayer(cfg, w, i, dtype) for i in range(cfg.num_hidden_layers)])
@@ -267,6 +300,9 @@ class DecoderModel(nnx.Module):
         self.sliding_window = windows.pop() if windows else None
         self.remat_policy = remat_policy
         remat(_layer_apply, remat_policy, static_argnums=(0, 1))  # validate the policy at build time
+        self.attn_implementation = attn_implementation
+        self.attention_block_size = attention_block_size
+        attention_for(attn_implementation, attention_block_size)  # validate the block size at build time
 
     def rope_inv_freq(self, position_ids_BT: jax.Array) -> Any:
         """float32 [head_dim / 2]: the config's constants, or for ``dynamic`` RoPE this batch's frequencies."""
@@ -278,6 +314,7 @@ class DecoderModel(nnx.Module):
     def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
         x_BTH = self.embed_tokens(input_ids_BT)
         cos, sin = rope_cos_sin(position_ids_BT, self.rope_inv_freq(position_ids_BT), x_BTH.dtype)
+        attend = attention_for(self.attn_implementation, self.attention_block_size) if attend is None else attend
         if attend is None:
             # The dense masks are built once and shared by every layer of their kind.
             allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT)
@@ -301,19 +338,27 @@ class CausalLM(nnx.Module):
     """``model(input_ids, position_ids, segment_ids, attend=None) -> hidden_BTH`` (after the final norm), for
     every family of ``common.models``.
 
-    ``attend`` (an ``AttendFn``, static under ``jit``) replaces the dense document-causal
-    attention of every layer, e.g. ``parallel.ring_attention_fn(mesh)`` on a batch placed by
+    ``attn_implementation`` picks the attention of every layer when no ``attend`` is given: ``"eager"``
+    the dense document mask (the reference), any other value (default ``"sdpa"``) the blocked kernel
+    with ``attention_block_size`` tiles (``attention.attention_for``). ``tiled_mlp_chunk_size`` (None:
+    off) runs every MLP over token tiles (``tiled_mlp``). ``attend`` (an ``AttendFn``, static under
+    ``jit``) replaces the attention of every layer, e.g. ``parallel.ring_attention_fn(mesh)`` on a batch placed by
     ``parallel.shard_batch``. ``logits(...)`` adds the LM head (and Gemma's final soft-cap); losses
     take ``hidden_BTH``, ``lm_head_VH()`` and ``final_logit_softcapping`` so that a chunked or fused
     loss never needs the full logits.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, dtype: str = "float32",
-                 remat_policy: str = "none"):
+                 remat_policy: str = "none", attn_implementation: str = "sdpa", attention_block_size: int = 512,
+                 tiled_mlp_chunk_size: Optional[int] = None):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype={dtype!r} is not valid; choose one of {tuple(DTYPES)}.")
+        if attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ConfigError(f"attn_implementation={attn_implementation!r} is unknown; choose one of "
+                              f"{ATTN_IMPLEMENTATIONS} ('eager': dense reference, the others: blocked attention).")
         check_weights(cfg, weights)
-        self.model = DecoderModel(cfg, weights, dtype, remat_policy)
+        self.model = DecoderModel(cfg, weights, dtype, remat_policy, attn_implementation, attention_block_size)
+        set_tiled_mlp(self, tiled_mlp_chunk_size)
         self.lm_head: Optional[Linear] = None if cfg.tie_word_embeddings else Linear(weights["lm_head.weight"], dtype)
         # hashable (lists as tuples): it lives in the static graphdef
         self.config_items = tuple(sorted((k, _hashable(v)) for k, v in cfg.to_dict().items()))
@@ -324,6 +369,14 @@ class CausalLM(nnx.Module):
     @property
     def config(self) -> ModelConfig:
         return ModelConfig.from_dict({k: list(v) if isinstance(v, tuple) else v for k, v in self.config_items})
+
+    def options(self) -> dict[str, Any]:
+        """The build options beyond config and weights (``CausalLM(cfg, weights, **model.options())`` rebuilds
+        a model that runs the same code paths)."""
+        tiles = {layer.mlp.tile_size for layer in self.model.layers}
+        return dict(dtype=self.dtype, remat_policy=self.model.remat_policy,
+                    attn_implementation=self.model.attn_implementation,
+                    attention_block_size=self.model.attention_block_size, tiled_mlp_chunk_size=tiles.pop())
 
     def lm_head_VH(self) -> jax.Array:
         if self.lm_head is None:
@@ -337,6 +390,15 @@ class CausalLM(nnx.Module):
         """float32 [B, T, V]: HF's ``lm_head(hidden_states)`` upcast, then soft-capped where the family caps."""
         hidden_BTH = self(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
         return logits_f32(hidden_BTH, self.lm_head_VH(), self.final_logit_softcapping)
+
+
+def set_tiled_mlp(model: CausalLM, chunk_size: Optional[int]) -> None:
+    """Run every decoder MLP of ``model`` over tiles of ``chunk_size`` tokens (None: untiled); see ``tiled_mlp``."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ConfigError(f"tiled_mlp_chunk_size={chunk_size!r} must be a positive integer (tokens per MLP tile) "
+                          f"or None to run the MLP untiled.")
+    for layer in model.model.layers:
+        layer.mlp.tile_size = chunk_size
 
 
 def hf_name(path: tuple) -> str:
@@ -424,13 +486,24 @@ def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = Non
 
     ``weights`` None draws ``common.init.init_weights(cfg, seed=0)``, the same model the torch
     backend builds. ``dtype`` is the parameter and compute dtype (``float32`` or ``bfloat16``, as
-    HF's ``torch_dtype``). ``attn_implementation``: the JAX backend has one attention path (the
-    dense document mask); every value is accepted so that one config runs on both backends.
+    HF's ``torch_dtype``). ``attn_implementation`` (every value of ``common.config`` is accepted, so
+    one config runs on both backends) maps to the JAX backend's two attention paths, both masked by
+    segment and position ids (``attention.py``):
+
+    - ``"eager"``: the dense reference, a ``[B, 1, T, T]`` document mask and T x T scores in HF's eager
+      operation order; what parity tests compare against;
+    - ``"sdpa"`` (default), ``"varlen"``, ``"flex_attention"``, ``"flash_attention_2/3"``: blocked
+      online-softmax attention (``attention.blocked_document_attention``, the ring's kernel) in tiles
+      of 512 tokens (``CausalLM(attention_block_size=...)``; the trainer reads
+      ``memory.attention_block_size``), O(T x block) memory in forward and backward. No fused kernel:
+      ``jax.nn.dot_product_attention`` (cuDNN) takes no segment ids in jax 0.10, only a dense mask.
+
     ``device`` (a ``jax.Device``) places the parameters; None uses JAX's default device.
     """
     from twinseq.common.init import init_weights
 
-    model = CausalLM(cfg, init_weights(cfg, seed=0) if weights is None else weights, dtype=dtype)
+    model = CausalLM(cfg, init_weights(cfg, seed=0) if weights is None else weights, dtype=dtype,
+                     attn_implementation=attn_implementation)
     if device is not None:
         graphdef, state = nnx.split(model)
         model = nnx.merge(graphdef, jax.device_put(state, device))

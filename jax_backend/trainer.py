@@ -126,13 +126,19 @@ _global_norm = jax.jit(optax.global_norm)
 
 def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> CausalLM:
     """The model of ``cfg.model.model_config`` (a local folder, or a preset with ``common``'s initial
-    weights) with float32 master weights (``dtype`` only changes the compute dtype, like torch autocast)."""
+    weights) with float32 master weights (``dtype`` only changes the compute dtype, like torch autocast),
+    attending with ``cfg.model.attn_implementation`` (``eager``: dense; else blocked, in tiles of
+    ``memory.attention_block_size``) and with ``memory.tiled_mlp`` MLPs tiled by ``tiled_mlp_chunk_size``."""
     spec = cfg.model.model_config
     source = resolve_model_source(spec)
     check_tokenizer_fits(source.config, vocab_size, spec)
     weights = (read_hf_checkpoint(source.weights_folder)[1] if source.weights_folder is not None
                else init_weights(source.config, seed=cfg.seed))
-    return with_adapters(CausalLM(source.config, weights, dtype="float32"), cfg)
+    mem = cfg.memory
+    model = CausalLM(source.config, weights, dtype="float32", attn_implementation=cfg.model.attn_implementation,
+                     attention_block_size=mem.attention_block_size,
+                     tiled_mlp_chunk_size=mem.tiled_mlp_chunk_size if mem.tiled_mlp else None)
+    return with_adapters(model, cfg)
 
 
 def with_adapters(model: CausalLM, cfg: TrainConfig) -> CausalLM:
@@ -238,7 +244,7 @@ class Trainer:
             opt_state = from_numpy_tree(state["optimizer"], self.opt_state)
         except ValueError as err:
             raise CheckpointError(f"the checkpoint does not fit this run: {err}") from None
-        restored = CausalLM(model.config, state["model"], remat_policy=model.model.remat_policy)
+        restored = CausalLM(model.config, state["model"], **model.options())
         self.graphdef, params = nnx.split(restored)
         self.params = params if self.mesh is None else shard_params(self.mesh, params)
         self.opt_state = self._place_like(opt_state, self.opt_state)
