@@ -157,6 +157,12 @@ class BlockedAttention:
 
     def __call__(self, q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, *,
                  sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> jax.Array:
+        if q_BNTD.shape[2] <= self.block_size:
+            # One block: the blocked kernel would hold the same T x T tile the dense path does, only with
+            # the online-softmax rescaling's extra rounding. Rows that fit one block take the dense path,
+            # which is HF eager's operation order (as torch keeps sdpa for short rows).
+            return document_attention(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling,
+                                      sliding_window=sliding_window, softcap=softcap)
         return blocked_document_attention(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling,
                                           block_size=self.block_size, sliding_window=sliding_window,
                                           softcap=softcap)

@@ -247,6 +247,7 @@ def test_blocked_trajectory_matches_the_dense_golden_run(tmp_path):
     argv = list(golden["argv"])
     i = argv.index("--attn-implementation")
     argv[i + 1] = "sdpa"
+    argv += ["--attention-block-size", "32"]  # rows longer than one block run blocked (one block is dense)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run([sys.executable, "-m", "twinseq.common.cli", "train", *argv, "--output-dir", str(tmp_path),
                           "--disable-tqdm"], env=env, capture_output=True, text=True, timeout=600)
