@@ -51,6 +51,8 @@ bench: setup
 	$(BIN)/python benchmarks/memory_planner_check.py
 	$(BIN)/python benchmarks/peft_staircase.py
 	$(BIN)/python benchmarks/max_length.py
+	$(BIN)/python benchmarks/cp_memory.py
+	$(BIN)/python benchmarks/grpo_memory.py
 	$(BIN)/python benchmarks/readme_table.py
 
 clean:

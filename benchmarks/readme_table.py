@@ -162,13 +162,29 @@ def max_length_row(d: dict) -> tuple[str, str, str]:
             + (f" ({_x(best['max_length'] / trl['max_length'])}×)" if trl and trl["max_length"] else ""))
 
 
+def cp_memory_row(d: dict) -> tuple[str, str, str]:
+    return (f"torch allgather CP={d['cp']} (gloo), one step at T = {d['seq_len']:,}, blocked attention",
+            f"1 process: {_mib(d['single']['peak_bytes'])}",
+            f"largest rank {_mib(max(d['cp_run']['per_rank_peak_bytes']))} ({_x(d['ratio'])}×)")
+
+
+def grpo_memory_row(d: dict) -> tuple[str, str, str]:
+    rows = {r["variant"]: r for r in d["rows"]}
+    trl, best = rows["trl"], min((r for r in d["rows"] if r["variant"] != "trl"), key=lambda r: r["peak_bytes"])
+    a = d["arguments"]
+    return (f"GRPO step vs TRL GRPOTrainer, {a['generations']} generations x {a['completion']} completion tokens",
+            f"TRL: {_mib(trl['peak_bytes'])}, {trl['step_seconds']:.1f} s/step",
+            f"{best['variant']}: {_mib(best['peak_bytes'])} ({_x(best['peak_bytes'] / trl['peak_bytes'])}×), "
+            f"{best['step_seconds'] / trl['step_seconds']:.2f}× the step time")
+
+
 # The README's rows, in its order; every benchmark script in benchmarks/ has one (a test checks).
 ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "packing": packing_row, "loss_memory": loss_memory_row, "jax_loss_memory": jax_loss_memory_row,
     "memory_techniques": memory_techniques_row, "padding_free": padding_free_row, "torch_vs_jax": torch_vs_jax_row,
     "dpo_memory": dpo_memory_row, "ring_attention": ring_attention_row,
     "memory_planner_check": memory_planner_check_row, "peft_staircase": peft_staircase_row,
-    "max_length": max_length_row,
+    "max_length": max_length_row, "cp_memory": cp_memory_row, "grpo_memory": grpo_memory_row,
 }
 
 

@@ -26,6 +26,8 @@ BACKENDS = ("torch", "jax")
 ALLOWED_DIFFERENCES: dict[str, str] = {}
 ALLOWED_DIFFERENCES["deepspeed"] = "DeepSpeed ZeRO-3 is a torch library; jax shards over its device mesh (sharding.py)"
 ALLOWED_DIFFERENCES["vllm_engine"] = "vLLM runs torch models; the jax backend generates with its own model"
+ALLOWED_DIFFERENCES["blocked_attention"] = ("torch registers its blocked kernel (an autograd Function) as an HF attention "
+                                          "function; jax reuses the ring's block kernel (context_parallel.py) from attention.py")
 
 
 def _protocol_signature(name: str) -> inspect.Signature:
