@@ -218,7 +218,8 @@ def _child_trl(doc: str, length: int) -> None:
 
 def search(probe: Callable[[int], dict[str, Any]], cap: int, *, start: int, limit: int, resolution: float,
            max_seconds: float, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The longest T (a multiple of 64) whose probe fits under ``cap``: doubling, then bisection.
+    """The longest T (a multiple of 64) whose probe fits under ``cap``: doubling (or halving, when ``start``
+    does not fit), then bisection.
 
     Returns ``{"max_length", "bound", "probes"}``: ``bound`` is ``"memory"`` (the next probe exceeded the cap
     or failed), ``"compute"`` (a probe took longer than ``max_seconds``; the wall was not reached) or
@@ -241,6 +242,11 @@ def search(probe: Callable[[int], dict[str, Any]], cap: int, *, start: int, limi
 
     lo, hi, bound = 0, None, "limit"
     length = start
+    while length >= 128 and not fits(length)[0]:  # the start is over the cap already: halve down to a fit
+        hi, bound, length = length, "memory", length // 2
+    if hi is not None:
+        lo = length if length >= 128 else 0
+        length = limit + 1  # skip the doubling: bisect between the fit and the first failure
     while length <= limit:
         ok, got = fits(length)
         if not ok:
