@@ -242,13 +242,16 @@ def search(probe: Callable[[int], dict[str, Any]], cap: int, *, start: int, limi
 
     lo, hi, bound = 0, None, "limit"
     length = start
-    while length >= 128 and not fits(length)[0]:  # the start is over the cap already: halve down to a fit
+    first = fits(length)
+    while length >= 128 and not first[0]:  # the start is over the cap already: halve down to a fit
         hi, bound, length = length, "memory", length // 2
+        first = fits(length) if length >= 128 else (False, None)
     if hi is not None:
         lo = length if length >= 128 else 0
         length = limit + 1  # skip the doubling: bisect between the fit and the first failure
     while length <= limit:
-        ok, got = fits(length)
+        ok, got = first if first is not None else fits(length)
+        first = None
         if not ok:
             hi, bound = length, "memory"
             break
