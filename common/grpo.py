@@ -463,3 +463,22 @@ def scatter_tokens(values_n: np.ndarray, cb: CompletionBatch) -> np.ndarray:
     out = np.zeros((cb.num_docs, cb.num_columns), np.float64)
     out[cb.token_row_n, cb.token_col_n] = values_n
     return out
+
+
+def reward_metrics(total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str], num_generations: int
+                   ) -> dict[str, float]:
+    """TRL's reward metrics of one generation: ``reward``, ``reward_std`` (mean of the groups' std),
+    ``frac_reward_zero_std`` and each function's mean and std over the completions it scored (NaN: not scored).
+
+    >>> m = reward_metrics(np.array([1.0, 0.0, 1.0, 1.0]), np.array([[1.0], [0.0], [1.0], [np.nan]]), ["em"], 2)
+    >>> m["reward"], m["frac_reward_zero_std"], m["rewards/em/mean"]
+    (0.75, 0.5, 0.6666666666666666)
+    """
+    groups = total_N.reshape(-1, num_generations)
+    out = {"reward": float(total_N.mean()), "reward_std": float(groups.std(axis=1, ddof=1).mean()),
+           "frac_reward_zero_std": float((groups.std(axis=1) == 0).mean())}
+    for j, name in enumerate(names):
+        ok = per_NF[:, j][~np.isnan(per_NF[:, j])]
+        out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else float("nan")
+        out[f"rewards/{name}/std"] = float(ok.std(ddof=1)) if ok.size > 1 else 0.0
+    return out

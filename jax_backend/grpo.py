@@ -39,7 +39,7 @@ from twinseq.common.batching import pad_batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_mask, compute_rewards,
-                                 epsilon_bounds, group_advantages, reward_func_name)
+                                 epsilon_bounds, group_advantages, reward_func_name, reward_metrics)
 from twinseq.jax_backend.logprobs import token_logps
 from twinseq.jax_backend.losses import check_labels, logits_f32
 from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, merge_state, split_trainable
@@ -288,18 +288,6 @@ class GenerationRecord:
     num_loss_tokens: int
     num_sequences: int
 
-
-def reward_metrics(total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str], num_generations: int
-                   ) -> dict[str, float]:
-    """TRL's reward metrics: ``reward``, ``reward_std`` (mean of the groups' std), per-function mean and std."""
-    groups = total_N.reshape(-1, num_generations)
-    out = {"reward": float(total_N.mean()), "reward_std": float(groups.std(axis=1, ddof=1).mean()),
-           "frac_reward_zero_std": float((groups.std(axis=1) == 0).mean())}
-    for j, name in enumerate(names):
-        ok = per_NF[:, j][~np.isnan(per_NF[:, j])]
-        out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else float("nan")
-        out[f"rewards/{name}/std"] = float(ok.std(ddof=1)) if ok.size > 1 else 0.0
-    return out
 
 
 def trim_completions(completion_ids_NC: np.ndarray, length_mask_NC: np.ndarray) -> list[np.ndarray]:

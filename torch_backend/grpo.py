@@ -34,7 +34,8 @@ from twinseq.common.capabilities import GPU_EXTRA
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_budget, completion_mask,
-                                 compute_rewards, epsilon_bounds, group_advantages, reward_func_name)
+                                 compute_rewards, epsilon_bounds, group_advantages, reward_func_name,
+                                 reward_metrics)
 from twinseq.torch_backend.logprobs import TargetRows, token_logps
 from twinseq.torch_backend.trainer import Trainer
 
@@ -251,19 +252,6 @@ class GenerationRecord:
     num_loss_tokens: int
     num_sequences: int
 
-
-def reward_metrics(total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str], num_generations: int
-                   ) -> dict[str, float]:
-    """TRL's reward metrics: ``reward``, ``reward_std`` (mean of the groups' std), per-function mean/std."""
-    groups = total_N.reshape(-1, num_generations)
-    out = {"reward": float(total_N.mean()), "reward_std": float(groups.std(axis=1, ddof=1).mean()),
-           "frac_reward_zero_std": float((groups.std(axis=1) == 0).mean())}
-    for j, name in enumerate(names):
-        col = per_NF[:, j]
-        ok = col[~np.isnan(col)]
-        out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else float("nan")
-        out[f"rewards/{name}/std"] = float(ok.std(ddof=1)) if ok.size > 1 else 0.0
-    return out
 
 
 def split_micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequence[np.ndarray],
