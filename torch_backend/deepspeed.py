@@ -199,8 +199,19 @@ def build_partitioned_model(model_cfg, weights: Mapping[str, np.ndarray], ds_cfg
     ensure_process_group()
     check_weights(model_cfg, weights)
     config = to_hf_model_config(model_cfg, attn_implementation)
-    with deepspeed.zero.Init(config_dict_or_path=ds_cfg, dtype=torch.float32), no_init_weights():
+    # No ``dtype=`` here: DeepSpeed 0.19's ``zero.Init`` honours an explicit dtype only where the accelerator
+    # reports float16 support, and otherwise builds bfloat16 partitions (an operator-precedence slip in
+    # ``Init._set_dtype``); the CPU accelerator on a CPU without AVX512-FP16 (AMD Zen 4) then trained a
+    # "float32" run in bfloat16. Left to the config, it takes bf16 / fp16 / float32 from ``ds_cfg`` as meant.
+    with deepspeed.zero.Init(config_dict_or_path=ds_cfg), no_init_weights():
         model = AutoModelForCausalLM.from_config(config)
+    expected = torch.bfloat16 if ds_cfg.get("bf16", {}).get("enabled") else torch.float32
+    wrong = sorted({str(p.dtype) for p in model.parameters() if p.dtype != expected})
+    if wrong:
+        raise RuntimeError(f"deepspeed.zero.Init built parameters of dtype {', '.join(wrong)}, not {expected} as "
+                           f"the DeepSpeed config asks (bf16.enabled={bool(ds_cfg.get('bf16', {}).get('enabled'))}); "
+                           "this DeepSpeed version does not honour the config's precision: install the "
+                           "version pinned by twinseq's 'deepspeed' extra")
     model.tie_weights()
     make_rope_stateless_(model)
     params = dict(model.named_parameters())

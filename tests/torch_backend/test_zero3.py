@@ -82,7 +82,7 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
     iterator = StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0, world_size=world, rank=rank)
     # generation between two optimizer steps, as online RL does: training must go on exactly after it
     steps = [engine.train_step(iterator.next_step()) for _ in range(cfg.max_steps - 1)]
-    out: dict = {"partitioned": bool(partitioned)}
+    out: dict = {"partitioned": bool(partitioned), "dtypes": sorted({str(p.ds_tensor.dtype) for p in params})}
     for gather in (True, False):
         out[f"greedy_gather={gather}"] = engine.generate(PROMPTS, gather_for_generation=gather,
                                                          max_new_tokens=NEW_TOKENS)
@@ -181,6 +181,8 @@ def test_zero3_on_two_ranks_matches_single_process_and_generates_alike(tmp_path,
     reference_losses, reference_norms = reference
     results = launch(ZERO3, tmp_path, world_size=2)
     assert all(r["partitioned"] for r in results), "every parameter must be partitioned over the 2 ranks"
+    # float32 partitions: DeepSpeed 0.19 built bfloat16 ones on CPUs without AVX512-FP16 when zero.Init got dtype=
+    assert all(r["dtypes"] == ["torch.float32"] for r in results), [r["dtypes"] for r in results]
     assert results[0]["losses"] == results[1]["losses"], "ranks logged different reduced losses"
     _assert_losses_match(results[0]["losses"], reference_losses)
     _assert_norms_match(results[0]["grad_norms"], reference_norms)
