@@ -65,13 +65,49 @@ def _jax_run(**knobs):
     return losses, export_weights(trainer.model()), trainer
 
 
-def _assert_same_trajectory(got, want):
+ADAM_EPS = TrainConfig().optim.adam_epsilon
+ILL_CONDITIONED = 10.0
+"""An element whose first gradient is under ``ILL_CONDITIONED * adam_epsilon`` in magnitude is outside the
+trajectory bound (TOLERANCES.md, "Adam's conditioning"): Adam's first update ``g / (|g| + eps)`` has slope up to
+``1 / eps`` = 1e8 in ``g`` there, so float32 roundoff in ``g`` (~1e-6 of the tensor's typical gradient) moves it
+by a sizeable fraction of ``lr``. From 10 eps on, the slope is under ``1 / (121 eps)`` and the roundoff's effect
+is < 1e-6 of the tensor. Seen: ``layers.0.mlp.gate_proj.weight[222, 0]``, first gradient 4.6e-9 plain and
+5.2e-9 compiled (the tensor's gradients agree within 5.7e-7), moved 5.2e-5 apart after 3 steps: 1.7e-5 of the
+tensor alone, 2.8e-6 without it (AMD EPYC)."""
+
+
+def _first_gradients(backend: str) -> dict[str, np.ndarray]:
+    """The first step's gradient of the plain model (its micro-batches summed), by HF name."""
+    if backend == "torch":
+        from twinseq.torch_backend.model import build_model, loss_and_grads
+    else:
+        from twinseq.jax_backend.model import build_model, loss_and_grads
+    model = build_model(MODEL, init_weights(MODEL, seed=0))
+    grads = [loss_and_grads(model, batch)[1] for batch in _steps()[0]]
+    return {name: sum(g[name] for g in grads) for name in grads[0]}
+
+
+def _assert_same_trajectory(got, want, first_gradients):
+    """Per step, loss within ``adamw_rel``; every parameter tensor within ``adamw_rel`` over its well-conditioned
+    elements; the few ill-conditioned elements (``ILL_CONDITIONED``) within Adam's step size: two correct runs'
+    updates of such an element are each at most ~``lr`` a step, so at most ``2 lr`` apart a step."""
     (got_losses, got_params, _), (want_losses, want_params, _) = got, want
     bound = tol("float32", "adamw_rel")
     for step, (a, b) in enumerate(zip(got_losses, want_losses)):
         assert abs(a - b) <= bound * abs(b), (step, a, b)
-    worst = max(want_params, key=lambda k: rel_norm(got_params[k], want_params[k]))
-    assert rel_norm(got_params[worst], want_params[worst]) <= bound, worst
+    lr = _cfg("torch").optim.learning_rate
+    rel, excluded = {}, 0
+    for name, want_p in want_params.items():
+        ill = np.abs(first_gradients[name]) < ILL_CONDITIONED * ADAM_EPS
+        excluded += int(ill.sum())
+        diff = np.asarray(got_params[name], np.float64) - want_p
+        assert np.abs(diff[ill]).max(initial=0.0) <= 2 * lr * NUM_STEPS, name
+        rel[name] = float(np.linalg.norm(diff[~ill]) / np.linalg.norm(want_p))
+    worst = max(rel, key=rel.get)
+    assert rel[worst] <= bound, (worst, rel[worst])
+    total = sum(p.size for p in want_params.values())
+    # gradients near 0 are ~2e-4 of the elements here (49 of 252,384); a bug moves whole tensors, not this few
+    assert excluded <= 1e-3 * total, f"{excluded} of {total} elements ill-conditioned: the setup, not roundoff"
     moved = rel_norm(want_params["model.layers.0.mlp.up_proj.weight"], init_weights(MODEL, seed=0)[
         "model.layers.0.mlp.up_proj.weight"])
     assert moved > 1e-3, "the steps must move the parameters, or equal trajectories prove nothing"
@@ -89,25 +125,35 @@ def jax_plain():
     return _jax_run()
 
 
+@pytest.fixture(scope="module")
+def torch_first_gradients():
+    return _first_gradients("torch")
+
+
+@pytest.fixture(scope="module")
+def jax_first_gradients():
+    return _first_gradients("jax")
+
+
 @pytest.mark.slow
-def test_torch_gradient_checkpointing_matches_the_plain_run(torch_plain):
+def test_torch_gradient_checkpointing_matches_the_plain_run(torch_plain, torch_first_gradients):
     run = _torch_run(gradient_checkpointing=True)
     assert all(layer.gradient_checkpointing for layer in run[2].causal_lm.model.layers)
-    _assert_same_trajectory(run, torch_plain)
+    _assert_same_trajectory(run, torch_plain, torch_first_gradients)
 
 
 @pytest.mark.slow
-def test_torch_compile_matches_the_plain_run(torch_plain):
+def test_torch_compile_matches_the_plain_run(torch_plain, torch_first_gradients):
     run = _torch_run(torch_compile=True)
     assert all(layer._compiled_call_impl is not None for layer in run[2].causal_lm.model.layers)
-    _assert_same_trajectory(run, torch_plain)
+    _assert_same_trajectory(run, torch_plain, torch_first_gradients)
 
 
 @pytest.mark.slow
-def test_jax_gradient_checkpointing_matches_the_plain_run(jax_plain):
+def test_jax_gradient_checkpointing_matches_the_plain_run(jax_plain, jax_first_gradients):
     run = _jax_run(gradient_checkpointing=True)
     assert run[2].model().model.remat_policy == "full" and jax_plain[2].model().model.remat_policy == "none"
-    _assert_same_trajectory(run, jax_plain)
+    _assert_same_trajectory(run, jax_plain, jax_first_gradients)
 
 
 def test_torch_compile_is_refused_on_jax():
