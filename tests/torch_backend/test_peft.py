@@ -428,8 +428,7 @@ def test_adamw_8bit_trains_adapters(tmp_path):
 def test_qlora_peak_memory_is_below_loras():
     """Peak RSS of 3 training steps (after a warm-up step and a reset of the kernel's peak mark), in fresh
     processes, for the same 8-layer H=512 model with r=8 adapters on every linear layer: QLoRA's NF4 base holds
-    ~116 MB less than LoRA's float32 one (4 layers gave a ~10 MB peak gap, too close to RSS noise), and its peak is lower
-    though by less (~20 MB measured): bitsandbytes dequantises each layer's weight to float32 while it runs."""
+    ~112 MiB less than LoRA's float32 one, and its step peak is lower by more than 50 MiB (107 measured)."""
     pytest.importorskip("bitsandbytes")
     import subprocess
     import sys
@@ -445,9 +444,12 @@ def test_qlora_peak_memory_is_below_loras():
     mib = 2 ** 20
     assert lora["param_bytes"] - qlora["param_bytes"] > 50 * mib
     assert lora["rss_before_steps_bytes"] - qlora["rss_before_steps_bytes"] > 40 * mib, runs
-    # The step peak is reported, not asserted: on CPU bitsandbytes dequantises each layer to float32 while it
-    # runs, and repeated runs put QLoRA's peak 73 MB below LoRA's or 29 MB above it (allocator timing).
     print(f"peak RSS: LoRA {lora['peak_rss_bytes'] / mib:.0f} MiB, QLoRA {qlora['peak_rss_bytes'] / mib:.0f} MiB")
+    # measured 671 vs 563-564 MiB: the 112 MiB of float32 base QLoRA does not hold, less the one layer's weight
+    # bitsandbytes dequantises at a time. With glibc's dynamic mmap threshold (the default, which the script pins
+    # as trainer.train does for QLoRA on CPU), freed dequantised weights stayed resident and the gap ranged from
+    # 73 MiB below to 29 MiB above.
+    assert lora["peak_rss_bytes"] - qlora["peak_rss_bytes"] > 50 * mib, runs
 
 
 # --------------------------------------------------------------------------------------
