@@ -61,6 +61,12 @@ def machine_key() -> str:
     return f"{_cpuinfo('vendor_id')} torch-{_version('torch')} jax-{_version('jax')}"
 
 
+def recorded_losses(name: str) -> list[float]:
+    """Run ``name``'s trajectory as recorded on this machine kind, else as first recorded (another kind's)."""
+    machine = GOLDEN["machines"].get(machine_key()) or next(iter(GOLDEN["machines"].values()))
+    return machine["loss"][name]
+
+
 def run_golden(argv: list[str], output_dir: Path) -> list[float]:
     """Losses of one ``twinseq train`` run in a fresh interpreter with the recording environment."""
     cmd = [sys.executable, "-m", "twinseq.common.cli", "train", *argv, "--output-dir", str(output_dir),

@@ -235,16 +235,14 @@ would move the first step's loss by far more than 1e-6."""
 def test_blocked_trajectory_matches_the_dense_golden_run(tmp_path):
     """The golden runs (tests/assets/golden_losses.json) pin the dense ``eager`` path bit for bit; the
     default blocked path must follow the same trajectory within ``GOLDEN_REL_TOL``."""
-    import json
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
+    from tests.test_golden_losses import GOLDEN, recorded_losses
     from twinseq.common.metrics import read_metrics
 
-    golden = json.loads((Path(__file__).parents[1] / "assets" / "golden_losses.json").read_text())["runs"]["sft_jax"]
-    argv = list(golden["argv"])
+    argv = list(GOLDEN["runs"]["sft_jax"]["argv"])
     i = argv.index("--attn-implementation")
     argv[i + 1] = "sdpa"
     argv += ["--attention-block-size", "32"]  # rows longer than one block run blocked (one block is dense)
@@ -253,7 +251,7 @@ def test_blocked_trajectory_matches_the_dense_golden_run(tmp_path):
                           "--disable-tqdm"], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     losses = np.array([r["loss"] for r in read_metrics(tmp_path)])
-    want = np.array(golden["loss"])
+    want = np.array(recorded_losses("sft_jax"))
     rel = np.abs(losses - want) / np.abs(want)
     print(f"blocked vs dense golden sft_jax: max relative loss difference {rel.max():.2e} (step {rel.argmax() + 1}), "
           f"first step {rel[0]:.2e}")
