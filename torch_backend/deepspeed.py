@@ -92,6 +92,10 @@ def check_zero3_config(cfg: TrainConfig) -> None:
         (par.context_parallel_size > 1, f"context_parallel_size={par.context_parallel_size}",
          "context parallelism runs under FSDP2 only; use --context-parallel-size 1"),
         (cfg.task == "dpo", "task='dpo'", "DPO's frozen reference copy is not partitioned here; use --task sft"),
+        (cfg.task == "grpo" and cfg.grpo.grpo_beta > 0, f"grpo_beta={cfg.grpo.grpo_beta}",
+         "the KL term's frozen reference copy is not partitioned here; use --grpo-beta 0 (TRL's default)"),
+        (cfg.task == "grpo" and cfg.loss.loss_type == "liger", "loss_type='liger' with task='grpo'",
+         "Liger's fused GRPO loss reads the LM head outside the engine's forward; use --loss-type fused_linear"),
         (cfg.peft.use_peft, "use_peft=True", "adapters are trained with FSDP2 or one process here; drop --use-peft"),
         (cfg.optim.optimizer != "adamw_torch", f"optimizer={cfg.optim.optimizer!r}",
          "ZeRO-3 partitions a client torch AdamW; use --optimizer adamw_torch"),
@@ -551,8 +555,8 @@ class Zero3Trainer:
 
 
 def train_zero3(cfg: TrainConfig):
-    """``twinseq train`` with ``deepspeed_zero_stage=3``: SFT on every rank of a torchrun launch (or one
-    process), through ``common.runner.run``; returns the path of ``metrics.jsonl``."""
+    """``twinseq train`` with ``deepspeed_zero_stage=3``: SFT or GRPO (``grpo.build_grpo_zero3``) on every rank of
+    a torchrun launch (or one process), through ``common.runner.run``; returns the path of ``metrics.jsonl``."""
     from twinseq.common.capabilities import Runtime as CapabilityRuntime
     from twinseq.common.hf_checkpoint import check_tokenizer_fits, resolve_model_source
     from twinseq.common.loader import build_step_iterator
@@ -560,10 +564,6 @@ def train_zero3(cfg: TrainConfig):
     from twinseq.torch_backend.checkpoint import load_pretrained
 
     check_zero3_config(cfg)
-    if cfg.task != "sft":
-        raise ConfigError(f"task={cfg.task!r} does not combine with deepspeed_zero_stage=3 in `twinseq train`: its "
-                          f"ZeRO-3 trainer runs SFT (online RL builds its engine with build_zero3_engine); use "
-                          f"--task sft.")
     if cfg.optim.skip_nonfinite_steps:
         raise ConfigError("skip_nonfinite_steps=True does not combine with deepspeed_zero_stage=3: DeepSpeed applies "
                           "the update before the step's norm is known here; drop --skip-nonfinite-steps.")
@@ -576,6 +576,12 @@ def train_zero3(cfg: TrainConfig):
             torch.device("cpu")
         preflight(cfg, CapabilityRuntime("torch", device.type, world, accelerator=device.type == "cuda"))
         torch.manual_seed(cfg.seed)
+        if cfg.task == "grpo":
+            from twinseq.torch_backend.grpo import build_grpo_zero3
+
+            trainer, source, tokenizer, announce = build_grpo_zero3(cfg)
+            return run(cfg, trainer, source, tokenizer=tokenizer, desc="grpo[torch-zero3]", announce=announce,
+                       plot_keys=("loss", "reward", "completions/mean_length", "tokens_per_second"))
         if rank != 0:
             dist.barrier()  # rank 0 builds the caches (corpus, tokenizer) first
         source, tokenizer, stats = build_step_iterator(cfg, world_size=world, rank=rank)

@@ -68,14 +68,16 @@ def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_completion_length: int,
              eos_token_id: Optional[int], pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
-             top_k: int = 0, greedy: bool = False, seed: Optional[int] = None) -> Generated:
+             top_k: int = 0, greedy: bool = False, seed: Optional[int] = None, synced_gpus: bool = False
+             ) -> Generated:
     """Completions of each prompt (token ids, no special handling of chat templates).
 
     Sampling is ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens
     (0: all) and the smallest set of probability ``top_p``; ``greedy`` takes the argmax. A row
     stops at its first ``eos_token_id`` (kept in the completion) or after
     ``max_completion_length`` tokens; finished rows are padded with ``pad_token_id``.
-    ``seed`` seeds torch's generator for this call (None: the global RNG state).
+    ``seed`` seeds torch's generator for this call (None: the global RNG state). ``synced_gpus``: every rank
+    steps until all are done (HF's flag), for a ZeRO-3 model generating partitioned, layer by layer.
     """
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad(prompts, pad_token_id, device)
@@ -89,7 +91,8 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_co
         torch.manual_seed(seed)
     t0 = time.perf_counter()
     with eval_mode(model):
-        out = _causal_lm(model).generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        out = _causal_lm(model).generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus,
+                                         **kwargs)
     completion = out[:, input_ids.shape[1]:].cpu().numpy().astype(np.int64)
     return Generated(completion, time.perf_counter() - t0)
 

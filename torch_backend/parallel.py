@@ -212,10 +212,14 @@ class CausalLMLoss(torch.nn.Module):
         return out.last_hidden_state, micro.targets, True
 
     def forward(self, micro):
+        """``micro``: a ``Batch`` or ``CPShard`` (the SFT loss), or a function of the causal LM (online RL's policy
+        forward), run here so that an engine wrapping this module gathers the root parameters around it."""
         from twinseq.torch_backend.losses import causal_lm_loss
         from twinseq.torch_backend.model import final_logit_softcap
         from twinseq.torch_backend.peft import lm_head_weight
 
+        if callable(micro):
+            return micro(self.causal_lm)
         hidden_BTH, labels_BT, shifted = self._hidden(micro)
         return causal_lm_loss(hidden_BTH, lm_head_weight(self.causal_lm), labels_BT, micro.num_items_in_batch,
                               self.cfg.loss.loss_type, chunk_size=self.cfg.loss.loss_chunk_size, return_metrics=True,
