@@ -33,7 +33,6 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from twinseq.common.batching import pad_batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
@@ -357,7 +356,7 @@ class GRPOTrainer(_trainer_base()):
                         min_new_tokens=1)  # as the torch trainer: a completion is never a bare EOS
 
     def _generate(self, prompts: Sequence[dict]) -> GenerationRecord:
-        c, g, tok = self.cfg, self.cfg.grpo, self.tokenizer
+        g, tok = self.cfg.grpo, self.tokenizer
         expanded = [row for row in prompts for _ in range(self.num_generations)]
         prompt_ids = [list(r["prompt_input_ids"]) for r in expanded]
         t0 = time.perf_counter()

@@ -36,7 +36,7 @@ import contextlib
 import importlib.util
 import logging
 import os
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
