@@ -468,9 +468,9 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
         for fan_in, _fan_out in targets.values():
             per_token += peft.lora_r * act_bytes + (fan_in * (act_bytes + LORA_DROPOUT_MASK_BYTES[backend])
                                                     if dropout else 0)
-        if ckpt:
+        if ckpt and not (backend == "jax" and device == "cpu"):
             lora_recompute = tokens * per_token / layers
-        else:
+        else:  # (XLA:CPU keeps every layer's, remat or not, as for the layers above)
             lora_kept = tokens * per_token * (min(2, layers) / layers if offloaded else 1)
         rows.append(MemoryRow("LoRA activations", int(lora_kept + lora_recompute),
                               f"A x per adapted linear{', dropout(x) + its mask' if dropout else ''}"))
