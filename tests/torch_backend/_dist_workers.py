@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -257,16 +257,29 @@ def launch(spec: dict, tmp_path: Path, world_size: int = 2, timeout: float = 240
 
     ``cuda=False`` hides the GPUs, so the ranks run on CPU with gloo; ``cuda=True`` gives rank r GPU r (NCCL).
     """
+    return launch_script(__file__, spec, tmp_path, world_size, timeout=timeout,
+                         env={"OMP_NUM_THREADS": "1", **({} if cuda else {"CUDA_VISIBLE_DEVICES": ""})})
+
+
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_script(script: str, spec: dict, tmp_path: Path, world_size: int, *, timeout: float = 240.0,
+                  env: Optional[dict] = None, launcher_for_one: bool = True) -> list[dict]:
+    """``python script SPEC.json tmp_path`` on ``world_size`` local ranks with torchrun's environment (plus
+    ``env`` and ``TWINSEQ_TEST_RANK``); each rank writes ``rank{r}.json`` there, returned in rank order.
+    ``launcher_for_one=False``: a single rank runs with no launcher variables at all (a plain process)."""
     spec_path = tmp_path / "spec.json"
     spec_path.write_text(json.dumps(spec))
     port = free_port()
+    base = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}, **(env or {})}
     procs = []
     for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        if not cuda:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        procs.append(subprocess.Popen([sys.executable, __file__, str(spec_path), str(tmp_path)], env=env,
+        rank_env = dict(base) if world_size == 1 and not launcher_for_one else {
+            **base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        rank_env["TWINSEQ_TEST_RANK"] = str(rank)
+        procs.append(subprocess.Popen([sys.executable, script, str(spec_path), str(tmp_path)], env=rank_env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = []
     try:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -101,31 +100,8 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
 
 def launch(cfg_overrides: dict, tmp_path: Path, world_size: int, timeout: float = 300.0) -> list[dict]:
     """``world_size`` local ranks running ``rank_job`` (torchrun's environment; none at all for one rank)."""
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps(cfg_overrides))
-    port = W.free_port()
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    base.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    procs = []
-    for rank in range(world_size):
-        env = dict(base) if world_size == 1 else {
-            **base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env["TWINSEQ_TEST_RANK"] = str(rank)
-        procs.append(subprocess.Popen([sys.executable, __file__, str(spec), str(tmp_path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, f"ranks failed {failed}:\n" + "\n".join(log[-4000:] for log in logs)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    return W.launch_script(__file__, cfg_overrides, tmp_path, world_size, timeout=timeout, launcher_for_one=False,
+                           env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
 
 
 def _assert_losses_match(got, want, steps: int = STEPS):

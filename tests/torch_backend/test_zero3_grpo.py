@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -92,31 +91,8 @@ def train_job(configs: list[dict]) -> dict:
 
 def launch(spec: dict, tmp_path: Path, world_size: int, timeout: float = 400.0) -> list[dict]:
     """``world_size`` local ranks running this file on ``spec`` (torchrun's environment; none for one rank)."""
-    path = tmp_path / "spec.json"
-    path.write_text(json.dumps(spec))
-    port = W.free_port()
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    base.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    procs = []
-    for rank in range(world_size):
-        env = dict(base) if world_size == 1 else {
-            **base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env["TWINSEQ_TEST_RANK"] = str(rank)
-        procs.append(subprocess.Popen([sys.executable, __file__, str(path), str(tmp_path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    assert not failed, f"ranks failed {failed}:\n" + "\n".join(log[-4000:] for log in logs)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    return W.launch_script(__file__, spec, tmp_path, world_size, timeout=timeout, launcher_for_one=False,
+                           env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
 
 
 # --------------------------------------------------------------------------------------
