@@ -32,12 +32,7 @@ from twinseq.jax_backend import logprobs as jlp  # noqa: E402
 LENGTHS = ((5, 7, 4), (3, 9, 6), (8, 2, 5), (4, 5, 10))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def highest_precision():
-    saved = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", "highest")
-    yield
-    jax.config.update("jax_default_matmul_precision", saved)
+pytestmark = pytest.mark.usefixtures("highest_precision")
 
 
 @pytest.fixture(scope="module")

@@ -31,12 +31,7 @@ PROMPT_LENGTHS = (7, 3, 12, 1)
 COMPLETION = 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def highest_precision():
-    saved = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", "highest")
-    yield
-    jax.config.update("jax_default_matmul_precision", saved)
+pytestmark = pytest.mark.usefixtures("highest_precision")
 
 
 def _model(preset: str):

@@ -33,12 +33,7 @@ from twinseq.jax_backend.model import build_model, logits  # noqa: E402
 N, C = 6, 5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def highest_precision():
-    saved = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", "highest")
-    yield
-    jax.config.update("jax_default_matmul_precision", saved)
+pytestmark = pytest.mark.usefixtures("highest_precision")
 
 
 @pytest.fixture(scope="module")

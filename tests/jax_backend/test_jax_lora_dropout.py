@@ -45,12 +45,7 @@ DOCS = ([5, 6, 7, 9, 11, 300, 12, 8, 40, 41, 42], [8, 9, 100, 7, 5], [13, 14, 15
 SIGMAS = 6.0
 
 
-@pytest.fixture(scope="module", autouse=True)
-def highest_precision():
-    saved = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", "highest")
-    yield
-    jax.config.update("jax_default_matmul_precision", saved)
+pytestmark = pytest.mark.usefixtures("highest_precision")
 
 
 def _rel(a, b) -> float:

@@ -40,12 +40,7 @@ VOCAB = 512
 DOCS = ([5, 6, 7, 9, 11, 300, 12, 8, 40, 41, 42], [8, 9, 100, 7, 5], [13, 14, 15, 16, 17, 18, 19])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def highest_precision():
-    saved = jax.config.jax_default_matmul_precision
-    jax.config.update("jax_default_matmul_precision", "highest")
-    yield
-    jax.config.update("jax_default_matmul_precision", saved)
+pytestmark = pytest.mark.usefixtures("highest_precision")
 
 
 def _weights(cfg: ModelConfig) -> dict[str, np.ndarray]:
