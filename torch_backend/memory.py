@@ -433,9 +433,10 @@ def return_large_frees_to_the_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     process then holds about as much as a float32 base, and QLoRA's saving shows in the step's peak only by
     allocator timing. Measured on an 8-layer, H=512 model (``tests/torch_backend/_peft_memory.py``): peak RSS
     LoRA 729-732 MiB vs QLoRA 653-678 MiB with the dynamic threshold, 671 vs 563-564 MiB with it pinned.
-    Pinned before the model is built (``trainer.train`` does so for QLoRA on CPU) the whole run benefits; pinned
-    later (``peft.quantize_4bit_`` does so too, for code that builds its own model) the steps' peak was still
-    668-699 MiB in the same measurement. Returns whether it was set (glibc only); logs once either way.
+    Pinned before the model is built the whole run benefits; pinned after it, the steps' peak was still 668-699 MiB
+    in the same measurement. It changes the whole process's allocator for good, so twinseq never calls it on its
+    own: call it first thing in a QLoRA process on CPU (``tests/torch_backend/_peft_memory.py`` does, for both of
+    the runs it compares). Returns whether it was set (glibc only); logs once either way.
     """
     global _PINNED
     if _PINNED is not None:

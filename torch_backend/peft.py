@@ -314,10 +314,6 @@ def quantize_4bit_(model: torch.nn.Module) -> int:
     import bitsandbytes as bnb
 
     device = next(model.parameters()).device
-    if device.type == "cpu":  # train() does it before the model is built, where it saves the most
-        from twinseq.torch_backend.memory import return_large_frees_to_the_os
-
-        return_large_frees_to_the_os()
     count = 0
     for layer in causal_lm_of(model).model.layers:
         for name, child in list(layer.named_modules()):
@@ -336,10 +332,6 @@ def quantize_4bit_(model: torch.nn.Module) -> int:
             count += 1
     logger.info("load_in_4bit: %d linear layers quantised to NF4 (bitsandbytes %s, float32 compute)", count,
                 getattr(bnb, "__version__", "?"))
-    if device.type == "cpu":
-        import ctypes
-
-        ctypes.CDLL(None).malloc_trim(0)  # the float32 weights just replaced
     return count
 
 

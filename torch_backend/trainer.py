@@ -452,10 +452,6 @@ def train(config: TrainConfig) -> Path:
         device = pick_device() if runtime is None else runtime.device
         if runtime is None:
             preflight(cfg, CapabilityRuntime("torch", device.type, 1, accelerator=device.type == "cuda"))
-        if device.type == "cpu" and cfg.peft.use_peft and cfg.peft.load_in_4bit:
-            from twinseq.torch_backend.memory import return_large_frees_to_the_os
-
-            return_large_frees_to_the_os()  # before the model is built: NF4's saving then shows in the peak
         torch.manual_seed(cfg.seed)
         build = _build_dpo if cfg.task == "dpo" else _build_sft
         if cfg.task == "grpo":

@@ -1,7 +1,7 @@
 """Peak resident memory of training steps, LoRA vs QLoRA, in a fresh process (run by test_peft.py).
 
-``python _peft_memory.py {lora,qlora}`` pins glibc's mmap threshold (``memory.return_large_frees_to_the_os``, as
-``trainer.train`` does for QLoRA on CPU), builds an 8-layer, H=512 Llama (34M decoder-linear parameters), adds
+``python _peft_memory.py {lora,qlora}`` pins glibc's mmap threshold (``memory.return_large_frees_to_the_os``),
+builds an 8-layer, H=512 Llama (34M decoder-linear parameters), adds
 r=8 adapters on every linear layer (QLoRA: the decoder's linear layers in NF4 first), frees what building left
 behind, runs one warm-up step, resets the kernel's peak-RSS mark (``/proc/self/clear_refs`` 5), runs 3 optimizer steps and prints one
 JSON line: ``VmHWM`` (peak RSS since the reset: the resident weights, the adapters, AdamW's state and the
@@ -32,7 +32,7 @@ def main(kind: str) -> None:
     from twinseq.torch_backend.peft import add_adapters
 
     torch.set_num_threads(1)
-    # as trainer.train does for QLoRA on CPU, and here for LoRA too, so both are measured under one allocator rule
+    # both runs under one allocator rule (memory.return_large_frees_to_the_os: freed buffers leave the process)
     # (with glibc's dynamic threshold the same runs gave LoRA 729-732 MiB, QLoRA 653-678 MiB)
     from twinseq.torch_backend.memory import return_large_frees_to_the_os
 

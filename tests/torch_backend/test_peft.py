@@ -447,8 +447,7 @@ def test_qlora_peak_memory_is_below_loras():
     print(f"peak RSS: LoRA {lora['peak_rss_bytes'] / mib:.0f} MiB, QLoRA {qlora['peak_rss_bytes'] / mib:.0f} MiB")
     # measured 671 vs 563-564 MiB: the 112 MiB of float32 base QLoRA does not hold, less the one layer's weight
     # bitsandbytes dequantises at a time. With glibc's dynamic mmap threshold (the default, which the script pins
-    # as trainer.train does for QLoRA on CPU), freed dequantised weights stayed resident and the gap ranged from
-    # 73 MiB below to 29 MiB above.
+    # for both runs), freed dequantised weights stayed resident and the gap ranged from 73 MiB below to 29 above.
     assert lora["peak_rss_bytes"] - qlora["peak_rss_bytes"] > 50 * mib, runs
 
 
