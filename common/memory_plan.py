@@ -64,8 +64,8 @@ The loss kernel (the logits term)
 
 LoRA
     The base is frozen: its gradient and optimizer rows vanish; each adapted linear adds its dropout output
-    (``in_features``, float32 + a mask of ``LORA_DROPOUT_MASK_BYTES`` when ``lora_dropout > 0``) and ``A``'s
-    output (``r``) per token. The base keeps the full fine-tune's saved set (measured:
+    (``in_features``, float32 + a 1-byte mask when ``lora_dropout > 0``; torch only, the jax trainer applies no
+    LoRA dropout) and ``A``'s output (``r``) per token. The base keeps the full fine-tune's saved set (measured:
     freezing it frees next to nothing).
 
 Activation offloading (CUDA): saved decoder activations move to host memory; the device keeps two layers'
@@ -116,10 +116,8 @@ QUANT_STATS_BYTES = {
     "torch": 1 / QUANT_BLOCK + 4 / (QUANT_BLOCK * 256),
     "jax": 4 / QUANT_BLOCK,  # qwix NF4: one float32 scale per block of 64 input features
 }
-LORA_DROPOUT_MASK_BYTES = {"torch": 1, "jax": 4}
-"""Bytes per adapted input number that LoRA dropout keeps beyond its float32 output: torch's bool mask; the jax
-step (XLA) keeps 4 (measured on tiny, 8 x 512 tokens, all-linear, lora_dropout=0.05: +53.5 MiB, i.e. 8.2 bytes
-per dropped number, with and without remat)."""
+LORA_DROPOUT_APPLIED = {"torch": True, "jax": False}
+"""The jax trainer does not apply LoRA dropout (jax_backend.peft), so it keeps no dropout output or mask."""
 BNB_8BIT_BLOCK = 256
 BNB_MIN_8BIT_SIZE = 4096
 LOGITS_COPIES = {"torch": 3.0, "jax": 2.5}
@@ -463,11 +461,10 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
 
     lora_kept = lora_recompute = 0.0
     if peft.use_peft:
-        dropout = peft.lora_dropout > 0
+        dropout = peft.lora_dropout > 0 and LORA_DROPOUT_APPLIED[backend]
         per_token = 0.0
         for fan_in, _fan_out in targets.values():
-            per_token += peft.lora_r * act_bytes + (fan_in * (act_bytes + LORA_DROPOUT_MASK_BYTES[backend])
-                                                    if dropout else 0)
+            per_token += peft.lora_r * act_bytes + (fan_in * (act_bytes + 1) if dropout else 0)
         if ckpt and not (backend == "jax" and device == "cpu"):
             lora_recompute = tokens * per_token / layers
         else:  # (XLA:CPU keeps every layer's, remat or not, as for the layers above)

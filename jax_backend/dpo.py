@@ -76,13 +76,11 @@ def preference_inputs(pbatch: PreferenceBatch, vocab_size: int) -> tuple[jax.Arr
 @partial(jax.jit, static_argnums=(0,), static_argnames=("config", "loss_type", "chunk_size", "compute_dtype"))
 def dpo_grads_jit(graphdef, state, inputs, ref_chosen_logps, ref_rejected_logps, num_examples_in_step, *,
                   config: DPOLossConfig, loss_type: str, chunk_size: int, compute_dtype: Optional[str] = None,
-                  frozen=None, dropout_key: Optional[jax.Array] = None):
+                  frozen=None):
     """((loss, per-pair dict), grads as an NNX state) of one micro-batch; ``frozen``: the state that gets no
-    gradient (``model.split_trainable``: adapters train, their base does not); ``dropout_key``: the policy's
-    forward is a training forward with LoRA dropout (``model.merge_state``; None: deterministic)."""
+    gradient (``model.split_trainable``: adapters train, their base does not)."""
     def scalar_loss(s):
-        model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype),
-                            dropout_key=dropout_key)
+        model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
         return dpo_loss_fn(model, inputs, ref_chosen_logps,
                            ref_rejected_logps, num_examples_in_step, config=config, loss_type=loss_type,
                            chunk_size=chunk_size)

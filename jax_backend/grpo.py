@@ -201,19 +201,15 @@ def check_temperature(temperature: float, cap: Optional[float]) -> None:
 # --------------------------------------------------------------------------------------
 
 _STATIC = ("spec", "loss_type", "chunk_size", "temperature", "compute_dtype")
-OLD_LOGPS_PASS = 1
-"""The ``Trainer.dropout_key`` tag of the sampling policy's log-prob pass (its masks differ from the loss pass's)."""
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=_STATIC)
 def grpo_grads_jit(graphdef, state, ci: CompletionInputs, mask_NC, advantages_N, norms_3, old_logps_NC=None,
                    ref_logps_NC=None, *, spec: LossSpec, loss_type: str, chunk_size: int, temperature: float,
-                   compute_dtype: Optional[str] = None, frozen=None, dropout_key: Optional[jax.Array] = None):
-    """((loss, metrics), grads as an NNX state) of one micro-batch; ``frozen`` and ``dropout_key`` (LoRA
-    dropout in a training forward; None: deterministic) as ``model.grads_jit``."""
+                   compute_dtype: Optional[str] = None, frozen=None):
+    """((loss, metrics), grads as an NNX state) of one micro-batch; ``frozen`` as ``model.grads_jit``."""
     def scalar_loss(s):
-        model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype),
-                            dropout_key=dropout_key)
+        model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
         logps_NC, entropy_NC = completion_logps(model, ci, loss_type=loss_type, chunk_size=chunk_size,
                                                 temperature=temperature, with_entropy=True)
         loss, metrics = grpo_loss_jax(logps_NC.astype(jnp.float32), advantages_N, mask_NC, norms_3, spec,
@@ -226,12 +222,9 @@ def grpo_grads_jit(graphdef, state, ci: CompletionInputs, mask_NC, advantages_N,
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("loss_type", "chunk_size", "temperature", "compute_dtype"))
 def completion_logps_jit(graphdef, state, ci: CompletionInputs, *, loss_type: str, chunk_size: int,
-                         temperature: float, compute_dtype: Optional[str] = None, frozen=None,
-                         dropout_key: Optional[jax.Array] = None) -> jax.Array:
-    """float32 [N, C] log-probs, no gradient: the sampling policy's and the reference's passes. ``dropout_key``
-    (the sampling policy's pass in the trainer, in train mode as on torch): with LoRA dropout; None: deterministic."""
-    model = merge_state(graphdef, cast_floating(state, compute_dtype), cast_floating(frozen, compute_dtype),
-                        dropout_key=dropout_key)
+                         temperature: float, compute_dtype: Optional[str] = None, frozen=None) -> jax.Array:
+    """float32 [N, C] log-probs, no gradient: the sampling policy's and the reference's passes."""
+    model = merge_state(graphdef, cast_floating(state, compute_dtype), cast_floating(frozen, compute_dtype))
     return completion_logps(model, ci, loss_type=loss_type, chunk_size=chunk_size,
                             temperature=temperature)[0].astype(jnp.float32)
 
@@ -405,9 +398,8 @@ class GRPOTrainer(_trainer_base()):
             ci = CompletionInputs.of(cb, self.vocab_size, rows=1 if d.padding_free else size, multiple=self.bucket)
             mb = GRPOMicroBatch(ci, jnp.asarray(loss_mask_NC[sl], jnp.float32),
                                 jnp.asarray(advantages_N[sl], jnp.float32), cb.batch.num_tokens)
-            if g.num_iterations > 1:  # in train mode, as the torch trainer (and TRL): LoRA dropout applies
+            if g.num_iterations > 1:
                 mb.old_logps_NC = completion_logps_jit(self.graphdef, self.params, ci, frozen=self.frozen,
-                                                       dropout_key=self.dropout_key(len(out), OLD_LOGPS_PASS),
                                                        **self._logps_kwargs())
             if g.grpo_beta > 0:
                 graphdef, state, frozen = (self.ref_graphdef, self.params, self.frozen) if self.peft else \
@@ -431,8 +423,7 @@ class GRPOTrainer(_trainer_base()):
     def micro_step(self, mb: GRPOMicroBatch):
         (loss, metrics), grads = grpo_grads_jit(self.graphdef, self.params, mb.ci, mb.mask_NC, mb.advantages_N,
                                                 self._norms, mb.old_logps_NC, mb.ref_logps_NC, spec=self.spec,
-                                                frozen=self.frozen, dropout_key=self.dropout_key(),
-                                                **self._logps_kwargs())
+                                                frozen=self.frozen, **self._logps_kwargs())
         tokens = float(mb.mask_NC.sum())
         record = {"loss": float(loss), "num_loss_tokens": tokens, "num_tokens": mb.num_tokens,
                   "entropy_sum": float(metrics.pop("entropy_sum"))}

@@ -76,12 +76,6 @@ class AdapterParam(nnx.Param):
     frozen (``split_trainable``)."""
 
 
-class DropoutKey(nnx.Variable):
-    """The PRNG key of one adapted linear's LoRA dropout (``peft.PeftLinear``). It exists only on a model merged
-    inside a training step (``merge_state(..., dropout_key=key)``); a model without one is deterministic, as
-    PEFT in eval mode. Never a parameter: it gets no gradient and is never saved."""
-
-
 def _param(array: np.ndarray, dtype: str) -> nnx.Param:
     return nnx.Param(jnp.asarray(np.asarray(array, dtype=np.float32), dtype=DTYPES[dtype]))
 
@@ -245,21 +239,17 @@ def tiled_mlp(mlp: MLP, x_NH: jax.Array, tile_size: int) -> jax.Array:
 
     Naive equivalent: ``mlp.dense(x_NH)`` (the same per-token numbers; weight gradients are summed tile
     by tile, so they match up to float32 reassociation).
-
-    LoRA dropout (``DropoutKey``s on the MLP's linears): tile ``c`` uses every key folded with ``c``, so tiles
-    draw independent masks (one shared key would repeat the same mask in every tile).
     """
     n, h = x_NH.shape
     num_tiles = -(-n // tile_size)
     x_CSH = jnp.pad(x_NH, ((0, num_tiles * tile_size - n), (0, 0))).reshape(num_tiles, tile_size, h)
-    graphdef, keys, state = nnx.split(mlp, DropoutKey, ...)
+    graphdef, state = nnx.split(mlp)
 
     @jax.checkpoint
-    def tile(state, keys, c, x_SH):
-        keys = jax.tree.map(lambda key: jax.random.fold_in(key, c), keys)
-        return nnx.merge(graphdef, keys, state).dense(x_SH)
+    def tile(state, x_SH):
+        return nnx.merge(graphdef, state).dense(x_SH)
 
-    y_CSH = jax.lax.map(lambda args: tile(state, keys, *args), (jnp.arange(num_tiles, dtype=jnp.int32), x_CSH))
+    y_CSH = jax.lax.map(lambda x_SH: tile(state, x_SH), x_CSH)
     return y_CSH.reshape(num_tiles * tile_size, -1)[:n]
 
 
@@ -461,19 +451,9 @@ def split_trainable(model: Model) -> tuple[Any, Any, Any]:
     return graphdef, state, None
 
 
-def merge_state(graphdef, state, frozen=None, *, dropout_key: Optional[jax.Array] = None) -> Any:
-    """The model of ``split_trainable``'s parts (``frozen`` None: a plain model's whole state).
-
-    ``dropout_key`` (a ``jax.random.key``; call inside a trace, i.e. in a jitted training step): the model's
-    forward is a training forward, in which every adapted linear with ``lora_dropout > 0`` drops its adapter
-    input (``peft.set_dropout_keys``). None (the default, and every protocol function): deterministic.
-    """
-    model = nnx.merge(graphdef, state) if frozen is None else nnx.merge(graphdef, state, frozen)
-    if dropout_key is not None:
-        from twinseq.jax_backend.peft import set_dropout_keys
-
-        set_dropout_keys(model, dropout_key)
-    return model
+def merge_state(graphdef, state, frozen=None) -> Any:
+    """The model of ``split_trainable``'s parts (``frozen`` None: a plain model's whole state)."""
+    return nnx.merge(graphdef, state) if frozen is None else nnx.merge(graphdef, state, frozen)
 
 
 def grads_by_name(model: Model, grads: Any) -> dict[str, np.ndarray]:
@@ -578,8 +558,7 @@ def loss_fn(model: CausalLM, input_ids_BT, position_ids_BT, segment_ids_BT, labe
 @partial(jax.jit, static_argnums=(0,),
          static_argnames=("loss_type", "chunk_size", "compute_dtype", "attend", "targets_are_shifted"))
 def grads_jit(graphdef, state, inputs, num_items, *, loss_type: str, chunk_size: int,
-              compute_dtype: Optional[str] = None, attend=None, targets_are_shifted: bool = False, frozen=None,
-              dropout_key: Optional[jax.Array] = None):
+              compute_dtype: Optional[str] = None, attend=None, targets_are_shifted: bool = False, frozen=None):
     """((loss, metrics), grads as an NNX state) of one micro-batch; ``inputs`` as ``batch_inputs`` returns.
 
     ``attend`` and ``targets_are_shifted`` as ``loss_fn`` (the trainer's context-parallel step passes
@@ -589,13 +568,9 @@ def grads_jit(graphdef, state, inputs, num_items, *, loss_type: str, chunk_size:
     (mixed precision, like torch autocast); the gradients stay float32, w.r.t. ``state``.
 
     ``frozen``: the state that gets no gradient (``split_trainable``: a model with adapters trains only them).
-
-    ``dropout_key``: a training forward with LoRA dropout (``merge_state``; the trainer passes one key per
-    micro-batch); None, the default: deterministic.
     """
     def scalar_loss(s):
-        model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype),
-                            dropout_key=dropout_key)
+        model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
         return loss_fn(model, *inputs, num_items, loss_type, chunk_size, attend=attend,
                        targets_are_shifted=targets_are_shifted)
 

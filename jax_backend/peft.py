@@ -19,18 +19,8 @@ reproduces peft 0.21's forward passes op for op, in float32 adapters:
 Only ``model.AdapterParam`` tensors train (``model.split_trainable``); a switch on every adapted module
 (``adapters_disabled``) gives the base model back without a second copy of it (DPO's reference).
 
-Dropout (``lora_dropout = p``), as ``torch.nn.Dropout(p)`` in PEFT's train mode: inverted dropout of the adapter
-input, each element kept with probability ``1 - p`` and scaled by ``float32(1) / float32(1 - p)``, the others zero;
-every adapted linear draws its own mask. For DoRA the same dropped ``x`` feeds both the LoRA term and the
-magnitude term's ``x W^T`` (``peft.tuners.lora.variants.DoraLinearVariant.forward`` recomputes
-``F.linear(dropout(x), W)`` then, instead of reusing the base output). Dropout runs only in a training forward:
-a model merged inside a jitted step with a key (``model.merge_state(..., dropout_key=)``, which calls
-``set_dropout_keys``: one ``jax.random.fold_in`` of it per adapted linear, and per MLP tile under
-``tiled_mlp``). The jax trainer passes one key per (seed, optimizer step, micro-batch)
-(``trainer.Trainer.dropout_key``), so a run is reproducible from its seed and a resumed run draws the masks the
-uninterrupted one would have. Without a key (``logits``, ``loss_and_grads``, token losses, generation, the
-reference under ``adapters_disabled``, merge and export) the forward is deterministic, as PEFT in eval mode or
-with ``lora_dropout=0``; so is ``p = 0`` with a key.
+Dropout (``lora_dropout``): the protocol functions (``logits``, ``loss_and_grads``, ...) are deterministic
+(PEFT in eval mode, or ``lora_dropout=0``); the jax trainer does not apply LoRA dropout (it logs so).
 """
 
 from __future__ import annotations
@@ -52,15 +42,14 @@ from twinseq.common.models import ModelConfig
 from twinseq.common import peft as common_peft
 from twinseq.common.peft import (TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes, check_adapters,
                                  check_peft_config, init_adapters, lora_targets)
-from twinseq.jax_backend.model import (AdapterParam, CausalLM, DropoutKey, Embedding, Linear, has_adapters,
-                                       in_hf_order, state_to_hf)
+from twinseq.jax_backend.model import (AdapterParam, CausalLM, Embedding, Linear, has_adapters, in_hf_order,
+                                       state_to_hf)
 
 NF4_BLOCK = 64
 """bitsandbytes' default 4-bit blocksize: one absmax scale per 64 consecutive weights of a row."""
 
 __all__ = ["add_adapters", "export_adapters", "merge_adapters", "adapters_disabled", "peft_config",
-           "base_weights", "adapters_by_key", "AdapterParam", "NF4Codes", "NF4Scale", "lora_dropout",
-           "set_dropout_keys"]
+           "base_weights", "adapters_by_key", "AdapterParam", "NF4Codes", "NF4Scale"]
 
 
 class NF4Codes(nnx.Variable):
@@ -86,34 +75,16 @@ def _require_qwix():
     return qwix
 
 
-def lora_dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
-    """``torch.nn.Dropout(rate)`` in train mode: each element of ``x`` kept with probability ``1 - rate``
-    (``jax.random.bernoulli(key)``) and multiplied by ``float32(1) / float32(1 - rate)`` (torch's scale; the
-    product is taken in float32 and rounded once to ``x``'s dtype), the others exactly zero. ``rate`` in [0, 1);
-    0 returns ``x`` itself."""
-    rate = float(rate)
-    if not 0.0 <= rate < 1.0:
-        raise ConfigError(f"lora_dropout={rate} must be in [0, 1) (the probability of dropping an adapter input); "
-                          f"set --lora-dropout to e.g. 0.05, or 0 for none.")
-    if rate == 0.0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    scale = np.float32(1.0) / np.float32(1.0 - rate)
-    return jnp.where(keep, (x.astype(jnp.float32) * scale).astype(x.dtype), jnp.zeros((), x.dtype))
-
-
 class PeftLinear(nnx.Module):
     """A linear layer ``y = x @ W.T (+ bias)`` with a frozen (optionally NF4) base and, when it is a target,
     LoRA/DoRA adapters (``lora_A`` [r, in], ``lora_B`` [out, r], ``lora_magnitude_vector`` [out]).
 
     The base keeps ``Linear``'s names (``kernel`` [in, out], ``bias``); a 4-bit base is ``kernel_nf4`` +
-    ``kernel_scale`` instead of ``kernel``. ``lora_dropout`` (static) drops the adapter input only while the
-    module holds a ``dropout_key`` (``set_dropout_keys``, a training forward); without one it is deterministic.
+    ``kernel_scale`` instead of ``kernel``.
     """
 
     def __init__(self, base: Linear, *, lora_A: Optional[np.ndarray] = None, lora_B: Optional[np.ndarray] = None,
-                 magnitude: Optional[np.ndarray] = None, scaling: float = 1.0, load_in_4bit: bool = False,
-                 lora_dropout: float = 0.0):
+                 magnitude: Optional[np.ndarray] = None, scaling: float = 1.0, load_in_4bit: bool = False):
         kernel = base.kernel[...]
         self.dtype = str(kernel.dtype)
         if load_in_4bit:
@@ -130,9 +101,6 @@ class PeftLinear(nnx.Module):
         self.lora_B = None if lora_B is None else AdapterParam(jnp.asarray(lora_B, jnp.float32))
         self.lora_magnitude_vector = None if magnitude is None else AdapterParam(jnp.asarray(magnitude, jnp.float32))
         self.scaling = float(scaling)
-        self.lora_dropout = float(lora_dropout)
-        # a data attribute (not static), so that a training step can set it (set_dropout_keys); None: eval
-        self.dropout_key: Optional[DropoutKey] = nnx.data(None)
         self.adapters_enabled = True
 
     def base_kernel(self) -> jax.Array:
@@ -153,9 +121,6 @@ class PeftLinear(nnx.Module):
             return y
         a_RI, b_OR = self.lora_A[...], self.lora_B[...]
         x = x.astype(a_RI.dtype)  # PEFT: x = self._cast_input_dtype(x, lora_A.weight.dtype)
-        dropping = self.dropout_key is not None and self.lora_dropout > 0
-        if dropping:  # PEFT: lora_B(lora_A(dropout(x))), in train mode
-            x = lora_dropout(x, self.lora_dropout, self.dropout_key.get_value())
         lora = (x @ a_RI.T) @ b_OR.T
         if self.lora_magnitude_vector is None:
             return (y + lora * self.scaling).astype(y.dtype)
@@ -164,10 +129,7 @@ class PeftLinear(nnx.Module):
         weight_OI = w_IO.T.astype(x.dtype)
         norm_O = jax.lax.stop_gradient(jnp.linalg.norm(weight_OI + self.scaling * lora_weight_OI, axis=1))
         mag_norm_scale_O = self.lora_magnitude_vector[...] / norm_O
-        if dropping:  # PEFT (DoraLinearVariant.forward): base_result=None, so F.linear(dropout(x), W), no bias
-            base_result = x @ weight_OI.T
-        else:  # eval or p = 0: PEFT reuses the base output, without its bias
-            base_result = y if self.bias is None else y - self.bias[...]
+        base_result = y if self.bias is None else y - self.bias[...]
         result_dora = (mag_norm_scale_O - 1) * base_result + mag_norm_scale_O * lora * self.scaling
         return (y + result_dora).astype(y.dtype)
 
@@ -247,8 +209,7 @@ def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
             magnitude = adapters.get(adapter_key(path, "lora_magnitude_vector"))
             setattr(parent, name, PeftLinear(base, lora_A=adapters[adapter_key(path, "lora_A")],
                                              lora_B=adapters[adapter_key(path, "lora_B")], magnitude=magnitude,
-                                             scaling=peft.scaling, load_in_4bit=peft.load_in_4bit,
-                                             lora_dropout=peft.lora_dropout))
+                                             scaling=peft.scaling, load_in_4bit=peft.load_in_4bit))
         elif peft.load_in_4bit:  # QLoRA quantises every decoder linear layer, adapted or not (bitsandbytes)
             setattr(parent, name, PeftLinear(base, load_in_4bit=True))
     if peft.trainable_token_indices:
@@ -312,19 +273,6 @@ def _adapted_modules(model: Model) -> Iterator[Any]:
     for _, module in nnx.iter_modules(model):
         if isinstance(module, (PeftLinear, TokenEmbedding)):
             yield module
-
-
-def set_dropout_keys(model: Model, key: jax.Array) -> None:
-    """Make ``model``'s next forward a training forward: the ``i``-th adapted linear (``nnx.iter_modules``
-    order, every ``PeftLinear`` with adapters counted whatever its rate) gets ``DropoutKey(fold_in(key, i))``,
-    so every adapter draws its own mask, a function of ``key`` alone. In place, on a model merged inside the
-    trace that uses it (``model.merge_state(..., dropout_key=key)`` does both); a disabled adapter draws nothing.
-    """
-    index = 0
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, PeftLinear) and module.lora_A is not None:
-            module.dropout_key = DropoutKey(jax.random.fold_in(key, index))
-            index += 1
 
 
 def set_adapters_enabled(model: Model, enabled: bool) -> None:

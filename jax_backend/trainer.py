@@ -9,10 +9,6 @@ normalised by the whole step's label count (SFT) or pair count (DPO); torch's
 matrices only), so that torch and jax follow the same trajectory
 (``parity_tests/test_adamw_parity.py``).
 
-LoRA dropout (``lora_dropout > 0`` with adapters) runs in the training forward passes only: each micro-batch's
-jitted step gets the key ``lora_dropout_key(seed, steps_done, micro-batch)`` (``Trainer.dropout_key``), from
-which every adapted linear folds its own (``jax_backend.peft``).
-
 Shapes are bucketed: every micro-batch is padded to ``per_device_train_batch_size`` rows (one row
 when padding-free) and a multiple of ``pad_to_multiple_of`` (default ``DEFAULT_BUCKET``) columns, so
 the step compiles once per bucket instead of once per batch length.
@@ -152,28 +148,15 @@ def with_adapters(model: CausalLM, cfg: TrainConfig) -> CausalLM:
     from twinseq.common.peft import init_adapters
     from twinseq.jax_backend.peft import add_adapters
 
+    if cfg.peft.lora_dropout > 0:
+        logger.warning("lora_dropout=%s is not applied by the jax trainer (its adapters train without dropout, "
+                       "as PEFT with lora_dropout=0); set --lora-dropout 0 to silence this.", cfg.peft.lora_dropout)
     adapters = init_adapters(model.config, cfg.peft, seed=cfg.seed, base_weights=export_weights(model))
     return add_adapters(model, model.config, cfg.peft, adapters)
 
 
 def _compute_dtype(cfg: TrainConfig) -> Optional[str]:
     return None if cfg.model.dtype == "float32" else cfg.model.dtype
-
-
-LORA_DROPOUT_STREAM = 0x4C6F5241  # "LoRA": folded into the seed's key, apart from GRPO's sampling keys
-
-
-@jax.jit
-def _fold(key: jax.Array, *data: jax.Array) -> jax.Array:
-    for d in data:
-        key = jax.random.fold_in(key, d)
-    return key
-
-
-def lora_dropout_key(seed: int, *indices: int) -> jax.Array:
-    """The LoRA dropout key of ``indices`` (e.g. optimizer step, micro-batch): ``fold_in`` of each into
-    ``fold_in(key(seed), LORA_DROPOUT_STREAM)``; a pure function of its arguments."""
-    return _fold(jax.random.key(seed), *(jnp.asarray(i, jnp.uint32) for i in (LORA_DROPOUT_STREAM, *indices)))
 
 
 class Trainer:
@@ -197,7 +180,6 @@ class Trainer:
         self.optimizer = build_optimizer(cfg)
         self.opt_state = self.optimizer.init(self.params)
         self.steps_done = 0
-        self._micro_index = 0  # the micro-batch ``step`` is running (``dropout_key``)
         cp = 1 if mesh is None else mesh.shape[CP_AXIS]
         d = cfg.data
         self.bucket = sequence_multiple(d.pad_to_multiple_of or DEFAULT_BUCKET, cp)
@@ -208,17 +190,6 @@ class Trainer:
         if d.pad_to_multiple_of is None:
             logger.info("pad_to_multiple_of is unset: padding every micro-batch to a multiple of %d tokens so "
                         "that the step compiles once per length bucket", self.bucket)
-
-    def dropout_key(self, micro_index: Optional[int] = None, *tags: int) -> Optional[jax.Array]:
-        """The LoRA dropout key of a training forward: ``lora_dropout_key(seed, steps_done, micro_index, *tags)``
-        (``micro_index`` None: the micro-batch ``step`` is running; ``tags`` tell other passes of the same
-        micro-batch apart). Two runs with one seed draw the same masks, and a resumed run (``steps_done`` is
-        saved) those of the uninterrupted one; a skipped non-finite step leaves ``steps_done`` as it was, so the
-        next step reuses its keys. None (a deterministic forward) without adapters or with ``lora_dropout=0``."""
-        if not (self.peft and self.cfg.peft.lora_dropout > 0):
-            return None
-        micro = self._micro_index if micro_index is None else micro_index
-        return lora_dropout_key(self.cfg.seed, self.steps_done, micro, *tags)
 
     def micro_step(self, micro: Any) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -231,8 +202,7 @@ class Trainer:
 
     def step(self, micro_batches: list[Any]) -> dict[str, Any]:
         records, grads = [], None
-        for index, micro in enumerate(micro_batches):
-            self._micro_index = index
+        for micro in micro_batches:
             record, micro_grads = self.micro_step(micro)
             grads = micro_grads if grads is None else _add(grads, micro_grads)
             records.append(record)
@@ -346,13 +316,12 @@ class SFTTrainer(Trainer):
         num_items = jnp.asarray(batch.num_items_in_batch, jnp.int32)
         if self.mesh is None:
             (loss, metrics), grads = grads_jit(self.graphdef, self.params, inputs, num_items, frozen=self.frozen,
-                                               dropout_key=self.dropout_key(), **kwargs)
+                                               **kwargs)
         else:
             arrays = shard_batch(batch, self.mesh)  # reordered for CP, targets shifted before the reorder
             inputs = tuple(arrays[k] for k in ("input_ids", "position_ids", "segment_ids", "targets"))
             (loss, metrics), grads = grads_jit(self.graphdef, self.params, inputs, num_items, attend=self.attend,
-                                               targets_are_shifted=True, frozen=self.frozen,
-                                               dropout_key=self.dropout_key(), **kwargs)
+                                               targets_are_shifted=True, frozen=self.frozen, **kwargs)
         return {"loss": float(loss), **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum")}}, \
             grads
 
@@ -406,7 +375,7 @@ class DPOTrainer(Trainer):
         loss = self.cfg.loss
         (value, pairs), grads = dpo_grads_jit(self.graphdef, self.params, inputs, ref_c, ref_r,
                                               jnp.asarray(self.examples_per_step, jnp.float32), config=self.config,
-                                              frozen=self.frozen, dropout_key=self.dropout_key(),
+                                              frozen=self.frozen,
                                               loss_type=loss.loss_type, chunk_size=loss.loss_chunk_size,
                                               compute_dtype=_compute_dtype(self.cfg))
         return (float(value), pairs), grads

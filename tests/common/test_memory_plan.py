@@ -13,7 +13,7 @@ from twinseq.common.errors import ConfigError
 from twinseq.common.memory_plan import (ACTIVATION_ROWS, CHUNK_COPIES, LOGITS_COPIES, NF4_BYTES, QUANT_STATS_BYTES,
                                         advise, format_bytes, parse_bytes, plan_memory)
 from twinseq.common.models import ModelConfig, parameter_shapes
-from twinseq.common.peft import LINEAR_MODULES, PeftConfig, lora_targets, trainable_parameter_count
+from twinseq.common.peft import LINEAR_MODULES, PeftConfig, trainable_parameter_count
 
 BASE = dict(model_config="tiny", max_length=512, packing=True, per_device_train_batch_size=8)
 BACKENDS = ("torch", "jax")
@@ -92,15 +92,13 @@ def test_lora_trains_only_the_adapters(backend, targets):
     assert p.get("activations (decoder layers)") == plan(backend).get("activations (decoder layers)")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_lora_dropout_copies_the_adapted_inputs(backend):
-    """LoRA dropout (PEFT's, and the jax trainer's) makes a new tensor and a mask per adapted linear: on a tiny
-    model with a big batch that costs more than the states LoRA saves; the jax step keeps a 4-byte mask."""
-    no, yes = plan(backend, use_peft=True, lora_dropout=0.0), plan(backend, use_peft=True, lora_dropout=0.1)
-    added = yes.get("LoRA activations") - no.get("LoRA activations")
-    targets = lora_targets(ModelConfig.preset("tiny"), PeftConfig(use_peft=True, lora_dropout=0.1))
-    inputs = yes.tokens * sum(fan_in for fan_in, _ in targets.values())  # adapted input numbers per step
-    assert added == inputs * (4 + {"torch": 1, "jax": 4}[backend])  # float32 dropout(x) + the mask
+def test_lora_dropout_copies_the_adapted_inputs():
+    """PEFT's dropout makes a new tensor (and a mask) per adapted linear: on a tiny model with a big batch that
+    costs more than the states LoRA saves; the jax trainer applies no LoRA dropout."""
+    no, yes = plan(use_peft=True, lora_dropout=0.0), plan(use_peft=True, lora_dropout=0.1)
+    assert yes.get("LoRA activations") > no.get("LoRA activations")
+    assert plan("jax", use_peft=True, lora_dropout=0.1).get("LoRA activations") == \
+        plan("jax", use_peft=True, lora_dropout=0.0).get("LoRA activations")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
