@@ -342,12 +342,13 @@ class GRPOTrainer(Trainer):
 
     # -- what a multi-rank engine overrides (zero3_grpo.Zero3GRPOTrainer) ------------------
 
-    def _generate_ids(self, generate: Any, prompt_ids: list[list[int]]) -> Any:
-        """``generation.generate`` on the training model (KV cache, left-padded prompts)."""
+    def _generate_ids(self, generate: Any, prompt_ids: list[list[int]], **extra: Any) -> Any:
+        """``generation.generate`` on the training model (KV cache, left-padded prompts); ``extra``: its other
+        keywords (``synced_gpus``)."""
         g, tok = self.cfg.grpo, self.tokenizer
         return generate(self.causal_lm, prompt_ids, max_completion_length=self.max_completion_length,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=g.temperature,
-                        top_p=g.top_p, top_k=g.top_k, greedy=g.generation_greedy)
+                        top_p=g.top_p, top_k=g.top_k, greedy=g.generation_greedy, **extra)
 
     def _all_rewards(self, total: np.ndarray, per: np.ndarray) -> tuple[np.ndarray, np.ndarray, slice]:
         """(every rank's total rewards, per-function rewards, the slice of them that are this rank's)."""
@@ -547,16 +548,12 @@ class Zero3GRPOTrainer(GRPOTrainer):
 
         from twinseq.torch_backend.deepspeed import gathered_for_generation
 
-        g, tok = self.cfg.grpo, self.tokenizer
-        gather = g.ds3_gather_for_generation
+        gather = self.cfg.grpo.ds3_gather_for_generation
         context = gathered_for_generation(self.causal_lm, getattr(self.engine.engine.optimizer,
                                                                   "parameter_offload", None)) \
             if gather else contextlib.nullcontext()
         with context:
-            return generate(self.causal_lm, prompt_ids, max_completion_length=self.max_completion_length,
-                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=g.temperature,
-                            top_p=g.top_p, top_k=g.top_k, greedy=g.generation_greedy,
-                            synced_gpus=not gather and self.world > 1)
+            return super()._generate_ids(generate, prompt_ids, synced_gpus=not gather and self.world > 1)
 
     def _gather(self, value: Any) -> list[Any]:
         import torch.distributed as dist

@@ -335,7 +335,6 @@ def quantize_4bit_(model: torch.nn.Module) -> int:
     return count
 
 
-
 def is_quantized(model: Model) -> bool:
     return any(type(p).__name__ == "Params4bit" for p in model.parameters())
 
