@@ -359,8 +359,9 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     if quant_elems:
         # both backends dequantise one linear layer's weight right before its matmul and again for its
         # backward (jax: jax_backend.peft._nf4_matmul, whose dequantisations are tied to the layer's input so
-        # that XLA cannot merge them into one value alive from forward to backward; measured on CPU, small and
-        # llama-100m: the QLoRA step's temp equals LoRA's)
+        # that XLA cannot merge them into one value alive from forward to backward; measured on CPU, staircase
+        # small and llama-100m: the QLoRA step is LoRA's less the float32-vs-NF4 storage plus exactly one
+        # largest linear's float32 weight, 1.5 and 7.5 MiB)
         biggest = max(_numel(shapes[n]) for n in quantised)
         rows.append(MemoryRow("dequantised weight (transient)", int(biggest * act_bytes),
                               "one linear layer dequantised at a time"))
