@@ -22,6 +22,7 @@ Invariants (float32, matmuls at "highest" precision):
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -211,7 +212,7 @@ def test_qlora_equals_lora_on_its_dequantised_base():
     base = build_model(cfg, _weights(cfg))
     peft = _peft(use_dora=True)
     adapters = _adapters(cfg, base, peft)
-    qlora = jpeft.add_adapters(base, cfg, PeftConfig(**{**peft.__dict__, "load_in_4bit": True}), adapters)
+    qlora = jpeft.add_adapters(base, cfg, dataclasses.replace(peft, load_in_4bit=True), adapters)
     dequantised = build_model(cfg, jpeft.base_weights(qlora))
     lora = jpeft.add_adapters(dequantised, cfg, peft, adapters)
     batch = collate([{"input_ids": d} for d in DOCS], padding_free=True)
