@@ -14,6 +14,7 @@ padding-free + ``varlen`` attention.
 
     .venv/bin/python benchmarks/peft_staircase.py                      # both models, both backends
     .venv/bin/python benchmarks/peft_staircase.py --models small --backends torch
+    .venv/bin/python benchmarks/peft_staircase.py --reuse benchmarks/results/<file>.json --remeasure jax
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--reuse", type=Path, default=None,
                         help="a previous result .json: keep its measured cells (re-planned with the current "
                              "formula) and measure only the cells it lacks")
+    parser.add_argument("--remeasure", default="",
+                        help="comma-separated backends whose cells are measured again even if --reuse has them "
+                             "(e.g. --reuse <json> --remeasure jax keeps the torch cells and re-runs the jax ones)")
     add_output_args(parser)
     return parser.parse_args(argv)
 
@@ -90,8 +94,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     results: list[dict[str, Any]] = []
     old = {}
     if args.reuse is not None:
+        remeasure = {b.strip() for b in args.remeasure.split(",") if b.strip()}
         old = {(r["model"], r["backend"], r["step"]): r for r in json.loads(args.reuse.read_text())["results"]
-               if "peak_bytes" in r}
+               if "peak_bytes" in r and r["backend"] not in remeasure}
     for model, backend, step, change in tqdm(jobs, desc="staircase", unit="run"):
         values = dict(backend=backend, model_config=model_paths[model], learning_rate=1e-3, **SHAPES[model], **change)
         row: dict[str, Any] = {"model": model, "backend": backend, "step": step, "config": values}
@@ -126,7 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     and x["step"] == STEPS[0] and "peak_bytes" in x)
         table.append([r["model"], r["backend"], r["step"], f"{r['peak_bytes'] / MIB:,.0f}",
                       f"{r['peak_bytes'] / base['peak_bytes']:.2f}", f"{r['planned_bytes'] / MIB:,.0f}",
-                      f"{r['tokens_per_second']:,.0f}", ""])
+                      f"{r['tokens_per_second']:,.0f}", "earlier run" if r.get("reused_from") else ""])
     shapes = "; ".join(f"`{m}`: {SHAPES[m]['per_device_train_batch_size']} x {SHAPES[m]['max_length']} tokens"
                        for m in models)
     body = [f"Each step adds one technique to the previous, as torchtune's memory table does; {args.max_steps} "
@@ -135,8 +140,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "the RSS before the model is built; jax, the compiled step's `memory_analysis()` (argument + output + "
             "temp - alias) + optimizer state. tokens/s: the last step (timings are noisy: 2 shared cores). "
             "jax's packing step packs rows but stays padded (its dense attention would pay a (B T)^2 mask for "
-            "padding-free)." + (f" Cells measured by an earlier run ({args.reuse.name}, `--reuse`) are re-planned with "
-                                "the current formula." if args.reuse else ""), "",
+            "padding-free)." + (f" Cells measured by an earlier run ({args.reuse.name}, `--reuse`; note \"earlier run\") "
+                                "are re-planned with the current formula." if args.reuse else ""), "",
             *markdown_table(["model", "backend", "step", "peak MiB", "vs baseline", "planned MiB", "tokens/s",
                              "note"], table, "lllrrrrl")]
 

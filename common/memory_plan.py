@@ -357,15 +357,14 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
                               "compute-dtype casts of the matmul weights (torch: autocast's cache, or saved for "
                               "backward; with checkpointing one layer's at a time in backward)"))
     if quant_elems:
+        # both backends dequantise one linear layer's weight right before its matmul and again for its
+        # backward (jax: jax_backend.peft._nf4_matmul, whose dequantisations are tied to the layer's input so
+        # that XLA cannot merge them into one value alive from forward to backward; measured on CPU, staircase
+        # small and llama-100m: the QLoRA step is LoRA's less the float32-vs-NF4 storage plus exactly one
+        # largest linear's float32 weight, 1.5 and 7.5 MiB)
         biggest = max(_numel(shapes[n]) for n in quantised)
-        if backend == "jax" and device == "cpu":
-            # measured: the compiled step holds every layer's dequantised weight at once (XLA:CPU schedules the
-            # dequantisations early, as it does remat's recompute)
-            rows.append(MemoryRow("dequantised weights", int(quant_elems * act_bytes),
-                                  "jax on CPU: every decoder linear dequantised at once in the compiled step"))
-        else:
-            rows.append(MemoryRow("dequantised weight (transient)", int(biggest * act_bytes),
-                                  "one linear layer dequantised at a time"))
+        rows.append(MemoryRow("dequantised weight (transient)", int(biggest * act_bytes),
+                              "one linear layer dequantised at a time"))
 
     # --- gradients and optimizer --------------------------------------------------------
     rows.append(MemoryRow("gradients (float32)", int(trainable * 4 / shard), f"{trainable / 1e6:.2f}M trainable"))

@@ -113,11 +113,12 @@ def test_qlora_stores_decoder_linears_in_nf4_and_keeps_the_rest_float32(backend)
     on_gpu = lambda **kw: plan_memory(TrainConfig.from_flat(**{**BASE, "backend": backend, "use_peft": True, **kw}),  # noqa: E731
                                       device="cuda")
     assert on_gpu(load_in_4bit=True).total < on_gpu().total
-    if backend == "jax":  # measured: XLA:CPU keeps every dequantised weight alive, so QLoRA saves nothing there
-        assert p.get("dequantised weights") == 4 * linear
-        assert p.total >= plan(backend, use_peft=True).total
-    else:
-        assert p.total < plan(backend, use_peft=True).total
+    # one linear layer dequantised at a time, on both backends (jax: measured on CPU since the NF4 matmul ties
+    # each dequantisation to its layer's input), so QLoRA's plan is below LoRA's on CPU too
+    biggest = max(a * b for n, (a, *rest) in shapes.items() if rest and n.split(".")[-2] in LINEAR_MODULES
+                  for b in rest)
+    assert p.get("dequantised weight (transient)") == 4 * biggest
+    assert p.total < plan(backend, use_peft=True).total
 
 
 def test_8bit_adam_keeps_a_quarter_of_the_moments():

@@ -9,6 +9,9 @@ Invariants (float32, matmuls at "highest" precision):
   parameterisation, DoRA's detached norm included, is PEFT's;
 - packed (padding-free) == padded == one document at a time, with non-zero ``lora_B``: logits 1e-5,
   gradients add up (1e-5 relative); rematerialisation changes nothing;
+- QLoRA computes the LoRA model on its dequantised base (logits 1e-5, loss 1e-6, gradients 1e-5 relative),
+  and its compiled step (with and without rematerialisation) is smaller than LoRA's by the float32
+  weights less their NF4 storage: it holds one layer's dequantised weights at most, not all of them;
 - only adapters train: gradients exist for adapter keys only, and the frozen base (NF4 codes included) is
   bitwise unchanged after QLoRA steps, whose loss falls over 50 steps;
 - DPO with LoRA: the reference (adapters switched off, no copy) gives the base model's log-probs, and the
@@ -19,6 +22,7 @@ Invariants (float32, matmuls at "highest" precision):
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -199,6 +203,52 @@ def test_qlora_trains_adapters_only_on_a_frozen_nf4_base(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, trainer.frozen), frozen_before)
     after = jpeft.export_adapters(trainer.model())
     assert all(not np.array_equal(after[k], adapters_before[k]) for k in after)  # every adapter tensor moved
+
+
+def test_qlora_equals_lora_on_its_dequantised_base():
+    # QLoRA's matmul (a custom_vjp that dequantises in the forward and again in the backward pass) computes
+    # the LoRA model on the dequantised weights: DoRA too (it reads the dequantised weight for its norm)
+    cfg = ModelConfig.preset("tiny", vocab_size=VOCAB)
+    base = build_model(cfg, _weights(cfg))
+    peft = _peft(use_dora=True)
+    adapters = _adapters(cfg, base, peft)
+    qlora = jpeft.add_adapters(base, cfg, dataclasses.replace(peft, load_in_4bit=True), adapters)
+    dequantised = build_model(cfg, jpeft.base_weights(qlora))
+    lora = jpeft.add_adapters(dequantised, cfg, peft, adapters)
+    batch = collate([{"input_ids": d} for d in DOCS], padding_free=True)
+    assert np.abs(logits(qlora, batch) - logits(lora, batch)).max() < 1e-5
+    (loss_q, grads_q), (loss_l, grads_l) = loss_and_grads(qlora, batch), loss_and_grads(lora, batch)
+    assert abs(loss_q - loss_l) < 1e-6 and all(_rel(grads_q[k], grads_l[k]) < 1e-5 for k in grads_l)
+
+
+@pytest.mark.parametrize("remat_policy", ["none", "full"])
+def test_qlora_step_holds_one_layer_of_dequantised_weights(remat_policy):
+    # The compiled training step of QLoRA is smaller than LoRA's by the decoder linears' float32 weights minus
+    # their NF4 storage: its temporaries hold at most one layer's dequantised weights more than LoRA's (plainly,
+    # XLA:CPU merged every weight's forward and backward dequantisation and kept them all: temp +35 MiB on
+    # `small`). Compilation only (abstract inputs); `small`'s 6 layers of 1.5M-weight linears, 1 x 64 tokens.
+    from twinseq.jax_backend.memory import apply_activation_checkpointing
+    from twinseq.jax_backend.model import grads_jit, split_trainable
+
+    cfg = ModelConfig.preset("small", vocab_size=VOCAB)
+    base = build_model(cfg, init_weights(cfg, 0))
+    apply_activation_checkpointing(base, remat_policy)
+    ids = jax.ShapeDtypeStruct((1, 64), np.int32)
+    step = {}
+    for load_in_4bit in (False, True):
+        model = jpeft.add_adapters(base, cfg, _peft(load_in_4bit=load_in_4bit))
+        graphdef, params, frozen = split_trainable(model)
+        ma = grads_jit.lower(graphdef, params, (ids, ids, ids, ids), jax.ShapeDtypeStruct((), np.int32),
+                             loss_type="fused_linear", chunk_size=64, frozen=frozen).compile().memory_analysis()
+        step[load_in_4bit] = (ma.argument_size_in_bytes, ma.temp_size_in_bytes)
+    linears = [m for _, m in nnx.iter_modules(model) if isinstance(m, jpeft.PeftLinear)]
+    float_bytes = sum(m.kernel_nf4.shape[0] * m.kernel_nf4.shape[1] * 4 for m in linears)  # the dequantised weights
+    nf4_bytes = sum(m.kernel_nf4.size // 2 + m.kernel_scale[...].nbytes for m in linears)  # XLA packs uint4
+    layer_bytes = float_bytes // cfg.num_hidden_layers  # one decoder layer's dequantised weights (6 MiB)
+    (arg_l, temp_l), (arg_q, temp_q) = step[False], step[True]
+    assert arg_l - arg_q == float_bytes - nf4_bytes  # the base's storage: float32 -> NF4 codes + absmax scales
+    assert temp_q <= temp_l + layer_bytes, (temp_l, temp_q, layer_bytes)  # not every layer's at once
+    assert arg_q + temp_q <= arg_l + temp_l - (float_bytes - nf4_bytes - layer_bytes)  # 36 MiB of weights here
 
 
 def test_dpo_with_lora_reference_is_the_base_and_loss_falls(tmp_path):
