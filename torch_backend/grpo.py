@@ -285,7 +285,7 @@ class GRPOTrainer(Trainer):
                  vllm: Optional[Any] = None) -> None:
         super().__init__(cfg, module, device)
         self._init_grpo(cfg, tokenizer, reward_funcs, ref_model)
-        self.vllm = vllm  # a vllm_engine.ColocatedVLLM: generation by vLLM instead of HF generate
+        self.vllm = vllm
 
     def _init_grpo(self, cfg: TrainConfig, tokenizer: Any, reward_funcs: Sequence[Any],
                    ref_model: Optional[torch.nn.Module]) -> None:
@@ -296,6 +296,7 @@ class GRPOTrainer(Trainer):
         self._record: Optional[GenerationRecord] = None
         self._generated_now = False
         self._generations, self._vllm_sync_seconds = 0, None
+        self.vllm: Optional[Any] = None  # a vllm_engine.ColocatedVLLM: generation by vLLM instead of HF generate
         eps_low, eps_high = epsilon_bounds(g)
         self.spec_base = LossSpec(loss_type=g.grpo_loss_type, epsilon=eps_low, epsilon_high=eps_high, beta=g.grpo_beta,
                                   max_completion_length=self.max_completion_length)
