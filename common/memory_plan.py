@@ -48,11 +48,16 @@ Activations (the part that grows with the batch)
     chooses); its coefficients were fitted to ``compiled.memory_analysis()`` of the real step and are
     listed next to torch's. The final norm and the hidden state the loss reads add ``3 h`` per token.
 
-Attention
+Attention (``attention_path``: which path each backend takes for the configured name and row length)
+    Dense: torch ``sdpa``/``eager`` on CUDA or for rows shorter than ``BLOCKED_MIN_SEQ_LEN`` on CPU, jax
+    ``eager``, and jax's other names for rows that fit one block (``T <= attention_block_size``).
     ``sdpa``, ``flex_attention``, ``varlen`` and flash never materialise scores. ``eager`` keeps the
     softmax output ``B x heads x T x T`` per layer; jax's dense path (no mesh) keeps the float32
     probabilities and their masked copy. torch's ``sdpa``/``eager`` also build one float additive mask
-    ``B x T x T`` (4 bytes), jax a boolean one (1 byte). Padding-free rows make ``T`` the whole micro-batch,
+    ``B x T x T`` (4 bytes), jax a boolean one (1 byte). Blocked (torch's ``twinseq_blocked`` on CPU from
+    ``BLOCKED_MIN_SEQ_LEN``, jax's ``BlockedAttention`` past one block): no ``T x T`` tensor; each layer saves a
+    float32 ``B x heads x T`` log-sum-exp (q, k, v and the output are in the layer's count), and one block
+    pair's backward holds ``BLOCKED_TILES`` float32 ``B x heads x block x block`` tiles. Padding-free rows make ``T`` the whole micro-batch,
     which is why dense attention and padding-free do not mix (``varlen`` is the path for it on torch).
 
 The loss kernel (the logits term)
