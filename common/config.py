@@ -73,6 +73,17 @@ LR_SCHEDULERS = typing.get_args(LRScheduler)
 CONTEXT_PARALLEL_STRATEGIES = typing.get_args(ContextParallelStrategy)
 REPORT_TO = typing.get_args(ReportTo)
 OPTIMIZERS = typing.get_args(Optimizer)
+
+# Which attention path runs, shared by the backends and the memory planner (``common.memory_plan``):
+DEFAULT_ATTENTION_BLOCK_SIZE = 512
+"""Tokens per query/key block of the blocked (online-softmax) attention (``MemoryConfig.attention_block_size``)."""
+BLOCKED_MIN_SEQ_LEN = 2048
+"""torch: from this row length on, ``sdpa``/``eager`` on CPU run the blocked attention (``torch_backend.attention``):
+the dense float mask is 4 T^2 bytes per row (16 MiB at 2048) and CPU sdpa/eager with a mask hold H such score
+matrices."""
+JAX_DENSE_ATTN_IMPLEMENTATIONS = ("eager",)
+"""jax: ``attn_implementation`` values that run the dense reference; every other value runs the blocked kernel for
+rows longer than one block (rows that fit one block take the dense path: ``jax_backend.attention``)."""
 DEFAULT_CHUNK_SIZE = 256
 """Tokens per chunk of the chunked and fused losses and log-probs, on both backends."""
 
@@ -170,7 +181,7 @@ class MemoryConfig(_Section):
     tiled MLP): the ``[tokens, intermediate]`` activations of one chunk are live at a time, not of the sequence."""
     tiled_mlp_chunk_size: int = knob(4096, ge=1)
     """Tokens per MLP tile (with ``tiled_mlp``)."""
-    attention_block_size: int = knob(512, ge=1)
+    attention_block_size: int = knob(DEFAULT_ATTENTION_BLOCK_SIZE, ge=1)
     """Query and key block of the blocked (online-softmax) attention paths: their memory is
     O(tokens x block), never O(tokens^2)."""
 

@@ -48,11 +48,16 @@ Activations (the part that grows with the batch)
     chooses); its coefficients were fitted to ``compiled.memory_analysis()`` of the real step and are
     listed next to torch's. The final norm and the hidden state the loss reads add ``3 h`` per token.
 
-Attention
+Attention (``attention_path``: which path each backend takes for the configured name and row length)
+    Dense: torch ``sdpa``/``eager`` on CUDA or for rows shorter than ``BLOCKED_MIN_SEQ_LEN`` on CPU, jax
+    ``eager``, and jax's other names for rows that fit one block (``T <= attention_block_size``).
     ``sdpa``, ``flex_attention``, ``varlen`` and flash never materialise scores. ``eager`` keeps the
     softmax output ``B x heads x T x T`` per layer; jax's dense path (no mesh) keeps the float32
     probabilities and their masked copy. torch's ``sdpa``/``eager`` also build one float additive mask
-    ``B x T x T`` (4 bytes), jax a boolean one (1 byte). Padding-free rows make ``T`` the whole micro-batch,
+    ``B x T x T`` (4 bytes), jax a boolean one (1 byte). Blocked (torch's ``twinseq_blocked`` on CPU from
+    ``BLOCKED_MIN_SEQ_LEN``, jax's ``BlockedAttention`` past one block): no ``T x T`` tensor; each layer saves a
+    float32 ``B x heads x T`` log-sum-exp (q, k, v and the output are in the layer's count), and one block
+    pair's backward holds ``BLOCKED_TILES`` float32 ``B x heads x block x block`` tiles. Padding-free rows make ``T`` the whole micro-batch,
     which is why dense attention and padding-free do not mix (``varlen`` is the path for it on torch).
 
 The loss kernel (the logits term)
@@ -99,12 +104,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from twinseq.common.config import BLOCKED_MIN_SEQ_LEN, DEFAULT_ATTENTION_BLOCK_SIZE, JAX_DENSE_ATTN_IMPLEMENTATIONS
 from twinseq.common.errors import ConfigError
 from twinseq.common.models import ModelConfig, parameter_shapes, resolve_model_config
 from twinseq.common.peft import LINEAR_MODULES, PeftConfig, adapter_shapes, lora_targets
 
 __all__ = ["MemoryPlan", "MemoryRow", "plan_memory", "parse_bytes", "format_bytes", "Advice", "advise",
-           "KNOBS", "DTYPE_BYTES"]
+           "KNOBS", "DTYPE_BYTES", "attention_path"]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NF4_BYTES = 0.5
@@ -155,6 +161,44 @@ LAYER_SAVED = {
     "torch": LayerCoefficients(norm=6, attn=5, mlp=4, scores=1.0, work=0.5, mask_per_layer=0.6),
     "jax": LayerCoefficients(norm=5, attn=5, mlp=5, scores=3.0, ckpt_cpu_kept=0.9),
 }
+BLOCKED_TILES = 4.0
+"""float32 ``B x heads x block x block`` tiles alive in the blocked attention's backward of one block pair (the
+scores ``s``, the probabilities ``p``, ``dp = do v^T`` and ``ds``: FlashAttention-2's backward, both backends).
+Counted; a least-squares fit to ``compiled.memory_analysis()`` of jax ``tiny`` steps past one block (B x T x block
+in {4, 8, 1} x {1024, 2048, 4096} x {256, 512, 1024}, the held-out planner row's shape left out) gives 3.9."""
+
+
+def attention_path(backend: str, attn_implementation: str, row_length: int, device: str = "cpu",
+                   block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE) -> str:
+    """Which attention a step of rows of ``row_length`` tokens runs: ``"dense"`` (a ``T x T`` mask, and
+    scores where the path keeps them), ``"blocked"`` (online softmax over ``block_size`` tiles, O(T x block))
+    or ``"kernel"`` (torch's ``varlen``/flex/flash: no ``T x T`` tensor, nothing planned for attention).
+
+    The backends' rules, with their constants (``common.config``):
+
+    - jax: ``JAX_DENSE_ATTN_IMPLEMENTATIONS`` (``eager``) is always dense; every other name runs
+      ``BlockedAttention``, which takes the dense path for rows that fit one block (``T <= block_size``)
+      and the blocked kernel for longer ones (``jax_backend.attention``);
+    - torch: ``sdpa``/``eager`` on CPU with ``T >= BLOCKED_MIN_SEQ_LEN`` run ``twinseq_blocked``
+      (``torch_backend.blocked_attention.uses_blocked_attention``), shorter rows and CUDA the dense mask;
+      the other implementations their own kernels.
+
+    >>> attention_path("jax", "sdpa", 512), attention_path("jax", "sdpa", 576), attention_path("jax", "eager", 4096)
+    ('dense', 'blocked', 'dense')
+    >>> attention_path("torch", "sdpa", 2047), attention_path("torch", "sdpa", 2048)
+    ('dense', 'blocked')
+    >>> attention_path("torch", "sdpa", 4096, device="cuda"), attention_path("torch", "varlen", 4096)
+    ('dense', 'kernel')
+    """
+    if backend == "jax":
+        if attn_implementation in JAX_DENSE_ATTN_IMPLEMENTATIONS or row_length <= block_size:
+            return "dense"
+        return "blocked"
+    if attn_implementation in ("sdpa", "eager"):
+        return "blocked" if device == "cpu" and row_length >= BLOCKED_MIN_SEQ_LEN else "dense"
+    return "kernel"
+
+
 RUNTIME_BYTES = {("torch", "cpu"): 20 * 2 ** 20}
 """Fitted constant: what a torch CPU step allocates besides tensors the model names (measured on a
 64-token step of ``tiny`` and ``small``)."""
@@ -434,27 +478,42 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
 
     attn = config.model.attn_implementation
     heads = cfg.num_attention_heads
-    dense = backend == "jax" or attn == "eager"
-    scores_kept = scores_recompute = 0.0
-    if dense:
+    path = attention_path(backend, attn, t, device, config.memory.attention_block_size)
+    scores_kept = scores_recompute = blocked_work = 0.0
+    # kept per layer, and what one layer adds back when checkpointing recomputes it (not on jax CPU: XLA keeps
+    # every layer's there, remat or not, as for the layers above)
+    recomputed = ckpt and not (backend == "jax" and device == "cpu")
+    kept_layers = 0 if recomputed else (min(2, layers) if offloaded else layers)
+    if path == "dense" and (backend == "jax" or attn == "eager"):
         one = coef.scores * b * heads * t * t * 4
-        if ckpt and not (backend == "jax" and device == "cpu"):
-            scores_recompute = one
-        else:
-            scores_kept = one * (min(2, layers) if offloaded else layers)
+        scores_recompute = one if recomputed else 0.0
+        scores_kept = one * kept_layers
         rows.append(MemoryRow("attention scores", int(scores_kept + scores_recompute),
                               f"{'jax dense' if backend == 'jax' else 'eager'}: {coef.scores:g} x {b} x {heads} x "
                               f"{t} x {t} float32 per layer{' (one layer, recomputed)' if scores_recompute else ''}"))
+    elif path == "blocked":
+        block = config.memory.attention_block_size
+        padded = -(-t // block) * block  # jax pads T to a multiple of the block; torch's last block is short
+        lse = b * heads * padded * 4  # the float32 log-sum-exp each layer saves for its backward
+        tile = b * heads * block * block * 4
+        # the lse is kept like the activations; the block pair's tiles live inside one layer's attention
+        # backward (jax: inside the compiled step's peak; torch: the backward moment below)
+        scores_kept = lse * kept_layers
+        scores_recompute = lse if recomputed else 0.0
+        blocked_work = BLOCKED_TILES * tile
+        rows.append(MemoryRow("attention scores", int(scores_kept + scores_recompute + blocked_work),
+                              f"blocked, T={t} in {block}-token blocks: {BLOCKED_TILES:g} x {b} x {heads} x {block} x {block} float32 (one block pair's "
+                              f"backward) + a float32 [{b}, {heads}, {padded}] log-sum-exp per layer"))
     mask = 0
-    if backend == "jax" or attn in ("sdpa", "eager"):
+    if path == "dense" and (backend == "jax" or attn in ("sdpa", "eager")):
         mask_bytes = 1 if backend == "jax" else 4
         sliding = [cfg.layer_is_sliding(k) for k in range(layers)]
         n_masks = 2 if any(sliding) and not all(sliding) else 1
         mask = n_masks * b * t * t * mask_bytes
         note = f"{b} x {t} x {t} x {mask_bytes} B"
         if backend == "torch" and coef.mask_per_layer:
-            kept_layers = layers if not ckpt else 1
-            mask += coef.mask_per_layer * b * t * t * mask_bytes * kept_layers
+            mask_layers = layers if not ckpt else 1
+            mask += coef.mask_per_layer * b * t * t * mask_bytes * mask_layers
             note += f", + {coef.mask_per_layer:g} of it per layer (fitted)"
         rows.append(MemoryRow("attention mask", int(mask), note))
 
@@ -497,8 +556,8 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
         copies_at_loss = copies_layer if (ckpt and peft.use_peft) else copies_all
         copies_in_backward = copies_layer if ckpt else copies_all
         at_loss = alive + logits + head_grad + copies_at_loss
-        in_backward = (alive + recompute + scores_recompute + lora_recompute + work + head_grad + tokens * h * 4
-                       + copies_in_backward)
+        in_backward = (alive + recompute + scores_recompute + blocked_work + lora_recompute + work + head_grad
+                       + tokens * h * 4 + copies_in_backward)
         # every gradient, and clip_grad_norm_fp64's float64 copy of one gradient at a time (vector_norm with
         # dtype=float64 casts the whole tensor first: 8 bytes per number of the largest)
         at_update = trainable * 4 + 2 * largest

@@ -34,11 +34,12 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from twinseq.common.config import DEFAULT_ATTENTION_BLOCK_SIZE, JAX_DENSE_ATTN_IMPLEMENTATIONS
 from twinseq.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-DENSE_IMPLEMENTATIONS = ("eager",)
+DENSE_IMPLEMENTATIONS = JAX_DENSE_ATTN_IMPLEMENTATIONS
 """``attn_implementation`` values that run the dense reference; every other value runs the blocked kernel."""
 
 
@@ -114,7 +115,8 @@ def document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, 
 
 
 def blocked_document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, segment_ids_BT: jax.Array,
-                               position_ids_BT: jax.Array, scaling: float, *, block_size: int = 512,
+                               position_ids_BT: jax.Array, scaling: float, *,
+                               block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE,
                                sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> jax.Array:
     """``document_attention`` without the T x T mask or scores: ``[B, N, T, D]`` out, in q's dtype.
 
@@ -153,7 +155,7 @@ class BlockedAttention:
     does not retrace when rebuilt with the same block size.
     """
 
-    block_size: int = 512
+    block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE
 
     def __call__(self, q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, *,
                  sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> jax.Array:
@@ -168,7 +170,8 @@ class BlockedAttention:
                                           softcap=softcap)
 
 
-def attention_for(attn_implementation: str, block_size: int = 512) -> Optional[BlockedAttention]:
+def attention_for(attn_implementation: str,
+                  block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE) -> Optional[BlockedAttention]:
     """The model's single-device attention for ``attn_implementation``: None (the dense ``eager``
     reference) or a ``BlockedAttention``. The torch names of memory-efficient kernels (``sdpa``,
     ``varlen``, ``flex_attention``, ``flash_attention_*``) all map to the blocked kernel here."""

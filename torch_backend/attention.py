@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from twinseq.common.batching import Batch, check_batch
-from twinseq.common.config import ATTN_IMPLEMENTATIONS
+from twinseq.common.config import ATTN_IMPLEMENTATIONS, BLOCKED_MIN_SEQ_LEN, DEFAULT_ATTENTION_BLOCK_SIZE
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.models import MODEL_TYPES
 
@@ -61,10 +61,9 @@ VARLEN_HF_NAME = "twinseq_varlen"
 PLAN_KWARG = "twinseq_varlen_plan"
 BLOCKED_HF_NAME = "twinseq_blocked"
 BLOCKED_KWARG = "twinseq_blocked_plan"
-# From this row length on, sdpa/eager on CPU run the blocked attention: the dense float mask is
-# 4 T^2 bytes per row (16 MiB at 2048) and CPU sdpa/eager with a mask hold H such score matrices.
-BLOCKED_MIN_SEQ_LEN = 2048
-DEFAULT_ATTENTION_BLOCK_SIZE = 512
+# BLOCKED_MIN_SEQ_LEN (from this row length on, sdpa/eager on CPU run the blocked attention) and
+# DEFAULT_ATTENTION_BLOCK_SIZE are imported from common.config, where the memory planner reads them too;
+# uses_blocked_attention reads this module's name (tests monkeypatch it).
 DEFAULT_BUCKET_RATIO = 1.25
 SMALL_DOC_LEN = 16  # documents up to this length share one bucket: padding them costs next to nothing
 _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}

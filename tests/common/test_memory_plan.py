@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from twinseq.common.config import TrainConfig
+from twinseq.common.config import BLOCKED_MIN_SEQ_LEN, DEFAULT_ATTENTION_BLOCK_SIZE, TrainConfig
 from twinseq.common.errors import ConfigError
-from twinseq.common.memory_plan import (ACTIVATION_ROWS, CHUNK_COPIES, LOGITS_COPIES, NF4_BYTES, QUANT_STATS_BYTES,
-                                        advise, format_bytes, parse_bytes, plan_memory)
+from twinseq.common.memory_plan import (ACTIVATION_ROWS, BLOCKED_TILES, CHUNK_COPIES, LAYER_SAVED, LOGITS_COPIES,
+                                        NF4_BYTES, QUANT_STATS_BYTES, advise, attention_path, format_bytes,
+                                        parse_bytes, plan_memory)
 from twinseq.common.models import ModelConfig, parameter_shapes
 from twinseq.common.peft import LINEAR_MODULES, PeftConfig, trainable_parameter_count
 
@@ -145,7 +146,70 @@ def test_eager_attention_materialises_scores_sdpa_does_not():
     sdpa, eager = plan(attn_implementation="sdpa"), plan(attn_implementation="eager")
     assert sdpa.get("attention scores") == 0
     assert eager.get("attention scores") == 8 * 4 * 512 * 512 * 4 * 2  # B x heads x T x T float32, 2 layers
-    assert plan("jax").get("attention scores") > 0  # jax's dense path (no mesh) always does
+    assert plan("jax").get("attention scores") > 0  # T=512 fits one block: jax's dense path (no mesh) does
+
+
+def attention_term(p):
+    """What the plan charges for attention: the scores (dense) or tiles + log-sum-exp (blocked), and the mask."""
+    return p.get("attention scores") + p.get("attention mask")
+
+
+@pytest.mark.parametrize("backend,blocked_kw,dense_kw", [
+    ("jax", dict(attn_implementation="sdpa"), dict(attn_implementation="eager")),  # eager: dense at every T
+    ("torch", dict(device="cpu"), dict(device="cuda")),  # sdpa's dense mask on CUDA, the blocked kernel on CPU
+])
+def test_blocked_attention_grows_linearly_in_t_dense_quadratically(backend, blocked_kw, dense_kw):
+    """Past the switch-over, doubling the row length T -> 2T -> 4T: the blocked term's increments double
+    (affine in T: a fixed block pair of tiles plus a per-token log-sum-exp), the dense term's quadruple."""
+    def term(t, kw):
+        config = TrainConfig.from_flat(**{**BASE, "backend": backend, "max_length": t,
+                                          "per_device_train_batch_size": 1,
+                                          "attn_implementation": kw.get("attn_implementation", "sdpa")})
+        p = plan_memory(config, device=kw.get("device", "cpu"))
+        return attention_term(p), p
+    lengths = (BLOCKED_MIN_SEQ_LEN, 2 * BLOCKED_MIN_SEQ_LEN, 4 * BLOCKED_MIN_SEQ_LEN)
+    for t in lengths:
+        assert attention_path(backend, blocked_kw.get("attn_implementation", "sdpa"), t,
+                              blocked_kw.get("device", "cpu")) == "blocked"
+    (b1, p1), (b2, _), (b4, _) = (term(t, blocked_kw) for t in lengths)
+    (d1, _), (d2, _), (d4, _) = (term(t, dense_kw) for t in lengths)
+    assert p1.get("attention mask") == 0  # no T x T mask on the blocked path
+    assert 0 < b2 - b1 and b4 - b2 == 2 * (b2 - b1)
+    assert 0 < d2 - d1 and abs((d4 - d2) - 4 * (d2 - d1)) <= 4  # bytes: torch's fitted mask share is int()-ed
+    assert b1 < d1
+
+
+@pytest.mark.parametrize("block", [DEFAULT_ATTENTION_BLOCK_SIZE, 256])
+def test_jax_switches_to_blocked_past_one_block(block):
+    """jax's ``BlockedAttention``: rows that fit one block (T <= attention_block_size) take the dense path,
+    T x T scores and mask; one pad multiple (64) more and the plan is the block pair's tiles, no mask."""
+    def at(t):
+        return plan("jax", max_length=t, per_device_train_batch_size=1, attention_block_size=block)
+    dense, blocked = at(block), at(block + 64)
+    assert dense.row_length == block and blocked.row_length == block + 64
+    assert dense.get("attention mask") == block * block  # bool [B, T, T]
+    assert dense.get("attention scores") == LAYER_SAVED["jax"].scores * 4 * block * block * 4 * 2  # 2 layers
+    assert blocked.get("attention mask") == 0
+    heads, layers, padded = 4, 2, 2 * block
+    assert blocked.get("attention scores") == BLOCKED_TILES * heads * block * block * 4 + layers * heads * padded * 4
+    # eager never switches
+    assert plan("jax", max_length=block + 64, per_device_train_batch_size=1, attention_block_size=block,
+                attn_implementation="eager").get("attention mask") == (block + 64) ** 2
+
+
+def test_torch_switches_to_blocked_from_blocked_min_seq_len():
+    """torch: ``sdpa``/``eager`` on CPU run ``twinseq_blocked`` from ``BLOCKED_MIN_SEQ_LEN`` tokens on, with the
+    default block; one token shorter keeps the dense float mask; varlen never plans a T x T tensor."""
+    for attn in ("sdpa", "eager"):
+        short = plan(max_length=BLOCKED_MIN_SEQ_LEN - 1, per_device_train_batch_size=1, attn_implementation=attn)
+        long = plan(max_length=BLOCKED_MIN_SEQ_LEN, per_device_train_batch_size=1, attn_implementation=attn)
+        assert short.get("attention mask") > 4 * (BLOCKED_MIN_SEQ_LEN - 1) ** 2  # + the fitted per-layer share
+        assert long.get("attention mask") == 0
+        tile = 4 * DEFAULT_ATTENTION_BLOCK_SIZE ** 2 * 4  # B=1 x heads x block x block float32
+        assert long.get("attention scores") == BLOCKED_TILES * tile + 2 * 4 * BLOCKED_MIN_SEQ_LEN * 4
+        assert long.total < short.total
+    varlen = plan(max_length=BLOCKED_MIN_SEQ_LEN, per_device_train_batch_size=1, attn_implementation="varlen")
+    assert attention_term(varlen) == 0
 
 
 def test_offloading_saves_on_cuda_only():
