@@ -25,6 +25,7 @@ BACKENDS = ("torch", "jax")
 # module -> why only one backend has it. Empty today: every concept has the same module name.
 ALLOWED_DIFFERENCES: dict[str, str] = {}
 ALLOWED_DIFFERENCES["deepspeed"] = "DeepSpeed ZeRO-3 is a torch library; jax shards over its device mesh (sharding.py)"
+ALLOWED_DIFFERENCES["zero3_grpo"] = "GRPO under DeepSpeed ZeRO-3, a torch library (see deepspeed)"
 ALLOWED_DIFFERENCES["vllm_engine"] = "vLLM runs torch models; the jax backend generates with its own model"
 ALLOWED_DIFFERENCES["blocked_attention"] = ("torch registers its blocked kernel (an autograd Function) as an HF attention "
                                           "function; jax reuses the ring's block kernel (context_parallel.py) from attention.py")

@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from twinseq.common.batching import Batch, check_batch
-from twinseq.common.config import ATTN_IMPLEMENTATIONS, BLOCKED_MIN_SEQ_LEN, DEFAULT_ATTENTION_BLOCK_SIZE
+from twinseq.common.config import ATTN_IMPLEMENTATIONS
+from twinseq.common.config import BLOCKED_MIN_SEQ_LEN, DEFAULT_ATTENTION_BLOCK_SIZE  # noqa: F401  (re-exported)
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.models import MODEL_TYPES
 

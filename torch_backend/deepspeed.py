@@ -555,7 +555,7 @@ class Zero3Trainer:
 
 
 def train_zero3(cfg: TrainConfig):
-    """``twinseq train`` with ``deepspeed_zero_stage=3``: SFT or GRPO (``grpo.build_grpo_zero3``) on every rank of
+    """``twinseq train`` with ``deepspeed_zero_stage=3``: SFT or GRPO (``zero3_grpo.build_grpo_zero3``) on every rank of
     a torchrun launch (or one process), through ``common.runner.run``; returns the path of ``metrics.jsonl``."""
     from twinseq.common.capabilities import Runtime as CapabilityRuntime
     from twinseq.common.hf_checkpoint import check_tokenizer_fits, resolve_model_source
@@ -577,7 +577,7 @@ def train_zero3(cfg: TrainConfig):
         preflight(cfg, CapabilityRuntime("torch", device.type, world, accelerator=device.type == "cuda"))
         torch.manual_seed(cfg.seed)
         if cfg.task == "grpo":
-            from twinseq.torch_backend.grpo import build_grpo_zero3
+            from twinseq.torch_backend.zero3_grpo import build_grpo_zero3
 
             trainer, source, tokenizer, announce = build_grpo_zero3(cfg)
             return run(cfg, trainer, source, tokenizer=tokenizer, desc="grpo[torch-zero3]", announce=announce,

@@ -87,11 +87,15 @@ def check_vllm(*, enable_sleep_mode: bool = False, sleep_level: int = 1, gpu_mem
                           "Face generate on this machine.")
 
 
+def _head_dim(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
 def check_cpu_head_dim(hf_config: Any) -> None:
     """vLLM's CPU attention kernels exist for a fixed set of head sizes; refuse any other before loading."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    head_dim = _head_dim(hf_config)
     supported = CPUAttentionBackend.get_supported_head_sizes()
     if head_dim not in supported:
         raise ConfigError(f"use_vllm=True on CPU: the model's head_dim={head_dim} has no vLLM CPU attention kernel "
@@ -102,9 +106,8 @@ def check_cpu_head_dim(hf_config: Any) -> None:
 def kv_cache_bytes(hf_config: Any, *, num_sequences: int, max_model_len: int, dtype_bytes: int = 4) -> int:
     """Bytes of KV cache that hold ``num_sequences`` sequences of ``max_model_len`` tokens, twice over (vLLM
     allocates whole blocks of 16 tokens per sequence), at least 64 MiB."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    per_token = 2 * hf_config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+    per_token = 2 * hf_config.num_hidden_layers * kv_heads * _head_dim(hf_config) * dtype_bytes
     blocks = -(-max_model_len // 16) + 1
     return max(64 << 20, 2 * num_sequences * blocks * 16 * per_token)
 
@@ -251,3 +254,18 @@ class ColocatedVLLM:
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling_params=params,
                                     use_tqdm=False)
         return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def engine_for_grpo(cfg: Any, causal_lm: torch.nn.Module, longest_prompt: int, generation_batch: int
+                    ) -> ColocatedVLLM:
+    """A GRPO run's engine (``use_vllm``): sized to one generation batch (``generation_batch`` sequences of the
+    longest prompt + ``max_completion_length`` tokens), in the training precision, with ``cfg.grpo``'s vLLM
+    knobs."""
+    from twinseq.common.grpo import completion_budget
+    from twinseq.torch_backend.peft import causal_lm_of
+
+    g = cfg.grpo
+    return ColocatedVLLM(causal_lm_of(causal_lm).config, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+                         enable_sleep_mode=g.vllm_enable_sleep_mode, sleep_level=g.vllm_sleep_level,
+                         max_model_len=longest_prompt + completion_budget(cfg.data.max_completion_length),
+                         max_num_seqs=generation_batch, dtype=cfg.model.dtype, seed=cfg.seed)

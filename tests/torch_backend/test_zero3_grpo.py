@@ -1,4 +1,4 @@
-"""GRPO under DeepSpeed ZeRO-3 (``grpo.Zero3GRPOTrainer``) on CPU processes with gloo.
+"""GRPO under DeepSpeed ZeRO-3 (``zero3_grpo.Zero3GRPOTrainer``) on CPU processes with gloo.
 
 Invariants:
 - The update: GRPO over 2 ranks under ZeRO-3 (every parameter partitioned, each rank a contiguous share of the
@@ -58,7 +58,7 @@ def fixed_step_job(values: dict) -> dict:
     """``STEPS`` steps of ``Zero3GRPOTrainer`` whose completions come from a sampler keyed by the prompt and the
     generation index within its group, so any split of the step over ranks sees the same completions."""
     from twinseq.torch_backend.generation import Generated
-    from twinseq.torch_backend.grpo import build_grpo_zero3
+    from twinseq.torch_backend.zero3_grpo import build_grpo_zero3
 
     cfg = TrainConfig.from_flat(**values)
     trainer, source, tokenizer, _ = build_grpo_zero3(cfg, reward_funcs=[length_reward])
