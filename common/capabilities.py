@@ -55,6 +55,9 @@ def check_runtime(cfg: TrainConfig, rt: Runtime) -> None:
 
 
 def _check_loss_kernel(cfg: TrainConfig, rt: Runtime) -> None:
+    if cfg.loss.loss_type == "triton" and rt.backend != "torch":
+        raise ConfigError("loss_type='triton' is twinseq's Triton kernel for the torch backend; on the jax backend use "
+                          "--loss-type fused_linear (the same loss, never materialising the logits).")
     if cfg.loss.loss_type != "liger":
         return
     if rt.backend != "torch" or rt.device_type != "cuda":

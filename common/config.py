@@ -51,7 +51,7 @@ Backend = Literal["torch", "jax"]
 Task = Literal["sft", "dpo", "grpo"]
 TruncationMode = Literal["keep_start", "keep_end"]
 PackingStrategy = Literal["bfd", "bfd_split", "wrapped"]
-LossType = Literal["nll", "chunked_nll", "fused_linear", "liger"]
+LossType = Literal["nll", "chunked_nll", "fused_linear", "liger", "triton"]
 AttnImplementation = Literal["sdpa", "eager", "flex_attention", "varlen", "flash_attention_2", "flash_attention_3"]
 DType = Literal["float32", "bfloat16"]
 PaddingSide = Literal["right", "left"]
@@ -86,6 +86,9 @@ JAX_DENSE_ATTN_IMPLEMENTATIONS = ("eager",)
 rows longer than one block (rows that fit one block take the dense path: ``jax_backend.attention``)."""
 DEFAULT_CHUNK_SIZE = 256
 """Tokens per chunk of the chunked and fused losses and log-probs, on both backends."""
+TRITON_DW_SLICE_BYTES = 256 * 2 ** 20
+"""loss_type='triton': the float32 lm_head gradient is accumulated a vocabulary slice of at most this size at a time
+(1/8 of a 248k x 2048 head), each slice cast to the weight's dtype when done."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -163,7 +166,8 @@ class LossConfig(_Section):
     """The token-loss kernel: how next-token NLL (or DPO's log-probs) are computed from hidden states."""
 
     loss_type: LossType = "nll"
-    """nll (full logits), chunked_nll, fused_linear (no [tokens, vocab] tensor) or liger (CUDA)."""
+    """nll (full logits), chunked_nll, fused_linear (no [tokens, vocab] tensor), liger (CUDA) or triton (twinseq's
+    Triton kernel on CUDA; elsewhere it runs fused_linear and logs so)."""
     loss_chunk_size: int = knob(DEFAULT_CHUNK_SIZE, ge=1)
     use_liger_kernel: bool = False
     """TRL's switch: with loss_type nll it selects Liger's fused linear cross-entropy."""

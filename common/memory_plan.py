@@ -65,6 +65,8 @@ The loss kernel (the logits term)
     backward makes the gradient of each: ``LOGITS_COPIES`` float32 copies of ``tokens x vocab``.
     ``chunked_nll``/``fused_linear``/``liger`` only ever hold one chunk (``loss_chunk_size`` tokens) of it,
     plus ``fused_linear``'s float32 gradient accumulators (the size of the hidden states and the lm_head).
+    ``triton`` on CUDA holds no logits at all: a float32 hidden-state gradient and one float32 lm_head-gradient
+    slice (``TRITON_DW_SLICE_BYTES``); elsewhere it runs ``fused_linear`` and is planned as such.
     The difference between ``nll`` and ``fused_linear`` is exactly this row: it is what the fused loss removes.
 
 LoRA
@@ -104,7 +106,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from twinseq.common.config import BLOCKED_MIN_SEQ_LEN, DEFAULT_ATTENTION_BLOCK_SIZE, JAX_DENSE_ATTN_IMPLEMENTATIONS
+from twinseq.common.config import (BLOCKED_MIN_SEQ_LEN, DEFAULT_ATTENTION_BLOCK_SIZE, JAX_DENSE_ATTN_IMPLEMENTATIONS,
+                                   TRITON_DW_SLICE_BYTES)
 from twinseq.common.errors import ConfigError
 from twinseq.common.models import ModelConfig, parameter_shapes, resolve_model_config
 from twinseq.common.peft import LINEAR_MODULES, PeftConfig, adapter_shapes, lora_targets
@@ -535,6 +538,10 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     if loss_type == "nll":
         logits = LOGITS_COPIES[backend] * tokens * v * 4
         note = f"{LOGITS_COPIES[backend]:g} x [{tokens}, {v}] float32"
+    elif loss_type == "triton" and device == "cuda":
+        head_slice = 0 if peft.use_peft else min(TRITON_DW_SLICE_BYTES, v * h * 4)
+        logits = tokens * h * 4 + head_slice
+        note = "no logits: the float32 hidden-state gradient + one float32 lm_head-gradient slice"
     else:
         chunk = min(config.loss.loss_chunk_size, tokens)
         logits = CHUNK_COPIES * chunk * v * 4 + tokens * h * 4

@@ -29,6 +29,8 @@ ALLOWED_DIFFERENCES["zero3_grpo"] = "GRPO under DeepSpeed ZeRO-3, a torch librar
 ALLOWED_DIFFERENCES["vllm_engine"] = "vLLM runs torch models; the jax backend generates with its own model"
 ALLOWED_DIFFERENCES["blocked_attention"] = ("torch registers its blocked kernel (an autograd Function) as an HF attention "
                                           "function; jax reuses the ring's block kernel (context_parallel.py) from attention.py")
+ALLOWED_DIFFERENCES["triton_ce"] = "twinseq's Triton loss kernel (loss_type='triton') is torch/CUDA; jax runs fused_linear"
+ALLOWED_DIFFERENCES["triton_ce_kernels"] = "the Triton sources of triton_ce"
 
 
 def _protocol_signature(name: str) -> inspect.Signature:

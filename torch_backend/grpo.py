@@ -36,6 +36,7 @@ from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_budget, completion_mask,
                                  compute_rewards, epsilon_bounds, group_advantages, reward_func_name,
                                  reward_metrics)
+from twinseq.torch_backend import triton_ce
 from twinseq.torch_backend.logprobs import TargetRows, token_logps
 from twinseq.torch_backend.trainer import Trainer
 
@@ -96,6 +97,12 @@ def completion_logps(model: torch.nn.Module, cb: CompletionBatch, *, loss_type: 
         hidden_BTH = hidden_BTH / temperature  # (h / T) @ W.T = logits / T, exactly the sampled distribution
     weight = lm_head_weight(model)
     rows = TargetRows.of(cb, weight.shape[0], hidden_BTH.device)
+    if with_entropy and loss_type == "triton" and triton_ce.fallback_reason(hidden_BTH) is None:
+        # the kernel's forward yields the entropy in the same pass over the vocabulary
+        hidden_nH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows.idx_n)
+        logps_n, ent_n, _ = triton_ce.linear_logps(hidden_nH, weight, rows.targets_n, logit_softcap=cap,
+                                                   with_entropy=True)
+        return _scatter_NC(logps_n, cb), _scatter_NC(ent_n.detach(), cb)
     logps_n = token_logps(hidden_BTH, weight, rows, loss_type, chunk_size, logit_softcap=cap)
     entropy = None
     if with_entropy:

@@ -11,7 +11,9 @@ token-loss kernel ``loss_type``, as for SFT:
   ``torch.utils.checkpoint``;
 - ``fused_linear``: ``FusedLinearTokenLogps``, a custom autograd Function that keeps only the
   per-token logsumexp between forward and backward and recomputes one chunk's logits at a
-  time in backward: no ``[tokens, V]`` tensor ever, and one ``[V, H]`` gradient buffer.
+  time in backward: no ``[tokens, V]`` tensor ever, and one ``[V, H]`` gradient buffer;
+- ``triton``: twinseq's Triton kernel (``triton_ce.linear_logps``), on CUDA; elsewhere ``fused_linear``,
+  with a log line.
 
 ``logit_softcap`` (the model's final logit soft-cap, Gemma 2's ``final_logit_softcapping``)
 replaces the float32 logits by ``c * tanh(logits / c)`` before the ``log_softmax`` on every path,
@@ -32,9 +34,10 @@ from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.dpo_batching import PreferenceBatch
 from twinseq.common.errors import ConfigError, DataError
 from twinseq.common.loss import shift_labels
+from twinseq.torch_backend import triton_ce
 from twinseq.torch_backend.losses import apply_logit_softcap, check_logit_softcap, softcap_with_derivative_
 
-LOGPS_LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
+LOGPS_LOSS_TYPES = ("nll", "chunked_nll", "fused_linear", "triton")
 
 
 def _acc(t: torch.Tensor) -> torch.Tensor:
@@ -176,6 +179,11 @@ def token_logps(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, rows:
     hidden_nH = hidden_NH.index_select(0, rows.idx_n)
     if loss_type == "chunked_nll":
         return _token_logps_chunked(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size, logit_softcap)
+    if loss_type == "triton":
+        reason = triton_ce.fallback_reason(hidden_nH)
+        if reason is None:
+            return triton_ce.linear_logps(hidden_nH, lm_head_weight_VH, rows.targets_n, logit_softcap=logit_softcap)[0]
+        triton_ce.log_fallback_once(reason, "fused_linear")
     return FusedLinearTokenLogps.apply(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size, logit_softcap)
 
 

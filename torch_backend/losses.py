@@ -1,6 +1,6 @@
-"""Causal-LM losses from the last hidden state: full, chunked, fused and Liger.
+"""Causal-LM losses from the last hidden state: full, chunked, fused, Liger and Triton.
 
-All four compute the same number (``twinseq.common.loss.nll_loss`` is the reference):
+All five compute the same number (``twinseq.common.loss.nll_loss`` is the reference):
 
     targets = labels shifted left by one (last position -100)
     logits = hidden @ W.T + b, in float32; with ``logit_softcap`` c: c * tanh(logits / c)
@@ -21,6 +21,8 @@ They differ only in what they keep in memory:
   the forward pass (Liger's approach); only ``grad_hidden`` [N, H] and ``grad_weight`` [V, H]
   are kept. No [N, V] tensor is ever materialised.
 - ``liger``: Liger's Triton kernel (CUDA only, ``pip install -e '.[gpu]'``).
+- ``triton``: twinseq's own Triton kernel (``triton_ce``): no [N, V] tensor in forward or backward, and
+  no chunk of it either; tiles of logits live in registers. Without CUDA it runs ``fused_linear`` and logs so.
 
 Chunked and fused paths first gather the rows whose target is valid, so ignored tokens
 (prompt, padding, document starts) cost nothing.
@@ -42,6 +44,7 @@ from twinseq.common.capabilities import GPU_EXTRA as _GPU_EXTRA
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, LOSS_TYPES
 from twinseq.common.errors import ConfigError, ConfigTypeError, DataError
 from twinseq.common.loss import IGNORE_INDEX, check_num_items
+from twinseq.torch_backend import triton_ce
 
 logger = logging.getLogger(__name__)
 
@@ -350,7 +353,9 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
     if loss_type == "nll":
         loss_sum, sums = _nll(hidden_NH, *args, targets_N, return_metrics, logit_softcap)
         loss = loss_sum / denom
-    elif loss_type == "fused_linear":
+    elif loss_type == "triton" and _triton_runs(hidden_NH, lm_head_bias):
+        loss, sums = _triton_loss(hidden_NH, lm_head_weight_VH, targets_N, denom, return_metrics, logit_softcap)
+    elif loss_type in ("fused_linear", "triton"):
         loss, sums = FusedLinearCrossEntropy.apply(hidden_NH, *args, targets_N, _valid_rows(targets_N), denom,
                                                    chunk_size, return_metrics, logit_softcap)
     else:
@@ -367,6 +372,24 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
     if not return_metrics:
         return loss
     return loss, _metrics_dict(sums, num_valid)
+
+
+def _triton_runs(hidden_NH, bias_V) -> bool:
+    """True when ``loss_type='triton'`` can run its kernel here; otherwise log once why ``fused_linear`` runs."""
+    reason = triton_ce.fallback_reason(hidden_NH, bias_V)
+    if reason:
+        triton_ce.log_fallback_once(reason, "fused_linear")
+    return reason is None
+
+
+def _triton_loss(hidden_NH, weight_VH, targets_N, denom, want_metrics, logit_softcap):
+    idx = _valid_rows(targets_N)
+    logp_n, ent_n, hit_n = triton_ce.linear_logps(hidden_NH.index_select(0, idx), weight_VH,
+                                                  targets_N.index_select(0, idx), logit_softcap=logit_softcap,
+                                                  with_entropy=want_metrics)
+    loss = -logp_n.sum() / denom
+    sums = torch.stack([hit_n.sum(), ent_n.detach().sum()]) if want_metrics else None
+    return loss, sums
 
 
 @torch.no_grad()

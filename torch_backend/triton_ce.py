@@ -1,0 +1,247 @@
+"""``loss_type="triton"``: twinseq's own Triton kernel for the fused linear cross-entropy.
+
+Naive equivalent (per valid row ``i`` of ``hidden_nH``)::
+
+    z = (hidden_nH @ weight_VH.T).float()
+    z = c * tanh(z / c)                                   # only with a logit_softcap c
+    logp[i] = log_softmax(z, -1)[i, targets_n[i]]          # 0 where targets_n[i] == -100
+    ent[i] = -(softmax(z) * log_softmax(z)).sum(-1)[i]
+    hit[i] = z[i].argmax() == targets_n[i]                 # ties count as a hit
+
+No ``[n, V]`` tensor exists in forward or backward (the ``cut cross-entropy`` design): forward
+streams the vocabulary through an online logsumexp and keeps only ``lse`` [n] (and the entropy);
+backward recomputes one [BLOCK_N, BLOCK_V] tile of logits at a time in registers, forms
+``dL/dz = g_logp (onehot - p) - g_ent p (z - E[z])`` (times the cap's ``1 - (z/c)^2``) and adds
+its products with ``W`` and ``h`` into fp32 gradient buffers with atomics. The lm_head gradient
+is accumulated in fp32 a vocabulary slice at a time (``TRITON_DW_SLICE_BYTES``), each slice cast to the
+weight's dtype when done, so a bf16 model holds one bf16 ``[V, H]`` gradient plus one fp32 slice.
+
+Both outputs are differentiable, so SFT (``-sum(logp) / denom``), DPO's sequence log-probs and
+GRPO's per-token log-probs with an entropy term all run on the same kernel.
+
+Where it runs:
+
+- CUDA tensors and Triton installed: the compiled kernels.
+- CPU tensors with ``TRITON_INTERPRET=1`` (set before triton is imported): the same kernel sources
+  under Triton's interpreter (numpy), which is how CI tests them; fp32 and fp16 (the interpreter
+  mishandles bf16).
+- Otherwise: the torch implementation of the same math (``losses.FusedLinearCrossEntropy`` and
+  ``logprobs.FusedLinearTokenLogps``), with a log line that says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import math
+import os
+import sys
+from typing import Optional
+
+import torch
+
+from twinseq.common.config import TRITON_DW_SLICE_BYTES
+from twinseq.common.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# (BLOCK_N, BLOCK_V, BLOCK_D, num_warps) per kernel; the interpreter wants small tiles (tl.dot needs >= 16)
+GPU_FWD_BLOCKS = (64, 128, 64, 8)
+GPU_BWD_BLOCKS = (64, 128, 64, 8)
+INTERPRETER_BLOCKS = (16, 32, 16, 1)
+BWD_GROUP_N = 8
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def interpreter_ready() -> bool:
+    """True unless triton was imported before ``TRITON_INTERPRET=1`` was set: its standard library (``tl.max``,
+    ``tl.sum``) is then compiled-only, and the interpreter cannot call it."""
+    if "triton.language" not in sys.modules:
+        return True  # it will be imported now, with the variable set
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return isinstance(sys.modules["triton.language"].max, InterpretedFunction)
+    except (ImportError, AttributeError):
+        return False
+
+
+def kernel_mode(device: torch.device) -> Optional[str]:
+    """``"cuda"``, ``"interpret"`` or None (no Triton path for this device: use the torch fallback)."""
+    if not triton_available():
+        return None
+    if device.type == "cuda":
+        return "cuda"
+    if device.type == "cpu" and interpreter_requested() and interpreter_ready():
+        return "interpret"
+    return None
+
+
+def fallback_reason(hidden: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Why the kernel cannot run on these inputs (the caller then runs its torch path), or None."""
+    if bias is not None:
+        return "the lm_head has a bias, which the kernel does not add"
+    if hidden.dtype == torch.float64:
+        return "the kernel computes in float32 or lower and the inputs are float64"
+    if kernel_mode(hidden.device) is not None:
+        return None
+    if not triton_available():
+        return "the triton package is not installed"
+    if hidden.device.type == "cpu" and interpreter_requested():
+        return "TRITON_INTERPRET=1 was set after triton was imported; set it before Python starts"
+    return (f"the tensors are on {hidden.device.type}, and Triton compiles for CUDA (set TRITON_INTERPRET=1 to run "
+            f"the kernel under Triton's CPU interpreter, slowly)")
+
+
+@functools.lru_cache(maxsize=None)
+def log_fallback_once(reason: str, fallback: str) -> None:
+    logger.warning("loss_type='triton': %s; using %s, the torch implementation of the same loss.", reason, fallback)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(mode: str):
+    import triton
+
+    from twinseq.torch_backend import triton_ce_kernels as k
+
+    if mode == "interpret":
+        from triton.runtime.interpreter import InterpretedFunction
+        return InterpretedFunction(k.fwd_kernel), InterpretedFunction(k.bwd_kernel)
+    return triton.jit(k.fwd_kernel), triton.jit(k.bwd_kernel)
+
+
+def _blocks(mode: str, which: str):
+    if mode == "interpret":
+        return INTERPRETER_BLOCKS
+    return GPU_FWD_BLOCKS if which == "fwd" else GPU_BWD_BLOCKS
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return weight.dtype
+
+
+def _launch_kwargs(mode: str, num_warps: int) -> dict:
+    return {} if mode == "interpret" else {"num_warps": num_warps}
+
+
+def _forward(mode, h_nH, w_VH, targets_n, cap, with_entropy):
+    n, D = h_nH.shape
+    V = w_VH.shape[0]
+    f32 = dict(dtype=torch.float32, device=h_nH.device)
+    lse, logp, hit = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
+    ent = torch.empty(n, **f32) if with_entropy else lse  # a placeholder pointer when unused
+    bn, bv, bd, warps = _blocks(mode, "fwd")
+    fwd, _ = _kernels(mode)
+    if n:
+        fwd[(math.ceil(n / bn),)](h_nH, w_VH, targets_n, lse, logp, ent, hit, n, V, D, h_nH.stride(0),
+                                  w_VH.stride(0), float(cap or 1.0), HAS_CAP=cap is not None,
+                                  WITH_ENT=with_entropy, IEEE=h_nH.dtype == torch.float32, BLOCK_N=bn, BLOCK_V=bv,
+                                  BLOCK_D=bd, **_launch_kwargs(mode, warps))
+    return lse, logp, (ent if with_entropy else None), hit
+
+
+def _dw_chunk_rows(V: int, D: int, block_v: int) -> int:
+    rows = max(TRITON_DW_SLICE_BYTES // (4 * max(D, 1)), block_v)
+    return min(V, (rows // block_v) * block_v)
+
+
+def _backward(mode, h_nH, w_VH, targets_n, lse, ent, g_logp, g_ent, cap, need_h, need_w, filter_eps):
+    n, D = h_nH.shape
+    V = w_VH.shape[0]
+    bn, bv, bd, warps = _blocks(mode, "bwd")
+    _, bwd = _kernels(mode)
+    dh = torch.zeros((n, D), dtype=torch.float32, device=h_nH.device) if need_h else None
+    dw_out = None
+    if need_w:
+        dw_out = (torch.zeros((V, D), dtype=torch.float32, device=w_VH.device) if w_VH.dtype == torch.float32
+                  else torch.empty_like(w_VH))
+    with_ent = g_ent is not None
+    sliced = dw_out is not None and dw_out.dtype != torch.float32  # fp32 slices, cast into dw_out when done
+    chunk = _dw_chunk_rows(V, D, bv) if dw_out is not None else V  # an fp32 head's slices are views of dw_out
+    for v0 in range(0, V, max(chunk, 1)):
+        v1 = min(V, v0 + chunk)
+        if dw_out is None:
+            dw = h_nH  # placeholder pointer, never written (NEED_DW=False)
+        elif sliced:
+            dw = torch.zeros((v1 - v0, D), dtype=torch.float32, device=w_VH.device)
+        else:
+            dw = dw_out[v0:v1]
+        if n:
+            grid = (math.ceil(n / bn) * math.ceil((v1 - v0) / bv),)
+            bwd[grid](h_nH, w_VH, targets_n, lse, ent if with_ent else lse, g_logp, g_ent if with_ent else g_logp,
+                      dh if dh is not None else lse, dw, n, V, D, v0, v1, h_nH.stride(0), w_VH.stride(0),
+                      D, D, float(cap or 1.0), float(filter_eps or 0.0), HAS_CAP=cap is not None,
+                      WITH_ENT=with_ent, NEED_DH=need_h, NEED_DW=need_w, FILTER=filter_eps is not None,
+                      IEEE=h_nH.dtype == torch.float32, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, GROUP_N=BWD_GROUP_N,
+                      **_launch_kwargs(mode, warps))
+        if sliced:
+            dw_out[v0:v1] = dw
+            del dw
+    return dh, dw_out
+
+
+class TritonLinearLogps(torch.autograd.Function):
+    """(logp [n], entropy [n] or None, hit [n]) of ``targets_n`` under ``softcap(hidden_nH @ weight_VH.T)``.
+
+    See the module docstring for the naive equivalent. ``hit`` is not differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_nH, weight_VH, targets_n, logit_softcap, with_entropy, filter_eps, mode):
+        compute = _compute_dtype(hidden_nH, weight_VH)
+        h_nH, w_VH = hidden_nH.to(compute).contiguous(), weight_VH.to(compute).contiguous()
+        targets_n = targets_n.to(torch.int64).contiguous()
+        lse, logp, ent, hit = _forward(mode, h_nH, w_VH, targets_n, logit_softcap, with_entropy)
+        ctx.save_for_backward(h_nH, w_VH, targets_n, lse, ent if ent is not None else lse)
+        ctx.cfg = (logit_softcap, with_entropy, filter_eps, mode, hidden_nH.dtype, weight_VH.dtype)
+        ctx.mark_non_differentiable(hit)
+        ctx.set_materialize_grads(False)  # an unused entropy output gets None, and backward skips its term
+        return logp, ent, hit
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_logp, g_ent, _g_hit):
+        h_nH, w_VH, targets_n, lse, ent = ctx.saved_tensors
+        cap, with_entropy, filter_eps, mode, h_dtype, w_dtype = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if g_logp is None:  # only the entropy was used
+            g_logp = torch.zeros_like(lse)
+        g_ent = g_ent.float().contiguous() if (with_entropy and g_ent is not None) else None
+        dh, dw = _backward(mode, h_nH, w_VH, targets_n, lse, ent, g_logp.float().contiguous(), g_ent, cap,
+                           need_h, need_w, filter_eps)
+        return (None if dh is None else dh.to(h_dtype), None if dw is None else dw.to(w_dtype),
+                None, None, None, None, None)
+
+
+def check_filter_eps(filter_eps) -> None:
+    if filter_eps is not None and not (isinstance(filter_eps, float) and 0.0 < filter_eps < 1.0):
+        raise ConfigError(f"filter_eps={filter_eps!r} must be None (exact gradients) or a float in (0, 1), the "
+                          f"magnitude below which a whole tile of logit gradients is skipped (2**-12 suits bf16).")
+
+
+def linear_logps(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, targets_n: torch.Tensor, *,
+                 logit_softcap: Optional[float] = None, with_entropy: bool = False,
+                 filter_eps: Optional[float] = None, mode: Optional[str] = None):
+    """(logp [n] fp32, entropy [n] fp32 or None, hit [n] fp32) on the Triton kernel.
+
+    ``mode``: ``"cuda"``, ``"interpret"``, or None to pick from the device (``kernel_mode``); the
+    caller handles the None case (no Triton path) with its torch fallback.
+    """
+    reason = fallback_reason(hidden_nH) if mode is None else None
+    if reason or torch.float64 in (hidden_nH.dtype, weight_VH.dtype):
+        raise ConfigError(f"loss_type='triton' cannot run here: {reason or 'float64 inputs'}; use "
+                          f"loss_type='fused_linear'.")
+    mode = mode or kernel_mode(hidden_nH.device)
+    check_filter_eps(filter_eps)
+    return TritonLinearLogps.apply(hidden_nH, weight_VH, targets_n, logit_softcap, with_entropy, filter_eps, mode)
