@@ -86,9 +86,9 @@ JAX_DENSE_ATTN_IMPLEMENTATIONS = ("eager",)
 rows longer than one block (rows that fit one block take the dense path: ``jax_backend.attention``)."""
 DEFAULT_CHUNK_SIZE = 256
 """Tokens per chunk of the chunked and fused losses and log-probs, on both backends."""
-TRITON_DW_SLICE_BYTES = 256 * 2 ** 20
+TRITON_DW_SLICE_BYTES = 64 * 2 ** 20
 """loss_type='triton': the float32 lm_head gradient is accumulated a vocabulary slice of at most this size at a time
-(1/8 of a 248k x 2048 head), each slice cast to the weight's dtype when done."""
+(1/30 of a 248k x 2048 head), each slice cast to the weight's dtype when done."""
 
 
 # ---------------------------------------------------------------------------------------

@@ -224,16 +224,27 @@ class TritonLinearLogps(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def check_filter_eps(filter_eps) -> None:
+def resolve_filter_eps(filter_eps, dtype: torch.dtype) -> Optional[float]:
+    """None (exact), a float in (0, 1), or ``"auto"``: the compute dtype's machine epsilon / 32 (2^-12 for bf16,
+    the threshold cut cross-entropy filters at by default)."""
+    if filter_eps == "auto":
+        return torch.finfo(dtype).eps / 32
     if filter_eps is not None and not (isinstance(filter_eps, float) and 0.0 < filter_eps < 1.0):
-        raise ConfigError(f"filter_eps={filter_eps!r} must be None (exact gradients) or a float in (0, 1), the "
-                          f"magnitude below which a whole tile of logit gradients is skipped (2**-12 suits bf16).")
+        raise ConfigError(f"filter_eps={filter_eps!r} must be None (exact gradients), 'auto' (the dtype's eps / 32) "
+                          f"or a float in (0, 1): the softmax probability below which a target-free tile of logit "
+                          f"gradients is skipped.")
+    return filter_eps
 
 
 def linear_logps(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, targets_n: torch.Tensor, *,
                  logit_softcap: Optional[float] = None, with_entropy: bool = False,
                  filter_eps: Optional[float] = None, mode: Optional[str] = None):
     """(logp [n] fp32, entropy [n] fp32 or None, hit [n] fp32) on the Triton kernel.
+
+    ``filter_eps``: None computes exact gradients (the default, and what ``loss_type='triton'`` uses); ``"auto"`` or a
+    float skips, in backward, every tile of logits that holds no target and whose softmax probabilities are all
+    below it (cut cross-entropy's gradient filter). Each skipped entry is then below ``filter_eps`` times its
+    row's upstream gradient; their sum is not bounded by that, which is why it is opt-in.
 
     ``mode``: ``"cuda"``, ``"interpret"``, or None to pick from the device (``kernel_mode``); the
     caller handles the None case (no Triton path) with its torch fallback.
@@ -243,5 +254,5 @@ def linear_logps(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, targets_n: to
         raise ConfigError(f"loss_type='triton' cannot run here: {reason or 'float64 inputs'}; use "
                           f"loss_type='fused_linear'.")
     mode = mode or kernel_mode(hidden_nH.device)
-    check_filter_eps(filter_eps)
+    filter_eps = resolve_filter_eps(filter_eps, _compute_dtype(hidden_nH, weight_VH))
     return TritonLinearLogps.apply(hidden_nH, weight_VH, targets_n, logit_softcap, with_entropy, filter_eps, mode)

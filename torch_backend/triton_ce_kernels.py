@@ -107,19 +107,27 @@ def bwd_kernel(H_ptr, W_ptr, T_ptr, LSE_ptr, ENT_ptr, GLOGP_ptr, GENT_ptr, DH_pt
     valid = row_ok & (tgt >= 0)
     lse = tl.load(LSE_ptr + rows, mask=row_ok, other=0.0)
     p = tl.where(valid[:, None] & col_ok[None, :], tl.exp(z - lse[:, None]), 0.0)
+    is_tgt = cols[None, :] == tgt[:, None]
+    if WITH_ENT:
+        mean_z = lse - tl.load(ENT_ptr + rows, mask=row_ok, other=0.0)
+        p_dev = p * (z - mean_z[:, None])
+    if FILTER:
+        # gradient filtering, per unit of upstream gradient: skip a tile that holds no target and whose every
+        # |d logp / dz| = p (and |d ent / dz| = p |z - E[z]|) is below filter_eps (the cap's derivative is <= 1)
+        mag = p
+        if WITH_ENT:
+            mag = tl.maximum(mag, tl.abs(p_dev))
+        num_tgt = tl.sum(tl.sum(tl.where(is_tgt, 1, 0), 1), 0)
+        if (tl.max(tl.max(mag, 1), 0) < filter_eps) & (num_tgt == 0):
+            return
     g_lp = tl.where(valid, tl.load(GLOGP_ptr + rows, mask=row_ok, other=0.0), 0.0)
-    dz = g_lp[:, None] * (tl.where(cols[None, :] == tgt[:, None], 1.0, 0.0) - p)
+    dz = g_lp[:, None] * (tl.where(is_tgt, 1.0, 0.0) - p)
     if WITH_ENT:
         g_ent = tl.where(valid, tl.load(GENT_ptr + rows, mask=row_ok, other=0.0), 0.0)
-        mean_z = lse - tl.load(ENT_ptr + rows, mask=row_ok, other=0.0)
-        dz -= g_ent[:, None] * p * (z - mean_z[:, None])
+        dz -= g_ent[:, None] * p_dev
     if HAS_CAP:
         zc = z / softcap
         dz = dz * (1.0 - zc * zc)
-    if FILTER:
-        # gradient filtering: a tile whose every entry is below filter_eps adds nothing visible in bf16
-        if tl.max(tl.max(tl.abs(dz), 1), 0) < filter_eps:
-            return
     dz_lo = dz.to(H_ptr.dtype.element_ty)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + dd
