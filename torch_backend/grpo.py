@@ -38,6 +38,7 @@ from twinseq.common.grpo import (CompletionBatch, collate_completions, completio
                                  reward_metrics)
 from twinseq.torch_backend import triton_ce
 from twinseq.torch_backend.logprobs import TargetRows, token_logps
+from twinseq.torch_backend.losses import apply_logit_softcap
 from twinseq.torch_backend.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -49,16 +50,18 @@ logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def chunked_entropy(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
-                    ) -> torch.Tensor:
-    """[n] entropy of ``softmax(hidden @ W.T)`` per row, ``chunk_size`` rows of logits at a time (no graph).
+def chunked_entropy(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                    logit_softcap: Optional[float] = None) -> torch.Tensor:
+    """[n] entropy of ``softmax(softcap(hidden @ W.T))`` per row, ``chunk_size`` rows of logits at a time (no graph).
 
-    Naive equivalent: ``-(softmax(h @ W.T) * log_softmax(h @ W.T)).sum(-1)``.
+    Naive equivalent: ``-(softmax(z) * log_softmax(z)).sum(-1)`` with ``z = c * tanh(h @ W.T / c)`` for a
+    ``logit_softcap`` c (the distribution the model samples from), ``z = h @ W.T`` without one.
     """
     acc = torch.promote_types(hidden_nH.dtype, torch.float32)  # fp32, or fp64 for an fp64 model (tests)
     out = torch.empty(hidden_nH.shape[0], dtype=acc, device=hidden_nH.device)
     for s in range(0, hidden_nH.shape[0], chunk_size):
-        logp_cV = torch.log_softmax(torch.nn.functional.linear(hidden_nH[s:s + chunk_size], weight_VH).to(acc), -1)
+        logits_cV = torch.nn.functional.linear(hidden_nH[s:s + chunk_size], weight_VH).to(acc)
+        logp_cV = torch.log_softmax(apply_logit_softcap(logits_cV, logit_softcap), -1)
         out[s:s + chunk_size] = -(logp_cV.exp() * logp_cV).sum(-1)
         del logp_cV
     return out
@@ -107,7 +110,7 @@ def completion_logps(model: torch.nn.Module, cb: CompletionBatch, *, loss_type: 
     entropy = None
     if with_entropy:
         hidden_nH = hidden_BTH.detach().reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows.idx_n)
-        entropy = _scatter_NC(chunked_entropy(hidden_nH, weight.detach(), chunk_size), cb)
+        entropy = _scatter_NC(chunked_entropy(hidden_nH, weight.detach(), chunk_size, cap), cb)
     return _scatter_NC(logps_n, cb), entropy
 
 

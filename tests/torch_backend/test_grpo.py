@@ -100,6 +100,25 @@ def test_padding_free_log_probs_equal_padded(tiny_model):
         model.float()
 
 
+def test_entropy_is_that_of_the_soft_capped_logits():
+    """gemma2 soft-caps its logits: the entropy metric is that of the distribution it samples from (the capped
+    logits, as HF's ``.logits`` and the jax backend compute it), not of the raw lm_head output."""
+    cfg = ModelConfig.preset("tiny-gemma2")
+    model = build_model(cfg, init_weights(cfg, seed=0)).double()
+    with torch.no_grad():  # a cap that binds: scale the head up so the raw logits reach several units of the cap
+        lm = model.get_output_embeddings()
+        lm.weight.mul_(40.0)
+    model.config.final_logit_softcapping = 2.0
+    prompts, completions = _docs(vocab=cfg.vocab_size)
+    cb = collate_completions(prompts, completions, padding_free=True, pad_token_id=0, num_columns=8)
+    with torch.no_grad():
+        got = tgrpo.completion_logps(model, cb, loss_type="fused_linear", chunk_size=7, with_entropy=True)
+    naive_logps, naive_entropy = _naive(model, cb, temperature=1.0)
+    # 1e-6 as in the padding-free test above: packed and per-document forwards round RoPE's float32 angles apart
+    np.testing.assert_allclose(got[0].numpy(), naive_logps, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(got[1].numpy(), naive_entropy, atol=1e-6, rtol=0)
+
+
 def _naive(model, cb, temperature):
     """Per-document forward of the plain model, full logits: the reference for the batched kernels."""
     logps = np.zeros((cb.num_docs, cb.num_columns))
