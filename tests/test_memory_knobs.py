@@ -40,7 +40,7 @@ def _cfg(backend: str, **knobs) -> TrainConfig:
                                  pad_to_multiple_of=64, **knobs)
 
 
-def _torch_run(**knobs):
+def _torch_run(device: str = "cpu", **knobs):
     import torch
 
     from twinseq.torch_backend.model import build_model, export_weights
@@ -48,8 +48,8 @@ def _torch_run(**knobs):
     from twinseq.torch_backend.trainer import SFTTrainer
 
     cfg = _cfg("torch", **knobs)
-    module = parallelize(build_model(MODEL, init_weights(MODEL, seed=0), attn_implementation="varlen"), None, cfg)
-    trainer = SFTTrainer(cfg, module, torch.device("cpu"))
+    model = build_model(MODEL, init_weights(MODEL, seed=0), attn_implementation="varlen", device=device)
+    trainer = SFTTrainer(cfg, parallelize(model, None, cfg), torch.device(device))
     losses = [trainer.step(batches)["loss"] for batches in _steps()]
     return losses, export_weights(trainer.causal_lm), trainer
 
@@ -143,10 +143,21 @@ def test_torch_gradient_checkpointing_matches_the_plain_run(torch_plain, torch_f
 
 
 @pytest.mark.slow
-def test_torch_compile_matches_the_plain_run(torch_plain, torch_first_gradients):
-    run = _torch_run(torch_compile=True)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_torch_compile_matches_the_plain_run(device, request, torch_first_gradients):
+    """On CUDA both runs are CUDA runs with TF32 off (inductor's Triton kernels against eager)."""
+    import torch
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        plain = request.getfixturevalue("torch_plain") if device == "cpu" else _torch_run(device)
+        run = _torch_run(device, torch_compile=True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
     assert all(layer._compiled_call_impl is not None for layer in run[2].causal_lm.model.layers)
-    _assert_same_trajectory(run, torch_plain, torch_first_gradients)
+    assert next(run[2].causal_lm.parameters()).device.type == device
+    _assert_same_trajectory(run, plain, torch_first_gradients)
 
 
 @pytest.mark.slow

@@ -81,7 +81,8 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
     iterator = StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0, world_size=world, rank=rank)
     # generation between two optimizer steps, as online RL does: training must go on exactly after it
     steps = [engine.train_step(iterator.next_step()) for _ in range(cfg.max_steps - 1)]
-    out: dict = {"partitioned": bool(partitioned), "dtypes": sorted({str(p.ds_tensor.dtype) for p in params})}
+    out: dict = {"partitioned": bool(partitioned), "dtypes": sorted({str(p.ds_tensor.dtype) for p in params}),
+                 "device": params[0].ds_tensor.device.type}
     for gather in (True, False):
         out[f"greedy_gather={gather}"] = engine.generate(PROMPTS, gather_for_generation=gather,
                                                          max_new_tokens=NEW_TOKENS)
@@ -98,10 +99,14 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
     return out
 
 
-def launch(cfg_overrides: dict, tmp_path: Path, world_size: int, timeout: float = 300.0) -> list[dict]:
-    """``world_size`` local ranks running ``rank_job`` (torchrun's environment; none at all for one rank)."""
+def launch(cfg_overrides: dict, tmp_path: Path, world_size: int, timeout: float = 300.0, *,
+           cuda: bool = False) -> list[dict]:
+    """``world_size`` local ranks running ``rank_job`` (torchrun's environment; none at all for one rank), on
+    CPU (gloo, CUDA hidden) or, with ``cuda=True``, on the GPU (NCCL, DeepSpeed's CUDA accelerator)."""
+    env = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cuda"} if cuda else \
+        {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     return W.launch_script(__file__, cfg_overrides, tmp_path, world_size, timeout=timeout, launcher_for_one=False,
-                           env={"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+                           env=env)
 
 
 def _assert_losses_match(got, want, steps: int = STEPS):
@@ -170,6 +175,26 @@ def test_zero3_on_two_ranks_matches_single_process_and_generates_alike(tmp_path,
         assert r["sampled_gather=True"] == r["sampled_gather=False"], rank
         assert all(len(c) == NEW_TOKENS for c in r["sampled_gather=True"])
     assert results[0]["sampled_gather=True"] != results[1]["sampled_gather=True"], "seeds differ per rank"
+
+
+@needs_deepspeed
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_zero3_in_one_process_matches_single_process(tmp_path, reference, device):
+    """ZeRO-3 in one process (on CUDA: NCCL and DeepSpeed's CUDA accelerator; every parameter built under
+    ``zero.Init``) against the single-process CPU trainer on the same 4 rows a step: per-step loss and
+    pre-clip gradient norm within 1e-5 (float32 on both, TF32 off); generation from the gathered and the
+    partitioned model agree."""
+    reference_losses, reference_norms = reference
+    (result,) = launch(REFERENCE | {"deepspeed_zero_stage": 3}, tmp_path, world_size=1, cuda=device == "cuda")
+    assert result["device"] == device and result["partitioned"], result.get("device")
+    assert result["dtypes"] == ["torch.float32"], result["dtypes"]
+    print(f"zero3 {device} losses {result['losses']} vs {reference_losses}")
+    _assert_losses_match(result["losses"], reference_losses)
+    _assert_norms_match(result["grad_norms"], reference_norms)
+    assert result["greedy_gather=True"] == result["greedy_gather=False"]
+    assert result["sampled_gather=True"] == result["sampled_gather=False"]
 
 
 def _losses(output_dir: Path) -> list[float]:
@@ -270,6 +295,8 @@ def test_ds_config_carries_twinseqs_optimizer_settings():
 
 
 def main(argv: list[str]) -> int:
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 parity on a GPU rank
+    torch.backends.cudnn.allow_tf32 = False
     spec = json.loads(Path(argv[0]).read_text())
     result = train_job(spec["train"]) if "train" in spec else rank_job(spec, argv[1])
     Path(argv[1], f"rank{os.environ['TWINSEQ_TEST_RANK']}.json").write_text(json.dumps(result))

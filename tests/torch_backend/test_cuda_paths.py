@@ -1,0 +1,204 @@
+"""CUDA paths against their references, each test body run on "cpu" (CI: proves the test's logic) and on
+"cuda" (marked ``gpu``: the GPU lane, ``pytest -m gpu``; skipped without CUDA).
+
+Invariants:
+- FlexAttention with ``document_block_mask`` equals SDPA with the dense ``document_mask`` (float32, output
+  and, on CUDA, dq/dk/dv), eager and under ``torch.compile``, plain and within a sliding window; the block
+  mask skips blocks, and the dense mask is not plain causal attention on these rows (a leak would show).
+- A training step's loss and gradients under bfloat16 autocast (float32 parameters, bf16 matmuls) equal the
+  float32 step within the committed bfloat16 rows of ``parity_tests/tolerances.py``.
+- FSDP2 in one process (a one-rank group: gloo on CPU, NCCL on CUDA) trains like the plain model: per-step
+  loss and pre-clip gradient norm within ``adamw_rel``, final parameters within ``adamw_rel``.
+
+The other CUDA paths have their gpu tests next to their CPU ones: Liger and the chunked losses
+(test_losses.py), activation offloading (test_offload.py), ZeRO-3 (test_zero3.py), ``torch_compile``
+(tests/test_memory_knobs.py), the flash/flex/varlen model paths (test_attention.py), JAX
+(tests/jax_backend/test_jax_gpu_attention.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parity_tests.inputs import rel_norm  # noqa: E402
+from parity_tests.tolerances import bf16_ulp, tol  # noqa: E402
+from twinseq.common.batching import collate  # noqa: E402
+from twinseq.common.config import ModelConfig  # noqa: E402
+from twinseq.common.init import init_weights  # noqa: E402
+from twinseq.torch_backend import attention as A  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _dist_workers as W  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+LENGTHS = (7, 23, 5, 40, 12, 64, 31)
+
+
+@pytest.fixture
+def ieee_fp32():
+    """float32 parity needs true float32 matmuls on CUDA (no TF32), restored after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _docs(vocab_size: int, seed: int = 1) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"input_ids": rng.integers(3, vocab_size, n).tolist()} for n in LENGTHS]
+
+
+# --------------------------------------------------------------------------------------
+# FlexAttention's BlockMask vs the dense document mask
+# --------------------------------------------------------------------------------------
+
+FLEX_TOL = 1e-5
+"""max |flex - dense| of the attention output and of dq, dk, dv (float32). Each output is a convex
+combination of at most 64 value rows (|v| < 5); the two kernels sum in other orders and FlexAttention
+uses exp2 with a pre-scaled log2(e): a few float32 ulps (1e-6 at 5) per term, far below 1e-5. A key
+leaking across a document or a window moves outputs by O(0.1) (the check below)."""
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_flex_block_mask_equals_the_dense_document_mask(device, compiled, window, ieee_fp32):
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    train = device == "cuda"  # torch has no FlexAttention backward on CPU
+    batch = collate(_docs(512), padding_free=True, pad_to_multiple_of=128)  # 182 tokens -> T = 256, 2 rows of blocks
+    seg = torch.as_tensor(batch.segment_ids, dtype=torch.long, device=device)
+    pos = torch.as_tensor(batch.position_ids, dtype=torch.long, device=device)
+    B, T = seg.shape
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(B, n, T, 16, generator=gen).to(device) for n in (4, 2, 2, 4))
+    for x in (q, k, v):
+        x.requires_grad_(train)
+
+    def run(attend):
+        out = attend(q, k, v)
+        if not train:
+            return (out.detach(),)
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), dout))
+
+    mask = A.document_mask(seg, pos, torch.float32, window)
+    want = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+    block_mask = A.document_block_mask(seg, pos, window)
+    flex = torch.compile(flex_attention, fullgraph=True) if compiled else flex_attention
+    with torch.no_grad() if not train else torch.enable_grad():
+        got = run(lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=True))
+    for name, w, g in zip(("out", "dq", "dk", "dv"), want, got):
+        err = float((w - g).abs().max())
+        print(f"flex {device} {'compiled' if compiled else 'eager'} window={window}: {name} {err:.2e}")
+        assert err <= FLEX_TOL, (name, err)
+    assert block_mask.sparsity() > 0, "the block mask must skip blocks outside the documents"
+    causal = F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=True, enable_gqa=True)
+    assert float((causal - want[0]).abs().max()) > 1e4 * FLEX_TOL, "plain causal attention must differ here"
+
+
+# --------------------------------------------------------------------------------------
+# bfloat16 autocast vs float32: one training step's loss and gradients
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "varlen"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_autocast_step_is_within_the_bf16_rows_of_fp32(device, attn, ieee_fp32):
+    """Float32 parameters, bf16 compute under ``torch.autocast`` (what ``dtype=bfloat16`` trains with) against
+    the float32 step. Bounds: the bfloat16 table (TOLERANCES.md): the mean loss moves at most as much as a
+    per-token NLL, ``token_loss_ulps`` bf16 ulps at the largest |logit|; gradients ``grad_rel`` per tensor."""
+    from twinseq.torch_backend.model import build_model, compute_loss
+
+    cfg = ModelConfig.preset("tiny", vocab_size=512)
+    model = build_model(cfg, init_weights(cfg, seed=0), attn_implementation=attn, device=device)
+    batch = collate(_docs(cfg.vocab_size), padding_free=True, pad_to_multiple_of=64)
+
+    def step(bf16: bool):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bf16):
+            loss = compute_loss(model, batch, "nll")
+        loss.backward()
+        grads = {n: p.grad.double().cpu().numpy() for n, p in model.named_parameters()}
+        return float(loss.detach()), grads
+
+    from twinseq.torch_backend.model import logits
+
+    max_logit = float(np.abs(logits(model, batch)).max())
+    want_loss, want_grads = step(False)
+    got_loss, got_grads = step(True)
+    assert all(g.dtype == np.float64 for g in got_grads.values())
+    loss_err = abs(got_loss - want_loss)
+    rel = {n: rel_norm(got_grads[n], want_grads[n]) for n in want_grads}
+    worst = max(rel, key=rel.get)
+    ulp = bf16_ulp(max_logit)
+    print(f"bf16 autocast {device} {attn}: loss {want_loss:.5f} vs {got_loss:.5f} (|d| {loss_err:.2e}, "
+          f"{loss_err / ulp:.2f} ulps at |logit| {max_logit:.2f}); worst grad rel {rel[worst]:.2e} ({worst})")
+    assert loss_err <= tol("bfloat16", "token_loss_ulps") * ulp
+    assert rel[worst] <= tol("bfloat16", "grad_rel"), worst
+    assert loss_err > 0 and rel[worst] > tol("float32", "grad_rel"), "autocast must have computed in bf16"
+
+
+# --------------------------------------------------------------------------------------
+# FSDP2 on one rank
+# --------------------------------------------------------------------------------------
+
+FSDP_STEPS = 3
+
+
+def _steps(trainer, cfg, device):
+    from twinseq.common.loader import StepIterator
+
+    iterator = StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0)
+    out = [trainer.step(iterator.next_step()) for _ in range(FSDP_STEPS)]
+    return [o["loss"] for o in out], [o["grad_norm"] for o in out]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fsdp2_on_one_rank_trains_like_the_plain_model(device, ieee_fp32, monkeypatch):
+    import torch.distributed as dist
+
+    from twinseq.torch_backend.parallel import full_model_state, init_runtime, parallelize
+    from twinseq.torch_backend.trainer import SFTTrainer
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    if device == "cpu":  # init_runtime picks CUDA whenever it exists
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base = dict(max_steps=FSDP_STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                max_grad_norm=0.5)
+    cfg = W.make_config(**base)
+    torch.manual_seed(0)
+    plain = SFTTrainer(cfg, parallelize(W._model(cfg).to(device), None, cfg), torch.device(device))
+    want_losses, want_norms = _steps(plain, cfg, device)
+    want_params = {k: v.detach().double().cpu().numpy() for k, v in plain.causal_lm.state_dict().items()}
+
+    fsdp_cfg = W.make_config(**base, fsdp=True)
+    runtime = init_runtime(fsdp_cfg, env={"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"})
+    try:
+        assert runtime.device.type == device and dist.get_backend() == ("nccl" if device == "cuda" else "gloo")
+        trainer = W._trainer(fsdp_cfg, runtime)
+        from torch.distributed.fsdp import FSDPModule
+
+        assert isinstance(trainer.module, FSDPModule)
+        assert all(isinstance(layer, FSDPModule) for layer in trainer.causal_lm.model.layers)
+        got_losses, got_norms = _steps(trainer, fsdp_cfg, device)
+        got_params = {k: v.double().cpu().numpy() for k, v in full_model_state(trainer.module).items()}
+    finally:
+        dist.destroy_process_group()
+    bound = tol("float32", "adamw_rel")
+    print(f"fsdp2 {device}: losses {got_losses} vs {want_losses}; norms {got_norms} vs {want_norms}")
+    for got, want in ((got_losses, want_losses), (got_norms, want_norms)):
+        np.testing.assert_allclose(got, want, rtol=bound)
+    prefix = "causal_lm."
+    got_params = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in got_params.items()}
+    rel = {k: rel_norm(got_params[k], want_params[k]) for k in want_params}
+    worst = max(rel, key=rel.get)
+    assert rel[worst] <= bound, (worst, rel[worst])
+    assert want_losses[-1] < want_losses[0], "the steps must train"
