@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast test-vllm setup-vllm bench clean
+.PHONY: setup demo test test-fast test-vllm setup-vllm bench gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,12 @@ bench: setup
 	$(BIN)/python benchmarks/cp_memory.py
 	$(BIN)/python benchmarks/grpo_memory.py
 	$(BIN)/python benchmarks/readme_table.py
+
+# The GPU lane (README, "GPU lane"): the wheels the GPU machine lacks (benchmarks/gpu/wheels.txt), for Python
+# 3.12 x86_64, into .whl/ (added to .git/info/exclude); deepspeed's is built here from its sdist. Prints the
+# size that travels (tree + wheels; the machine takes 64 MiB). There: bash benchmarks/gpu/run_all.sh OUTDIR.
+gpu-wheels: setup
+	PYTHON=$(BIN)/python bash benchmarks/gpu/fetch_wheels.sh
 
 clean:
 	rm -rf runs .pytest_cache
