@@ -15,7 +15,9 @@
 # a benchmark failed; 2 usage error; 3 no CUDA device: the lane ran but every gpu test skipped, nothing was
 # proven (set TWINSEQ_ALLOW_NO_CUDA=1 to exit 0 instead, as the CPU test of this script does).
 # Environment: PYTHON (default: .venv/bin/python if present, else python3), TWINSEQ_GPU_SITE (default
-# /tmp/site), PYTEST_ARGS (extra pytest arguments, e.g. "-k flex" or a test path), TWINSEQ_WHEELS=0 (skip .whl).
+# /tmp/site), PYTEST_ARGS (extra pytest arguments, e.g. "-k flex" or test paths: a way to split the lane),
+# TWINSEQ_LANE_TIMEOUT (default 540 s: the lane is interrupted, and reported, before a 600 s command limit),
+# TWINSEQ_TEST_TIMEOUT (default 300 s a test), TWINSEQ_WHEELS=0 (skip .whl).
 set -uo pipefail
 
 usage() {
@@ -143,15 +145,20 @@ grep -E "^(torch|jax|liger-kernel|trl|deepspeed|cut-cross-entropy|jax backend|im
     | sed 's/^/  /'
 
 STATUS=0
+TEST_LIMIT=${TWINSEQ_TEST_TIMEOUT:-300}
 CUDA=$("$PYTHON" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
 
 # ---- lane --------------------------------------------------------------------------------------------
 if [[ $RUN_LANE == 1 ]]; then
-    say "lane: pytest -m gpu (log: $OUT/gpu_lane.log)"
+    LANE_LIMIT=${TWINSEQ_LANE_TIMEOUT:-540}
+    say "lane: pytest -m gpu, at most $LANE_LIMIT s, $TEST_LIMIT s a test (log: $OUT/gpu_lane.log)"
+    start=$SECONDS
+    # SIGINT at the limit: pytest stops, still prints its summary and writes the junit report.
     # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-    "$PYTHON" -m pytest -m gpu -rA -p no:cacheprovider --junitxml="$OUT/gpu_lane.xml" ${PYTEST_ARGS:-} \
-        2>&1 | tee "$OUT/gpu_lane.log"
+    timeout -s INT -k 30 "$LANE_LIMIT" "$PYTHON" -m pytest -m gpu -rA -p no:cacheprovider --durations=20 \
+        --timeout="$TEST_LIMIT" --junitxml="$OUT/gpu_lane.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_lane.log"
     rc=${PIPESTATUS[0]}
+    say "lane: pytest exit status $rc after $((SECONDS - start)) s"
     "$PYTHON" - "$OUT/gpu_lane.xml" "$rc" <<'EOF' | tee "$OUT/gpu_lane_summary.txt"
 import collections, sys
 import xml.etree.ElementTree as ET
@@ -179,7 +186,11 @@ print(f"GPU lane: {outcome['passed']} passed, {outcome['failed']} failed, {outco
       f"{outcome['errors']} errors (pytest exit status {rc})")
 for reason, n in reasons.most_common():
     print(f"  skipped {n}: {reason}")
+if rc == 124:
+    print("  INTERRUPTED at the lane's time limit (TWINSEQ_LANE_TIMEOUT): the counts are partial and the last test "
+          "counted did not finish; split the lane with PYTEST_ARGS")
 EOF
+    # 5: no test selected (PYTEST_ARGS chose none)
     if [[ $rc -ne 0 && $rc -ne 5 ]]; then
         say "lane FAILED (pytest exit status $rc): see $OUT/gpu_lane.log"
         STATUS=1

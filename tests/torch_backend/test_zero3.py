@@ -136,15 +136,27 @@ def _hf_greedy(weights: dict) -> list[list[int]]:
 # --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """(losses, pre-clip gradient norms) of the single-process torch trainer, step by step."""
+def _plain_run(device: str = "cpu"):
+    """(losses, pre-clip gradient norms) of the single-process torch trainer on ``device``, step by step."""
     from twinseq.common.loader import StepIterator
+    from twinseq.torch_backend.parallel import parallelize
+    from twinseq.torch_backend.trainer import SFTTrainer
 
     cfg = W.make_config(**REFERENCE)
-    trainer, iterator = W._trainer(cfg), StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0)
+    if device == "cpu":
+        trainer = W._trainer(cfg)
+    else:
+        torch.manual_seed(cfg.seed)
+        trainer = SFTTrainer(cfg, parallelize(W._model(cfg).to(device), None, cfg), torch.device(device))
+    iterator = StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0)
     steps = [trainer.step(iterator.next_step()) for _ in range(STEPS)]
     return [s["loss"] for s in steps], [s["grad_norm"] for s in steps]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """(losses, pre-clip gradient norms) of the single-process torch trainer on CPU, step by step."""
+    return _plain_run()
 
 
 def _assert_norms_match(got, want):
@@ -181,12 +193,20 @@ def test_zero3_on_two_ranks_matches_single_process_and_generates_alike(tmp_path,
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_zero3_in_one_process_matches_single_process(tmp_path, reference, device):
+def test_zero3_in_one_process_matches_single_process(tmp_path, request, device):
     """ZeRO-3 in one process (on CUDA: NCCL and DeepSpeed's CUDA accelerator; every parameter built under
-    ``zero.Init``) against the single-process CPU trainer on the same 4 rows a step: per-step loss and
-    pre-clip gradient norm within 1e-5 (float32 on both, TF32 off); generation from the gathered and the
-    partitioned model agree."""
-    reference_losses, reference_norms = reference
+    ``zero.Init``) against the single-process trainer on the same device and the same 4 rows a step: per-step
+    loss and pre-clip gradient norm within 1e-5 (float32 on both, TF32 off); generation from the gathered and
+    the partitioned model agree."""
+    if device == "cpu":
+        reference_losses, reference_norms = request.getfixturevalue("reference")
+    else:
+        saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            reference_losses, reference_norms = _plain_run(device)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
     (result,) = launch(REFERENCE | {"deepspeed_zero_stage": 3}, tmp_path, world_size=1, cuda=device == "cuda")
     assert result["device"] == device and result["partitioned"], result.get("device")
     assert result["dtypes"] == ["torch.float32"], result["dtypes"]
