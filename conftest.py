@@ -2,8 +2,11 @@
 
 import os
 
-# JAX on 8 host CPU devices for the multi_device tests; harmless for everything else.
+# JAX on 8 host CPU devices for the multi_device tests; harmless for everything else. The GPU lane
+# (benchmarks/gpu/run_all.sh) sets JAX_PLATFORMS="" so that JAX picks its GPU there, and keeps JAX from
+# preallocating most of the GPU's memory, which torch shares in the same process.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()

@@ -37,12 +37,12 @@ def test_help_lists_the_stages():
     out = _run("--help")
     assert out.returncode == 0, out.stderr
     assert "usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE...]" in out.stdout
-    assert all(stage in out.stdout for stage in ("lane", "bench", "all"))
+    assert all(stage in out.stdout for stage in ("env", "lane", "bench", "all"))
 
 
 @pytest.mark.parametrize("args, message", [
     ((), "usage:"),
-    (("OUT", "bogus"), "unknown stage 'bogus' (choose from: lane bench all)"),
+    (("OUT", "bogus"), "unknown stage 'bogus' (choose from: env lane bench all)"),
     (("--verbose",), "unknown option --verbose"),
 ])
 def test_usage_errors_exit_2(tmp_path, args, message):

@@ -2,6 +2,7 @@
 # The GPU lane in one command: benchmarks/gpu/run_all.sh OUTDIR [STAGE...]   (README, "GPU lane")
 #
 # Stages (default: all), each under ~9 minutes on one H100, so a session can split them over commands:
+#   env    only the setup below and OUTDIR/env.txt
 #   lane   pytest -m gpu -rA over tests/ and parity_tests/ -> OUTDIR/gpu_lane.log, gpu_lane.xml, gpu_lane_summary.txt
 #   bench  every benchmarks/gpu/*.py (not _*.py), as `python benchmarks/gpu/NAME.py --out OUTDIR`
 #          -> OUTDIR/bench_NAME.log
@@ -23,7 +24,8 @@ set -uo pipefail
 usage() {
     cat <<'EOF'
 usage: benchmarks/gpu/run_all.sh OUTDIR [STAGE...]
-  stages: lane (pytest -m gpu), bench (benchmarks/gpu/*.py --out OUTDIR), all (lane then bench; the default)
+  stages: env (OUTDIR/env.txt only), lane (pytest -m gpu), bench (benchmarks/gpu/*.py --out OUTDIR),
+          all (lane then bench; the default)
   writes OUTDIR/env.txt always; exit 0 passed, 1 failed, 2 usage, 3 no CUDA (nothing ran)
 EOF
 }
@@ -38,10 +40,11 @@ STAGES=("$@")
 RUN_LANE=0 RUN_BENCH=0
 for stage in "${STAGES[@]}"; do
     case "$stage" in
+        env) ;;
         lane) RUN_LANE=1 ;;
         bench) RUN_BENCH=1 ;;
         all) RUN_LANE=1 RUN_BENCH=1 ;;
-        *) echo "run_all.sh: unknown stage '$stage' (choose from: lane bench all)" >&2; usage >&2; exit 2 ;;
+        *) echo "run_all.sh: unknown stage '$stage' (choose from: env lane bench all)" >&2; usage >&2; exit 2 ;;
     esac
 done
 
@@ -225,11 +228,13 @@ if [[ $STATUS -ne 0 ]]; then
     exit 1
 fi
 if [[ $CUDA != 1 ]]; then
+    why="no CUDA: nothing ran"
+    [[ $RUN_LANE == 1 ]] && why="$why (every gpu test skipped)"
     if [[ "${TWINSEQ_ALLOW_NO_CUDA:-0}" == 1 ]]; then
-        say "no CUDA: nothing ran (every gpu test skipped); TWINSEQ_ALLOW_NO_CUDA=1, so exit 0"
+        say "$why; TWINSEQ_ALLOW_NO_CUDA=1, so exit 0"
         exit 0
     fi
-    say "no CUDA: nothing ran (every gpu test skipped); exit 3"
+    say "$why; exit 3"
     exit 3
 fi
 say "done: results in $OUT"
