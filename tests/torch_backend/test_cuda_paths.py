@@ -202,3 +202,59 @@ def test_fsdp2_on_one_rank_trains_like_the_plain_model(device, ieee_fp32, monkey
     worst = max(rel, key=rel.get)
     assert rel[worst] <= bound, (worst, rel[worst])
     assert want_losses[-1] < want_losses[0], "the steps must train"
+
+
+# --------------------------------------------------------------------------------------
+# twinseq's Triton linear cross-entropy, compiled, on ragged shapes
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cap", [None, 2.0])
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_kernel_fp32_matches_fp64_autograd_on_ragged_shapes(device, cap, ieee_fp32, monkeypatch):
+    """``triton_ce.linear_logps`` in float32 (compiled on CUDA with its GPU tiles; on CPU under Triton's
+    interpreter with small tiles) against float64 autograd of the naive equivalent: every dimension ragged
+    against the tiles, ignored rows, a soft-cap, entropy. Bounds: the float32 rows (log-probs 1e-6 relative to
+    the largest, entropy and gradients 1e-5 relative), as tests/torch_backend/test_triton_ce.py holds the
+    interpreter to; argmax hits exactly."""
+    pytest.importorskip("triton")
+    from twinseq.torch_backend import triton_ce
+
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        if triton_ce.kernel_mode(torch.device("cpu")) != "interpret":
+            pytest.skip("triton was imported before TRITON_INTERPRET=1 (set by the root conftest.py without a GPU)")
+    n, V, D = (37, 101, 40) if device == "cpu" else (1000, 5003, 72)  # GPU tiles: 64 rows, 128 words, 64 dims
+    gen = torch.Generator().manual_seed(0)
+    h64 = torch.randn(n, D, generator=gen, dtype=torch.float64)
+    w64 = torch.randn(V, D, generator=gen, dtype=torch.float64) * D ** -0.5 * 2.0
+    targets = torch.randint(0, V, (n,), generator=gen)
+    targets[::7] = -100
+    g_logp, g_ent = (torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(2))
+
+    h, w = h64.detach().clone().requires_grad_(), w64.detach().clone().requires_grad_()
+    z = h @ w.T
+    z = z if cap is None else torch.tanh(z / cap) * cap
+    logp_all = torch.log_softmax(z, -1)
+    valid = targets != -100
+    want_logp = torch.where(valid, logp_all.gather(1, targets.clamp(min=0)[:, None])[:, 0], 0.0)
+    want_ent = -(logp_all.exp() * logp_all).sum(-1)
+    (want_logp * g_logp + torch.where(valid, want_ent, 0.0) * g_ent).sum().backward()
+    want_hit = (z.argmax(-1) == targets) & valid
+
+    hk = h64.float().to(device).requires_grad_()
+    wk = w64.float().to(device).requires_grad_()
+    logp, ent, hit = triton_ce.linear_logps(hk, wk, targets.to(device), logit_softcap=cap, with_entropy=True)
+    (logp * g_logp.float().to(device) + ent * g_ent.float().to(device)).sum().backward()
+
+    def rel(a, b):
+        a, b = a.detach().double().cpu(), b.detach().double().cpu()
+        return float((a - b).abs().max() / b.abs().max())
+
+    errs = {"logp": rel(logp, want_logp), "entropy": rel(ent.cpu()[valid], want_ent[valid]),
+            "dh": rel(hk.grad, h.grad), "dw": rel(wk.grad, w.grad)}
+    print(f"triton {device} cap={cap} n={n} V={V} D={D}: {errs}")
+    assert errs["logp"] <= 1e-6 and errs["entropy"] <= 1e-5, errs
+    assert errs["dh"] <= 1e-5 and errs["dw"] <= 1e-5, errs
+    assert torch.equal(hit.bool().cpu(), want_hit)
+    assert (logp.detach().cpu()[~valid] == 0).all() and (hk.grad.cpu()[~valid] == 0).all()
