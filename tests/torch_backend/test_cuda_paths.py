@@ -9,6 +9,8 @@ Invariants:
   float32 step within the committed bfloat16 rows of ``parity_tests/tolerances.py``.
 - FSDP2 in one process (a one-rank group: gloo on CPU, NCCL on CUDA) trains like the plain model: per-step
   loss and pre-clip gradient norm within ``adamw_rel``, final parameters within ``adamw_rel``.
+- twinseq's Triton linear cross-entropy (``loss_type="triton"``), compiled with its GPU tiles on shapes ragged
+  against every tile, equals float64 autograd within the float32 rows (on CPU: Triton's interpreter).
 
 The other CUDA paths have their gpu tests next to their CPU ones: Liger and the chunked losses
 (test_losses.py), activation offloading (test_offload.py), ZeRO-3 (test_zero3.py), ``torch_compile``
