@@ -8,7 +8,8 @@ Invariants:
 - A training step's loss and gradients under bfloat16 autocast (float32 parameters, bf16 matmuls) equal the
   float32 step within the committed bfloat16 rows of ``parity_tests/tolerances.py``.
 - FSDP2 in one process (a one-rank group: gloo on CPU, NCCL on CUDA) trains like the plain model: per-step
-  loss and pre-clip gradient norm within ``adamw_rel``, final parameters within ``adamw_rel``.
+  loss and pre-clip gradient norm within ``adamw_rel``, final parameters within ``adamw_rel``; with
+  ``dtype=bfloat16`` (on CUDA: bf16 parameters in compute, fp32 reduction) the first step within the bf16 rows.
 - twinseq's Triton linear cross-entropy (``loss_type="triton"``), compiled with its GPU tiles on shapes ragged
   against every tile, equals float64 autograd within the float32 rows (on CPU: Triton's interpreter).
 
@@ -204,6 +205,54 @@ def test_fsdp2_on_one_rank_trains_like_the_plain_model(device, ieee_fp32, monkey
     worst = max(rel, key=rel.get)
     assert rel[worst] <= bound, (worst, rel[worst])
     assert want_losses[-1] < want_losses[0], "the steps must train"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fsdp2_bf16_mixed_precision_on_one_rank_is_within_the_bf16_rows(device, ieee_fp32, monkeypatch):
+    """``dtype=bfloat16`` under FSDP2: on CUDA bf16 parameters in compute (``MixedPrecisionPolicy``, fp32
+    reduction) plus autocast; on CPU autocast alone. Against the plain trainer's bf16 autocast step (float32
+    parameters): the first step's loss within ``token_loss_ulps`` bf16 ulps at the largest |logit| and its
+    pre-clip gradient norm within ``grad_rel`` (the bfloat16 rows), every step finite and training."""
+    import torch.distributed as dist
+
+    from twinseq.common.loader import StepIterator
+    from twinseq.torch_backend.model import logits
+    from twinseq.torch_backend.parallel import init_runtime, parallelize
+    from twinseq.torch_backend.trainer import SFTTrainer
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    if device == "cpu":
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base = dict(max_steps=FSDP_STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                max_grad_norm=0.5, dtype="bfloat16")
+    cfg = W.make_config(**base)
+    first = StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0).next_step()
+    with torch.no_grad():
+        ref_model = W._model(cfg).to(device)
+        max_logit = max(float(np.abs(logits(ref_model, b)).max()) for b in first)
+    torch.manual_seed(0)
+    plain = SFTTrainer(cfg, parallelize(W._model(cfg).to(device), None, cfg), torch.device(device))
+    want_losses, want_norms = _steps(plain, cfg, device)
+
+    fsdp_cfg = W.make_config(**base, fsdp=True)
+    runtime = init_runtime(fsdp_cfg, env={"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"})
+    try:
+        trainer = W._trainer(fsdp_cfg, runtime)
+        seen = []
+        trainer.causal_lm.model.layers[0].mlp.down_proj.register_forward_pre_hook(
+            lambda module, args: seen.append(module.weight.dtype))
+        got_losses, got_norms = _steps(trainer, fsdp_cfg, device)
+    finally:
+        dist.destroy_process_group()
+    assert set(seen) == {torch.bfloat16 if device == "cuda" else torch.float32}, seen
+    ulp = bf16_ulp(max_logit)
+    loss_err, norm_rel = abs(got_losses[0] - want_losses[0]), abs(got_norms[0] - want_norms[0]) / want_norms[0]
+    print(f"fsdp2 bf16 {device}: first loss {got_losses[0]:.5f} vs {want_losses[0]:.5f} ({loss_err / ulp:.2f} ulps "
+          f"at |logit| {max_logit:.2f}); grad norm rel {norm_rel:.2e}; losses {got_losses}")
+    assert loss_err <= tol("bfloat16", "token_loss_ulps") * ulp
+    assert norm_rel <= tol("bfloat16", "grad_rel")
+    assert np.isfinite(got_losses + got_norms).all() and got_losses[-1] < got_losses[0]
 
 
 # --------------------------------------------------------------------------------------
