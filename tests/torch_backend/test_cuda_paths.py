@@ -10,6 +10,8 @@ Invariants:
 - FSDP2 in one process (a one-rank group: gloo on CPU, NCCL on CUDA) trains like the plain model: per-step
   loss and pre-clip gradient norm within ``adamw_rel``, final parameters within ``adamw_rel``; with
   ``dtype=bfloat16`` (on CUDA: bf16 parameters in compute, fp32 reduction) the first step within the bf16 rows.
+- ``twinseq train`` on CUDA (gpu only) with Liger, offloading and bf16 on: a run resumed from its step-4
+  checkpoint logs the uninterrupted run's losses within ``adamw_rel``.
 - twinseq's Triton linear cross-entropy (``loss_type="triton"``), compiled with its GPU tiles on shapes ragged
   against every tile, equals float64 autograd within the float32 rows (on CPU: Triton's interpreter).
 
@@ -253,6 +255,58 @@ def test_fsdp2_bf16_mixed_precision_on_one_rank_is_within_the_bf16_rows(device, 
     assert loss_err <= tol("bfloat16", "token_loss_ulps") * ulp
     assert norm_rel <= tol("bfloat16", "grad_rel")
     assert np.isfinite(got_losses + got_norms).all() and got_losses[-1] < got_losses[0]
+
+
+# --------------------------------------------------------------------------------------
+# `twinseq train` on CUDA with the CUDA features on, stopped and resumed
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_train_on_cuda_with_its_features_resumes_where_it_stopped(tmp_path):
+    """``train`` picks CUDA; packing, padding-free varlen attention, Liger's loss (fused_linear without
+    liger-kernel), activation offloading on CUDA streams, bf16 autocast. 8 steps straight against 4, a stop and
+    4 more from checkpoint-4 (its CUDA RNG state included): every logged loss within ``adamw_rel`` (not bitwise:
+    CUDA's atomics sum in any order), the loss falls, the peak memory is the CUDA allocator's. The CPU run of the
+    same resume is tests/torch_backend/test_train.py::test_resume_is_bitwise_identical."""
+    import importlib.util
+    import json
+    import shutil
+
+    from twinseq.common.config import TrainConfig
+    from twinseq.common.corpus import load_embedded
+    from twinseq.common.metrics import read_metrics
+    from twinseq.torch_backend.trainer import train
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["completion"]}) + "\n"
+                            for r in load_embedded("embedded-sft").select(range(160))))
+    loss_type = "liger" if importlib.util.find_spec("liger_kernel") else "fused_linear"
+
+    def cfg(out, **kw):
+        return TrainConfig.from_flat(dataset_name=str(data), model_config="tiny", max_length=96, seed=3,
+                                     per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=3e-3,
+                                     warmup_steps=2, max_steps=8, save_steps=4, packing=True, padding_free=True,
+                                     attn_implementation="varlen", loss_type=loss_type, activation_offloading=True,
+                                     dtype="bfloat16", output_dir=str(out), disable_tqdm=True, **kw)
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    torch.cuda.reset_peak_memory_stats()
+    train(cfg(straight))
+    resumed.mkdir()
+    shutil.copytree(straight / "checkpoint-4", resumed / "checkpoint-4")
+    lines = (straight / "metrics.jsonl").read_text().splitlines()[:4]
+    (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    train(cfg(resumed, resume_from_checkpoint=str(resumed / "checkpoint-4")))
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert [r["step"] for r in b] == list(range(1, 9))
+    la, lb = np.array([r["loss"] for r in a]), np.array([r["loss"] for r in b])
+    print(f"train on cuda ({loss_type}): straight {la.tolist()}; resumed {lb.tolist()}; "
+          f"peak {a[-1]['peak_memory_bytes'] / 2**20:.0f} MiB")
+    np.testing.assert_allclose(lb, la, rtol=tol("float32", "adamw_rel"))
+    assert la[-1] < la[0]
+    assert 0 < a[-1]["peak_memory_bytes"] <= torch.cuda.max_memory_allocated()
 
 
 # --------------------------------------------------------------------------------------
