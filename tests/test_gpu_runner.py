@@ -19,8 +19,7 @@ SCRIPT = ROOT / "benchmarks" / "gpu" / "run_all.sh"
 
 
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHON": sys.executable, "TWINSEQ_WHEELS": "0", "TMPDIR": env.pop("TMPDIR", "/tmp"),
-                **env}
+    full_env = {**os.environ, "PYTHON": sys.executable, "TWINSEQ_WHEELS": "0", **env}
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=300)
 

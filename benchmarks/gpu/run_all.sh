@@ -84,8 +84,7 @@ fi
 where=$("$PYTHON" -c 'import twinseq.common, os; print(os.path.dirname(os.path.realpath(twinseq.common.__file__)))' \
     2>/dev/null || true)
 if [[ "$where" != "$ROOT/common" ]]; then
-    SHIM=${TMPDIR:-/tmp}/twinseq_shim
-    rm -rf "$SHIM" && mkdir -p "$SHIM/twinseq" || exit 2
+    SHIM=$(mktemp -d "${TMPDIR:-/tmp}/twinseq_shim.XXXXXX") && mkdir "$SHIM/twinseq" || exit 2
     for layer in common torch_backend jax_backend; do ln -s "$ROOT/$layer" "$SHIM/twinseq/$layer"; done
     export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
     where=$("$PYTHON" -c 'import twinseq.common, os; print(os.path.dirname(os.path.realpath(twinseq.common.__file__)))') \
