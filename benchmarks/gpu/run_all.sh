@@ -85,6 +85,7 @@ where=$("$PYTHON" -c 'import twinseq.common, os; print(os.path.dirname(os.path.r
     2>/dev/null || true)
 if [[ "$where" != "$ROOT/common" ]]; then
     SHIM=$(mktemp -d "${TMPDIR:-/tmp}/twinseq_shim.XXXXXX") && mkdir "$SHIM/twinseq" || exit 2
+    trap 'rm -rf "$SHIM"' EXIT
     for layer in common torch_backend jax_backend; do ln -s "$ROOT/$layer" "$SHIM/twinseq/$layer"; done
     export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
     where=$("$PYTHON" -c 'import twinseq.common, os; print(os.path.dirname(os.path.realpath(twinseq.common.__file__)))') \
