@@ -384,8 +384,8 @@ def write_result(what: str, prov: dict[str, Any], payload: dict[str, Any], *, ti
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
-    """``--output-dir`` (alias ``--out-dir``) and ``--no-write``, the same in every script."""
-    parser.add_argument("--output-dir", "--out-dir", dest="output_dir", type=Path, default=RESULTS_DIR,
+    """``--output-dir`` (aliases ``--out-dir``, ``--out``) and ``--no-write``, the same in every script."""
+    parser.add_argument("--output-dir", "--out-dir", "--out", dest="output_dir", type=Path, default=RESULTS_DIR,
                         help="where the .json/.md/.png go (default: benchmarks/results)")
     parser.add_argument("--no-write", action="store_true", help="print only")
 

@@ -12,7 +12,12 @@
   ``compiled.memory_analysis()`` recorded (argument + output + temp - alias bytes). The training peak is
   ``max(grads phase + optimizer-state bytes (live, not an argument), update phase)``.
 
-Used by ``memory_planner_check.py``, ``peft_staircase.py`` and the tests. ``measure(flags)`` returns a
+- torch on CUDA (the trainer picks the GPU when torch sees one): the same hooks read
+  ``torch.cuda.max_memory_allocated`` instead; ``peak_bytes`` is the largest value over the steps minus the bytes
+  allocated at the baseline (parameters, gradients, optimizer state and activations are inside it), and the step
+  times are taken after ``torch.cuda.synchronize()``. The RSS figures are kept under ``rss_*`` keys.
+
+Used by ``memory_planner_check.py``, ``peft_staircase.py``, ``gpu/sft_gpu.py`` and the tests. ``measure(flags)`` returns a
 dict (``peak_bytes``, ``baseline_rss_bytes``, ``build_peak_bytes``, ``seconds_per_step``, ...).
 """
 
@@ -66,8 +71,13 @@ def _child_torch(argv: list[str]) -> dict[str, Any]:
     from twinseq.common.cli import main
     from twinseq.torch_backend import trainer as tt
 
-    rec: dict[str, Any] = {"step_hwm": [], "step_seconds": []}
+    rec: dict[str, Any] = {"step_hwm": [], "step_seconds": [], "device": "cpu"}
     build = tt.build_causal_lm
+    cuda = torch.cuda.is_available()
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
 
     def build_hooked(*args, **kwargs):
         # framework code the build imports lazily belongs to the baseline, not to the model
@@ -82,6 +92,11 @@ def _child_torch(argv: list[str]) -> dict[str, Any]:
         gc.collect()
         rec["baseline_rss_bytes"] = _status("VmRSS")
         _reset_hwm()
+        if cuda:
+            sync()
+            rec["device"] = "cuda"
+            rec["cuda_baseline_bytes"] = int(torch.cuda.memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
         return build(*args, **kwargs)
 
     step = tt.Trainer.step
@@ -93,10 +108,20 @@ def _child_torch(argv: list[str]) -> dict[str, Any]:
             rec["build_hwm"] = _status("VmHWM")
             rec["before_steps_rss_bytes"] = _status("VmRSS")
             _reset_hwm()
+            if cuda:
+                sync()
+                rec["cuda_build_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+                rec["cuda_before_steps_bytes"] = int(torch.cuda.memory_allocated())
+                rec["cuda_step_peak"] = []
+                torch.cuda.reset_peak_memory_stats()
+        sync()
         t0 = time.perf_counter()
         out = step(self, micro_batches)
+        sync()
         rec["step_seconds"].append(time.perf_counter() - t0)
         rec["step_hwm"].append(_status("VmHWM"))
+        if cuda:
+            rec["cuda_step_peak"].append(int(torch.cuda.max_memory_allocated()))
         rec.setdefault("num_tokens", []).append(int(out.get("num_tokens", 0)))
         return out
 
@@ -109,6 +134,13 @@ def _child_torch(argv: list[str]) -> dict[str, Any]:
     rec["peak_bytes"] = max(rec["step_hwm"]) - base
     rec["build_peak_bytes"] = rec["build_hwm"] - base
     rec["resident_before_steps_bytes"] = rec["before_steps_rss_bytes"] - base
+    if cuda:
+        for key in ("peak_bytes", "build_peak_bytes", "resident_before_steps_bytes"):
+            rec["rss_" + key] = rec[key]
+        base = rec["cuda_baseline_bytes"]
+        rec["peak_bytes"] = max(rec["cuda_step_peak"]) - base
+        rec["build_peak_bytes"] = rec["cuda_build_peak_bytes"] - base
+        rec["resident_before_steps_bytes"] = rec["cuda_before_steps_bytes"] - base
     return rec
 
 
