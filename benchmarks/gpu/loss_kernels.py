@@ -206,7 +206,7 @@ def _one_call(loss_fn: Callable, inp: dict) -> dict:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        return {"loss": float(loss), "forward_s": t1 - t0, "backward_s": t2 - t1, "peak_bytes": None}
+        return {"loss": float(loss.detach()), "forward_s": t1 - t0, "backward_s": t2 - t1, "peak_bytes": None}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -218,7 +218,7 @@ def _one_call(loss_fn: Callable, inp: dict) -> dict:
     events[2].record()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    return {"loss": float(loss), "forward_s": events[0].elapsed_time(events[1]) / 1e3,
+    return {"loss": float(loss.detach()), "forward_s": events[0].elapsed_time(events[1]) / 1e3,
             "backward_s": events[1].elapsed_time(events[2]) / 1e3, "peak_bytes": int(peak)}
 
 

@@ -1,0 +1,128 @@
+"""The GPU benchmark scripts (benchmarks/gpu/) in their smoke mode, on whatever device this machine has.
+
+CI has no GPU: the smoke runs here check the plumbing end to end on the CPU (the rows that need CUDA say so and
+why), and the loss-kernel check is shown to flag a kernel whose loss or gradients are wrong.
+"""
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_BENCH = ROOT / "benchmarks" / "gpu"
+sys.path.insert(0, str(GPU_BENCH))
+loss_kernels = importlib.import_module("loss_kernels")
+
+
+def _run_script(name: str, tmp_path: Path, *argv: str) -> dict:
+    proc = subprocess.run([sys.executable, str(GPU_BENCH / f"{name}.py"), "--smoke", "--out", str(tmp_path), *argv],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob(f"{name}_*_*.json")
+    data = json.loads(path.read_text())
+    assert data["what"] == name and data["provenance"]["non_default_arguments"] == {"smoke": True}
+    assert path.with_suffix(".md").exists()
+    return data
+
+
+@pytest.mark.slow
+def test_loss_kernels_smoke_runs_every_kernel_or_says_why_not(tmp_path):
+    import torch
+
+    data = _run_script("loss_kernels", tmp_path)
+    md = (tmp_path / f"loss_kernels_{data['provenance']['hardware_slug']}_{data['provenance']['date_utc']}.md"
+          ).read_text()
+    assert [s["vocab"] for s in data["shapes"]] == [int(v) for v in loss_kernels.SMOKE["vocabs"].split(",")]
+    for shape in data["shapes"]:
+        rows = {r["kernel"]: r for r in shape["results"]}
+        assert list(rows) == list(loss_kernels.KERNELS)
+        base = rows[loss_kernels.BASELINE]
+        assert base["status"] == "ok" and "check" not in base
+        for name, row in rows.items():
+            assert name in md
+            if row["status"] != "ok":
+                assert row["status"] == "skipped" and row["reason"], row
+                continue
+            assert len(row["seconds"]) == loss_kernels.SMOKE["repeats"] and row["median_seconds"] > 0
+            if name != loss_kernels.BASELINE:
+                assert row["check"]["agrees"], row  # every kernel that runs computes nll's loss and gradients
+        # twinseq's CPU paths and TRL's torch fallback run anywhere; the Triton kernels only on CUDA
+        for name in ("twinseq chunked_nll", "twinseq fused_linear", "trl chunked_nll"):
+            assert rows[name]["status"] == "ok", rows[name]
+        if not torch.cuda.is_available():
+            for name in ("twinseq liger", "liger LigerFusedLinearCrossEntropyLoss", "cce linear_cross_entropy"):
+                assert rows[name]["status"] == "skipped" and "CUDA" in rows[name]["reason"]
+            assert all(r.get("peak_bytes") is None for r in rows.values())
+
+
+def _tiny_inputs():
+    return loss_kernels.make_inputs(48, 16, 40, "float32", "cpu", ignore_fraction=0.2, seed=1)
+
+
+def test_the_check_flags_a_wrong_loss_and_wrong_gradients():
+    from twinseq.torch_backend.losses import causal_lm_loss
+
+    inp = _tiny_inputs()
+    base = loss_kernels.measure_kernel(loss_kernels.BASELINE, loss_kernels.KERNELS[loss_kernels.BASELINE], inp,
+                                       None, warmup=0, repeats=1)
+    reference = base.pop("reference")
+
+    def nll(h, w):
+        return causal_lm_loss(h, w, inp["labels_BT"], inp["num_valid"], "nll")
+
+    def same_loss_scaled_grads(h, w):  # the loss value of nll, gradients 0.9x
+        loss = nll(h, w)
+        return loss.detach() + 0.9 * (loss - loss.detach())
+
+    kernels = {"right": lambda _: nll, "wrong loss": lambda _: lambda h, w: nll(h, w) * 1.001,
+               "wrong gradients": lambda _: same_loss_scaled_grads}
+    got = {name: loss_kernels.measure_kernel(name, make, inp, reference, warmup=0, repeats=1)["check"]
+           for name, make in kernels.items()}
+    assert got["right"]["agrees"] and got["right"]["grad_weight_max_abs_diff"] == 0.0
+    assert not got["wrong loss"]["agrees"] and got["wrong loss"]["loss_abs_diff"] > got["wrong loss"]["bounds"]["loss_abs"]
+    wrong = got["wrong gradients"]
+    assert not wrong["agrees"] and wrong["loss_abs_diff"] == 0.0
+    assert wrong["grad_hidden_rel"] == pytest.approx(0.1, rel=1e-4) and wrong["grad_weight_rel"] == pytest.approx(0.1, rel=1e-4)
+
+
+def test_a_kernel_that_cannot_run_is_a_row_with_its_reason():
+    inp = _tiny_inputs()
+
+    def broken(_):
+        def loss_fn(h, w):
+            raise RuntimeError("CUDA out of memory (simulated by this test)")
+        return loss_fn
+
+    row = loss_kernels.measure_kernel("broken", broken, inp, None, warmup=0, repeats=1)
+    assert row["status"] == "failed" and "out of memory" in row["reason"]
+    row = loss_kernels.measure_kernel("needs cuda", loss_kernels.KERNELS["cce linear_cross_entropy"],
+                                      dict(inp, device="cpu"), None, warmup=0, repeats=1)
+    assert row["status"] == "skipped" and "CUDA" in row["reason"]
+
+
+@pytest.mark.slow
+def test_sft_gpu_smoke_trains_twinseq_and_trl_on_the_same_rows(tmp_path):
+    import torch
+
+    data = _run_script("sft_gpu", tmp_path)
+    rows = {r["setup"]: r for r in data["results"]}
+    assert list(rows) == ["twinseq", "twinseq-offload", "trl"]
+    for name in ("twinseq", "trl"):
+        r = rows[name]
+        assert r["status"] == "ok", r
+        assert len(r["step_seconds"]) == len(r["step_tokens"]) == data["steps"]
+        assert r["tokens_per_second"] > 0
+        # packed rows of max_length tokens, rows per step: no step feeds more than that
+        assert 0 < max(r["step_tokens"]) <= data["rows"] * data["max_length"]
+    # both sides pack the same tokenised rows with bfd into rows of the same length: the steps are alike
+    assert abs(sum(rows["twinseq"]["step_tokens"]) - sum(rows["trl"]["step_tokens"])) <= 0.1 * sum(
+        rows["trl"]["step_tokens"])
+    assert rows["twinseq"]["config"]["gradient_checkpointing"] and rows["twinseq"]["config"]["padding_free"]
+    assert data["ratios"]["twinseq_over_trl_tokens_per_second"] > 0
+    if not torch.cuda.is_available():
+        assert rows["twinseq-offload"]["status"] == "skipped" and "CPU" in rows["twinseq-offload"]["reason"]
+        assert data["acceptance"] == {}  # the issue's bars are for GPU runs only
