@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast test-vllm setup-vllm bench gpu-wheels clean
+.PHONY: setup demo test test-fast test-vllm setup-vllm bench bench-gpu gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -81,6 +81,14 @@ bench: setup
 # size that travels (tree + wheels; the machine takes 64 MiB). There: bash benchmarks/gpu/run_all.sh OUTDIR.
 gpu-wheels: setup
 	PYTHON=$(BIN)/python bash benchmarks/gpu/fetch_wheels.sh
+
+# The GPU benchmarks (benchmarks/gpu/), on a machine with a CUDA GPU, at their full size; the README table's
+# GPU column comes from their result files (and from any CPU benchmark run there). tests/test_benchmarks_report.py
+# checks that this list names every script in benchmarks/gpu/.
+bench-gpu: setup
+	$(BIN)/python benchmarks/gpu/loss_kernels.py
+	$(BIN)/python benchmarks/gpu/sft_gpu.py
+	$(BIN)/python benchmarks/readme_table.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -178,20 +178,82 @@ def grpo_memory_row(d: dict) -> tuple[str, str, str]:
             f"{best['step_seconds'] / trl['step_seconds']:.2f}× the step time")
 
 
-# The README's rows, in its order; every benchmark script in benchmarks/ has one (a test checks).
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms"
+
+
+def _mib_or_dash(num_bytes) -> str:
+    return "-" if num_bytes is None else _mib(num_bytes)
+
+
+def loss_kernels_row(d: dict) -> tuple[str, str, str]:
+    """Per vocabulary: ``nll`` and Cut Cross-Entropy, then twinseq's fastest loss that agrees with ``nll``."""
+    baseline, mine = [], []
+    for shape in d["shapes"]:
+        ok = {r["kernel"]: r for r in shape["results"] if r["status"] == "ok"}
+        nll, cce = ok["twinseq nll"], ok.get("cce linear_cross_entropy")
+        v = f"V {shape['vocab']:,}: "
+        baseline.append(v + f"`nll` {_mib_or_dash(nll['peak_bytes'])}, {_ms(nll['median_seconds'])}"
+                        + (f"; CCE {_mib_or_dash(cce['peak_bytes'])}, {_ms(cce['median_seconds'])}" if cce else ""))
+        ours = [r for name, r in ok.items() if name.startswith("twinseq ") and name != "twinseq nll"
+                and r["check"]["agrees"]]
+        if not ours:
+            mine.append("no twinseq loss agreed with `nll`")
+            continue
+        best = min(ours, key=lambda r: r["median_seconds"])
+        ref, key = (cce, "cce") if cce else (nll, "nll")
+        memory = (f" ({_x(best[f'memory_ratio_vs_{key}'])}× {key.upper()})"
+                  if f"memory_ratio_vs_{key}" in best else "")
+        mine.append(f"`{best['kernel'].split(' ', 1)[1]}` {_mib_or_dash(best['peak_bytes'])}{memory}, "
+                    f"{_ms(best['median_seconds'])} ({best[f'time_ratio_vs_{key}']:.2f}× {key.upper()})")
+    return (f"{d['tokens']:,} tok × H {d['hidden']:,}, {d['dtype']}", "<br>".join(baseline), "<br>".join(mine))
+
+
+def sft_gpu_row(d: dict) -> tuple[str, str, str]:
+    rows = {r["setup"]: r for r in d["results"] if r["status"] == "ok"}
+    r, ours, trl = d["ratios"], rows["twinseq"], rows.get("trl")
+    text = f"{ours['tokens_per_second']:,.0f} tok/s"
+    if "twinseq_over_trl_tokens_per_second" in r:
+        text += f" ({r['twinseq_over_trl_tokens_per_second']:.2f}× TRL)"
+    if ours["peak_bytes"]:
+        text += f", {_mib(ours['peak_bytes'])}"
+        text += f" ({_x(r['twinseq_over_trl_peak'])}× TRL)" if "twinseq_over_trl_peak" in r else ""
+    if "offload_over_no_offload_peak" in r:
+        text += (f"; offloading: {_x(r['offload_over_no_offload_peak'])}× the memory at "
+                 f"{r['offload_over_no_offload_step_time']:.2f}× the step time")
+    baseline = "TRL not run" if trl is None else (
+        f"TRL SFTTrainer: {trl['tokens_per_second']:,.0f} tok/s" + (f", {_mib(trl['peak_bytes'])}"
+                                                                    if trl["peak_bytes"] else ""))
+    return f"`{d['model']}`, {d['rows']} × {d['max_length']:,} packed tokens per step", baseline, text
+
+
+# The README's rows, in its order; every benchmark script in benchmarks/ and benchmarks/gpu/ has one (a test checks).
 ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "packing": packing_row, "loss_memory": loss_memory_row, "jax_loss_memory": jax_loss_memory_row,
     "memory_techniques": memory_techniques_row, "padding_free": padding_free_row, "torch_vs_jax": torch_vs_jax_row,
     "dpo_memory": dpo_memory_row, "ring_attention": ring_attention_row,
     "memory_planner_check": memory_planner_check_row, "peft_staircase": peft_staircase_row,
     "max_length": max_length_row, "cp_memory": cp_memory_row, "grpo_memory": grpo_memory_row,
+    "loss_kernels": loss_kernels_row, "sft_gpu": sft_gpu_row,
 }
+# Scripts of benchmarks/gpu/: measured on a GPU only (their CPU smoke runs are tests, never README figures).
+GPU_ONLY: dict[str, str] = {
+    "loss_kernels": "LM-head loss kernels fwd+bwd: twinseq vs `nll`, TRL, Liger, Cut Cross-Entropy",
+    "sft_gpu": "SFT steps: twinseq vs TRL SFTTrainer; activation offloading on/off",
+}
+NOT_ON_GPU = "not yet measured on GPU"
 
 
 # --- choosing files and rendering -------------------------------------------------------------
 
-def newest_results(results_dir: Path) -> dict[str, tuple[Path, dict]]:
-    """``what -> (path, data)`` of the newest ``<what>_<hardware>_<date>.json`` per benchmark.
+def is_gpu_hardware(hardware: str) -> bool:
+    """A file's hardware tag names a GPU (``h100-80gb``) rather than a CPU (``cpu-2core``)."""
+    return not hardware.startswith("cpu-")
+
+
+def newest_results(results_dir: Path, gpu: bool = False) -> dict[str, tuple[Path, dict]]:
+    """``what -> (path, data)`` of the newest ``<what>_<hardware>_<date>.json`` per benchmark, among the
+    CPU files (``gpu=False``) or the GPU files (``gpu=True``, hardware tags other than ``cpu-*``).
 
     Newest: the later run date (``provenance.started_utc``, else the date in the file name);
     on the same date a file with provenance wins over one without.
@@ -199,7 +261,9 @@ def newest_results(results_dir: Path) -> dict[str, tuple[Path, dict]]:
     best: dict[str, tuple[tuple, Path, dict]] = {}
     for path in sorted(results_dir.glob("*.json")):
         stem = parse_stem(path.stem)
-        if stem is None or stem["what"] not in ROWS:
+        if stem is None or stem["what"] not in ROWS or is_gpu_hardware(stem["hardware"]) != gpu:
+            continue
+        if not gpu and stem["what"] in GPU_ONLY:
             continue
         data = json.loads(path.read_text())
         prov = data.get("provenance")
@@ -227,23 +291,47 @@ def file_cell(path: Path, data: dict, readme_dir: Path) -> str:
     return f"{cell} ({', '.join(notes)})"
 
 
+def _cells(what: str, path: Path, data: dict) -> tuple[str, str, str]:
+    try:
+        return ROWS[what](data)
+    except (KeyError, IndexError, StopIteration, ValueError) as err:
+        raise SystemExit(f"{path}: a field the README row needs is missing ({err!r})") from err
+
+
+def gpu_cell(what: str, cpu_what: str | None, found: dict[str, tuple[Path, dict]], readme_dir: Path) -> str:
+    """The GPU column: the newest GPU file's baseline and twinseq figures and its file, or ``NOT_ON_GPU``."""
+    if what not in found:
+        return NOT_ON_GPU
+    path, data = found[what]
+    gpu_what, baseline, mine = _cells(what, path, data)
+    hardware = parse_stem(path.stem)["hardware"]
+    head = f"{gpu_what}: " if gpu_what != cpu_what else ""
+    lines_b, lines_m = baseline.split("<br>"), mine.split("<br>")
+    figures = ("<br>".join(f"{b} → {m}" for b, m in zip(lines_b, lines_m)) if len(lines_b) == len(lines_m)
+               else f"{baseline} → {mine}")
+    return f"**{hardware}**: {head}{'<br>' if len(lines_b) > 1 else ''}{figures}; {file_cell(path, data, readme_dir)}"
+
+
 def render(results_dir: Path = RESULTS_DIR, readme_dir: Path = REPO_ROOT) -> str:
     """The markdown between the markers: the table and a note on where it comes from."""
-    found = newest_results(results_dir)
-    lines = ["| what | baseline | twinseq | file |", "|---|---|---|---|"]
-    for what, make_row in ROWS.items():
-        if what not in found:
-            lines.append(f"| `{what}` | - | - | no result yet: run `benchmarks/{what}.py` |")
-            continue
-        path, data = found[what]
-        try:
-            cells = make_row(data)
-        except (KeyError, IndexError, StopIteration) as err:
-            raise SystemExit(f"{path}: a field the README row needs is missing ({err!r})") from err
-        lines.append("| " + " | ".join([*cells, file_cell(path, data, readme_dir)]) + " |")
+    found, on_gpu = newest_results(results_dir), newest_results(results_dir, gpu=True)
+    lines = ["| what | baseline | twinseq | file | on a GPU: baseline → twinseq |", "|---|---|---|---|---|"]
+    for what in ROWS:
+        if what in GPU_ONLY:
+            cpu, cpu_what = [GPU_ONLY[what], "-", "-", f"GPU only: `benchmarks/gpu/{what}.py`"], None
+        elif what not in found:
+            cpu, cpu_what = [f"`{what}`", "-", "-", f"no result yet: run `benchmarks/{what}.py`"], None
+        else:
+            path, data = found[what]
+            cells = _cells(what, path, data)
+            cpu, cpu_what = [*cells, file_cell(path, data, readme_dir)], cells[0]
+        lines.append("| " + " | ".join([*cpu, gpu_cell(what, cpu_what, on_gpu, readme_dir)]) + " |")
     lines += ["", "Generated by `benchmarks/readme_table.py` from the newest `.json` of each benchmark in "
               "`benchmarks/results/`; the hardware and date are in each file name, the commit, command, versions "
-              "and hardware details in the file."]
+              "and hardware details in the file. The first columns come from CPU runs (`cpu-*` files), the last "
+              "from GPU runs (any other hardware tag): "
+              + (f"{len(on_gpu)} of {len(ROWS)} benchmarks have one." if on_gpu else
+                 f"none has been measured on a GPU yet, so every row says \"{NOT_ON_GPU}\".")]
     if any("provenance" not in data for _, data in found.values()):
         lines += ["", "Rows marked *no provenance* come from files written before results recorded their commit, "
                   "command and detected hardware: their figures are as committed, and `make bench` replaces them."]

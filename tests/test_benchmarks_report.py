@@ -23,6 +23,7 @@ readme_table = importlib.import_module("readme_table")
 
 BENCHMARK_SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if not p.name.startswith("_")
                            and p.stem != "readme_table")
+GPU_SCRIPTS = sorted(p.stem for p in (BENCH / "gpu").glob("*.py") if not p.name.startswith("_"))
 
 
 def _run(*argv, cwd=ROOT):
@@ -38,10 +39,65 @@ def test_readme_table_matches_the_committed_results():
 
 
 def test_every_benchmark_script_has_a_readme_row_and_a_make_bench_line():
-    assert sorted(readme_table.ROWS) == BENCHMARK_SCRIPTS
-    recipe = (ROOT / "Makefile").read_text().split("\nbench:", 1)[1].split("\n\n", 1)[0]
-    ran = re.findall(r"benchmarks/(\w+)\.py", recipe)
-    assert sorted(ran[:-1]) == BENCHMARK_SCRIPTS and ran[-1] == "readme_table", ran
+    assert sorted(readme_table.ROWS) == sorted(BENCHMARK_SCRIPTS + GPU_SCRIPTS)
+    assert sorted(readme_table.GPU_ONLY) == GPU_SCRIPTS and GPU_SCRIPTS
+    makefile = (ROOT / "Makefile").read_text()
+    for target, scripts in (("bench", BENCHMARK_SCRIPTS), ("bench-gpu", GPU_SCRIPTS)):
+        recipe = makefile.split(f"\n{target}:", 1)[1].split("\n\n", 1)[0]
+        ran = re.findall(r"benchmarks/(?:gpu/)?(\w+)\.py", recipe)
+        assert sorted(ran[:-1]) == scripts and ran[-1] == "readme_table", (target, ran)
+
+
+def _as_gpu_file(tmp_path: Path, source: Path, date: str = "2099-01-02") -> Path:
+    """A copy of a result file as if it had been measured on an H100 (its figures unchanged)."""
+    data = json.loads(source.read_text())
+    what = parse(source)["what"]
+    data["provenance"] = {**data.get("provenance", {}), "started_utc": f"{date}T10:00:00+00:00", "date_utc": date,
+                          "hardware_slug": "h100-80gb", "device": "cuda",
+                          "git": {"commit": "0123456789abcdef", "dirty": False, "changed_paths": []},
+                          "non_default_arguments": {}}
+    path = tmp_path / f"{what}_h100-80gb_{date}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def parse(path: Path) -> dict:
+    return report.parse_stem(path.stem)
+
+
+def test_gpu_column_says_when_nothing_was_measured_on_a_gpu(tmp_path):
+    for f in RESULTS.glob("*.json"):
+        if not readme_table.is_gpu_hardware(parse(f)["hardware"]):
+            shutil.copy(f, tmp_path / f.name)
+    table = readme_table.render(tmp_path, tmp_path).split(readme_table.START)[-1].splitlines()
+    rows = [r for r in table if r.startswith("| ") and not r.startswith("| what")]
+    assert len(rows) == len(readme_table.ROWS)
+    assert all(r.endswith(f"| {readme_table.NOT_ON_GPU} |") for r in rows), rows
+    for what, text in readme_table.GPU_ONLY.items():  # a GPU-only benchmark keeps its row, saying where it runs
+        (row,) = [r for r in rows if r.startswith(f"| {text} |")]
+        assert f"benchmarks/gpu/{what}.py" in row
+
+
+def test_gpu_column_comes_from_the_gpu_file_and_leaves_the_cpu_columns_alone(tmp_path):
+    for f in RESULTS.glob("*.json"):
+        shutil.copy(f, tmp_path / f.name)
+    before = readme_table.render(tmp_path, tmp_path).splitlines()
+    cpu_file = next(RESULTS.glob("loss_memory_cpu-*.json"))
+    gpu = _as_gpu_file(tmp_path, cpu_file)  # newer than every CPU file, yet never picked for the CPU columns
+    data = json.loads(gpu.read_text())
+    fused = next(r for r in data["results"] if r["loss_type"] == "fused_linear")
+    fused["peak_bytes"] = 321 * 2**20
+    gpu.write_text(json.dumps(data))
+    after = readme_table.render(tmp_path, tmp_path).splitlines()
+    changed = [(b, a) for b, a in zip(before, after) if b != a]
+    assert len(before) == len(after) and len(changed) == 2, changed  # the row, and the note counting GPU files
+    old, new = changed[0]
+    cells_old, cells_new = old.split(" | "), new.split(" | ")
+    assert cells_old[:-1] == cells_new[:-1] and cpu_file.with_suffix(".md").name in cells_new[3]
+    assert cells_old[-1] == f"{readme_table.NOT_ON_GPU} |"
+    assert cells_new[-1].startswith("**h100-80gb**: ") and "`fused_linear` 321 MiB" in cells_new[-1]
+    assert gpu.with_suffix(".md").name in cells_new[-1] and "commit `0123456789`" in cells_new[-1]
+    assert "1 of" in changed[1][1]
 
 
 def test_check_fails_when_the_readme_drifts(tmp_path):

@@ -15,7 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 GPU_BENCH = ROOT / "benchmarks" / "gpu"
 sys.path.insert(0, str(GPU_BENCH))
+sys.path.insert(0, str(GPU_BENCH.parent))
 loss_kernels = importlib.import_module("loss_kernels")
+readme_table = importlib.import_module("readme_table")
 
 
 def _run_script(name: str, tmp_path: Path, *argv: str) -> dict:
@@ -57,6 +59,24 @@ def test_loss_kernels_smoke_runs_every_kernel_or_says_why_not(tmp_path):
             for name in ("twinseq liger", "liger LigerFusedLinearCrossEntropyLoss", "cce linear_cross_entropy"):
                 assert rows[name]["status"] == "skipped" and "CUDA" in rows[name]["reason"]
             assert all(r.get("peak_bytes") is None for r in rows.values())
+    cell = _gpu_readme_cell(tmp_path, data)
+    for shape in data["shapes"]:
+        assert f"V {shape['vocab']:,}: `nll`" in cell
+    assert cell.count(" → `") == len(data["shapes"])  # each vocabulary names its fastest twinseq loss
+
+
+def _gpu_readme_cell(tmp_path: Path, data: dict) -> str:
+    """The README's GPU cell for ``data`` (a script's own output) filed as if measured on an H100: the row
+    function reads the fields the script writes."""
+    folder = tmp_path / "as_gpu"
+    folder.mkdir()
+    prov = dict(data["provenance"], hardware_slug="h100-80gb")
+    (folder / f"{data['what']}_h100-80gb_{prov['date_utc']}.json").write_text(json.dumps(dict(data, provenance=prov)))
+    (row,) = [r for r in readme_table.render(folder, folder).splitlines()
+              if r.startswith(f"| {readme_table.GPU_ONLY[data['what']]} |")]
+    cell = row.rsplit(" | ", 1)[1]
+    assert cell.startswith("**h100-80gb**: ") and readme_table.NOT_ON_GPU not in cell
+    return cell
 
 
 def _tiny_inputs():
@@ -126,3 +146,6 @@ def test_sft_gpu_smoke_trains_twinseq_and_trl_on_the_same_rows(tmp_path):
     if not torch.cuda.is_available():
         assert rows["twinseq-offload"]["status"] == "skipped" and "CPU" in rows["twinseq-offload"]["reason"]
         assert data["acceptance"] == {}  # the issue's bars are for GPU runs only
+    cell = _gpu_readme_cell(tmp_path, data)
+    assert f"{rows['trl']['tokens_per_second']:,.0f} tok/s →" in cell
+    assert f"({data['ratios']['twinseq_over_trl_tokens_per_second']:.2f}× TRL)" in cell
