@@ -29,8 +29,15 @@ Setups, each adding one technique to the previous (what the table's "adds" colum
 ``--sweep`` also measures the peak at fixed lengths (2k .. 32k) with everything on, for the linear-growth
 check (R^2 of a straight-line fit), and plots peak memory against T.
 
+``--device cuda`` (``benchmarks/gpu/max_length_gpu.py`` runs it) searches on one GPU instead: bf16 autocast over
+fp32 parameters, ``--attn`` attention (default ``varlen``: document-masked SDPA, no [T, T] mask), a last rung
+``+ offloading`` (activation offloading), TRL with ``bf16=True`` on the GPU; a probe's peak is
+``torch.cuda.max_memory_allocated`` over the step minus the bytes allocated before the model, the cap defaults to
+the GPU's memory (an out-of-memory error is "does not fit"), and the setups default to ``torch,trl``.
+
     .venv/bin/python benchmarks/max_length.py                       # all setups, 8 GiB cap
     .venv/bin/python benchmarks/max_length.py --cap 1GiB --setups torch,trl --max-probe-seconds 600
+    python benchmarks/max_length.py --device cuda --model small      # on a GPU: twinseq vs TRL
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ STAIRCASE = (("nll", dict(loss_type="nll", gradient_checkpointing=False, tiled_m
              ("+ checkpointing", dict(gradient_checkpointing=True)),
              ("+ tiled MLP", dict(tiled_mlp=True)))
 EVERYTHING = dict(loss_type="fused_linear", gradient_checkpointing=True, tiled_mlp=True)
+CUDA_RUNGS = (("+ offloading", dict(activation_offloading=True)),)  # CUDA only: twinseq refuses it on a CPU
+CPU_SETUPS, CUDA_SETUPS = "torch,jax,torch-cp2,jax-ring8,trl", "torch,trl"
 SWEEP = (2048, 4096, 8192, 16384, 32768)
 
 
@@ -75,23 +84,34 @@ def parse_bytes(text: str) -> int:
     return int(number * base ** "_KMGT".index(unit or "_"))
 
 
-def setups(names: Sequence[str]) -> list[tuple[str, str, dict[str, Any]]]:
-    """(setup, row name, flat config changes) for every row of the named setups, staircases cumulative."""
+def setups(names: Sequence[str], device: str = "cpu", attn: Optional[str] = None,
+           model: str = MODEL) -> list[tuple[str, str, dict[str, Any]]]:
+    """(setup, row name, flat config changes) for every row of the named setups, staircases cumulative.
+
+    On ``device="cuda"`` the twinseq rows compute in bf16 with ``attn`` attention and the torch staircase
+    gains the CUDA rungs (offloading); ``model`` is the model of every row."""
     rows: list[tuple[str, str, dict[str, Any]]] = []
+    on_gpu = dict(dtype="bfloat16", attn_implementation=attn or "varlen") if device == "cuda" else {}
     for name in names:
         if name in ("torch", "jax"):
-            acc: dict[str, Any] = {}
-            for step, change in STAIRCASE:
+            acc: dict[str, Any] = dict(model_config=model, **(on_gpu if name == "torch" else {}))
+            rungs = STAIRCASE + (CUDA_RUNGS if device == "cuda" and name == "torch" else ())
+            for step, change in rungs:
                 acc = {**acc, **change}
                 rows.append((name, step, dict(backend=name, **acc)))
-        elif name == "torch-cp2":
+            continue
+        if device == "cuda" and name != "trl":
+            raise SystemExit(f"--setups {name!r}: on --device cuda only torch and trl are searched")
+        if name == "trl":
+            rows.append((name, "TRL SFTTrainer (chunked log-probs, checkpointing, padding-free)",
+                         dict(backend="trl", model_config=model, device=device)))
+            continue
+        if name == "torch-cp2":
             rows.append((name, "CP=2 (gloo), everything", dict(backend="torch", context_parallel_size=2,
                                                                  context_parallel_strategy="allgather", **EVERYTHING)))
         elif name == "jax-ring8":
             rows.append((name, "ring CP=8 (host devices), everything",
                          dict(backend="jax", context_parallel_size=8, context_parallel_strategy="ring", **EVERYTHING)))
-        elif name == "trl":
-            rows.append((name, "TRL SFTTrainer (chunked log-probs, checkpointing, padding-free)", dict(backend="trl")))
         else:
             raise SystemExit(f"--setups: unknown setup {name!r}; choose from torch, jax, torch-cp2, jax-ring8, trl")
     return rows
@@ -125,8 +145,8 @@ def _env(threads: int, extra: Optional[dict] = None) -> dict[str, str]:
 
 def _twinseq_values(change: dict[str, Any], doc: Path, length: int) -> dict[str, Any]:
     values = dict(model_config=MODEL, dataset_name=str(doc), max_length=length, per_device_train_batch_size=1,
-                  padding_free=True, learning_rate=1e-4, lr_scheduler_type="constant", **change)
-    return values
+                  padding_free=True, learning_rate=1e-4, lr_scheduler_type="constant")
+    return {**values, **change}
 
 
 def probe_twinseq(change: dict[str, Any], doc: Path, length: int, timeout: float, threads: int) -> dict[str, Any]:
@@ -157,8 +177,9 @@ def _measure_torchrun(values: dict[str, Any], nproc: int, timeout: float, thread
             "command": f"torchrun --nproc-per-node {nproc} twinseq train " + " ".join(flags_of(values))}
 
 
-def probe_trl(doc: Path, length: int, timeout: float, threads: int) -> dict[str, Any]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-trl", str(doc), str(length)]
+def probe_trl(doc: Path, length: int, timeout: float, threads: int, device: str = "cpu",
+              model: str = MODEL) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-trl", str(doc), str(length), device, model]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(threads))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_MARKER)]
     if proc.returncode != 0 or not lines:
@@ -166,8 +187,9 @@ def probe_trl(doc: Path, length: int, timeout: float, threads: int) -> dict[str,
     return json.loads(lines[-1][len(_MARKER):])
 
 
-def _child_trl(doc: str, length: int) -> None:
-    """One step of TRL's SFTTrainer on the same model and document, peak RSS of the step above the pre-model RSS."""
+def _child_trl(doc: str, length: int, device: str = "cpu", model_name: str = MODEL) -> None:
+    """One step of TRL's SFTTrainer on the same model and document: on CPU the peak RSS of the step above the
+    pre-model RSS, on CUDA ``max_memory_allocated`` over the step above the bytes allocated before the model."""
     import gc
 
     import torch
@@ -188,27 +210,39 @@ def _child_trl(doc: str, length: int) -> None:
     assert len(ids) == length, (len(ids), length)
     dataset = Dataset.from_dict({"input_ids": [ids]})
     tokenizer = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir()))
+    cuda = device == "cuda"
     gc.collect()
-    baseline = status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    model = build_model(resolve_model_config(MODEL))
+    if cuda:
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        baseline = status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    model = build_model(resolve_model_config(model_name)).to(device)
     rec: dict[str, Any] = {}
 
     class Peak(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
             rec["t0"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
             rec["seconds"] = time.perf_counter() - rec["t0"]
-            rec["peak_bytes"] = status("VmHWM") - baseline
+            rec["peak_bytes"] = (torch.cuda.max_memory_allocated() if cuda else status("VmHWM")) - baseline
 
     args = SFTConfig(output_dir=tempfile.mkdtemp(prefix="twinseq-trl-"), max_steps=1, per_device_train_batch_size=1,
-                     max_length=None, gradient_checkpointing=True, padding_free=True, use_cpu=True, report_to=[],
-                     save_strategy="no", learning_rate=1e-4, lr_scheduler_type="constant", disable_tqdm=True)
+                     max_length=None, gradient_checkpointing=True, padding_free=True, use_cpu=not cuda, bf16=cuda,
+                     report_to=[], save_strategy="no", learning_rate=1e-4, lr_scheduler_type="constant",
+                     disable_tqdm=True)
     SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[Peak()]).train()
-    rec["command"] = ("trl SFTTrainer(model=small, SFTConfig(max_length=None, gradient_checkpointing=True, "
-                      "padding_free=True, per_device_train_batch_size=1, use_cpu=True))")
+    rec["command"] = (f"trl SFTTrainer(model={model_name}, SFTConfig(max_length=None, gradient_checkpointing=True, "
+                      f"padding_free=True, per_device_train_batch_size=1, "
+                      + ("bf16=True, on CUDA))" if cuda else "use_cpu=True))"))
     print(_MARKER + json.dumps(rec), flush=True)
 
 
@@ -290,9 +324,14 @@ def r_squared(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cap", type=parse_bytes, default=parse_bytes("8GiB"),
-                        help="memory a step may use (e.g. 8GiB, 768MiB)")
-    parser.add_argument("--setups", default="torch,jax,torch-cp2,jax-ring8,trl")
+    parser.add_argument("--cap", type=parse_bytes, default=None,
+                        help="memory a step may use (e.g. 8GiB, 768MiB; default 8GiB on CPU, the GPU's memory on CUDA)")
+    parser.add_argument("--setups", default=None, help=f"default {CPU_SETUPS} (CPU), {CUDA_SETUPS} (CUDA)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", default=MODEL, help="the model of every row: a preset or a config.json folder")
+    parser.add_argument("--attn", default=None, help="twinseq's attn_implementation on CUDA (default varlen)")
+    parser.add_argument("--staircase", choices=("full", "last"), default="full",
+                        help="twinseq rows: every rung, or only those with everything on (fewer probes)")
     parser.add_argument("--start", type=int, default=1024, help="first probe length")
     parser.add_argument("--limit", type=int, default=1 << 20, help="longest length probed")
     parser.add_argument("--resolution", type=float, default=0.1, help="stop bisecting at hi/lo <= 1 + this")
@@ -300,26 +339,46 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="a step slower than this ends the upward search (compute-bound)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a probe is killed")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--sweep", default=",".join(map(str, SWEEP)),
-                        help="lengths of the linear-growth sweep (empty: none)")
+    parser.add_argument("--sweep", default=None,
+                        help="lengths of the linear-growth sweep (empty: none; default 2k..32k on CPU, none on CUDA)")
     parser.add_argument("--sweep-backends", default="torch,jax")
     add_output_args(parser)
     return parser.parse_args(argv)
 
 
+def resolve(args: argparse.Namespace) -> str:
+    """Fills the device-dependent defaults (cap, setups, sweep) and returns the device."""
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA GPU here")
+        args.cap = args.cap or int(torch.cuda.get_device_properties(0).total_memory)
+        args.setups = args.setups or CUDA_SETUPS
+        args.sweep = "" if args.sweep is None else args.sweep
+    else:
+        args.cap = args.cap or parse_bytes("8GiB")
+        args.setups = args.setups or CPU_SETUPS
+        args.sweep = ",".join(map(str, SWEEP)) if args.sweep is None else args.sweep
+    return args.device
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     from tqdm import tqdm
 
-    run = start_run(parse_args, argv, __file__, device="cpu")
+    run = start_run(parse_args, argv, __file__, device=resolve)
     args = run.args
     tmp = Path(tempfile.mkdtemp(prefix="twinseq-maxlen-"))
-    rows = setups([s for s in args.setups.split(",") if s])
+    rows = setups([s for s in args.setups.split(",") if s], args.device, args.attn, args.model)
+    if args.staircase == "last":
+        rows = [r for r in rows if r[0] not in ("torch", "jax") or all(r[2].get(k) == v for k, v in EVERYTHING.items())]
     results: list[dict[str, Any]] = []
     for setup, name, change in tqdm(rows, desc="max length", unit="setup"):
         tqdm.write(f"{setup}: {name}")
         if setup == "trl":
             def probe(length, _c=change):
-                return probe_trl(document_file(tmp, length), length, args.timeout, args.threads)
+                return probe_trl(document_file(tmp, length), length, args.timeout, args.threads, args.device,
+                                 args.model)
         else:
             def probe(length, _c=change):
                 return probe_twinseq(_c, document_file(tmp, length), length, args.timeout, args.threads)
@@ -332,7 +391,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     lengths = [int(x) for x in args.sweep.split(",") if x]
     for backend in [b for b in args.sweep_backends.split(",") if b and lengths]:
         for length in tqdm(lengths, desc=f"sweep {backend}", unit="length"):
-            change = dict(backend=backend, **EVERYTHING)
+            change = next(c for s, _, c in setups([backend], args.device, args.attn, args.model)
+                          if s == backend and all(c.get(k) == v for k, v in EVERYTHING.items()))
             try:
                 got = probe_twinseq(change, document_file(tmp, length), length, args.timeout, args.threads)
                 sweep.append({"backend": backend, "length": length, **got})
@@ -356,10 +416,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     best = {s: max((r["max_length"] for r in results if r["setup"] == s), default=0) for s in ("torch", "jax")}
     checks = {f"{b} >= 4x TRL": best[b] >= 4 * trl for b in best if best[b] and trl}
     checks.update({f"{b} linear (R^2 >= 0.99)": v >= 0.99 for b, v in r2.items()})
-    body = [f"One document of T random tokens, one optimizer step (forward + backward + AdamW) of `{MODEL}` in "
-            f"float32 on CPU ({args.threads} threads), cap **{args.cap / MIB:,.0f} MiB** per process (torch, TRL: "
-            "peak RSS of the step above the RSS before the model; jax: compiled memory_analysis + optimizer state, "
-            "per device; CP rows: the largest rank). Search: doubling from "
+    where = (f"bf16 autocast on one GPU (twinseq attention `{args.attn or 'varlen'}`), cap **{args.cap / MIB:,.0f} MiB** "
+             "(torch, TRL: torch.cuda.max_memory_allocated over the step above the bytes allocated before the model; "
+             "an out-of-memory error does not fit)" if args.device == "cuda" else
+             f"float32 on CPU ({args.threads} threads), cap **{args.cap / MIB:,.0f} MiB** per process (torch, TRL: "
+             "peak RSS of the step above the RSS before the model; jax: compiled memory_analysis + optimizer state, "
+             "per device; CP rows: the largest rank)")
+    body = [f"One document of T random tokens, one optimizer step (forward + backward + AdamW) of `{args.model}` in "
+            f"{where}. Search: doubling from "
             f"{args.start}, then bisection to {args.resolution:.0%}; a probe slower than {args.max_probe_seconds:.0f} s "
             "stops the upward search (`compute`-bound: the memory wall lies further). `adds`: the length gained "
             "over the row above.", "",
@@ -398,12 +462,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         ax.tick_params(axis="y", labelsize=7)
         save_figure(fig, png)
 
-    run.write({"cap_bytes": args.cap, "model": MODEL, "results": results, "sweep": sweep, "r_squared": r2,
+    run.write({"cap_bytes": args.cap, "model": args.model, "device": args.device, "results": results, "sweep": sweep, "r_squared": r2,
                "acceptance": checks}, title="Longest trainable sequence", body="\n".join(body), plot=plot)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child-trl":
-        _child_trl(sys.argv[2], int(sys.argv[3]))
+        _child_trl(sys.argv[2], int(sys.argv[3]), *sys.argv[4:6])
     else:
         main()

@@ -156,7 +156,8 @@ def max_length_row(d: dict) -> tuple[str, str, str]:
     trl = next((r for r in rows if r["setup"] == "trl"), None)
     best = max((r for r in rows if r["setup"] != "trl"), key=lambda r: r["max_length"])
     bound = "" if best["bound"] == "memory" else ">= "
-    return (f"longest single document that trains one step, `{d['model']}` fp32 CPU, cap {_mib(d['cap_bytes'])}",
+    where = "bf16 GPU" if d.get("device") == "cuda" else "fp32 CPU"
+    return (f"longest single document that trains one step, `{d['model']}` {where}, cap {_mib(d['cap_bytes'])}",
             f"TRL SFTTrainer: {trl['max_length']:,} tokens" if trl else "TRL not run",
             f"{best['setup']} ({best['row']}): {bound}{best['max_length']:,} tokens"
             + (f" ({_x(best['max_length'] / trl['max_length'])}×)" if trl and trl["max_length"] else ""))
@@ -241,6 +242,9 @@ GPU_ONLY: dict[str, str] = {
     "loss_kernels": "LM-head loss kernels fwd+bwd: twinseq vs `nll`, TRL, Liger, Cut Cross-Entropy",
     "sft_gpu": "SFT steps: twinseq vs TRL SFTTrainer; activation offloading on/off",
 }
+# Scripts of benchmarks/gpu/ that run a benchmark above in its CUDA mode: their results are that benchmark's files
+# (``max_length_<gpu>_<date>.json``), shown in its row's GPU column.
+GPU_WRAPPERS: dict[str, str] = {"max_length_gpu": "max_length"}
 NOT_ON_GPU = "not yet measured on GPU"
 
 

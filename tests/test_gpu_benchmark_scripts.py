@@ -20,13 +20,15 @@ loss_kernels = importlib.import_module("loss_kernels")
 readme_table = importlib.import_module("readme_table")
 
 
-def _run_script(name: str, tmp_path: Path, *argv: str) -> dict:
+def _run_script(name: str, tmp_path: Path, *argv: str, writes: str = "") -> dict:
     proc = subprocess.run([sys.executable, str(GPU_BENCH / f"{name}.py"), "--smoke", "--out", str(tmp_path), *argv],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (path,) = tmp_path.glob(f"{name}_*_*.json")
+    (path,) = tmp_path.glob(f"{writes or name}_*_*.json")
     data = json.loads(path.read_text())
-    assert data["what"] == name and data["provenance"]["non_default_arguments"] == {"smoke": True}
+    assert data["what"] == (writes or name)
+    if not writes:
+        assert data["provenance"]["non_default_arguments"] == {"smoke": True}
     assert path.with_suffix(".md").exists()
     return data
 
@@ -149,3 +151,25 @@ def test_sft_gpu_smoke_trains_twinseq_and_trl_on_the_same_rows(tmp_path):
     cell = _gpu_readme_cell(tmp_path, data)
     assert f"{rows['trl']['tokens_per_second']:,.0f} tok/s →" in cell
     assert f"({data['ratios']['twinseq_over_trl_tokens_per_second']:.2f}× TRL)" in cell
+
+
+@pytest.mark.slow
+def test_max_length_gpu_smoke_searches_twinseq_and_trl(tmp_path):
+    """The wrapper runs max_length.py (its CUDA mode where there is a GPU); the file is max_length's own."""
+    import torch
+
+    data = _run_script("max_length_gpu", tmp_path, writes="max_length")
+    cuda = torch.cuda.is_available()
+    assert data["device"] == ("cuda" if cuda else "cpu")
+    assert data["provenance"]["non_default_arguments"]["staircase"] == "last"
+    rows = [(r["setup"], r["row"]) for r in data["results"]]
+    # only the twinseq rungs with everything on (+ offloading on a GPU), then TRL
+    assert rows == [("torch", "+ tiled MLP"), *([("torch", "+ offloading")] if cuda else []),
+                    ("trl", "TRL SFTTrainer (chunked log-probs, checkpointing, padding-free)")]
+    for r in data["results"]:
+        assert r["probes"] and r["bound"] in ("memory", "compute", "limit")
+        for p in r["probes"]:  # every fitting length was measured under the cap
+            if p["length"] <= r["max_length"] and "peak_bytes" in p:
+                assert p["peak_bytes"] <= data["cap_bytes"]
+    torch_row = data["results"][0]
+    assert torch_row["config"]["model_config"] == "small" and torch_row["max_length"] >= 256
