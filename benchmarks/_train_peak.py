@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 _MARKER = "__TRAIN_PEAK__ "
+_NO_SAVE = "TWINSEQ_MEASURE_NO_SAVE"
 
 
 def flags_of(values: dict[str, Any]) -> list[str]:
@@ -126,6 +127,11 @@ def _child_torch(argv: list[str]) -> dict[str, Any]:
         return out
 
     tt.build_causal_lm, tt.Trainer.step = build_hooked, step_hooked
+    if os.environ.get(_NO_SAVE) == "1":  # the end-of-run checkpoint and final model come after every measured step
+        from twinseq.common import runner
+
+        runner._save = lambda *args, **kwargs: None
+        tt.Trainer.save_final = lambda self, path: None
     torch.set_num_threads(int(os.environ.get("TWINSEQ_MEASURE_THREADS", "2")))
     code = main(["train", *argv])
     if code != 0:
@@ -208,9 +214,12 @@ def child_main(argv: Sequence[str]) -> None:
 
 
 def measure(values: dict[str, Any], *, max_steps: int = 2, timeout: float = 900.0,
-            threads: int = 2, extra_env: Optional[dict] = None) -> dict[str, Any]:
+            threads: int = 2, extra_env: Optional[dict] = None, skip_saves: bool = False) -> dict[str, Any]:
     """Run ``twinseq train`` with ``values`` (flat config fields; ``backend`` among them) for ``max_steps`` steps
-    in a fresh subprocess and return its measured peak (see the module docstring)."""
+    in a fresh subprocess and return its measured peak (see the module docstring).
+
+    ``skip_saves`` (torch): the run writes no end-of-run checkpoint or final model, which come after the last
+    measured step (for a 3B model they are ~50 GB of disk and minutes)."""
     values = dict(values)
     backend = values.get("backend", "torch")
     with tempfile.TemporaryDirectory(prefix="twinseq-peak-") as tmp:
@@ -220,6 +229,7 @@ def measure(values: dict[str, Any], *, max_steps: int = 2, timeout: float = 900.
         env = dict(os.environ)
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))  # freed big blocks leave RSS (see _memory.py)
         env["TWINSEQ_MEASURE_THREADS"] = str(threads)
+        env[_NO_SAVE] = "1" if skip_saves else "0"
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[var] = str(threads)
         env.setdefault("JAX_PLATFORMS", "cpu")

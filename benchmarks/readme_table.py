@@ -192,8 +192,12 @@ def loss_kernels_row(d: dict) -> tuple[str, str, str]:
     baseline, mine = [], []
     for shape in d["shapes"]:
         ok = {r["kernel"]: r for r in shape["results"] if r["status"] == "ok"}
-        nll, cce = ok["twinseq nll"], ok.get("cce linear_cross_entropy")
         v = f"V {shape['vocab']:,}: "
+        if "twinseq nll" not in ok:  # the CUDA context was lost before this table
+            baseline.append(v + "not measured")
+            mine.append(f"not measured (CUDA context lost by `{shape.get('context_lost_by')}`)")
+            continue
+        nll, cce = ok["twinseq nll"], ok.get("cce linear_cross_entropy")
         baseline.append(v + f"`nll` {_mib_or_dash(nll['peak_bytes'])}, {_ms(nll['median_seconds'])}"
                         + (f"; CCE {_mib_or_dash(cce['peak_bytes'])}, {_ms(cce['median_seconds'])}" if cce else ""))
         ours = [r for name, r in ok.items() if name.startswith("twinseq ") and name != "twinseq nll"

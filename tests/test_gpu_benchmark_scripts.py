@@ -126,6 +126,28 @@ def test_a_kernel_that_cannot_run_is_a_row_with_its_reason():
     assert row["status"] == "skipped" and "CUDA" in row["reason"]
 
 
+def test_a_kernel_that_loses_the_cuda_context_stops_the_kernels_after_it(monkeypatch):
+    def faulty(_):
+        def loss_fn(h, w):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return loss_fn
+
+    monkeypatch.setitem(loss_kernels.KERNELS, "faulty", faulty)
+    args = loss_kernels._parse(["--smoke", "--device", "cpu"])
+    loss_kernels._resolve(args)
+    names = [loss_kernels.BASELINE, "faulty", "twinseq fused_linear"]
+    first = loss_kernels.run_vocab(args, 50, names)
+    assert [r["status"] for r in first["results"]] == ["ok", "failed", "not run"]
+    assert first["context_lost_by"] == "faulty" and "--kernels" in first["results"][2]["reason"]
+    second = loss_kernels.run_vocab(args, 60, names, lost=first["context_lost_by"])
+    assert [r["status"] for r in second["results"]] == ["not run"] * 3
+    md = loss_kernels.markdown({"tokens": 1, "hidden": 1, "dtype": "float32", "device": "cpu", "warmup": 0,
+                                "repeats": 1, "memory_method": "-"}, [first, second])
+    assert md.count("| not run |") == 4
+    # an ordinary failure (an out-of-memory error, say) leaves the context usable: the next kernels run
+    assert not loss_kernels.context_lost({"status": "failed", "reason": "OutOfMemoryError: CUDA out of memory."})
+
+
 @pytest.mark.slow
 def test_sft_gpu_smoke_trains_twinseq_and_trl_on_the_same_rows(tmp_path):
     import torch
@@ -173,3 +195,18 @@ def test_max_length_gpu_smoke_searches_twinseq_and_trl(tmp_path):
                 assert p["peak_bytes"] <= data["cap_bytes"]
     torch_row = data["results"][0]
     assert torch_row["config"]["model_config"] == "small" and torch_row["max_length"] >= 256
+
+
+@pytest.mark.slow
+def test_measured_runs_can_skip_the_end_of_run_saves(tmp_path):
+    """sft_gpu's twinseq runs write no checkpoint or final model (50 GB for a 3B model), and still train."""
+    train_peak = importlib.import_module("_train_peak")
+    values = dict(model_config="tiny", max_length=64, packing=True, padding_free=True, per_device_train_batch_size=2)
+    got = {}
+    for skip in (True, False):
+        out = tmp_path / f"skip-{skip}"
+        rec = train_peak.measure(dict(values, output_dir=str(out)), max_steps=2, skip_saves=skip)
+        assert len(rec["step_seconds"]) == 2 and rec["peak_bytes"] > 0
+        got[skip] = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert not any(p.startswith("checkpoint-") or p.endswith(".safetensors") for p in got[True]), got[True]
+    assert any(p.startswith("checkpoint-2/") for p in got[False]) and "final/model.safetensors" in got[False]

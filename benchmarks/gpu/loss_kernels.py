@@ -148,6 +148,8 @@ KERNELS: dict[str, Callable[[dict], Callable]] = {
     "cce linear_cross_entropy (filter_eps=None)": _cce(None),
 }
 CCE = "cce linear_cross_entropy"
+# An error with one of these in its message leaves the CUDA context unusable: the kernels after it cannot run.
+CONTEXT_LOST = ("illegal memory access", "device-side assert", "unspecified launch failure", "CUDA error")
 
 
 def _need_cuda(inp: dict, why: str) -> None:
@@ -298,15 +300,29 @@ def measure_kernel(name: str, make: Callable, inp: dict, reference: Optional[dic
     return row
 
 
-def run_vocab(args: argparse.Namespace, vocab: int, names: Sequence[str]) -> dict:
+def context_lost(row: dict) -> bool:
+    """Did this failed row leave the CUDA context unusable (an asynchronous kernel fault)?"""
+    return row["status"] == "failed" and any(s in row.get("reason", "") for s in CONTEXT_LOST)
+
+
+def run_vocab(args: argparse.Namespace, vocab: int, names: Sequence[str], lost: Optional[str] = None) -> dict:
+    """One table. ``lost``: the kernel whose failure already lost the CUDA context (nothing runs then)."""
     import torch
 
+    if lost is not None:
+        return {"vocab": vocab, "input_bytes": None, "num_valid": None, "context_lost_by": lost,
+                "results": [_not_run(name, lost) for name in names]}
     inp = make_inputs(args.tokens, args.hidden, vocab, args.dtype, args.device, args.ignore_fraction, args.seed)
     print(f"--- {args.tokens} tokens x hidden {args.hidden} x vocab {vocab}, {args.dtype} on {args.device} "
           f"({inp['num_valid']} valid targets)", flush=True)
     rows, reference = [], None
     for name in names:
+        if lost is not None:
+            rows.append(_not_run(name, lost))
+            continue
         row = measure_kernel(name, KERNELS[name], inp, reference, args.warmup, args.repeats)
+        if context_lost(row):
+            lost = name
         if name == BASELINE:
             if row["status"] != "ok":
                 raise SystemExit(f"the baseline {BASELINE} did not run ({row.get('reason')}); nothing to compare with")
@@ -316,12 +332,18 @@ def run_vocab(args: argparse.Namespace, vocab: int, names: Sequence[str]) -> dic
         if args.device == "cuda":
             torch.cuda.empty_cache()
     _add_ratios(rows)
-    out = {"vocab": vocab, "input_bytes": inp["input_bytes"], "num_valid": inp["num_valid"], "results": rows}
+    out = {"vocab": vocab, "input_bytes": inp["input_bytes"], "num_valid": inp["num_valid"], "results": rows,
+           "context_lost_by": lost}
     del inp, reference
     gc.collect()
-    if args.device == "cuda":
+    if args.device == "cuda" and lost is None:
         torch.cuda.empty_cache()
     return out
+
+
+def _not_run(name: str, lost: str) -> dict:
+    return {"kernel": name, "status": "not run",
+            "reason": f"the CUDA context was lost when {lost!r} failed; measure it alone with --kernels"}
 
 
 def _add_ratios(rows: list[dict]) -> None:
@@ -347,8 +369,9 @@ def markdown(meta: dict, shapes: list[dict]) -> str:
              f"Memory: {meta['memory_method']}. `check`: loss and gradients against `{BASELINE}` within the parity "
              "tolerance table's bound for the dtype (per gradient ||a - b|| / ||b||).", ""]
     for shape in shapes:
-        lines += [f"### vocab {shape['vocab']:,} ({shape['num_valid']:,} valid targets; inputs "
-                  f"{shape['input_bytes'] / MIB:,.0f} MiB)", ""]
+        lines += [f"### vocab {shape['vocab']:,}" + (f" ({shape['num_valid']:,} valid targets; inputs "
+                                                    f"{shape['input_bytes'] / MIB:,.0f} MiB)" if shape["num_valid"]
+                                                    else ""), ""]
         table = []
         for r in shape["results"]:
             if r["status"] != "ok":
@@ -409,7 +432,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     run = start_run(_parse, argv, __file__, device=_resolve)
     args = run.args
     names = [BASELINE] + [k for k in args.kernels.split(",") if k and k != BASELINE]
-    shapes = [run_vocab(args, int(v), names) for v in args.vocabs.split(",") if v]
+    shapes: list[dict] = []
+    for v in [int(v) for v in args.vocabs.split(",") if v]:
+        shapes.append(run_vocab(args, v, names, lost=shapes[-1]["context_lost_by"] if shapes else None))
     meta = {"tokens": args.tokens, "hidden": args.hidden, "dtype": args.dtype, "device": args.device,
             "warmup": args.warmup, "repeats": args.repeats, "ignore_fraction": args.ignore_fraction,
             "memory_method": ("torch.cuda.max_memory_allocated minus the bytes allocated before the call, reset "

@@ -103,7 +103,7 @@ def _summary(step_seconds: list[float], step_tokens: list[int], peak: int, warmu
 
 def run_twinseq(args: argparse.Namespace, offload: bool) -> dict[str, Any]:
     values = twinseq_values(args, offload)
-    rec = measure(values, max_steps=args.steps, timeout=args.timeout, threads=args.threads)
+    rec = measure(values, max_steps=args.steps, timeout=args.timeout, threads=args.threads, skip_saves=True)
     out = _summary(rec["step_seconds"], rec["num_tokens"], rec["peak_bytes"], args.warmup_steps)
     out.update(config=values, command=rec["command"], measured_on=rec.get("device", "cpu"),
                build_peak_bytes=rec.get("build_peak_bytes"),
