@@ -44,7 +44,7 @@ MIB = 1 << 20
 
 # Recorded for every result, installed or not, so that any two result files compare.
 VERSION_PACKAGES = ("numpy", "pyarrow", "datasets", "torch", "jax", "jaxlib", "flax", "optax", "transformers",
-                    "trl", "liger-kernel")
+                    "trl", "liger-kernel", "triton", "cut-cross-entropy")
 # Environment variables that change what a benchmark measures; recorded when set.
 ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "XLA_FLAGS", "JAX_PLATFORMS",
             "CUDA_VISIBLE_DEVICES", "MALLOC_MMAP_THRESHOLD_", "TWINSEQ_BACKEND", "TWINSEQ_CACHE",
