@@ -150,7 +150,7 @@ def _child_trl(spec: dict[str, Any]) -> None:
                                  "padding_free", "per_device_train_batch_size", "seed")}
     cfg = TrainConfig.from_flat(**flat, disable_tqdm=True)
     rows, _, _ = prepare_sft_dataset(cfg)  # the rows twinseq trains on, before packing
-    dataset = Dataset.from_dict({c: rows[c] for c in rows.column_names})
+    dataset = rows if isinstance(rows, Dataset) else Dataset.from_list(list(rows))
     tokenizer = AutoTokenizer.from_pretrained(str(embedded_tokenizer_dir()))
     model_cfg = resolve_model_config(spec["model_config"])
     gc.collect()
@@ -183,8 +183,8 @@ def _child_trl(spec: dict[str, Any]) -> None:
                   packing=True, packing_strategy="bfd", padding_free=True, completion_only_loss=True,
                   gradient_checkpointing=True, bf16=cuda, use_cpu=not cuda, use_liger_kernel=spec["liger"],
                   learning_rate=spec["learning_rate"], lr_scheduler_type="constant", seed=spec["seed"],
-                  include_num_input_tokens_seen="non_padding", report_to=[], save_strategy="no", logging_steps=1,
-                  disable_tqdm=True, dataloader_num_workers=0)
+                  include_num_input_tokens_seen="non_padding", report_to=[], save_strategy="no", disable_tqdm=True,
+                  dataloader_num_workers=0)
     SFTTrainer(model=model, args=SFTConfig(**config), train_dataset=dataset, processing_class=tokenizer,
                callbacks=[Steps()]).train()
     if cuda:
