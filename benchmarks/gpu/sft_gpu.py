@@ -263,8 +263,12 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                           .replace("|", "\\|")])
             continue
         c = r["config"]
-        how = (f"attn {c.get('attn_implementation')}, loss {c.get('loss_type', 'liger' if c.get('use_liger_kernel') else 'TRL chunked nll')}"
-               + (", offloading" if c.get("activation_offloading") else ""))
+        if r["setup"] == "trl":  # TRL >= 1.x: its chunked LM head; use_liger_kernel adds Liger's layer kernels
+            how = (f"attn {c.get('attn_implementation')}, loss TRL chunked log-probs"
+                   + (", Liger layer kernels" if c.get("use_liger_kernel") else ""))
+        else:
+            how = (f"attn {c.get('attn_implementation')}, loss {c.get('loss_type')}, checkpointing"
+                   + (", offloading" if c.get("activation_offloading") else ""))
         table.append([r["setup"], "ok", f"{r['tokens_per_second']:,.0f}", f"{r['median_step_seconds']:.3f}",
                       f"{r['peak_bytes'] / MIB:,.0f}" if r["peak_bytes"] else "-", r["measured_steps"], how])
     lines += markdown_table(["setup", "status", "tokens/s", "step s (median)", "peak MiB", "steps measured",
