@@ -210,3 +210,27 @@ def test_measured_runs_can_skip_the_end_of_run_saves(tmp_path):
         got[skip] = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     assert not any(p.startswith("checkpoint-") or p.endswith(".safetensors") for p in got[True]), got[True]
     assert any(p.startswith("checkpoint-2/") for p in got[False]) and "final/model.safetensors" in got[False]
+
+
+def _row(kernel, peak_mib, ms, agrees=True):
+    row = {"kernel": kernel, "status": "ok", "peak_bytes": peak_mib << 20, "median_seconds": ms / 1e3}
+    if kernel != loss_kernels.BASELINE:
+        row["check"] = {"agrees": agrees}
+    return row
+
+
+def test_acceptance_needs_an_agreeing_twinseq_loss_within_cce_memory_and_1_1x_its_time():
+    def shape(vocab, *rows):
+        rows = [_row(loss_kernels.BASELINE, 9000, 50), _row(loss_kernels.CCE, 1000, 20), *rows]
+        loss_kernels._add_ratios(rows)
+        return {"vocab": vocab, "results": rows}
+
+    shapes = [shape(100, _row("twinseq fused_linear", 1000, 21.9)),                   # 1.0x memory, 1.095x time
+              shape(200, _row("twinseq fused_linear", 1001, 10)),                     # over CCE's memory
+              shape(300, _row("twinseq triton", 500, 10, agrees=False),               # fast but wrong
+                    _row("twinseq fused_linear", 900, 22.2)),                         # 1.11x the time
+              {"vocab": 400, "results": [_row(loss_kernels.BASELINE, 9000, 50)]}]     # CCE did not run
+    checks, notes = loss_kernels.acceptance(shapes)
+    assert [k.split(":")[0] for k in checks] == ["V 100", "V 200", "V 300"]
+    assert list(checks.values()) == [True, False, False]
+    assert not any("triton" in n for n in notes)  # a kernel that disagrees with nll is never credited

@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent.parent))
 
-from _report import MIB, add_output_args, markdown_table, start_run  # noqa: E402
+from _report import MIB, acceptance_line, add_output_args, markdown_table, start_run  # noqa: E402
 
 from parity_tests.tolerances import UNIT_ROUNDOFF, bf16_ulp, tol  # noqa: E402
 
@@ -360,6 +360,25 @@ def _add_ratios(rows: list[dict]) -> None:
                 r[f"memory_ratio_vs_{key}"] = r["peak_bytes"] / ref["peak_bytes"]
 
 
+def acceptance(shapes: list[dict]) -> tuple[dict[str, bool], list[str]]:
+    """Issue 16's bar per vocabulary: a twinseq loss that agrees with ``nll`` at or below Cut Cross-Entropy's
+    peak memory and within 1.1x its time (forward + backward). Checked where CCE ran with memory measured."""
+    checks, notes = {}, []
+    for shape in shapes:
+        ok = {r["kernel"]: r for r in shape["results"] if r["status"] == "ok"}
+        cce = ok.get(CCE)
+        if cce is None or cce.get("peak_bytes") is None:
+            continue
+        ours = [r for name, r in ok.items() if name.startswith("twinseq ") and name != BASELINE and r["check"]["agrees"]]
+        passing = [r for r in ours if r["memory_ratio_vs_cce"] <= 1.0 and r["time_ratio_vs_cce"] <= 1.1]
+        name = f"V {shape['vocab']:,}: twinseq <= CCE memory, <= 1.1x CCE time"
+        checks[name] = bool(passing)
+        for r in sorted(ours, key=lambda r: r["median_seconds"]):
+            notes.append(f"V {shape['vocab']:,}: `{r['kernel']}` {r['memory_ratio_vs_cce']:.2f}x CCE's memory, "
+                         f"{r['time_ratio_vs_cce']:.2f}x its time" + (" (passes)" if r in passing else ""))
+    return checks, notes
+
+
 # --- writing ------------------------------------------------------------------------------------------------
 
 def _cell(value: Optional[float], fmt: str) -> str:
@@ -395,6 +414,9 @@ def markdown(meta: dict, shapes: list[dict]) -> str:
                                  "time vs CCE", "loss", "abs Δloss", "max abs Δgrad hidden / weight", "check"],
                                 table, "llrrrrrrrrrll")
         lines.append("")
+    checks, notes = acceptance(shapes)
+    if checks:
+        lines += [f"- {n}" for n in notes] + ["", acceptance_line(checks)]
     return "\n".join(lines) + "\n"
 
 
@@ -443,7 +465,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             "memory_method": ("torch.cuda.max_memory_allocated minus the bytes allocated before the call, reset "
                               "before each call" if args.device == "cuda" else "not measured on CPU"),
             "packages": {p: _version(p) for p in PACKAGES}, "unit_roundoff": UNIT_ROUNDOFF[args.dtype]}
-    payload = {**meta, "arguments": run.arguments(), "shapes": shapes}
+    payload = {**meta, "arguments": run.arguments(), "shapes": shapes, "acceptance": acceptance(shapes)[0]}
     run.write(payload, title="LM-head loss kernels", body=markdown(meta, shapes))
     return payload
 
