@@ -193,15 +193,16 @@ def loss_kernels_row(d: dict) -> tuple[str, str, str]:
     for shape in d["shapes"]:
         ok = {r["kernel"]: r for r in shape["results"] if r["status"] == "ok"}
         v = f"V {shape['vocab']:,}: "
-        if "twinseq nll" not in ok:  # the CUDA context was lost before this table
-            baseline.append(v + "not measured")
-            mine.append(f"not measured (CUDA context lost by `{shape.get('context_lost_by')}`)")
+        if "twinseq nll" not in ok:  # the CUDA context was lost before this table, or nll ran out of memory
+            lost = shape.get("context_lost_by")
+            baseline.append(v + ("not measured" if lost else "`nll` did not run"))
+            mine.append(f"not measured (CUDA context lost by `{lost}`)" if lost else "unchecked (no `nll` to compare)")
             continue
         nll, cce = ok["twinseq nll"], ok.get("cce linear_cross_entropy")
         baseline.append(v + f"`nll` {_mib_or_dash(nll['peak_bytes'])}, {_ms(nll['median_seconds'])}"
                         + (f"; CCE {_mib_or_dash(cce['peak_bytes'])}, {_ms(cce['median_seconds'])}" if cce else ""))
         ours = [r for name, r in ok.items() if name.startswith("twinseq ") and name != "twinseq nll"
-                and r["check"]["agrees"]]
+                and r.get("check", {}).get("agrees")]
         if not ours:
             mine.append("no twinseq loss agreed with `nll`")
             continue

@@ -90,7 +90,7 @@ def test_the_check_flags_a_wrong_loss_and_wrong_gradients():
 
     inp = _tiny_inputs()
     base = loss_kernels.measure_kernel(loss_kernels.BASELINE, loss_kernels.KERNELS[loss_kernels.BASELINE], inp,
-                                       None, warmup=0, repeats=1)
+                                       None, warmup=0, repeats=1, keep_as_reference=True)
     reference = base.pop("reference")
 
     def nll(h, w):
@@ -234,3 +234,23 @@ def test_acceptance_needs_an_agreeing_twinseq_loss_within_cce_memory_and_1_1x_it
     assert [k.split(":")[0] for k in checks] == ["V 100", "V 200", "V 300"]
     assert list(checks.values()) == [True, False, False]
     assert not any("triton" in n for n in notes)  # a kernel that disagrees with nll is never credited
+
+
+def test_without_the_baseline_the_other_kernels_run_unchecked(monkeypatch):
+    def out_of_memory(_):
+        def loss_fn(h, w):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 15.16 GiB")
+        return loss_fn
+
+    monkeypatch.setitem(loss_kernels.KERNELS, loss_kernels.BASELINE, out_of_memory)
+    args = loss_kernels._parse(["--smoke", "--device", "cpu"])
+    loss_kernels._resolve(args)
+    shape = loss_kernels.run_vocab(args, 50, [loss_kernels.BASELINE, "twinseq fused_linear"])
+    base, fused = shape["results"]
+    assert base["status"] == "failed" and shape["context_lost_by"] is None
+    assert fused["status"] == "ok" and "check" not in fused and "reference" not in fused
+    md = loss_kernels.markdown({"tokens": 1, "hidden": 1, "dtype": "float32", "device": "cpu", "warmup": 0,
+                                "repeats": 1, "memory_method": "-"}, [shape])
+    assert "unchecked: `twinseq nll` did not run" in md
+    assert readme_table.loss_kernels_row({"tokens": 1, "hidden": 1, "dtype": "float32", "shapes": [shape]})[2] == \
+        "unchecked (no `nll` to compare)"
