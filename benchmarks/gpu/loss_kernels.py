@@ -73,6 +73,15 @@ def _twinseq(loss_type: str) -> Callable[[dict], Callable]:
         if loss_type == "liger":
             _need_cuda(inp, "twinseq liger calls Liger's Triton kernels")
             _need_module("liger_kernel", "liger-kernel")
+        if loss_type == "triton":  # measure the kernel itself, never its fused_linear fallback under its name
+            from twinseq.torch_backend import triton_ce
+
+            reason = triton_ce.fallback_reason(inp["hidden"])
+            if reason is not None:
+                raise Skip(f"loss_type='triton' would run its fused_linear fallback here: {reason}")
+            if inp["device"] != "cuda":
+                inp["notes"]["twinseq triton"] = ("the kernel under Triton's CPU interpreter (TRITON_INTERPRET=1): "
+                                                  "a correctness check, not a timing")
         labels, num_items = inp["labels_BT"], inp["num_valid"]
         return lambda h, w: causal_lm_loss(h, w, labels, num_items, loss_type)
     return make
