@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _packed_rows import packed_ids
 from twinseq.common.config import ModelConfig
 from twinseq.common.init import init_weights
 from twinseq.jax_backend.attention import (blocked_document_attention, document_causal_mask,
@@ -35,15 +36,7 @@ def _highest_precision():
 
 
 def _packed_ids(rows, seq_len):
-    """[B, T] segment and position ids; each row packs documents of the given lengths, padded with segment 0."""
-    seg, pos = np.zeros((len(rows), seq_len), np.int32), np.zeros((len(rows), seq_len), np.int32)
-    for b, lengths in enumerate(rows):
-        start = 0
-        for d, n in enumerate(lengths):
-            seg[b, start:start + n], pos[b, start:start + n] = d + 1, np.arange(n)
-            start += n
-        assert start <= seq_len
-    return jnp.asarray(seg), jnp.asarray(pos)
+    return tuple(jnp.asarray(x) for x in packed_ids(rows, seq_len))
 
 
 def _vjp_run(attend, q, k, v, dout):

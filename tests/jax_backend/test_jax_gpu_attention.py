@@ -23,6 +23,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
+from _packed_rows import packed_ids  # noqa: E402
 from parity_tests.tolerances import bf16_ulp, tol  # noqa: E402
 from twinseq.jax_backend.attention import (blocked_document_attention, document_causal_mask,  # noqa: E402
                                            dot_product_attention)
@@ -48,16 +49,6 @@ def _highest_precision():
         yield
 
 
-def _ids(rows, seq_len):
-    """[B, T] segment and position ids; each row packs documents of the given lengths, padded with segment 0."""
-    seg, pos = np.zeros((len(rows), seq_len), np.int32), np.zeros((len(rows), seq_len), np.int32)
-    for b, lengths in enumerate(rows):
-        start = 0
-        for d, n in enumerate(lengths):
-            seg[b, start:start + n], pos[b, start:start + n] = d + 1, np.arange(n)
-            start += n
-    return seg, pos
-
 
 def _vjp_run(attend, q, k, v, dout):
     out, vjp = jax.vjp(attend, q, k, v)
@@ -70,7 +61,7 @@ def test_blocked_attention_equals_dense_on_device(platform, options):
     device = _device(platform)
     b, t, n, kv, d, block = 2, 200, 4, 2, 32, 64  # 200 = 3 blocks + 8: a padded tail block
     rng = np.random.default_rng(0)
-    seg, pos = (jax.device_put(x, device) for x in _ids([[20, 100, 9, 50], [141]], t))
+    seg, pos = (jax.device_put(x, device) for x in packed_ids([[20, 100, 9, 50], [141]], t))
     q, dout = (jax.device_put(rng.standard_normal((b, n, t, d)).astype(np.float32), device) for _ in range(2))
     k, v = (jax.device_put(rng.standard_normal((b, kv, t, d)).astype(np.float32), device) for _ in range(2))
     scale = d ** -0.5
@@ -105,9 +96,9 @@ def fused_expressible(segment_ids_BT: np.ndarray, position_ids_BT: np.ndarray) -
 
 
 def test_fused_expressible_refuses_packed_rows():
-    assert fused_expressible(*_ids([[5], [3]], 6)).tolist() == [5, 3]
-    assert fused_expressible(*_ids([[2, 3]], 6)) is None  # two documents in a row
-    seg, pos = _ids([[4]], 6)
+    assert fused_expressible(*packed_ids([[5], [3]], 6)).tolist() == [5, 3]
+    assert fused_expressible(*packed_ids([[2, 3]], 6)) is None  # two documents in a row
+    seg, pos = packed_ids([[4]], 6)
     assert fused_expressible(seg, pos + 1) is None  # positions not from 0
 
 
@@ -116,7 +107,7 @@ def test_fused_expressible_refuses_packed_rows():
 def test_fused_dot_product_attention_equals_the_reference(platform, implementation):
     device = _device(platform)
     b, t, n, kv, d = 3, 128, 4, 2, 64  # cuDNN: bf16, head_dim a multiple of 8
-    seg_np, pos_np = _ids([[128], [77], [5]], t)
+    seg_np, pos_np = packed_ids([[128], [77], [5]], t)
     lengths = fused_expressible(seg_np, pos_np)
     assert lengths is not None
     rng = np.random.default_rng(0)
@@ -150,7 +141,7 @@ def test_fused_dot_product_attention_equals_the_reference(platform, implementati
     assert out_err <= 2 * ulp
     assert max(grads.values()) <= tol("bfloat16", "grad_rel"), grads
     # the same kernel on packed rows would leak: the reference on one packed row differs from causal attention
-    packed_seg, packed_pos = (jnp.asarray(x) for x in _ids([[60, 68]], t))
+    packed_seg, packed_pos = (jnp.asarray(x) for x in packed_ids([[60, 68]], t))
     assert fused_expressible(np.asarray(packed_seg), np.asarray(packed_pos)) is None
     causal = jax.nn.dot_product_attention(*(x[:1].astype(jnp.float32).transpose(0, 2, 1, 3) for x in (q, k, v)),
                                           scale=scale, is_causal=True, implementation="xla").transpose(0, 2, 1, 3)
