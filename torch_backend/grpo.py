@@ -100,7 +100,7 @@ def completion_logps(model: torch.nn.Module, cb: CompletionBatch, *, loss_type: 
         hidden_BTH = hidden_BTH / temperature  # (h / T) @ W.T = logits / T, exactly the sampled distribution
     weight = lm_head_weight(model)
     rows = TargetRows.of(cb, weight.shape[0], hidden_BTH.device)
-    if with_entropy and loss_type == "triton" and triton_ce.fallback_reason(hidden_BTH) is None:
+    if with_entropy and loss_type == "triton" and triton_ce.kernel_runs(hidden_BTH):
         # the kernel's forward yields the entropy in the same pass over the vocabulary
         hidden_nH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows.idx_n)
         logps_n, ent_n, _ = triton_ce.linear_logps(hidden_nH, weight, rows.targets_n, logit_softcap=cap,

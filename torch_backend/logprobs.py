@@ -179,11 +179,8 @@ def token_logps(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, rows:
     hidden_nH = hidden_NH.index_select(0, rows.idx_n)
     if loss_type == "chunked_nll":
         return _token_logps_chunked(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size, logit_softcap)
-    if loss_type == "triton":
-        reason = triton_ce.fallback_reason(hidden_nH)
-        if reason is None:
-            return triton_ce.linear_logps(hidden_nH, lm_head_weight_VH, rows.targets_n, logit_softcap=logit_softcap)[0]
-        triton_ce.log_fallback_once(reason, "fused_linear")
+    if loss_type == "triton" and triton_ce.kernel_runs(hidden_nH):
+        return triton_ce.linear_logps(hidden_nH, lm_head_weight_VH, rows.targets_n, logit_softcap=logit_softcap)[0]
     return FusedLinearTokenLogps.apply(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size, logit_softcap)
 
 

@@ -353,7 +353,7 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
     if loss_type == "nll":
         loss_sum, sums = _nll(hidden_NH, *args, targets_N, return_metrics, logit_softcap)
         loss = loss_sum / denom
-    elif loss_type == "triton" and _triton_runs(hidden_NH, lm_head_bias):
+    elif loss_type == "triton" and triton_ce.kernel_runs(hidden_NH, lm_head_bias):
         loss, sums = _triton_loss(hidden_NH, lm_head_weight_VH, targets_N, denom, return_metrics, logit_softcap)
     elif loss_type in ("fused_linear", "triton"):
         loss, sums = FusedLinearCrossEntropy.apply(hidden_NH, *args, targets_N, _valid_rows(targets_N), denom,
@@ -372,14 +372,6 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
     if not return_metrics:
         return loss
     return loss, _metrics_dict(sums, num_valid)
-
-
-def _triton_runs(hidden_NH, bias_V) -> bool:
-    """True when ``loss_type='triton'`` can run its kernel here; otherwise log once why ``fused_linear`` runs."""
-    reason = triton_ce.fallback_reason(hidden_NH, bias_V)
-    if reason:
-        triton_ce.log_fallback_once(reason, "fused_linear")
-    return reason is None
 
 
 def _triton_loss(hidden_NH, weight_VH, targets_N, denom, want_metrics, logit_softcap):

@@ -106,6 +106,14 @@ def log_fallback_once(reason: str, fallback: str) -> None:
     logger.warning("loss_type='triton': %s; using %s, the torch implementation of the same loss.", reason, fallback)
 
 
+def kernel_runs(hidden: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
+    """True when the kernel can run on these inputs; otherwise logs once why the caller's ``fused_linear`` runs."""
+    reason = fallback_reason(hidden, bias)
+    if reason:
+        log_fallback_once(reason, "fused_linear")
+    return reason is None
+
+
 @functools.lru_cache(maxsize=2)
 def _kernels(mode: str):
     import triton
