@@ -78,7 +78,10 @@ def git_state(repo: Path = REPO_ROOT, results_dir: Path = RESULTS_DIR) -> dict[s
         top = Path(_git(repo, "rev-parse", "--show-toplevel").strip())
         status = _git(repo, "status", "--porcelain", "--untracked-files=all").splitlines()
     except (OSError, subprocess.CalledProcessError) as err:
-        return {"commit": None, "dirty": None, "changed_paths": [], "error": str(err).strip()}
+        # a copied tree without .git (a GPU machine's): the commit the copy was made from, when the caller says it
+        copied = os.environ.get("TWINSEQ_COMMIT")
+        return {"commit": copied, "dirty": None, "changed_paths": [],
+                "error": str(err).strip() + (" (commit from TWINSEQ_COMMIT: a copy of that tree)" if copied else "")}
     skip = os.path.relpath(results_dir.resolve(), top.resolve()).replace(os.sep, "/") + "/"
     changed = [line for line in status if not line[3:].strip('"').startswith(skip)]
     return {"commit": commit, "dirty": bool(changed), "changed_paths": changed,

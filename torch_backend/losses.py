@@ -375,9 +375,9 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
 
 
 def _triton_loss(hidden_NH, weight_VH, targets_N, denom, want_metrics, logit_softcap):
-    idx = _valid_rows(targets_N)
-    logp_n, ent_n, hit_n = triton_ce.linear_logps(hidden_NH.index_select(0, idx), weight_VH,
-                                                  targets_N.index_select(0, idx), logit_softcap=logit_softcap,
+    # every row goes in: the kernel visits only those with a target (no gathered copy of the hidden states), and
+    # an ignored row's log-prob, entropy and hit are 0
+    logp_n, ent_n, hit_n = triton_ce.linear_logps(hidden_NH, weight_VH, targets_N, logit_softcap=logit_softcap,
                                                   with_entropy=want_metrics)
     loss = -logp_n.sum() / denom
     sums = torch.stack([hit_n.sum(), ent_n.detach().sum()]) if want_metrics else None

@@ -46,11 +46,19 @@ from twinseq.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# (BLOCK_N, BLOCK_V, BLOCK_D, num_warps) per kernel; the interpreter wants small tiles (tl.dot needs >= 16)
-GPU_FWD_BLOCKS = (64, 128, 64, 8)
-GPU_BWD_BLOCKS = (64, 128, 64, 8)
-INTERPRETER_BLOCKS = (16, 32, 16, 1)
-BWD_GROUP_N = 8
+# Tiles of the compiled kernels (benchmarks/gpu/_tune_triton_ce.py measures the alternatives on a GPU).
+# Forward: BLOCK_N rows x BLOCK_V columns, D read BLOCK_D at a time; the vocabulary is cut into splits so that
+# about ``programs_per_sm`` programs per multiprocessor run. Backward: the same tile, then its two gradient matmuls
+# BLOCK_D2 columns of D at a time; GROUP_N row blocks are ordered together so that their rows stay in L2.
+GPU_FWD = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=3, programs_per_sm=4)
+GPU_BWD = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, BLOCK_D2=64, num_warps=8, num_stages=3, GROUP_N=8)
+# The interpreter wants small tiles (tl.dot needs >= 16); its "multiprocessors" make a few splits, as a GPU does.
+INTERPRETER_FWD = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, programs_per_sm=2)
+INTERPRETER_BWD = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, BLOCK_D2=16, GROUP_N=8)
+INTERPRETER_SMS = 2
+# The hidden-state gradient's accumulator: float32 (exact to float32 summation order) or "input" (the hidden
+# dtype, as cut cross-entropy accumulates: half the bytes, bf16 rounding at every added tile).
+DH_ACCUMULATE = "float32"
 
 
 def triton_available() -> bool:
@@ -126,10 +134,10 @@ def _kernels(mode: str):
     return triton.jit(k.fwd_kernel), triton.jit(k.bwd_kernel)
 
 
-def _blocks(mode: str, which: str):
+def _tiles(mode: str, which: str) -> dict:
     if mode == "interpret":
-        return INTERPRETER_BLOCKS
-    return GPU_FWD_BLOCKS if which == "fwd" else GPU_BWD_BLOCKS
+        return INTERPRETER_FWD if which == "fwd" else INTERPRETER_BWD
+    return GPU_FWD if which == "fwd" else GPU_BWD
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -139,24 +147,61 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _launch_kwargs(mode: str, num_warps: int) -> dict:
-    return {} if mode == "interpret" else {"num_warps": num_warps}
+def _launch_kwargs(mode: str, tiles: dict) -> dict:
+    if mode == "interpret":
+        return {}
+    return {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]}
 
 
-def _forward(mode, h_nH, w_VH, targets_n, cap, with_entropy):
-    n, D = h_nH.shape
+def _multiprocessors(mode: str, device: torch.device) -> int:
+    if mode == "interpret":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def vocab_splits(n: int, V: int, tiles: dict, sms: int) -> tuple[int, int]:
+    """(splits, columns per split) of the forward: enough splits for ``programs_per_sm`` programs per
+    multiprocessor over ``cdiv(n, BLOCK_N)`` row blocks, each split a whole number of BLOCK_V tiles, none empty."""
+    bn, bv = tiles["BLOCK_N"], tiles["BLOCK_V"]
+    tiles_v = -(-V // bv)
+    want = -(-tiles["programs_per_sm"] * sms // max(1, -(-n // bn)))
+    splits = max(1, min(tiles_v, want))
+    per_split = -(-tiles_v // splits) * bv
+    return -(-V // per_split), per_split
+
+
+def _combine(pm, ps, pt, pz, targets_n, with_entropy):
+    """Merge the forward's per-split partials ([splits, n] each) into lse, logp, entropy, hit ([n] each)."""
+    m = pm.max(0).values
+    scale = torch.exp(pm - m)
+    s = (ps * scale).sum(0)
+    lse = m + torch.log(s)
+    zt = pz.sum(0)
+    valid = targets_n >= 0
+    logp = torch.where(valid, zt - lse, 0.0)
+    hit = (valid & (zt >= m)).float()
+    ent = lse - (pt * scale).sum(0) / s if with_entropy else None
+    return lse, logp, ent, hit
+
+
+def _forward(mode, h_NH, w_VH, targets_n, idx_n, cap, with_entropy):
+    n, D = targets_n.shape[0], h_NH.shape[1]
     V = w_VH.shape[0]
-    f32 = dict(dtype=torch.float32, device=h_nH.device)
-    lse, logp, hit = torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, **f32)
-    ent = torch.empty(n, **f32) if with_entropy else lse  # a placeholder pointer when unused
-    bn, bv, bd, warps = _blocks(mode, "fwd")
+    tiles = _tiles(mode, "fwd")
+    splits, per_split = vocab_splits(n, V, tiles, _multiprocessors(mode, h_NH.device))
+    f32 = dict(dtype=torch.float32, device=h_NH.device)
+    pm, ps, pz = (torch.empty((splits, n), **f32) for _ in range(3))
+    pt = torch.empty((splits, n), **f32) if with_entropy else pm  # a placeholder pointer when unused
     fwd, _ = _kernels(mode)
     if n:
-        fwd[(math.ceil(n / bn),)](h_nH, w_VH, targets_n, lse, logp, ent, hit, n, V, D, h_nH.stride(0),
-                                  w_VH.stride(0), float(cap or 1.0), HAS_CAP=cap is not None,
-                                  WITH_ENT=with_entropy, IEEE=h_nH.dtype == torch.float32, BLOCK_N=bn, BLOCK_V=bv,
-                                  BLOCK_D=bd, **_launch_kwargs(mode, warps))
-    return lse, logp, (ent if with_entropy else None), hit
+        bn = tiles["BLOCK_N"]
+        fwd[(math.ceil(n / bn), splits)](h_NH, w_VH, targets_n, idx_n if idx_n is not None else targets_n, pm, ps,
+                                         pt, pz, n, V, D, h_NH.stride(0), w_VH.stride(0), float(cap or 1.0),
+                                         HAS_IDX=idx_n is not None, HAS_CAP=cap is not None, WITH_ENT=with_entropy,
+                                         IEEE=h_NH.dtype == torch.float32, V_SPLIT=per_split, BLOCK_N=bn,
+                                         BLOCK_V=tiles["BLOCK_V"], BLOCK_D=tiles["BLOCK_D"],
+                                         **_launch_kwargs(mode, tiles))
+    return _combine(pm, ps, pt, pz, targets_n, with_entropy)
 
 
 def _dw_chunk_rows(V: int, D: int, block_v: int) -> int:
@@ -164,12 +209,16 @@ def _dw_chunk_rows(V: int, D: int, block_v: int) -> int:
     return min(V, (rows // block_v) * block_v)
 
 
-def _backward(mode, h_nH, w_VH, targets_n, lse, ent, g_logp, g_ent, cap, need_h, need_w, filter_eps):
-    n, D = h_nH.shape
+def _backward(mode, h_NH, w_VH, targets_n, idx_n, lse, ent, g_logp, g_ent, cap, need_h, need_w, filter_eps):
+    n, D = targets_n.shape[0], h_NH.shape[1]
     V = w_VH.shape[0]
-    bn, bv, bd, warps = _blocks(mode, "bwd")
+    tiles = _tiles(mode, "bwd")
+    bn, bv = tiles["BLOCK_N"], tiles["BLOCK_V"]
     _, bwd = _kernels(mode)
-    dh = torch.zeros((n, D), dtype=torch.float32, device=h_nH.device) if need_h else None
+    dh = None
+    if need_h:
+        dh_dtype = torch.float32 if DH_ACCUMULATE == "float32" or mode == "interpret" else h_NH.dtype
+        dh = torch.zeros(h_NH.shape, dtype=dh_dtype, device=h_NH.device)
     dw_out = None
     if need_w:
         dw_out = (torch.zeros((V, D), dtype=torch.float32, device=w_VH.device) if w_VH.dtype == torch.float32
@@ -180,23 +229,35 @@ def _backward(mode, h_nH, w_VH, targets_n, lse, ent, g_logp, g_ent, cap, need_h,
     for v0 in range(0, V, max(chunk, 1)):
         v1 = min(V, v0 + chunk)
         if dw_out is None:
-            dw = h_nH  # placeholder pointer, never written (NEED_DW=False)
+            dw = h_NH  # placeholder pointer, never written (NEED_DW=False)
         elif sliced:
             dw = torch.zeros((v1 - v0, D), dtype=torch.float32, device=w_VH.device)
         else:
             dw = dw_out[v0:v1]
         if n:
             grid = (math.ceil(n / bn) * math.ceil((v1 - v0) / bv),)
-            bwd[grid](h_nH, w_VH, targets_n, lse, ent if with_ent else lse, g_logp, g_ent if with_ent else g_logp,
-                      dh if dh is not None else lse, dw, n, V, D, v0, v1, h_nH.stride(0), w_VH.stride(0),
-                      D, D, float(cap or 1.0), float(filter_eps or 0.0), HAS_CAP=cap is not None,
-                      WITH_ENT=with_ent, NEED_DH=need_h, NEED_DW=need_w, FILTER=filter_eps is not None,
-                      IEEE=h_nH.dtype == torch.float32, BLOCK_N=bn, BLOCK_V=bv, BLOCK_D=bd, GROUP_N=BWD_GROUP_N,
-                      **_launch_kwargs(mode, warps))
+            bwd[grid](h_NH, w_VH, targets_n, idx_n if idx_n is not None else targets_n, lse,
+                      ent if with_ent else lse, g_logp, g_ent if with_ent else g_logp,
+                      dh if dh is not None else lse, dw, n, V, D, v0, v1, h_NH.stride(0), w_VH.stride(0),
+                      D, D, float(cap or 1.0), float(filter_eps or 0.0), HAS_IDX=idx_n is not None,
+                      HAS_CAP=cap is not None, WITH_ENT=with_ent, NEED_DH=need_h, NEED_DW=need_w,
+                      FILTER=filter_eps is not None, IEEE=h_NH.dtype == torch.float32, BLOCK_N=bn, BLOCK_V=bv,
+                      BLOCK_D=tiles["BLOCK_D"], BLOCK_D2=tiles["BLOCK_D2"], GROUP_N=tiles["GROUP_N"],
+                      **_launch_kwargs(mode, tiles))
         if sliced:
             dw_out[v0:v1] = dw
             del dw
     return dh, dw_out
+
+
+def _scatter(x_n: Optional[torch.Tensor], idx_n: Optional[torch.Tensor], N: int) -> Optional[torch.Tensor]:
+    if x_n is None or idx_n is None:
+        return x_n
+    return x_n.new_zeros(N).index_copy_(0, idx_n, x_n)
+
+
+def _gather(x_N: torch.Tensor, idx_n: Optional[torch.Tensor]) -> torch.Tensor:
+    return x_N if idx_n is None else x_N.index_select(0, idx_n)
 
 
 class TritonLinearLogps(torch.autograd.Function):
@@ -206,13 +267,21 @@ class TritonLinearLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_nH, weight_VH, targets_n, logit_softcap, with_entropy, filter_eps, mode):
-        compute = _compute_dtype(hidden_nH, weight_VH)
-        h_nH, w_VH = hidden_nH.to(compute).contiguous(), weight_VH.to(compute).contiguous()
-        targets_n = targets_n.to(torch.int64).contiguous()
-        lse, logp, ent, hit = _forward(mode, h_nH, w_VH, targets_n, logit_softcap, with_entropy)
-        ctx.save_for_backward(h_nH, w_VH, targets_n, lse, ent if ent is not None else lse)
-        ctx.cfg = (logit_softcap, with_entropy, filter_eps, mode, hidden_nH.dtype, weight_VH.dtype)
+    def forward(ctx, hidden_NH, weight_VH, targets_N, logit_softcap, with_entropy, filter_eps, mode):
+        compute = _compute_dtype(hidden_NH, weight_VH)
+        h_NH, w_VH = hidden_NH.to(compute).contiguous(), weight_VH.to(compute).contiguous()
+        targets_N = targets_N.to(torch.int64).contiguous()
+        # the kernels visit only the rows with a target: ignored rows are neither computed nor copied
+        idx_n = None
+        valid_N = targets_N >= 0
+        if not bool(valid_N.all()):
+            idx_n = valid_N.nonzero().squeeze(1)
+        targets_n = targets_N if idx_n is None else targets_N.index_select(0, idx_n)
+        lse, logp_n, ent_n, hit_n = _forward(mode, h_NH, w_VH, targets_n, idx_n, logit_softcap, with_entropy)
+        logp, ent, hit = (_scatter(x, idx_n, targets_N.shape[0]) for x in (logp_n, ent_n, hit_n))
+        ctx.save_for_backward(h_NH, w_VH, targets_n, idx_n if idx_n is not None else targets_n, lse,
+                              ent_n if ent_n is not None else lse)
+        ctx.cfg = (logit_softcap, with_entropy, filter_eps, mode, hidden_NH.dtype, weight_VH.dtype, idx_n is not None)
         ctx.mark_non_differentiable(hit)
         ctx.set_materialize_grads(False)  # an unused entropy output gets None, and backward skips its term
         return logp, ent, hit
@@ -220,13 +289,16 @@ class TritonLinearLogps(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp, g_ent, _g_hit):
-        h_nH, w_VH, targets_n, lse, ent = ctx.saved_tensors
-        cap, with_entropy, filter_eps, mode, h_dtype, w_dtype = ctx.cfg
+        h_NH, w_VH, targets_n, idx_n, lse, ent = ctx.saved_tensors
+        cap, with_entropy, filter_eps, mode, h_dtype, w_dtype, has_idx = ctx.cfg
+        idx_n = idx_n if has_idx else None
         need_h, need_w = ctx.needs_input_grad[:2]
         if g_logp is None:  # only the entropy was used
             g_logp = torch.zeros_like(lse)
-        g_ent = g_ent.float().contiguous() if (with_entropy and g_ent is not None) else None
-        dh, dw = _backward(mode, h_nH, w_VH, targets_n, lse, ent, g_logp.float().contiguous(), g_ent, cap,
+        else:
+            g_logp = _gather(g_logp, idx_n)
+        g_ent = _gather(g_ent, idx_n).float().contiguous() if (with_entropy and g_ent is not None) else None
+        dh, dw = _backward(mode, h_NH, w_VH, targets_n, idx_n, lse, ent, g_logp.float().contiguous(), g_ent, cap,
                            need_h, need_w, filter_eps)
         return (None if dh is None else dh.to(h_dtype), None if dw is None else dw.to(w_dtype),
                 None, None, None, None, None)
