@@ -48,7 +48,8 @@ VERSION_PACKAGES = ("numpy", "pyarrow", "datasets", "torch", "jax", "jaxlib", "f
 # Environment variables that change what a benchmark measures; recorded when set.
 ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "XLA_FLAGS", "JAX_PLATFORMS",
             "CUDA_VISIBLE_DEVICES", "MALLOC_MMAP_THRESHOLD_", "TWINSEQ_BACKEND", "TWINSEQ_CACHE",
-            "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM")
+            "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TOKENIZERS_PARALLELISM", "TWINSEQ_TRITON_TILES",
+            "TWINSEQ_COMMIT")
 # Arguments that choose where results go, not what is measured.
 OUTPUT_ARGS = frozenset({"output_dir", "no_write", "from_json"})
 STEM_RE = re.compile(r"^(?P<what>[a-z0-9_]+?)_(?P<hardware>[a-z0-9.-]+)_(?P<date>\d{4}-\d{2}-\d{2})$")

@@ -12,9 +12,11 @@ prefetched the same way. What it fixes from the peers (ANCHORS failure 7):
   place of the tensor. When autograd frees a saved tensor (after its node's backward, or when
   a graph is dropped without backward) the handle dies and a ``weakref.finalize`` drops the
   host copy. Nothing outlives the graph; ``live_stashed`` is 0 after every step.
-- **Non-contiguous tensors (TRL #5694).** A non-overlapping dense tensor (e.g. a transpose)
-  is copied into a host buffer with the same strides; an overlapping or gapped view (expand,
-  step slicing) is copied ``.contiguous()``, same shape and values.
+- **Non-contiguous tensors (TRL #5694).** A non-overlapping tensor (a transpose; a view with
+  gaps of at most its own size, such as the row-padded attention bias that SDPA's memory-efficient
+  kernel saves and whose aligned strides its backward requires) is copied into a host buffer with
+  the same strides, and comes back with them; an overlapping view (expand) or a sparse one (a
+  large step slice) is copied ``.contiguous()``, same shape and values.
 - **In-place Liger cross-entropy.** Liger's kernel writes gradients into its input, which an
   offloaded copy would not see (and autograd's version check is bypassed by hooks). Given the
   model, only tensors saved inside the decoder (``model.model``: layers + final norm) are
@@ -89,15 +91,16 @@ def _check_version(t: Optional[torch.Tensor], version: int) -> None:
                            "under ActivationOffloader.paused() or outside the offloaded region.")
 
 
-def _dense_non_overlapping(t: torch.Tensor) -> bool:
-    """True iff the strides are a permutation of a contiguous layout (a transpose, not a slice/expand)."""
+def _mirrorable(t: torch.Tensor) -> bool:
+    """True iff a buffer with ``t``'s strides holds no element twice (no expand) and spans at most twice ``t``'s
+    elements: a permuted contiguous layout (a transpose) or a view with small gaps (a row-padded slice)."""
     dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
-    expected = 1
+    reach = 1  # elements spanned by the dimensions so far
     for stride, size in dims:
-        if stride != expected:
+        if stride < reach:
             return False
-        expected *= size
-    return True
+        reach = stride * (size - 1) + reach
+    return reach <= 2 * max(t.numel(), 1)
 
 
 class ActivationOffloader:
@@ -232,9 +235,9 @@ class ActivationOffloader:
         pin = not self.testing
         if t.is_contiguous():
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        if _dense_non_overlapping(t):
+        if _mirrorable(t):  # the device copy is allocated with the host buffer's strides (_start_device_copy)
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, pin_memory=pin)
-        # overlapping (expand) or gapped (step slice) views cannot be mirrored: same shape, contiguous
+        # overlapping (expand) or sparse (a large step slice) views are not mirrored: same shape, contiguous
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
 
     def _to_host(self, t: torch.Tensor) -> _Entry:

@@ -56,9 +56,10 @@ GPU_BWD = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, BLOCK_D2=64, num_warps=8, n
 INTERPRETER_FWD = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, programs_per_sm=2)
 INTERPRETER_BWD = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, BLOCK_D2=16, GROUP_N=8)
 INTERPRETER_SMS = 2
-# The hidden-state gradient's accumulator: float32 (exact to float32 summation order) or "input" (the hidden
-# dtype, as cut cross-entropy accumulates: half the bytes, bf16 rounding at every added tile).
-DH_ACCUMULATE = "float32"
+# Gradient accumulators (``linear_logps(accumulate=...)``): "float32" (the default: a float32 hidden-state gradient
+# and float32 lm_head-gradient slices, exact to float32 summation order) or "input" (both added straight into
+# tensors of the inputs' dtype, as cut cross-entropy accumulates: no float32 buffer, a rounding at every tile added).
+ACCUMULATE = ("float32", "input")
 
 
 def triton_available() -> bool:
@@ -134,10 +135,34 @@ def _kernels(mode: str):
     return triton.jit(k.fwd_kernel), triton.jit(k.bwd_kernel)
 
 
+TILES_ENV = "TWINSEQ_TRITON_TILES"
+
+
+@functools.lru_cache(maxsize=4)
+def _tile_override(path: str) -> dict:
+    """``{"fwd": {...}, "bwd": {...}}`` from the JSON file ``$TWINSEQ_TRITON_TILES`` names (tiles tuned for another
+    GPU, as ``benchmarks/gpu/_tune_triton_ce.py`` writes them), each key one of GPU_FWD's / GPU_BWD's."""
+    import json
+
+    try:
+        got = json.loads(open(path).read())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{TILES_ENV}={path!r} cannot be read as JSON ({err}); point it to a file like "
+                          f'{{"fwd": {GPU_FWD}, "bwd": {GPU_BWD}}}, or unset it.') from err
+    for which, known in (("fwd", GPU_FWD), ("bwd", GPU_BWD)):
+        unknown = sorted(set(got.get(which, {})) - set(known))
+        if unknown:
+            raise ConfigError(f"{TILES_ENV}={path!r}: {which} has unknown keys {unknown}; choose from {sorted(known)}.")
+    logger.info("loss_type='triton': tiles from %s=%s: %s", TILES_ENV, path, got)
+    return got
+
+
 def _tiles(mode: str, which: str) -> dict:
     if mode == "interpret":
         return INTERPRETER_FWD if which == "fwd" else INTERPRETER_BWD
-    return GPU_FWD if which == "fwd" else GPU_BWD
+    base = GPU_FWD if which == "fwd" else GPU_BWD
+    path = os.environ.get(TILES_ENV)
+    return {**base, **_tile_override(path).get(which, {})} if path else base
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -209,7 +234,8 @@ def _dw_chunk_rows(V: int, D: int, block_v: int) -> int:
     return min(V, (rows // block_v) * block_v)
 
 
-def _backward(mode, h_NH, w_VH, targets_n, idx_n, lse, ent, g_logp, g_ent, cap, need_h, need_w, filter_eps):
+def _backward(mode, h_NH, w_VH, targets_n, idx_n, lse, ent, g_logp, g_ent, cap, need_h, need_w, filter_eps,
+              accumulate="float32"):
     n, D = targets_n.shape[0], h_NH.shape[1]
     V = w_VH.shape[0]
     tiles = _tiles(mode, "bwd")
@@ -217,15 +243,15 @@ def _backward(mode, h_NH, w_VH, targets_n, idx_n, lse, ent, g_logp, g_ent, cap, 
     _, bwd = _kernels(mode)
     dh = None
     if need_h:
-        dh_dtype = torch.float32 if DH_ACCUMULATE == "float32" or mode == "interpret" else h_NH.dtype
+        dh_dtype = torch.float32 if accumulate == "float32" else h_NH.dtype
         dh = torch.zeros(h_NH.shape, dtype=dh_dtype, device=h_NH.device)
     dw_out = None
+    direct = w_VH.dtype == torch.float32 or accumulate == "input"  # atomics straight into dw_out
     if need_w:
-        dw_out = (torch.zeros((V, D), dtype=torch.float32, device=w_VH.device) if w_VH.dtype == torch.float32
-                  else torch.empty_like(w_VH))
+        dw_out = torch.zeros_like(w_VH) if direct else torch.empty_like(w_VH)
     with_ent = g_ent is not None
-    sliced = dw_out is not None and dw_out.dtype != torch.float32  # fp32 slices, cast into dw_out when done
-    chunk = _dw_chunk_rows(V, D, bv) if dw_out is not None else V  # an fp32 head's slices are views of dw_out
+    sliced = dw_out is not None and not direct  # fp32 slices, cast into dw_out when done
+    chunk = _dw_chunk_rows(V, D, bv) if sliced else V
     for v0 in range(0, V, max(chunk, 1)):
         v1 = min(V, v0 + chunk)
         if dw_out is None:
@@ -267,7 +293,7 @@ class TritonLinearLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, targets_N, logit_softcap, with_entropy, filter_eps, mode):
+    def forward(ctx, hidden_NH, weight_VH, targets_N, logit_softcap, with_entropy, filter_eps, mode, accumulate):
         compute = _compute_dtype(hidden_NH, weight_VH)
         h_NH, w_VH = hidden_NH.to(compute).contiguous(), weight_VH.to(compute).contiguous()
         targets_N = targets_N.to(torch.int64).contiguous()
@@ -281,7 +307,8 @@ class TritonLinearLogps(torch.autograd.Function):
         logp, ent, hit = (_scatter(x, idx_n, targets_N.shape[0]) for x in (logp_n, ent_n, hit_n))
         ctx.save_for_backward(h_NH, w_VH, targets_n, idx_n if idx_n is not None else targets_n, lse,
                               ent_n if ent_n is not None else lse)
-        ctx.cfg = (logit_softcap, with_entropy, filter_eps, mode, hidden_NH.dtype, weight_VH.dtype, idx_n is not None)
+        ctx.cfg = (logit_softcap, with_entropy, filter_eps, mode, hidden_NH.dtype, weight_VH.dtype, idx_n is not None,
+                   accumulate)
         ctx.mark_non_differentiable(hit)
         ctx.set_materialize_grads(False)  # an unused entropy output gets None, and backward skips its term
         return logp, ent, hit
@@ -290,7 +317,7 @@ class TritonLinearLogps(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_logp, g_ent, _g_hit):
         h_NH, w_VH, targets_n, idx_n, lse, ent = ctx.saved_tensors
-        cap, with_entropy, filter_eps, mode, h_dtype, w_dtype, has_idx = ctx.cfg
+        cap, with_entropy, filter_eps, mode, h_dtype, w_dtype, has_idx, accumulate = ctx.cfg
         idx_n = idx_n if has_idx else None
         need_h, need_w = ctx.needs_input_grad[:2]
         if g_logp is None:  # only the entropy was used
@@ -299,9 +326,9 @@ class TritonLinearLogps(torch.autograd.Function):
             g_logp = _gather(g_logp, idx_n)
         g_ent = _gather(g_ent, idx_n).float().contiguous() if (with_entropy and g_ent is not None) else None
         dh, dw = _backward(mode, h_NH, w_VH, targets_n, idx_n, lse, ent, g_logp.float().contiguous(), g_ent, cap,
-                           need_h, need_w, filter_eps)
+                           need_h, need_w, filter_eps, accumulate)
         return (None if dh is None else dh.to(h_dtype), None if dw is None else dw.to(w_dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def resolve_filter_eps(filter_eps, dtype: torch.dtype) -> Optional[float]:
@@ -318,13 +345,19 @@ def resolve_filter_eps(filter_eps, dtype: torch.dtype) -> Optional[float]:
 
 def linear_logps(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, targets_n: torch.Tensor, *,
                  logit_softcap: Optional[float] = None, with_entropy: bool = False,
-                 filter_eps: Optional[float] = None, mode: Optional[str] = None):
+                 filter_eps: Optional[float] = None, accumulate: str = "float32", mode: Optional[str] = None):
     """(logp [n] fp32, entropy [n] fp32 or None, hit [n] fp32) on the Triton kernel.
+
+    Rows whose target is -100 are skipped: their log-prob, entropy and hit are 0 and they get no gradient.
 
     ``filter_eps``: None computes exact gradients (the default, and what ``loss_type='triton'`` uses); ``"auto"`` or a
     float skips, in backward, every tile of logits that holds no target and whose softmax probabilities are all
     below it (cut cross-entropy's gradient filter). Each skipped entry is then below ``filter_eps`` times its
     row's upstream gradient; their sum is not bounded by that, which is why it is opt-in.
+
+    ``accumulate``: ``"float32"`` (the default) adds the gradients' tiles into float32 buffers (the whole hidden
+    gradient, lm_head-gradient slices of ``TRITON_DW_SLICE_BYTES``); ``"input"`` adds them straight into gradients of
+    the inputs' dtype, as cut cross-entropy does: no float32 buffer at all, one rounding to that dtype per tile added.
 
     ``mode``: ``"cuda"``, ``"interpret"``, or None to pick from the device (``kernel_mode``); the
     caller handles the None case (no Triton path) with its torch fallback.
@@ -335,4 +368,8 @@ def linear_logps(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, targets_n: to
                           f"loss_type='fused_linear'.")
     mode = mode or kernel_mode(hidden_nH.device)
     filter_eps = resolve_filter_eps(filter_eps, _compute_dtype(hidden_nH, weight_VH))
-    return TritonLinearLogps.apply(hidden_nH, weight_VH, targets_n, logit_softcap, with_entropy, filter_eps, mode)
+    if accumulate not in ACCUMULATE:
+        raise ConfigError(f"accumulate={accumulate!r} is not valid; choose 'float32' (float32 gradient buffers, the "
+                          f"default) or 'input' (gradients accumulated in the inputs' dtype, no float32 buffer).")
+    return TritonLinearLogps.apply(hidden_nH, weight_VH, targets_n, logit_softcap, with_entropy, filter_eps, mode,
+                                   accumulate)

@@ -28,36 +28,37 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent.parent))
 
 FWD = [  # BLOCK_N, BLOCK_V, BLOCK_D, num_warps, num_stages, programs_per_sm
-    (128, 128, 64, 8, 3, 4),
-    (64, 128, 64, 8, 3, 4),
     (128, 256, 64, 8, 3, 2),
-    (128, 256, 32, 8, 4, 2),
-    (256, 128, 32, 8, 3, 2),
+    (128, 256, 64, 8, 4, 2),
+    (128, 256, 64, 8, 3, 4),
     (256, 128, 64, 8, 3, 2),
-    (128, 128, 64, 4, 4, 4),
-    (128, 128, 128, 8, 2, 4),
-    (128, 256, 64, 8, 4, 1),
-    (128, 128, 64, 8, 3, 1),
+    (128, 256, 32, 8, 5, 2),
+    (256, 128, 64, 8, 2, 4),
 ]
 BWD = [  # BLOCK_N, BLOCK_V, BLOCK_D, BLOCK_D2, num_warps, num_stages, GROUP_N
     (128, 128, 64, 64, 8, 3, 8),
-    (128, 128, 32, 64, 4, 4, 8),
-    (64, 128, 64, 64, 8, 3, 8),
-    (128, 256, 64, 64, 8, 3, 8),
-    (256, 128, 64, 64, 8, 3, 8),
-    (128, 128, 64, 128, 8, 3, 8),
-    (128, 128, 64, 64, 4, 3, 8),
-    (128, 256, 32, 64, 8, 4, 16),
+    (128, 256, 64, 32, 8, 2, 8),
+    (128, 256, 32, 32, 8, 3, 8),
+    (128, 256, 64, 64, 8, 2, 8),
+    (128, 256, 32, 64, 8, 2, 8),
+    (256, 128, 64, 32, 8, 2, 8),
+    (256, 128, 32, 32, 8, 3, 8),
+    (128, 256, 64, 32, 8, 2, 16),
 ]
 
+FWD_KEYS = ("BLOCK_N", "BLOCK_V", "BLOCK_D", "num_warps", "num_stages", "programs_per_sm")
+BWD_KEYS = ("BLOCK_N", "BLOCK_V", "BLOCK_D", "BLOCK_D2", "num_warps", "num_stages", "GROUP_N")
 
-def timed(fn, repeats: int):
+
+def timed(fn, repeats: int, clear=None):
     import torch
 
     fn()  # warmup: compilation, autotuning
     torch.cuda.synchronize()
     times, peaks = [], []
     for _ in range(repeats):
+        if clear is not None:
+            clear()  # free the last call's gradients before the baseline is read
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -107,6 +108,9 @@ def main() -> None:
         h2 = h.reshape(-1, h.shape[-1])
         nv = inp["num_valid"]
 
+        def clear():
+            h.grad = w.grad = None
+
         def fwd_bwd(loss):
             def run():
                 h.grad = w.grad = None
@@ -118,7 +122,7 @@ def main() -> None:
 
             for eps in ("high", None):
                 ms, peak = timed(fwd_bwd(lambda eps=eps: linear_cross_entropy(
-                    h2, w, t, ignore_index=-100, reduction="sum", filter_eps=eps) / nv), args.repeats)
+                    h2, w, t, ignore_index=-100, reduction="sum", filter_eps=eps) / nv), args.repeats, clear)
                 record(vocab=vocab, what=f"cce {eps}", tiles="fwd+bwd", ms=ms, peak_mib=peak / 2**20)
                 with torch.no_grad():
                     ms, peak = timed(lambda eps=eps: linear_cross_entropy(h2, w, t, ignore_index=-100,
@@ -131,7 +135,7 @@ def main() -> None:
         for tiles in FWD:
             if time.time() - t_start > args.budget:
                 break
-            cfg = dict(zip(("BLOCK_N", "BLOCK_V", "BLOCK_D", "num_warps", "num_stages", "programs_per_sm"), tiles))
+            cfg = dict(zip(FWD_KEYS, tiles))
             triton_ce.GPU_FWD = cfg
             try:
                 with torch.no_grad():
@@ -142,29 +146,43 @@ def main() -> None:
                 record(vocab=vocab, what="fwd", tiles=tiles, error=repr(err)[:300])
         fwd_rows = [r for r in results["rows"] if r["vocab"] == vocab and r["what"] == "fwd" and "ms" in r]
         best_fwd = min(fwd_rows, key=lambda r: r["ms"])["tiles"] if fwd_rows else None
-        triton_ce.GPU_FWD = (dict(zip(("BLOCK_N", "BLOCK_V", "BLOCK_D", "num_warps", "num_stages",
-                                       "programs_per_sm"), best_fwd)) if best_fwd else default_fwd)
+        triton_ce.GPU_FWD = dict(zip(FWD_KEYS, best_fwd)) if best_fwd else default_fwd
         print(f"best forward tiles {best_fwd}", flush=True)
 
         for i, tiles in enumerate(BWD):
-            cfg = dict(zip(("BLOCK_N", "BLOCK_V", "BLOCK_D", "BLOCK_D2", "num_warps", "num_stages", "GROUP_N"), tiles))
+            cfg = dict(zip(BWD_KEYS, tiles))
             triton_ce.GPU_BWD = cfg
-            modes = [("auto", "float32"), ("auto", "input")] + ([(None, "float32")] if i < args.exact else [])
+            modes = [("auto", "input"), ("auto", "float32")] + ([(None, "float32")] if i < args.exact else [])
             for eps, acc in modes:
                 if time.time() - t_start > args.budget:
                     break
-                triton_ce.DH_ACCUMULATE = acc
                 try:
-                    loss = (lambda eps=eps: -triton_ce.linear_logps(h2, w, t, filter_eps=eps)[0].sum() / nv)
-                    ms, peak = timed(fwd_bwd(loss), args.repeats)
+                    loss = (lambda eps=eps, acc=acc: -triton_ce.linear_logps(h2, w, t, filter_eps=eps,
+                                                                              accumulate=acc)[0].sum() / nv)
+                    ms, peak = timed(fwd_bwd(loss), args.repeats, clear)
                     record(vocab=vocab, what=f"fb {eps} {acc[:3]}", tiles=tiles, ms=ms, peak_mib=peak / 2**20)
                 except Exception as err:  # noqa: BLE001
                     traceback.print_exc(limit=2)
                     record(vocab=vocab, what=f"fb {eps} {acc[:3]}", tiles=tiles, error=repr(err)[:300])
-        triton_ce.GPU_FWD, triton_ce.GPU_BWD, triton_ce.DH_ACCUMULATE = default_fwd, default_bwd, "float32"
+        triton_ce.GPU_FWD, triton_ce.GPU_BWD = default_fwd, default_bwd
         del inp, h, w, t, h2
         torch.cuda.empty_cache()
-    print(f"sweep done in {time.time() - t_start:.0f} s", flush=True)
+    best = {}
+    for which, prefix, keys, grid in (("fwd", "fwd", FWD_KEYS, FWD), ("bwd", "fb auto inp", BWD_KEYS, BWD)):
+        rows = [r for r in results["rows"] if r["what"] == prefix and "ms" in r]
+        vocabs = sorted({r["vocab"] for r in rows})
+        # the tiles with the least total time over the vocabularies that measured every one of them
+        totals = {}
+        for tiles in grid:
+            ms = [r["ms"] for r in rows if tuple(r["tiles"]) == tuple(tiles)]
+            if len(ms) == len(vocabs) and ms:
+                totals[tuple(tiles)] = sum(ms)
+        if totals:
+            best[which] = dict(zip(keys, min(totals, key=totals.get)))
+    results["best"] = best
+    (Path(args.out) / "tune_triton_ce.json").write_text(json.dumps(results, indent=1))
+    (Path(args.out) / "best_tiles.json").write_text(json.dumps(best))
+    print(f"best tiles {best}; sweep done in {time.time() - t_start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -87,18 +87,23 @@ def _twinseq(loss_type: str) -> Callable[[dict], Callable]:
     return make
 
 
-def _twinseq_triton_filtered(inp: dict) -> Callable:
+def _twinseq_triton_filtered(accumulate: str) -> Callable[[dict], Callable]:
     """The triton kernel with cut cross-entropy's gradient filter (``filter_eps="auto"``: dtype eps / 32), the
-    setting CCE's default row runs; twinseq's ``loss_type='triton'`` itself computes exact gradients."""
-    _twinseq("triton")(inp)  # the same skips as the exact row
-    from twinseq.torch_backend import triton_ce
+    setting CCE's default row runs, with float32 gradient buffers or (``accumulate="input"``) gradients accumulated
+    in the inputs' dtype as CCE accumulates them; twinseq's ``loss_type='triton'`` itself computes exact gradients
+    in float32 buffers. All rows go in; the kernel skips those whose target is -100."""
+    def make(inp: dict) -> Callable:
+        _twinseq("triton")(inp)  # the same skips as the exact row
+        from twinseq.torch_backend import triton_ce
 
-    mask, targets, num_valid = inp["mask_N"], inp["targets_N"], inp["num_valid"]
+        targets, num_valid = inp["targets_N"], inp["num_valid"]
 
-    def loss_fn(h, w):
-        logp = triton_ce.linear_logps(h.reshape(-1, h.shape[-1])[mask], w, targets[mask], filter_eps="auto")[0]
-        return -logp.sum() / num_valid
-    return loss_fn
+        def loss_fn(h, w):
+            logp = triton_ce.linear_logps(h.reshape(-1, h.shape[-1]), w, targets, filter_eps="auto",
+                                          accumulate=accumulate)[0]
+            return -logp.sum() / num_valid
+        return loss_fn
+    return make
 
 
 def _trl_chunked(inp: dict) -> Callable:
@@ -165,7 +170,8 @@ KERNELS: dict[str, Callable[[dict], Callable]] = {
     "twinseq fused_linear": _twinseq("fused_linear"),
     "twinseq liger": _twinseq("liger"),
     "twinseq triton": _twinseq("triton"),
-    "twinseq triton (filter_eps=auto)": _twinseq_triton_filtered,
+    "twinseq triton (filter_eps=auto)": _twinseq_triton_filtered("float32"),
+    "twinseq triton (filter_eps=auto; accumulate=input)": _twinseq_triton_filtered("input"),
     "trl chunked_nll": _trl_chunked,
     "liger LigerFusedLinearCrossEntropyLoss": _liger_flce,
     "cce linear_cross_entropy": _cce("high"),

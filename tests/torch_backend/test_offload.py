@@ -164,6 +164,41 @@ def test_non_contiguous_saved_tensors(cfg):
     assert offloader.live_stashed == 0
 
 
+class _KeepsStrides(torch.autograd.Function):
+    """Saves its input and, in backward, records the strides it gets back."""
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        _KeepsStrides.seen.append(x.stride())
+        return g.expand(x.shape).clone()
+
+
+def test_row_padded_view_comes_back_with_its_strides():
+    """SDPA's memory-efficient kernel saves a row-padded attention bias (an [.., L, L] view of [.., L, L + pad]) and
+    its backward refuses another row stride (the GPU lane's "attn_bias is not correctly aligned (strideH)"): the
+    round trip keeps the strides; a sparse step slice comes back contiguous. The gradients are the plain run's."""
+    offloader = ActivationOffloader(device="cpu", allow_cpu_for_testing=True)
+    _KeepsStrides.seen.clear()
+    for shape, index in (((2, 1, 97, 104), (..., slice(0, 97))), ((64, 64), (slice(None), slice(None, None, 8)))):
+        base = torch.randn(shape, requires_grad=True)
+        with offloader:
+            _KeepsStrides.apply(base[index]).backward()
+        expected = torch.zeros(shape)
+        expected[index] = 1.0
+        assert torch.equal(base.grad, expected)
+    assert offloader.stats.num_offloaded == 2
+    assert _KeepsStrides.seen[0] == (97 * 104, 97 * 104, 104, 1)  # the padded rows: mirrored
+    assert _KeepsStrides.seen[1] == (8, 1)  # 8x the elements it holds: stored contiguous
+    assert offloader.live_stashed == 0
+
+
 # --------------------------------------------------------------------------------------
 # CUDA
 # --------------------------------------------------------------------------------------

@@ -126,6 +126,27 @@ def test_fp16_kernel_is_within_half_precision_of_fp64(interpret, monkeypatch):
     assert rel_err(dw, want[4]) <= 10 * 2 ** -11
 
 
+def test_input_dtype_accumulation_is_float32_in_float32_and_within_half_precision_in_float16(interpret):
+    """``accumulate="input"`` (cut cross-entropy's memory): gradients added straight into tensors of the inputs'
+    dtype. In float32 that is the float32 path, bit for bit; in float16 every tile added rounds once more, still
+    within the fp16 bound of the float32-buffer path (10 units of roundoff), and no float32 gradient exists."""
+    h64, w64, t = make_rows(n=40, V=120, D=32)
+    ones = torch.ones(len(t), dtype=torch.float64)
+    exact32 = run_kernel(h64.float(), w64.float(), t, None, ones, ones)
+    input32 = run_kernel(h64.float(), w64.float(), t, None, ones, ones, accumulate="input")
+    for a, b in zip(input32, exact32):
+        assert torch.equal(a, b)
+    h16, w16 = h64.half(), w64.half()
+    want = reference(h16.double(), w16.double(), t, None, ones, ones)
+    logp, _, _, dh, dw = run_kernel(h16, w16, t, None, ones, ones, accumulate="input")
+    assert dh.dtype == torch.float16 and dw.dtype == torch.float16
+    assert rel_err(logp, want[0]) <= 1e-5
+    assert rel_err(dh, want[3]) <= 10 * 2 ** -11
+    assert rel_err(dw, want[4]) <= 10 * 2 ** -11
+    with pytest.raises(ConfigError, match="accumulate='bf16'"):
+        triton_ce.linear_logps(h16, w16, t, accumulate="bf16")
+
+
 def test_frozen_head_skips_its_gradient(interpret):
     h64, w64, t = make_rows()
     h = h64.float().requires_grad_()
@@ -276,3 +297,23 @@ def test_cuda_bf16_kernel_matches_fp32_nll_and_never_holds_the_logits(cap):
     assert rel_err(got[2].float(), want[2]) <= 10 * 2 ** -8
     n, V = int((labels != IGN).sum()), weight.shape[0]
     assert peak < n * V * 4 / 4, f"peak {peak / 2**20:.0f} MiB vs one fp32 [n, V] {n * V * 4 / 2**20:.0f} MiB"
+
+
+def test_tiles_tuned_elsewhere_come_from_a_file_and_bad_keys_are_named(tmp_path, monkeypatch):
+    path = tmp_path / "tiles.json"
+    path.write_text('{"fwd": {"BLOCK_V": 64}, "bwd": {"num_warps": 4}}')
+    monkeypatch.setenv(triton_ce.TILES_ENV, str(path))
+    assert triton_ce._tiles("cuda", "fwd") == {**triton_ce.GPU_FWD, "BLOCK_V": 64}
+    assert triton_ce._tiles("cuda", "bwd") == {**triton_ce.GPU_BWD, "num_warps": 4}
+    assert triton_ce._tiles("interpret", "fwd") == triton_ce.INTERPRETER_FWD  # the interpreter keeps its own
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"fwd": {"BLOCK_M": 64}}')
+    monkeypatch.setenv(triton_ce.TILES_ENV, str(bad))
+    with pytest.raises(ConfigError, match=r"fwd has unknown keys \['BLOCK_M'\]"):
+        triton_ce._tiles("cuda", "fwd")
+
+
+def test_vocabulary_splits_cover_the_head_once():
+    for n, V, sms in ((14751, 248320, 132), (1, 50, 132), (5000, 128256, 8), (100000, 300, 132)):
+        splits, per = triton_ce.vocab_splits(n, V, triton_ce.GPU_FWD, sms)
+        assert per % triton_ce.GPU_FWD["BLOCK_V"] == 0 and (splits - 1) * per < V <= splits * per
