@@ -83,6 +83,10 @@ def git_state(repo: Path = REPO_ROOT, results_dir: Path = RESULTS_DIR) -> dict[s
         copied = os.environ.get("TWINSEQ_COMMIT")
         return {"commit": copied, "dirty": None, "changed_paths": [],
                 "error": str(err).strip() + (" (commit from TWINSEQ_COMMIT: a copy of that tree)" if copied else "")}
+    copied = os.environ.get("TWINSEQ_COMMIT")
+    if copied and copied != commit:  # a copy of the tree at that commit whose .git is of another (a GPU machine's)
+        return {"commit": copied, "dirty": None, "changed_paths": [],
+                "error": f"a copied tree: its .git is at {commit}; the commit from TWINSEQ_COMMIT"}
     skip = os.path.relpath(results_dir.resolve(), top.resolve()).replace(os.sep, "/") + "/"
     changed = [line for line in status if not line[3:].strip('"').startswith(skip)]
     return {"commit": commit, "dirty": bool(changed), "changed_paths": changed,
