@@ -15,7 +15,8 @@ prefetched the same way. What it fixes from the peers (ANCHORS failure 7):
 - **Non-contiguous tensors (TRL #5694).** A non-overlapping tensor (a transpose; a view with
   gaps of at most its own size, such as the row-padded attention bias that SDPA's memory-efficient
   kernel saves and whose aligned strides its backward requires) is copied into a host buffer with
-  the same strides, and comes back with them; an overlapping view (expand) or a sparse one (a
+  the same strides, and comes back with them; an expanded view keeps one copy along its
+  stride-0 dimensions and is expanded again on return; any other overlapping or sparse view (a
   large step slice) is copied ``.contiguous()``, same shape and values.
 - **In-place Liger cross-entropy.** Liger's kernel writes gradients into its input, which an
   offloaded copy would not see (and autograd's version check is bypassed by hooks). Given the
@@ -74,6 +75,7 @@ class _Entry:
     event: Optional[Any] = None            # D2H copy done (CUDA)
     device_copy: Optional[torch.Tensor] = None
     device_event: Optional[Any] = None     # H2D prefetch done (CUDA)
+    expand_to: Optional[torch.Size] = None  # an expanded view: host holds one copy; expanded again on return
 
 
 @dataclass
@@ -224,11 +226,11 @@ class ActivationOffloader:
         assert entry is not None, "offloaded tensor unpacked after its graph was freed"
         _check_version(entry.source(), entry.version)
         if self.testing:
-            return entry.host
+            return entry.host if entry.expand_to is None else entry.host.expand(entry.expand_to)
         self._queue_end_of_backward()
         tensor = self._to_device(entry)
         self._prefetch_before(packed.key)
-        return tensor
+        return tensor if entry.expand_to is None else tensor.expand(entry.expand_to)
 
     # ---- copies ----------------------------------------------------------------------
     def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
@@ -241,8 +243,14 @@ class ActivationOffloader:
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
 
     def _to_host(self, t: torch.Tensor) -> _Entry:
+        source, expand_to = t, None
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+            # an expanded view (SDPA's attention bias over heads): keep one copy along each stride-0 dimension, so
+            # the rest of its layout (padded rows) can be mirrored; it is expanded again when it comes back
+            expand_to = t.shape
+            t = t[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for st, n in zip(t.stride(), t.shape))]
         host = self._host_buffer(t)
-        entry = _Entry(host=host, source=weakref.ref(t), version=t._version)
+        entry = _Entry(host=host, source=weakref.ref(source), version=source._version, expand_to=expand_to)
         if self.testing:
             host.copy_(t)
             return entry

@@ -46,11 +46,12 @@ from twinseq.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# Tiles of the compiled kernels (benchmarks/gpu/_tune_triton_ce.py measures the alternatives on a GPU).
+# Tiles of the compiled kernels: the fastest of benchmarks/gpu/_tune_triton_ce.py's shortlist on an H100 (16,384 x
+# 2,048 x {128,256, 248,320}, bf16; benchmarks/results/tune_triton_ce_h100-80gb_2026-11-25.json).
 # Forward: BLOCK_N rows x BLOCK_V columns, D read BLOCK_D at a time; the vocabulary is cut into splits so that
 # about ``programs_per_sm`` programs per multiprocessor run. Backward: the same tile, then its two gradient matmuls
 # BLOCK_D2 columns of D at a time; GROUP_N row blocks are ordered together so that their rows stay in L2.
-GPU_FWD = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, num_warps=8, num_stages=3, programs_per_sm=4)
+GPU_FWD = dict(BLOCK_N=128, BLOCK_V=256, BLOCK_D=64, num_warps=8, num_stages=3, programs_per_sm=2)
 GPU_BWD = dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, BLOCK_D2=64, num_warps=8, num_stages=3, GROUP_N=8)
 # The interpreter wants small tiles (tl.dot needs >= 16); its "multiprocessors" make a few splits, as a GPU does.
 INTERPRETER_FWD = dict(BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, programs_per_sm=2)

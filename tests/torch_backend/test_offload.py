@@ -186,16 +186,20 @@ def test_row_padded_view_comes_back_with_its_strides():
     round trip keeps the strides; a sparse step slice comes back contiguous. The gradients are the plain run's."""
     offloader = ActivationOffloader(device="cpu", allow_cpu_for_testing=True)
     _KeepsStrides.seen.clear()
-    for shape, index in (((2, 1, 97, 104), (..., slice(0, 97))), ((64, 64), (slice(None), slice(None, None, 8)))):
+    views = ((2, 1, 97, 104), lambda b: b[..., :97]), ((64, 64), lambda b: b[:, ::8]), \
+        ((2, 1, 97, 104), lambda b: b[..., :97].expand(2, 3, 97, 97))  # as SDPA saves it: padded, over heads
+    for shape, view in views:
         base = torch.randn(shape, requires_grad=True)
         with offloader:
-            _KeepsStrides.apply(base[index]).backward()
+            _KeepsStrides.apply(view(base)).backward()
         expected = torch.zeros(shape)
-        expected[index] = 1.0
-        assert torch.equal(base.grad, expected)
-    assert offloader.stats.num_offloaded == 2
+        expected.requires_grad_()
+        view(expected).sum().backward()
+        assert torch.equal(base.grad, expected.grad)
+    assert offloader.stats.num_offloaded == 3
     assert _KeepsStrides.seen[0] == (97 * 104, 97 * 104, 104, 1)  # the padded rows: mirrored
     assert _KeepsStrides.seen[1] == (8, 1)  # 8x the elements it holds: stored contiguous
+    assert _KeepsStrides.seen[2] == (97 * 104, 0, 104, 1)  # one copy, expanded over the heads again
     assert offloader.live_stashed == 0
 
 
