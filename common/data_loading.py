@@ -82,8 +82,11 @@ def _load_file(path: Path):
         if fmt == "jsonl":
             import pyarrow.json as pj
 
-            _check_jsonl_lines(path)
-            return from_table(pj.read_json(path))
+            longest = _check_jsonl_lines(path)
+            # Arrow reads a JSONL file in blocks (1 MiB by default) and fails on a line longer than one block
+            # ("straddling object straddles two block boundaries"): one long document is a normal dataset here
+            block = max(1 << 20, longest + 1)
+            return from_table(pj.read_json(path, read_options=pj.ReadOptions(block_size=block)))
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
@@ -115,10 +118,13 @@ def _read_json_rows(path: Path):
                         f"([{{\"prompt\": ..., \"completion\": ...}}, ...]) or an object of columns.")
 
 
-def _check_jsonl_lines(path: Path) -> None:
-    """Name the first line of a JSONL file that is not a JSON object (Arrow's reader names none)."""
+def _check_jsonl_lines(path: Path) -> int:
+    """Name the first line of a JSONL file that is not a JSON object (Arrow's reader names none); returns the
+    longest line's length in bytes."""
+    longest = 0
     with path.open(encoding="utf-8", errors="replace") as f:
         for number, line in enumerate(f, start=1):
+            longest = max(longest, len(line.encode("utf-8", errors="replace")))
             if not line.strip():
                 continue
             try:
@@ -129,6 +135,7 @@ def _check_jsonl_lines(path: Path) -> None:
             if not isinstance(row, dict):
                 raise DataTypeError(f"{path}:{number}: the line holds a {type(row).__name__}, not an object; a JSONL "
                                     f"dataset has one {{\"field\": value}} object per line.")
+    return longest
 
 
 def _load_folder(path: Path, split: str):

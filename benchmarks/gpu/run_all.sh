@@ -98,7 +98,7 @@ fi
 {
     echo "# run_all.sh $ARGS  stages: ${STAGES[*]}"
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "commit: $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo 'unknown (no .git)')"
+    echo "commit: ${TWINSEQ_COMMIT:-$(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo 'unknown (no .git)')}${TWINSEQ_COMMIT:+ (TWINSEQ_COMMIT: a copy of that tree)}"
     echo "python: $PYTHON ($("$PYTHON" --version 2>&1)); PYTHONPATH=${PYTHONPATH:-}"
     echo "wheels: ${WHEELS[*]:-none}"
     echo "## nvidia-smi"

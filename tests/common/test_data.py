@@ -262,3 +262,13 @@ def test_rows_are_int32_lists(full_sft):
     rows, _ = full_sft
     assert str(rows.features["input_ids"].feature.dtype) == "int32"
     assert np.asarray(rows[0]["input_ids"]).dtype.kind == "i"
+
+
+def test_a_jsonl_line_longer_than_arrows_block_loads(tmp_path):
+    """One long document per line (the GPU max-length probe's 393,216-token document is ~2.3 MB on one line):
+    Arrow's JSON reader fails on a line longer than its 1 MiB block unless the block is sized to the line."""
+    ids = list(range(3, 8192)) * 60  # ~2.6 MB of JSON on one line
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"input_ids": ids}) + "\n" + json.dumps({"input_ids": [5, 6, 7]}) + "\n")
+    ds = load_dataset_any(str(path))
+    assert len(ds) == 2 and ds[0]["input_ids"] == ids and ds[1]["input_ids"] == [5, 6, 7]
