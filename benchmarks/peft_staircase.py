@@ -98,7 +98,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         old = {(r["model"], r["backend"], r["step"]): r for r in json.loads(args.reuse.read_text())["results"]
                if "peak_bytes" in r and r["backend"] not in remeasure}
     for model, backend, step, change in tqdm(jobs, desc="staircase", unit="run"):
-        values = dict(backend=backend, model_config=model_paths[model], learning_rate=1e-3, **SHAPES[model], **change)
+        values = dict(backend=backend, model_config=model_paths[model], init_weights="random", learning_rate=1e-3,
+                      **SHAPES[model], **change)
         row: dict[str, Any] = {"model": model, "backend": backend, "step": step, "config": values}
         if (model, backend, step) in old:
             row = {**old[(model, backend, step)], "config": values, "reused_from": args.reuse.name,

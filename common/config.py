@@ -54,6 +54,7 @@ PackingStrategy = Literal["bfd", "bfd_split", "wrapped"]
 LossType = Literal["nll", "chunked_nll", "fused_linear", "liger", "triton"]
 AttnImplementation = Literal["sdpa", "eager", "flex_attention", "varlen", "flash_attention_2", "flash_attention_3"]
 DType = Literal["float32", "bfloat16"]
+InitWeights = Literal["pretrained", "random"]
 PaddingSide = Literal["right", "left"]
 LRScheduler = Literal["constant", "linear", "cosine"]
 ContextParallelStrategy = Literal["allgather", "ring"]
@@ -108,7 +109,12 @@ class ModelArgs(_Section):
 
     model_config: str = "tiny"
     """A preset (tiny, small, tiny-llama3, tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-gemma2), a local Hugging Face
-    checkpoint folder (Llama, Qwen2, Qwen3, Mistral, Gemma 2), or a folder with a config.json alone (random init)."""
+    checkpoint folder (Llama, Qwen2, Qwen3, Mistral, Gemma 2), or a folder with a config.json alone (with
+    ``init_weights='random'``)."""
+    init_weights: InitWeights = "pretrained"
+    """``pretrained``: a model folder's own weights; a folder with a config.json and no weights is refused, naming
+    the missing files. ``random``: weights drawn from the run's seed, for that folder's architecture (its weights,
+    if any, are not read). A preset always starts from random weights."""
     attn_implementation: AttnImplementation = "sdpa"
     """Attention path; every path masks packed documents (a path that cannot refuses to run)."""
     dtype: DType = "float32"
@@ -408,6 +414,27 @@ def _flat_index() -> dict[str, Optional[str]]:
 _FLAT_INDEX = _flat_index()
 FIELD_ALIASES = {"vllm_sleep_enabled": "vllm_enable_sleep_mode"}
 """Other spellings accepted in YAML files and Python (the TRL guide writes ``vllm_sleep_enabled``)."""
+
+
+def _accepting_flat_names(dataclass_init):
+    """``TrainConfig(max_length=512, per_device_train_batch_size=2)``: TRL's flat names in the constructor, beside
+    (or instead of) the sections; a name that is no field gets ``ConfigError`` with the closest field."""
+    own = {f.name for f in dataclasses.fields(TrainConfig)}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if args or own.issuperset(kwargs):
+            dataclass_init(self, *args, **kwargs)
+            return
+        values = {k: dataclasses.asdict(v) if k in SECTIONS and dataclasses.is_dataclass(v) else v
+                  for k, v in kwargs.items()}
+        built = TrainConfig.from_dict(values, source="TrainConfig(...)")
+        dataclass_init(self, **{name: getattr(built, name) for name in own})
+
+    __init__.__doc__ = dataclass_init.__doc__
+    return __init__
+
+
+TrainConfig.__init__ = _accepting_flat_names(TrainConfig.__init__)  # type: ignore[method-assign]
 
 
 def flag_names() -> list[str]:

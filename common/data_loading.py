@@ -206,6 +206,9 @@ def load_dataset_any(name_or_path: str, split: str = "train"):
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise DataTypeError(f"dataset_name must be a string, got {type(name_or_path).__name__} ({name_or_path!r}).")
     name_or_path = str(name_or_path)
+    if not name_or_path.strip():  # Path('') is '.', which would be read as a dataset folder
+        raise DataError(f"dataset_name={name_or_path!r} is empty; give a data file, a dataset folder, a Hub dataset "
+                        f"name, or 'embedded' (the offline default data).")
     split_name, spec = _parse_split(split)
     path = Path(name_or_path).expanduser()
     if name_or_path in corpus.EMBEDDED_NAMES or path.is_file():

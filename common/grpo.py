@@ -147,12 +147,13 @@ def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gra
                           "(--reward-funcs exact_match format).")
 
 
-DEFAULT_MAX_COMPLETION_LENGTH = 256
-"""Tokens generated per completion when ``max_completion_length`` is unset (TRL's GRPOConfig default)."""
+DEFAULT_MAX_COMPLETION_LENGTH = 512
+"""Tokens generated per completion when ``max_completion_length`` is unset (TRL 1.16's GRPOConfig default), on
+both backends."""
 
 
 def completion_budget(max_completion_length: Optional[int]) -> int:
-    """``max_completion_length``, or TRL's default 256 when unset (logged: the data section's None means
+    """``max_completion_length``, or TRL's default (``DEFAULT_MAX_COMPLETION_LENGTH``) when unset (logged: the data section's None means
     "no truncation" for SFT/DPO, but generation needs a bound)."""
     if max_completion_length is None:
         logger.info("max_completion_length is unset: GRPO generates up to %d tokens (TRL's default); set "

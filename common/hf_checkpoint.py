@@ -150,26 +150,37 @@ class ModelSource:
     description: str
 
 
-def resolve_model_source(spec: str) -> ModelSource:
-    """The model a run trains, from ``--model-config``: a preset name, a Hugging Face checkpoint folder
-    (``config.json`` + safetensors, checked by ``inspect_model_folder``), or a folder holding only a
-    ``config.json`` (written by hand, say): that architecture from random initial weights, as the log says.
+def resolve_model_source(spec: str, init_weights: str = "pretrained") -> ModelSource:
+    """The model a run trains, from ``--model-config`` and ``--init-weights``: a preset name (random initial
+    weights), a Hugging Face checkpoint folder (``config.json`` + safetensors, checked by ``inspect_model_folder``),
+    or, with ``init_weights="random"``, a folder's architecture from random initial weights (its weights, if any,
+    unread). A folder with a ``config.json`` and no weights is refused unless random weights are asked for: a
+    forgotten ``model.safetensors`` must not train a random model silently.
 
     >>> resolve_model_source("tiny-qwen3").description
     "preset 'tiny-qwen3' (qwen3, 1.79M parameters), random initial weights"
     """
     from twinseq.common.models import MODEL_PRESETS, resolve_model_config
 
+    if init_weights not in ("pretrained", "random"):
+        raise ConfigError(f"init_weights={init_weights!r} is not valid; choose 'pretrained' (the folder's weights) or "
+                          f"'random' (weights drawn from the seed).")
     path = Path(spec)
     if spec not in MODEL_PRESETS and path.is_dir():
-        if has_weights(path):
+        if init_weights == "pretrained":
+            if not has_weights(path):
+                read_model_config(path)  # a missing or broken config.json is named first
+                raise CheckpointError(
+                    f"model_config={spec!r} has a {CONFIG_FILE} but no weights: neither {WEIGHTS_FILE} nor "
+                    f"{INDEX_FILE} is there. Copy the checkpoint's safetensors files into it, or pass "
+                    f"--init-weights random to train this architecture from random initial weights.")
             cfg = inspect_model_folder(path)[0]
             return ModelSource(cfg, path, f"{spec} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M parameters)")
         cfg = read_model_config(path)
-        logger.info("%s has a config.json but no weights: training %s from random initial weights", spec,
-                    cfg.model_type)
+        logger.info("init_weights='random': training %s's architecture (%s) from random initial weights%s", spec,
+                    cfg.model_type, "; its weights are not read" if has_weights(path) else "")
         return ModelSource(cfg, None, f"{spec} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M parameters), "
-                                      f"config.json only: random initial weights")
+                                      f"random initial weights (--init-weights random)")
     cfg = resolve_model_config(spec)
     return ModelSource(cfg, None, f"preset {spec!r} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M "
                                   f"parameters), random initial weights")

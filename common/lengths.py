@@ -172,6 +172,21 @@ def format_profile(profile: LengthProfile) -> str:
     return "\n".join(lines)
 
 
+def check_output_file(path: str | Path, flag: str = "--output") -> Path:
+    """``path`` as a file that can be written: refuses, naming the flag and the value, a path that is a folder or
+    whose parent folder cannot be made because a file stands in its way."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag}={str(path)!r} is a folder; give a file name, e.g. {str(path / 'lengths.png')!r}.")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{flag}={str(path)!r}: {str(parent)!r} is a file, so no folder can be made there; "
+                                  f"choose another path.")
+            break
+    return path
+
+
 def plot_lengths(lengths: np.ndarray, profile: LengthProfile, path: str | Path, title: str = "") -> Path:
     """Histogram of the lengths (log x) with each candidate ``max_length`` as a vertical line."""
     import matplotlib
@@ -179,7 +194,7 @@ def plot_lengths(lengths: np.ndarray, profile: LengthProfile, path: str | Path, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(path)
+    path = check_output_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     low = max(int(np.min(lengths)), 1)
@@ -254,6 +269,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     candidates = _parse_candidates(args.candidates)
     if args.batch_size <= 0:
         raise ConfigError(f"--batch-size={args.batch_size} must be a positive integer.")
+    if not args.no_plot:  # before the tokenising, which can take minutes
+        if args.output:
+            check_output_file(args.output)
+        else:
+            check_output_file(Path(args.output_dir) / "lengths.png", "--output-dir")
     tokenizer = load_tokenizer(args.tokenizer)
     dataset = load_dataset_any(args.dataset, split=args.split)
     lengths = sequence_lengths(dataset, tokenizer)

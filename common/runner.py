@@ -103,7 +103,7 @@ def preflight(cfg: TrainConfig, runtime: Any) -> None:
 
     check_runtime(cfg, runtime)
     check_output_dir(cfg.output_dir)
-    resolve_model_source(cfg.model.model_config)
+    resolve_model_source(cfg.model.model_config, cfg.model.init_weights)
     if cfg.resume_from_checkpoint not in (None, "latest", "auto"):
         read_meta(cfg.resume_from_checkpoint)
 

@@ -37,8 +37,8 @@ import numpy as np
 from twinseq.common.batching import pad_batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
 from twinseq.common.errors import ConfigError
-from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_mask, compute_rewards,
-                                 epsilon_bounds, group_advantages, reward_func_name, reward_metrics)
+from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_budget, completion_mask,
+                                 compute_rewards, epsilon_bounds, group_advantages, reward_func_name, reward_metrics)
 from twinseq.jax_backend.logprobs import token_logps
 from twinseq.jax_backend.losses import check_labels, logits_f32
 from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, merge_state, split_trainable
@@ -315,7 +315,8 @@ class GRPOTrainer(_trainer_base()):
         super().__init__(model, cfg)
         g = cfg.grpo
         self.tokenizer, self.reward_funcs = tokenizer, list(reward_funcs)
-        self.num_generations, self.max_completion_length = g.num_generations, int(cfg.data.max_completion_length)
+        self.num_generations = g.num_generations
+        self.max_completion_length = completion_budget(cfg.data.max_completion_length)
         eps_low, eps_high = epsilon_bounds(g)
         self.spec = LossSpec(g.grpo_loss_type, eps_low, eps_high, g.grpo_beta, self.max_completion_length)
         check_temperature(g.temperature, model.final_logit_softcapping)
@@ -464,9 +465,6 @@ def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None):
     if g.use_vllm:
         raise ConfigError("use_vllm=True: vLLM generation is a torch/CUDA integration; the jax backend samples with "
                           "its own KV-cache sampler (jax_backend.generation); drop --use-vllm or use --backend torch.")
-    if cfg.data.max_completion_length is None:
-        raise ConfigError("task=grpo needs max_completion_length (tokens generated per completion); set "
-                          "--max-completion-length, e.g. 16.")
     if cfg.loss.loss_type == "liger" or cfg.loss.use_liger_kernel:
         raise ConfigError("loss_type='liger' (Liger's fused GRPO loss) is a torch/CUDA kernel; on the jax backend use "
                           "--loss-type fused_linear, the same chunked log-probs without a [tokens, vocab] tensor.")

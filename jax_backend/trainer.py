@@ -130,7 +130,7 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> CausalLM:
     attending with ``cfg.model.attn_implementation`` (``eager``: dense; else blocked, in tiles of
     ``memory.attention_block_size``) and with ``memory.tiled_mlp`` MLPs tiled by ``tiled_mlp_chunk_size``."""
     spec = cfg.model.model_config
-    source = resolve_model_source(spec)
+    source = resolve_model_source(spec, cfg.model.init_weights)
     check_tokenizer_fits(source.config, vocab_size, spec)
     weights = (read_hf_checkpoint(source.weights_folder)[1] if source.weights_folder is not None
                else init_weights(source.config, seed=cfg.seed))
@@ -290,7 +290,7 @@ class Trainer:
         model = self.model()
         # As on torch: base_model_name_or_path is the model folder the run started from, or, for a preset
         # (weights drawn by init_weights), the base written beside the adapters.
-        source = resolve_model_source(self.cfg.model.model_config)
+        source = resolve_model_source(self.cfg.model.model_config, self.cfg.model.init_weights)
         if source.weights_folder is not None:
             base = Path(source.weights_folder).resolve()
         else:

@@ -419,3 +419,37 @@ def test_the_suite_has_sixty_cases_or_more():
     total = (len(CONFIG_CASES) + len(YAML_CASES) + runtime + 2 * 2 + 2 * len(MODEL_CASES) + 2 * 2 + 1
              + 2 * len(CHECKPOINT_CASES) + 2 + 1 + 2 * len(DATA_CASES) + 1 + 2 * len(API_CASES))
     assert total >= 60, total
+
+
+def test_empty_dataset_name(tmp_path, capsys):
+    """``--dataset-name ''`` was read as the current folder and failed inside ``datasets`` with a traceback."""
+    argv = train_args(tmp_path, "--dataset-name", "")
+    assert "dataset_name='' is empty" in run_cli(argv, capsys)
+
+
+@pytest.mark.parametrize("where", ["parent is a file", "output is a folder"])
+def test_lengths_output_that_cannot_be_written(where, tmp_path, capsys):
+    """``twinseq lengths --output`` under a file (was a FileExistsError traceback after the tokenising) or onto a
+    folder: one line, exit 2, before any work."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    output = blocker / "sub" / "lengths.png" if where == "parent is a file" else tmp_path
+    code = main(["lengths", "embedded", "--output", str(output)])
+    text = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("twinseq lengths: error: ")]
+    assert f"--output={str(output)!r}" in line
+    assert ("is a file, so no folder can be made" if where == "parent is a file" else "is a folder") in line
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_model_folder_without_weights_is_refused_unless_random_is_asked(backend, tmp_path, capsys):
+    """A folder whose safetensors were forgotten used to train a random model with an INFO line among many."""
+    folder = _model_folder(tmp_path)
+    (folder / "model.safetensors").unlink()
+    argv = train_args(tmp_path, backend=backend)
+    argv[argv.index("--model-config") + 1] = str(folder)
+    line = run_cli(argv, capsys)
+    assert f"model_config={str(folder)!r} has a config.json but no weights" in line
+    assert "model.safetensors" in line and "--init-weights random" in line
+    assert main([*argv, "--init-weights", "random"]) == 0  # asked for: that architecture, random weights

@@ -598,7 +598,7 @@ def train_zero3(cfg: TrainConfig):
         source, tokenizer, stats = build_step_iterator(cfg, world_size=world, rank=rank)
         if rank == 0:
             dist.barrier()
-        spec = resolve_model_source(cfg.model.model_config)
+        spec = resolve_model_source(cfg.model.model_config, cfg.model.init_weights)
         check_tokenizer_fits(spec.config, tokenizer.vocab_size, cfg.model.model_config)
         model = None
         if spec.weights_folder is not None:  # whole on each rank, partitioned by deepspeed.initialize

@@ -54,7 +54,7 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int, device: torch.device) -> 
     from twinseq.torch_backend.model import build_model
 
     spec, attn = cfg.model.model_config, cfg.model.attn_implementation
-    source = resolve_model_source(spec)
+    source = resolve_model_source(spec, cfg.model.init_weights)
     check_tokenizer_fits(source.config, vocab_size, spec)
     if source.weights_folder is not None:
         model = load_pretrained(source.weights_folder, dtype="float32", attn_implementation=attn)
@@ -255,7 +255,7 @@ class Trainer:
         if self.is_main:
             model_cfg = model_config_of(self.causal_lm)
             adapters = {saved_key(k): weights[k].float().numpy() for k in self._weight_names()}
-            source = resolve_model_source(self.cfg.model.model_config)
+            source = resolve_model_source(self.cfg.model.model_config, self.cfg.model.init_weights)
             if source.weights_folder is not None:
                 base = Path(source.weights_folder).resolve()
             else:

@@ -165,7 +165,7 @@ def build_grpo_zero3(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = N
     if rank == 0:
         dist.barrier()
     funcs = resolve_reward_funcs(g.reward_funcs if reward_funcs is None else reward_funcs)
-    spec = resolve_model_source(cfg.model.model_config)
+    spec = resolve_model_source(cfg.model.model_config, cfg.model.init_weights)
     check_tokenizer_fits(spec.config, tokenizer.vocab_size, cfg.model.model_config)
     model = None
     if spec.weights_folder is not None:  # whole on each rank, partitioned by deepspeed.initialize

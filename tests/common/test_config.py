@@ -139,3 +139,18 @@ def test_field_names_follow_trl():
                  "gradient_accumulation_steps", "per_device_train_batch_size", "beta", "learning_rate",
                  "save_total_limit", "resume_from_checkpoint", "report_to", "logging_steps"}
     assert trl_names <= names
+
+
+def test_the_constructor_takes_trls_flat_names_and_names_the_closest_field():
+    """``TrainConfig(max_length=512)`` was a raw ``TypeError``: flat names work in the constructor as in
+    ``from_flat``, beside sections, and a misspelt one gets twinseq's error with the closest field."""
+    from twinseq.common.config import DataConfig, TrainConfig
+    from twinseq.common.errors import ConfigError
+
+    cfg = TrainConfig(max_length=512, per_device_train_batch_size=2, learning_rate=2e-5)
+    assert cfg == TrainConfig.from_flat(max_length=512, per_device_train_batch_size=2, learning_rate=2e-5)
+    mixed = TrainConfig(data=DataConfig(packing=True, max_length=64), per_device_train_batch_size=3)
+    assert (mixed.data.packing, mixed.data.max_length, mixed.data.per_device_train_batch_size) == (True, 64, 3)
+    assert TrainConfig(data=DataConfig(max_length=7)).data.max_length == 7  # sections alone: as before
+    with pytest.raises(ConfigError, match=r"max_lenght \(did you mean 'max_length'\?\)"):
+        TrainConfig(max_lenght=512)

@@ -250,7 +250,7 @@ def test_the_guides_sleep_spelling_is_an_alias():
 def test_unset_completion_length_uses_trls_default():
     from twinseq.common.grpo import completion_budget
 
-    assert completion_budget(None) == 256 and completion_budget(7) == 7
+    assert completion_budget(None) == 512 and completion_budget(7) == 7  # TRL 1.16's GRPOConfig default
 
 
 def test_reward_callables_are_checked_for_trls_keywords():
