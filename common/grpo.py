@@ -153,8 +153,8 @@ both backends."""
 
 
 def completion_budget(max_completion_length: Optional[int]) -> int:
-    """``max_completion_length``, or TRL's default (``DEFAULT_MAX_COMPLETION_LENGTH``) when unset (logged: the data section's None means
-    "no truncation" for SFT/DPO, but generation needs a bound)."""
+    """``max_completion_length``, or TRL's default (``DEFAULT_MAX_COMPLETION_LENGTH``) when unset (logged: the data
+    section's None means "no truncation" for SFT/DPO, but generation needs a bound)."""
     if max_completion_length is None:
         logger.info("max_completion_length is unset: GRPO generates up to %d tokens (TRL's default); set "
                     "--max-completion-length to change it", DEFAULT_MAX_COMPLETION_LENGTH)

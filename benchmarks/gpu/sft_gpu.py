@@ -86,7 +86,8 @@ def data_values(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def twinseq_values(args: argparse.Namespace, offload: bool) -> dict[str, Any]:
-    return dict(data_values(args), init_weights="random", backend="torch", dtype="bfloat16" if args.device == "cuda" else "float32",
+    return dict(data_values(args), init_weights="random", backend="torch",
+                dtype="bfloat16" if args.device == "cuda" else "float32",
                 attn_implementation=args.twinseq_attn, loss_type=twinseq_loss(args.twinseq_loss, args.device),
                 gradient_checkpointing=True, activation_offloading=offload)
 

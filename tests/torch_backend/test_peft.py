@@ -200,6 +200,10 @@ def test_flex_forward_on_an_adapter_model(lora_tiny):
     cfg, weights, peft, adapters = lora_tiny
     batch = collate(_docs(cfg), padding_free=True)
     ref = logits(add_adapters(build_model(cfg, weights), cfg, peft, adapters), batch)
+    # HF compiles flex_attention; after another test compiled it for other shapes, this one would recompile with
+    # dynamic shapes, which inductor's CPU flex template fails to build in torch 2.13 (a torch bug; see
+    # test_attention.py): which test ran before decided whether this one passed. A clean dynamo cache compiles anew.
+    torch._dynamo.reset()
     flex = logits(add_adapters(build_model(cfg, weights, attn_implementation="flex_attention"), cfg, peft, adapters),
                   batch)
     assert _max_diff(flex, ref) <= 1e-5
