@@ -199,6 +199,9 @@ def _call_reward_func(func: RewardFunc, prompts: Sequence[Any], completions: Seq
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
             raise DataError(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; "
                             f"return a float or None.")
+        if np.isinf(v):  # NaN is an abstention, as TRL reads it; an infinite reward would make every advantage NaN
+            raise DataError(f"reward function {name!r} returned {float(v)} for completion {i}; rewards must be "
+                            f"finite: return a float, or None (or NaN) to abstain.")
         values[i] = float(v)
     return values
 
