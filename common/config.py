@@ -55,6 +55,7 @@ LossType = Literal["nll", "chunked_nll", "fused_linear", "liger", "triton"]
 AttnImplementation = Literal["sdpa", "eager", "flex_attention", "varlen", "flash_attention_2", "flash_attention_3"]
 DType = Literal["float32", "bfloat16"]
 InitWeights = Literal["pretrained", "random"]
+TritonGradients = Literal["exact", "cce"]
 PaddingSide = Literal["right", "left"]
 LRScheduler = Literal["constant", "linear", "cosine"]
 ContextParallelStrategy = Literal["allgather", "ring"]
@@ -177,6 +178,10 @@ class LossConfig(_Section):
     loss_chunk_size: int = knob(DEFAULT_CHUNK_SIZE, ge=1)
     use_liger_kernel: bool = False
     """TRL's switch: with loss_type nll it selects Liger's fused linear cross-entropy."""
+    triton_gradients: TritonGradients = "exact"
+    """The SFT loss's gradients under loss_type triton: ``exact`` (every logit, float32 accumulators) or ``cce`` (cut
+    cross-entropy's numerics: target-free tiles whose probabilities are all below the dtype's eps / 32 skipped,
+    gradients accumulated in the input dtype; the least memory and time, docs/loss-kernels.md)."""
 
 
 @dataclass
@@ -320,6 +325,10 @@ class TrainConfig:
             raise ConfigError(f"use_liger_kernel=True selects Liger's fused cross-entropy, but loss_type="
                               f"{loss.loss_type!r} asks for another kernel; drop --use-liger-kernel or use "
                               f"--loss-type liger.")
+        if loss.triton_gradients != "exact" and loss.loss_type != "triton":
+            raise ConfigError(f"triton_gradients={loss.triton_gradients!r} is read by loss_type='triton' only, and this "
+                              f"run has loss_type={loss.loss_type!r}; add --loss-type triton or drop "
+                              f"--triton-gradients.")
         if loss.use_liger_kernel:
             # TRL's use_liger_kernel switches the loss to Liger's fused linear cross-entropy.
             loss.loss_type = "liger"

@@ -323,7 +323,7 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
                    num_items_in_batch: Union[int, torch.Tensor], loss_type: str = "nll",
                    chunk_size: int = DEFAULT_CHUNK_SIZE, return_metrics: bool = False,
                    lm_head_bias: Optional[torch.Tensor] = None, targets_are_shifted: bool = False,
-                   logit_softcap: Optional[float] = None):
+                   logit_softcap: Optional[float] = None, triton_gradients: str = "exact"):
     """Next-token cross-entropy from the last hidden state, normalised by the whole step.
 
     In: ``hidden_BTH`` (final-norm output), ``lm_head_weight_VH`` (``lm_head.weight``),
@@ -354,7 +354,8 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
         loss_sum, sums = _nll(hidden_NH, *args, targets_N, return_metrics, logit_softcap)
         loss = loss_sum / denom
     elif loss_type == "triton" and triton_ce.kernel_runs(hidden_NH, lm_head_bias):
-        loss, sums = _triton_loss(hidden_NH, lm_head_weight_VH, targets_N, denom, return_metrics, logit_softcap)
+        loss, sums = _triton_loss(hidden_NH, lm_head_weight_VH, targets_N, denom, return_metrics, logit_softcap,
+                                  triton_gradients)
     elif loss_type in ("fused_linear", "triton"):
         loss, sums = FusedLinearCrossEntropy.apply(hidden_NH, *args, targets_N, _valid_rows(targets_N), denom,
                                                    chunk_size, return_metrics, logit_softcap)
@@ -374,11 +375,13 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
     return loss, _metrics_dict(sums, num_valid)
 
 
-def _triton_loss(hidden_NH, weight_VH, targets_N, denom, want_metrics, logit_softcap):
+def _triton_loss(hidden_NH, weight_VH, targets_N, denom, want_metrics, logit_softcap, gradients="exact"):
     # every row goes in: the kernel visits only those with a target (no gathered copy of the hidden states), and
     # an ignored row's log-prob, entropy and hit are 0
+    cce = gradients == "cce"  # cut cross-entropy's numerics: its gradient filter, input-dtype accumulation
     logp_n, ent_n, hit_n = triton_ce.linear_logps(hidden_NH, weight_VH, targets_N, logit_softcap=logit_softcap,
-                                                  with_entropy=want_metrics)
+                                                  with_entropy=want_metrics, filter_eps="auto" if cce else None,
+                                                  accumulate="input" if cce else "float32")
     loss = -logp_n.sum() / denom
     sums = torch.stack([hit_n.sum(), ent_n.detach().sum()]) if want_metrics else None
     return loss, sums

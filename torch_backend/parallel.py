@@ -223,7 +223,8 @@ class CausalLMLoss(torch.nn.Module):
         hidden_BTH, labels_BT, shifted = self._hidden(micro)
         return causal_lm_loss(hidden_BTH, lm_head_weight(self.causal_lm), labels_BT, micro.num_items_in_batch,
                               self.cfg.loss.loss_type, chunk_size=self.cfg.loss.loss_chunk_size, return_metrics=True,
-                              targets_are_shifted=shifted, logit_softcap=final_logit_softcap(self.causal_lm))
+                              targets_are_shifted=shifted, logit_softcap=final_logit_softcap(self.causal_lm),
+                              triton_gradients=self.cfg.loss.triton_gradients)
 
 
 def use_cp_attention(model: torch.nn.Module, strategy: str) -> None:

@@ -317,3 +317,29 @@ def test_vocabulary_splits_cover_the_head_once():
     for n, V, sms in ((14751, 248320, 132), (1, 50, 132), (5000, 128256, 8), (100000, 300, 132)):
         splits, per = triton_ce.vocab_splits(n, V, triton_ce.GPU_FWD, sms)
         assert per % triton_ce.GPU_FWD["BLOCK_V"] == 0 and (splits - 1) * per < V <= splits * per
+
+
+def test_the_sft_loss_takes_cces_numerics_when_asked(interpret, monkeypatch):
+    """``triton_gradients='cce'`` (the loss section's knob) runs the kernel with the gradient filter and input-dtype
+    accumulation: the loss is unchanged, the gradients are those of ``linear_logps(filter_eps='auto', accumulate=
+    'input')``; the knob is refused with another loss type."""
+    h64, w64, t = make_rows(n=32, V=1024, D=16, scale=40.0)  # peaked: most tiles are filtered
+    t = t.remainder(32)  # every target in the first tile
+    hidden, weight = h64.float()[None], w64.float()
+    labels = torch.cat([torch.tensor([IGN]), t[:-1]])[None]  # shifted back: target i of row i is labels[i + 1]
+    got, exact, seen = {}, {}, []
+    real = triton_ce.linear_logps
+    monkeypatch.setattr(triton_ce, "linear_logps", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    for mode, out in (("cce", got), ("exact", exact)):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = causal_lm_loss(h, w, labels, 40, "triton", triton_gradients=mode)
+        loss.backward()
+        out.update(loss=loss.detach(), dh=h.grad, dw=w.grad)
+    h, w = hidden[0].clone().requires_grad_(), weight.clone().requires_grad_()
+    targets = torch.cat([labels[0, 1:], torch.tensor([IGN])])
+    (-triton_ce.linear_logps(h, w, targets, filter_eps="auto", accumulate="input")[0].sum() / 40).backward()
+    assert torch.equal(got["loss"], exact["loss"])
+    assert torch.equal(got["dh"][0], h.grad) and torch.equal(got["dw"], w.grad)
+    assert [(kw["filter_eps"], kw["accumulate"]) for kw in seen[:2]] == [("auto", "input"), (None, "float32")]
+    with pytest.raises(ConfigError, match="triton_gradients='cce' is read by loss_type='triton' only"):
+        TrainConfig.from_flat(triton_gradients="cce", loss_type="fused_linear")
