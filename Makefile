@@ -61,7 +61,7 @@ test: setup
 test-fast: test
 
 # Everything (CI runs this, then test-vllm): the fast tier plus the `slow` tests (golden trajectories, SIGKILL
-# resumes, multi-rank ZeRO-3/FSDP runs, notebooks, benchmark smoke runs); about 36 minutes on 2 cores.
+# resumes, multi-rank ZeRO-3/FSDP runs, notebooks, benchmark smoke runs); about 22 minutes on 2 cores.
 test-all: setup
 	$(BIN)/pytest -q
 
