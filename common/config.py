@@ -326,8 +326,8 @@ class TrainConfig:
                               f"{loss.loss_type!r} asks for another kernel; drop --use-liger-kernel or use "
                               f"--loss-type liger.")
         if loss.triton_gradients != "exact" and loss.loss_type != "triton":
-            raise ConfigError(f"triton_gradients={loss.triton_gradients!r} is read by loss_type='triton' only, and this "
-                              f"run has loss_type={loss.loss_type!r}; add --loss-type triton or drop "
+            raise ConfigError(f"triton_gradients={loss.triton_gradients!r} is read by loss_type='triton' only, and "
+                              f"this run has loss_type={loss.loss_type!r}; add --loss-type triton or drop "
                               f"--triton-gradients.")
         if loss.use_liger_kernel:
             # TRL's use_liger_kernel switches the loss to Liger's fused linear cross-entropy.
