@@ -79,14 +79,15 @@ def git_state(repo: Path = REPO_ROOT, results_dir: Path = RESULTS_DIR) -> dict[s
         top = Path(_git(repo, "rev-parse", "--show-toplevel").strip())
         status = _git(repo, "status", "--porcelain", "--untracked-files=all").splitlines()
     except (OSError, subprocess.CalledProcessError) as err:
-        # a copied tree without .git (a GPU machine's): the commit the copy was made from, when the caller says it
-        copied = os.environ.get("TWINSEQ_COMMIT")
-        return {"commit": copied, "dirty": None, "changed_paths": [],
-                "error": str(err).strip() + (" (commit from TWINSEQ_COMMIT: a copy of that tree)" if copied else "")}
+        commit, why = None, str(err).strip()
+    else:
+        why = f"its .git is at {commit}"
+    # a copied tree (a GPU machine's) without .git, or whose .git is of another commit: the commit the copy was made
+    # from, when the caller says it
     copied = os.environ.get("TWINSEQ_COMMIT")
-    if copied and copied != commit:  # a copy of the tree at that commit whose .git is of another (a GPU machine's)
+    if commit is None or (copied and copied != commit):
         return {"commit": copied, "dirty": None, "changed_paths": [],
-                "error": f"a copied tree: its .git is at {commit}; the commit from TWINSEQ_COMMIT"}
+                "error": why + (" (a copied tree: the commit from TWINSEQ_COMMIT)" if copied else "")}
     skip = os.path.relpath(results_dir.resolve(), top.resolve()).replace(os.sep, "/") + "/"
     changed = [line for line in status if not line[3:].strip('"').startswith(skip)]
     return {"commit": commit, "dirty": bool(changed), "changed_paths": changed,

@@ -269,11 +269,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     candidates = _parse_candidates(args.candidates)
     if args.batch_size <= 0:
         raise ConfigError(f"--batch-size={args.batch_size} must be a positive integer.")
+    plot_path = Path(args.output) if args.output else Path(args.output_dir) / "lengths.png"
     if not args.no_plot:  # before the tokenising, which can take minutes
-        if args.output:
-            check_output_file(args.output)
-        else:
-            check_output_file(Path(args.output_dir) / "lengths.png", "--output-dir")
+        check_output_file(plot_path, "--output" if args.output else "--output-dir")
     tokenizer = load_tokenizer(args.tokenizer)
     dataset = load_dataset_any(args.dataset, split=args.split)
     lengths = sequence_lengths(dataset, tokenizer)
@@ -281,7 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"dataset {args.dataset!r} ({args.split}), tokenizer {args.tokenizer!r}")
     print(format_profile(profile))
     if not args.no_plot:
-        out = plot_lengths(lengths, profile, args.output or Path(args.output_dir) / "lengths.png",
+        out = plot_lengths(lengths, profile, plot_path,
                            title=f"{args.dataset}: token lengths")
         print(f"histogram: {out}")
     return 0

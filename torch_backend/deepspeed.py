@@ -185,10 +185,6 @@ def ensure_process_group() -> None:
         dist.init_process_group(backend)
 
 
-def _import_dynamo_before_zero_init() -> None:
-    import torch._dynamo  # noqa: F401 - see build_partitioned_model
-
-
 def build_partitioned_model(model_cfg, weights: Mapping[str, np.ndarray], ds_cfg: dict, *,
                             attn_implementation: str = "sdpa") -> torch.nn.Module:
     """The HF model of ``model_cfg`` built under ``deepspeed.zero.Init``: each parameter is partitioned as
@@ -207,17 +203,18 @@ def build_partitioned_model(model_cfg, weights: Mapping[str, np.ndarray], ds_cfg
     ensure_process_group()
     check_weights(model_cfg, weights)
     config = to_hf_model_config(model_cfg, attn_implementation)
-    # No ``dtype=`` here: DeepSpeed 0.19's ``zero.Init`` honours an explicit dtype only where the accelerator
-    # reports float16 support, and otherwise builds bfloat16 partitions (an operator-precedence slip in
-    # ``Init._set_dtype``); the CPU accelerator on a CPU without AVX512-FP16 (AMD Zen 4) then trained a
-    # "float32" run in bfloat16. Left to the config, it takes bf16 / fp16 / float32 from ``ds_cfg`` as meant.
     # ``zero.Init`` replaces ``torch.Tensor.__new__`` while it is active. torch._dynamo, imported lazily the first
     # time something asks ``is_compiling()`` (transformers does, inside ``from_config``), registers a polyfill for
     # ``torch.Tensor.__new__`` at import and checks the signature of what it finds there: DeepSpeed's replacement
     # then fails that check ("Signature mismatch ... new_tensor ... tensor_pynew"), and the run dies. Import it
     # first, so the polyfill is registered against torch's own function; whether anything imported it earlier (a
     # test suite did, so its tests passed while a fresh `twinseq train` crashed) no longer matters.
-    _import_dynamo_before_zero_init()
+    importlib.import_module("torch._dynamo")  # not `import torch._dynamo`: that would make `torch` a local name here
+
+    # No ``dtype=`` here: DeepSpeed 0.19's ``zero.Init`` honours an explicit dtype only where the accelerator
+    # reports float16 support, and otherwise builds bfloat16 partitions (an operator-precedence slip in
+    # ``Init._set_dtype``); the CPU accelerator on a CPU without AVX512-FP16 (AMD Zen 4) then trained a
+    # "float32" run in bfloat16. Left to the config, it takes bf16 / fp16 / float32 from ``ds_cfg`` as meant.
     with deepspeed.zero.Init(config_dict_or_path=ds_cfg), no_init_weights():
         model = AutoModelForCausalLM.from_config(config)
     expected = torch.bfloat16 if ds_cfg.get("bf16", {}).get("enabled") else torch.float32

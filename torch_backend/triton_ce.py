@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -143,8 +144,6 @@ TILES_ENV = "TWINSEQ_TRITON_TILES"
 def _tile_override(path: str) -> dict:
     """``{"fwd": {...}, "bwd": {...}}`` from the JSON file ``$TWINSEQ_TRITON_TILES`` names (tiles tuned for another
     GPU, as ``benchmarks/gpu/_tune_triton_ce.py`` writes them), each key one of GPU_FWD's / GPU_BWD's."""
-    import json
-
     try:
         got = json.loads(open(path).read())
     except (OSError, ValueError) as err:
@@ -299,10 +298,9 @@ class TritonLinearLogps(torch.autograd.Function):
         h_NH, w_VH = hidden_NH.to(compute).contiguous(), weight_VH.to(compute).contiguous()
         targets_N = targets_N.to(torch.int64).contiguous()
         # the kernels visit only the rows with a target: ignored rows are neither computed nor copied
-        idx_n = None
-        valid_N = targets_N >= 0
-        if not bool(valid_N.all()):
-            idx_n = valid_N.nonzero().squeeze(1)
+        idx_n = (targets_N >= 0).nonzero().squeeze(1)  # one host sync
+        if idx_n.numel() == targets_N.shape[0]:
+            idx_n = None  # every row has a target: no index
         targets_n = targets_N if idx_n is None else targets_N.index_select(0, idx_n)
         lse, logp_n, ent_n, hit_n = _forward(mode, h_NH, w_VH, targets_n, idx_n, logit_softcap, with_entropy)
         logp, ent, hit = (_scatter(x, idx_n, targets_N.shape[0]) for x in (logp_n, ent_n, hit_n))
