@@ -3,7 +3,7 @@
 ``train_step_peak(seq_len)`` runs ``twinseq train`` for ``max_steps`` steps on the embedded data packed into
 rows of exactly ``seq_len`` tokens (one row per step, ``pad_to_multiple_of`` keeps T fixed) and returns
 ``_train_peak.measure``'s record: ``peak_bytes`` is the largest RSS high-water mark over the steps minus
-the RSS before the model was built. On CPU, rows of ``attention.BLOCKED_MIN_SEQ_LEN`` tokens or more take the
+the RSS before the model was built. On CPU, rows of ``blocked_attention.BLOCKED_MIN_SEQ_LEN`` tokens or more take the
 blocked attention (no [T, T] mask), so with ``gradient_checkpointing`` the peak is linear in T.
 
 ``cp > 1`` launches ``cp`` ranks on gloo (the environment ``torchrun`` would set), each measured by the same

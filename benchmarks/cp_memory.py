@@ -3,7 +3,7 @@
 The claim (issue 13, torch half): with the blocked attention, a CP rank holds T/cp tokens and its
 attention temporaries are O(T/cp x block), so at T = 16384 (small preset, fp32, gradient
 checkpointing, fused_linear) each of 2 gloo ranks peaks at no more than 0.6x the single process on
-the same rows (which also runs the blocked attention: T >= ``attention.BLOCKED_MIN_SEQ_LEN``).
+the same rows (which also runs the blocked attention: T >= ``blocked_attention.BLOCKED_MIN_SEQ_LEN``).
 
 Both runs are ``twinseq train`` steps measured by ``_long_context.train_step_peak`` (peak RSS of a
 fresh subprocess above its RSS before the model was built). They run at the same time (3 processes):

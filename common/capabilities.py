@@ -31,6 +31,43 @@ _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a backend can run, as data: the checks below read these fields, never a backend's name."""
+
+    name: str
+    loss_kernels: frozenset[str]
+    """``loss_type`` values it runs (``liger`` and ``triton`` are torch kernels)."""
+    options: frozenset[str]
+    """Framework-specific switches it honours: ``torch_compile``, ``fsdp``, ``deepspeed_zero_stage``."""
+    world_unit: str
+    """What ``world_size`` counts: ``processes`` (one per rank) or ``visible devices`` (one process, a mesh)."""
+    launch_hint: str
+    """How a user gets ``{cp}`` of them."""
+    multi_process: bool
+    """A world of more than one means a multi-process launch (FSDP2 ranks)."""
+    checks_attention_packages: bool
+    """It imports the flash-attention packages (so their absence is refused here)."""
+    own_masked_attention: bool
+    """It runs its own document-masked attention for every ``attn_implementation`` (logged, not refused)."""
+    ring_attention_rules: bool
+    """Its ``ring`` context parallelism is torch's ring attention (CUDA SDPA, a causal mask only)."""
+
+
+BACKEND_CAPABILITIES = {
+    "torch": Capabilities(
+        "torch", frozenset({"nll", "chunked", "fused_linear", "liger", "triton"}),
+        frozenset({"torch_compile", "fsdp", "deepspeed_zero_stage"}), "processes",
+        "launch {cp} or more processes (torchrun --nproc-per-node {cp})", multi_process=True,
+        checks_attention_packages=True, own_masked_attention=False, ring_attention_rules=True),
+    "jax": Capabilities(
+        "jax", frozenset({"nll", "chunked", "fused_linear"}), frozenset(), "visible devices",
+        "expose more devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={cp})", multi_process=False,
+        checks_attention_packages=False, own_masked_attention=True, ring_attention_rules=False),
+}
+"""Each backend's capabilities, keyed by its ``--backend`` name."""
+
+
+@dataclass(frozen=True)
 class Runtime:
     """The facts a backend knows about where it runs."""
 
@@ -38,6 +75,10 @@ class Runtime:
     device_type: str             # "cpu", "cuda", "gpu", "tpu"
     world_size: int = 1          # torch: processes; jax: visible devices
     accelerator: bool = False    # device memory distinct from host memory (offloading has a meaning)
+
+    @property
+    def caps(self) -> Capabilities:
+        return BACKEND_CAPABILITIES[self.backend]
 
 
 def _has_package(module: str) -> bool:
@@ -55,13 +96,14 @@ def check_runtime(cfg: TrainConfig, rt: Runtime) -> None:
 
 
 def _check_loss_kernel(cfg: TrainConfig, rt: Runtime) -> None:
-    if cfg.loss.loss_type == "triton" and rt.backend != "torch":
-        raise ConfigError("loss_type='triton' is twinseq's Triton kernel for the torch backend; on the jax backend use "
-                          "--loss-type fused_linear (the same loss, never materialising the logits).")
-    if cfg.loss.loss_type != "liger":
+    kernel = cfg.loss.loss_type
+    if kernel == "triton" and kernel not in rt.caps.loss_kernels:
+        raise ConfigError(f"loss_type='triton' is twinseq's Triton kernel for the torch backend; on the {rt.backend} "
+                          f"backend use --loss-type fused_linear (the same loss, never materialising the logits).")
+    if kernel != "liger":
         return
-    if rt.backend != "torch" or rt.device_type != "cuda":
-        where = "the jax backend" if rt.backend != "torch" else f"a {rt.device_type!r} device"
+    if kernel not in rt.caps.loss_kernels or rt.device_type != "cuda":
+        where = f"the {rt.backend} backend" if kernel not in rt.caps.loss_kernels else f"a {rt.device_type!r} device"
         raise ConfigError(f"loss_type='liger' (or use_liger_kernel=True) is Liger's CUDA kernel for the torch "
                           f"backend, and this run is on {where}; use --loss-type fused_linear, which never "
                           f"materialises the logits either.")
@@ -76,10 +118,10 @@ def _check_memory(cfg: TrainConfig, rt: Runtime) -> None:
         raise ConfigError("activation_offloading=True moves activations from accelerator to host memory and has no "
                           "meaning on a CPU-only run; drop --activation-offloading or run on a GPU. "
                           "--gradient-checkpointing saves activation memory on CPU.")
-    if mem.torch_compile and rt.backend != "torch":
-        raise ConfigError("torch_compile=True is a torch option; the jax backend always compiles with jax.jit. "
-                          "Drop --torch-compile.")
-    if mem.activation_offloading and rt.backend == "torch" and _distributed(cfg, rt):
+    if mem.torch_compile and "torch_compile" not in rt.caps.options:
+        raise ConfigError(f"torch_compile=True is a torch option; the {rt.backend} backend compiles its own way "
+                          f"(jax.jit). Drop --torch-compile.")
+    if mem.activation_offloading and rt.caps.multi_process and _distributed(cfg, rt):
         raise ConfigError("activation_offloading=True is not supported with FSDP2/context parallelism yet; drop "
                           "--activation-offloading or train in one process.")
 
@@ -93,36 +135,35 @@ def _check_attention(cfg: TrainConfig, rt: Runtime) -> None:
             raise ConfigError(f"attn_implementation={attn!r} needs a CUDA device (got {rt.device_type!r}); refusing "
                               f"{what} rather than attending across documents. Use attn_implementation='varlen' "
                               f"(padding-free, document-masked) or 'sdpa'.")
-        if rt.backend == "torch" and not _has_package(_FLASH_MODULES[attn]):
+        if rt.caps.checks_attention_packages and not _has_package(_FLASH_MODULES[attn]):
             raise ConfigError(f"attn_implementation={attn!r} needs the {_FLASH_MODULES[attn]!r} package, which is not "
                               f"installed; refusing {what} rather than attending across documents. Install it with "
                               f"`{GPU_EXTRA}` or use attn_implementation='varlen'.")
     if attn == "flex_attention" and rt.device_type == "cpu":
         raise ConfigError("attn_implementation='flex_attention' cannot train on CPU: torch has no FlexAttention "
                           "backward on CPU. Use 'varlen' or 'sdpa' on CPU, or flex_attention on CUDA.")
-    if rt.backend == "jax" and attn not in ("sdpa", "eager"):
-        logger.info("attn_implementation=%r: the jax backend runs its masked attention (segment ids, float32 "
-                    "softmax) for every setting", attn)
+    if rt.caps.own_masked_attention and attn not in ("sdpa", "eager"):
+        logger.info("attn_implementation=%r: the %s backend runs its masked attention (segment ids, float32 "
+                    "softmax) for every setting", attn, rt.backend)
 
 
 def _distributed(cfg: TrainConfig, rt: Runtime) -> bool:
-    return rt.world_size > 1 and rt.backend == "torch" or cfg.parallel.fsdp or cfg.parallel.context_parallel_size > 1
+    return rt.world_size > 1 and rt.caps.multi_process or cfg.parallel.fsdp or cfg.parallel.context_parallel_size > 1
 
 
 def _check_parallel(cfg: TrainConfig, rt: Runtime) -> None:
     par, data = cfg.parallel, cfg.data
-    cp, units = par.context_parallel_size, ("processes" if rt.backend == "torch" else "visible devices")
-    if par.fsdp and rt.backend != "torch":
-        raise ConfigError("fsdp=True is a torch option (FSDP2); the jax backend shards over its device mesh. "
-                          "Drop --fsdp.")
-    if par.deepspeed_zero_stage and rt.backend != "torch":
-        raise ConfigError(f"deepspeed_zero_stage={par.deepspeed_zero_stage} is a torch option (DeepSpeed); the jax "
-                          f"backend shards over its device mesh. Drop --deepspeed-zero-stage.")
+    cp, units = par.context_parallel_size, rt.caps.world_unit
+    if par.fsdp and "fsdp" not in rt.caps.options:
+        raise ConfigError(f"fsdp=True is a torch option (FSDP2); the {rt.backend} backend shards over its device "
+                          f"mesh. Drop --fsdp.")
+    if par.deepspeed_zero_stage and "deepspeed_zero_stage" not in rt.caps.options:
+        raise ConfigError(f"deepspeed_zero_stage={par.deepspeed_zero_stage} is a torch option (DeepSpeed); the "
+                          f"{rt.backend} backend shards over its device mesh. Drop --deepspeed-zero-stage.")
     if cp == 1:
         return
     if cp > rt.world_size:
-        launch = (f"launch {cp} or more processes (torchrun --nproc-per-node {cp})" if rt.backend == "torch" else
-                  f"expose more devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={cp})")
+        launch = rt.caps.launch_hint.format(cp=cp)
         raise ConfigError(f"context_parallel_size={cp} is larger than the {rt.world_size} {units}; {launch} or lower "
                           f"--context-parallel-size.")
     if rt.world_size % cp:
@@ -134,7 +175,7 @@ def _check_parallel(cfg: TrainConfig, rt: Runtime) -> None:
         raise ConfigError(f"context_parallel_size={cp} splits every row into 2 * cp = {multiple} load-balanced "
                           f"chunks, but pad_to_multiple_of={data.pad_to_multiple_of} is not a multiple of {multiple}; "
                           f"use --pad-to-multiple-of {math.lcm(data.pad_to_multiple_of, multiple)}, or leave it unset.")
-    if par.context_parallel_strategy == "ring" and rt.backend == "torch":
+    if par.context_parallel_strategy == "ring" and rt.caps.ring_attention_rules:
         _check_torch_ring(cfg, rt)
 
 

@@ -25,8 +25,13 @@ import os
 import sys
 from typing import Iterator, Optional, Sequence
 
+from twinseq.common import corpus
+from twinseq.common.backend import load_backend
 from twinseq.common.config import TrainConfig, deferred_checks, flag_names
 from twinseq.common.errors import ConfigError, TrainingInterrupted, TwinseqError
+from twinseq.common.lengths import main as lengths_main
+from twinseq.common.memory_plan import advise, format_bytes, parse_bytes, plan_memory
+from twinseq.common.tokenizer import load_tokenizer
 
 USAGE = """usage: twinseq {train,lengths,data,memory} [--debug] ...
 
@@ -112,7 +117,6 @@ def _setup_logging() -> None:
 
 def train_main(argv: Sequence[str]) -> int:
     cfg = parse_train_args(argv)
-    from twinseq.common.backend import load_backend
 
     backend = load_backend(cfg.backend)
     metrics_path = backend.train(cfg)
@@ -125,8 +129,6 @@ def data_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="twinseq data", description="Build the embedded offline data.")
     parser.add_argument("--show", type=int, default=2, help="print this many examples of each dataset")
     args = parser.parse_args(list(argv))
-    from twinseq.common import corpus
-    from twinseq.common.tokenizer import load_tokenizer
 
     tok = load_tokenizer("embedded")
     for name in ("embedded-sft", "embedded-preference"):
@@ -155,8 +157,6 @@ devices; --device cuda plans for a GPU (activation offloading saves memory there
 
 
 def memory_main(argv: Sequence[str]) -> int:
-    from twinseq.common.memory_plan import advise, format_bytes, parse_bytes, plan_memory
-
     if any(a in ("-h", "--help") for a in argv):
         print(MEMORY_HELP)
         return 0
@@ -200,8 +200,6 @@ def _dispatch(command: str, rest: list[str]) -> int:
     if command == "memory":
         return memory_main(rest)
     if command == "lengths":
-        from twinseq.common.lengths import main as lengths_main
-
         return lengths_main(rest)
     return data_main(rest)
 

@@ -39,13 +39,18 @@ from typing import Any, Literal, Mapping, Optional
 
 import yaml
 
+from twinseq.common.dpo import check_liger_dpo_config, validate_dpo_config
 from twinseq.common.errors import ConfigError, ConfigTypeError
-from twinseq.common.fields import (  # noqa: F401  (re-exported: the config surface)
-    _CHECKS_ON, _check_fields, _flag, deferred_checks, knob)
-from twinseq.common.models import (  # noqa: F401  (re-exported: the config surface)
-    MODEL_PRESETS, MODEL_TYPES, ModelConfig, resolve_model_config)
-from twinseq.common.peft import PeftConfig  # noqa: F401  (re-exported: the config surface)
-from twinseq.common.grpo import GRPOConfig  # noqa: F401  (re-exported: the config surface)
+from twinseq.common.fields import _CHECKS_ON, _check_fields, _flag, deferred_checks, knob  # noqa: F401  (re-exported: the config surface)
+from twinseq.common.grpo import (
+    GRPOConfig,  # noqa: F401  (re-exported: the config surface)
+    check_grpo_config,
+)
+from twinseq.common.models import MODEL_PRESETS, MODEL_TYPES, ModelConfig, resolve_model_config  # noqa: F401  (re-exported: the config surface)
+from twinseq.common.peft import (
+    PeftConfig,  # noqa: F401  (re-exported: the config surface)
+    check_peft_config,
+)
 
 Backend = Literal["torch", "jax"]
 Task = Literal["sft", "dpo", "grpo"]
@@ -303,7 +308,6 @@ class TrainConfig:
             if d.packing:
                 raise ConfigError("packing=True does not apply to DPO (it would cut pairs apart); use "
                                   "--padding-free to put every pair of a micro-batch in one row.")
-            from twinseq.common.dpo import check_liger_dpo_config, validate_dpo_config
 
             validate_dpo_config(self.dpo.dpo_loss_type, self.dpo.loss_weights, self.dpo.beta,
                                 self.dpo.label_smoothing)
@@ -311,14 +315,11 @@ class TrainConfig:
                 check_liger_dpo_config(self.dpo.dpo_loss_type, padding_free=d.padding_free,
                                        precompute=self.dpo.precompute_ref_log_probs)
         if self.task == "grpo":
-            from twinseq.common.grpo import check_grpo_config
-
             if d.packing:
                 raise ConfigError("packing=True does not apply to GRPO (its batches are generated, one group of "
                                   "completions per prompt); use --padding-free to put them in one row.")
             check_grpo_config(self.grpo, per_device_train_batch_size=d.per_device_train_batch_size,
                               gradient_accumulation_steps=d.gradient_accumulation_steps)
-        from twinseq.common.peft import check_peft_config
 
         check_peft_config(self.peft)
         if loss.use_liger_kernel and loss.loss_type not in ("nll", "liger"):

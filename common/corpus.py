@@ -327,7 +327,7 @@ def embedded_dir(records: Sequence[DocRecord] | None = None) -> Path:
 def load_embedded(name: str = "embedded-sft"):
     """One embedded dataset as a ``datasets.Dataset`` (``EMBEDDED_NAMES`` lists the names)."""
     if name not in EMBEDDED_NAMES:
-        from twinseq.common.errors import DataError
+        from twinseq.common.errors import DataError  # stdlib-only module: it also runs as a clean script
 
         raise DataError(f"embedded dataset {name!r} is unknown; choose one of {sorted(EMBEDDED_NAMES)}.")
     import pyarrow.parquet as pq

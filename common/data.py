@@ -27,11 +27,22 @@ from twinseq.common.data_loading import as_dataset, from_table, load_dataset_any
 from twinseq.common.errors import DataError, DataTypeError
 from twinseq.common.formats import detect_dpo_format, detect_sft_format
 from twinseq.common.tokenizer import TwinseqTokenizer, load_tokenizer
-from twinseq.common.truncation import (DROP_EMPTY_CHOSEN, DROP_EMPTY_COMPLETION, DROP_EMPTY_REJECTED,
-                                       DROP_EMPTY_TEXT, DROP_NO_ASSISTANT, DROP_NO_TARGETS, DROP_SAME_PAIR,
-                                       DROP_TOO_SHORT, TruncationStats,
-                                       check_length, check_truncation_mode, num_targets, truncate_dpo,
-                                       truncate_sft)
+from twinseq.common.truncation import (
+    DROP_EMPTY_CHOSEN,
+    DROP_EMPTY_COMPLETION,
+    DROP_EMPTY_REJECTED,
+    DROP_EMPTY_TEXT,
+    DROP_NO_ASSISTANT,
+    DROP_NO_TARGETS,
+    DROP_SAME_PAIR,
+    DROP_TOO_SHORT,
+    TruncationStats,
+    check_length,
+    check_truncation_mode,
+    num_targets,
+    truncate_dpo,
+    truncate_sft,
+)
 
 logger = logging.getLogger(__name__)
 

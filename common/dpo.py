@@ -129,8 +129,6 @@ def validate_dpo_config(loss_type: Union[str, Sequence[str]] = "sigmoid",
 
 def check_liger_dpo_config(loss_type: Sequence[str], *, padding_free: bool, precompute: bool) -> None:
     """Liger's fused DPO loss computes exactly twinseq's only for padded, live-reference 'sigmoid'."""
-    from twinseq.common.errors import ConfigError
-
     if tuple(loss_type) != ("sigmoid",):
         raise ConfigError(f"loss_type='liger' computes the 'sigmoid' DPO loss only; dpo_loss_type="
                           f"{list(loss_type)} needs --loss-type fused_linear.")

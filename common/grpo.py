@@ -39,6 +39,8 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Sequen
 
 import numpy as np
 
+from twinseq.common.batching import collate
+from twinseq.common.dpo_batching import _target_doc_ids
 from twinseq.common.errors import ConfigError, ConfigTypeError, DataError
 from twinseq.common.fields import _CHECKS_ON, _check_fields, knob
 
@@ -165,6 +167,38 @@ def completion_budget(max_completion_length: Optional[int]) -> int:
 def epsilon_bounds(grpo: GRPOConfig) -> tuple[float, float]:
     """(ε_low, ε_high) of the ratio clip."""
     return grpo.epsilon, grpo.epsilon if grpo.epsilon_high is None else grpo.epsilon_high
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The static part of a backend's GRPO loss (hashable: a ``jit`` static argument on JAX); the step's normalisers
+    (``StepShare``) change with every generation and are passed beside it."""
+
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    beta: float = 0.0
+    max_completion_length: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in GRPO_LOSS_TYPES:
+            raise ConfigError(f"grpo_loss_type={self.loss_type!r} is not valid; choose one of {GRPO_LOSS_TYPES}.")
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ConfigError("grpo_loss_type='dr_grpo' needs max_completion_length.")
+
+    @classmethod
+    def of(cls, grpo: GRPOConfig, max_completion_length: int) -> "LossSpec":
+        eps_low, eps_high = epsilon_bounds(grpo)
+        return cls(grpo.grpo_loss_type, eps_low, eps_high, grpo.grpo_beta, max_completion_length)
+
+
+class StepShare(NamedTuple):
+    """What a micro-batch's loss is a share of: the step's completions (``grpo``, ``dr_grpo``), completion tokens
+    (``dapo``) and micro-batches (``bnpo``), over every rank. None: the micro-batch's own count."""
+
+    num_sequences_in_step: Optional[int] = None
+    num_tokens_in_step: Optional[int] = None
+    num_micro_batches: int = 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -439,9 +473,6 @@ def collate_completions(prompt_ids: Sequence[Sequence[int]], completion_ids: Seq
     >>> cb.batch.input_ids.tolist(), cb.token_row_n.tolist(), cb.token_col_n.tolist()
     ([[1, 5, 7, 2, 1, 8]], [0, 0, 1], [0, 1, 0])
     """
-    from twinseq.common.batching import collate
-    from twinseq.common.dpo_batching import _target_doc_ids
-
     if len(prompt_ids) != len(completion_ids) or not len(prompt_ids):
         raise DataError(f"collate_completions needs one completion per prompt, got {len(prompt_ids)} prompts and "
                         f"{len(completion_ids)} completions.")

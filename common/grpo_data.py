@@ -25,7 +25,9 @@ import random
 import re
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from twinseq.common.data_loading import load_dataset_any
 from twinseq.common.errors import ConfigError, DataError
+from twinseq.common.grpo import check_callable_reward
 
 EMBEDDED_GRPO_NAMES = ("embedded", "embedded-grpo")
 TASK_WORDS = ("file", "value", "list", "string", "data", "name", "path", "type", "object", "line", "time", "error",
@@ -103,8 +105,6 @@ for _name, _func in REWARD_FUNCTIONS.items():
 
 def resolve_reward_funcs(funcs: Sequence[Any]) -> list[Callable[..., list]]:
     """Names (``REWARD_FUNCTIONS``) and callables -> callables, in order."""
-    from twinseq.common.grpo import check_callable_reward
-
     out = []
     for i, f in enumerate(funcs):
         if isinstance(f, str):
@@ -161,7 +161,6 @@ def load_prompt_rows(dataset_name: str, split: str = "train") -> list[dict[str, 
     """The embedded task, or the rows of a local prompt-only dataset, as a list of dicts."""
     if dataset_name in EMBEDDED_GRPO_NAMES:
         return build_last_word_task()
-    from twinseq.common.data_loading import load_dataset_any
 
     ds = load_dataset_any(dataset_name, split=split)
     if "prompt" not in ds.column_names:

@@ -19,7 +19,14 @@ import numpy as np
 
 from twinseq.common.errors import CheckpointError, ConfigError
 from twinseq.common.init import check_weights
-from twinseq.common.models import ModelConfig, from_hf_config, parameter_shapes, to_hf_config
+from twinseq.common.models import (
+    MODEL_PRESETS,
+    ModelConfig,
+    from_hf_config,
+    parameter_shapes,
+    resolve_model_config,
+    to_hf_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +167,6 @@ def resolve_model_source(spec: str, init_weights: str = "pretrained") -> ModelSo
     >>> resolve_model_source("tiny-qwen3").description
     "preset 'tiny-qwen3' (qwen3, 1.79M parameters), random initial weights"
     """
-    from twinseq.common.models import MODEL_PRESETS, resolve_model_config
-
     if init_weights not in ("pretrained", "random"):
         raise ConfigError(f"init_weights={init_weights!r} is not valid; choose 'pretrained' (the folder's weights) or "
                           f"'random' (weights drawn from the seed).")

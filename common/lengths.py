@@ -30,7 +30,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from twinseq.common.data import load_dataset_any, tokenize_dpo, tokenize_sft
 from twinseq.common.errors import ConfigError
+from twinseq.common.packing import plan_packing
+from twinseq.common.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -91,12 +94,7 @@ def _batch_padding(kept: np.ndarray, batch_size: int) -> tuple[int, int]:
 
 
 def _bfd_rows(kept: np.ndarray, max_length: int) -> Optional[int]:
-    """Rows of the packer's best-fit-decreasing plan, if ``twinseq.common.packing`` offers one."""
-    try:
-        from twinseq.common.packing import plan_packing
-    except ImportError as err:
-        logger.info("no bfd rows column: twinseq.common.packing is not importable (%s)", err)
-        return None
+    """Rows of the packer's best-fit-decreasing plan."""
     return int(plan_packing(kept, max_length, "bfd").num_rows)
 
 
@@ -217,8 +215,6 @@ def plot_lengths(lengths: np.ndarray, profile: LengthProfile, path: str | Path, 
 
 def sequence_lengths(dataset, tokenizer, progress: Optional[bool] = None) -> np.ndarray:
     """Untruncated token lengths: one per SFT example, two (prompt+chosen, prompt+rejected) per DPO pair."""
-    from twinseq.common.data import tokenize_dpo, tokenize_sft
-
     if {"chosen", "rejected"} <= set(dataset.column_names):  # a prompt may be implicit
         rows, stats = tokenize_dpo(dataset, tokenizer, progress=progress)
         prompt = np.array([len(x) for x in rows["prompt_input_ids"]], dtype=np.int64)
@@ -262,9 +258,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``twinseq lengths [DATASET] [--tokenizer T] [--candidates 128,256] [--batch-size B] [--output PNG]``."""
-    from twinseq.common.data import load_dataset_any
-    from twinseq.common.tokenizer import load_tokenizer
-
     args = _parser().parse_args(argv)
     candidates = _parse_candidates(args.candidates)
     if args.batch_size <= 0:

@@ -18,9 +18,11 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from twinseq.common.batching import Batch, IGNORE_INDEX, collate
+from twinseq.common.batching import IGNORE_INDEX, Batch, collate
 from twinseq.common.config import TrainConfig
+from twinseq.common.data import prepare_sft_dataset
 from twinseq.common.errors import DataError, DataTypeError
+from twinseq.common.packing import pack_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +68,6 @@ class StepIterator:
         self.world_size, self.rank = world_size, rank
         self.seed = cfg.seed if seed is None else seed
         if cfg.data.packing:
-            from twinseq.common.packing import pack_dataset
-
             d = cfg.data
             rows = pack_dataset(rows, d.max_length, strategy=d.packing_strategy,
                                 completion_only_loss=d.completion_only_loss, assistant_only_loss=d.assistant_only_loss)
@@ -147,8 +147,6 @@ def count_label_tokens(batches: list[Batch]) -> int:
 
 def build_step_iterator(cfg: TrainConfig, *, world_size: int = 1, rank: int = 0):
     """Load, tokenise, truncate (``common.data``) and wrap the SFT data; returns (iterator, tokenizer, stats)."""
-    from twinseq.common.data import prepare_sft_dataset
-
     rows, tokenizer, stats = prepare_sft_dataset(cfg)
     iterator = StepIterator(rows, cfg, pad_token_id=tokenizer.pad_token_id, world_size=world_size, rank=rank)
     return iterator, tokenizer, stats

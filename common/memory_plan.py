@@ -101,13 +101,18 @@ True
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from twinseq.common.config import (BLOCKED_MIN_SEQ_LEN, DEFAULT_ATTENTION_BLOCK_SIZE, JAX_DENSE_ATTN_IMPLEMENTATIONS,
-                                   TRITON_DW_SLICE_BYTES)
+from twinseq.common.config import (
+    BLOCKED_MIN_SEQ_LEN,
+    DEFAULT_ATTENTION_BLOCK_SIZE,
+    JAX_DENSE_ATTN_IMPLEMENTATIONS,
+    TRITON_DW_SLICE_BYTES,
+)
 from twinseq.common.errors import ConfigError
 from twinseq.common.models import ModelConfig, parameter_shapes, resolve_model_config
 from twinseq.common.peft import LINEAR_MODULES, PeftConfig, adapter_shapes, lora_targets
@@ -645,8 +650,6 @@ def _flags(changes: dict[str, Any]) -> list[str]:
 
 def _candidates(config, backend: str, device: str, devices: int):
     """Every combination of knobs that applies, as (knob names, flat changes, cost)."""
-    import itertools
-
     d = config.data
     options: list[list[tuple[Optional[str], dict]]] = []
     if config.loss.loss_type == "nll":

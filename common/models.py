@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from twinseq.common.fields import _check_fields, knob
 from twinseq.common.errors import ConfigError
+from twinseq.common.fields import _check_fields, knob
 
 ModelType = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2"]
 MODEL_TYPES = typing.get_args(ModelType)

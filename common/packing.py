@@ -43,8 +43,17 @@ import pyarrow.compute as pc
 
 from twinseq.common.batching import IGNORE_INDEX
 from twinseq.common.errors import DataError, DataTypeError
-from twinseq.common.packing_plan import (STRATEGIES, PackingPlan, PackingStats, _ranges, check_seq_length,
-                                         check_strategy, check_window, flat_list_values, plan_packing)
+from twinseq.common.packing_plan import (
+    STRATEGIES,
+    PackingPlan,
+    PackingStats,
+    _ranges,
+    check_seq_length,
+    check_strategy,
+    check_window,
+    flat_list_values,
+    plan_packing,
+)
 
 __all__ = ["pack_dataset", "pack_table", "plan_packing", "gather_rows", "PackingPlan", "PackingStats",
            "STRATEGIES"]

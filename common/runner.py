@@ -33,10 +33,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
-from twinseq.common.checkpoint import (list_checkpoints, load_training_checkpoint, read_meta, resolve_resume,
-                                       rotate_checkpoints, save_training_checkpoint)
+from twinseq.common.capabilities import check_runtime
+from twinseq.common.checkpoint import (
+    list_checkpoints,
+    load_training_checkpoint,
+    read_meta,
+    resolve_resume,
+    rotate_checkpoints,
+    save_training_checkpoint,
+)
 from twinseq.common.config import TrainConfig
 from twinseq.common.errors import CheckpointError, ConfigError, NonFiniteError, TrainingInterrupted
+from twinseq.common.hf_checkpoint import resolve_model_source
+from twinseq.common.metrics import RunLogger, finish_run
 
 logger = logging.getLogger(__name__)
 
@@ -98,9 +107,6 @@ def check_output_dir(path: str | os.PathLike) -> None:
 def preflight(cfg: TrainConfig, runtime: Any) -> None:
     """Every check that needs no data and no model, in the order a user would fix them: what this
     machine can run (``common.capabilities``), the output folder, the model folder, the checkpoint."""
-    from twinseq.common.capabilities import check_runtime
-    from twinseq.common.hf_checkpoint import resolve_model_source
-
     check_runtime(cfg, runtime)
     check_output_dir(cfg.output_dir)
     resolve_model_source(cfg.model.model_config, cfg.model.init_weights)
@@ -220,8 +226,6 @@ def run(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, *, tokenizer
     ``announce`` lines are printed (main rank) before the first step; ``plot_keys`` are the panels
     of the end-of-run ``metrics.png``.
     """
-    from twinseq.common.metrics import RunLogger, finish_run
-
     start = resume(cfg, trainer, source)
     log: Optional[RunLogger] = None
     if trainer.is_main:

@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from twinseq.common.dpo import reward_metrics
 from twinseq.common.errors import NonFiniteError
 
 logger = logging.getLogger(__name__)
@@ -56,8 +57,6 @@ def dpo_step_metrics(losses: Sequence[float], per_pair: Mapping[str, Sequence[np
     ``per_pair`` holds, per micro-batch, ``chosen_rewards``, ``rejected_rewards``, ``chosen_logps``
     and ``rejected_logps`` arrays [N].
     """
-    from twinseq.common.dpo import reward_metrics
-
     cat = {k: np.concatenate([np.asarray(a, np.float64) for a in v]) for k, v in per_pair.items()}
     return {"loss": float(sum(losses)), "num_tokens": int(num_tokens), "num_label_tokens": int(num_label_tokens),
             "num_pairs": int(cat["chosen_rewards"].size),

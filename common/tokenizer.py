@@ -36,8 +36,17 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from twinseq.common import corpus
-from twinseq.common.chat import (VALID_ROLES, check_template, clean_messages, render_chat, render_text, row_name,
-                                 split_rendered, template_roles, validate_messages)
+from twinseq.common.chat import (
+    VALID_ROLES,
+    check_template,
+    clean_messages,
+    render_chat,
+    render_text,
+    row_name,
+    split_rendered,
+    template_roles,
+    validate_messages,
+)
 from twinseq.common.errors import DataError, DataTypeError
 
 logger = logging.getLogger(__name__)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from twinseq.common.config import DEFAULT_ATTENTION_BLOCK_SIZE, JAX_DENSE_ATTN_IMPLEMENTATIONS
 from twinseq.common.errors import ConfigError
+from twinseq.jax_backend.context_parallel import blocked_attention_heads_first
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +132,6 @@ def blocked_document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConfigError(f"attention_block_size={block_size!r} must be a positive integer (tokens per query/key "
                           f"tile of the blocked attention).")
-    from twinseq.jax_backend.context_parallel import blocked_attention_heads_first
-
     t = q_BNTD.shape[2]
     block = min(block_size, t)
     pad = -t % block

@@ -14,9 +14,10 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from twinseq.common.hf_checkpoint import read_hf_checkpoint, write_hf_checkpoint
 from twinseq.common.backend import Model, PathLike
 from twinseq.common.errors import CheckpointError
+from twinseq.common.hf_checkpoint import read_hf_checkpoint, write_hf_checkpoint
+from twinseq.jax_backend.model import build_model, export_weights
 
 
 def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
@@ -25,8 +26,6 @@ def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_impleme
 
     ``dtype`` None uses the stored dtype when it is float32 or bfloat16 (else float32).
     """
-    from twinseq.jax_backend.model import build_model
-
     cfg, weights = read_hf_checkpoint(path)
     stored = {str(np.asarray(w).dtype) for w in weights.values()}
     if dtype is None:
@@ -36,8 +35,6 @@ def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_impleme
 
 def save_pretrained(model: Model, path: PathLike) -> Path:
     """Write a JAX ``CausalLM`` as an HF checkpoint, in the model's own dtype; returns ``path``."""
-    from twinseq.jax_backend.model import export_weights
-
     return write_hf_checkpoint(model.config, export_weights(model), path, dtype=model.dtype)
 
 

@@ -19,13 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twinseq.common.backend import Model
 from twinseq.common.batching import pad_batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.dpo import ArrayOps, DPOLossConfig, dpo_family
 from twinseq.common.dpo_batching import PreferenceBatch
-from twinseq.common.backend import Model
+from twinseq.common.dpo_loader import iter_preference_batches, with_ref_logps
 from twinseq.common.errors import ConfigError
 from twinseq.jax_backend.logprobs import sequence_logps
+from twinseq.jax_backend.losses import check_labels
 from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, grads_by_name, merge_state, split_trainable
 
 logger = logging.getLogger(__name__)
@@ -66,8 +68,6 @@ def dpo_loss_fn(model: CausalLM, inputs, ref_chosen_logps, ref_rejected_logps, n
 
 def preference_inputs(pbatch: PreferenceBatch, vocab_size: int) -> tuple[jax.Array, ...]:
     """(input_ids, position_ids, segment_ids, labels, target_doc_ids, num_target_tokens) as int32 arrays."""
-    from twinseq.jax_backend.losses import check_labels
-
     check_labels(pbatch.batch.labels, vocab_size, pbatch.batch.num_items_in_batch)
     return (*batch_inputs(pbatch.batch, vocab_size), jnp.asarray(pbatch.target_doc_ids, jnp.int32),
             jnp.asarray(pbatch.num_target_tokens, jnp.int32))
@@ -149,8 +149,6 @@ def pad_preference_batch(pbatch: PreferenceBatch, multiple: int) -> PreferenceBa
 
 def precompute_ref_logps(model: CausalLM, rows: Any, cfg: Any, pad_token_id: int, bucket: int) -> Any:
     """``rows`` plus ``ref_chosen_logps`` / ``ref_rejected_logps`` columns from one pass of ``model``."""
-    from twinseq.common.dpo_loader import iter_preference_batches, with_ref_logps
-
     d, loss = cfg.data, cfg.loss
     graphdef, state = nnx.split(model)
     compute_dtype = None if cfg.model.dtype == "float32" else cfg.model.dtype

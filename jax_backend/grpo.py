@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from functools import partial
 from typing import Any, Optional, Sequence
 
@@ -36,12 +35,19 @@ import numpy as np
 
 from twinseq.common.batching import pad_batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
+from twinseq.common.data import run_tokenizer
 from twinseq.common.errors import ConfigError
-from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_budget, completion_mask,
-                                 compute_rewards, epsilon_bounds, group_advantages, reward_func_name, reward_metrics)
+from twinseq.common.grpo import CompletionBatch, LossSpec, collate_completions, reward_func_name
+from twinseq.common.grpo_data import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
+from twinseq.common.rollout import GroupRollout, token_record
+from twinseq.common.trainer import reference_description
+from twinseq.jax_backend.generation import generate
 from twinseq.jax_backend.logprobs import token_logps
 from twinseq.jax_backend.losses import check_labels, logits_f32
-from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, merge_state, split_trainable
+from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, grads_by_name, merge_state, split_trainable
+from twinseq.jax_backend.parallel import parallelize
+from twinseq.jax_backend.peft import adapters_disabled
+from twinseq.jax_backend.trainer import JaxTrainer, build_causal_lm, compute_dtype, describe
 
 logger = logging.getLogger(__name__)
 
@@ -49,24 +55,6 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------
 # The loss (common.grpo.grpo_loss with jnp ops)
 # --------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class LossSpec:
-    """The static part of the loss (hashable: a ``jit`` static argument). The step's normalisers
-    (``LossNorms``) change with every generation and are traced instead."""
-
-    loss_type: str = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: Optional[float] = None
-    beta: float = 0.0
-    max_completion_length: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        if self.loss_type not in ("grpo", "bnpo", "dr_grpo", "dapo"):
-            raise ConfigError(f"grpo_loss_type={self.loss_type!r} is not valid; choose grpo, bnpo, dr_grpo or dapo.")
-        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
-            raise ConfigError("grpo_loss_type='dr_grpo' needs max_completion_length.")
 
 
 def loss_norms(mask_NC, *, num_sequences_in_step=None, num_tokens_in_step=None, num_micro_batches: int = 1):
@@ -237,11 +225,12 @@ def grpo_loss_and_grads(model: CausalLM, cb: CompletionBatch, mask_NC: np.ndarra
                         num_micro_batches: int = 1) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
     """(loss, float32 numpy gradients in HF names and layout, metrics) of one micro-batch of completions; the
     mirror of the torch backend's GRPO step (``parity_tests/test_grpo_parity.py``)."""
-    from twinseq.jax_backend.model import grads_by_name
-
     graphdef, state, frozen = split_trainable(model)
     ci = CompletionInputs.of(cb, model.config.vocab_size)
-    as_f32 = (lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float32)))
+
+    def as_f32(a):
+        return None if a is None else jnp.asarray(np.asarray(a, np.float32))
+
     (loss, metrics), grads = grpo_grads_jit(
         graphdef, state, ci, as_f32(mask_NC), as_f32(advantages_N),
         loss_norms(mask_NC, num_sequences_in_step=num_sequences_in_step, num_tokens_in_step=num_tokens_in_step,
@@ -278,118 +267,51 @@ class GRPOMicroBatch:
     ref_logps_NC: Optional[jax.Array] = None
 
 
-@dataclasses.dataclass
-class GenerationRecord:
-    """What one generation produced: the micro-batches, and the metrics of the completions."""
-
-    micro_batches: list[GRPOMicroBatch]
-    metrics: dict[str, float]
-    num_loss_tokens: int
-    num_sequences: int
-
-
-
-def trim_completions(completion_ids_NC: np.ndarray, length_mask_NC: np.ndarray) -> list[np.ndarray]:
-    """Each completion up to and including its first EOS (at least one token: a completion is never empty)."""
-    lengths = np.maximum(length_mask_NC.sum(axis=1), 1)
-    return [row[:n] for row, n in zip(completion_ids_NC, lengths)]
-
-
 # --------------------------------------------------------------------------------------
 # The step trainer
 # --------------------------------------------------------------------------------------
 
 
-def _trainer_base():
-    from twinseq.jax_backend.trainer import Trainer
-
-    return Trainer
-
-
-class GRPOTrainer(_trainer_base()):
-    """GRPO's ``StepTrainer``: ``step`` generates (every ``num_iterations`` steps), splits the completions into
-    micro-batches, and hands them to the shared ``Trainer.step`` (``micro_step`` per micro-batch, then the
-    clip and the AdamW update)."""
+class GRPOTrainer(GroupRollout, JaxTrainer):
+    """GRPO's JAX trainer: ``common.rollout.GroupRollout`` (generation every ``num_iterations`` steps, rewards,
+    advantages, the step's metrics) on ``JaxTrainer``'s hooks; here only what is JAX: sampling with the KV-cache
+    sampler, the kept log-probs, and the jitted micro-step."""
 
     def __init__(self, model: CausalLM, cfg: TrainConfig, *, tokenizer: Any, reward_funcs: Sequence[Any]) -> None:
         super().__init__(model, cfg)
-        g = cfg.grpo
-        self.tokenizer, self.reward_funcs = tokenizer, list(reward_funcs)
-        self.num_generations = g.num_generations
-        self.max_completion_length = completion_budget(cfg.data.max_completion_length)
-        eps_low, eps_high = epsilon_bounds(g)
-        self.spec = LossSpec(g.grpo_loss_type, eps_low, eps_high, g.grpo_beta, self.max_completion_length)
-        check_temperature(g.temperature, model.final_logit_softcapping)
+        self.init_rollout(cfg, tokenizer, reward_funcs)
+        check_temperature(cfg.grpo.temperature, model.final_logit_softcapping)
         self.ref_graphdef, self.ref_params = None, None
-        if g.grpo_beta > 0 and self.peft:  # the reference is the same parameters with the adapters off: no copy
-            from twinseq.jax_backend.peft import adapters_disabled
-
+        if cfg.grpo.grpo_beta > 0 and self.peft:  # the reference is the same parameters, adapters off: no copy
             with adapters_disabled(model):
                 self.ref_graphdef = split_trainable(model)[0]
-        elif g.grpo_beta > 0:
+        elif cfg.grpo.grpo_beta > 0:
             self.ref_params = jax.tree.map(jnp.copy, self.params)
-        self._record: Optional[GenerationRecord] = None
-        self._generated_now = False
-        self._num_generations_done = 0
+        self._norms = jnp.zeros(3, jnp.float32)
 
     def _logps_kwargs(self) -> dict[str, Any]:
-        from twinseq.jax_backend.trainer import _compute_dtype
-
         c = self.cfg
         return dict(loss_type=c.loss.loss_type, chunk_size=c.loss.loss_chunk_size, temperature=c.grpo.temperature,
-                    compute_dtype=_compute_dtype(c))
+                    compute_dtype=compute_dtype(c))
 
-    # -- generation ------------------------------------------------------------------
+    # -- GroupRollout's backend hooks ----------------------------------------------------------
 
-    def _sample(self, prompt_ids: list[list[int]]):
-        from twinseq.jax_backend.generation import generate
-        from twinseq.jax_backend.trainer import _compute_dtype
-
+    def sample(self, prompt_ids: list[list[int]]) -> np.ndarray:
         g, tok = self.cfg.grpo, self.tokenizer
-        dtype = _compute_dtype(self.cfg)
+        dtype = compute_dtype(self.cfg)
         policy = merge_state(self.graphdef, cast_floating(self.params, dtype), cast_floating(self.frozen, dtype))
         # a key per generation, from the seed: a resumed run samples what the uninterrupted one would have
-        key = jax.random.fold_in(jax.random.key(self.cfg.seed), self._num_generations_done)
+        key = jax.random.fold_in(jax.random.key(self.cfg.seed), self.num_generations_done)
         return generate(policy, prompt_ids, max_completion_length=self.max_completion_length, key=key,
                         do_sample=not g.generation_greedy, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                         pad_to_multiple_of=self.cfg.data.pad_to_multiple_of or 16,
-                        min_new_tokens=1)  # as the torch trainer: a completion is never a bare EOS
+                        min_new_tokens=1).completion_ids  # as torch: a completion is never a bare EOS
 
-    def _generate(self, prompts: Sequence[dict]) -> GenerationRecord:
-        g, tok = self.cfg.grpo, self.tokenizer
-        expanded = [row for row in prompts for _ in range(self.num_generations)]
-        prompt_ids = [list(r["prompt_input_ids"]) for r in expanded]
-        t0 = time.perf_counter()
-        out = self._sample(prompt_ids)
-        gen_seconds = time.perf_counter() - t0
-        self._num_generations_done += 1
-        length_mask, truncated = completion_mask(out.completion_ids, tok.eos_token_id, tok.pad_token_id)
-        loss_mask = length_mask * (~truncated[:, None] if g.mask_truncated_completions else 1)
-        completions = trim_completions(out.completion_ids, length_mask)
-        texts = [tok.decode(ids.tolist(), skip_special_tokens=True) for ids in completions]
-        prompt_values = [r["prompt"] for r in expanded]
-        conversational = bool(prompt_values) and not isinstance(prompt_values[0], str)
-        texts_for_rewards = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        columns = {k: [r.get(k) for r in expanded] for k in expanded[0]
-                   if k not in {"prompt", "prompt_text", "prompt_input_ids"}}
-        t1 = time.perf_counter()
-        total, per = compute_rewards(self.reward_funcs, prompt_values, texts_for_rewards, weights=g.reward_weights,
-                                     columns=columns)
-        reward_seconds = time.perf_counter() - t1
-        advantages = group_advantages(total, self.num_generations, g.scale_rewards)
-        micro = self._micro_batches(prompt_ids, completions, loss_mask, advantages)
-        lengths = length_mask.sum(axis=1)
-        metrics = {**reward_metrics(total, per, [reward_func_name(f) for f in self.reward_funcs], self.num_generations),
-                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                   "completions/max_length": float(lengths.max()),
-                   "completions/clipped_ratio": float(truncated.mean()),
-                   "generation_seconds": gen_seconds, "reward_seconds": reward_seconds}
-        return GenerationRecord(micro, metrics, int(loss_mask.sum()), len(completions))
-
-    def _micro_batches(self, prompt_ids, completions, loss_mask_NC, advantages_N) -> list[GRPOMicroBatch]:
-        """Consecutive slices of ``per_device_train_batch_size`` completions, collated and bucketed, with the
-        sampling policy's (``num_iterations > 1``) and the reference's (``grpo_beta > 0``) log-probs."""
+    def build_micro_batches(self, prompt_ids: list[list[int]], completions: list[np.ndarray],
+                            loss_mask_NC: np.ndarray, advantages_N: np.ndarray, num_columns: int
+                            ) -> list[GRPOMicroBatch]:
+        """Collated and bucketed to ``[N, max_completion_length]`` (static shapes: one compile per bucket)."""
         d, g = self.cfg.data, self.cfg.grpo
         size, out = d.per_device_train_batch_size, []
         for s in range(0, len(completions), size):
@@ -409,43 +331,21 @@ class GRPOTrainer(_trainer_base()):
             out.append(mb)
         return out
 
-    # -- Trainer hooks -----------------------------------------------------------------
+    # -- the micro-step --------------------------------------------------------------------
 
-    def step(self, micro_batches: list[Any]) -> dict[str, Any]:
-        (entry,) = micro_batches
-        self._generated_now = bool(entry["new_generation"] or self._record is None)
-        if self._generated_now:
-            self._record = self._generate(entry["prompts"])
-        rec = self._record
-        self._norms = jnp.asarray([rec.num_sequences, rec.num_loss_tokens, len(rec.micro_batches)], jnp.float32)
-        self._step_started = time.perf_counter()
-        return super().step(self._record.micro_batches)
+    def prepare(self, micro_batches: list[Any]) -> list[Any]:
+        micro = super().prepare(micro_batches)
+        self._norms = jnp.asarray(list(self.share), jnp.float32)
+        return micro
 
-    def micro_step(self, mb: GRPOMicroBatch):
+    def micro_step(self, mb: GRPOMicroBatch) -> tuple[dict[str, float], Any]:
         (loss, metrics), grads = grpo_grads_jit(self.graphdef, self.params, mb.ci, mb.mask_NC, mb.advantages_N,
-                                                self._norms, mb.old_logps_NC, mb.ref_logps_NC, spec=self.spec,
+                                                self._norms, mb.old_logps_NC, mb.ref_logps_NC, spec=self.loss_spec,
                                                 frozen=self.frozen, **self._logps_kwargs())
-        tokens = float(mb.mask_NC.sum())
-        record = {"loss": float(loss), "num_loss_tokens": tokens, "num_tokens": mb.num_tokens,
-                  "entropy_sum": float(metrics.pop("entropy_sum"))}
-        for k, v in metrics.items():  # token means -> token sums, so the step mean weighs micro-batches right
-            record[k + "_sum"] = float(v) * tokens
+        entropy_sum = float(metrics.pop("entropy_sum"))
+        record = token_record(float(loss), float(mb.mask_NC.sum()), mb.num_tokens, metrics)
+        record["entropy_sum"] = entropy_sum
         return record, grads
-
-    def micro_losses(self, records: list[dict[str, float]]) -> list[float]:
-        return [r["loss"] for r in records]
-
-    def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
-        tokens = max(sum(r["num_loss_tokens"] for r in records), 1.0)
-        out: dict[str, Any] = {"loss": sum(r["loss"] for r in records),
-                               "num_tokens": int(sum(r["num_tokens"] for r in records)),
-                               "num_completion_tokens": int(sum(r["num_loss_tokens"] for r in records))}
-        for key in sorted({k for r in records for k in r if k.endswith("_sum")}):
-            out[key[:-4]] = sum(r.get(key, 0.0) for r in records) / tokens
-        out.update(self._record.metrics)
-        out["generation_seconds"] = self._record.metrics["generation_seconds"] if self._generated_now else 0.0
-        out["training_seconds"] = time.perf_counter() - self._step_started
-        return out
 
 
 # --------------------------------------------------------------------------------------
@@ -456,11 +356,6 @@ class GRPOTrainer(_trainer_base()):
 def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None):
     """(trainer, source, tokenizer, announce lines) of a GRPO run; ``reward_funcs`` (names or callables)
     overrides ``cfg.grpo.reward_funcs``."""
-    from twinseq.common.data import run_tokenizer
-    from twinseq.common.grpo_data import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
-    from twinseq.jax_backend.parallel import parallelize
-    from twinseq.jax_backend.trainer import _describe, build_causal_lm
-
     g = cfg.grpo
     if g.use_vllm:
         raise ConfigError("use_vllm=True: vLLM generation is a torch/CUDA integration; the jax backend samples with "
@@ -479,11 +374,9 @@ def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None):
     prompts_per_step = generation_batch // g.num_generations
     source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
     trainer = GRPOTrainer(model, cfg, tokenizer=tokenizer, reward_funcs=funcs)
-    reference = "none (grpo_beta=0)" if g.grpo_beta == 0 else \
-        "the base (adapters disabled)" if trainer.peft else "frozen copy"
-    announce = [_describe(cfg, trainer),
+    announce = [describe(cfg, trainer),
                 f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
-                f"{generation_batch} completions per step, max_completion_length={cfg.data.max_completion_length}, "
-                f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference}, num_iterations="
+                f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
+                f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference_description(cfg)}, num_iterations="
                 f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}"]
     return trainer, source, tokenizer, announce

@@ -28,8 +28,7 @@ import jax.numpy as jnp
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.errors import ConfigError
 from twinseq.common.loss import IGNORE_INDEX
-from twinseq.jax_backend.losses import (check_softcap, logits_f32, shift_labels, to_token_chunks,
-                                        vocab_chunked_grads)
+from twinseq.jax_backend.losses import check_softcap, logits_f32, shift_labels, to_token_chunks, vocab_chunked_grads
 
 LOGPS_LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
 

@@ -102,7 +102,8 @@ def remat_policy_of(cfg) -> str:
 
 
 class StepMemory(NamedTuple):
-    """Bytes of one compiled training step (XLA's ``memory_analysis``), as DESIGN.md measures JAX memory."""
+    """Bytes of one compiled training step (XLA's ``memory_analysis``), as DESIGN.md measures JAX memory;
+    ``model.compiled_step_memory`` gives it for a config and sequence length."""
 
     temp_bytes: int
     """Activations, gradients in flight and scratch: what grows with T (DESIGN.md's JAX figure)."""
@@ -115,42 +116,3 @@ class StepMemory(NamedTuple):
     def peak_bytes(self) -> int:
         """An upper bound of what the step holds at once: its arguments, outputs and temporaries."""
         return self.temp_bytes + self.argument_bytes + self.output_bytes
-
-
-def compiled_step_memory(model_cfg, seq_len: int, *, batch_size: int = 1, dtype: str = "float32",
-                         loss_type: str = "fused_linear", chunk_size: Optional[int] = None,
-                         remat_policy: str = "none", attn_implementation: str = "sdpa",
-                         attention_block_size: int = 512, tiled_mlp_chunk_size: Optional[int] = None) -> StepMemory:
-    """The memory of one JAX training step (loss, metrics and gradients of a ``[batch_size, seq_len]``
-    micro-batch: ``model.grads_jit``) for ``model_cfg`` (a ``ModelConfig``), from compilation alone.
-
-    Nothing runs and no parameter is allocated: the step is lowered on abstract shapes
-    (``jax.ShapeDtypeStruct``) and compiled, so a dense ``T x T`` step too large to execute can still be
-    measured. The optimizer update is not part of it (its memory is O(parameters), independent of T).
-    ``dtype`` is the compute dtype (float32 master weights, like the trainer); the other arguments are
-    the trainer's knobs of the same names (``remat_policy`` as ``remat_policy_of``). The model is built
-    with ``jax.eval_shape``, so no weights are drawn.
-    """
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from twinseq.common.config import DEFAULT_CHUNK_SIZE
-    from twinseq.jax_backend.model import CausalLM, grads_jit
-
-    def build():
-        from twinseq.common.init import parameter_shapes
-
-        # zero-stride views: only their shapes matter, and eval_shape allocates nothing
-        weights = {name: np.broadcast_to(np.float32(0), shape) for name, shape in parameter_shapes(model_cfg).items()}
-        return CausalLM(model_cfg, weights, remat_policy=remat_policy, attn_implementation=attn_implementation,
-                        attention_block_size=attention_block_size, tiled_mlp_chunk_size=tiled_mlp_chunk_size)
-
-    graphdef, state = nnx.split(nnx.eval_shape(build))
-    ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    lowered = grads_jit.lower(graphdef, state, (ids, ids, ids, ids), jax.ShapeDtypeStruct((), jnp.int32),
-                              loss_type=loss_type, chunk_size=int(chunk_size or DEFAULT_CHUNK_SIZE),
-                              compute_dtype=None if dtype == "float32" else dtype)
-    stats = lowered.compile().memory_analysis()
-    return StepMemory(int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes),
-                      int(stats.output_size_in_bytes))

@@ -36,6 +36,7 @@ HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from typing import Any, Callable, Optional
 
@@ -44,16 +45,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twinseq.common.backend import Model
 from twinseq.common.batching import Batch, check_batch
 from twinseq.common.config import ATTN_IMPLEMENTATIONS, DEFAULT_CHUNK_SIZE, ModelConfig
 from twinseq.common.errors import ConfigError
-from twinseq.common.init import check_weights, parameter_shapes
-from twinseq.common.backend import Model
+from twinseq.common.init import check_weights, init_weights, parameter_shapes
 from twinseq.common.models import layer_norm_names
+from twinseq.common.peft import TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes
 from twinseq.common.rope import rope_inv_freq
 from twinseq.jax_backend.attention import attention_for, document_causal_mask, dot_product_attention
 from twinseq.jax_backend.losses import LOSS_TYPES, causal_lm_loss, check_labels, logits_f32, token_nll
-from twinseq.jax_backend.memory import remat
+from twinseq.jax_backend.memory import StepMemory, remat
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -430,8 +432,6 @@ def export_weights(model: Model) -> dict[str, np.ndarray]:
     On a model with adapters: its base weights (a 4-bit base dequantised), without the adapters
     (``peft.export_adapters``; ``peft.merge_adapters`` folds them in)."""
     if has_adapters(model):
-        from twinseq.jax_backend.peft import base_weights
-
         return base_weights(model)
     return in_hf_order(model.config, state_to_hf(nnx.state(model, nnx.Param)))
 
@@ -439,6 +439,45 @@ def export_weights(model: Model) -> dict[str, np.ndarray]:
 def has_adapters(model: Model) -> bool:
     """Whether ``peft.add_adapters`` gave ``model`` adapters."""
     return getattr(model, "peft_json", None) is not None
+
+
+def peft_config(model: Model) -> PeftConfig:
+    """The ``PeftConfig`` ``peft.add_adapters`` gave ``model`` (``ConfigError`` on a plain model)."""
+    if not has_adapters(model):
+        raise ConfigError("this model has no adapters; add them with add_adapters(model, cfg, peft) first.")
+    return PeftConfig(**json.loads(model.peft_json))
+
+
+def adapter_key_of_path(path: tuple) -> str:
+    """The PEFT saved key of the ``AdapterParam`` at NNX state path ``path``."""
+    parts = [str(p) for p in path]
+    if parts[-1] == "token_values":
+        return TOKENS_KEY
+    return adapter_key(".".join(parts[:-1]), parts[-1])
+
+
+def adapters_by_key(model: Model, state: Any) -> dict[str, np.ndarray]:
+    """An adapter state (``nnx.state(model, AdapterParam)``, or a gradient of one) as float32 numpy by PEFT
+    key, in ``common.peft.adapter_shapes`` order."""
+    out = {adapter_key_of_path(path): np.asarray(jnp.asarray(v.get_value(), jnp.float32))
+           for path, v in nnx.to_flat_state(state)}
+    order = adapter_shapes(model.config, peft_config(model))
+    assert set(order) == set(out), sorted(set(order) ^ set(out))
+    return {k: out[k] for k in order}
+
+
+def base_weights(model: Model) -> dict[str, np.ndarray]:
+    """The base's HF-named float32 weights (NF4 weights dequantised), in ``parameter_shapes`` order.
+
+    A linear layer whose weight is not a ``kernel`` parameter (``kernel`` None: ``peft.PeftLinear``'s 4-bit
+    base) gives it by its ``base_kernel()`` ([in, out], dequantised)."""
+    frozen = nnx.state(model, nnx.All(nnx.Param, nnx.Not(AdapterParam)))
+    out = state_to_hf(frozen)
+    for path, module in nnx.iter_modules(model):
+        if hasattr(module, "base_kernel") and module.kernel is None:
+            out[".".join(str(p) for p in path) + ".weight"] = np.asarray(
+                jnp.asarray(module.base_kernel(), jnp.float32)).T
+    return in_hf_order(model.config, out)
 
 
 def split_trainable(model: Model) -> tuple[Any, Any, Any]:
@@ -460,8 +499,6 @@ def grads_by_name(model: Model, grads: Any) -> dict[str, np.ndarray]:
     """Gradients of ``split_trainable``'s trainable state as float32 numpy: by HF name and layout (a plain
     model), or by PEFT saved key (a model with adapters, in ``common.peft.adapter_shapes`` order)."""
     if has_adapters(model):
-        from twinseq.jax_backend.peft import adapters_by_key
-
         return adapters_by_key(model, grads)
     return in_hf_order(model.config, state_to_hf(grads))
 
@@ -500,8 +537,6 @@ def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = Non
 
     ``device`` (a ``jax.Device``) places the parameters; None uses JAX's default device.
     """
-    from twinseq.common.init import init_weights
-
     model = CausalLM(cfg, init_weights(cfg, seed=0) if weights is None else weights, dtype=dtype,
                      attn_implementation=attn_implementation)
     if device is not None:
@@ -602,3 +637,38 @@ def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,
     """
     loss, grads, _ = loss_grads_and_metrics(model, batch, loss_type, chunk_size)
     return loss, grads
+
+
+# --------------------------------------------------------------------------------------
+# Memory of a compiled step
+# --------------------------------------------------------------------------------------
+
+
+def compiled_step_memory(model_cfg: ModelConfig, seq_len: int, *, batch_size: int = 1, dtype: str = "float32",
+                         loss_type: str = "fused_linear", chunk_size: Optional[int] = None,
+                         remat_policy: str = "none", attn_implementation: str = "sdpa",
+                         attention_block_size: int = 512, tiled_mlp_chunk_size: Optional[int] = None) -> StepMemory:
+    """The memory of one JAX training step (loss, metrics and gradients of a ``[batch_size, seq_len]``
+    micro-batch: ``grads_jit``) for ``model_cfg`` (a ``ModelConfig``), from compilation alone.
+
+    Nothing runs and no parameter is allocated: the step is lowered on abstract shapes
+    (``jax.ShapeDtypeStruct``) and compiled, so a dense ``T x T`` step too large to execute can still be
+    measured. The optimizer update is not part of it (its memory is O(parameters), independent of T).
+    ``dtype`` is the compute dtype (float32 master weights, like the trainer); the other arguments are
+    the trainer's knobs of the same names (``remat_policy`` as ``memory.remat_policy_of``). The model is built
+    with ``jax.eval_shape``, so no weights are drawn.
+    """
+    def build():
+        # zero-stride views: only their shapes matter, and eval_shape allocates nothing
+        weights = {name: np.broadcast_to(np.float32(0), shape) for name, shape in parameter_shapes(model_cfg).items()}
+        return CausalLM(model_cfg, weights, remat_policy=remat_policy, attn_implementation=attn_implementation,
+                        attention_block_size=attention_block_size, tiled_mlp_chunk_size=tiled_mlp_chunk_size)
+
+    graphdef, state = nnx.split(nnx.eval_shape(build))
+    ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    lowered = grads_jit.lower(graphdef, state, (ids, ids, ids, ids), jax.ShapeDtypeStruct((), jnp.int32),
+                              loss_type=loss_type, chunk_size=int(chunk_size or DEFAULT_CHUNK_SIZE),
+                              compute_dtype=None if dtype == "float32" else dtype)
+    stats = lowered.compile().memory_analysis()
+    return StepMemory(int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes),
+                      int(stats.output_size_in_bytes))

@@ -33,16 +33,19 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from twinseq.common.batching import Batch, pad_batch
+from twinseq.common.capabilities import Runtime, check_runtime
 from twinseq.common.config import TrainConfig
-from twinseq.common.context_parallel import CPBatch
+from twinseq.common.context_parallel import CPBatch, unshard_sequence
 from twinseq.common.context_parallel import shard_batch as reorder_batch
-from twinseq.common.context_parallel import unshard_sequence
 from twinseq.common.errors import ConfigError
+from twinseq.common.loader import StepIterator
 from twinseq.jax_backend.context_parallel import STRATEGIES, sharded_attention
+from twinseq.jax_backend.memory import apply_activation_checkpointing, remat_policy_of
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +197,6 @@ def parallelize(model, mesh: Optional[Mesh], cfg: TrainConfig):
     Context-parallel attention is a function the trainer passes at each call
     (``attention_of_config``), so the model itself is unchanged by it.
     """
-    from flax import nnx
-
-    from twinseq.jax_backend.memory import apply_activation_checkpointing, remat_policy_of
-
     policy = remat_policy_of(cfg)
     if policy != "none":
         apply_activation_checkpointing(model, policy)
@@ -224,8 +223,6 @@ def mesh_shape_of_config(cfg: TrainConfig, num_devices: int) -> tuple[int, int]:
     >>> mesh_shape_of_config(cfg, 8)
     (2, 4)
     """
-    from twinseq.common.capabilities import Runtime, check_runtime
-
     platform = jax.devices()[0].platform
     check_runtime(cfg, Runtime("jax", platform, num_devices, accelerator=platform != "cpu"))
     cp = cfg.parallel.context_parallel_size
@@ -292,8 +289,6 @@ class DataParallelSteps:
     """
 
     def __init__(self, rows: Any, cfg: TrainConfig, pad_token_id: int, num_replicas: int, multiple: int) -> None:
-        from twinseq.common.loader import StepIterator
-
         self.iterators = [StepIterator(rows, cfg, pad_token_id, world_size=num_replicas, rank=r)
                           for r in range(num_replicas)]
         # A padding-free micro-batch is one row however many examples it holds.

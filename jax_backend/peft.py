@@ -36,14 +36,33 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twinseq.common import peft as common_peft
 from twinseq.common.backend import Model
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.models import ModelConfig
-from twinseq.common import peft as common_peft
-from twinseq.common.peft import (TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes, check_adapters,
-                                 check_peft_config, init_adapters, lora_targets)
-from twinseq.jax_backend.model import (AdapterParam, CausalLM, Embedding, Linear, has_adapters, in_hf_order,
-                                       state_to_hf)
+from twinseq.common.peft import (
+    TOKENS_KEY,
+    PeftConfig,
+    adapter_key,
+    check_adapters,
+    check_peft_config,
+    init_adapters,
+    lora_targets,
+)
+from twinseq.jax_backend.model import (
+    AdapterParam,
+    CausalLM,
+    Embedding,
+    Linear,
+    adapter_key_of_path,
+    adapters_by_key,
+    base_weights,
+    export_weights,
+    has_adapters,
+    in_hf_order,
+    peft_config,
+    state_to_hf,
+)
 
 NF4_BLOCK = 64
 """bitsandbytes' default 4-bit blocksize: one absmax scale per 64 consecutive weights of a row."""
@@ -67,7 +86,7 @@ def _nf4_block(fan_in: int) -> int:
 
 def _require_qwix():
     try:
-        import qwix
+        import qwix  # optional dependency
     except ImportError:  # pragma: no cover - qwix is in the [jax] extra
         raise MissingDependencyError("load_in_4bit=True on the jax backend quantises the base with qwix's NF4, "
                                      "and qwix is not installed; `pip install -e '.[jax]'` or drop "
@@ -77,7 +96,7 @@ def _require_qwix():
 
 def _dequantize_nf4(codes: jax.Array, scale: jax.Array) -> jax.Array:
     """[in, out] NF4 ``codes`` times their absmax ``scale``, in ``scale``'s dtype (qwix's dequantisation)."""
-    from qwix._src.core.qarray import QArray, dequantize
+    from qwix._src.core.qarray import QArray, dequantize  # optional dependency
 
     return dequantize(QArray(codes, scale, None, "nf4")).astype(scale.dtype)
 
@@ -219,13 +238,6 @@ class TokenEmbedding(Embedding):
 # ---------------------------------------------------------------------------------------
 
 
-def peft_config(model: Model) -> PeftConfig:
-    """The ``PeftConfig`` ``add_adapters`` gave ``model`` (``ConfigError`` on a plain model)."""
-    if not has_adapters(model):
-        raise ConfigError("this model has no adapters; add them with add_adapters(model, cfg, peft) first.")
-    return PeftConfig(**json.loads(model.peft_json))
-
-
 def _locate(model: Model, path: str) -> tuple[Any, str]:
     """(parent module, attribute name) of a dotted HF module path such as ``model.layers.0.self_attn.q_proj``."""
     *parents, name = path.split(".")
@@ -250,8 +262,6 @@ def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
                           f"({model.config.model_type}); pass model.config.")
     if peft.load_in_4bit:
         _require_qwix()
-    from twinseq.jax_backend.model import export_weights
-
     if adapters is None:
         needs_base = peft.use_dora or bool(peft.trainable_token_indices)
         adapters = init_adapters(cfg, peft, seed=0, base_weights=export_weights(model) if needs_base else None)
@@ -280,23 +290,6 @@ def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
     return model
 
 
-def _adapter_key_of_path(path: tuple) -> str:
-    parts = [str(p) for p in path]
-    if parts[-1] == "token_values":
-        return TOKENS_KEY
-    return adapter_key(".".join(parts[:-1]), parts[-1])
-
-
-def adapters_by_key(model: Model, state: Any) -> dict[str, np.ndarray]:
-    """An adapter state (``nnx.state(model, AdapterParam)``, or a gradient of one) as float32 numpy by PEFT
-    key, in ``common.peft.adapter_shapes`` order."""
-    out = {_adapter_key_of_path(path): np.asarray(jnp.asarray(v.get_value(), jnp.float32))
-           for path, v in nnx.to_flat_state(state)}
-    order = adapter_shapes(model.config, peft_config(model))
-    assert set(order) == set(out), sorted(set(order) ^ set(out))
-    return {k: out[k] for k in order}
-
-
 def export_adapters(model: Model) -> dict[str, np.ndarray]:
     """float32 numpy adapter tensors by PEFT key (what ``common.peft.save_adapters`` writes)."""
     return adapters_by_key(model, nnx.state(model, AdapterParam))
@@ -308,18 +301,7 @@ def load_adapter_values(model: Model, adapters: dict[str, np.ndarray]) -> None:
     for path, variable in nnx.to_flat_state(nnx.state(model, AdapterParam)):
         del variable
         parent, name = _locate(model, ".".join(str(p) for p in path))
-        getattr(parent, name).set_value(jnp.asarray(adapters[_adapter_key_of_path(path)], jnp.float32))
-
-
-def base_weights(model: Model) -> dict[str, np.ndarray]:
-    """The base's HF-named float32 weights (NF4 weights dequantised), in ``parameter_shapes`` order."""
-    frozen = nnx.state(model, nnx.All(nnx.Param, nnx.Not(AdapterParam)))
-    out = state_to_hf(frozen)
-    for path, module in nnx.iter_modules(model):
-        if isinstance(module, PeftLinear) and module.kernel is None:
-            out[".".join(str(p) for p in path) + ".weight"] = np.asarray(
-                jnp.asarray(module.base_kernel(), jnp.float32)).T
-    return in_hf_order(model.config, out)
+        getattr(parent, name).set_value(jnp.asarray(adapters[adapter_key_of_path(path)], jnp.float32))
 
 
 def merge_adapters(model: Model) -> Model:

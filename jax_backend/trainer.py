@@ -1,10 +1,11 @@
-"""The JAX trainers: one optimizer step of SFT or DPO, on one device or on a (data, cp) mesh.
+"""The JAX trainers: the JAX hooks of ``common.trainer.TrainerTemplate`` (``JaxTrainer``), and SFT's and DPO's
+micro-steps on them, on one device or on a (data, cp) mesh.
 
-``train(cfg)`` builds the data and the model, ``parallel.parallelize``s it, and hands a trainer
-to ``common.runner.run``, which owns the loop (timing, logging, checkpoints, resume, the final
-save): the same runner, and the same trainer contract (``common.runner.StepTrainer``), as the
-torch backend. Per step: ``gradient_accumulation_steps`` micro-batches, each loss already
-normalised by the whole step's label count (SFT) or pair count (DPO); torch's
+``recipes.train(cfg)`` calls ``build_sft``/``build_dpo`` (data, the model, ``parallel.parallelize``) and hands
+the trainer to ``common.runner.run``, which owns the loop (timing, logging, checkpoints, resume, the final
+save): the same runner, the same step (``TrainerTemplate.step``) as the torch backend. Per step:
+``gradient_accumulation_steps`` micro-batches, each loss already normalised by the whole step's label count
+(SFT) or pair count (DPO); torch's
 ``clip_grad_norm_`` rule and AdamW with the schedule of ``common.schedule`` (weight decay on
 matrices only), so that torch and jax follow the same trajectory
 (``parity_tests/test_adamw_parity.py``).
@@ -37,21 +38,62 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from twinseq.common.batching import Batch, pad_batch
-from twinseq.common.capabilities import Runtime
 from twinseq.common.config import TrainConfig
+from twinseq.common.data import prepare_dpo_dataset, prepare_sft_dataset
+from twinseq.common.dpo import validate_dpo_config
+from twinseq.common.dpo_loader import build_preference_iterator
 from twinseq.common.errors import CheckpointError, ConfigError
 from twinseq.common.hf_checkpoint import check_tokenizer_fits, read_hf_checkpoint, resolve_model_source
 from twinseq.common.init import check_weights, init_weights
+from twinseq.common.loader import build_step_iterator
 from twinseq.common.metrics import peak_rss_bytes
-from twinseq.common.runner import preflight, run
+from twinseq.common.peft import init_adapters
 from twinseq.common.schedule import lr_multiplier
-from twinseq.common.step_metrics import apply_or_skip, dpo_step_metrics, first_nonfinite, sft_step_sums, with_means
+from twinseq.common.step_metrics import dpo_step_metrics, sft_step_sums, with_means
+from twinseq.common.trainer import (
+    TrainerTemplate,
+    describe_run,
+    peft_summary,
+    reference_description,
+    save_adapter_folder,
+)
 from twinseq.jax_backend.checkpoint import from_numpy_tree, save_pretrained, to_numpy_tree
+from twinseq.jax_backend.dpo import (
+    _ref_arrays,
+    dpo_grads_jit,
+    pad_preference_batch,
+    precompute_ref_logps,
+    preference_inputs,
+    sequence_logps_jit,
+)
 from twinseq.jax_backend.losses import check_labels
-from twinseq.jax_backend.model import (CausalLM, batch_inputs, build_model, export_weights, grads_jit, has_adapters,
-                                       merge_state, split_trainable)
-from twinseq.jax_backend.parallel import (CP_AXIS, DataParallelSteps, attention_of_config, mesh_from_config,
-                                          parallelize, sequence_multiple, shard_batch, shard_params)
+from twinseq.jax_backend.model import (
+    CausalLM,
+    batch_inputs,
+    build_model,
+    export_weights,
+    grads_jit,
+    has_adapters,
+    merge_state,
+    split_trainable,
+)
+from twinseq.jax_backend.parallel import (
+    CP_AXIS,
+    DataParallelSteps,
+    attention_of_config,
+    mesh_from_config,
+    parallelize,
+    sequence_multiple,
+    shard_batch,
+    shard_params,
+)
+from twinseq.jax_backend.peft import (
+    adapters_disabled,
+    add_adapters,
+    export_adapters,
+    load_adapter_values,
+    set_adapters_enabled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +187,6 @@ def with_adapters(model: CausalLM, cfg: TrainConfig) -> CausalLM:
     """``model`` with the adapters of ``cfg.peft`` (``init_adapters`` with ``cfg.seed``), or ``model`` as is."""
     if not cfg.peft.use_peft:
         return model
-    from twinseq.common.peft import init_adapters
-    from twinseq.jax_backend.peft import add_adapters
 
     if cfg.peft.lora_dropout > 0:
         logger.warning("lora_dropout=%s is not applied by the jax trainer (its adapters train without dropout, "
@@ -155,13 +195,14 @@ def with_adapters(model: CausalLM, cfg: TrainConfig) -> CausalLM:
     return add_adapters(model, model.config, cfg.peft, adapters)
 
 
-def _compute_dtype(cfg: TrainConfig) -> Optional[str]:
+def compute_dtype(cfg: TrainConfig) -> Optional[str]:
     return None if cfg.model.dtype == "float32" else cfg.model.dtype
 
 
-class Trainer:
-    """What SFT and DPO share: (graphdef, params, opt_state), the optimizer step, the state, the export.
-    A task implements ``micro_step`` (loss, metrics and gradients of one micro-batch) and ``summarize``.
+class JaxTrainer(TrainerTemplate):
+    """The JAX hooks of ``common.trainer.TrainerTemplate``: (graphdef, params, opt_state), gradients added up over
+    the micro-batches, torch's clip rule and AdamW in one jitted update; plus the state and the export. A task
+    adds ``micro_step`` (loss, metrics and gradients of one micro-batch) and ``summarize``.
 
     With a ``mesh`` (``parallel.mesh_from_config``) every batch is a global micro-batch (all data
     replicas' rows, ``parallel.DataParallelSteps``); it is sharded over ``data`` x ``cp`` and the
@@ -187,39 +228,34 @@ class Trainer:
         replicas = 1 if mesh is None else mesh.size // cp
         self.rows = replicas * (1 if d.padding_free else d.per_device_train_batch_size)
         self._lr = lr_schedule(cfg)
+        self._grads: Any = None
         if d.pad_to_multiple_of is None:
             logger.info("pad_to_multiple_of is unset: padding every micro-batch to a multiple of %d tokens so "
                         "that the step compiles once per length bucket", self.bucket)
 
-    def micro_step(self, micro: Any) -> tuple[Any, Any]:
-        raise NotImplementedError
+    # -- the step's backend hooks ----------------------------------------------------------
 
-    def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
-        raise NotImplementedError
+    def accumulate(self, out: tuple[Any, Any]) -> Any:
+        record, micro_grads = out
+        self._grads = micro_grads if self._grads is None else _add(self._grads, micro_grads)
+        return record
 
-    def micro_losses(self, records: list[Any]) -> list[float]:
-        raise NotImplementedError
+    def current_lr(self) -> float:
+        return float(self._lr(self.steps_done))
 
-    def step(self, micro_batches: list[Any]) -> dict[str, Any]:
-        records, grads = [], None
-        for micro in micro_batches:
-            record, micro_grads = self.micro_step(micro)
-            grads = micro_grads if grads is None else _add(grads, micro_grads)
-            records.append(record)
-        lr = float(self._lr(self.steps_done))
-        grad_norm = float(_global_norm(grads))
-        apply = apply_or_skip(first_nonfinite(self.micro_losses(records), grad_norm),
-                              skip=self.cfg.optim.skip_nonfinite_steps)
-        if apply:
-            self.params, self.opt_state, applied_norm = apply_updates(self.optimizer, self.params, self.opt_state,
-                                                                      grads)
-            grad_norm = float(applied_norm)
-            self.steps_done += 1
-        return {**self.summarize(records, micro_batches), "lr": lr, "grad_norm": grad_norm,
-                "num_skipped_steps": int(not apply)}
+    def gradient_norm(self) -> float:
+        return float(_global_norm(self._grads))
 
-    def any_rank(self, flag: bool) -> bool:
-        return flag  # one process drives every device
+    def apply_update(self, grad_norm: Optional[float]) -> float:
+        self.params, self.opt_state, applied_norm = apply_updates(self.optimizer, self.params, self.opt_state,
+                                                                  self._grads)
+        self.steps_done += 1
+        return float(applied_norm)
+
+    def discard_gradients(self) -> None:
+        self._grads = None
+
+    # -- state and export --------------------------------------------------------------------
 
     def model(self) -> CausalLM:
         return merge_state(self.graphdef, self.params, self.frozen)
@@ -228,8 +264,6 @@ class Trainer:
         """The trained parameters (a PEFT run: its adapters by PEFT key, the frozen base is rebuilt from the
         config), the optimizer state and the step count."""
         if self.peft:
-            from twinseq.jax_backend.peft import export_adapters
-
             return {"adapters": export_adapters(self.model()), "optimizer": to_numpy_tree(self.opt_state),
                     "steps_done": self.steps_done}
         return {"model": export_weights(self.model()), "optimizer": to_numpy_tree(self.opt_state),
@@ -251,8 +285,6 @@ class Trainer:
         self.steps_done = int(state["steps_done"])
 
     def _load_adapter_state(self, model: CausalLM, state: dict[str, Any]) -> None:
-        from twinseq.jax_backend.peft import load_adapter_values
-
         if not (self.peft and "adapters" in state):
             raise CheckpointError(f"the checkpoint holds {'adapters' if 'adapters' in state else 'full weights'} but "
                                   f"this run trains {'adapters' if self.peft else 'every weight'} (use_peft="
@@ -280,23 +312,15 @@ class Trainer:
         return jax.tree.map(place, restored, initial)
 
     def save_final(self, path: Path) -> None:
-        """An HF model folder, or with PEFT the adapter folder ``peft.PeftModel.from_pretrained`` loads."""
-        if not self.peft:
-            save_pretrained(self.model(), path)
-            return
-        from twinseq.common.peft import save_adapters
-        from twinseq.jax_backend.peft import export_adapters
-
+        """An HF model folder, or with PEFT the adapter folder (``common.trainer.save_adapter_folder``)."""
         model = self.model()
-        # As on torch: base_model_name_or_path is the model folder the run started from, or, for a preset
-        # (weights drawn by init_weights), the base written beside the adapters.
-        source = resolve_model_source(self.cfg.model.model_config, self.cfg.model.init_weights)
-        if source.weights_folder is not None:
-            base = Path(source.weights_folder).resolve()
-        else:
-            base = (Path(path) / "base").resolve()
-            save_pretrained(build_model(model.config, init_weights(model.config, seed=self.cfg.seed)), base)
-        save_adapters(path, model.config, self.cfg.peft, export_adapters(model), base_model_name_or_path=str(base))
+        if not self.peft:
+            save_pretrained(model, path)
+            return
+        save_adapter_folder(path, self.cfg, model.config, self.cfg.peft, export_adapters(model),
+                            lambda base: save_pretrained(build_model(model.config,
+                                                                     init_weights(model.config, seed=self.cfg.seed)),
+                                                         base))
 
     def peak_memory_bytes(self) -> int:
         """Accelerator peak bytes in use where JAX reports it, else the process's peak RSS (CPU)."""
@@ -304,14 +328,14 @@ class Trainer:
         return int(stats["peak_bytes_in_use"]) if "peak_bytes_in_use" in stats else peak_rss_bytes()
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(JaxTrainer):
     """Next-token loss of each micro-batch, on one device or sharded over the mesh."""
 
     def micro_step(self, batch: Batch):
         check_labels(batch.labels, self.vocab_size, batch.num_items_in_batch)
         batch = pad_batch(batch, max(self.rows, batch.shape[0]), self.bucket)
         kwargs = dict(loss_type=self.cfg.loss.loss_type, chunk_size=self.cfg.loss.loss_chunk_size,
-                      compute_dtype=_compute_dtype(self.cfg))
+                      compute_dtype=compute_dtype(self.cfg))
         inputs = batch_inputs(batch, self.vocab_size)  # also range-checks the token ids
         num_items = jnp.asarray(batch.num_items_in_batch, jnp.int32)
         if self.mesh is None:
@@ -325,14 +349,11 @@ class SFTTrainer(Trainer):
         return {"loss": float(loss), **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum")}}, \
             grads
 
-    def micro_losses(self, records: list[dict[str, Any]]) -> list[float]:
-        return [r["loss"] for r in records]
-
     def summarize(self, records: list[dict[str, Any]], micro_batches: list[Batch]) -> dict[str, Any]:
         return with_means(sft_step_sums(records, num_tokens=sum(b.num_tokens for b in micro_batches)))
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(JaxTrainer):
     """One DPO optimizer step per ``step(pbatches)``; the live reference is a frozen copy of the initial
     parameters (``ref_params``), unless the batches carry precomputed log-probs."""
 
@@ -342,7 +363,6 @@ class DPOTrainer(Trainer):
         self.config, self.examples_per_step = config, examples_per_step
         self.ref_graphdef = None
         if self.peft:  # the reference is the same parameters with the adapters switched off: no copy
-            from twinseq.jax_backend.peft import adapters_disabled
 
             with adapters_disabled(model):
                 self.ref_graphdef = split_trainable(model)[0]
@@ -353,8 +373,6 @@ class DPOTrainer(Trainer):
             self.live_reference = live_reference
 
     def _reference(self, pbatch, inputs):
-        from twinseq.jax_backend.dpo import _ref_arrays, sequence_logps_jit
-
         if not self.live_reference:
             return _ref_arrays(pbatch, None, None)
         loss = self.cfg.loss
@@ -363,12 +381,10 @@ class DPOTrainer(Trainer):
         else:
             graphdef, state, frozen = self.graphdef, self.ref_params, None
         logps_D = sequence_logps_jit(graphdef, state, inputs, loss_type=loss.loss_type, frozen=frozen,
-                                     chunk_size=loss.loss_chunk_size, compute_dtype=_compute_dtype(self.cfg))
+                                     chunk_size=loss.loss_chunk_size, compute_dtype=compute_dtype(self.cfg))
         return logps_D[:pbatch.num_examples], logps_D[pbatch.num_examples:]
 
     def micro_step(self, pbatch):
-        from twinseq.jax_backend.dpo import dpo_grads_jit, pad_preference_batch, preference_inputs
-
         pbatch = pad_preference_batch(pbatch, self.bucket)
         inputs = preference_inputs(pbatch, self.vocab_size)
         ref_c, ref_r = self._reference(pbatch, inputs)
@@ -377,7 +393,7 @@ class DPOTrainer(Trainer):
                                               jnp.asarray(self.examples_per_step, jnp.float32), config=self.config,
                                               frozen=self.frozen,
                                               loss_type=loss.loss_type, chunk_size=loss.loss_chunk_size,
-                                              compute_dtype=_compute_dtype(self.cfg))
+                                              compute_dtype=compute_dtype(self.cfg))
         return (float(value), pairs), grads
 
     def micro_losses(self, records: list[Any]) -> list[float]:
@@ -396,32 +412,22 @@ class DPOTrainer(Trainer):
 # --------------------------------------------------------------------------------------
 
 
-def _describe(cfg: TrainConfig, trainer: Trainer) -> str:
-    d = cfg.data
+def describe(cfg: TrainConfig, trainer: JaxTrainer) -> str:
+    """``common.trainer.describe_run`` of a JAX trainer: its parameters (or adapters), device or mesh, remat."""
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.params))
+    params = f"{num_params / 1e6:.2f}M params"
     if trainer.peft:
-        frozen = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.frozen))
-        p = cfg.peft
-        kind = ("QLoRA (NF4 base)" if p.load_in_4bit else "LoRA") + (" DoRA" if p.use_dora else "") + \
-            (" rsLoRA" if p.use_rslora else "") + (f" + {len(p.trainable_token_indices)} trainable tokens"
-                                                  if p.trainable_token_indices else "")
-        params_line = (f"{kind} r={p.lora_r} alpha={p.lora_alpha}: trainable params: {num_params:,} || all params: "
-                       f"{num_params + frozen:,} || trainable%: {100 * num_params / (num_params + frozen):.4f}")
-    else:
-        params_line = f"{num_params / 1e6:.2f}M params"
+        total = num_params + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.frozen))
+        params = peft_summary(cfg.peft, trainable=num_params, total=total, quantized=cfg.peft.load_in_4bit)
     where = str(jax.devices()[0]) if trainer.mesh is None else \
         f"a mesh {dict(trainer.mesh.shape)} (cp attention: {cfg.parallel.context_parallel_strategy})"
-    return (f"twinseq jax {cfg.task}: {trainer.model().config.model_type} {cfg.model.model_config!r}, "
-            f"{params_line} on {where}, loss={cfg.loss.loss_type}, "
-            f"remat={trainer.model().model.remat_policy}, packing={d.packing}({d.packing_strategy}), "
-            f"padding_free={d.padding_free}, dtype={cfg.model.dtype}")
+    model = trainer.model()
+    return describe_run(cfg, backend="jax", model_type=model.config.model_type, params=params, where=where,
+                        details=[f"remat={model.model.remat_policy}"])
 
 
 def build_step_source(cfg: TrainConfig, mesh: Optional[Mesh]):
     """(step source, tokenizer, stats): ``common.loader``'s iterator, or on a mesh one per data replica."""
-    from twinseq.common.data import prepare_sft_dataset
-    from twinseq.common.loader import build_step_iterator
-
     if mesh is None:
         return build_step_iterator(cfg)
     rows, tokenizer, stats = prepare_sft_dataset(cfg)
@@ -430,19 +436,16 @@ def build_step_source(cfg: TrainConfig, mesh: Optional[Mesh]):
     return DataParallelSteps(rows, cfg, tokenizer.pad_token_id, mesh.size // cp, multiple), tokenizer, stats
 
 
-def _build_sft(cfg: TrainConfig):
+def build_sft(cfg: TrainConfig):
+    """(trainer, step source, tokenizer, announce lines) of an SFT run, on one device or a (data, cp) mesh."""
     mesh = mesh_from_config(cfg)  # None unless context_parallel_size > 1
     source, tokenizer, stats = build_step_source(cfg, mesh)
     trainer = SFTTrainer(parallelize(build_causal_lm(cfg, tokenizer.vocab_size), mesh, cfg), cfg, mesh)
-    return trainer, source, tokenizer, [_describe(cfg, trainer), f"data: {stats}"]
+    return trainer, source, tokenizer, [describe(cfg, trainer), f"data: {stats}"]
 
 
-def _build_dpo(cfg: TrainConfig):
-    from twinseq.common.data import prepare_dpo_dataset
-    from twinseq.common.dpo import validate_dpo_config
-    from twinseq.common.dpo_loader import build_preference_iterator
-    from twinseq.jax_backend.dpo import precompute_ref_logps
-
+def build_dpo(cfg: TrainConfig):
+    """(trainer, step source, tokenizer, announce lines) of a DPO run, on one device."""
     config = validate_dpo_config(cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing)
     rows, tokenizer, stats = prepare_dpo_dataset(cfg)
     model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), None, cfg)
@@ -450,7 +453,6 @@ def _build_dpo(cfg: TrainConfig):
         t0 = time.perf_counter()
         reference = model
         if has_adapters(model):  # PEFT: the base, adapters switched off (a shallow copy shares the weights)
-            from twinseq.jax_backend.peft import set_adapters_enabled
 
             reference = nnx.merge(*nnx.split(model))
             set_adapters_enabled(reference, False)
@@ -460,27 +462,8 @@ def _build_dpo(cfg: TrainConfig):
     source = build_preference_iterator(cfg, rows, tokenizer.pad_token_id)
     trainer = DPOTrainer(model, cfg, config=config, examples_per_step=source.examples_per_step,
                          live_reference=not cfg.dpo.precompute_ref_log_probs)
-    announce = [_describe(cfg, trainer),
+    announce = [describe(cfg, trainer),
                 f"dpo_loss_type={list(config.loss_type)}, beta={config.beta}, reference="
-                f"{'precomputed' if cfg.dpo.precompute_ref_log_probs else 'live copy'}"
-                f"{' (the base: adapters off)' if trainer.peft else ''}, "
+                f"{reference_description(cfg, precomputed=cfg.dpo.precompute_ref_log_probs)}, "
                 f"{source.examples_per_step} pairs per step; data: {stats}"]
     return trainer, source, tokenizer, announce
-
-
-def train(config: TrainConfig) -> Path:
-    """Run ``config.max_steps`` optimizer steps of ``config.task``; returns the path of ``metrics.jsonl``."""
-    cfg = config
-    check_optimizer(cfg)
-    platform = jax.devices()[0].platform
-    preflight(cfg, Runtime("jax", platform, jax.device_count(), accelerator=platform != "cpu"))
-    build = _build_dpo if cfg.task == "dpo" else _build_sft
-    if cfg.task == "grpo":
-        from twinseq.jax_backend.grpo import build_grpo as build
-    trainer, source, tokenizer, announce = build(cfg)
-    plot_keys = ("loss", "rewards/accuracies", "tokens_per_second") if cfg.task == "dpo" else \
-        ("loss", "tokens_per_second")
-    if cfg.task == "grpo":
-        plot_keys = ("loss", "reward", "completions/mean_length", "tokens_per_second")
-    return run(cfg, trainer, source, tokenizer=tokenizer, desc=f"{cfg.task}[jax]", announce=announce,
-               plot_keys=plot_keys)

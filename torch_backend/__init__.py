@@ -9,10 +9,10 @@ from twinseq.torch_backend.checkpoint import load_pretrained, save_pretrained
 from twinseq.torch_backend.dpo import compute_sequence_logps, dpo_loss_and_grads
 from twinseq.torch_backend.generation import generate
 from twinseq.torch_backend.grpo import completion_logps, grpo_loss_torch
-from twinseq.torch_backend.peft import add_adapters, export_adapters, merge_adapters
 from twinseq.torch_backend.memory import ActivationOffloader, offload_activations
 from twinseq.torch_backend.model import build_model, compute_loss, export_weights, logits, loss_and_grads
-from twinseq.torch_backend.trainer import train
+from twinseq.torch_backend.peft import add_adapters, export_adapters, merge_adapters
+from twinseq.torch_backend.recipes import train
 
 __all__ = ["build_model", "export_weights", "logits", "loss_and_grads", "train", "load_pretrained", "save_pretrained",
            "compute_sequence_logps", "dpo_loss_and_grads", "add_adapters", "export_adapters", "merge_adapters",

@@ -41,6 +41,7 @@ How each ``attn_implementation`` gets the rule:
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -49,22 +50,29 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from twinseq.common.batching import Batch, check_batch
 from twinseq.common.config import ATTN_IMPLEMENTATIONS
-from twinseq.common.config import BLOCKED_MIN_SEQ_LEN, DEFAULT_ATTENTION_BLOCK_SIZE  # noqa: F401  (re-exported)
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.models import MODEL_TYPES
+from twinseq.torch_backend.blocked_attention import (
+    BLOCKED_HF_NAME,
+    attention_modules,
+    blocked_model_inputs,
+    switch_to_blocked,
+    uses_blocked_attention,
+)
+from twinseq.torch_backend.unwrap import causal_lm_of
 
 logger = logging.getLogger(__name__)
 
 VARLEN_HF_NAME = "twinseq_varlen"
 PLAN_KWARG = "twinseq_varlen_plan"
-BLOCKED_HF_NAME = "twinseq_blocked"
-BLOCKED_KWARG = "twinseq_blocked_plan"
-# BLOCKED_MIN_SEQ_LEN (from this row length on, sdpa/eager on CPU run the blocked attention) and
-# DEFAULT_ATTENTION_BLOCK_SIZE are imported from common.config, where the memory planner reads them too;
-# uses_blocked_attention reads this module's name (tests monkeypatch it).
+# The blocked attention's names (BLOCKED_HF_NAME, BLOCKED_KWARG) and its threshold BLOCKED_MIN_SEQ_LEN live in
+# blocked_attention, which this module builds on.
 DEFAULT_BUCKET_RATIO = 1.25
 SMALL_DOC_LEN = 16  # documents up to this length share one bucket: padding them costs next to nothing
 _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
@@ -122,8 +130,6 @@ def twinseq_attn_name(hf_name: str) -> str:
 
 def register_varlen() -> None:
     """Register ``twinseq_varlen`` with transformers (idempotent; called lazily, never at import)."""
-    from transformers import AttentionInterface
-
     if VARLEN_HF_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(VARLEN_HF_NAME, varlen_attention_forward)
 
@@ -231,8 +237,6 @@ def document_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
 def document_block_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
                         sliding_window: Optional[int] = None):
     """FlexAttention ``BlockMask`` of ``allowed_mask`` (blocks fully outside a document, or a window, are skipped)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     seg, pos = segment_ids_BT, position_ids_BT
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -427,8 +431,6 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if plan is None and attention_mask is not None:
         # the dense fallback of model_inputs: this layer type's mask already holds the window
         if softcap is None:
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling)
         out = softcapped_attention(query, key, value, attention_mask, scaling, softcap,
@@ -501,8 +503,6 @@ def _mask_dtype(model: torch.nn.Module, device: torch.device) -> torch.dtype:
 
 def _dense_attn_of(model: torch.nn.Module) -> str:
     """The dense path (``sdpa``/``eager``) a model switched to ``twinseq_blocked`` runs for short rows."""
-    from twinseq.torch_backend.blocked_attention import attention_modules
-
     return getattr(attention_modules(model)[0], "_twinseq_dense_attn", "sdpa")
 
 
@@ -530,13 +530,12 @@ def check_flash_features(attn_implementation: str, layout: MaskLayout) -> None:
     """
     if attn_implementation != "flash_attention_2":
         return
-    import importlib.metadata
-
     try:
         version = importlib.metadata.version("flash_attn")
     except importlib.metadata.PackageNotFoundError:
         raise MissingDependencyError("attn_implementation='flash_attention_2' needs the flash-attn package; "
-                                     "install it with `pip install -e '.[gpu]'` or use attn_implementation='varlen'.")
+                                     "install it with `pip install -e '.[gpu]'` or use attn_implementation='varlen'."
+                                     ) from None
     have = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
     for feature, on in (("sliding windows", layout.sliding_window is not None), ("soft-capping", layout.softcap)):
         if on and have < _FLASH2_MIN_VERSION[feature]:
@@ -598,13 +597,10 @@ def forward_hidden(model: torch.nn.Module, batch: Batch, attn_implementation: Op
     check_attention_supported(attn, padding_free=int(batch.segment_ids.max(initial=0)) > 1, device=device,
                               requires_grad=torch.is_grad_enabled())
     check_flash_features(attn, layout)
-    from twinseq.torch_backend import blocked_attention as blocked
-    from twinseq.torch_backend.peft import causal_lm_of  # an adapter model: the HF model inside PEFT's wrapper
-
-    if blocked.uses_blocked_attention(attn, device, batch.input_ids.shape[1]):
-        blocked.switch_to_blocked(model, attn)
-        inputs = blocked.blocked_model_inputs(model, batch, device)
+    if uses_blocked_attention(attn, device, batch.input_ids.shape[1]):
+        switch_to_blocked(model, attn)
+        inputs = blocked_model_inputs(model, batch, device)
     else:
         inputs = model_inputs(batch, attn, device, _mask_dtype(model, device), layout)
-
+    # an adapter model: the HF model inside PEFT's wrapper
     return causal_lm_of(model).model(**inputs).last_hidden_state

@@ -27,12 +27,32 @@ temporaries: O(L x D + block^2), linear in the row length. Work is in fp32 per b
 
 from __future__ import annotations
 
+import functools
+import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from twinseq.common.config import BLOCKED_MIN_SEQ_LEN, DEFAULT_ATTENTION_BLOCK_SIZE
 from twinseq.common.errors import ConfigError
+from twinseq.torch_backend.unwrap import causal_lm_of
+
+logger = logging.getLogger(__name__)
+
+BLOCKED_HF_NAME = "twinseq_blocked"
+BLOCKED_KWARG = "twinseq_blocked_plan"
+# BLOCKED_MIN_SEQ_LEN (from this row length on, sdpa/eager on CPU run the blocked attention) and
+# DEFAULT_ATTENTION_BLOCK_SIZE come from common.config, where the memory planner reads them too;
+# uses_blocked_attention reads this module's name (tests monkeypatch it).
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logger.info(message)
 
 
 @dataclass
@@ -233,8 +253,6 @@ def blocked_attention(q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The ``self_attn`` of every decoder layer (each HF family twinseq builds names it so)."""
-    from twinseq.torch_backend.peft import causal_lm_of
-
     layers = causal_lm_of(model).model.layers
     return [layer.self_attn for layer in layers]
 
@@ -243,8 +261,6 @@ def set_attention_block_size(model: torch.nn.Module, block_size: int) -> None:
     """Use blocks of ``block_size`` tokens (``MemoryConfig.attention_block_size``) in the blocked attention of
     ``model`` (single process and ``allgather`` CP). Kept on the modules, not in the HF config, so it never
     reaches a saved ``config.json``."""
-    from twinseq.torch_backend.peft import causal_lm_of
-
     BlockedPlan(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), block_size)  # checks
     causal_lm_of(model)._twinseq_attention_block_size = block_size
     for module in attention_modules(model):
@@ -252,8 +268,6 @@ def set_attention_block_size(model: torch.nn.Module, block_size: int) -> None:
 
 
 def attention_block_size(model_or_module: torch.nn.Module) -> int:
-    from twinseq.torch_backend.attention import DEFAULT_ATTENTION_BLOCK_SIZE
-
     return getattr(model_or_module, "_twinseq_attention_block_size", DEFAULT_ATTENTION_BLOCK_SIZE)
 
 
@@ -264,18 +278,12 @@ def uses_blocked_attention(attn_implementation: str, device: torch.device, seq_l
     trajectories stay bit-identical). ``varlen`` keeps its own per-document kernel (it never
     builds a [T, T] mask); on CUDA, ``flex_attention`` and the flash paths skip masked blocks.
     """
-    from twinseq.torch_backend.attention import BLOCKED_MIN_SEQ_LEN
-
     return (attn_implementation in ("sdpa", "eager") and torch.device(device).type == "cpu"
             and seq_len >= BLOCKED_MIN_SEQ_LEN)
 
 
 def register_blocked() -> None:
     """Register ``twinseq_blocked`` with transformers (idempotent; called lazily, never at import)."""
-    from transformers import AttentionInterface
-
-    from twinseq.torch_backend.attention import BLOCKED_HF_NAME
-
     if BLOCKED_HF_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(BLOCKED_HF_NAME, blocked_attention_forward)
 
@@ -284,9 +292,6 @@ def switch_to_blocked(model: torch.nn.Module, dense_attn: str) -> None:
     """Make ``model``'s attention ``twinseq_blocked``, which runs ``dense_attn`` (``sdpa``/``eager``) for a call
     without a ``BlockedPlan``. Stays switched: a graph recomputed in backward (checkpointing) must meet the
     function its forward met; short batches then take the dense path through it, unchanged."""
-    from twinseq.torch_backend.attention import BLOCKED_HF_NAME, _log_once
-    from twinseq.torch_backend.peft import causal_lm_of
-
     causal_lm = causal_lm_of(model)
     for module in attention_modules(model):
         module._twinseq_dense_attn = dense_attn
@@ -300,11 +305,7 @@ def switch_to_blocked(model: torch.nn.Module, dense_attn: str) -> None:
 
 def _dense_function(module: torch.nn.Module, name: str):
     if name == "eager":  # the family's own eager function (Gemma 2's soft-caps)
-        import sys
-
         return sys.modules[type(module).__module__].eager_attention_forward
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
@@ -317,8 +318,6 @@ def blocked_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
     ``sliding_window`` and ``softcap``. Without one (a short batch, dense mask given): exactly the
     dense function the model was switched from, called as HF would have called it.
     """
-    from twinseq.torch_backend.attention import BLOCKED_KWARG
-
     plan: Optional[BlockedPlan] = kwargs.pop(BLOCKED_KWARG, None)
     if plan is None:
         dense = _dense_function(module, getattr(module, "_twinseq_dense_attn", "sdpa"))
@@ -334,12 +333,8 @@ def blocked_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
 
 def blocked_model_inputs(model: torch.nn.Module, batch, device) -> dict:
     """Keyword arguments for the HF decoder's ``forward`` on the blocked path: no mask, one ``BlockedPlan``."""
-    from twinseq.torch_backend.attention import BLOCKED_KWARG
-
     seg_BT = torch.as_tensor(batch.segment_ids, dtype=torch.long, device=device)
     pos_BT = torch.as_tensor(batch.position_ids, dtype=torch.long, device=device)
-    from twinseq.torch_backend.peft import causal_lm_of
-
     plan = BlockedPlan(seg_BT, pos_BT, seg_BT, pos_BT, attention_block_size(causal_lm_of(model)))
     return {"input_ids": torch.as_tensor(batch.input_ids, dtype=torch.long, device=device), "position_ids": pos_BT,
             "use_cache": False, BLOCKED_KWARG: plan}

@@ -16,10 +16,13 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from twinseq.common.backend import Model, PathLike
 from twinseq.common.errors import CheckpointError
 from twinseq.common.hf_checkpoint import inspect_model_folder
-from twinseq.common.backend import Model, PathLike
+from twinseq.torch_backend.attention import check_attention_supported, hf_attn_name, resolve_attn_implementation
+from twinseq.torch_backend.model import _as_dtype, make_rope_stateless_, model_config_of
 
 
 def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
@@ -32,11 +35,6 @@ def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_impleme
     transformers' own reader, safetensors only. ``dtype`` None keeps the stored dtype when it is
     float32 or bfloat16 (else float32).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from twinseq.torch_backend.attention import check_attention_supported, hf_attn_name, resolve_attn_implementation
-    from twinseq.torch_backend.model import _as_dtype, make_rope_stateless_, model_config_of
-
     path = Path(path)
     # config.json (an unsupported model_type is refused here, naming the supported ones), every file
     # and shape, before anything loads

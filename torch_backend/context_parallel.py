@@ -44,11 +44,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import AttentionInterface
 
 from twinseq.common.batching import Batch
+from twinseq.common.config import DEFAULT_ATTENTION_BLOCK_SIZE
 from twinseq.common.context_parallel import check_seq_len, cp_permutation, shard_batch
 from twinseq.common.errors import ConfigError
-from twinseq.torch_backend.attention import DEFAULT_ATTENTION_BLOCK_SIZE, mask_layout, softcapped_attention
+from twinseq.common.loss import shift_labels
+from twinseq.torch_backend.attention import mask_layout, softcapped_attention
 from twinseq.torch_backend.blocked_attention import BlockedPlan, attention_block_size, blocked_attention
 
 logger = logging.getLogger(__name__)
@@ -275,8 +281,6 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     Only ``is_causal`` reaches the kernel: the rows must hold one document each, right-padded
     (``check_ring_batch``). K/V heads are repeated here because the ring kernels take no GQA flag.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     _context(kwargs, RING_HF_NAME)
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise ConfigError(f"context_parallel_strategy='ring' cannot slide a window or soft-cap scores (layer of "
@@ -338,8 +342,6 @@ def ring_micro_batch(batch: Batch, cp: int, cp_rank: int) -> RingMicroBatch:
 def ring_load_balancer_indices(seq_len: int, cp: int) -> np.ndarray:
     """int64 [T]: torch's head-tail load-balancer order (rank shards contiguous), for comparison with
     ``common.context_parallel.cp_permutation`` (they must agree: the loss counts targets by it)."""
-    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
-
     return _HeadTailLoadBalancer(seq_len, cp, "cpu")._generate_indices().reshape(-1).numpy()
 
 
@@ -351,10 +353,6 @@ def ring_context(cp_mesh, batch: Batch, device: Any):
     order, equal to ``cp_permutation``) and patches SDPA into ring attention for the forward and
     backward run inside the ``with`` block.
     """
-    from torch.distributed.tensor.experimental import context_parallel
-
-    from twinseq.common.loss import shift_labels
-
     check_ring_batch(batch)
     cp = cp_mesh.size()
     check_cp_seq_len(batch.input_ids.shape[1], cp)
@@ -369,8 +367,6 @@ def ring_context(cp_mesh, batch: Batch, device: Any):
 
 def register_cp_attention() -> None:
     """Register both CP attention functions with transformers (idempotent; never at import)."""
-    from transformers import AttentionInterface
-
     for name, fn in ((ALLGATHER_HF_NAME, allgather_attention_forward), (RING_HF_NAME, ring_attention_forward)):
         if name not in AttentionInterface._global_mapping:
             AttentionInterface.register(name, fn)

@@ -8,7 +8,7 @@ built from twinseq's own config, and steps it with twinseq's loss path.
 
 What matches the plain torch trainer (``trainer.SFTTrainer``), and why:
 
-- The loss. The engine runs ``parallel.CausalLMLoss`` (body, lm_head and ``causal_lm_loss`` in one
+- The loss. The engine runs ``losses.CausalLMLoss`` (body, lm_head and ``causal_lm_loss`` in one
   forward); each micro-batch loss is ``sum(NLL) / num_items_in_batch`` of the WHOLE step (every
   micro-batch, every rank), so the summed gradients equal one big batch's. DeepSpeed would divide
   twice more: by ``gradient_accumulation_steps`` in ``backward`` (we pass ``scale_wrt_gas=False``) and
@@ -27,7 +27,7 @@ hooks gather layer by layer at every decoding step (slow, no full copy); ranks s
 with ``synced_gpus`` because each forward is a collective.
 
 >>> engine = build_zero3_engine(cfg, model_config=ModelConfig.preset("tiny"))   # doctest: +SKIP
->>> engine.train_step(iterator.next_step())["loss"]                               # doctest: +SKIP
+>>> Zero3SFTTrainer(engine).step(iterator.next_step())["loss"]                    # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -41,10 +41,22 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.initialization import no_init_weights
 
 from twinseq.common.config import TrainConfig
-from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.step_metrics import sft_step_sums, with_means
+from twinseq.common.errors import CheckpointError, ConfigError, MissingDependencyError
+from twinseq.common.hf_checkpoint import check_tokenizer_fits, resolve_model_source
+from twinseq.common.init import check_weights, init_weights, parameter_shapes
+from twinseq.common.loader import build_step_iterator
+from twinseq.common.metrics import peak_rss_bytes
+from twinseq.common.trainer import TrainerTemplate
+from twinseq.torch_backend.checkpoint import load_pretrained, rng_state, save_pretrained, set_rng_state, to_numpy_tree
+from twinseq.torch_backend.distributed import any_over_ranks, max_over_ranks
+from twinseq.torch_backend.losses import CausalLMLoss
+from twinseq.torch_backend.model import build_model, make_rope_stateless_, model_config_of, to_hf_model_config
+from twinseq.torch_backend.trainer import autocast, build_optimizer, sft_summary
+from twinseq.torch_backend.unwrap import lm_head_weight
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +85,7 @@ def _import_deepspeed():
     require_deepspeed()
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    import deepspeed  # optional dependency
 
     return deepspeed
 
@@ -147,23 +159,6 @@ def _full_shape(param: torch.nn.Parameter) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)
 
 
-def build_zero3_optimizer(module: torch.nn.Module, cfg: TrainConfig):
-    """``trainer.build_optimizer``'s AdamW and schedule, with the decay groups read from the full shapes."""
-    from twinseq.common.schedule import lr_multiplier
-
-    opt = cfg.optim
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    decay = [p for p in trainable if len(_full_shape(p)) >= 2]
-    no_decay = [p for p in trainable if len(_full_shape(p)) < 2]
-    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2),
-                                  eps=opt.adam_epsilon, foreach=False)
-    warmup, total, kind = cfg.effective_warmup_steps, cfg.max_steps, opt.lr_scheduler_type
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: lr_multiplier(k, warmup_steps=warmup, max_steps=total, scheduler=kind))
-    return optimizer, scheduler
-
-
 # --------------------------------------------------------------------------------------
 # The model, partitioned from its construction on
 # --------------------------------------------------------------------------------------
@@ -193,12 +188,6 @@ def build_partitioned_model(model_cfg, weights: Mapping[str, np.ndarray], ds_cfg
 
     The same model as ``model.build_model(model_cfg, weights)``, without a full copy per rank.
     """
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
-    from twinseq.common.init import check_weights, parameter_shapes
-    from twinseq.torch_backend.model import make_rope_stateless_, to_hf_model_config
-
     deepspeed = _import_deepspeed()
     ensure_process_group()
     check_weights(model_cfg, weights)
@@ -241,12 +230,9 @@ def build_partitioned_model(model_cfg, weights: Mapping[str, np.ndarray], ds_cfg
 
 
 class Zero3Engine:
-    """A DeepSpeed ZeRO-3 engine around ``parallel.CausalLMLoss(causal_lm)`` and its training step.
-
-    ``train_step(micro_batches)`` is ``trainer.SFTTrainer.step`` under ZeRO-3: this rank's micro-batches
-    (``common.loader.StepIterator(..., world_size, rank)``), losses normalised by the step's label count,
-    one optimizer step; the returned ``loss`` is summed over ranks (the step's mean token loss).
-    """
+    """A DeepSpeed ZeRO-3 engine around ``losses.CausalLMLoss(causal_lm)``: its micro-step (forward and the
+    backward of a loss normalised by the whole step), generation, and the full weights. ``Zero3Hooks`` runs it
+    through ``common.trainer.TrainerTemplate``'s step."""
 
     def __init__(self, engine: Any, scheduler: Any, cfg: TrainConfig) -> None:
         self.engine, self.scheduler, self.cfg = engine, scheduler, cfg
@@ -272,27 +258,10 @@ class Zero3Engine:
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
 
     def micro_step(self, micro: Any) -> dict[str, float]:
-        from twinseq.torch_backend.trainer import autocast
-
         with autocast(self.cfg, self.device):
             loss, metrics = self.engine(micro)
         self.backward(loss)
         return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
-
-    def train_step(self, micro_batches: Sequence[Any]) -> dict[str, Any]:
-        from twinseq.torch_backend.parallel import reduce_step_metrics
-
-        assert len(micro_batches) == self.engine.gradient_accumulation_steps(), (
-            "one optimizer step is gradient_accumulation_steps micro-batches")
-        lr = self.scheduler.get_last_lr()[0]
-        records = []
-        for micro in micro_batches:
-            records.append(self.micro_step(micro))
-            self.engine.step()  # DeepSpeed steps the optimizer (and the schedule) at the accumulation boundary
-        norm = self.engine.get_global_grad_norm()
-        sums = sft_step_sums(records, num_tokens=sum(mb.num_tokens for mb in micro_batches))
-        out = with_means(reduce_step_metrics(sums, self.device))
-        return {**out, "lr": lr, "grad_norm": float(norm) if norm is not None else float("nan")}
 
     def full_weights(self) -> dict[str, np.ndarray]:
         """Every parameter, unpartitioned, float32 numpy, HF names (a collective: every rank calls it)."""
@@ -318,10 +287,6 @@ def build_zero3_engine(cfg: TrainConfig, *, model_config=None, weights: Optional
     ``deepspeed.initialize``), or built here from ``model_config`` (a ``ModelConfig``) and ``weights``
     (default ``init_weights(model_config, seed=cfg.seed)``) under ``zero.Init`` (``zero_init=True``) or whole.
     """
-    from twinseq.common.init import init_weights
-    from twinseq.torch_backend.parallel import CausalLMLoss
-    from twinseq.torch_backend.peft import lm_head_weight
-
     check_zero3_config(cfg)
     deepspeed = _import_deepspeed()
     ensure_process_group()
@@ -335,11 +300,9 @@ def build_zero3_engine(cfg: TrainConfig, *, model_config=None, weights: Optional
             model = build_partitioned_model(model_config, weights, conf,
                                             attn_implementation=cfg.model.attn_implementation)
         else:
-            from twinseq.torch_backend.model import build_model
-
             model = build_model(model_config, dict(weights), attn_implementation=cfg.model.attn_implementation)
     module = CausalLMLoss(model, cfg)
-    optimizer, scheduler = build_zero3_optimizer(module, cfg)
+    optimizer, scheduler = build_optimizer(module, cfg, ndim=lambda p: len(_full_shape(p)))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=conf,
                                            dist_init_required=False)
     # The loss multiplies by the lm_head weight outside lm_head's own forward: DeepSpeed must gather it
@@ -405,8 +368,6 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, gather
     ``parameter_offload``) or partitioned (False: layer by layer, every rank in lock-step through
     ``synced_gpus``, so every rank must call this). A plain model runs as it is.
     """
-    from transformers import GenerationConfig
-
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1 (max_completion_length).")
     if do_sample and temperature <= 0:
@@ -448,33 +409,50 @@ def _cut(tokens: list[int], eos_token_id: Optional[int], pad_token_id: int) -> l
 # --------------------------------------------------------------------------------------
 
 
-class Zero3Trainer:
-    """``common.runner.StepTrainer`` over a ``Zero3Engine``: the step, the full (unpartitioned) state as
-    numpy + JSON, and the final Hugging Face folder. State is read and written one parameter at a time
-    with DeepSpeed's ``safe_get/set_full_*`` (collectives: every rank calls them)."""
+class Zero3Hooks(TrainerTemplate):
+    """``common.trainer.TrainerTemplate``'s backend hooks over a ``Zero3Engine``: DeepSpeed steps the optimizer and
+    the schedule at the accumulation boundary, inside the micro-steps (``update_in_micro_steps``: a non-finite
+    step stops the run; ``train_zero3`` refuses ``skip_nonfinite_steps``); the gradient norm is DeepSpeed's.
+    The state is the full (unpartitioned) state as numpy + JSON, read and written one parameter at a time with
+    DeepSpeed's ``safe_get/set_full_*`` (collectives: every rank calls them); the export, a Hugging Face folder.
+    A task adds ``micro_step`` and ``summarize`` (``Zero3SFTTrainer``, ``zero3_grpo.Zero3GRPOTrainer``)."""
 
-    def __init__(self, engine: Zero3Engine) -> None:
-        self.engine, self.cfg = engine, engine.cfg
+    update_in_micro_steps = True
+    engine: Zero3Engine
 
     @property
-    def is_main(self) -> bool:
+    def is_main(self) -> bool:  # type: ignore[override]
         return self.engine.is_main
 
-    def step(self, micro_batches: list[Any]) -> dict[str, Any]:
-        from twinseq.common.step_metrics import apply_or_skip, first_nonfinite
+    def check_micro_batches(self, micro_batches: Sequence[Any]) -> None:
+        steps = self.engine.engine.gradient_accumulation_steps()
+        if len(micro_batches) != steps:
+            raise ConfigError(f"this rank's step has {len(micro_batches)} micro-batches, but DeepSpeed steps after "
+                              f"gradient_accumulation_steps={steps}")
 
-        out = self.engine.train_step(micro_batches)
-        # DeepSpeed has applied the update already: a non-finite step stops the run (check_zero3_config
-        # refuses skip_nonfinite_steps)
-        problem = first_nonfinite([out["loss"]], out["grad_norm"])
-        if self.any_rank(problem is not None):
-            apply_or_skip(problem or "a loss or gradient norm on another rank is not finite", skip=False)
-        return {**out, "num_skipped_steps": 0}
+    # -- the step's backend hooks ----------------------------------------------------------
+
+    def current_lr(self) -> float:
+        return self.engine.scheduler.get_last_lr()[0]
+
+    def accumulate(self, out: Any) -> Any:
+        self.engine.engine.step()  # the optimizer (and the schedule) steps at the accumulation boundary
+        return out
+
+    def gradient_norm(self) -> Optional[float]:
+        norm = self.engine.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def apply_update(self, grad_norm: Optional[float]) -> Optional[float]:
+        return grad_norm  # applied by DeepSpeed at the accumulation boundary
+
+    def discard_gradients(self) -> None:
+        pass  # DeepSpeed zeroes its partitioned gradients after its step
 
     def any_rank(self, flag: bool) -> bool:
-        from twinseq.torch_backend.parallel import any_over_ranks
-
         return any_over_ranks(flag, self.engine.device)
+
+    # -- state and export --------------------------------------------------------------------
 
     def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self.engine.causal_lm.named_parameters())  # a tied weight once, under its first name
@@ -495,14 +473,11 @@ class Zero3Trainer:
             state["step"] = torch.tensor(step, dtype=torch.float32)
 
     def state_dict(self) -> dict[str, Any]:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-        from twinseq.torch_backend.checkpoint import rng_state, to_numpy_tree
-
+        deepspeed = _import_deepspeed()
         weights, moments = {}, {}
         for name, param in self._named():
-            weights[name] = safe_get_full_fp32_param(param).cpu().numpy()
-            moments[name] = {k: safe_get_full_optimizer_state(param, k).cpu().numpy()
+            weights[name] = deepspeed.utils.safe_get_full_fp32_param(param).cpu().numpy()
+            moments[name] = {k: deepspeed.utils.safe_get_full_optimizer_state(param, k).cpu().numpy()
                              for k in ("exp_avg", "exp_avg_sq")}
         if not self.is_main:
             return {}
@@ -510,29 +485,23 @@ class Zero3Trainer:
                 "scheduler": to_numpy_tree(self.engine.scheduler.state_dict()), "rng": rng_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-        from twinseq.common.errors import CheckpointError
-        from twinseq.torch_backend.checkpoint import set_rng_state
-
+        deepspeed = _import_deepspeed()
         named = self._named()
         missing = sorted({n for n, _ in named} - set(state["model"]))
         if missing or "state" not in state["optimizer"]:
             raise CheckpointError(f"the checkpoint does not hold this model's full state (missing {missing[:2]}, or "
                                   f"an optimizer state of another trainer); resume a deepspeed_zero_stage=3 run from "
                                   f"its own checkpoint.")
-        import deepspeed
-
         self._set_adam_step(float(state["optimizer"]["step"]))
         for name, param in named:
             value = torch.as_tensor(np.asarray(state["model"][name]))
-            safe_set_full_fp32_param(param, value)  # the optimizer's fp32 partition
+            deepspeed.utils.safe_set_full_fp32_param(param, value)  # the optimizer's fp32 partition
             # ... and the parameter the forward reads (its own partition, refreshed only by an optimizer step)
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
                 if dist.get_rank() == 0:
                     param.copy_(value.to(param.dtype))
             for key, value in state["optimizer"]["state"][name].items():
-                safe_set_full_optimizer_state(param, torch.as_tensor(np.asarray(value)), key)
+                deepspeed.utils.safe_set_full_optimizer_state(param, torch.as_tensor(np.asarray(value)), key)
         scheduler = self.engine.scheduler
         scheduler.load_state_dict(state["scheduler"])
         # LambdaLR's state holds the last rates, but the optimizer reads its groups' (torch's optimizer
@@ -542,73 +511,66 @@ class Zero3Trainer:
         set_rng_state(state["rng"])
 
     def save_final(self, path) -> None:
-        from twinseq.torch_backend.checkpoint import save_pretrained
-        from twinseq.torch_backend.model import build_model, model_config_of
-
         weights = self.engine.full_weights()
         if self.is_main:
             model_cfg = model_config_of(self.engine.causal_lm)
-            from twinseq.common.init import parameter_shapes
-
             save_pretrained(build_model(model_cfg, {k: weights[k] for k in parameter_shapes(model_cfg)}), path)
         dist.barrier()
 
     def peak_memory_bytes(self) -> int:
-        from twinseq.common.metrics import peak_rss_bytes
-        from twinseq.torch_backend.parallel import max_over_ranks
-
         device = self.engine.device
         peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else peak_rss_bytes()
         return max_over_ranks(peak, device)
 
 
-def train_zero3(cfg: TrainConfig):
-    """``twinseq train`` with ``deepspeed_zero_stage=3``: SFT or GRPO (``zero3_grpo.build_grpo_zero3``) on every rank of
-    a torchrun launch (or one process), through ``common.runner.run``; returns the path of ``metrics.jsonl``."""
-    from twinseq.common.capabilities import Runtime as CapabilityRuntime
-    from twinseq.common.hf_checkpoint import check_tokenizer_fits, resolve_model_source
-    from twinseq.common.loader import build_step_iterator
-    from twinseq.common.runner import preflight, run
-    from twinseq.torch_backend.checkpoint import load_pretrained
+class Zero3SFTTrainer(Zero3Hooks):
+    """SFT under ZeRO-3: this rank's micro-batches (``common.loader.StepIterator(..., world_size, rank)``), losses
+    normalised by the step's label count; the step's metrics summed over ranks (the step's mean token loss)."""
 
-    check_zero3_config(cfg)
-    if cfg.optim.skip_nonfinite_steps:
-        raise ConfigError("skip_nonfinite_steps=True does not combine with deepspeed_zero_stage=3: DeepSpeed applies "
-                          "the update before the step's norm is known here; drop --skip-nonfinite-steps.")
-    require_deepspeed()
-    owns_group = not dist.is_initialized()
-    ensure_process_group()
+    def __init__(self, engine: Zero3Engine) -> None:
+        self.engine, self.cfg, self.device = engine, engine.cfg, engine.device
+
+    def prepare(self, micro_batches: list[Any]) -> list[Any]:
+        self.check_micro_batches(micro_batches)
+        return micro_batches
+
+    def micro_step(self, micro: Any) -> dict[str, float]:
+        return self.engine.micro_step(micro)
+
+    def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
+        return sft_summary(records, micro_batches, self.device, distributed=True)
+
+
+@contextlib.contextmanager
+def rank_zero_first() -> Iterator[None]:
+    """Rank 0 runs the block first (it builds the caches: corpus, tokenizer), then the other ranks."""
+    if dist.get_rank() != 0:
+        dist.barrier()
+    yield
+    if dist.get_rank() == 0:
+        dist.barrier()
+
+
+def zero3_engine_for(cfg: TrainConfig, vocab_size: int) -> Zero3Engine:
+    """The engine of ``cfg.model``: a model folder loaded whole on each rank and partitioned by
+    ``deepspeed.initialize``, or a preset built under ``zero.Init``."""
+    spec = resolve_model_source(cfg.model.model_config, cfg.model.init_weights)
+    check_tokenizer_fits(spec.config, vocab_size, cfg.model.model_config)
+    model = None
+    if spec.weights_folder is not None:
+        model = load_pretrained(spec.weights_folder, dtype="float32", attn_implementation=cfg.model.attn_implementation)
+    return build_zero3_engine(cfg, model_config=spec.config, model=model)
+
+
+def build_zero3_sft(cfg: TrainConfig):
+    """(trainer, step source, tokenizer, announce lines) of SFT under ZeRO-3, on every rank of the launch (the
+    process group is up: ``recipes.train_zero3``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    try:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else \
-            torch.device("cpu")
-        preflight(cfg, CapabilityRuntime("torch", device.type, world, accelerator=device.type == "cuda"))
-        torch.manual_seed(cfg.seed)
-        if cfg.task == "grpo":
-            from twinseq.torch_backend.zero3_grpo import build_grpo_zero3
-
-            trainer, source, tokenizer, announce = build_grpo_zero3(cfg)
-            return run(cfg, trainer, source, tokenizer=tokenizer, desc="grpo[torch-zero3]", announce=announce,
-                       plot_keys=("loss", "reward", "completions/mean_length", "tokens_per_second"))
-        if rank != 0:
-            dist.barrier()  # rank 0 builds the caches (corpus, tokenizer) first
+    with rank_zero_first():
         source, tokenizer, stats = build_step_iterator(cfg, world_size=world, rank=rank)
-        if rank == 0:
-            dist.barrier()
-        spec = resolve_model_source(cfg.model.model_config, cfg.model.init_weights)
-        check_tokenizer_fits(spec.config, tokenizer.vocab_size, cfg.model.model_config)
-        model = None
-        if spec.weights_folder is not None:  # whole on each rank, partitioned by deepspeed.initialize
-            model = load_pretrained(spec.weights_folder, dtype="float32",
-                                    attn_implementation=cfg.model.attn_implementation)
-        engine = build_zero3_engine(cfg, model_config=spec.config, model=model)
-        d = cfg.data
-        announce = [f"twinseq torch sft: DeepSpeed ZeRO-3 over {world} rank(s) ({dist.get_backend()}), "
-                    f"{cfg.model.model_config!r}; effective batch = {d.per_device_train_batch_size} per device x "
-                    f"{world} x {d.gradient_accumulation_steps} accumulation steps", f"data: {stats}"]
-        return run(cfg, Zero3Trainer(engine), source, tokenizer=tokenizer, desc="sft[torch-zero3]",
-                   announce=announce)
-    finally:
-        if owns_group:
-            dist.barrier()
-            dist.destroy_process_group()
+    engine = zero3_engine_for(cfg, tokenizer.vocab_size)
+    d = cfg.data
+    announce = [f"twinseq torch sft: DeepSpeed ZeRO-3 over {world} rank(s) ({dist.get_backend()}), "
+                f"{cfg.model.model_config!r}; effective batch = {d.per_device_train_batch_size} per device x "
+                f"{world} x {d.gradient_accumulation_steps} accumulation steps", f"data: {stats}"]
+    return Zero3SFTTrainer(engine), source, tokenizer, announce

@@ -22,13 +22,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from twinseq.common.backend import Model
 from twinseq.common.capabilities import GPU_EXTRA
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
-from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.dpo import ArrayOps, DPOLossConfig, dpo_family
+from twinseq.common.dpo import ArrayOps, DPOLossConfig, check_liger_dpo_config, dpo_family
 from twinseq.common.dpo_batching import PreferenceBatch
-from twinseq.common.backend import Model
+from twinseq.common.dpo_loader import iter_preference_batches, with_ref_logps
+from twinseq.common.errors import ConfigError, MissingDependencyError
+from twinseq.common.init import parameter_shapes
+from twinseq.torch_backend.attention import forward_hidden
 from twinseq.torch_backend.logprobs import sequence_logps
+from twinseq.torch_backend.losses import final_logit_softcap
+from twinseq.torch_backend.model import model_config_of
+from twinseq.torch_backend.unwrap import adapter_grads, is_adapter_model, lm_head_weight
 
 logger = logging.getLogger(__name__)
 
@@ -101,10 +107,6 @@ def frozen_reference(model: torch.nn.Module) -> torch.nn.Module:
 def reference_logps(ref_model: torch.nn.Module, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear",
                     chunk_size: int = DEFAULT_CHUNK_SIZE, attn_implementation: Optional[str] = None):
     """(chosen [N], rejected [N]) fp32 tensors of ``ref_model``, no graph (liger -> fused_linear)."""
-    from twinseq.torch_backend.attention import forward_hidden
-    from twinseq.torch_backend.model import final_logit_softcap
-    from twinseq.torch_backend.peft import lm_head_weight
-
     kernel = "fused_linear" if loss_type == "liger" else loss_type
     hidden_BTH = forward_hidden(ref_model, pbatch.batch, attn_implementation)
     logps_D = sequence_logps(hidden_BTH, lm_head_weight(ref_model), pbatch, kernel, chunk_size,
@@ -124,10 +126,6 @@ def dpo_forward(model: torch.nn.Module, pbatch: PreferenceBatch, config: DPOLoss
                 chunk_size: int = DEFAULT_CHUNK_SIZE, num_examples_in_step: Optional[int] = None,
                 attn_implementation: Optional[str] = None) -> DPOOutput:
     """Policy forward + DPO loss of one micro-batch (graph kept for ``.backward()``)."""
-    from twinseq.torch_backend.attention import forward_hidden
-    from twinseq.torch_backend.model import final_logit_softcap
-    from twinseq.torch_backend.peft import lm_head_weight
-
     hidden_BTH = forward_hidden(model, pbatch.batch, attn_implementation)
     logps_D = sequence_logps(hidden_BTH, lm_head_weight(model), pbatch, loss_type, chunk_size,
                              logit_softcap=final_logit_softcap(model))
@@ -145,10 +143,6 @@ def dpo_loss_and_grads(model: Model, pbatch: PreferenceBatch, config: DPOLossCon
     dict holds ``losses``, ``chosen_logps``, ``rejected_logps``, ``chosen_rewards``,
     ``rejected_rewards``. ``.grad`` is cleared before and after.
     """
-    from twinseq.common.init import parameter_shapes
-    from twinseq.torch_backend.model import model_config_of
-    from twinseq.torch_backend.peft import adapter_grads, is_adapter_model
-
     model.zero_grad(set_to_none=True)
     out = dpo_forward(model, pbatch, config, ref_chosen_logps=ref_chosen_logps,
                       ref_rejected_logps=ref_rejected_logps, loss_type=loss_type, chunk_size=chunk_size,
@@ -170,8 +164,6 @@ def dpo_loss_and_grads(model: Model, pbatch: PreferenceBatch, config: DPOLossCon
 def precompute_ref_logps(ref_model: torch.nn.Module, rows: Any, cfg: Any, pad_token_id: int) -> Any:
     """``rows`` plus ``ref_chosen_logps`` / ``ref_rejected_logps`` columns, from one no-grad pass
     (``cfg`` a ``TrainConfig``: its batching and loss kernel)."""
-    from twinseq.common.dpo_loader import iter_preference_batches, with_ref_logps
-
     d, loss = cfg.data, cfg.loss
     chosen, rejected = [], []
     for _, pbatch in iter_preference_batches(rows, d.per_device_train_batch_size, padding_free=d.padding_free,
@@ -196,8 +188,6 @@ def check_liger_dpo(config: DPOLossConfig, *, padding_free: bool, device: Any,
     soft-cap, so a model that caps its logits (Gemma 2) is refused rather than scored on other
     logits than its own forward produces.
     """
-    from twinseq.common.dpo import check_liger_dpo_config
-
     check_liger_dpo_config(config.loss_type, padding_free=padding_free, precompute=False)
     if logit_softcap is not None:
         raise ConfigError(f"loss_type='liger' (or use_liger_kernel=True) for DPO: Liger's fused DPO loss has no final "
@@ -218,7 +208,7 @@ def liger_dpo_loss(hidden_BTH, weight_VH, ref_hidden_BTH, ref_weight_VH, pbatch:
     a model with a final logit soft-cap, see ``check_liger_dpo``)."""
     check_liger_dpo(config, padding_free=pbatch.batch.shape[0] != pbatch.num_docs, device=hidden_BTH.device,
                     logit_softcap=logit_softcap, model_type=model_type)
-    from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
+    from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss  # optional dependency
 
     params = inspect.signature(LigerFusedLinearDPOLoss.__init__).parameters
     kwargs = dict(ignore_index=-100, beta=config.beta, compute_nll_loss=False, use_ref_model=True)
@@ -242,9 +232,6 @@ def liger_dpo_forward(model: torch.nn.Module, ref_model: torch.nn.Module, pbatch
                       attn_implementation: Optional[str] = None) -> DPOOutput:
     """``dpo_forward`` with Liger's fused DPO loss (CUDA); the per-pair outputs for the metrics cost one
     no-grad ``fused_linear`` pass each, since Liger returns no log-probs."""
-    from twinseq.torch_backend.attention import forward_hidden
-    from twinseq.torch_backend.model import final_logit_softcap
-
     cap = final_logit_softcap(model)
     w, ref_w = model.lm_head.weight, ref_model.lm_head.weight
     hidden_BTH = forward_hidden(model, pbatch.batch, attn_implementation)

@@ -1,10 +1,10 @@
 """GRPO on the torch backend: completion log-probs from hidden states, the loss family, and the step trainer.
 
-One optimizer step (``GRPOTrainer``, on ``common.runner``'s loop):
+One optimizer step (``GRPOTrainer``: ``common.rollout.GroupRollout`` on ``common.trainer.TrainerTemplate``):
 
-1. every ``num_iterations`` steps, generate ``num_generations`` completions per prompt
-   (``generation.generate``, KV cache, left-padded prompts), score them with the reward
-   functions and turn the rewards into group advantages (``common.grpo``); with
+1. every ``num_iterations`` steps, the common rollout generates ``num_generations`` completions per
+   prompt (here: ``generation.generate``, KV cache, left-padded prompts, or a colocated vLLM), scores
+   them with the reward functions and turns the rewards into group advantages (``common.grpo``); with
    ``num_iterations > 1`` keep the sampling policy's log-probs, with ``grpo_beta > 0`` the
    reference's (the policy with its adapters disabled under PEFT, else a frozen copy);
 2. split the completions into micro-batches of ``per_device_train_batch_size``; each
@@ -32,14 +32,22 @@ import torch
 
 from twinseq.common.capabilities import GPU_EXTRA
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
+from twinseq.common.data import run_tokenizer
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.grpo import (CompletionBatch, collate_completions, completion_budget, completion_mask,
-                                 compute_rewards, epsilon_bounds, group_advantages, reward_func_name,
-                                 reward_metrics)
+from twinseq.common.grpo import CompletionBatch, LossSpec, StepShare, collate_completions, reward_func_name
+from twinseq.common.grpo_data import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
+from twinseq.common.rollout import GroupRollout, token_record
+from twinseq.common.trainer import reference_description
 from twinseq.torch_backend import triton_ce
+from twinseq.torch_backend.attention import forward_hidden
+from twinseq.torch_backend.generation import generate
 from twinseq.torch_backend.logprobs import TargetRows, token_logps
-from twinseq.torch_backend.losses import apply_logit_softcap
-from twinseq.torch_backend.trainer import Trainer
+from twinseq.torch_backend.losses import apply_logit_softcap, final_logit_softcap
+from twinseq.torch_backend.parallel import parallelize
+from twinseq.torch_backend.peft import reference_mode
+from twinseq.torch_backend.trainer import TorchTrainer, add_peft, autocast, build_causal_lm, describe, offload_context
+from twinseq.torch_backend.unwrap import lm_head_weight
+from twinseq.torch_backend.vllm_engine import check_vllm, engine_for_grpo
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +94,6 @@ def completion_logps(model: torch.nn.Module, cb: CompletionBatch, *, loss_type: 
 
     The graph is kept (for ``.backward()``) when grad is enabled.
     """
-    from twinseq.torch_backend.attention import forward_hidden
-    from twinseq.torch_backend.model import final_logit_softcap
-    from twinseq.torch_backend.peft import lm_head_weight
-
     cap = final_logit_softcap(model)
     if cap is not None and temperature != 1.0:
         raise ConfigError(f"temperature={temperature} with a model that soft-caps its logits (final_logit_softcapping="
@@ -119,24 +123,11 @@ def completion_logps(model: torch.nn.Module, cb: CompletionBatch, *, loss_type: 
 # --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LossSpec:
-    """What ``grpo_loss_torch`` needs besides the tensors (see ``common.grpo.LossNorm``)."""
-
-    loss_type: str = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: Optional[float] = None
-    beta: float = 0.0
-    max_completion_length: Optional[int] = None
-    num_sequences_in_step: Optional[int] = None
-    num_tokens_in_step: Optional[int] = None
-    num_micro_batches: int = 1
-
-
-def grpo_loss_torch(logps_NC: torch.Tensor, advantages_N: torch.Tensor, mask_NC: torch.Tensor, spec: LossSpec, *,
-                    old_logps_NC: Optional[torch.Tensor] = None, ref_logps_NC: Optional[torch.Tensor] = None
-                    ) -> tuple[torch.Tensor, dict[str, float]]:
-    """(this micro-batch's share of the step loss, metrics): ``common.grpo.grpo_loss`` in torch."""
+def grpo_loss_torch(logps_NC: torch.Tensor, advantages_N: torch.Tensor, mask_NC: torch.Tensor, spec: LossSpec,
+                    share: StepShare = StepShare(),  # noqa: B008 (an immutable NamedTuple)
+                    *, old_logps_NC: Optional[torch.Tensor] = None,
+                    ref_logps_NC: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """(this micro-batch's ``share`` of the step loss, metrics): ``common.grpo.grpo_loss`` in torch."""
     eps_low = spec.epsilon
     eps_high = spec.epsilon if spec.epsilon_high is None else spec.epsilon_high
     m = mask_NC.to(logps_NC.dtype)
@@ -156,17 +147,14 @@ def grpo_loss_torch(logps_NC: torch.Tensor, advantages_N: torch.Tensor, mask_NC:
     n = logps_NC.shape[0]
     summed = per_token * m
     if spec.loss_type == "grpo":
-        loss = (summed.sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / (spec.num_sequences_in_step or n)
+        loss = (summed.sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / (share.num_sequences_in_step or n)
     elif spec.loss_type == "bnpo":
-        loss = summed.sum() / count / spec.num_micro_batches
+        loss = summed.sum() / count / share.num_micro_batches
     elif spec.loss_type == "dr_grpo":
-        if spec.max_completion_length is None:
-            raise ConfigError("grpo_loss_type='dr_grpo' needs max_completion_length.")
-        loss = summed.sum() / ((spec.num_sequences_in_step or n) * spec.max_completion_length)
-    elif spec.loss_type == "dapo":
-        loss = summed.sum() / max(float(spec.num_tokens_in_step or m.sum()), 1.0)
-    else:
-        raise ConfigError(f"grpo_loss_type={spec.loss_type!r} is not valid; choose grpo, bnpo, dr_grpo or dapo.")
+        assert spec.max_completion_length is not None  # LossSpec refuses dr_grpo without it
+        loss = summed.sum() / ((share.num_sequences_in_step or n) * spec.max_completion_length)
+    else:  # dapo (LossSpec refuses any other)
+        loss = summed.sum() / max(float(share.num_tokens_in_step or m.sum()), 1.0)
     with torch.no_grad():
         r = ratio.detach()
         low = (r < 1 - eps_low) & (adv < 0) & (m > 0)
@@ -195,16 +183,14 @@ def check_liger_grpo(device: Any) -> None:
                                      f"with `{GPU_EXTRA}`, or use --loss-type fused_linear.")
 
 
-def liger_grpo_loss(model: torch.nn.Module, micro: "GRPOMicroBatch", spec: LossSpec, temperature: float,
-                    attn_implementation: Optional[str] = None) -> tuple[torch.Tensor, dict[str, float]]:
+def liger_grpo_loss(model: torch.nn.Module, micro: "GRPOMicroBatch", spec: LossSpec, share: StepShare,
+                    temperature: float, attn_implementation: Optional[str] = None
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
     """Liger's ``LigerFusedLinearGRPOLoss`` on the padded completion positions of a micro-batch (CUDA).
 
     Liger normalises by its own micro-batch; its loss is rescaled to this micro-batch's share of
     the step (``dapo``: tokens of the step; the others: as TRL's trainer does with Liger)."""
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
-    from twinseq.torch_backend.attention import forward_hidden
-    from twinseq.torch_backend.peft import lm_head_weight
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss  # optional dependency
 
     cb = micro.cb
     hidden_BTH = forward_hidden(model, cb.batch, attn_implementation)
@@ -221,9 +207,9 @@ def liger_grpo_loss(model: torch.nn.Module, micro: "GRPOMicroBatch", spec: LossS
                   ref_per_token_logps=micro.ref_logps_NC, old_per_token_logps=micro.old_logps_NC)
     loss, extra = (out[0], out[1]) if isinstance(out, tuple) else (out, [])
     n, tokens = mask_NC.shape[0], float(mask_NC.sum().clamp(min=1))
-    scale = {"dapo": tokens / max(spec.num_tokens_in_step or tokens, 1.0),
-             "grpo": n / (spec.num_sequences_in_step or n), "dr_grpo": n / (spec.num_sequences_in_step or n),
-             "bnpo": 1.0 / spec.num_micro_batches}[spec.loss_type]
+    scale = {"dapo": tokens / max(share.num_tokens_in_step or tokens, 1.0),
+             "grpo": n / (share.num_sequences_in_step or n), "dr_grpo": n / (share.num_sequences_in_step or n),
+             "bnpo": 1.0 / share.num_micro_batches}[spec.loss_type]
     metrics = {}
     if spec.beta > 0 and len(extra) > 0:
         metrics["kl"] = float(extra[0])
@@ -253,17 +239,6 @@ class GRPOMicroBatch:
     ref_logps_NC: Optional[torch.Tensor] = None
 
 
-@dataclass
-class GenerationRecord:
-    """What one generation produced: the micro-batches, and the metrics of the completions."""
-
-    micro_batches: list[GRPOMicroBatch]
-    metrics: dict[str, float]
-    num_loss_tokens: int
-    num_sequences: int
-
-
-
 def split_micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequence[np.ndarray],
                         mask_NC: np.ndarray, advantages_N: np.ndarray, micro_size: int, *, padding_free: bool,
                         pad_token_id: int, device: torch.device, num_columns: int,
@@ -285,120 +260,66 @@ def split_micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequen
 # --------------------------------------------------------------------------------------
 
 
-class GRPOTrainer(Trainer):
-    """GRPO's ``StepTrainer``: ``prepare`` generates (every ``num_iterations`` steps) and splits the completions
-    into micro-batches; ``micro_step`` back-propagates one micro-batch's share of the loss; the shared
-    ``Trainer.step`` clips, steps AdamW and the schedule."""
+class GRPOTrainer(GroupRollout, TorchTrainer):
+    """GRPO's torch trainer: ``common.rollout.GroupRollout`` (generation every ``num_iterations`` steps, rewards,
+    advantages, the step's metrics) on ``TorchTrainer``'s hooks; here only what is torch: sampling (HF generate
+    with a KV cache, or a colocated vLLM engine), the kept log-probs, and the micro-step."""
 
     def __init__(self, cfg: TrainConfig, module: torch.nn.Module, device: torch.device, *, tokenizer: Any,
                  reward_funcs: Sequence[Any], ref_model: Optional[torch.nn.Module] = None,
                  vllm: Optional[Any] = None) -> None:
         super().__init__(cfg, module, device)
-        self._init_grpo(cfg, tokenizer, reward_funcs, ref_model)
-        self.vllm = vllm
+        self.init_rollout(cfg, tokenizer, reward_funcs)
+        self.ref_model = ref_model
+        self.vllm = vllm  # a vllm_engine.ColocatedVLLM: generation by vLLM instead of HF generate
+        self._vllm_sync_seconds: Optional[float] = None
 
-    def _init_grpo(self, cfg: TrainConfig, tokenizer: Any, reward_funcs: Sequence[Any],
-                   ref_model: Optional[torch.nn.Module]) -> None:
-        self.tokenizer, self.reward_funcs, self.ref_model = tokenizer, list(reward_funcs), ref_model
-        g = cfg.grpo
-        self.num_generations = g.num_generations
-        self.max_completion_length = completion_budget(cfg.data.max_completion_length)
-        self._record: Optional[GenerationRecord] = None
-        self._generated_now = False
-        self._generations, self._vllm_sync_seconds = 0, None
-        self.vllm: Optional[Any] = None  # a vllm_engine.ColocatedVLLM: generation by vLLM instead of HF generate
-        eps_low, eps_high = epsilon_bounds(g)
-        self.spec_base = LossSpec(loss_type=g.grpo_loss_type, epsilon=eps_low, epsilon_high=eps_high, beta=g.grpo_beta,
-                                  max_completion_length=self.max_completion_length)
+    # -- GroupRollout's backend hooks ----------------------------------------------------------
 
-    # -- generation ------------------------------------------------------------------
-
-    def _generate(self, prompts: Sequence[dict]) -> GenerationRecord:
-        from twinseq.torch_backend.generation import generate, trim_completions
-
-        c, g, tok = self.cfg, self.cfg.grpo, self.tokenizer
-        expanded = [row for row in prompts for _ in range(self.num_generations)]
-        prompt_ids = [list(r["prompt_input_ids"]) for r in expanded]
-        t0 = time.perf_counter()
-        out = self._generate_ids(generate, prompt_ids)
-        gen_seconds = time.perf_counter() - t0
-        length_mask, truncated = completion_mask(out.completion_ids, tok.eos_token_id, tok.pad_token_id)
-        loss_mask = length_mask * (~truncated[:, None] if g.mask_truncated_completions else 1)
-        completions = trim_completions(out.completion_ids, length_mask)
-        texts = [tok.decode(ids.tolist(), skip_special_tokens=True) for ids in completions]
-        prompt_values = [r["prompt"] for r in expanded]
-        if prompt_values and not isinstance(prompt_values[0], str):  # conversational: TRL passes messages back
-            texts_for_rewards = [[{"role": "assistant", "content": t}] for t in texts]
-        else:
-            texts_for_rewards = texts
-        skip = {"prompt", "prompt_text", "prompt_input_ids"}
-        columns = {k: [r.get(k) for r in expanded] for k in expanded[0] if k not in skip}
-        t1 = time.perf_counter()
-        total, per = compute_rewards(self.reward_funcs, prompt_values, texts_for_rewards, weights=g.reward_weights,
-                                     columns=columns)
-        reward_seconds = time.perf_counter() - t1
-        # every rank's rewards (one process: its own), in rank order; advantages over them all, then ours
-        total, per, ours = self._all_rewards(total, per)
-        advantages = group_advantages(total, self.num_generations, g.scale_rewards)[ours]
-        micro = split_micro_batches(prompt_ids, completions, loss_mask, advantages, c.data.per_device_train_batch_size,
-                                    padding_free=c.data.padding_free, pad_token_id=tok.pad_token_id,
-                                    device=self.device, num_columns=out.completion_ids.shape[1],
-                                    pad_to_multiple_of=c.data.pad_to_multiple_of)
-        self._kept_logps(micro)
-        lengths = length_mask.sum(axis=1)
-        lengths, truncated = self._all_rows(lengths), self._all_rows(truncated)
-        metrics = {**reward_metrics(total, per, [reward_func_name(f) for f in self.reward_funcs], self.num_generations),
-                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                   "completions/max_length": float(lengths.max()),
-                   "completions/clipped_ratio": float(truncated.mean()),
-                   "generation_seconds": gen_seconds, "reward_seconds": reward_seconds}
-        if self._vllm_sync_seconds is not None:
-            metrics["vllm/weight_sync_seconds"] = self._vllm_sync_seconds
-        return GenerationRecord(micro, metrics, int(loss_mask.sum()), len(completions))
-
-    # -- what a multi-rank engine overrides (zero3_grpo.Zero3GRPOTrainer) ------------------
-
-    def _generate_ids(self, generate: Any, prompt_ids: list[list[int]], **extra: Any) -> Any:
+    def sample(self, prompt_ids: list[list[int]], **extra: Any) -> np.ndarray:
         """``generation.generate`` on the training model (KV cache, left-padded prompts); ``extra``: its other
         keywords (``synced_gpus``). With a vLLM engine: the policy's weights are synced into it, it generates,
         and (sleep mode) it sleeps through the update."""
         g, tok = self.cfg.grpo, self.tokenizer
         if self.vllm is not None:
-            return self._vllm_generate(prompt_ids)
+            return self._vllm_sample(prompt_ids)
         return generate(self.causal_lm, prompt_ids, max_completion_length=self.max_completion_length,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=g.temperature,
-                        top_p=g.top_p, top_k=g.top_k, greedy=g.generation_greedy, **extra)
+                        top_p=g.top_p, top_k=g.top_k, greedy=g.generation_greedy, **extra).completion_ids
 
-    def _vllm_generate(self, prompt_ids: list[list[int]]) -> Any:
+    def _vllm_sample(self, prompt_ids: list[list[int]]) -> np.ndarray:
         """Sync the weights (every generation follows at least one optimizer step, or is the first), generate
         with vLLM, put it to sleep; the completions right-padded as ``generation.generate`` returns them."""
-        from twinseq.torch_backend.generation import Generated
-
         g, tok = self.cfg.grpo, self.tokenizer
+        assert self.vllm is not None
         t0 = time.perf_counter()
         self.vllm.sync_weights(self.causal_lm)
         self._vllm_sync_seconds = time.perf_counter() - t0
         rows = self.vllm.generate(prompt_ids, max_new_tokens=self.max_completion_length, temperature=g.temperature,
                                   top_p=g.top_p, top_k=g.top_k, do_sample=not g.generation_greedy,
-                                  seed=(self.cfg.seed + self._generations) * 100_003, eos_token_id=tok.eos_token_id)
-        self._generations += 1
+                                  seed=(self.cfg.seed + self.num_generations_done) * 100_003,
+                                  eos_token_id=tok.eos_token_id)
         self.vllm.sleep()
         ids = np.full((len(rows), max(map(len, rows))), tok.pad_token_id, dtype=np.int64)
         for i, row in enumerate(rows):
             ids[i, :len(row)] = row
-        return Generated(ids, time.perf_counter() - t0)
+        return ids
 
-    def _all_rewards(self, total: np.ndarray, per: np.ndarray) -> tuple[np.ndarray, np.ndarray, slice]:
-        """(every rank's total rewards, per-function rewards, the slice of them that are this rank's)."""
-        return total, per, slice(0, len(total))
+    def generation_metrics(self) -> dict[str, float]:
+        return {} if self._vllm_sync_seconds is None else {"vllm/weight_sync_seconds": self._vllm_sync_seconds}
 
-    def _all_rows(self, values: np.ndarray) -> np.ndarray:
-        """A per-completion array of every rank, in rank order (one process: ``values``)."""
-        return values
+    def build_micro_batches(self, prompt_ids: list[list[int]], completions: list[np.ndarray],
+                            loss_mask_NC: np.ndarray, advantages_N: np.ndarray, num_columns: int
+                            ) -> list[GRPOMicroBatch]:
+        d = self.cfg.data
+        micro = split_micro_batches(prompt_ids, completions, loss_mask_NC, advantages_N,
+                                    d.per_device_train_batch_size, padding_free=d.padding_free,
+                                    pad_token_id=self.tokenizer.pad_token_id, device=self.device,
+                                    num_columns=num_columns, pad_to_multiple_of=d.pad_to_multiple_of)
+        self._kept_logps(micro)
+        return micro
 
-    def _step_counts(self, num_sequences: int, num_tokens: int, num_micro_batches: int) -> tuple[int, int, int]:
-        """The step's completions, loss tokens and micro-batches, over every rank."""
-        return num_sequences, num_tokens, num_micro_batches
+    # -- what a multi-rank engine overrides (zero3_grpo.Zero3GRPOTrainer) ------------------
 
     def _forward(self, fn: Any) -> Any:
         """``fn(causal_lm)``: the policy forward of a micro-batch (a ZeRO-3 engine runs it in its root forward,
@@ -411,8 +332,6 @@ class GRPOTrainer(Trainer):
     @torch.no_grad()
     def _kept_logps(self, micro: list[GRPOMicroBatch]) -> None:
         """The sampling policy's log-probs (``num_iterations > 1``) and the reference's (``grpo_beta > 0``)."""
-        from twinseq.torch_backend.trainer import autocast
-
         c, g = self.cfg, self.cfg.grpo
         kw = dict(loss_type="fused_linear" if c.loss.loss_type == "liger" else c.loss.loss_type,
                   chunk_size=c.loss.loss_chunk_size, temperature=g.temperature,
@@ -425,37 +344,18 @@ class GRPOTrainer(Trainer):
                     if self.ref_model is not None:
                         mb.ref_logps_NC = completion_logps(self.ref_model, mb.cb, **kw)[0].float()
                     else:
-                        from twinseq.torch_backend.peft import reference_mode
-
                         with reference_mode(self.causal_lm):
                             mb.ref_logps_NC = completion_logps(self.causal_lm, mb.cb, **kw)[0].float()
 
-    # -- Trainer hooks -----------------------------------------------------------------
-
-    def prepare(self, micro_batches: list[Any]) -> list[Any]:
-        (entry,) = micro_batches
-        self._generated_now = bool(entry["new_generation"] or self._record is None)
-        if self._generated_now:
-            self._record = self._generate(entry["prompts"])
-        rec = self._record
-        sequences, tokens, micro = self._step_counts(rec.num_sequences, rec.num_loss_tokens, len(rec.micro_batches))
-        self._spec = LossSpec(**{**self.spec_base.__dict__, "num_sequences_in_step": sequences,
-                                 "num_tokens_in_step": tokens, "num_micro_batches": micro})
-        self._step_started = time.perf_counter()
-        return rec.micro_batches
-
-    def micro_losses(self, records: list[dict[str, float]]) -> list[float]:
-        return [r["loss"] for r in records]
+    # -- the micro-step --------------------------------------------------------------------
 
     def micro_step(self, mb: GRPOMicroBatch) -> dict[str, float]:
-        from twinseq.torch_backend.trainer import autocast, offload_context
-
         c = self.cfg
         with offload_context(c, self.causal_lm):
             with autocast(c, self.device):
                 if c.loss.loss_type == "liger":
-                    loss, metrics = liger_grpo_loss(self.causal_lm, mb, self._spec, c.grpo.temperature,
-                                                    c.model.attn_implementation)
+                    loss, metrics = liger_grpo_loss(self.causal_lm, mb, self.loss_spec, self.share,
+                                                    c.grpo.temperature, c.model.attn_implementation)
                     entropy = None
                 else:
                     def policy(lm: torch.nn.Module) -> tuple[torch.Tensor, dict, Optional[torch.Tensor]]:
@@ -464,32 +364,18 @@ class GRPOTrainer(Trainer):
                                                           temperature=c.grpo.temperature,
                                                           attn_implementation=c.model.attn_implementation,
                                                           with_entropy=True)
-                        loss, metrics = grpo_loss_torch(logps.float(), mb.advantages_N, mb.mask_NC, self._spec,
-                                                        old_logps_NC=mb.old_logps_NC, ref_logps_NC=mb.ref_logps_NC)
+                        loss, metrics = grpo_loss_torch(logps.float(), mb.advantages_N, mb.mask_NC, self.loss_spec,
+                                                        self.share, old_logps_NC=mb.old_logps_NC,
+                                                        ref_logps_NC=mb.ref_logps_NC)
                         return loss, metrics, entropy
 
                     loss, metrics, entropy = self._forward(policy)
             self._backward(loss)
         m = mb.mask_NC.float()
-        tokens = float(m.sum())
-        record = {"loss": float(loss.detach()), "num_loss_tokens": tokens, "num_tokens": mb.cb.batch.num_tokens}
-        for k, v in metrics.items():  # token means -> token sums, so the step mean weighs micro-batches right
-            record[k + "_sum"] = v * tokens
+        record = token_record(float(loss.detach()), float(m.sum()), mb.cb.batch.num_tokens, metrics)
         if entropy is not None:
             record["entropy_sum"] = float((entropy * m).sum())
         return record
-
-    def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
-        tokens = max(sum(r["num_loss_tokens"] for r in records), 1.0)
-        out: dict[str, Any] = {"loss": sum(r["loss"] for r in records),
-                               "num_tokens": int(sum(r["num_tokens"] for r in records)),
-                               "num_completion_tokens": int(sum(r["num_loss_tokens"] for r in records))}
-        for key in sorted({k for r in records for k in r if k.endswith("_sum")}):
-            out[key[:-4]] = sum(r.get(key, 0.0) for r in records) / tokens
-        out.update(self._record.metrics)
-        out["generation_seconds"] = self._record.metrics["generation_seconds"] if self._generated_now else 0.0
-        out["training_seconds"] = time.perf_counter() - self._step_started
-        return out
 
 
 # --------------------------------------------------------------------------------------
@@ -500,18 +386,11 @@ class GRPOTrainer(Trainer):
 def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_funcs: Optional[Sequence[Any]] = None):
     """(trainer, source, tokenizer, announce lines) of a GRPO run; ``reward_funcs`` (names or callables)
     overrides ``cfg.grpo.reward_funcs`` (the Python API passes callables)."""
-    from twinseq.common.data import run_tokenizer
-    from twinseq.common.grpo_data import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
-    from twinseq.torch_backend.trainer import _describe, add_peft, build_causal_lm
-    from twinseq.torch_backend.parallel import parallelize
-
     if runtime is not None:
         raise ConfigError("task=grpo runs in one process on the torch backend here (generation is not sharded); "
                           "launch it without torchrun/accelerate.")
     g = cfg.grpo
     if g.use_vllm:  # before anything loads
-        from twinseq.torch_backend.vllm_engine import check_vllm
-
         check_vllm(enable_sleep_mode=g.vllm_enable_sleep_mode, sleep_level=g.vllm_sleep_level,
                    gpu_memory_utilization=g.vllm_gpu_memory_utilization, cuda_available=device.type == "cuda")
     if not g.ds3_gather_for_generation:
@@ -534,18 +413,14 @@ def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_func
     source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
     engine = None
     if g.use_vllm:
-        from twinseq.torch_backend.vllm_engine import engine_for_grpo
-
         engine = engine_for_grpo(cfg, causal_lm, max(len(r["prompt_input_ids"]) for r in rows), generation_batch)
     generation = "HF generate (KV cache)" if engine is None else \
         f"vLLM colocate, sleep {'level ' + str(g.vllm_sleep_level) if g.vllm_enable_sleep_mode else 'off'}"
     trainer = GRPOTrainer(cfg, module, device, tokenizer=tokenizer, reward_funcs=funcs, ref_model=ref_model,
                           vllm=engine)
-    reference = "none (grpo_beta=0)" if g.grpo_beta == 0 else \
-        "the base (adapters disabled)" if cfg.peft.use_peft else "frozen copy"
-    announce = [_describe(cfg, causal_lm, device),
+    announce = [describe(cfg, causal_lm, device),
                 f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
                 f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
-                f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference}, num_iterations="
+                f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference_description(cfg)}, num_iterations="
                 f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}, generation={generation}"]
     return trainer, source, tokenizer, announce

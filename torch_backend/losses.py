@@ -40,11 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from twinseq.common.batching import Batch
 from twinseq.common.capabilities import GPU_EXTRA as _GPU_EXTRA
-from twinseq.common.config import DEFAULT_CHUNK_SIZE, LOSS_TYPES
+from twinseq.common.config import DEFAULT_CHUNK_SIZE, LOSS_TYPES, TrainConfig
 from twinseq.common.errors import ConfigError, ConfigTypeError, DataError
 from twinseq.common.loss import IGNORE_INDEX, check_num_items
+from twinseq.torch_backend import context_parallel as cpmod
 from twinseq.torch_backend import triton_ce
+from twinseq.torch_backend.attention import forward_hidden, mask_layout
+from twinseq.torch_backend.unwrap import causal_lm_of, lm_head_weight
 
 logger = logging.getLogger(__name__)
 
@@ -290,7 +294,7 @@ def _liger(hidden_nH, weight_VH, bias_V, targets_n, logit_softcap=None):
     if importlib.util.find_spec("liger_kernel") is None:
         raise ImportError(f"loss_type='liger' needs the liger-kernel package; install the gpu extra with "
                           f"`{_GPU_EXTRA}`, or use loss_type='fused_linear'.")
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # optional dependency
 
     kwargs = dict(ignore_index=IGNORE_INDEX, reduction="sum")
     if logit_softcap is not None:
@@ -395,3 +399,52 @@ def _metric_sums_chunked(hidden_nH, weight_VH, bias_V, targets_n, chunk_size, lo
         sums += _metric_sums(logits_cV, targets_n[start:start + chunk_size])
         del logits_cV
     return sums
+
+
+def final_logit_softcap(model: torch.nn.Module) -> Optional[float]:
+    """The model's final logit soft-cap ``c`` (logits become ``c * tanh(logits / c)``), or None.
+
+    Gemma 2 has one (``final_logit_softcapping``); the other families have none. Every loss and
+    log-prob path takes it as ``logit_softcap``.
+    """
+    return getattr(model.config, "final_logit_softcapping", None)
+
+
+# --------------------------------------------------------------------------------------
+# The model's body and its loss in one module (one FSDP root)
+# --------------------------------------------------------------------------------------
+
+
+class CausalLMLoss(torch.nn.Module):
+    """``forward(micro) -> (loss, metrics)`` for a ``Batch`` (no CP) or a ``CPShard``.
+
+    Running the body, the lm_head and the loss inside one module forward lets FSDP2's hooks
+    gather the root parameters (embeddings, final norm, lm_head) around all of their uses.
+    """
+
+    def __init__(self, causal_lm: torch.nn.Module, cfg: TrainConfig, cp_group=None) -> None:
+        super().__init__()
+        self.causal_lm = causal_lm
+        self.cfg, self.cp_group = cfg, cp_group
+
+    def _hidden(self, micro) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(hidden_BTH, labels or targets, whether they are already shifted)."""
+        if isinstance(micro, Batch):
+            hidden = forward_hidden(self.causal_lm, micro, self.cfg.model.attn_implementation)
+            return hidden, torch.as_tensor(micro.labels, dtype=torch.long, device=hidden.device), False
+        ctx = cpmod.make_context(micro, self.cp_group, self.cfg.parallel.context_parallel_strategy,
+                                 mask_layout(self.causal_lm.config).sliding_window)
+        out = causal_lm_of(self.causal_lm).model(input_ids=micro.input_ids, position_ids=micro.position_ids,
+                                                 use_cache=False, **{cpmod.CP_KWARG: ctx})
+        return out.last_hidden_state, micro.targets, True
+
+    def forward(self, micro):
+        """``micro``: a ``Batch`` or ``CPShard`` (the SFT loss), or a function of the causal LM (online RL's policy
+        forward), run here so that an engine wrapping this module gathers the root parameters around it."""
+        if callable(micro):
+            return micro(self.causal_lm)
+        hidden_BTH, labels_BT, shifted = self._hidden(micro)
+        return causal_lm_loss(hidden_BTH, lm_head_weight(self.causal_lm), labels_BT, micro.num_items_in_batch,
+                              self.cfg.loss.loss_type, chunk_size=self.cfg.loss.loss_chunk_size, return_metrics=True,
+                              targets_are_shifted=shifted, logit_softcap=final_logit_softcap(self.causal_lm),
+                              triton_gradients=self.cfg.loss.triton_gradients)

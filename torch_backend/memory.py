@@ -32,8 +32,11 @@ On a CPU device there is nothing to offload to: it refuses, unless ``allow_cpu_f
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import itertools
 import logging
+import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -41,6 +44,8 @@ from typing import Any, Optional
 import torch
 
 from twinseq.common.errors import ConfigError
+from twinseq.torch_backend.blocked_attention import set_attention_block_size
+from twinseq.torch_backend.unwrap import causal_lm_of
 
 logger = logging.getLogger(__name__)
 
@@ -390,8 +395,6 @@ def _tiled_mlp_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def decoder_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The ``.mlp`` of every decoder layer of an HF causal LM (all families twinseq builds name it so)."""
-    from twinseq.torch_backend.peft import causal_lm_of
-
     layers = getattr(getattr(causal_lm_of(model), "model", None), "layers", None)
     if layers is None or not all(hasattr(layer, "mlp") for layer in layers):
         raise ConfigError(f"tiled_mlp=True: cannot find the decoder layers' .mlp modules of {type(model).__name__}; "
@@ -407,8 +410,6 @@ def apply_tiled_mlp(model: torch.nn.Module, chunk_size: int = 4096) -> None:
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ConfigError(f"tiled_mlp_chunk_size={chunk_size!r} must be a positive integer (tokens per MLP tile).")
-    import types
-
     for mlp in decoder_mlps(model):
         mlp._twinseq_tiled_mlp_chunk_size = chunk_size
         mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
@@ -418,8 +419,6 @@ def apply_tiled_mlp(model: torch.nn.Module, chunk_size: int = 4096) -> None:
 def apply_long_context(model: torch.nn.Module, memory_cfg: Any) -> None:
     """The long-context knobs of ``MemoryConfig`` on a plain HF model: the blocked attention's block size
     (read by ``attention.forward_hidden`` and the ``allgather`` CP attention) and the tiled MLP."""
-    from twinseq.torch_backend.blocked_attention import set_attention_block_size
-
     set_attention_block_size(model, memory_cfg.attention_block_size)
     if memory_cfg.tiled_mlp:
         apply_tiled_mlp(model, memory_cfg.tiled_mlp_chunk_size)
@@ -452,9 +451,6 @@ def return_large_frees_to_the_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     global _PINNED
     if _PINNED is not None:
         return _PINNED
-    import ctypes
-    import ctypes.util
-
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     name = ctypes.util.find_library("c")
     try:

@@ -8,7 +8,8 @@ names) or a local HF checkpoint (``checkpoint.load_pretrained``), so the torch a
 start from the same model. The protocol functions ``build_model``, ``export_weights``, ``logits``
 and ``loss_and_grads`` (``common.backend.Backend``) live here; ``logits`` and ``loss_and_grads``
 run through ``attention.forward_hidden``, which masks documents (and sliding windows) on every
-attention path, and apply the family's final logit soft-cap (Gemma 2) before the softmax.
+attention path, and apply the family's final logit soft-cap (Gemma 2) before the softmax. An adapter
+model (``peft.add_adapters``) is reached through ``unwrap``; ``peft`` builds on this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -18,16 +19,30 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.initialization import no_init_weights
 
+from twinseq.common.backend import Model
 from twinseq.common.batching import Batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, ModelConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.init import check_weights, init_weights, parameter_shapes
 from twinseq.common.models import from_hf_config, to_hf_config
-from twinseq.common.backend import Model
-from twinseq.torch_backend.attention import (check_attention_supported, forward_hidden, hf_attn_name,
-                                             resolve_attn_implementation)
-from twinseq.torch_backend.losses import apply_logit_softcap
+from twinseq.torch_backend.attention import (
+    check_attention_supported,
+    forward_hidden,
+    hf_attn_name,
+    resolve_attn_implementation,
+)
+from twinseq.torch_backend.losses import apply_logit_softcap, causal_lm_loss, final_logit_softcap
+from twinseq.torch_backend.unwrap import (
+    adapter_grads,
+    base_layer_of,
+    causal_lm_of,
+    dense_weight,
+    is_adapter_model,
+    lm_head_weight,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +65,6 @@ def to_hf_model_config(cfg: ModelConfig, attn_implementation: str = "sdpa"):
     ``attn_implementation`` is resolved first (``resolve_attn_implementation``: Gemma 2's
     soft-capped attention runs ``eager`` where ``sdpa`` is asked for).
     """
-    from transformers import AutoConfig
-
     values = to_hf_config(cfg)
     values.pop("architectures")
     config = AutoConfig.for_model(values.pop("model_type"), **values)
@@ -63,15 +76,6 @@ def model_config_of(model: torch.nn.Module) -> ModelConfig:
     """The neutral ``ModelConfig`` of a transformers model, read from its config as a ``config.json``
     (``common.models.from_hf_config``: an architecture twinseq does not build raises ``ConfigError``)."""
     return from_hf_config(model.config.to_dict(), f"{type(model).__name__}.config")
-
-
-def final_logit_softcap(model: torch.nn.Module) -> Optional[float]:
-    """The model's final logit soft-cap ``c`` (logits become ``c * tanh(logits / c)``), or None.
-
-    Gemma 2 has one (``final_logit_softcapping``); the other families have none. Every loss and
-    log-prob path takes it as ``logit_softcap``.
-    """
-    return getattr(model.config, "final_logit_softcapping", None)
 
 
 def make_rope_stateless_(model: torch.nn.Module) -> None:
@@ -107,9 +111,6 @@ def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = Non
     listing every mismatch); None draws ``common.init.init_weights(cfg, seed=0)``, the same
     model the JAX backend builds.
     """
-    from transformers import AutoModelForCausalLM
-    from transformers.initialization import no_init_weights
-
     device = torch.device("cpu" if device is None else device)
     check_attention_supported(attn_implementation, device=device, requires_grad=False)
     weights = init_weights(cfg, seed=0) if weights is None else weights
@@ -152,13 +153,23 @@ def export_weights(model: Model) -> dict[str, np.ndarray]:
 
     Of an adapter model (``add_adapters``): its base weights (NF4 dequantised under QLoRA), without the adapters
     (``export_adapters`` has those; ``merge_adapters`` folds them in)."""
-    from twinseq.torch_backend.peft import base_weights, is_adapter_model
-
     if is_adapter_model(model):
         return base_weights(model)
     names = parameter_shapes(model_config_of(model))
     params = dict(model.named_parameters())
     return {name: params[name].detach().to(device="cpu", dtype=torch.float32).numpy().copy() for name in names}
+
+
+def base_weights(model: Model) -> dict[str, np.ndarray]:
+    """float32 numpy base weights in HF names (``common.models.parameter_shapes``), through PEFT's wrappers; an
+    NF4 weight dequantised (the numbers QLoRA's forward multiplies by)."""
+    inner = causal_lm_of(model)
+    out = {}
+    for name in parameter_shapes(model_config_of(inner)):
+        module_name, _, attr = name.rpartition(".")
+        module = base_layer_of(inner.get_submodule(module_name))
+        out[name] = dense_weight(getattr(module, attr)).cpu().numpy().copy()
+    return out
 
 
 # --------------------------------------------------------------------------------------
@@ -170,8 +181,6 @@ def export_weights(model: Model) -> dict[str, np.ndarray]:
 def logits(model: Model, batch: Batch) -> np.ndarray:
     """np.float32 [B, T, V] logits of ``batch`` with the model's attention path, documents masked, after the
     family's final soft-cap (applied in float32, after the upcast)."""
-    from twinseq.torch_backend.peft import causal_lm_of
-
     hidden_BTH = forward_hidden(model, batch)
     head = causal_lm_of(model).lm_head  # through PEFT's wrapper: trainable-token rows of a tied head included
     return apply_logit_softcap(head(hidden_BTH).float(), final_logit_softcap(model)).cpu().numpy()
@@ -182,9 +191,6 @@ def compute_loss(model: torch.nn.Module, batch: Batch, loss_type: str = "nll", *
                  return_metrics: bool = False):
     """Scalar loss tensor: ``sum of NLL over batch's targets / batch.num_items_in_batch`` (of the soft-capped
     logits when the family caps them)."""
-    from twinseq.torch_backend.losses import causal_lm_loss
-    from twinseq.torch_backend.peft import lm_head_weight
-
     hidden_BTH = forward_hidden(model, batch, attn_implementation)
     labels_BT = torch.as_tensor(batch.labels, dtype=torch.long, device=hidden_BTH.device)
     return causal_lm_loss(hidden_BTH, lm_head_weight(model), labels_BT, batch.num_items_in_batch, loss_type,
@@ -201,8 +207,6 @@ def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,
     The model's ``.grad`` fields are cleared before and after. Of an adapter model (``add_adapters``): the
     gradients of the adapter tensors only, by PEFT saved key.
     """
-    from twinseq.torch_backend.peft import adapter_grads, is_adapter_model
-
     model.zero_grad(set_to_none=True)
     loss = compute_loss(model, batch, loss_type, chunk_size=chunk_size)
     loss.backward()

@@ -14,10 +14,11 @@ the real ``peft`` library's (``LoraConfig`` + ``get_peft_model``), so an adapter
 - ``adapter_parameters`` maps the live parameters to PEFT's *saved* key names (``...q_proj.lora_A.weight``:
   PEFT's in-memory names carry the adapter name ``default``), the keys of ``export_adapters`` and of the
   gradients ``loss_and_grads``/``dpo_loss_and_grads`` return for an adapter model.
-- ``causal_lm_of`` and ``lm_head_weight`` let the rest of the backend reach the HF ``*ForCausalLM`` inside the
-  wrapper and the lm_head weight the forward really uses (with trainable tokens on a tied embedding, the
-  head's rows are the adapter's), so every attention path and every loss (``nll``, ``chunked_nll``,
-  ``fused_linear``) runs on an adapter model.
+- ``unwrap`` (which needs neither this module nor the ``peft`` package) reaches inside the wrapper for the rest of
+  the backend: ``causal_lm_of`` and ``lm_head_weight`` give the HF ``*ForCausalLM`` inside it and the lm_head
+  weight the forward really uses (with trainable tokens on a tied embedding, the head's rows are the adapter's),
+  so every attention path and every loss (``nll``, ``chunked_nll``, ``fused_linear``) runs on an adapter model;
+  ``model.base_weights`` reads the base through PEFT's wrappers. This module builds on ``model`` and ``unwrap``.
 - DPO's reference is the same model under ``adapters_disabled`` (PEFT's ``disable_adapter``), never a copy.
 """
 
@@ -26,8 +27,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-import re
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -35,14 +35,32 @@ import torch
 from twinseq.common.backend import Model
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.models import ModelConfig
-from twinseq.common.peft import PeftConfig, adapter_shapes, check_adapters, check_token_indices, lora_targets
+from twinseq.common.peft import (
+    PeftConfig,
+    adapter_shapes,
+    check_adapters,
+    check_token_indices,
+    init_adapters,
+    lora_targets,
+)
 from twinseq.common.peft import merge_adapters as merge_adapter_weights
+from twinseq.torch_backend.attention import twinseq_attn_name
+from twinseq.torch_backend.model import base_weights, build_model, model_config_of
+
+# re-exported for the modules that still import them from here (they live in unwrap now): lm_head_weight
+# (grpo.py, deepspeed.py, parallel.py), saved_key (trainer.py)
+from twinseq.torch_backend.unwrap import (  # noqa: F401
+    PEFT_CONFIG_ATTR,
+    adapter_parameters,
+    causal_lm_of,
+    is_adapter_model,
+    lm_head_weight,
+    saved_key,
+)
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_NAME = "default"
 PEFT_EXTRA = "pip install -e '.[peft]'"
-_CONFIG_ATTR = "_twinseq_peft"
 
 
 # --------------------------------------------------------------------------------------
@@ -71,43 +89,14 @@ def require_bitsandbytes(what: str) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# What an adapter model is, and how to reach inside it
+# An adapter model's config, and its reference
 # --------------------------------------------------------------------------------------
-
-
-def is_adapter_model(model: Any) -> bool:
-    """True for a model ``add_adapters`` returned (a ``peft.PeftModel`` carrying its ``PeftConfig``)."""
-    return isinstance(model, torch.nn.Module) and _CONFIG_ATTR in model.__dict__
 
 
 def peft_config_of(model: Model) -> PeftConfig:
     if not is_adapter_model(model):
         raise ConfigError(f"{type(model).__name__} has no adapters; call add_adapters(model, cfg, peft) first.")
-    return model.__dict__[_CONFIG_ATTR]
-
-
-def causal_lm_of(model: Model) -> torch.nn.Module:
-    """The HF ``*ForCausalLM`` that runs: the model itself, or the one inside a ``PeftModel`` (its linear layers
-    are PEFT's LoRA layers, so calling it runs the adapters)."""
-    return model.get_base_model() if is_adapter_model(model) else model
-
-
-def _token_adapter(module: torch.nn.Module):
-    """PEFT's ``TrainableTokensLayer`` of a wrapped embedding or tied lm_head, else None."""
-    return getattr(module, "token_adapter", None) if "token_adapter" in getattr(module, "_modules", {}) else None
-
-
-def lm_head_weight(model: Model) -> torch.Tensor:
-    """The [V, H] weight the lm_head multiplies by in this forward: ``lm_head.weight``, or, with trainable tokens
-    on a tied embedding, the base weight with the adapter's rows written in (differentiable in those rows;
-    the base rows again while the adapters are disabled)."""
-    head = causal_lm_of(model).lm_head
-    adapter = _token_adapter(head)
-    if adapter is None:
-        return head.weight
-    if adapter.disable_adapters or not adapter.active_adapters:
-        return adapter.base_layer.weight
-    return adapter.get_merged_weights(adapter.active_adapters)
+    return model.__dict__[PEFT_CONFIG_ATTR]
 
 
 @contextlib.contextmanager
@@ -150,8 +139,9 @@ def check_peft_model(model: torch.nn.Module, cfg: ModelConfig, peft: PeftConfig)
         raise ConfigError(f"lora_r={peft.lora_r} is not valid: the adapter rank must be an integer >= 1 (--lora-r).")
     dtypes = {p.dtype for p in model.parameters()}
     if peft.load_in_4bit and dtypes != {torch.float32}:
-        raise ConfigError(f"load_in_4bit=True quantises a float32 base here (parameters are {sorted(map(str, dtypes))}); "
-                          f"build the model with dtype='float32' (bitsandbytes computes in float32 on CPU).")
+        raise ConfigError(f"load_in_4bit=True quantises a float32 base here (parameters are "
+                          f"{sorted(map(str, dtypes))}); build the model with dtype='float32' (bitsandbytes computes "
+                          f"in float32 on CPU).")
 
 
 def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
@@ -170,9 +160,7 @@ def add_adapters_seeded(model: Model, cfg: ModelConfig, peft: PeftConfig,
     """``add_adapters`` whose fresh adapters are drawn with ``seed`` (the trainer's ``TrainConfig.seed``)."""
     require_peft()
     check_peft_model(model, cfg, peft)
-    from peft import LoraConfig, get_peft_model
-
-    from twinseq.common.peft import init_adapters
+    from peft import LoraConfig, get_peft_model  # optional dependency
 
     if peft.load_in_4bit:
         require_bitsandbytes("load_in_4bit=True (QLoRA)")
@@ -193,38 +181,18 @@ def add_adapters_seeded(model: Model, cfg: ModelConfig, peft: PeftConfig,
         trainable_token_indices=({"embed_tokens": list(peft.trainable_token_indices)}
                                  if peft.trainable_token_indices else None))
     wrapped = get_peft_model(model, config)
-    wrapped.__dict__[_CONFIG_ATTR] = peft
+    wrapped.__dict__[PEFT_CONFIG_ATTR] = peft
     params = adapter_parameters(wrapped)
     expected = adapter_shapes(cfg, peft)
     if set(params) != set(expected):
         raise AssertionError(f"PEFT built other adapter tensors than common.peft expects: missing "
-                             f"{sorted(set(expected) - set(params))[:3]}, extra {sorted(set(params) - set(expected))[:3]}")
+                             f"{sorted(set(expected) - set(params))[:3]}, extra "
+                             f"{sorted(set(params) - set(expected))[:3]}")
     load_adapters_(wrapped, adapters)
     trainable = {id(p) for p in params.values()}
     for param in wrapped.parameters():
         param.requires_grad_(id(param) in trainable)
     return wrapped
-
-
-def adapter_parameters(model: Model) -> dict[str, torch.nn.Parameter]:
-    """``{PEFT saved key: parameter}`` of every adapter tensor (PEFT's in-memory names carry the adapter name
-    ``.default``, and DoRA's magnitude a ``.weight``, that the saved names drop)."""
-    return {saved_key(name): param for name, param in model.named_parameters() if is_adapter_name(name)}
-
-
-_ADAPTER_PARTS = ("lora_A", "lora_B", "lora_magnitude_vector", "trainable_tokens_delta")
-
-
-def is_adapter_name(name: str) -> bool:
-    """Whether a ``PeftModel`` parameter name is an adapter tensor's."""
-    return any(f".{part}." in name or name.endswith(f".{part}") for part in _ADAPTER_PARTS)
-
-
-def saved_key(name: str) -> str:
-    """PEFT's saved key of a ``PeftModel`` parameter name (``...lora_A.default.weight`` -> ``...lora_A.weight``,
-    ``...lora_magnitude_vector.default.weight`` -> ``...lora_magnitude_vector``)."""
-    key = re.sub(rf"\.{ADAPTER_NAME}(?=\.|$)", "", name)
-    return key.removesuffix(".weight") if key.endswith("lora_magnitude_vector.weight") else key
 
 
 @torch.no_grad()
@@ -249,58 +217,6 @@ def export_adapters(model: Model) -> dict[str, np.ndarray]:
             for k, p in adapter_parameters(model).items()}
 
 
-def adapter_grads(model: Model) -> dict[str, np.ndarray]:
-    """float32 numpy gradients of the adapter tensors by PEFT key (zeros where none flowed)."""
-    return {k: (np.zeros(tuple(p.shape), np.float32) if p.grad is None
-                else p.grad.detach().to(device="cpu", dtype=torch.float32).numpy().copy())
-            for k, p in adapter_parameters(model).items()}
-
-
-# --------------------------------------------------------------------------------------
-# The base weights: HF names through PEFT's wrappers, NF4 dequantised
-# --------------------------------------------------------------------------------------
-
-
-def _base_module(module: torch.nn.Module) -> torch.nn.Module:
-    while True:
-        adapter = _token_adapter(module)
-        if adapter is not None:
-            module = adapter.base_layer
-        elif "base_layer" in module._modules:
-            module = module.base_layer
-        else:
-            return module
-
-
-def _dense_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of a weight; a bitsandbytes NF4 ``Params4bit`` is dequantised."""
-    if type(weight).__name__ == "Params4bit" and getattr(weight, "quant_state", None) is not None:
-        import bitsandbytes.functional as bnbf
-
-        data, state = weight.data, weight.quant_state
-        if getattr(state, "packing_format_for_cpu", False):
-            from bitsandbytes.backends.cpu.ops import _convert_weight_packed_for_cpu_inverse  # noqa: PLC0415
-
-            data, state = _convert_weight_packed_for_cpu_inverse(data, state)
-        return bnbf.dequantize_4bit(data, state).to(torch.float32)
-    return weight.detach().to(torch.float32)
-
-
-def base_weights(model: Model) -> dict[str, np.ndarray]:
-    """float32 numpy base weights in HF names (``common.models.parameter_shapes``), through PEFT's wrappers; an
-    NF4 weight dequantised (the numbers QLoRA's forward multiplies by)."""
-    from twinseq.common.init import parameter_shapes
-    from twinseq.torch_backend.model import model_config_of
-
-    inner = causal_lm_of(model)
-    out = {}
-    for name in parameter_shapes(model_config_of(inner)):
-        module_name, _, attr = name.rpartition(".")
-        module = _base_module(inner.get_submodule(module_name))
-        out[name] = _dense_weight(getattr(module, attr)).cpu().numpy().copy()
-    return out
-
-
 # --------------------------------------------------------------------------------------
 # QLoRA: the decoder's linear layers in NF4
 # --------------------------------------------------------------------------------------
@@ -311,7 +227,7 @@ def quantize_4bit_(model: torch.nn.Module) -> int:
     """Replace every ``nn.Linear`` of the decoder layers (never the embedding or lm_head, as transformers'
     bitsandbytes quantiser does) by bitsandbytes' ``Linear4bit`` (NF4, float32 compute), in place; returns how
     many layers were quantised."""
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # optional dependency
 
     device = next(model.parameters()).device
     count = 0
@@ -347,9 +263,6 @@ def is_quantized(model: Model) -> bool:
 def merge_adapters(model: Model) -> Model:
     """A plain HF model (float32, same attention path) whose weights are the base's (NF4 dequantised) with the
     adapters folded in by ``common.peft.merge_adapters``; ``model`` is left as it is."""
-    from twinseq.torch_backend.attention import twinseq_attn_name
-    from twinseq.torch_backend.model import build_model, model_config_of
-
     peft = peft_config_of(model)
     inner = causal_lm_of(model)
     cfg = model_config_of(inner)

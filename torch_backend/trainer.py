@@ -1,15 +1,12 @@
-"""The torch trainers: one optimizer step of SFT or DPO, in one process or under FSDP2 + context parallelism.
+"""The torch trainers: the torch hooks of ``common.trainer.TrainerTemplate`` (``TorchTrainer``), and SFT's and DPO's
+micro-steps on them, in one process or under FSDP2 + context parallelism.
 
-``train(cfg)`` builds the data, the plain model, ``parallel.parallelize``s it, and hands a
-trainer to ``common.runner.run``, which owns the loop (timing, logging, checkpoints, resume,
-the final save). A trainer implements ``common.runner.StepTrainer``:
-
-- ``step(micro_batches)``: ``gradient_accumulation_steps`` micro-batches, each loss already
-  normalised by the label count (SFT) or pair count (DPO) of the whole step, so the summed
-  gradients equal one big batch's; clipping (norm in float64), AdamW, the schedule;
-- ``state_dict``/``load_state_dict``: weights, optimizer, scheduler and RNG as numpy + JSON
-  (the full, unsharded state, gathered on rank 0 under FSDP2);
-- ``save_final``: a Hugging Face folder.
+``recipes.train(cfg)`` calls ``build_sft``/``build_dpo`` (data, the plain model, ``parallel.parallelize``) and
+hands the trainer to ``common.runner.run``, which owns the loop (timing, logging, checkpoints, resume, the final
+save). ``TrainerTemplate.step`` owns the step: ``gradient_accumulation_steps`` micro-batches, each loss already
+normalised by the label count (SFT) or pair count (DPO) of the whole step, so the summed gradients equal one big
+batch's; clipping (norm in float64), AdamW, the schedule. ``TorchTrainer`` adds the state (weights, optimizer,
+scheduler and RNG as numpy + JSON; the full, unsharded state, gathered on rank 0 under FSDP2) and the export.
 """
 
 from __future__ import annotations
@@ -18,26 +15,69 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from twinseq.common.capabilities import Runtime as CapabilityRuntime
 from twinseq.common.config import TrainConfig
+from twinseq.common.data import prepare_dpo_dataset
+from twinseq.common.dpo import validate_dpo_config
+from twinseq.common.dpo_loader import build_preference_iterator
 from twinseq.common.errors import CheckpointError, ConfigError
 from twinseq.common.hf_checkpoint import check_tokenizer_fits, resolve_model_source
 from twinseq.common.init import check_weights, init_weights, parameter_shapes
+from twinseq.common.loader import build_step_iterator
 from twinseq.common.metrics import peak_rss_bytes
-from twinseq.common.runner import preflight, run
 from twinseq.common.schedule import lr_multiplier
-from twinseq.common.step_metrics import apply_or_skip, dpo_step_metrics, first_nonfinite, sft_step_sums, with_means
-from twinseq.torch_backend.checkpoint import (from_numpy_tree, load_pretrained, rng_state, save_pretrained,
-                                              set_rng_state, to_numpy_tree)
-from twinseq.torch_backend.parallel import (Runtime, any_over_ranks, full_model_state, full_optimizer_state, init_runtime,
-                                            load_full_model_state, load_full_optimizer_state, main_process_first,
-                                            max_over_ranks, micro_batch_context, parallelize, prepare_micro_batches,
-                                            reduce_step_metrics, wants_distributed)
+from twinseq.common.step_metrics import dpo_step_metrics, sft_step_sums, with_means
+from twinseq.common.trainer import (
+    TrainerTemplate,
+    describe_run,
+    peft_summary,
+    reference_description,
+    save_adapter_folder,
+)
+from twinseq.torch_backend.attention import twinseq_attn_name
+from twinseq.torch_backend.checkpoint import (
+    from_numpy_tree,
+    load_pretrained,
+    rng_state,
+    save_pretrained,
+    set_rng_state,
+    to_numpy_tree,
+)
+from twinseq.torch_backend.distributed import (
+    Runtime,
+    any_over_ranks,
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+    main_process_first,
+    max_over_ranks,
+    micro_batch_context,
+    prepare_micro_batches,
+    reduce_step_metrics,
+)
+from twinseq.torch_backend.dpo import (
+    dpo_forward,
+    frozen_reference,
+    liger_dpo_forward,
+    precompute_ref_logps,
+    reference_logps,
+)
+from twinseq.torch_backend.memory import offload_activations
+from twinseq.torch_backend.model import build_model, model_config_of
+from twinseq.torch_backend.parallel import parallelize
+from twinseq.torch_backend.peft import (
+    add_adapters_seeded,
+    is_quantized,
+    peft_config_of,
+    reference_mode,
+    require_bitsandbytes,
+)
+from twinseq.torch_backend.unwrap import is_adapter_model, saved_key
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +91,6 @@ def pick_device() -> torch.device:
 def build_causal_lm(cfg: TrainConfig, vocab_size: int, device: torch.device) -> torch.nn.Module:
     """The plain HF model of ``cfg.model.model_config`` (a local folder, or a preset with ``common``'s
     initial weights), on ``device``, in train mode."""
-    from twinseq.torch_backend.model import build_model
-
     spec, attn = cfg.model.model_config, cfg.model.attn_implementation
     source = resolve_model_source(spec, cfg.model.init_weights)
     check_tokenizer_fits(source.config, vocab_size, spec)
@@ -65,24 +103,21 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int, device: torch.device) -> 
 
 def add_peft(cfg: TrainConfig, causal_lm: torch.nn.Module) -> torch.nn.Module:
     """The plain model with ``cfg.peft``'s adapters (``peft.add_adapters``, drawn with ``cfg.seed``)."""
-    from twinseq.torch_backend.model import model_config_of
-    from twinseq.torch_backend.peft import add_adapters_seeded
-
     return add_adapters_seeded(causal_lm, model_config_of(causal_lm), cfg.peft, seed=cfg.seed)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig):
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig,
+                    ndim: Callable[[torch.nn.Parameter], int] = lambda p: p.ndim):
     """AdamW over the parameters that train (all, or the adapters only); weight decay on matrices only (norm
-    scales are not decayed), as HF Trainer does. ``optimizer='adamw_bnb_8bit'``: bitsandbytes' ``AdamW8bit``."""
+    scales are not decayed), as HF Trainer does. ``optimizer='adamw_bnb_8bit'``: bitsandbytes' ``AdamW8bit``.
+    ``ndim``: a parameter's rank (ZeRO-3 reads it from the full shape: its own is a placeholder's)."""
     opt = cfg.optim
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    decay = [p for p in model.parameters() if p.requires_grad and ndim(p) >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and ndim(p) < 2]
     groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     if opt.optimizer == "adamw_bnb_8bit":
-        from twinseq.torch_backend.peft import require_bitsandbytes
-
         require_bitsandbytes("optimizer='adamw_bnb_8bit'")
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # optional dependency
 
         optimizer = bnb.optim.AdamW8bit(groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2),
                                         eps=opt.adam_epsilon)
@@ -129,14 +164,14 @@ def autocast(cfg: TrainConfig, device: torch.device):
 def offload_context(cfg: TrainConfig, model: torch.nn.Module):
     if not cfg.memory.activation_offloading:
         return contextlib.nullcontext()
-    from twinseq.torch_backend.memory import offload_activations
-
     return offload_activations(model, loss_type=cfg.loss.loss_type)
 
 
-class Trainer:
-    """What SFT and DPO share: the optimizer step, the state, the export. A task implements
-    ``micro_step`` (forward + backward of one micro-batch) and ``summarize`` (the step's metrics)."""
+class TorchTrainer(TrainerTemplate):
+    """The torch hooks of ``common.trainer.TrainerTemplate``: gradients accumulate in ``.grad``, the norm is
+    clipped in float64 (``clip_grad_norm_fp64_``), AdamW and the schedule step; plus the state (the full,
+    unsharded state, gathered on rank 0 under FSDP2) and the export. A task adds ``micro_step`` and
+    ``summarize``."""
 
     def __init__(self, cfg: TrainConfig, module: torch.nn.Module, device: torch.device,
                  runtime: Optional[Runtime] = None) -> None:
@@ -148,51 +183,36 @@ class Trainer:
     def is_main(self) -> bool:
         return self.runtime is None or self.runtime.is_main
 
-    def prepare(self, micro_batches: list[Any]) -> list[Any]:
-        return micro_batches
+    # -- the step's backend hooks ----------------------------------------------------------
 
-    def micro_step(self, micro: Any) -> Any:
-        raise NotImplementedError
+    def current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
 
-    def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def micro_losses(self, records: list[Any]) -> list[float]:
-        raise NotImplementedError
-
-    def step(self, micro_batches: list[Any]) -> dict[str, Any]:
-        micro_batches = self.prepare(micro_batches)
-        records = [self.micro_step(mb) for mb in micro_batches]
+    def gradient_norm(self) -> float:
         max_norm = self.cfg.optim.max_grad_norm
         if max_norm is not None:
-            grad_norm = clip_grad_norm_fp64_(self.module.parameters(), max_norm)
-        else:
-            grad_norm = grad_norm_fp64([p for p in self.module.parameters() if p.grad is not None])
-        problem = first_nonfinite(self.micro_losses(records), float(grad_norm))
-        if self.any_rank(problem is not None):  # every rank applies or skips the same step
-            problem = problem or "a loss or gradient norm on another rank is not finite"
-        apply = apply_or_skip(problem, skip=self.cfg.optim.skip_nonfinite_steps)
-        lr = self.optimizer.param_groups[0]["lr"]
-        if apply:
-            self.optimizer.step()
-            self.scheduler.step()
+            return float(clip_grad_norm_fp64_(self.module.parameters(), max_norm))
+        return float(grad_norm_fp64([p for p in self.module.parameters() if p.grad is not None]))
+
+    def apply_update(self, grad_norm: Optional[float]) -> Optional[float]:
+        self.optimizer.step()
+        self.scheduler.step()
+        return grad_norm
+
+    def discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        return {**self.summarize(records, micro_batches), "lr": lr, "grad_norm": float(grad_norm),
-                "num_skipped_steps": int(not apply)}
 
     def any_rank(self, flag: bool) -> bool:
         return flag if self.runtime is None else any_over_ranks(flag, self.device)
 
+    # -- state and export --------------------------------------------------------------------
+
     @property
     def is_peft(self) -> bool:
-        from twinseq.torch_backend.peft import is_adapter_model
-
         return is_adapter_model(self.causal_lm)
 
     def _weight_names(self) -> list[str]:
         """The parameters a checkpoint holds: every weight (HF names), or the adapters only (PeftModel names)."""
-        from twinseq.torch_backend.model import model_config_of
-
         if self.is_peft:
             return [name for name, p in self.causal_lm.named_parameters() if p.requires_grad]
         return list(parameter_shapes(model_config_of(self.causal_lm)))
@@ -207,8 +227,6 @@ class Trainer:
                 "rng": rng_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from twinseq.torch_backend.model import model_config_of
-
         if self.is_peft or any("lora_" in k or "trainable_tokens" in k for k in state["model"]):
             expected, got = set(self._weight_names()), set(state["model"])
             if expected != got:
@@ -228,40 +246,21 @@ class Trainer:
         set_rng_state(state["rng"])
 
     def save_final(self, path: Path) -> None:
-        if self.is_peft:
-            self._save_final_adapters(path)
-            return
-        if self.runtime is None:
+        """An HF model folder, or with PEFT the adapter folder (``common.trainer.save_adapter_folder``)."""
+        if self.runtime is None and not self.is_peft:
             save_pretrained(self.causal_lm, path)
             return
-        from twinseq.torch_backend.model import build_model, model_config_of
-
-        weights = full_model_state(self.module, _PREFIX)
+        weights = full_model_state(self.module, _PREFIX)  # a collective under FSDP2: every rank calls it
         if self.is_main:
             model_cfg = model_config_of(self.causal_lm)
-            save_pretrained(build_model(model_cfg, {k: weights[k].float().numpy() for k in self._weight_names()}),
-                            path)
-        dist.barrier()
-
-    def _save_final_adapters(self, path: Path) -> None:
-        """PEFT's folder (``adapter_config.json`` + ``adapter_model.safetensors``, which
-        ``peft.PeftModel.from_pretrained`` loads); its ``base_model_name_or_path`` is the model folder the run
-        started from, or, for a preset (weights drawn by ``init_weights``), the base written to ``path/base``."""
-        from twinseq.common.peft import save_adapters
-        from twinseq.torch_backend.model import build_model, model_config_of
-        from twinseq.torch_backend.peft import peft_config_of, saved_key
-
-        weights = full_model_state(self.module, _PREFIX)  # a collective under FSDP2
-        if self.is_main:
-            model_cfg = model_config_of(self.causal_lm)
-            adapters = {saved_key(k): weights[k].float().numpy() for k in self._weight_names()}
-            source = resolve_model_source(self.cfg.model.model_config, self.cfg.model.init_weights)
-            if source.weights_folder is not None:
-                base = Path(source.weights_folder).resolve()
+            if self.is_peft:
+                adapters = {saved_key(k): weights[k].float().numpy() for k in self._weight_names()}
+                save_adapter_folder(path, self.cfg, model_cfg, peft_config_of(self.causal_lm), adapters,
+                                    lambda base: save_pretrained(
+                                        build_model(model_cfg, init_weights(model_cfg, seed=self.cfg.seed)), base))
             else:
-                base = (Path(path) / "base").resolve()
-                save_pretrained(build_model(model_cfg, init_weights(model_cfg, seed=self.cfg.seed)), base)
-            save_adapters(path, model_cfg, peft_config_of(self.causal_lm), adapters, base_model_name_or_path=str(base))
+                save_pretrained(build_model(model_cfg, {k: weights[k].float().numpy()
+                                                        for k in self._weight_names()}), path)
         if self.runtime is not None:
             dist.barrier()
 
@@ -270,14 +269,18 @@ class Trainer:
         return peak if self.runtime is None else max_over_ranks(peak, self.device)
 
 
-class SFTTrainer(Trainer):
+def sft_summary(records: list[dict[str, float]], micro_batches: list[Any], device: torch.device,
+                distributed: bool) -> dict[str, Any]:
+    """An SFT step's metrics from its micro-batches' sums, all-reduced over the ranks when ``distributed``."""
+    sums = sft_step_sums(records, num_tokens=sum(mb.num_tokens for mb in micro_batches))
+    return with_means(reduce_step_metrics(sums, device) if distributed else sums)
+
+
+class SFTTrainer(TorchTrainer):
     """Next-token loss of ``parallelize``'s ``CausalLMLoss``: on this rank's ``Batch``, ``CPShard`` or ring batch."""
 
     def prepare(self, micro_batches: list[Any]) -> list[Any]:
         return micro_batches if self.runtime is None else prepare_micro_batches(micro_batches, self.cfg, self.runtime)
-
-    def micro_losses(self, records: list[dict[str, float]]) -> list[float]:
-        return [r["loss"] for r in records]
 
     def micro_step(self, micro: Any) -> dict[str, float]:
         with micro_batch_context(micro, self.runtime) as inputs:
@@ -288,11 +291,10 @@ class SFTTrainer(Trainer):
         return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
 
     def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
-        sums = sft_step_sums(records, num_tokens=sum(mb.num_tokens for mb in micro_batches))
-        return with_means(sums if self.runtime is None else reduce_step_metrics(sums, self.device))
+        return sft_summary(records, micro_batches, self.device, self.runtime is not None)
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(TorchTrainer):
     """DPO of the policy (``module.causal_lm``) against a frozen reference copy, or precomputed log-probs."""
 
     def __init__(self, cfg: TrainConfig, module: torch.nn.Module, device: torch.device, *, ref_model, config,
@@ -306,8 +308,6 @@ class DPOTrainer(Trainer):
         return [float(o.loss.detach()) for o in records]
 
     def micro_step(self, pbatch: Any):
-        from twinseq.torch_backend.dpo import dpo_forward, liger_dpo_forward, reference_logps
-
         c, loss = self.cfg, self.cfg.loss
         with autocast(c, self.device):
             ref_c = ref_r = None
@@ -316,8 +316,6 @@ class DPOTrainer(Trainer):
                                                chunk_size=loss.loss_chunk_size,
                                                attn_implementation=c.model.attn_implementation)
             elif self.adapter_reference:
-                from twinseq.torch_backend.peft import reference_mode
-
                 with reference_mode(self.causal_lm):
                     ref_c, ref_r = reference_logps(self.causal_lm, pbatch, loss_type=loss.loss_type,
                                                    chunk_size=loss.loss_chunk_size,
@@ -349,34 +347,20 @@ class DPOTrainer(Trainer):
 # --------------------------------------------------------------------------------------
 
 
-def _describe(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, world_size: int = 1) -> str:
-    d = cfg.data
+def describe(cfg: TrainConfig, model: torch.nn.Module, device: Any, world_size: int = 1) -> str:
+    """``common.trainer.describe_run`` of a torch model: its parameters (or adapters) and the attention that runs."""
     num_params = sum(p.numel() for p in model.parameters())
     params = f"{num_params / 1e6:.2f}M params"
-    from twinseq.torch_backend.peft import is_adapter_model, is_quantized
-
     if is_adapter_model(model):
-        p = cfg.peft
-        trainable = sum(t.numel() for t in model.parameters() if t.requires_grad)
-        kind = ("Q" if p.load_in_4bit else "") + ("DoRA" if p.use_dora else "LoRA") + (" rs" if p.use_rslora else "")
-        params = (f"{kind} r={p.lora_r} alpha={p.lora_alpha} on {','.join(p.lora_target_modules)}"
-                  f"{' + trainable tokens' if p.trainable_token_indices else ''}"
-                  f"{' (NF4 base)' if is_quantized(model) else ''}: {trainable:,} trainable of {num_params:,} "
-                  f"params ({100 * trainable / num_params:.2f}%)")
-    effective = d.per_device_train_batch_size * world_size * d.gradient_accumulation_steps
-    from twinseq.torch_backend.attention import twinseq_attn_name
-
+        params = peft_summary(cfg.peft, trainable=sum(t.numel() for t in model.parameters() if t.requires_grad),
+                              total=num_params, quantized=is_quantized(model))
     attn = twinseq_attn_name(model.config._attn_implementation)  # what runs (sdpa may have fallen back)
-    return (f"twinseq torch {cfg.task}: {model.config.model_type} {cfg.model.model_config!r}, "
-            f"{params} on {device}, attn={attn}, loss={cfg.loss.loss_type}, packing={d.packing}"
-            f"({d.packing_strategy}), padding_free={d.padding_free}; effective batch = "
-            f"{d.per_device_train_batch_size} per device x {world_size} devices x {d.gradient_accumulation_steps} "
-            f"accumulation steps = {effective} {'packed rows' if d.packing else 'examples'} per optimizer step")
+    return describe_run(cfg, backend="torch", model_type=model.config.model_type, params=params, where=str(device),
+                        details=[f"attn={attn}"], world_size=world_size)
 
 
-def _build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]):
-    from twinseq.common.loader import build_step_iterator
-
+def build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]):
+    """(trainer, step source, tokenizer, announce lines) of an SFT run, one process or FSDP2 (+ CP)."""
     dp, dp_rank = (1, 0) if runtime is None else (runtime.mesh_cfg.dp, runtime.dp_rank)
     with main_process_first(runtime):
         source, tokenizer, stats = build_step_iterator(cfg, world_size=dp, rank=dp_rank)
@@ -387,7 +371,7 @@ def _build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime
                               "bitsandbytes' packed NF4 weights; drop --load-in-4bit (LoRA shards) or run one process.")
         causal_lm = add_peft(cfg, causal_lm)
     module = parallelize(causal_lm, runtime, cfg)
-    announce = [_describe(cfg, module.causal_lm, device, dp), f"data: {stats}"]
+    announce = [describe(cfg, module.causal_lm, device, dp), f"data: {stats}"]
     if runtime is not None:
         m = runtime.mesh_cfg
         announce.append(f"mesh: dp={m.dp} x cp={m.cp} on {m.world_size} ranks ({dist.get_backend()}), FSDP2 over "
@@ -395,12 +379,8 @@ def _build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime
     return SFTTrainer(cfg, module, device, runtime), source, tokenizer, announce
 
 
-def _build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]):
-    from twinseq.common.data import prepare_dpo_dataset
-    from twinseq.common.dpo import validate_dpo_config
-    from twinseq.common.dpo_loader import build_preference_iterator
-    from twinseq.torch_backend.dpo import frozen_reference, precompute_ref_logps
-
+def build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]):
+    """(trainer, step source, tokenizer, announce lines) of a DPO run (one process)."""
     assert runtime is None, "check_runtime refuses a distributed DPO run"
     config = validate_dpo_config(cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing)
     rows, tokenizer, stats = prepare_dpo_dataset(cfg)
@@ -417,8 +397,6 @@ def _build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime
         # The reference is the *initial* policy, copied before any checkpoint is loaded.
         ref_model = frozen_reference(causal_lm)
     if cfg.dpo.precompute_ref_log_probs:
-        from twinseq.torch_backend.peft import reference_mode
-
         t0 = time.perf_counter()
         with autocast(cfg, device), (reference_mode(causal_lm) if ref_model is None else contextlib.nullcontext()):
             rows = precompute_ref_logps(causal_lm if ref_model is None else ref_model, rows, cfg,
@@ -428,41 +406,10 @@ def _build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime
         ref_model = None
     source = build_preference_iterator(cfg, rows, tokenizer.pad_token_id)
     module = parallelize(causal_lm, None, cfg)
-    announce = [_describe(cfg, causal_lm, device),
+    announce = [describe(cfg, causal_lm, device),
                 f"dpo_loss_type={list(config.loss_type)}, beta={config.beta}, reference="
-                f"{'precomputed' if cfg.dpo.precompute_ref_log_probs else 'the base (adapters disabled)' if cfg.peft.use_peft else 'live copy'}, {source.examples_per_step} pairs per step; "
-                f"data: {stats}"]
+                f"{reference_description(cfg, precomputed=cfg.dpo.precompute_ref_log_probs)}, "
+                f"{source.examples_per_step} pairs per step; data: {stats}"]
     trainer = DPOTrainer(cfg, module, device, ref_model=ref_model, config=config,
                          examples_per_step=source.examples_per_step)
     return trainer, source, tokenizer, announce
-
-
-def train(config: TrainConfig) -> Path:
-    """Run ``config.max_steps`` optimizer steps of ``config.task``; returns the path of ``metrics.jsonl``.
-
-    One process, or every rank of a ``torchrun``/``accelerate launch`` (FSDP2, context parallelism).
-    """
-    cfg = config
-    if cfg.parallel.deepspeed_zero_stage:  # DeepSpeed owns the process group, the model and the optimizer
-        from twinseq.torch_backend.deepspeed import train_zero3
-
-        return train_zero3(cfg)
-    runtime = init_runtime(cfg) if wants_distributed(cfg) else None
-    try:
-        device = pick_device() if runtime is None else runtime.device
-        if runtime is None:
-            preflight(cfg, CapabilityRuntime("torch", device.type, 1, accelerator=device.type == "cuda"))
-        torch.manual_seed(cfg.seed)
-        build = _build_dpo if cfg.task == "dpo" else _build_sft
-        if cfg.task == "grpo":
-            from twinseq.torch_backend.grpo import build_grpo as build
-        trainer, source, tokenizer, announce = build(cfg, device, runtime)
-        plot_keys = ("loss", "rewards/accuracies", "tokens_per_second") if cfg.task == "dpo" else \
-            ("loss", "tokens_per_second")
-        if cfg.task == "grpo":
-            plot_keys = ("loss", "reward", "completions/mean_length", "tokens_per_second")
-        desc = f"{cfg.task}[torch{'' if runtime is None else '-fsdp2'}]"
-        return run(cfg, trainer, source, tokenizer=tokenizer, desc=desc, announce=announce, plot_keys=plot_keys)
-    finally:
-        if runtime is not None and runtime.owns_group:
-            dist.destroy_process_group()

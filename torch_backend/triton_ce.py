@@ -78,7 +78,7 @@ def interpreter_ready() -> bool:
     if "triton.language" not in sys.modules:
         return True  # it will be imported now, with the variable set
     try:
-        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.interpreter import InterpretedFunction  # optional dependency
 
         return isinstance(sys.modules["triton.language"].max, InterpretedFunction)
     except (ImportError, AttributeError):
@@ -127,12 +127,13 @@ def kernel_runs(hidden: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bo
 
 @functools.lru_cache(maxsize=2)
 def _kernels(mode: str):
-    import triton
+    import triton  # optional dependency
 
-    from twinseq.torch_backend import triton_ce_kernels as k
+    from twinseq.torch_backend import triton_ce_kernels as k  # optional dependency: imports triton.language
 
     if mode == "interpret":
-        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.interpreter import InterpretedFunction  # optional dependency
+
         return InterpretedFunction(k.fwd_kernel), InterpretedFunction(k.bwd_kernel)
     return triton.jit(k.fwd_kernel), triton.jit(k.bwd_kernel)
 

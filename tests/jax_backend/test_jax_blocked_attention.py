@@ -8,7 +8,7 @@ Invariants:
 - the model's default (``sdpa``: blocked) and ``eager`` (dense) give the same loss and gradients, and
   the trainer honours ``attn_implementation``;
 - the tiled MLP gives the loss and gradients of the untiled model;
-- compiled step memory (``memory.compiled_step_memory``, compile only): blocked attention needs at most
+- compiled step memory (``model.compiled_step_memory``, compile only): blocked attention needs at most
   1/8 of the dense step's temp memory at T = 16384, and with gradient checkpointing the temp memory is
   linear in T (R^2 >= 0.99 over 2k..32k), i.e. no op of the step keeps a T x T or T x V buffer.
 """
@@ -136,7 +136,7 @@ def test_tiled_mlp_equals_untiled():
 def test_tiled_mlp_keeps_one_tile_of_intermediate_activations():
     """Compile only: the tiled MLP step needs less temp memory than the untiled one by about the
     ``[tokens, intermediate]`` activations it no longer keeps."""
-    from twinseq.jax_backend.memory import compiled_step_memory
+    from twinseq.jax_backend.model import compiled_step_memory
 
     cfg = ModelConfig.preset("tiny")
     untiled = compiled_step_memory(cfg, 4096).temp_bytes
@@ -150,7 +150,7 @@ def test_tiled_mlp_keeps_one_tile_of_intermediate_activations():
 
 @pytest.mark.slow
 def test_blocked_step_temp_memory_is_at_most_an_eighth_of_dense():
-    from twinseq.jax_backend.memory import compiled_step_memory
+    from twinseq.jax_backend.model import compiled_step_memory
 
     cfg, t = ModelConfig.preset("small"), 16384
     dense = compiled_step_memory(cfg, t, attn_implementation="eager").temp_bytes
@@ -162,7 +162,7 @@ def test_blocked_step_temp_memory_is_at_most_an_eighth_of_dense():
 
 @pytest.mark.slow
 def test_step_temp_memory_is_linear_in_t():
-    from twinseq.jax_backend.memory import compiled_step_memory
+    from twinseq.jax_backend.model import compiled_step_memory
 
     cfg = ModelConfig.preset("small")
     lengths = np.array([2048, 4096, 8192, 16384, 32768])
@@ -180,7 +180,7 @@ def test_no_token_by_vocab_buffer_in_the_step(loss_type):
     """Growing V by 24576 adds one float32 [T, V] buffer's worth (768 MiB at T = 8192) to any step that keeps
     the logits, their softmax or a metric over them; the chunked losses (logits, accuracy, entropy) and
     RoPE must add only O(V x H) (the LM head, its gradient) plus one chunk's [chunk, V] block."""
-    from twinseq.jax_backend.memory import compiled_step_memory
+    from twinseq.jax_backend.model import compiled_step_memory
 
     t, chunk = 8192, 256
     temps = {v: compiled_step_memory(ModelConfig.preset("small", num_hidden_layers=1, vocab_size=v), t,

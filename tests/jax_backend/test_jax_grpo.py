@@ -164,7 +164,7 @@ def _cfg(tmp_path, **overrides) -> TrainConfig:
     (dict(model_config="tiny-gemma2", temperature=0.7), "temperature"),
 ])
 def test_trainer_refuses_what_it_cannot_do(tmp_path, overrides, match):
-    from twinseq.jax_backend.trainer import train
+    from twinseq.jax_backend.recipes import train
 
     cfg = _cfg(tmp_path, **overrides)
     with pytest.raises(ConfigError, match=match):
@@ -177,7 +177,7 @@ def _rewards(path) -> list[float]:
 
 @pytest.mark.slow
 def test_two_steps_run_and_log_trl_metrics(tmp_path):
-    from twinseq.jax_backend.trainer import train
+    from twinseq.jax_backend.recipes import train
 
     path = train(_cfg(tmp_path, num_iterations=2, grpo_beta=0.04))
     rows = [json.loads(line) for line in open(path)]
@@ -189,7 +189,7 @@ def test_two_steps_run_and_log_trl_metrics(tmp_path):
 
 @pytest.mark.slow
 def test_mean_reward_rises_on_the_embedded_task(tmp_path):
-    from twinseq.jax_backend.trainer import train
+    from twinseq.jax_backend.recipes import train
 
     # configs/grpo.yaml's settings: the format reward of near-uniform random tokens (~0.5) is learned in ~10 steps
     # (measured, 16 steps: seeds 1 and 2 reach 1.0 by steps 10 and 8; seed 0 takes off later, ~0.7 at step 16:

@@ -179,7 +179,7 @@ def _needs_eight_devices():
 @pytest.fixture(scope="module")
 def single_device_run(sft_jsonl, tmp_path_factory):
     """The reference: one device, the same rows per micro-step (data=2 replicas x 2 rows = 4 rows)."""
-    from twinseq.jax_backend.trainer import train
+    from twinseq.jax_backend.recipes import train
 
     _needs_eight_devices()
     out = tmp_path_factory.mktemp("single")
@@ -219,7 +219,7 @@ def _assert_same_trajectory(got, want):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy,padding_free", [("ring", False), ("allgather", True)])
 def test_cp_training_matches_single_device(sft_jsonl, single_device_run, tmp_path, strategy, padding_free):
-    from twinseq.jax_backend.trainer import train
+    from twinseq.jax_backend.recipes import train
 
     cfg = _cfg(sft_jsonl, tmp_path / "cp", context_parallel_size=4, context_parallel_strategy=strategy,
                padding_free=padding_free, save_steps=5 if strategy == "ring" else 0)
@@ -239,7 +239,7 @@ def test_cp_training_matches_single_device(sft_jsonl, single_device_run, tmp_pat
 
 @pytest.mark.multi_device
 def test_trainer_refuses_bad_cp_configs_before_any_work(tmp_path):
-    from twinseq.jax_backend.trainer import train
+    from twinseq.jax_backend.recipes import train
 
     _needs_eight_devices()
     for overrides, match in [(dict(context_parallel_size=16), "larger than the 8 visible"),

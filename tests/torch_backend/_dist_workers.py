@@ -1,6 +1,6 @@
 """Helpers of the distributed tests: synthetic data, the single-process reference, and the worker
 that every spawned rank runs (job kinds: ``attention``, ``cp_parity``, ``train`` = the trainer's
-steps on synthetic rows, ``run`` = ``twinseq.torch_backend.trainer.train`` end to end) (``python _dist_workers.py SPEC.json OUT_DIR`` with torchrun's
+steps on synthetic rows, ``run`` = ``twinseq.torch_backend.recipes.train`` end to end) (``python _dist_workers.py SPEC.json OUT_DIR`` with torchrun's
 environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
 The worker writes ``OUT_DIR/rank{r}.json``; the tests compare it with the reference computed in
@@ -65,7 +65,7 @@ def _model(cfg):
 
 
 def _trainer(cfg, runtime=None):
-    """The trainer ``twinseq.torch_backend.trainer.train`` steps, on synthetic rows instead of a dataset."""
+    """The trainer ``twinseq.torch_backend.recipes.train`` steps, on synthetic rows instead of a dataset."""
     import torch
 
     from twinseq.torch_backend.parallel import parallelize
@@ -97,7 +97,7 @@ def reference_losses(cfg, rows, *, return_batches: bool = False):
 
 def _parallel_setup(cfg, rows):
     from twinseq.common.loader import StepIterator
-    from twinseq.torch_backend.parallel import init_runtime
+    from twinseq.torch_backend.distributed import init_runtime
 
     runtime = init_runtime(cfg)
     trainer = _trainer(cfg, runtime)
@@ -204,7 +204,8 @@ def cp_parity(out_dir: str, cp: int) -> dict[str, float]:
 
     from twinseq.common.context_parallel import cp_permutation
     from twinseq.torch_backend import context_parallel as cpmod
-    from twinseq.torch_backend.parallel import init_runtime, parallelize
+    from twinseq.torch_backend.distributed import init_runtime
+    from twinseq.torch_backend.parallel import parallelize
 
     cfg = make_config(context_parallel_size=cp, pad_to_multiple_of=2 * cp)
     runtime = init_runtime(cfg)
@@ -234,7 +235,7 @@ def run_spec(spec: dict, out_dir: str) -> dict:
         elif job["kind"] == "cp_parity":
             out[job["name"]] = cp_parity(out_dir, job["cp"])
         elif job["kind"] == "run":  # the whole trainer, through the runner (data, checkpoints, resume)
-            from twinseq.torch_backend.trainer import train
+            from twinseq.torch_backend.recipes import train
 
             train(TrainConfig.from_dict(job["config"]))
             out[job["name"]] = "done"

@@ -175,9 +175,9 @@ def test_model_on_blocked_path_equals_dense(preset, monkeypatch, caplog):
     dense_loss, dense_grads = loss_and_grads(build_model(cfg, weights), batch)
     model = build_model(cfg, weights)
     BA.set_attention_block_size(model, 16)
-    monkeypatch.setattr(A, "BLOCKED_MIN_SEQ_LEN", 16)
-    A._log_once.cache_clear()
-    with caplog.at_level(logging.INFO, logger=A.__name__):
+    monkeypatch.setattr(BA, "BLOCKED_MIN_SEQ_LEN", 16)
+    BA._log_once.cache_clear()
+    with caplog.at_level(logging.INFO, logger=BA.__name__):
         loss, grads = loss_and_grads(model, batch)
     assert model.config._attn_implementation == A.BLOCKED_HF_NAME
     assert any("blocked attention" in r.getMessage() for r in caplog.records)
@@ -197,7 +197,7 @@ def test_short_batches_after_the_switch_are_bit_identical_to_sdpa(monkeypatch):
     short = collate([{"input_ids": d} for d in _docs(cfg, (5, 9, 7))], padding_free=False)
     want = loss_and_grads(build_model(cfg, weights), short)
     model = build_model(cfg, weights)
-    monkeypatch.setattr(A, "BLOCKED_MIN_SEQ_LEN", 64)
+    monkeypatch.setattr(BA, "BLOCKED_MIN_SEQ_LEN", 64)
     loss_and_grads(model, long_batch)  # switches the model to twinseq_blocked
     assert model.config._attn_implementation == A.BLOCKED_HF_NAME
     got = loss_and_grads(model, short)  # T < 64: the dense sdpa function, through twinseq_blocked
@@ -206,9 +206,9 @@ def test_short_batches_after_the_switch_are_bit_identical_to_sdpa(monkeypatch):
 
 
 def test_blocked_rule():
-    assert BA.uses_blocked_attention("sdpa", torch.device("cpu"), A.BLOCKED_MIN_SEQ_LEN)
+    assert BA.uses_blocked_attention("sdpa", torch.device("cpu"), BA.BLOCKED_MIN_SEQ_LEN)
     assert BA.uses_blocked_attention("eager", torch.device("cpu"), 10 ** 5)
-    assert not BA.uses_blocked_attention("sdpa", torch.device("cpu"), A.BLOCKED_MIN_SEQ_LEN - 1)
+    assert not BA.uses_blocked_attention("sdpa", torch.device("cpu"), BA.BLOCKED_MIN_SEQ_LEN - 1)
     assert not BA.uses_blocked_attention("varlen", torch.device("cpu"), 10 ** 5)
     assert not BA.uses_blocked_attention("sdpa", torch.device("cuda"), 10 ** 5)
 

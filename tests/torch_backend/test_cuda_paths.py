@@ -174,7 +174,8 @@ def _steps(trainer, cfg, device):
 def test_fsdp2_on_one_rank_trains_like_the_plain_model(device, ieee_fp32, monkeypatch):
     import torch.distributed as dist
 
-    from twinseq.torch_backend.parallel import full_model_state, init_runtime, parallelize
+    from twinseq.torch_backend.distributed import full_model_state, init_runtime
+    from twinseq.torch_backend.parallel import parallelize
     from twinseq.torch_backend.trainer import SFTTrainer
 
     if dist.is_initialized():
@@ -224,7 +225,8 @@ def test_fsdp2_bf16_mixed_precision_on_one_rank_is_within_the_bf16_rows(device, 
 
     from twinseq.common.loader import StepIterator
     from twinseq.torch_backend.model import logits
-    from twinseq.torch_backend.parallel import init_runtime, parallelize
+    from twinseq.torch_backend.distributed import init_runtime
+    from twinseq.torch_backend.parallel import parallelize
     from twinseq.torch_backend.trainer import SFTTrainer
 
     if dist.is_initialized():
@@ -282,7 +284,7 @@ def test_train_on_cuda_with_its_features_resumes_where_it_stopped(tmp_path):
     from twinseq.common.config import TrainConfig
     from twinseq.common.corpus import load_embedded
     from twinseq.common.metrics import read_metrics
-    from twinseq.torch_backend.trainer import train
+    from twinseq.torch_backend.recipes import train
 
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["completion"]}) + "\n"

@@ -33,7 +33,7 @@ from twinseq.common.context_parallel import cp_permutation  # noqa: E402
 from twinseq.torch_backend import context_parallel as cpmod  # noqa: E402
 from twinseq.common.capabilities import Runtime, check_runtime  # noqa: E402
 from twinseq.common.errors import ConfigError  # noqa: E402
-from twinseq.torch_backend.parallel import MeshConfig, check_launcher_env, wants_distributed  # noqa: E402
+from twinseq.torch_backend.distributed import MeshConfig, check_launcher_env, wants_distributed  # noqa: E402
 
 REL = 1e-5
 CP = 2
@@ -292,7 +292,7 @@ def test_ring_refuses_packed_and_left_padded_batches():
 
 
 def test_context_parallelism_in_one_process_is_refused_before_any_work():
-    from twinseq.torch_backend.trainer import train
+    from twinseq.torch_backend.recipes import train
 
     cfg = _cfg(context_parallel_size=2, pad_to_multiple_of=4, dataset_name="/nonexistent.jsonl")
     with pytest.raises(ValueError, match="larger than the 1 processes"):

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from twinseq.common.config import ModelConfig, TrainConfig  # noqa: E402
-from twinseq.common.grpo import collate_completions, grpo_loss  # noqa: E402
+from twinseq.common.grpo import StepShare, collate_completions, grpo_loss  # noqa: E402
 from twinseq.common.init import init_weights  # noqa: E402
 from twinseq.torch_backend import grpo as tgrpo  # noqa: E402
 from twinseq.torch_backend.generation import generate  # noqa: E402
@@ -194,7 +194,7 @@ def test_bad_grpo_flags_exit_2(capsys):
 
 
 def _run(tmp_path, **flat):
-    from twinseq.torch_backend.trainer import train
+    from twinseq.torch_backend.recipes import train
 
     cfg = TrainConfig.from_yaml("configs/grpo.yaml", output_dir=str(tmp_path), disable_tqdm=True, **flat)
     path = train(cfg)
@@ -242,10 +242,10 @@ def test_liger_grpo_loss_equals_twinseq_on_cuda(loss_type):
     logps = tgrpo.completion_logps(model, cb, temperature=0.9)[0]
     old = (logps.detach() + 0.3 * torch.randn_like(logps)) * mask  # ratios past both clip bounds
     micro = tgrpo.GRPOMicroBatch(cb, mask, adv, old_logps_NC=old)
-    spec = tgrpo.LossSpec(loss_type=loss_type, max_completion_length=8, num_sequences_in_step=4,
-                          num_tokens_in_step=int(lengths.sum()))
-    want, _ = tgrpo.grpo_loss_torch(logps, adv, mask, spec, old_logps_NC=old)
-    got, _ = tgrpo.liger_grpo_loss(model, micro, spec, temperature=0.9)
+    spec = tgrpo.LossSpec(loss_type=loss_type, max_completion_length=8)
+    share = StepShare(num_sequences_in_step=4, num_tokens_in_step=int(lengths.sum()))
+    want, _ = tgrpo.grpo_loss_torch(logps, adv, mask, spec, share, old_logps_NC=old)
+    got, _ = tgrpo.liger_grpo_loss(model, micro, spec, share, temperature=0.9)
     assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
 
 

@@ -345,7 +345,7 @@ def test_lora_resume_is_bitwise_and_the_final_folder_loads_in_peft(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from twinseq.common.metrics import read_metrics
-    from twinseq.torch_backend.trainer import train
+    from twinseq.torch_backend.recipes import train
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(_train_cfg(straight, max_steps=8, save_steps=4))
@@ -382,7 +382,7 @@ def test_qlora_trains_tiny_and_loss_falls(tmp_path):
     (a random-init ``tiny`` sits at ln 8192 = 9.01 and its frozen embedding bounds what LoRA can reach)."""
     pytest.importorskip("bitsandbytes")
     from twinseq.common.metrics import read_metrics
-    from twinseq.torch_backend.trainer import train
+    from twinseq.torch_backend.recipes import train
 
     kw = dict(load_in_4bit=True, max_steps=50, learning_rate=3e-2, lora_r=16)
     train(_train_cfg(tmp_path / "qlora", **kw))
@@ -403,7 +403,7 @@ def test_dpo_with_lora_uses_the_base_as_reference_and_trains(tmp_path, monkeypat
     """DPO + LoRA through ``train``: no reference copy is built (``frozen_reference`` would raise), the step-1
     rewards are exactly 0 (the policy starts as the base, B = 0), and the margins grow."""
     from twinseq.common.metrics import read_metrics
-    from twinseq.torch_backend.trainer import train
+    from twinseq.torch_backend.recipes import train
 
     def no_copy(model):
         raise AssertionError("DPO with use_peft=True must not copy the model for its reference")
@@ -421,7 +421,7 @@ def test_dpo_with_lora_uses_the_base_as_reference_and_trains(tmp_path, monkeypat
 def test_adamw_8bit_trains_adapters(tmp_path):
     pytest.importorskip("bitsandbytes")
     from twinseq.common.metrics import read_metrics
-    from twinseq.torch_backend.trainer import train
+    from twinseq.torch_backend.recipes import train
 
     train(_train_cfg(tmp_path, optimizer="adamw_bnb_8bit", max_steps=12))
     losses = [r["loss"] for r in read_metrics(tmp_path)]

@@ -13,7 +13,7 @@ from twinseq.common.config import TrainConfig  # noqa: E402
 from twinseq.common.corpus import load_embedded  # noqa: E402
 from twinseq.common.metrics import REQUIRED_FIELDS, read_metrics  # noqa: E402
 from twinseq.common.capabilities import Runtime, check_runtime  # noqa: E402
-from twinseq.torch_backend.trainer import train  # noqa: E402
+from twinseq.torch_backend.recipes import train  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -204,7 +204,7 @@ def test_grpo_with_vllm_learns_the_embedded_task(tmp_path):
     import numpy as np
 
     from twinseq.common.config import TrainConfig
-    from twinseq.torch_backend.trainer import train
+    from twinseq.torch_backend.recipes import train
 
     cfg = TrainConfig.from_yaml("configs/grpo.yaml", output_dir=str(tmp_path), disable_tqdm=True, max_steps=20,
                                 per_device_train_batch_size=8, num_generations=4, model_config="tiny-qwen3",

@@ -54,10 +54,10 @@ needs_deepspeed = pytest.mark.skipif(
 
 
 def train_job(configs: list[dict]) -> dict:
-    """``twinseq.torch_backend.trainer.train`` of each config (``deepspeed_zero_stage=3`` dispatches to
+    """``twinseq.torch_backend.recipes.train`` of each config (``deepspeed_zero_stage=3`` dispatches to
     ``train_zero3``); the caller reads their metrics.jsonl."""
     from twinseq.common.config import TrainConfig
-    from twinseq.torch_backend.trainer import train
+    from twinseq.torch_backend.recipes import train
 
     for values in configs:
         train(TrainConfig.from_flat(**values))
@@ -69,7 +69,7 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
 
     from twinseq.common.config import ModelConfig
     from twinseq.common.loader import StepIterator
-    from twinseq.torch_backend.deepspeed import build_zero3_engine
+    from twinseq.torch_backend.deepspeed import Zero3SFTTrainer, build_zero3_engine
 
     cfg = W.make_config(**cfg_overrides)
     engine = build_zero3_engine(cfg, model_config=ModelConfig.preset(cfg.model.model_config),
@@ -80,7 +80,8 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
         if world > 1 else all(hasattr(p, "ds_id") for p in params)
     iterator = StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0, world_size=world, rank=rank)
     # generation between two optimizer steps, as online RL does: training must go on exactly after it
-    steps = [engine.train_step(iterator.next_step()) for _ in range(cfg.max_steps - 1)]
+    trainer = Zero3SFTTrainer(engine)  # common.trainer.TrainerTemplate's step on the ZeRO-3 hooks
+    steps = [trainer.step(iterator.next_step()) for _ in range(cfg.max_steps - 1)]
     out: dict = {"partitioned": bool(partitioned), "dtypes": sorted({str(p.ds_tensor.dtype) for p in params}),
                  "device": params[0].ds_tensor.device.type}
     for gather in (True, False):
@@ -92,7 +93,7 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
     weights = engine.full_weights()
     if rank == 0:
         np.savez(Path(out_dir, "weights.npz"), **weights)
-    steps.append(engine.train_step(iterator.next_step()))
+    steps.append(trainer.step(iterator.next_step()))
     out.update(losses=[s["loss"] for s in steps], grad_norms=[s["grad_norm"] for s in steps])
     dist.barrier()
     dist.destroy_process_group()
@@ -230,7 +231,7 @@ def test_twinseq_train_with_zero3_in_one_process_matches_and_resumes(tmp_path):
     step, schedule, data position) continues exactly as the uninterrupted one; the final folder loads."""
     from twinseq.common.corpus import load_embedded
     from twinseq.torch_backend.checkpoint import load_pretrained
-    from twinseq.torch_backend.trainer import train
+    from twinseq.torch_backend.recipes import train
 
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["completion"]}) + "\n"

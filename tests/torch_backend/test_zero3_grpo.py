@@ -57,7 +57,6 @@ def length_reward(prompts, completions, **_) -> list[float]:
 def fixed_step_job(values: dict) -> dict:
     """``STEPS`` steps of ``Zero3GRPOTrainer`` whose completions come from a sampler keyed by the prompt and the
     generation index within its group, so any split of the step over ranks sees the same completions."""
-    from twinseq.torch_backend.generation import Generated
     from twinseq.torch_backend.zero3_grpo import build_grpo_zero3
 
     cfg = TrainConfig.from_flat(**values)
@@ -65,7 +64,7 @@ def fixed_step_job(values: dict) -> dict:
     columns, groups = trainer.max_completion_length, cfg.grpo.num_generations
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
-    def fixed(generate, prompt_ids):
+    def fixed(prompt_ids, **_):
         rows = np.full((len(prompt_ids), columns), pad, dtype=np.int64)
         for i, prompt in enumerate(prompt_ids):
             rng = np.random.default_rng([int(sum(prompt)), len(prompt), i % groups])
@@ -73,16 +72,16 @@ def fixed_step_job(values: dict) -> dict:
             rows[i, :n] = rng.integers(3, 200, n)
             if n < columns:
                 rows[i, n] = eos
-        return Generated(rows, 0.0)
+        return rows
 
-    trainer._generate_ids = fixed
+    trainer.sample = fixed  # GroupRollout's backend hook: the completions of these prompt ids
     steps = [trainer.step(source.next_step()) for _ in range(STEPS)]
     return {"losses": [s["loss"] for s in steps], "grad_norms": [s["grad_norm"] for s in steps],
             "rewards": [s["reward"] for s in steps]}
 
 
 def train_job(configs: list[dict]) -> dict:
-    from twinseq.torch_backend.trainer import train
+    from twinseq.torch_backend.recipes import train
 
     for values in configs:
         train(TrainConfig.from_flat(**values))

@@ -1,0 +1,34 @@
+"""``twinseq train --backend jax``: which builder runs each task; ``common.trainer.train_task`` runs the result.
+
+A builder returns (trainer, step source, tokenizer, announce lines): ``trainer.build_sft`` and ``build_dpo``,
+``grpo.build_grpo``. A new training method adds its builder to ``builders`` (docs/architecture.md, "Adding a
+training method").
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import jax
+
+from twinseq.common.capabilities import Runtime
+from twinseq.common.config import TrainConfig
+from twinseq.common.runner import preflight
+from twinseq.common.trainer import Build, train_task
+from twinseq.jax_backend.grpo import build_grpo
+from twinseq.jax_backend.trainer import build_dpo, build_sft, check_optimizer
+
+
+def builders(cfg: TrainConfig) -> dict[str, Build]:
+    """The JAX builder of each task."""
+    return {"sft": partial(build_sft, cfg), "dpo": partial(build_dpo, cfg), "grpo": partial(build_grpo, cfg)}
+
+
+def train(config: TrainConfig) -> Path:
+    """Run ``config.max_steps`` optimizer steps of ``config.task``; returns the path of ``metrics.jsonl``."""
+    cfg = config
+    check_optimizer(cfg)
+    platform = jax.devices()[0].platform
+    preflight(cfg, Runtime("jax", platform, jax.device_count(), accelerator=platform != "cpu"))
+    return train_task(cfg, builders(cfg), desc="jax")

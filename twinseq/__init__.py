@@ -1,0 +1,47 @@
+"""twinseq: memory-efficient LLM fine-tuning on two backends (PyTorch, JAX) that share one set of rules.
+
+The public surface. ``import twinseq`` imports neither torch nor jax; a backend is imported when it is loaded::
+
+    import twinseq
+
+    cfg = twinseq.TrainConfig(task="sft", max_steps=10, max_length=512, per_device_train_batch_size=2)
+    metrics_path = twinseq.train(cfg)           # the backend of cfg.backend (default "torch", TWINSEQ_BACKEND)
+    be = twinseq.load_backend("jax")            # the mirrored backend protocol: build_model, logits, ...
+
+The three code folders are the subpackages ``twinseq.common`` (backend-neutral: numpy, pyarrow),
+``twinseq.torch_backend`` and ``twinseq.jax_backend``; in the repository they sit at the root and this folder links
+them, so that an editable install, a built wheel and static tools (import graphs, type checkers) resolve every
+``twinseq.*`` import the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from twinseq.common.backend import load_backend
+from twinseq.common.config import (
+    DataConfig,
+    DPOConfig,
+    LossConfig,
+    MemoryConfig,
+    ModelArgs,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+from twinseq.common.errors import TwinseqError
+from twinseq.common.grpo import GRPOConfig
+from twinseq.common.models import ModelConfig
+from twinseq.common.peft import PeftConfig
+
+__version__ = "0.1.0"
+
+
+def train(config: TrainConfig) -> Path:
+    """Train ``config`` on its backend (``config.backend``); returns the path of ``metrics.jsonl``."""
+    return load_backend(config.backend).train(config)
+
+
+__all__ = ["train", "load_backend", "TrainConfig", "ModelArgs", "DataConfig", "OptimConfig", "LossConfig",
+           "MemoryConfig", "ParallelConfig", "DPOConfig", "GRPOConfig", "PeftConfig", "ModelConfig", "TwinseqError",
+           "__version__"]
