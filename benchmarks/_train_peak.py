@@ -128,7 +128,7 @@ def _child_torch(argv: list[str]) -> dict[str, Any]:
 
     tt.build_causal_lm, tt.Trainer.step = build_hooked, step_hooked
     if os.environ.get(_NO_SAVE) == "1":  # the end-of-run checkpoint and final model come after every measured step
-        from twinseq.common import runner
+        from twinseq.common.run import runner
 
         runner._save = lambda *args, **kwargs: None
         tt.Trainer.save_final = lambda self, path: None

@@ -63,7 +63,7 @@ def synthetic_pairs(pairs: int, row: int, vocab: int, seed: int) -> list[dict]:
 
 
 def preference_batch(layout: str, pairs: int, row: int, vocab: int, seed: int):
-    from twinseq.common.dpo_batching import collate_preference
+    from twinseq.common.data.preference_batching import collate_preference
 
     return collate_preference(synthetic_pairs(pairs, row, vocab, seed), padding_free=layout == "padding_free")
 
@@ -83,7 +83,7 @@ def setup(layout: str, kernel: str, pairs: int, row: int, hidden: int, vocab: in
           threads: int, chunk_size: int, seed: int = 0) -> dict:
     import torch
 
-    from twinseq.common.dpo import validate_dpo_config
+    from twinseq.common.objectives.dpo import validate_dpo_config
 
     torch.set_num_threads(threads)
     pb = preference_batch(layout, pairs, row, vocab, seed)
@@ -154,7 +154,7 @@ def jax_temp_bytes(layout: str, kernel: str, pairs: int, row: int, hidden: int, 
     import jax
     import jax.numpy as jnp
 
-    from twinseq.common.dpo import validate_dpo_config
+    from twinseq.common.objectives.dpo import validate_dpo_config
     from twinseq.jax_backend.dpo import dpo_losses
     from twinseq.jax_backend.logprobs import sequence_logps
 

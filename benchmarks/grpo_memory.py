@@ -1,7 +1,7 @@
 """GRPO memory and time: twinseq's torch GRPO trainer vs TRL 1.16's ``GRPOTrainer``, same run, same inputs.
 
 What is measured, per trainer: ``--steps`` optimizer steps of GRPO on the embedded last-word
-task (``common.grpo_data``), from the same ``tiny`` weights (``common.init``, seed 0, saved as
+task (``common.data.prompts``), from the same ``tiny`` weights (``common.models.init``, seed 0, saved as
 a Hugging Face folder that both load), the same prompts, ``num_generations``, completion
 length, learning rate and loss (``dapo``, beta 0: no reference model), one ``format`` reward.
 
@@ -44,7 +44,7 @@ VARIANTS = ("trl", "twinseq:padded:nll", "twinseq:padding_free:fused_linear")
 
 
 def _format_reward(prompts, completions, **kwargs):
-    from twinseq.common.grpo_data import format_reward
+    from twinseq.common.data.prompts import format_reward
 
     return format_reward(prompts, completions)
 
@@ -80,7 +80,7 @@ def _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from twinseq.common.grpo_data import build_last_word_task
+    from twinseq.common.data.prompts import build_last_word_task
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
@@ -116,8 +116,8 @@ def run(state: dict[str, Any]) -> dict[str, Any]:
             extra["reward_seconds"] = [0.0]
             extra["reward"] = [h["reward"] for h in logs]
         else:
-            from twinseq.common.metrics import read_metrics
-            from twinseq.common.runner import run as run_steps
+            from twinseq.common.run.report import read_metrics
+            from twinseq.common.run.runner import run as run_steps
 
             cfg = state["cfg"]
             run_steps(cfg, state["trainer"], state["source"], tokenizer=state["tokenizer"], desc="grpo-bench")
@@ -147,8 +147,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def _save_model(folder: Path) -> None:
     from twinseq.common.config import ModelConfig
-    from twinseq.common.init import init_weights
-    from twinseq.common.tokenizer import load_tokenizer
+    from twinseq.common.models.init import init_weights
+    from twinseq.common.data.tokenizer import load_tokenizer
     from twinseq.torch_backend.checkpoint import save_pretrained
     from twinseq.torch_backend.model import build_model
 

@@ -197,8 +197,8 @@ def _child_trl(doc: str, length: int, device: str = "cpu", model_name: str = MOD
     from transformers import AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from twinseq.common.models import resolve_model_config
-    from twinseq.common.tokenizer import embedded_tokenizer_dir
+    from twinseq.common.models.configs import resolve_model_config
+    from twinseq.common.data.tokenizer import embedded_tokenizer_dir
     from twinseq.torch_backend import build_model
 
     def status(field: str) -> int:

@@ -1,4 +1,4 @@
-"""How close ``common.memory_plan.plan_memory`` is to the measured peak of real ``twinseq train`` runs.
+"""How close ``common.run.memory_plan.plan_memory`` is to the measured peak of real ``twinseq train`` runs.
 
 Each configuration runs ``twinseq train`` for a few steps in a fresh subprocess (``_train_peak.measure``):
 
@@ -81,7 +81,7 @@ def configurations(peft: bool = False, small: bool = True, held_out: bool = True
 def check_one(values: dict[str, Any], *, max_steps: int = 2) -> dict[str, Any]:
     """Plan and measure one configuration: ``{"planned", "measured", "error", "plan", "measurement"}``."""
     from twinseq.common.config import TrainConfig
-    from twinseq.common.memory_plan import plan_memory
+    from twinseq.common.run.memory_plan import plan_memory
 
     plan = plan_memory(TrainConfig.from_flat(**values))
     got = measure(values, max_steps=max_steps)
@@ -123,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         import json
 
         from twinseq.common.config import TrainConfig
-        from twinseq.common.memory_plan import plan_memory
+        from twinseq.common.run.memory_plan import plan_memory
 
         old = json.loads(args.reuse.read_text())
         for name, r in old["results"].items():
@@ -146,7 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
              f"{r['measured'] / MIB:,.1f}", f"{100 * r['error']:+.1f}%",
              "yes" if abs(r["error"]) <= TOLERANCE else "**no**"] for name, r in results.items()]
     within = sum(abs(r["error"]) <= TOLERANCE for r in results.values())
-    body = ["Planned (`twinseq.common.memory_plan.plan_memory`) vs measured peak of a real `twinseq train` run "
+    body = ["Planned (`twinseq.common.run.memory_plan.plan_memory`) vs measured peak of a real `twinseq train` run "
             "(2 steps, CPU). torch: peak RSS over the training steps minus the RSS just before the model is "
             "built (framework imports, tokenizer and data are in that baseline: "
             + ", ".join(sorted({f"{r['measurement']['baseline_rss_bytes'] / MIB:,.0f}" for r in results.values()
@@ -156,7 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             *markdown_table(["configuration", "planned MiB", "measured MiB", "error", f"within {TOLERANCE:.0%}"],
                             rows, "lrrrl"), "",
             f"{within} of {len(results)} configurations within {TOLERANCE:.0%}. The coefficients of "
-            "`common/memory_plan.py` were fitted on the tiny/small full fine-tune runs; the rows marked held out "
+            "`common/run/memory_plan.py` were fitted on the tiny/small full fine-tune runs; the rows marked held out "
             "(other attention paths, bf16, padding-free, chunked loss, DPO, longer rows) were not used to fit "
             "anything; the first torch LoRA measurement informed one structural choice (the frozen base keeps a full "
             "fine-tune's saved set), no coefficient."]

@@ -41,9 +41,9 @@ def setup(preset: str, seq_len: int, batch_size: int, loss_type: str, gradient_c
     import numpy as np
     import torch
 
-    from twinseq.common.batching import collate
+    from twinseq.common.data.batching import collate
     from twinseq.common.config import ModelConfig
-    from twinseq.common.init import init_weights
+    from twinseq.common.models.init import init_weights
     from twinseq.torch_backend.model import build_model
 
     torch.set_num_threads(threads)

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from twinseq.common.packing import STRATEGIES, pack_dataset, plan_packing
+from twinseq.common.data.packing import STRATEGIES, pack_dataset, plan_packing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
     run = start_run(parse_args, argv, __file__)
     args = run.args
     # pack_dataset logs bfd's truncation on every repeat; the table reports it once.
-    logging.getLogger("twinseq.common.packing").setLevel(logging.ERROR)
+    logging.getLogger("twinseq.common.data.packing").setLevel(logging.ERROR)
     import datasets
     datasets.disable_progress_bars()
     trl_pack = None

@@ -47,7 +47,7 @@ MODES = {"padded": ("sdpa", False), "padding_free": ("varlen", True)}
 @functools.lru_cache(maxsize=2)
 def _sft_rows(max_length: int):
     from twinseq.common.config import TrainConfig
-    from twinseq.common.data import prepare_sft_dataset
+    from twinseq.common.data.prepare import prepare_sft_dataset
 
     return prepare_sft_dataset(TrainConfig.from_flat(max_length=max_length, disable_tqdm=True))[0]
 
@@ -64,9 +64,9 @@ def _build(preset: str, mode: str, batch_size: int, steps: int, warmup: int, max
            device: str) -> tuple[Any, list]:
     import torch
 
-    from twinseq.common.batching import collate
+    from twinseq.common.data.batching import collate
     from twinseq.common.config import ModelConfig
-    from twinseq.common.init import init_weights
+    from twinseq.common.models.init import init_weights
     from twinseq.torch_backend.model import build_model
 
     torch.manual_seed(seed)

@@ -55,7 +55,7 @@ def step_configs(backend: str) -> dict[str, dict[str, Any]]:
 
 
 def write_model(folder: Path) -> str:
-    from twinseq.common.models import ModelConfig, to_hf_config
+    from twinseq.common.models.configs import ModelConfig, to_hf_config
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(to_hf_config(ModelConfig(**LLAMA_100M)), indent=1))
@@ -82,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from tqdm import tqdm
 
     from twinseq.common.config import TrainConfig
-    from twinseq.common.memory_plan import plan_memory
+    from twinseq.common.run.memory_plan import plan_memory
 
     run = start_run(parse_args, argv, __file__, device="cpu")
     args = run.args

@@ -8,7 +8,7 @@ Three measurements, each reported as a ratio against a baseline from the same ru
    dense single-device attention (``twinseq.jax_backend.attention``). Compile only: nothing
    of that size is allocated.
 2. Attention blocks each rank computes (fully masked blocks skipped), with and without the
-   zigzag load balancing (``twinseq.common.context_parallel.count_attention_blocks``), for one
+   zigzag load balancing (``twinseq.common.data.context_parallel.count_attention_blocks``), for one
    causal document and for a packed row.
 3. Wall time of attention forward + backward, sharded (ring, all-gather) vs unsharded (dense,
    and single-device blocked) at ``--time-seq-len``. On CPU the ``cp`` host devices share the
@@ -114,7 +114,7 @@ def _step_inputs(seq_len, args, mesh, zigzag):
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    from twinseq.common.context_parallel import shard_sequence
+    from twinseq.common.data.context_parallel import shard_sequence
     arrays = [*_inputs(seq_len, args), *_causal_ids(seq_len)]
     if not zigzag:
         return [jax.device_put(a, jax.devices()[0]) for a in arrays]
@@ -135,7 +135,7 @@ def measure_memory(args, mesh) -> list[dict]:
 
 
 def measure_blocks(args) -> list[dict]:
-    from twinseq.common.context_parallel import count_attention_blocks, imbalance
+    from twinseq.common.data.context_parallel import count_attention_blocks, imbalance
     seg_p, pos_p, num_docs = _packed_ids(args.seq_len)
     workloads = {"causal, 1 document": _causal_ids(args.seq_len),
                  f"packed, {num_docs} documents": (seg_p, pos_p)}

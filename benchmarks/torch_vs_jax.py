@@ -58,10 +58,10 @@ BACKENDS = ("torch", "jax")
 
 def make_batch(batch_size: int, max_length: int, seed: int):
     """``batch_size`` packed rows of ``max_length`` tokens from the embedded SFT data (``common``)."""
-    from twinseq.common.batching import collate
+    from twinseq.common.data.batching import collate
     from twinseq.common.config import TrainConfig
-    from twinseq.common.data import prepare_sft_dataset
-    from twinseq.common.packing import pack_dataset
+    from twinseq.common.data.prepare import prepare_sft_dataset
+    from twinseq.common.data.packing import pack_dataset
 
     rows = prepare_sft_dataset(TrainConfig.from_flat(max_length=max_length, disable_tqdm=True))[0]
     packed = pack_dataset(rows, max_length, strategy="bfd")
@@ -83,7 +83,7 @@ class TorchStep:
 
         import twinseq.torch_backend as tb
         from twinseq.common.config import ModelConfig
-        from twinseq.common.init import init_weights
+        from twinseq.common.models.init import init_weights
         from twinseq.torch_backend.parallel import parallelize
         from twinseq.torch_backend.trainer import SFTTrainer
 
@@ -115,7 +115,7 @@ class JaxStep:
     def __init__(self, preset: str, cfg, seed: int) -> None:
         import twinseq.jax_backend as jb
         from twinseq.common.config import ModelConfig
-        from twinseq.common.init import init_weights
+        from twinseq.common.models.init import init_weights
         from twinseq.jax_backend.trainer import SFTTrainer
 
         model_cfg = ModelConfig.preset(preset)

@@ -21,17 +21,17 @@ from typing import Any, Optional, Protocol, Union
 
 import numpy as np
 
-from twinseq.common.batching import Batch
 from twinseq.common.config import BACKENDS, DEFAULT_CHUNK_SIZE, ModelConfig, TrainConfig
-from twinseq.common.dpo import DPOLossConfig
-from twinseq.common.dpo_batching import PreferenceBatch
+from twinseq.common.data.batching import Batch
+from twinseq.common.data.preference_batching import PreferenceBatch
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.peft import PeftConfig
+from twinseq.common.models.peft import PeftConfig
+from twinseq.common.objectives.dpo import DPOLossConfig
 
 _EXTRA_FOR = {"torch": ("torch", "transformers"), "jax": ("jax", "flax", "optax")}
 
 Model = Any
-"""A backend's model: a Hugging Face ``AutoModelForCausalLM`` of one of ``common.models.MODEL_TYPES`` (torch) or
+"""A backend's model: a Hugging Face ``AutoModelForCausalLM`` of one of ``common.models.configs.MODEL_TYPES`` (torch) or
 twinseq's Flax NNX ``CausalLM`` of the same family (jax)."""
 PathLike = Union[str, os.PathLike]
 
@@ -76,13 +76,13 @@ class Backend(Protocol):
 
     def add_adapters(self, model: Model, cfg: ModelConfig, peft: PeftConfig,
                      adapters: Optional[dict[str, np.ndarray]] = None) -> Model:
-        """``model`` with LoRA/DoRA adapters on ``common.peft.lora_targets`` (plus trainable tokens, and a 4-bit
-        NF4 base with ``load_in_4bit``), loaded from ``adapters`` (PEFT keys; None: ``common.peft.init_adapters``
+        """``model`` with LoRA/DoRA adapters on ``common.models.peft.lora_targets`` (plus trainable tokens, and a 4-bit
+        NF4 base with ``load_in_4bit``), loaded from ``adapters`` (PEFT keys; None: ``common.models.peft.init_adapters``
         with seed 0). Only adapter tensors train: ``loss_and_grads`` and ``dpo_loss_and_grads`` of the result
         return gradients by PEFT key, and DPO's reference model is the base with the adapters switched off."""
 
     def export_adapters(self, model: Model) -> dict[str, np.ndarray]:
-        """float32 adapter tensors by PEFT key (what ``common.peft.save_adapters`` writes)."""
+        """float32 adapter tensors by PEFT key (what ``common.models.peft.save_adapters`` writes)."""
 
     def merge_adapters(self, model: Model) -> Model:
         """A plain model, without adapters, whose weights have the adapters folded in (for export)."""

@@ -6,7 +6,7 @@
 - ``twinseq lengths [DATASET]``: the sequence-length profiler that helps choose max_length.
 - ``twinseq data``: build (or show) the embedded offline datasets and tokenizer.
 - ``twinseq memory [--config FILE] [train flags] [--devices N] [--device cpu|cuda] [--budget 24GiB]``:
-  the planned memory of that run per component (``common.memory_plan``), and with ``--budget`` the
+  the planned memory of that run per component (``common.run.memory_plan``), and with ``--budget`` the
   cheapest set of knobs that fits, as the flags to add.
 
 Errors. Every error caused by the user's input is one of twinseq's own exceptions
@@ -25,13 +25,13 @@ import os
 import sys
 from typing import Iterator, Optional, Sequence
 
-from twinseq.common import corpus
 from twinseq.common.backend import load_backend
 from twinseq.common.config import TrainConfig, deferred_checks, flag_names
+from twinseq.common.data import corpus
+from twinseq.common.data.lengths import main as lengths_main
+from twinseq.common.data.tokenizer import load_tokenizer
 from twinseq.common.errors import ConfigError, TrainingInterrupted, TwinseqError
-from twinseq.common.lengths import main as lengths_main
-from twinseq.common.memory_plan import advise, format_bytes, parse_bytes, plan_memory
-from twinseq.common.tokenizer import load_tokenizer
+from twinseq.common.run.memory_plan import advise, format_bytes, parse_bytes, plan_memory
 
 USAGE = """usage: twinseq {train,lengths,data,memory} [--debug] ...
 
@@ -149,7 +149,7 @@ def one_line(err: BaseException) -> str:
 MEMORY_HELP = """usage: twinseq memory [--config FILE] [any twinseq train flag] [--devices N] [--device cpu|cuda]
                       [--budget SIZE]
 
-Plan the memory of one training step of that run, per component (twinseq.common.memory_plan), without
+Plan the memory of one training step of that run, per component (twinseq.common.run.memory_plan), without
 building anything. --dtype (a train flag) sets the compute dtype; --devices N plans an FSDP run over N
 devices; --device cuda plans for a GPU (activation offloading saves memory there only). --budget SIZE
 (24GiB, 500MB, ...) also prints the cheapest set of knobs under which the run fits, as flags to add.

@@ -39,17 +39,17 @@ from typing import Any, Literal, Mapping, Optional
 
 import yaml
 
-from twinseq.common.dpo import check_liger_dpo_config, validate_dpo_config
 from twinseq.common.errors import ConfigError, ConfigTypeError
 from twinseq.common.fields import _CHECKS_ON, _check_fields, _flag, deferred_checks, knob  # noqa: F401  (re-exported: the config surface)
-from twinseq.common.grpo import (
-    GRPOConfig,  # noqa: F401  (re-exported: the config surface)
-    check_grpo_config,
-)
-from twinseq.common.models import MODEL_PRESETS, MODEL_TYPES, ModelConfig, resolve_model_config  # noqa: F401  (re-exported: the config surface)
-from twinseq.common.peft import (
+from twinseq.common.models.configs import MODEL_PRESETS, MODEL_TYPES, ModelConfig, resolve_model_config  # noqa: F401  (re-exported: the config surface)
+from twinseq.common.models.peft import (
     PeftConfig,  # noqa: F401  (re-exported: the config surface)
     check_peft_config,
+)
+from twinseq.common.objectives.dpo import check_liger_dpo_config, validate_dpo_config
+from twinseq.common.objectives.grpo import (
+    GRPOConfig,  # noqa: F401  (re-exported: the config surface)
+    check_grpo_config,
 )
 
 Backend = Literal["torch", "jax"]
@@ -81,7 +81,7 @@ CONTEXT_PARALLEL_STRATEGIES = typing.get_args(ContextParallelStrategy)
 REPORT_TO = typing.get_args(ReportTo)
 OPTIMIZERS = typing.get_args(Optimizer)
 
-# Which attention path runs, shared by the backends and the memory planner (``common.memory_plan``):
+# Which attention path runs, shared by the backends and the memory planner (``common.run.memory_plan``):
 DEFAULT_ATTENTION_BLOCK_SIZE = 512
 """Tokens per query/key block of the blocked (online-softmax) attention (``MemoryConfig.attention_block_size``)."""
 BLOCKED_MIN_SEQ_LEN = 2048

@@ -3,7 +3,7 @@
 ``knob(default, ge=..., gt=..., lt=..., le=...)`` declares a dataclass field with a numeric range;
 ``_check_fields(obj)`` checks (and normalises) every field of a config dataclass against its type
 annotation and range, raising ``ConfigError``/``ConfigTypeError`` that name the field, the value
-and the fix. ``common.config`` (the training run) and ``common.models`` (architectures) both use it.
+and the fix. ``common.config`` (the training run) and ``common.models.configs`` (architectures) both use it.
 """
 
 from __future__ import annotations

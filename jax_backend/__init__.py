@@ -4,7 +4,7 @@ A plain re-export of the backend protocol (``twinseq.common.backend.Backend``) a
 public names. Importing it imports jax.
 
 >>> from twinseq.common.config import ModelConfig
->>> from twinseq.common.batching import collate
+>>> from twinseq.common.data.batching import collate
 >>> model = build_model(ModelConfig.preset("tiny"))
 >>> batch = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}], padding_free=True)
 >>> logits(model, batch).shape

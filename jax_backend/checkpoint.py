@@ -1,9 +1,9 @@
 """Model folders on disk (Hugging Face layout) for the JAX backend, and its side of training checkpoints.
 
 - ``load_pretrained`` / ``save_pretrained``: a local HF model folder (any family) in and out, through
-  ``common.hf_checkpoint`` (numpy + safetensors, no torch), bitwise in both directions.
+  ``common.models.hf_folder`` (numpy + safetensors, no torch), bitwise in both directions.
 - ``to_numpy_tree`` / ``from_numpy_tree``: an optax state as numpy arrays and back, for
-  ``common.checkpoint`` (safetensors + JSON: nothing pickled).
+  ``common.run.checkpoint`` (safetensors + JSON: nothing pickled).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import numpy as np
 
 from twinseq.common.backend import Model, PathLike
 from twinseq.common.errors import CheckpointError
-from twinseq.common.hf_checkpoint import read_hf_checkpoint, write_hf_checkpoint
+from twinseq.common.models.hf_folder import read_hf_checkpoint, write_hf_checkpoint
 from twinseq.jax_backend.model import build_model, export_weights
 
 
 def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
                     device: Any = None) -> Model:
-    """A JAX ``CausalLM`` (any family of ``common.models``) from an HF checkpoint directory.
+    """A JAX ``CausalLM`` (any family of ``common.models.configs``) from an HF checkpoint directory.
 
     ``dtype`` None uses the stored dtype when it is float32 or bfloat16 (else float32).
     """

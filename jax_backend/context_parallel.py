@@ -2,7 +2,7 @@
 
 The sequence axis of every input is sharded over one mesh axis (``cp`` by default); each
 device owns ``T / cp`` queries and the keys/values of the same tokens. The row may be in any
-token order (e.g. the load-balanced zigzag order of ``twinseq.common.context_parallel``):
+token order (e.g. the load-balanced zigzag order of ``twinseq.common.data.context_parallel``):
 the mask reads ``segment_ids`` and ``position_ids`` only, per DESIGN.md,
 
     query i may attend key j  iff  seg[i] == seg[j] != 0  and  pos[j] <= pos[i]
@@ -401,7 +401,7 @@ def sharded_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, m
     """Context-parallel attention on global ``[B, T, ...]`` arrays: ``shard_map`` over ``mesh``.
 
     T is split over ``axis_name`` in the row's current order: pass rows already reordered with
-    ``twinseq.common.context_parallel.shard_sequence`` for load balancing (the output comes back
+    ``twinseq.common.data.context_parallel.shard_sequence`` for load balancing (the output comes back
     in that same order). B is split over ``batch_axes`` (default: every other mesh axis).
     ``sliding_window`` and ``softcap`` as the module docstring (None: full attention, no cap).
     """

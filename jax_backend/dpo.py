@@ -1,10 +1,10 @@
 """DPO on the JAX backend: the loss of a preference micro-batch and its reference pass, jitted.
 
 The policy's sequence log-probs come from ``logprobs.sequence_logps`` with the token-loss kernel
-``loss_type``; the loss family is ``common.dpo.dpo_family`` (written once, evaluated here with jnp
+``loss_type``; the loss family is ``common.objectives.dpo.dpo_family`` (written once, evaluated here with jnp
 ops; TRL 1.16 semantics). A micro-batch's loss is ``Σ_n Σ_k w_k L_k[n] / examples_per_step``.
 Every shape depends on (B, T, N) only, so a jitted step compiles once per bucket; the DPO loss
-configuration (a frozen ``common.dpo.DPOLossConfig``) is a static argument.
+configuration (a frozen ``common.objectives.dpo.DPOLossConfig``) is a static argument.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import numpy as np
 from flax import nnx
 
 from twinseq.common.backend import Model
-from twinseq.common.batching import pad_batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
-from twinseq.common.dpo import ArrayOps, DPOLossConfig, dpo_family
-from twinseq.common.dpo_batching import PreferenceBatch
-from twinseq.common.dpo_loader import iter_preference_batches, with_ref_logps
+from twinseq.common.data.batching import pad_batch
+from twinseq.common.data.preference_batching import PreferenceBatch
+from twinseq.common.data.preference_steps import iter_preference_batches, with_ref_logps
 from twinseq.common.errors import ConfigError
+from twinseq.common.objectives.dpo import ArrayOps, DPOLossConfig, dpo_family
 from twinseq.jax_backend.logprobs import sequence_logps
 from twinseq.jax_backend.losses import check_labels
 from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, grads_by_name, merge_state, split_trainable

@@ -1,19 +1,19 @@
 """GRPO on the JAX backend: completion log-probs from hidden states, the loss family, and the step trainer.
 
-The mirror of ``torch_backend/grpo.py``. One optimizer step (``GRPOTrainer``, on ``common.runner``'s loop):
+The mirror of ``torch_backend/grpo.py``. One optimizer step (``GRPOTrainer``, on ``common.run.runner``'s loop):
 
 1. every ``num_iterations`` steps, sample ``num_generations`` completions per prompt with the KV-cache
    sampler (``generation.generate``), score them with the reward functions and turn the rewards into
-   group advantages (``common.grpo``); with ``num_iterations > 1`` keep the sampling policy's
+   group advantages (``common.objectives.grpo``); with ``num_iterations > 1`` keep the sampling policy's
    log-probs, with ``grpo_beta > 0`` the reference's (the initial parameters, or under PEFT the same
    model with its adapters switched off);
 2. split the completions into micro-batches of ``per_device_train_batch_size``, collate each padded or
-   padding-free (``common.grpo.collate_completions``), compute its completion-token log-probs chunk by
+   padding-free (``common.objectives.grpo.collate_completions``), compute its completion-token log-probs chunk by
    chunk from hidden states (``logprobs.token_logps``: the token-loss kernel ``loss_type``;
    ``fused_linear`` never holds a ``[tokens, V]`` tensor) and its share of the step loss; the shared
    ``trainer.Trainer.step`` adds the gradients, clips and steps AdamW.
 
-The loss is ``common.grpo.grpo_loss`` written with jnp ops (``grpo_loss_jax``), tested equal within 1e-6.
+The loss is ``common.objectives.grpo.grpo_loss`` written with jnp ops (``grpo_loss_jax``), tested equal within 1e-6.
 Logits are divided by the sampling ``temperature`` before the softmax, as TRL does, so that the ratio
 compares the distribution the completions were drawn from.
 
@@ -33,14 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from twinseq.common.batching import pad_batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
-from twinseq.common.data import run_tokenizer
+from twinseq.common.data.batching import pad_batch
+from twinseq.common.data.prepare import run_tokenizer
+from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError
-from twinseq.common.grpo import CompletionBatch, LossSpec, collate_completions, reward_func_name
-from twinseq.common.grpo_data import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
-from twinseq.common.rollout import GroupRollout, token_record
-from twinseq.common.trainer import reference_description
+from twinseq.common.objectives.grpo import CompletionBatch, LossSpec, collate_completions, reward_func_name
+from twinseq.common.run.rollout import GroupRollout, token_record
+from twinseq.common.run.trainer import reference_description
 from twinseq.jax_backend.generation import generate
 from twinseq.jax_backend.logprobs import token_logps
 from twinseq.jax_backend.losses import check_labels, logits_f32
@@ -53,13 +53,13 @@ logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------
-# The loss (common.grpo.grpo_loss with jnp ops)
+# The loss (common.objectives.grpo.grpo_loss with jnp ops)
 # --------------------------------------------------------------------------------------
 
 
 def loss_norms(mask_NC, *, num_sequences_in_step=None, num_tokens_in_step=None, num_micro_batches: int = 1):
     """float32 [3]: (sequences in the step, completion tokens in the step, micro-batches); None: this micro-batch's
-    own count (``common.grpo.LossNorm``'s defaults)."""
+    own count (``common.objectives.grpo.LossNorm``'s defaults)."""
     mask = np.asarray(mask_NC)
     return jnp.asarray([mask.shape[0] if num_sequences_in_step is None else num_sequences_in_step,
                         mask.sum() if num_tokens_in_step is None else num_tokens_in_step,
@@ -68,7 +68,7 @@ def loss_norms(mask_NC, *, num_sequences_in_step=None, num_tokens_in_step=None, 
 
 def grpo_loss_jax(logps_NC, advantages_N, mask_NC, norms_3, spec: LossSpec, *, old_logps_NC=None,
                   ref_logps_NC=None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(this micro-batch's share of the step loss, metrics as token means): ``common.grpo.grpo_loss`` in jnp;
+    """(this micro-batch's share of the step loss, metrics as token means): ``common.objectives.grpo.grpo_loss`` in jnp;
     traceable. ``norms_3`` as ``loss_norms`` returns; ``old_logps_NC`` None: the detached policy (ratio 1)."""
     eps_low = spec.epsilon
     eps_high = spec.epsilon if spec.epsilon_high is None else spec.epsilon_high
@@ -273,7 +273,7 @@ class GRPOMicroBatch:
 
 
 class GRPOTrainer(GroupRollout, JaxTrainer):
-    """GRPO's JAX trainer: ``common.rollout.GroupRollout`` (generation every ``num_iterations`` steps, rewards,
+    """GRPO's JAX trainer: ``common.run.rollout.GroupRollout`` (generation every ``num_iterations`` steps, rewards,
     advantages, the step's metrics) on ``JaxTrainer``'s hooks; here only what is JAX: sampling with the KV-cache
     sampler, the kept log-probs, and the jitted micro-step."""
 

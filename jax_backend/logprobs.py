@@ -1,7 +1,7 @@
 """Per-token and per-document log-probs of the targets, from hidden states (DPO's, later GRPO's).
 
 The sequence log-prob of document d is ``Σ log softmax(hidden[t] @ W.T)[labels[t + 1]]`` over
-the positions t with ``target_doc_ids[t] == d`` (``common.dpo_batching``), chosen documents
+the positions t with ``target_doc_ids[t] == d`` (``common.data.preference_batching``), chosen documents
 first. ``loss_type`` picks the per-token kernel, as for SFT:
 
 ``nll``           full logits ``[B*T, V]`` (the baseline);
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.errors import ConfigError
-from twinseq.common.loss import IGNORE_INDEX
+from twinseq.common.objectives.nll import IGNORE_INDEX
 from twinseq.jax_backend.losses import check_softcap, logits_f32, shift_labels, to_token_chunks, vocab_chunked_grads
 
 LOGPS_LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
@@ -105,7 +105,7 @@ def token_logps(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Arr
 def sequence_logps(hidden_BTH, lm_head_VH, labels_BT, target_doc_ids_BT, num_docs: int,
                    loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE, *,
                    logit_softcap: Optional[float] = None) -> jax.Array:
-    """float32 [2N]: per-document sums of the target log-probs (``common.dpo_batching``'s rule);
+    """float32 [2N]: per-document sums of the target log-probs (``common.data.preference_batching``'s rule);
     ``logit_softcap`` as ``token_logps``."""
     logp_N = token_logps(hidden_BTH, lm_head_VH, labels_BT, loss_type, chunk_size, logit_softcap=logit_softcap)
     doc_N = target_doc_ids_BT.reshape(-1)

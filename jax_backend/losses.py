@@ -1,4 +1,4 @@
-"""Causal-LM losses for the JAX backend: the same semantics as ``twinseq.common.loss``.
+"""Causal-LM losses for the JAX backend: the same semantics as ``twinseq.common.objectives.nll``.
 
 - ``labels`` are unshifted; position t predicts ``labels[t + 1]`` (the shift happens here).
 - The loss is ``sum of NLL over targets != -100 / num_items_in_batch``; when
@@ -41,7 +41,7 @@ import numpy as np
 
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.errors import ConfigError
-from twinseq.common.loss import IGNORE_INDEX, check_num_items, check_targets
+from twinseq.common.objectives.nll import IGNORE_INDEX, check_num_items, check_targets
 from twinseq.jax_backend.attention import soft_cap
 
 LOSS_TYPES = ("nll", "chunked_nll", "fused_linear")
@@ -260,12 +260,12 @@ def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.
     ``[vocab, hidden]``, ``labels_BT`` unshifted (-100 = ignored). ``num_items_in_batch`` may be
     a traced scalar (no recompilation per value). With ``return_metrics`` also returns
     ``{"mean_token_accuracy", "entropy", "num_tokens", "num_correct_tokens", "entropy_sum"}`` over
-    this micro-batch's valid targets, as ``twinseq.common.loss.metrics`` and the torch backend
+    this micro-batch's valid targets, as ``twinseq.common.objectives.nll.metrics`` and the torch backend
     (the sums let a trainer aggregate a step exactly). Labels are not range-checked here (traced);
     ``check_labels`` does it on the host.
 
     ``targets_are_shifted=True``: ``labels_BT`` already holds the targets (``targets[t]`` is scored at position
-    t), as the context-parallel batches of ``common.context_parallel.shard_batch`` do: their rows are
+    t), as the context-parallel batches of ``common.data.context_parallel.shard_batch`` do: their rows are
     reordered, so shifting them here would pair tokens with the wrong targets.
 
     ``logit_softcap``: the model's ``final_logit_softcapping`` (Gemma 2), applied to the float32 logits

@@ -1,5 +1,5 @@
 """Flax NNX causal LMs that mirror Hugging Face transformers' ``*ForCausalLM`` op for op (Llama 3.x,
-Qwen2/2.5, Qwen3, Mistral, Gemma 2: ``common.models``), and the protocol functions ``build_model``,
+Qwen2/2.5, Qwen3, Mistral, Gemma 2: ``common.models.configs``), and the protocol functions ``build_model``,
 ``export_weights``, ``logits`` and ``loss_and_grads`` (``common.backend.Backend``).
 
 Every jitted function takes the model as ``(graphdef, state)`` (``nnx.split``), so it compiles
@@ -10,13 +10,13 @@ The module tree and attribute names follow HF's parameter names, so a parameter'
 q_proj.weight``. Linear layers keep Flax's ``kernel`` layout ``[in, out]`` (the transpose of
 torch's ``[out, in]``) and their ``bias`` as is; embeddings and RMSNorm scales keep HF's layout
 under the name ``weight``. One ``CausalLM`` class builds every family: the config decides which
-parameters exist (``common.models.parameter_shapes``) and which of the branches below run.
+parameters exist (``common.models.configs.parameter_shapes``) and which of the branches below run.
 
 HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3,mistral,gemma2}.py``):
 
 - RMSNorm: variance in float32, ``x * rsqrt(var + eps)``, cast back, *then* times the weight;
   Gemma's instead multiplies by ``1 + w`` in float32 and casts last;
-- RoPE: ``inv_freq`` of ``common.rope`` (every ``rope_type``; ``dynamic`` recomputed from the
+- RoPE: ``inv_freq`` of ``common.models.rope`` (every ``rope_type``; ``dynamic`` recomputed from the
   batch's largest position id, under ``jit``), the half-split ``rotate_half`` layout, angles from
   ``position_ids`` (so they restart per document);
 - attention: q/k/v biases where the family has them; Qwen3's per-head RMSNorm of q and k before
@@ -46,13 +46,13 @@ import numpy as np
 from flax import nnx
 
 from twinseq.common.backend import Model
-from twinseq.common.batching import Batch, check_batch
 from twinseq.common.config import ATTN_IMPLEMENTATIONS, DEFAULT_CHUNK_SIZE, ModelConfig
+from twinseq.common.data.batching import Batch, check_batch
 from twinseq.common.errors import ConfigError
-from twinseq.common.init import check_weights, init_weights, parameter_shapes
-from twinseq.common.models import layer_norm_names
-from twinseq.common.peft import TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes
-from twinseq.common.rope import rope_inv_freq
+from twinseq.common.models.configs import layer_norm_names
+from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
+from twinseq.common.models.peft import TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes
+from twinseq.common.models.rope import rope_inv_freq
 from twinseq.jax_backend.attention import attention_for, document_causal_mask, dot_product_attention
 from twinseq.jax_backend.losses import LOSS_TYPES, causal_lm_loss, check_labels, logits_f32, token_nll
 from twinseq.jax_backend.memory import StepMemory, remat
@@ -138,12 +138,12 @@ class RMSNorm(nnx.Module):
 
 def dynamic_rope_inv_freq(position_ids_BT: jax.Array, inv_freq_F: np.ndarray, head_dim: int, rope_theta: float,
                           factor: float, max_position_embeddings: int) -> jax.Array:
-    """float32 [head_dim / 2] of ``dynamic`` (NTK) RoPE for this batch, traceable: ``common.rope.dynamic_inv_freq``
+    """float32 [head_dim / 2] of ``dynamic`` (NTK) RoPE for this batch, traceable: ``common.models.rope.dynamic_inv_freq``
     with the largest position id read from the traced ``position_ids_BT``.
 
     ``inv_freq_F`` (the config's unstretched frequencies) is used as is while ``max(position_ids) + 1 <=
     max_position_embeddings``, as HF keeps its initial buffer there; past it the base is stretched with the
-    same float32 formula and operation order as ``common.rope`` (and transformers). Nothing is remembered
+    same float32 formula and operation order as ``common.models.rope`` (and transformers). Nothing is remembered
     between calls: a batch's frequencies depend on that batch only.
     """
     f32 = np.float32
@@ -338,7 +338,7 @@ def _hashable(value: Any) -> Any:
 
 class CausalLM(nnx.Module):
     """``model(input_ids, position_ids, segment_ids, attend=None) -> hidden_BTH`` (after the final norm), for
-    every family of ``common.models``.
+    every family of ``common.models.configs``.
 
     ``attn_implementation`` picks the attention of every layer when no ``attend`` is given: ``"eager"``
     the dense document mask (the reference), any other value (default ``"sdpa"``) the blocked kernel
@@ -458,7 +458,7 @@ def adapter_key_of_path(path: tuple) -> str:
 
 def adapters_by_key(model: Model, state: Any) -> dict[str, np.ndarray]:
     """An adapter state (``nnx.state(model, AdapterParam)``, or a gradient of one) as float32 numpy by PEFT
-    key, in ``common.peft.adapter_shapes`` order."""
+    key, in ``common.models.peft.adapter_shapes`` order."""
     out = {adapter_key_of_path(path): np.asarray(jnp.asarray(v.get_value(), jnp.float32))
            for path, v in nnx.to_flat_state(state)}
     order = adapter_shapes(model.config, peft_config(model))
@@ -497,7 +497,7 @@ def merge_state(graphdef, state, frozen=None) -> Any:
 
 def grads_by_name(model: Model, grads: Any) -> dict[str, np.ndarray]:
     """Gradients of ``split_trainable``'s trainable state as float32 numpy: by HF name and layout (a plain
-    model), or by PEFT saved key (a model with adapters, in ``common.peft.adapter_shapes`` order)."""
+    model), or by PEFT saved key (a model with adapters, in ``common.models.peft.adapter_shapes`` order)."""
     if has_adapters(model):
         return adapters_by_key(model, grads)
     return in_hf_order(model.config, state_to_hf(grads))
@@ -521,7 +521,7 @@ def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = Non
                 attn_implementation: str = "sdpa", device: Any = None) -> Model:
     """An NNX ``CausalLM`` of ``cfg``'s family holding ``weights`` (HF names, torch layout), on ``device``.
 
-    ``weights`` None draws ``common.init.init_weights(cfg, seed=0)``, the same model the torch
+    ``weights`` None draws ``common.models.init.init_weights(cfg, seed=0)``, the same model the torch
     backend builds. ``dtype`` is the parameter and compute dtype (``float32`` or ``bfloat16``, as
     HF's ``torch_dtype``). ``attn_implementation`` (every value of ``common.config`` is accepted, so
     one config runs on both backends) maps to the JAX backend's two attention paths, both masked by
@@ -614,7 +614,7 @@ def grads_jit(graphdef, state, inputs, num_items, *, loss_type: str, chunk_size:
 
 def loss_grads_and_metrics(model: CausalLM, batch: Batch, loss_type: str = "nll",
                            chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
-    """``loss_and_grads`` plus the loss metrics of ``twinseq.common.loss.metrics`` (as floats)."""
+    """``loss_and_grads`` plus the loss metrics of ``twinseq.common.objectives.nll.metrics`` (as floats)."""
     if loss_type not in LOSS_TYPES:
         raise ConfigError(f"loss_type={loss_type!r} is not supported by the JAX backend; choose one of {LOSS_TYPES}.")
     check_labels(batch.labels, model.config.vocab_size, batch.num_items_in_batch)

@@ -4,7 +4,7 @@ The mesh always has the three named axes ``("data", "fsdp", "cp")`` (size 1 when
 ``PartitionSpec`` naming any of them is valid on every mesh:
 
 - batch arrays ``[B, T]`` are split over ``("data", "fsdp")`` on B and over ``cp`` on T, in the
-  load-balanced zigzag order of ``twinseq.common.context_parallel`` (see ``shard_batch``);
+  load-balanced zigzag order of ``twinseq.common.data.context_parallel`` (see ``shard_batch``);
 - parameters are replicated, except over ``fsdp`` where the largest divisible dim is split;
 - attention inside the model runs ``ring_attention_fn(mesh)`` in place of dense attention.
 
@@ -37,13 +37,13 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from twinseq.common.batching import Batch, pad_batch
-from twinseq.common.capabilities import Runtime, check_runtime
 from twinseq.common.config import TrainConfig
-from twinseq.common.context_parallel import CPBatch, unshard_sequence
-from twinseq.common.context_parallel import shard_batch as reorder_batch
+from twinseq.common.data.batching import Batch, pad_batch
+from twinseq.common.data.context_parallel import CPBatch, unshard_sequence
+from twinseq.common.data.context_parallel import shard_batch as reorder_batch
+from twinseq.common.data.sft_steps import StepIterator
 from twinseq.common.errors import ConfigError
-from twinseq.common.loader import StepIterator
+from twinseq.common.run.capabilities import Runtime, check_runtime
 from twinseq.jax_backend.context_parallel import STRATEGIES, sharded_attention
 from twinseq.jax_backend.memory import apply_activation_checkpointing, remat_policy_of
 
@@ -217,7 +217,7 @@ def mesh_shape_of_config(cfg: TrainConfig, num_devices: int) -> tuple[int, int]:
     ``cp = context_parallel_size``; ``data = num_devices // cp``: every visible device is used, as
     torch's data-parallel size is ``world_size / cp``. ``cp == 1`` means no mesh at all (one device).
     The checks (cp against the devices, ``pad_to_multiple_of`` against ``2 * cp``) are
-    ``common.capabilities.check_runtime``'s, the same as the torch backend's.
+    ``common.run.capabilities.check_runtime``'s, the same as the torch backend's.
 
     >>> cfg = TrainConfig.from_flat(context_parallel_size=4, pad_to_multiple_of=64)
     >>> mesh_shape_of_config(cfg, 8)
@@ -260,7 +260,7 @@ def stack_batches(batches: Sequence[Batch], rows: int, multiple: int) -> Batch:
     0, label -100: it is never attended to nor scored. ``num_items_in_batch`` is the step total, the same
     on every rank.
 
-    >>> from twinseq.common.batching import collate
+    >>> from twinseq.common.data.batching import collate
     >>> a = collate([{"input_ids": [5, 6, 7]}], num_items_in_batch=3)
     >>> b = collate([{"input_ids": [8, 9]}], num_items_in_batch=3)
     >>> s = stack_batches([a, b], rows=1, multiple=4)

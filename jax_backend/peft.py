@@ -1,6 +1,6 @@
 """PEFT on the jax backend: LoRA/DoRA/rsLoRA adapters, QLoRA's 4-bit base and trainable tokens.
 
-The rules (targets, initial values, scaling, key names, merge) are twinseq.common.peft's; this module
+The rules (targets, initial values, scaling, key names, merge) are twinseq.common.models.peft's; this module
 reproduces peft 0.21's forward passes op for op, in float32 adapters:
 
 - LoRA (``peft.tuners.lora.layer.Linear.forward``): ``y = base(x) + lora_B(lora_A(dropout(x))) * scaling``,
@@ -36,11 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from twinseq.common import peft as common_peft
 from twinseq.common.backend import Model
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.models import ModelConfig
-from twinseq.common.peft import (
+from twinseq.common.models import peft as common_peft
+from twinseq.common.models.configs import ModelConfig
+from twinseq.common.models.peft import (
     TOKENS_KEY,
     PeftConfig,
     adapter_key,
@@ -249,7 +249,7 @@ def _locate(model: Model, path: str) -> tuple[Any, str]:
 
 def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
                  adapters: Optional[dict[str, np.ndarray]] = None) -> Model:
-    """A copy of ``model`` with adapters on ``common.peft.lora_targets(cfg, peft)`` (and trainable tokens, and
+    """A copy of ``model`` with adapters on ``common.models.peft.lora_targets(cfg, peft)`` (and trainable tokens, and
     an NF4 base with ``load_in_4bit``); ``adapters`` (PEFT keys) None: ``init_adapters(cfg, peft, seed=0)``."""
     check_peft_config(peft)
     if not peft.use_peft:
@@ -291,7 +291,7 @@ def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
 
 
 def export_adapters(model: Model) -> dict[str, np.ndarray]:
-    """float32 numpy adapter tensors by PEFT key (what ``common.peft.save_adapters`` writes)."""
+    """float32 numpy adapter tensors by PEFT key (what ``common.models.peft.save_adapters`` writes)."""
     return adapters_by_key(model, nnx.state(model, AdapterParam))
 
 
@@ -305,7 +305,7 @@ def load_adapter_values(model: Model, adapters: dict[str, np.ndarray]) -> None:
 
 
 def merge_adapters(model: Model) -> Model:
-    """A plain ``CausalLM`` whose weights have the adapters folded in (``common.peft.merge_adapters``; a 4-bit
+    """A plain ``CausalLM`` whose weights have the adapters folded in (``common.models.peft.merge_adapters``; a 4-bit
     base is dequantised first), in the model's dtype."""
     peft = peft_config(model)
     merged = common_peft.merge_adapters(model.config, peft, base_weights(model), export_adapters(model))

@@ -1,4 +1,4 @@
-"""``twinseq train --backend jax``: which builder runs each task; ``common.trainer.train_task`` runs the result.
+"""``twinseq train --backend jax``: which builder runs each task; ``common.run.trainer.train_task`` runs the result.
 
 A builder returns (trainer, step source, tokenizer, announce lines): ``trainer.build_sft`` and ``build_dpo``,
 ``grpo.build_grpo``. A new training method adds its builder to ``builders`` (docs/architecture.md, "Adding a
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import jax
 
-from twinseq.common.capabilities import Runtime
 from twinseq.common.config import TrainConfig
-from twinseq.common.runner import preflight
-from twinseq.common.trainer import Build, train_task
+from twinseq.common.run.capabilities import Runtime
+from twinseq.common.run.runner import preflight
+from twinseq.common.run.trainer import Build, train_task
 from twinseq.jax_backend.grpo import build_grpo
 from twinseq.jax_backend.trainer import build_dpo, build_sft, check_optimizer
 

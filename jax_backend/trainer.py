@@ -1,12 +1,12 @@
-"""The JAX trainers: the JAX hooks of ``common.trainer.TrainerTemplate`` (``JaxTrainer``), and SFT's and DPO's
+"""The JAX trainers: the JAX hooks of ``common.run.trainer.TrainerTemplate`` (``JaxTrainer``), and SFT's and DPO's
 micro-steps on them, on one device or on a (data, cp) mesh.
 
 ``recipes.train(cfg)`` calls ``build_sft``/``build_dpo`` (data, the model, ``parallel.parallelize``) and hands
-the trainer to ``common.runner.run``, which owns the loop (timing, logging, checkpoints, resume, the final
+the trainer to ``common.run.runner.run``, which owns the loop (timing, logging, checkpoints, resume, the final
 save): the same runner, the same step (``TrainerTemplate.step``) as the torch backend. Per step:
 ``gradient_accumulation_steps`` micro-batches, each loss already normalised by the whole step's label count
 (SFT) or pair count (DPO); torch's
-``clip_grad_norm_`` rule and AdamW with the schedule of ``common.schedule`` (weight decay on
+``clip_grad_norm_`` rule and AdamW with the schedule of ``common.run.schedule`` (weight decay on
 matrices only), so that torch and jax follow the same trajectory
 (``parity_tests/test_adamw_parity.py``).
 
@@ -37,20 +37,20 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from twinseq.common.batching import Batch, pad_batch
 from twinseq.common.config import TrainConfig
-from twinseq.common.data import prepare_dpo_dataset, prepare_sft_dataset
-from twinseq.common.dpo import validate_dpo_config
-from twinseq.common.dpo_loader import build_preference_iterator
+from twinseq.common.data.batching import Batch, pad_batch
+from twinseq.common.data.preference_steps import build_preference_iterator
+from twinseq.common.data.prepare import prepare_dpo_dataset, prepare_sft_dataset
+from twinseq.common.data.sft_steps import build_step_iterator
 from twinseq.common.errors import CheckpointError, ConfigError
-from twinseq.common.hf_checkpoint import check_tokenizer_fits, read_hf_checkpoint, resolve_model_source
-from twinseq.common.init import check_weights, init_weights
-from twinseq.common.loader import build_step_iterator
-from twinseq.common.metrics import peak_rss_bytes
-from twinseq.common.peft import init_adapters
-from twinseq.common.schedule import lr_multiplier
-from twinseq.common.step_metrics import dpo_step_metrics, sft_step_sums, with_means
-from twinseq.common.trainer import (
+from twinseq.common.models.hf_folder import check_tokenizer_fits, read_hf_checkpoint, resolve_model_source
+from twinseq.common.models.init import check_weights, init_weights
+from twinseq.common.models.peft import init_adapters
+from twinseq.common.objectives.dpo import validate_dpo_config
+from twinseq.common.run.report import peak_rss_bytes
+from twinseq.common.run.schedule import lr_multiplier
+from twinseq.common.run.step_metrics import dpo_step_metrics, sft_step_sums, with_means
+from twinseq.common.run.trainer import (
     TrainerTemplate,
     describe_run,
     peft_summary,
@@ -200,7 +200,7 @@ def compute_dtype(cfg: TrainConfig) -> Optional[str]:
 
 
 class JaxTrainer(TrainerTemplate):
-    """The JAX hooks of ``common.trainer.TrainerTemplate``: (graphdef, params, opt_state), gradients added up over
+    """The JAX hooks of ``common.run.trainer.TrainerTemplate``: (graphdef, params, opt_state), gradients added up over
     the micro-batches, torch's clip rule and AdamW in one jitted update; plus the state and the export. A task
     adds ``micro_step`` (loss, metrics and gradients of one micro-batch) and ``summarize``.
 
@@ -312,7 +312,7 @@ class JaxTrainer(TrainerTemplate):
         return jax.tree.map(place, restored, initial)
 
     def save_final(self, path: Path) -> None:
-        """An HF model folder, or with PEFT the adapter folder (``common.trainer.save_adapter_folder``)."""
+        """An HF model folder, or with PEFT the adapter folder (``common.run.trainer.save_adapter_folder``)."""
         model = self.model()
         if not self.peft:
             save_pretrained(model, path)
@@ -413,7 +413,7 @@ class DPOTrainer(JaxTrainer):
 
 
 def describe(cfg: TrainConfig, trainer: JaxTrainer) -> str:
-    """``common.trainer.describe_run`` of a JAX trainer: its parameters (or adapters), device or mesh, remat."""
+    """``common.run.trainer.describe_run`` of a JAX trainer: its parameters (or adapters), device or mesh, remat."""
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.params))
     params = f"{num_params / 1e6:.2f}M params"
     if trainer.peft:
@@ -427,7 +427,7 @@ def describe(cfg: TrainConfig, trainer: JaxTrainer) -> str:
 
 
 def build_step_source(cfg: TrainConfig, mesh: Optional[Mesh]):
-    """(step source, tokenizer, stats): ``common.loader``'s iterator, or on a mesh one per data replica."""
+    """(step source, tokenizer, stats): ``common.data.sft_steps``'s iterator, or on a mesh one per data replica."""
     if mesh is None:
         return build_step_iterator(cfg)
     rows, tokenizer, stats = prepare_sft_dataset(cfg)

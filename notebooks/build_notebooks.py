@@ -54,8 +54,8 @@ PACKING = [
     new_code_cell(
         "import numpy as np\n"
         "from twinseq.common.config import TrainConfig\n"
-        "from twinseq.common.data import prepare_sft_dataset\n"
-        "from twinseq.common.lengths import profile_lengths, format_profile\n\n"
+        "from twinseq.common.data.prepare import prepare_sft_dataset\n"
+        "from twinseq.common.data.lengths import profile_lengths, format_profile\n\n"
         "rows, tok, stats = prepare_sft_dataset(TrainConfig.from_flat(max_length=None))\n"
         "lengths = np.array([len(x) for x in rows['input_ids']])\n"
         "print(stats)\n"
@@ -67,7 +67,7 @@ PACKING = [
                       "token nothing predicts, so each cut loses one target (none if the cut falls in "
                       "a masked prompt). `lost ... loss targets` counts them, read from the completion mask."),
     new_code_cell(
-        "from twinseq.common.packing import pack_dataset\n"
+        "from twinseq.common.data.packing import pack_dataset\n"
         "for strategy in ['bfd', 'bfd_split', 'wrapped']:\n"
         "    _, packing_stats = pack_dataset(rows, 512, strategy, return_stats=True)\n"
         "    print(f'{strategy:9s}', packing_stats.summary())"),
@@ -75,7 +75,7 @@ PACKING = [
                       "segment and *j* is not after *i* in its document."),
     new_code_cell(
         "import matplotlib.pyplot as plt\n"
-        "from twinseq.common.batching import collate\n"
+        "from twinseq.common.data.batching import collate\n"
         "docs = [{'input_ids': list(range(10, 10 + n))} for n in (6, 4, 8)]\n"
         "batch = collate(docs, padding_free=True, pad_to_multiple_of=4)\n"
         "print('segment_ids ', batch.segment_ids[0])\n"
@@ -90,8 +90,8 @@ PACKING = [
     new_code_cell(
         "import torch\n"
         "from twinseq.common.config import ModelConfig\n"
-        "from twinseq.common.init import init_weights\n"
-        "from twinseq.common.loss import per_document_loss\n"
+        "from twinseq.common.models.init import init_weights\n"
+        "from twinseq.common.objectives.nll import per_document_loss\n"
         "from twinseq.torch_backend import build_model, logits\n\n"
         "cfg = ModelConfig.preset('tiny')\n"
         "model = build_model(cfg, init_weights(cfg, seed=0), attn_implementation='sdpa')\n"
@@ -351,9 +351,9 @@ import torch
 torch.backends.cuda.matmul.allow_tf32 = False  # TF32 exists on GPUs only; off, a GPU run stays float32
 torch.backends.cudnn.allow_tf32 = False
 from twinseq.common.backend import load_backend
-from twinseq.common.batching import collate
+from twinseq.common.data.batching import collate
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights
+from twinseq.common.models.init import init_weights
 
 cfg = ModelConfig.preset('tiny')
 weights = init_weights(cfg, seed=0)

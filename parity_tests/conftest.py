@@ -14,7 +14,7 @@ import pytest
 
 from parity_tests.inputs import CHUNK_SIZE, parity_batches
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights
+from twinseq.common.models.init import init_weights
 
 # JAX_PLATFORMS=cpu and the host device count are set by the root conftest.py.
 
@@ -84,7 +84,7 @@ class Harness:
         import torch.nn.functional as F
 
         import twinseq.torch_backend as tb
-        from twinseq.common.loss import shift_labels
+        from twinseq.common.objectives.nll import shift_labels
 
         batch = self.batches[layout]
         logits_BTV = tb.logits(self.torch_model, batch)
@@ -128,7 +128,7 @@ def sft_jsonl(tmp_path_factory) -> str:
     """160 prompt/completion rows of the embedded SFT data, as a local JSONL file (CLI and train() parity)."""
     import json
 
-    from twinseq.common.corpus import load_embedded
+    from twinseq.common.data.corpus import load_embedded
 
     path = tmp_path_factory.mktemp("data") / "sft.jsonl"
     with path.open("w") as f:

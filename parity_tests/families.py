@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from twinseq.common.batching import Batch, collate
-from twinseq.common.models import ModelConfig, to_hf_config
+from twinseq.common.data.batching import Batch, collate
+from twinseq.common.models.configs import ModelConfig, to_hf_config
 
 VOCAB = 512
 """Small enough to keep every family test fast; the per-token NLL (~ln 512 = 6.2) then sits where float32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from twinseq.common.batching import Batch, collate
+from twinseq.common.data.batching import Batch, collate
 
 LAYOUTS = ("padded", "padding_free")
 CHUNK_SIZE = 8  # the 48-token padded batch spans 6 chunks, the last one all-ignored (padding)

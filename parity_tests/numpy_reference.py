@@ -1,6 +1,6 @@
 """A pure-numpy Llama forward pass in float64: the third opinion of the parity suite.
 
-It reads the HF-named weights of ``twinseq.common.init`` and a ``Batch`` and follows the
+It reads the HF-named weights of ``twinseq.common.models.init`` and a ``Batch`` and follows the
 transformers ``LlamaForCausalLM`` maths without sharing a line with either backend. Running
 in float64 makes it the ground truth for float32 runs: each backend's error against it is
 its own float32 rounding, so a bug shows up as an error far above that floor.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from twinseq.common.batching import Batch
+from twinseq.common.data.batching import Batch
 from twinseq.common.config import ModelConfig
 
 

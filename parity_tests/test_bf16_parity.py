@@ -12,7 +12,7 @@ import pytest
 
 from parity_tests.inputs import LAYOUTS, rel_norm, valid_positions
 from parity_tests.tolerances import bf16_ulp, tol
-from twinseq.common.loss import shift_labels, token_nll
+from twinseq.common.objectives.nll import shift_labels, token_nll
 
 pytest.importorskip("torch")
 pytest.importorskip("jax")

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from parity_tests.inputs import valid_positions
 from parity_tests.tolerances import tol
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights
+from twinseq.common.models.init import init_weights
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("jax")

@@ -1,8 +1,8 @@
 """CLI parity (issue 4): ``twinseq train --backend torch`` and ``--backend jax``, same flags, same seed.
 
 Both runs go through ``twinseq.common.cli.main`` in this process (tyro parses the same flags into
-the same ``TrainConfig``), read the same local JSONL through ``common.data`` and
-``common.loader.StepIterator``, and log ``metrics.jsonl``. Warmup, cosine decay, weight decay on
+the same ``TrainConfig``), read the same local JSONL through ``common.data.prepare`` and
+``common.data.sft_steps.StepIterator``, and log ``metrics.jsonl``. Warmup, cosine decay, weight decay on
 matrices, gradient clipping and two accumulated micro-batches per step are all active.
 
 Invariants, at every one of 50 steps (float32, CPU):
@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 
 from parity_tests.tolerances import tol
-from twinseq.common.metrics import read_metrics
+from twinseq.common.run.report import read_metrics
 
 pytest.importorskip("torch")
 pytest.importorskip("jax")

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "torch_ba
 import _dist_workers as W  # noqa: E402
 
 from twinseq.common.config import ModelConfig  # noqa: E402
-from twinseq.common.context_parallel import shard_sequence  # noqa: E402
-from twinseq.common.init import init_weights  # noqa: E402
+from twinseq.common.data.context_parallel import shard_sequence  # noqa: E402
+from twinseq.common.models.init import init_weights  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.multi_device, pytest.mark.slow]
 
@@ -96,7 +96,7 @@ def _dense(q, k, v, seg, pos, scaling):
 
 def _jax_leaky_loss(model, batch) -> float:
     """The assembled forward with documents mixed (one segment per row, positions 0..T-1): a leak's loss."""
-    from twinseq.common.loss import shift_labels
+    from twinseq.common.objectives.nll import shift_labels
 
     B, T = batch.input_ids.shape
     seg = jnp.asarray(batch.segment_ids != 0, jnp.int32)
@@ -108,7 +108,7 @@ def _jax_leaky_loss(model, batch) -> float:
 def _jax_losses(model, mesh, batch) -> tuple[float, float, float]:
     """(JAX model loss, assembled forward with dense attention, assembled forward with ring attention)."""
     import twinseq.jax_backend as jb
-    from twinseq.common.loss import shift_labels
+    from twinseq.common.objectives.nll import shift_labels
     from twinseq.jax_backend.parallel import ring_attention_fn, shard_batch
 
     model_loss = float(jb.token_losses(model, batch).sum() / batch.num_items_in_batch)

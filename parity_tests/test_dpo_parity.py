@@ -10,7 +10,7 @@ sigmoid loss is exactly log 2 in every implementation, a test that cannot fail).
 Invariants (float32; bounds from ``parity_tests/tolerances.py``):
 
 - loss arithmetic: each backend's loss family, given the reference's sequence log-probs
-  (rounded to float32), equals ``common.dpo.dpo_loss`` within ``loss_rel`` (1e-6), for every
+  (rounded to float32), equals ``common.objectives.dpo.dpo_loss`` within ``loss_rel`` (1e-6), for every
   loss type at two betas and for weighted combinations;
 - end to end (forward, chunked log-probs, loss): within ``loss_rel`` of the float64 reference
   at TRL's default ``beta = 0.1``. Error budget: a sequence log-prob of k tokens (|logp| up to
@@ -33,8 +33,8 @@ import pytest
 
 from parity_tests.inputs import rel_norm
 from parity_tests.tolerances import TOLERANCES
-from twinseq.common.dpo import DPO_LOSS_TYPES, dpo_loss, validate_dpo_config
-from twinseq.common.dpo_batching import collate_preference, sequence_logps_from_logits
+from twinseq.common.objectives.dpo import DPO_LOSS_TYPES, dpo_loss, validate_dpo_config
+from twinseq.common.data.preference_batching import collate_preference, sequence_logps_from_logits
 
 TOL = TOLERANCES["float32"]
 LAYOUTS = ("padded", "padding_free")

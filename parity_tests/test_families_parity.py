@@ -22,7 +22,7 @@ import pytest
 from parity_tests.families import FAMILIES, FAMILY_CASES, family_batches, hf_random_checkpoint
 from parity_tests.inputs import rel_norm
 from parity_tests.tolerances import nll_change_from_logits, tol
-from twinseq.common.loss import shift_labels
+from twinseq.common.objectives.nll import shift_labels
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("jax")
@@ -78,7 +78,7 @@ def test_torch_and_jax_agree(name, layout, checkpoints, exact_fp32):
 def test_checkpoint_round_trip_torch_jax_torch_is_bitwise(name, checkpoints, tmp_path):
     import twinseq.jax_backend as jb
     import twinseq.torch_backend as tb
-    from twinseq.common.hf_checkpoint import read_hf_checkpoint
+    from twinseq.common.models.hf_folder import read_hf_checkpoint
 
     cfg, original = read_hf_checkpoint(checkpoints[name])
     assert cfg == FAMILY_CASES[name]

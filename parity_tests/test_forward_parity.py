@@ -14,7 +14,7 @@ import pytest
 
 from parity_tests.inputs import LAYOUTS, valid_positions
 from parity_tests.tolerances import tol
-from twinseq.common.loss import per_document_loss, shift_labels, token_nll
+from twinseq.common.objectives.nll import per_document_loss, shift_labels, token_nll
 
 pytest.importorskip("torch")
 pytest.importorskip("jax")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights
+from twinseq.common.models.init import init_weights
 
 PROMPT_LENGTHS = (7, 3, 12, 1)
 COMPLETION = 10

@@ -6,7 +6,7 @@ Invariants (float32, identical weights and batches, padded and padding-free):
 - within each backend, chunked and fused losses equal the full ``nll`` (loss and gradients);
 - the gradients are the derivative of the float64 numpy reference loss: per tensor, the
   directional derivative along a random direction matches a central finite difference;
-- the metrics (token accuracy, entropy, token count) match ``twinseq.common.loss.metrics``.
+- the metrics (token accuracy, entropy, token count) match ``twinseq.common.objectives.nll.metrics``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from parity_tests import numpy_reference
 from parity_tests.inputs import LAYOUTS, rel_norm
 from parity_tests.tolerances import tol
-from twinseq.common import loss as ref_loss
+from twinseq.common.objectives import nll as ref_loss
 
 pytest.importorskip("torch")
 pytest.importorskip("jax")

@@ -32,7 +32,7 @@ from safetensors.numpy import load_file
 from parity_tests.families import FAMILIES, family_batches, hf_document_logits, hf_random_checkpoint
 from parity_tests.inputs import rel_norm
 from parity_tests.tolerances import nll_change_from_logits, tol
-from twinseq.common.loss import shift_labels
+from twinseq.common.objectives.nll import shift_labels
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -1,6 +1,6 @@
 """LoRA parity: the torch backend (real ``peft``) and the JAX backend (Flax NNX LoRA) compute the same thing.
 
-Both start from the same base weights and the same adapters, drawn once by ``common.peft.init_adapters``
+Both start from the same base weights and the same adapters, drawn once by ``common.models.peft.init_adapters``
 (``lora_B`` drawn non-zero here, so the adapted model differs from its base and every adapter gradient is
 non-zero). Invariants, float32 on CPU, the bounds of TOLERANCES.md (no looser ones for adapters):
 
@@ -20,9 +20,9 @@ import pytest
 
 from parity_tests.inputs import parity_batches, rel_norm
 from parity_tests.tolerances import tol
-from twinseq.common.init import init_weights
-from twinseq.common.models import ModelConfig
-from twinseq.common.peft import PeftConfig, init_adapters, merge_adapters
+from twinseq.common.models.init import init_weights
+from twinseq.common.models.configs import ModelConfig
+from twinseq.common.models.peft import PeftConfig, init_adapters, merge_adapters
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("jax")
@@ -88,8 +88,8 @@ def test_other_adapters_break_the_bounds(exact_fp32):
 @pytest.mark.slow
 def test_twenty_lora_steps_agree(sft_jsonl, tmp_path, exact_fp32):
     from twinseq.common.config import TrainConfig
-    from twinseq.common.metrics import read_metrics
-    from twinseq.common.peft import read_adapters
+    from twinseq.common.run.report import read_metrics
+    from twinseq.common.models.peft import read_adapters
     from twinseq.common.backend import load_backend
 
     runs = {}

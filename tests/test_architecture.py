@@ -2,7 +2,7 @@
 
 - Both backends export every name of ``common.backend.Backend`` with the protocol's signature.
 - Both backends have the same modules, up to a listed set of differences, each with its reason.
-- No backend runs its own step loop: ``common.runner.run`` is the only one.
+- No backend runs its own step loop: ``common.run.runner.run`` is the only one.
 - ``common`` imports no framework (tests/common/test_no_framework_imports.py runs it blocked).
 - No file of the repository points outside it.
 """
@@ -84,12 +84,12 @@ def test_no_step_loop_outside_the_runner():
     hits = subprocess.run(["git", "grep", "-nE", r"for step in range", "--", "torch_backend", "jax_backend"],
                           cwd=ROOT, capture_output=True, text=True).stdout
     assert hits == "", hits
-    assert "for step in range" in (ROOT / "common" / "runner.py").read_text()
+    assert "for step in range" in (ROOT / "common" / "run" / "runner.py").read_text()
 
 
 def test_the_two_checkpoint_meanings_have_distinct_names():
     """A model folder is ``save_pretrained``/``load_pretrained`` (both backends); a resumable training
-    checkpoint is ``common.checkpoint.save_training_checkpoint`` (one writer for every trainer)."""
+    checkpoint is ``common.run.checkpoint.save_training_checkpoint`` (one writer for every trainer)."""
     for backend in BACKENDS:
         source = (ROOT / f"{backend}_backend" / "checkpoint.py").read_text()
         assert "def save_pretrained" in source and "def load_pretrained" in source
@@ -100,3 +100,17 @@ def test_nothing_in_the_repository_points_outside_it():
     hits = subprocess.run(["git", "grep", "-nF", "../" + "shared", "--", ".", ":(exclude)tests/test_architecture.py"],
                           cwd=ROOT, capture_output=True, text=True).stdout
     assert hits == "", hits
+
+
+def test_the_architecture_page_tables_are_generated_from_the_code():
+    """docs/architecture.md's generated tables (config sections, protocol, template hooks, modules, common's
+    packages) equal what ``docs/architecture_tables.py`` writes from the code today."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("architecture_tables", ROOT / "docs" / "architecture_tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert text.count("<!-- generated:") == len(tables.TABLES), "every table is on the page once"
+    assert tables.render(text) == text, "run python docs/architecture_tables.py and commit the page"
+    assert "| `run` |" not in text and "| `common/run` | `trainer` |" in text

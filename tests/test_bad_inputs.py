@@ -24,8 +24,8 @@ import pytest
 from twinseq.common.cli import main
 from twinseq.common.config import ModelConfig
 from twinseq.common.errors import TwinseqError
-from twinseq.common.hf_checkpoint import write_hf_checkpoint
-from twinseq.common.init import init_weights
+from twinseq.common.models.hf_folder import write_hf_checkpoint
+from twinseq.common.models.init import init_weights
 
 BACKENDS = ("torch", "jax")
 TINY = ModelConfig.preset("tiny")
@@ -372,7 +372,7 @@ def backend_and_model(request):
 
 
 def _api_cases(be, model, tmp_path):
-    from twinseq.common.batching import collate
+    from twinseq.common.data.batching import collate
     from twinseq.common.config import TrainConfig
 
     batch = collate([{"input_ids": [5, 6, 7]}])

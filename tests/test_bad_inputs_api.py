@@ -8,8 +8,8 @@ import pytest
 from twinseq.common.backend import load_backend
 from twinseq.common.config import TrainConfig
 from twinseq.common.errors import TwinseqError
-from twinseq.common.grpo import compute_rewards
-from twinseq.common.grpo_data import resolve_reward_funcs
+from twinseq.common.objectives.grpo import compute_rewards
+from twinseq.common.data.prompts import resolve_reward_funcs
 
 CONFIG_CASES = {  # flat values (the Python API's from_flat and constructor, and what a YAML file holds)
     "python: max_length as a string": (dict(max_length="512"), "max_length='512'", "integer"),

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from twinseq.common.cli import main as cli_main
-from twinseq.common.hf_checkpoint import read_model_config, write_hf_checkpoint
-from twinseq.common.init import init_weights
-from twinseq.common.metrics import read_metrics
-from twinseq.common.models import ModelConfig, to_hf_config
-from twinseq.common.tokenizer import load_tokenizer
+from twinseq.common.models.hf_folder import read_model_config, write_hf_checkpoint
+from twinseq.common.models.init import init_weights
+from twinseq.common.run.report import read_metrics
+from twinseq.common.models.configs import ModelConfig, to_hf_config
+from twinseq.common.data.tokenizer import load_tokenizer
 
-from tests.common.chat_fixtures import save_tokenizer_folder
+from tests.common.data.chat_fixtures import save_tokenizer_folder
 
 BACKENDS = ["torch", "jax"]
 WITH_WEIGHTS = {"tiny-llama3": True, "tiny-qwen2": False, "tiny-qwen3": True, "tiny-mistral": False,

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from twinseq.common.metrics import read_metrics
+from twinseq.common.run.report import read_metrics
 
 ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
@@ -207,8 +207,8 @@ def test_a_pickled_model_file_is_never_loaded(tmp_path):
     from twinseq.common.backend import load_backend
     from twinseq.common.config import ModelConfig
     from twinseq.common.errors import CheckpointError
-    from twinseq.common.hf_checkpoint import write_hf_checkpoint
-    from twinseq.common.init import init_weights
+    from twinseq.common.models.hf_folder import write_hf_checkpoint
+    from twinseq.common.models.init import init_weights
 
     cfg = ModelConfig.preset("tiny")
     folder = write_hf_checkpoint(cfg, init_weights(cfg), tmp_path / "model")

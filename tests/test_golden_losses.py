@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from twinseq.common.metrics import read_metrics
+from twinseq.common.run.report import read_metrics
 
 GOLDEN_PATH = Path(__file__).parent / "assets" / "golden_losses.json"
 GOLDEN = json.loads(GOLDEN_PATH.read_text())

@@ -1,9 +1,9 @@
-"""GRPO's defaults and refusals are the same on both backends (the rollout's rules live in ``common.grpo``)."""
+"""GRPO's defaults and refusals are the same on both backends (the rollout's rules live in ``common.objectives.grpo``)."""
 
 import pytest
 
 from twinseq.common.config import TrainConfig
-from twinseq.common.grpo import DEFAULT_MAX_COMPLETION_LENGTH
+from twinseq.common.objectives.grpo import DEFAULT_MAX_COMPLETION_LENGTH
 
 
 def _cfg(tmp_path, **overrides):

@@ -128,7 +128,7 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_is_read_from_every_layer():
     assert len(MODULES) > 60
     assert "twinseq.torch_backend.trainer" in EDGES["twinseq.torch_backend.grpo"]
-    assert "twinseq.common.trainer" in EDGES["twinseq.jax_backend.trainer"]
+    assert "twinseq.common.run.trainer" in EDGES["twinseq.jax_backend.trainer"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

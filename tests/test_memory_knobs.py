@@ -14,9 +14,9 @@ import pytest
 
 from parity_tests.inputs import rel_norm
 from parity_tests.tolerances import tol
-from twinseq.common.batching import collate
+from twinseq.common.data.batching import collate
 from twinseq.common.config import ModelConfig, TrainConfig
-from twinseq.common.init import init_weights
+from twinseq.common.models.init import init_weights
 
 NUM_STEPS = 3
 MODEL = ModelConfig.preset("tiny", vocab_size=512)
@@ -168,7 +168,7 @@ def test_jax_gradient_checkpointing_matches_the_plain_run(jax_plain, jax_first_g
 
 
 def test_torch_compile_is_refused_on_jax():
-    from twinseq.common.capabilities import Runtime, check_runtime
+    from twinseq.common.run.capabilities import Runtime, check_runtime
     from twinseq.common.errors import ConfigError
 
     with pytest.raises(ConfigError, match="torch_compile=True is a torch option"):

@@ -19,7 +19,7 @@ sys.path.insert(0, str(BENCH))
 from memory_planner_check import BASE, TOLERANCE, check_one  # noqa: E402
 
 from twinseq.common.config import TrainConfig  # noqa: E402
-from twinseq.common.memory_plan import advise, format_bytes, parse_bytes, plan_memory  # noqa: E402
+from twinseq.common.run.memory_plan import advise, format_bytes, parse_bytes, plan_memory  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MIB = 2 ** 20

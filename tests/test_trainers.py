@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from twinseq.common.cli import main as cli_main
-from twinseq.common.metrics import REQUIRED_FIELDS, read_metrics
+from twinseq.common.run.report import REQUIRED_FIELDS, read_metrics
 
 BACKENDS = ["torch", "jax"]
 REWARD_FIELDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

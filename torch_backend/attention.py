@@ -1,6 +1,6 @@
 """Document-masked attention for every attention path of every family, and ``forward_hidden``.
 
-The rule (``common.batching.Batch``): token i may attend to token j iff
+The rule (``common.data.batching.Batch``): token i may attend to token j iff
 ``segment_ids[i] == segment_ids[j] != 0`` and ``position_ids[j] <= position_ids[i]``; in a
 sliding-window layer also ``position_ids[i] - position_ids[j] < sliding_window`` (transformers'
 ``sliding_window_overlay``, counted in positions within the document). Padded, packed and
@@ -54,10 +54,10 @@ from torch.nn.attention.flex_attention import create_block_mask
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from twinseq.common.batching import Batch, check_batch
 from twinseq.common.config import ATTN_IMPLEMENTATIONS
+from twinseq.common.data.batching import Batch, check_batch
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.models import MODEL_TYPES
+from twinseq.common.models.configs import MODEL_TYPES
 from twinseq.torch_backend.blocked_attention import (
     BLOCKED_HF_NAME,
     attention_modules,
@@ -569,7 +569,7 @@ def model_inputs(batch: Batch, attn_implementation: str, device: Any, mask_dtype
         plan = varlen_plan(batch.segment_ids, batch.position_ids, device)
         if plan is None and attn_implementation in _FLASH_MODULES:
             raise ConfigError(f"attn_implementation={attn_implementation!r} needs contiguous documents with "
-                              f"position_ids 0, 1, 2, ... (as common.batching.collate builds them); this batch "
+                              f"position_ids 0, 1, 2, ... (as common.data.batching.collate builds them); this batch "
                               f"has other positions. Use attn_implementation='sdpa'.")
         if plan is None:
             logger.info("varlen: documents are not contiguous runs with positions 0..n-1; using the dense "

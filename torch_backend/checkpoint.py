@@ -1,10 +1,10 @@
 """Model folders on disk (Hugging Face layout) and the torch side of training checkpoints.
 
 - ``load_pretrained`` / ``save_pretrained``: a local HF folder (``config.json`` +
-  ``model.safetensors``) of any family of ``common.models`` in and out, with transformers' own
+  ``model.safetensors``) of any family of ``common.models.configs`` in and out, with transformers' own
   reader and writer.
 - ``to_numpy_tree`` / ``from_numpy_tree``: a state dict of tensors as numpy arrays and back, so
-  that ``common.checkpoint`` writes it as safetensors + JSON (nothing pickled, nothing that runs
+  that ``common.run.checkpoint`` writes it as safetensors + JSON (nothing pickled, nothing that runs
   code on load) and a resumed run continues bitwise (fp32 on CPU).
 """
 
@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from twinseq.common.backend import Model, PathLike
 from twinseq.common.errors import CheckpointError
-from twinseq.common.hf_checkpoint import inspect_model_folder
+from twinseq.common.models.hf_folder import inspect_model_folder
 from twinseq.torch_backend.attention import check_attention_supported, hf_attn_name, resolve_attn_implementation
 from twinseq.torch_backend.model import _as_dtype, make_rope_stateless_, model_config_of
 
@@ -29,8 +29,8 @@ def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_impleme
                     device: Any = None) -> Model:
     """Load a local HF checkpoint directory of any family twinseq builds (no download); train mode.
 
-    The folder is checked first with numpy (``common.hf_checkpoint.inspect_model_folder``: its
-    ``config.json`` must describe a ``model_type`` of ``common.models.MODEL_TYPES``, and every
+    The folder is checked first with numpy (``common.models.hf_folder.inspect_model_folder``: its
+    ``config.json`` must describe a ``model_type`` of ``common.models.configs.MODEL_TYPES``, and every
     tensor must be there with its shape), then ``AutoModelForCausalLM`` loads it with
     transformers' own reader, safetensors only. ``dtype`` None keeps the stored dtype when it is
     float32 or bfloat16 (else float32).

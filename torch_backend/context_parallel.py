@@ -1,5 +1,5 @@
 """Context parallelism (CP) for the torch backend: every rank of a ``cp`` group holds ``T / cp``
-tokens of each row, in the load-balanced zigzag order of ``twinseq.common.context_parallel``.
+tokens of each row, in the load-balanced zigzag order of ``twinseq.common.data.context_parallel``.
 
 Two strategies, both run as HF attention functions registered in ``transformers.AttentionInterface``
 (so RoPE uses the shard's own ``position_ids`` and the rest of the Llama is untouched):
@@ -29,7 +29,7 @@ Two strategies, both run as HF attention functions registered in ``transformers.
 Naive equivalent of either strategy (what the tests check): the dense document-masked attention
 of ``twinseq.torch_backend.attention.document_mask`` on the unsharded row, then the rank's slice.
 
-The labels are shifted BEFORE the zigzag reorder (``common.context_parallel.shard_batch``), so
+The labels are shifted BEFORE the zigzag reorder (``common.data.context_parallel.shard_batch``), so
 a shard carries ``targets`` and the loss must not shift again (``targets_are_shifted=True``).
 """
 
@@ -49,11 +49,11 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
-from twinseq.common.batching import Batch
 from twinseq.common.config import DEFAULT_ATTENTION_BLOCK_SIZE
-from twinseq.common.context_parallel import check_seq_len, cp_permutation, shard_batch
+from twinseq.common.data.batching import Batch
+from twinseq.common.data.context_parallel import check_seq_len, cp_permutation, shard_batch
 from twinseq.common.errors import ConfigError
-from twinseq.common.loss import shift_labels
+from twinseq.common.objectives.nll import shift_labels
 from twinseq.torch_backend.attention import mask_layout, softcapped_attention
 from twinseq.torch_backend.blocked_attention import BlockedPlan, attention_block_size, blocked_attention
 
@@ -109,7 +109,7 @@ def check_cp_seq_len(seq_len: int, cp: int) -> None:
 def shard_for_rank(batch: Batch, cp: int, cp_rank: int, device: Any = "cpu") -> CPShard:
     """Shift the labels, reorder the row (zigzag) and keep ``cp_rank``'s contiguous slice.
 
-    >>> from twinseq.common.batching import collate
+    >>> from twinseq.common.data.batching import collate
     >>> b = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9, 4, 3, 2]}], padding_free=True)
     >>> s = shard_for_rank(b, cp=2, cp_rank=0)
     >>> s.input_ids.tolist(), s.targets.tolist(), s.position_ids.tolist()
@@ -341,7 +341,7 @@ def ring_micro_batch(batch: Batch, cp: int, cp_rank: int) -> RingMicroBatch:
 
 def ring_load_balancer_indices(seq_len: int, cp: int) -> np.ndarray:
     """int64 [T]: torch's head-tail load-balancer order (rank shards contiguous), for comparison with
-    ``common.context_parallel.cp_permutation`` (they must agree: the loss counts targets by it)."""
+    ``common.data.context_parallel.cp_permutation`` (they must agree: the loss counts targets by it)."""
     return _HeadTailLoadBalancer(seq_len, cp, "cpu")._generate_indices().reshape(-1).numpy()
 
 

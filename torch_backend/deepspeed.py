@@ -45,12 +45,12 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.initialization import no_init_weights
 
 from twinseq.common.config import TrainConfig
+from twinseq.common.data.sft_steps import build_step_iterator
 from twinseq.common.errors import CheckpointError, ConfigError, MissingDependencyError
-from twinseq.common.hf_checkpoint import check_tokenizer_fits, resolve_model_source
-from twinseq.common.init import check_weights, init_weights, parameter_shapes
-from twinseq.common.loader import build_step_iterator
-from twinseq.common.metrics import peak_rss_bytes
-from twinseq.common.trainer import TrainerTemplate
+from twinseq.common.models.hf_folder import check_tokenizer_fits, resolve_model_source
+from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
+from twinseq.common.run.report import peak_rss_bytes
+from twinseq.common.run.trainer import TrainerTemplate
 from twinseq.torch_backend.checkpoint import load_pretrained, rng_state, save_pretrained, set_rng_state, to_numpy_tree
 from twinseq.torch_backend.distributed import any_over_ranks, max_over_ranks
 from twinseq.torch_backend.losses import CausalLMLoss
@@ -232,7 +232,7 @@ def build_partitioned_model(model_cfg, weights: Mapping[str, np.ndarray], ds_cfg
 class Zero3Engine:
     """A DeepSpeed ZeRO-3 engine around ``losses.CausalLMLoss(causal_lm)``: its micro-step (forward and the
     backward of a loss normalised by the whole step), generation, and the full weights. ``Zero3Hooks`` runs it
-    through ``common.trainer.TrainerTemplate``'s step."""
+    through ``common.run.trainer.TrainerTemplate``'s step."""
 
     def __init__(self, engine: Any, scheduler: Any, cfg: TrainConfig) -> None:
         self.engine, self.scheduler, self.cfg = engine, scheduler, cfg
@@ -410,7 +410,7 @@ def _cut(tokens: list[int], eos_token_id: Optional[int], pad_token_id: int) -> l
 
 
 class Zero3Hooks(TrainerTemplate):
-    """``common.trainer.TrainerTemplate``'s backend hooks over a ``Zero3Engine``: DeepSpeed steps the optimizer and
+    """``common.run.trainer.TrainerTemplate``'s backend hooks over a ``Zero3Engine``: DeepSpeed steps the optimizer and
     the schedule at the accumulation boundary, inside the micro-steps (``update_in_micro_steps``: a non-finite
     step stops the run; ``train_zero3`` refuses ``skip_nonfinite_steps``); the gradient norm is DeepSpeed's.
     The state is the full (unpartitioned) state as numpy + JSON, read and written one parameter at a time with
@@ -524,7 +524,7 @@ class Zero3Hooks(TrainerTemplate):
 
 
 class Zero3SFTTrainer(Zero3Hooks):
-    """SFT under ZeRO-3: this rank's micro-batches (``common.loader.StepIterator(..., world_size, rank)``), losses
+    """SFT under ZeRO-3: this rank's micro-batches (``common.data.sft_steps.StepIterator(..., world_size, rank)``), losses
     normalised by the step's label count; the step's metrics summed over ranks (the step's mean token loss)."""
 
     def __init__(self, engine: Zero3Engine) -> None:

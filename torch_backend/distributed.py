@@ -36,12 +36,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
-from twinseq.common.batching import Batch, pad_batch
-from twinseq.common.capabilities import Runtime as CapabilityRuntime
 from twinseq.common.config import TrainConfig
+from twinseq.common.data.batching import Batch, pad_batch
 from twinseq.common.errors import ConfigError
-from twinseq.common.runner import preflight
-from twinseq.common.step_metrics import ADDITIVE, INTEGER
+from twinseq.common.run.capabilities import Runtime as CapabilityRuntime
+from twinseq.common.run.runner import preflight
+from twinseq.common.run.step_metrics import ADDITIVE, INTEGER
 from twinseq.torch_backend import context_parallel as cpmod
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ def micro_batch_context(micro: Any, runtime: Optional[Runtime]) -> Iterator[Any]
 
 
 def reduce_step_metrics(out: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """Sum the additive metrics (``common.step_metrics.ADDITIVE``) over all ranks."""
+    """Sum the additive metrics (``common.run.step_metrics.ADDITIVE``) over all ranks."""
     keys = [k for k in ADDITIVE if k in out]
     values = torch.tensor([float(out[k]) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.SUM)

@@ -1,9 +1,9 @@
 """DPO on the torch backend: the loss of a preference micro-batch, its reference, and Liger's kernel.
 
-A preference micro-batch (``common.dpo_batching.PreferenceBatch``) holds 2N documents, chosen
+A preference micro-batch (``common.data.preference_batching.PreferenceBatch``) holds 2N documents, chosen
 then rejected, padded (one per row) or padding-free (all in one row). Their sequence log-probs
 come from ``logprobs.sequence_logps`` with the token-loss kernel ``loss_type``; the loss family
-is ``common.dpo.dpo_family`` (written once, evaluated here with torch ops; TRL 1.16 semantics).
+is ``common.objectives.dpo.dpo_family`` (written once, evaluated here with torch ops; TRL 1.16 semantics).
 A micro-batch's loss is ``Σ_n Σ_k w_k L_k[n] / examples_per_step`` so that accumulated
 micro-batches give the full batch's mean over pairs. ``loss_type='liger'`` runs Liger's
 ``LigerFusedLinearDPOLoss`` (CUDA, padded, 'sigmoid', live reference).
@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from twinseq.common.backend import Model
-from twinseq.common.capabilities import GPU_EXTRA
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
-from twinseq.common.dpo import ArrayOps, DPOLossConfig, check_liger_dpo_config, dpo_family
-from twinseq.common.dpo_batching import PreferenceBatch
-from twinseq.common.dpo_loader import iter_preference_batches, with_ref_logps
+from twinseq.common.data.preference_batching import PreferenceBatch
+from twinseq.common.data.preference_steps import iter_preference_batches, with_ref_logps
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.init import parameter_shapes
+from twinseq.common.models.init import parameter_shapes
+from twinseq.common.objectives.dpo import ArrayOps, DPOLossConfig, check_liger_dpo_config, dpo_family
+from twinseq.common.run.capabilities import GPU_EXTRA
 from twinseq.torch_backend.attention import forward_hidden
 from twinseq.torch_backend.logprobs import sequence_logps
 from twinseq.torch_backend.losses import final_logit_softcap

@@ -1,19 +1,19 @@
 """GRPO on the torch backend: completion log-probs from hidden states, the loss family, and the step trainer.
 
-One optimizer step (``GRPOTrainer``: ``common.rollout.GroupRollout`` on ``common.trainer.TrainerTemplate``):
+One optimizer step (``GRPOTrainer``: ``common.run.rollout.GroupRollout`` on ``common.run.trainer.TrainerTemplate``):
 
 1. every ``num_iterations`` steps, the common rollout generates ``num_generations`` completions per
    prompt (here: ``generation.generate``, KV cache, left-padded prompts, or a colocated vLLM), scores
-   them with the reward functions and turns the rewards into group advantages (``common.grpo``); with
+   them with the reward functions and turns the rewards into group advantages (``common.objectives.grpo``); with
    ``num_iterations > 1`` keep the sampling policy's log-probs, with ``grpo_beta > 0`` the
    reference's (the policy with its adapters disabled under PEFT, else a frozen copy);
 2. split the completions into micro-batches of ``per_device_train_batch_size``; each
    computes its completion-token log-probs chunk by chunk from hidden states
    (``logprobs.token_logps``: the token-loss kernel ``loss_type``; ``fused_linear`` never
    holds a ``[tokens, V]`` tensor), over a padded or a padding-free batch
-   (``common.grpo.collate_completions``), and back-propagates its share of the step loss.
+   (``common.objectives.grpo.collate_completions``), and back-propagates its share of the step loss.
 
-The loss is ``common.grpo.grpo_loss`` written with torch ops (``grpo_loss_torch``); both are
+The loss is ``common.objectives.grpo.grpo_loss`` written with torch ops (``grpo_loss_torch``); both are
 tested equal. Logits are divided by the sampling ``temperature`` before the softmax, as TRL
 does, so that the ratio compares the distribution the completions were drawn from.
 """
@@ -30,14 +30,14 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from twinseq.common.capabilities import GPU_EXTRA
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
-from twinseq.common.data import run_tokenizer
+from twinseq.common.data.prepare import run_tokenizer
+from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.grpo import CompletionBatch, LossSpec, StepShare, collate_completions, reward_func_name
-from twinseq.common.grpo_data import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
-from twinseq.common.rollout import GroupRollout, token_record
-from twinseq.common.trainer import reference_description
+from twinseq.common.objectives.grpo import CompletionBatch, LossSpec, StepShare, collate_completions, reward_func_name
+from twinseq.common.run.capabilities import GPU_EXTRA
+from twinseq.common.run.rollout import GroupRollout, token_record
+from twinseq.common.run.trainer import reference_description
 from twinseq.torch_backend import triton_ce
 from twinseq.torch_backend.attention import forward_hidden
 from twinseq.torch_backend.generation import generate
@@ -119,7 +119,7 @@ def completion_logps(model: torch.nn.Module, cb: CompletionBatch, *, loss_type: 
 
 
 # --------------------------------------------------------------------------------------
-# The loss (common.grpo.grpo_loss with torch ops)
+# The loss (common.objectives.grpo.grpo_loss with torch ops)
 # --------------------------------------------------------------------------------------
 
 
@@ -127,7 +127,7 @@ def grpo_loss_torch(logps_NC: torch.Tensor, advantages_N: torch.Tensor, mask_NC:
                     share: StepShare = StepShare(),  # noqa: B008 (an immutable NamedTuple)
                     *, old_logps_NC: Optional[torch.Tensor] = None,
                     ref_logps_NC: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """(this micro-batch's ``share`` of the step loss, metrics): ``common.grpo.grpo_loss`` in torch."""
+    """(this micro-batch's ``share`` of the step loss, metrics): ``common.objectives.grpo.grpo_loss`` in torch."""
     eps_low = spec.epsilon
     eps_high = spec.epsilon if spec.epsilon_high is None else spec.epsilon_high
     m = mask_NC.to(logps_NC.dtype)
@@ -261,7 +261,7 @@ def split_micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequen
 
 
 class GRPOTrainer(GroupRollout, TorchTrainer):
-    """GRPO's torch trainer: ``common.rollout.GroupRollout`` (generation every ``num_iterations`` steps, rewards,
+    """GRPO's torch trainer: ``common.run.rollout.GroupRollout`` (generation every ``num_iterations`` steps, rewards,
     advantages, the step's metrics) on ``TorchTrainer``'s hooks; here only what is torch: sampling (HF generate
     with a KV cache, or a colocated vLLM engine), the kept log-probs, and the micro-step."""
 

@@ -1,7 +1,7 @@
 """Per-token and per-document log-probs of the targets, from hidden states (DPO's, later GRPO's).
 
 The sequence log-prob of document d is the sum, over the positions t whose target
-``labels[t + 1]`` belongs to d (``target_doc_ids[t] == d``, see ``common.dpo_batching``), of
+``labels[t + 1]`` belongs to d (``target_doc_ids[t] == d``, see ``common.data.preference_batching``), of
 ``log softmax(hidden[t] @ W.T)[labels[t + 1]]``. How the per-token values are computed is the
 token-loss kernel ``loss_type``, as for SFT:
 
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
-from twinseq.common.dpo_batching import PreferenceBatch
+from twinseq.common.data.preference_batching import PreferenceBatch
 from twinseq.common.errors import ConfigError, DataError
-from twinseq.common.loss import shift_labels
+from twinseq.common.objectives.nll import shift_labels
 from twinseq.torch_backend import triton_ce
 from twinseq.torch_backend.losses import apply_logit_softcap, check_logit_softcap, softcap_with_derivative_
 
@@ -189,7 +189,7 @@ def sequence_logps(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, pb
                    logit_softcap: Optional[float] = None) -> torch.Tensor:
     """[2N] sequence log-probs (chosen documents, then rejected) from the final hidden states.
 
-    Naive equivalent (``common.dpo_batching.sequence_logps_from_logits``)::
+    Naive equivalent (``common.data.preference_batching.sequence_logps_from_logits``)::
 
         logp_BT = log_softmax(softcap(hidden_BTH @ W.T))[b, t, labels[b, t + 1]]
         out[d] = Σ logp_BT[b, t] over (b, t) with target_doc_ids[b, t] == d

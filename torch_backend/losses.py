@@ -1,6 +1,6 @@
 """Causal-LM losses from the last hidden state: full, chunked, fused, Liger and Triton.
 
-All five compute the same number (``twinseq.common.loss.nll_loss`` is the reference):
+All five compute the same number (``twinseq.common.objectives.nll.nll_loss`` is the reference):
 
     targets = labels shifted left by one (last position -100)
     logits = hidden @ W.T + b, in float32; with ``logit_softcap`` c: c * tanh(logits / c)
@@ -40,11 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from twinseq.common.batching import Batch
-from twinseq.common.capabilities import GPU_EXTRA as _GPU_EXTRA
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, LOSS_TYPES, TrainConfig
+from twinseq.common.data.batching import Batch
 from twinseq.common.errors import ConfigError, ConfigTypeError, DataError
-from twinseq.common.loss import IGNORE_INDEX, check_num_items
+from twinseq.common.objectives.nll import IGNORE_INDEX, check_num_items
+from twinseq.common.run.capabilities import GPU_EXTRA as _GPU_EXTRA
 from twinseq.torch_backend import context_parallel as cpmod
 from twinseq.torch_backend import triton_ce
 from twinseq.torch_backend.attention import forward_hidden, mask_layout
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 
 def shift_labels(labels_BT: torch.Tensor) -> torch.Tensor:
-    """``targets[:, t] = labels[:, t + 1]``, the last position -100 (see common/loss.py)."""
+    """``targets[:, t] = labels[:, t + 1]``, the last position -100 (see common/objectives/nll.py)."""
     return F.pad(labels_BT[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
@@ -340,7 +340,7 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
     ``loss_type`` is one of ``common.config.LOSS_TYPES``; ``chunk_size`` is the tokens per
     chunk of ``chunked_nll`` and ``fused_linear``. ``targets_are_shifted=True`` means
     ``labels_BT`` already holds the targets (``labels[t + 1]`` at t), as a context-parallel
-    shard does (``common.context_parallel.shard_batch``): they are used as they are.
+    shard does (``common.data.context_parallel.shard_batch``): they are used as they are.
     ``logit_softcap`` is the model's final logit soft-cap ``c`` (``final_logit_softcapping``; None:
     none): every loss type computes the cross-entropy of ``c * tanh(logits / c)``.
     """

@@ -1,9 +1,9 @@
 """The torch model: a Hugging Face ``AutoModelForCausalLM`` of any family ``ModelConfig`` describes.
 
-``common.models`` decides the architecture (Llama, Qwen2, Qwen3, Mistral, Gemma 2) and writes its
+``common.models.configs`` decides the architecture (Llama, Qwen2, Qwen3, Mistral, Gemma 2) and writes its
 ``config.json`` (``to_hf_config``); this module hands that to transformers' own classes
 (``AutoConfig.for_model`` + ``AutoModelForCausalLM``), so the torch backend runs exactly the
-modules a Hugging Face checkpoint runs. Weights come from ``common.init.init_weights`` (numpy, HF
+modules a Hugging Face checkpoint runs. Weights come from ``common.models.init.init_weights`` (numpy, HF
 names) or a local HF checkpoint (``checkpoint.load_pretrained``), so the torch and JAX backends
 start from the same model. The protocol functions ``build_model``, ``export_weights``, ``logits``
 and ``loss_and_grads`` (``common.backend.Backend``) live here; ``logits`` and ``loss_and_grads``
@@ -23,11 +23,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.initialization import no_init_weights
 
 from twinseq.common.backend import Model
-from twinseq.common.batching import Batch
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, ModelConfig
+from twinseq.common.data.batching import Batch
 from twinseq.common.errors import ConfigError
-from twinseq.common.init import check_weights, init_weights, parameter_shapes
-from twinseq.common.models import from_hf_config, to_hf_config
+from twinseq.common.models.configs import from_hf_config, to_hf_config
+from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
 from twinseq.torch_backend.attention import (
     check_attention_supported,
     forward_hidden,
@@ -60,7 +60,7 @@ def _as_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
 def to_hf_model_config(cfg: ModelConfig, attn_implementation: str = "sdpa"):
     """The transformers config object (``LlamaConfig``, ``Gemma2Config``, ...) of exactly ``cfg``.
 
-    Built by ``AutoConfig.for_model`` from ``common.models.to_hf_config``, i.e. from the same
+    Built by ``AutoConfig.for_model`` from ``common.models.configs.to_hf_config``, i.e. from the same
     ``config.json`` a checkpoint of ``cfg`` holds, so a built model and a loaded one agree.
     ``attn_implementation`` is resolved first (``resolve_attn_implementation``: Gemma 2's
     soft-capped attention runs ``eager`` where ``sdpa`` is asked for).
@@ -74,12 +74,12 @@ def to_hf_model_config(cfg: ModelConfig, attn_implementation: str = "sdpa"):
 
 def model_config_of(model: torch.nn.Module) -> ModelConfig:
     """The neutral ``ModelConfig`` of a transformers model, read from its config as a ``config.json``
-    (``common.models.from_hf_config``: an architecture twinseq does not build raises ``ConfigError``)."""
+    (``common.models.configs.from_hf_config``: an architecture twinseq does not build raises ``ConfigError``)."""
     return from_hf_config(model.config.to_dict(), f"{type(model).__name__}.config")
 
 
 def make_rope_stateless_(model: torch.nn.Module) -> None:
-    """Make dynamic RoPE depend on the current batch only (``common.rope``'s rule), in place.
+    """Make dynamic RoPE depend on the current batch only (``common.models.rope``'s rule), in place.
 
     transformers' ``dynamic_rope_update`` keeps the largest ``seq_len`` seen so far in the rotary
     module (``inv_freq``, ``max_seq_len_cached``) and only shrinks back below
@@ -108,7 +108,7 @@ def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = Non
     (default CPU), in train mode.
 
     ``weights`` are HF-named numpy arrays, checked strictly by name and shape (``ValueError``
-    listing every mismatch); None draws ``common.init.init_weights(cfg, seed=0)``, the same
+    listing every mismatch); None draws ``common.models.init.init_weights(cfg, seed=0)``, the same
     model the JAX backend builds.
     """
     device = torch.device("cpu" if device is None else device)
@@ -161,7 +161,7 @@ def export_weights(model: Model) -> dict[str, np.ndarray]:
 
 
 def base_weights(model: Model) -> dict[str, np.ndarray]:
-    """float32 numpy base weights in HF names (``common.models.parameter_shapes``), through PEFT's wrappers; an
+    """float32 numpy base weights in HF names (``common.models.configs.parameter_shapes``), through PEFT's wrappers; an
     NF4 weight dequantised (the numbers QLoRA's forward multiplies by)."""
     inner = causal_lm_of(model)
     out = {}

@@ -1,11 +1,11 @@
 """PEFT on the torch backend: LoRA/DoRA/rsLoRA adapters, QLoRA's 4-bit base and trainable tokens.
 
-The rules (targets, initial values, scaling, key names, merge) are ``twinseq.common.peft``'s; the layers are
+The rules (targets, initial values, scaling, key names, merge) are ``twinseq.common.models.peft``'s; the layers are
 the real ``peft`` library's (``LoraConfig`` + ``get_peft_model``), so an adapter model here is a
 ``peft.PeftModel`` that PEFT, TRL and ``transformers`` recognise:
 
 - ``add_adapters`` wraps a plain model (``model.build_model``/``load_pretrained``) and overwrites PEFT's random
-  initialisation with ``common.peft.init_adapters`` (or given adapters), so the torch and JAX backends start
+  initialisation with ``common.models.peft.init_adapters`` (or given adapters), so the torch and JAX backends start
   from the same numbers. With ``load_in_4bit`` the decoder's linear layers are first quantised to NF4 by
   bitsandbytes (``Linear4bit``, float32 compute; its CPU backend runs forward and backward), and PEFT wraps
   them with its own 4-bit LoRA layers (QLoRA).
@@ -34,8 +34,8 @@ import torch
 
 from twinseq.common.backend import Model
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.models import ModelConfig
-from twinseq.common.peft import (
+from twinseq.common.models.configs import ModelConfig
+from twinseq.common.models.peft import (
     PeftConfig,
     adapter_shapes,
     check_adapters,
@@ -43,7 +43,7 @@ from twinseq.common.peft import (
     init_adapters,
     lora_targets,
 )
-from twinseq.common.peft import merge_adapters as merge_adapter_weights
+from twinseq.common.models.peft import merge_adapters as merge_adapter_weights
 from twinseq.torch_backend.attention import twinseq_attn_name
 from twinseq.torch_backend.model import base_weights, build_model, model_config_of
 
@@ -146,9 +146,9 @@ def check_peft_model(model: torch.nn.Module, cfg: ModelConfig, peft: PeftConfig)
 
 def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
                  adapters: Optional[dict[str, np.ndarray]] = None) -> Model:
-    """``model`` wrapped by ``peft.get_peft_model`` with LoRA/DoRA adapters on ``common.peft.lora_targets`` (and
+    """``model`` wrapped by ``peft.get_peft_model`` with LoRA/DoRA adapters on ``common.models.peft.lora_targets`` (and
     trainable tokens, and an NF4 base with ``load_in_4bit``), loaded from ``adapters`` (PEFT keys; None:
-    ``common.peft.init_adapters(cfg, peft, seed=0, base_weights=...)``). Only the adapters require grad.
+    ``common.models.peft.init_adapters(cfg, peft, seed=0, base_weights=...)``). Only the adapters require grad.
 
     The plain model is modified in place (PEFT injects its layers into it); use the returned ``PeftModel``.
     """
@@ -175,7 +175,7 @@ def add_adapters_seeded(model: Model, cfg: ModelConfig, peft: PeftConfig,
     targets = sorted(lora_targets(cfg, peft))
     config = LoraConfig(
         r=peft.lora_r, lora_alpha=peft.lora_alpha, lora_dropout=peft.lora_dropout,
-        # explicit module paths (not "all-linear"): exactly common.peft's targets, whatever PEFT's own rule is
+        # explicit module paths (not "all-linear"): exactly common.models.peft's targets, whatever PEFT's own rule is
         target_modules=targets, use_rslora=peft.use_rslora, use_dora=peft.use_dora, bias="none",
         task_type="CAUSAL_LM",
         trainable_token_indices=({"embed_tokens": list(peft.trainable_token_indices)}
@@ -185,7 +185,7 @@ def add_adapters_seeded(model: Model, cfg: ModelConfig, peft: PeftConfig,
     params = adapter_parameters(wrapped)
     expected = adapter_shapes(cfg, peft)
     if set(params) != set(expected):
-        raise AssertionError(f"PEFT built other adapter tensors than common.peft expects: missing "
+        raise AssertionError(f"PEFT built other adapter tensors than common.models.peft expects: missing "
                              f"{sorted(set(expected) - set(params))[:3]}, extra "
                              f"{sorted(set(params) - set(expected))[:3]}")
     load_adapters_(wrapped, adapters)
@@ -211,7 +211,7 @@ def load_adapters_(model: Model, adapters: dict[str, np.ndarray]) -> None:
 
 
 def export_adapters(model: Model) -> dict[str, np.ndarray]:
-    """float32 numpy adapter tensors by PEFT saved key (what ``common.peft.save_adapters`` writes)."""
+    """float32 numpy adapter tensors by PEFT saved key (what ``common.models.peft.save_adapters`` writes)."""
     peft_config_of(model)
     return {k: p.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
             for k, p in adapter_parameters(model).items()}
@@ -262,7 +262,7 @@ def is_quantized(model: Model) -> bool:
 
 def merge_adapters(model: Model) -> Model:
     """A plain HF model (float32, same attention path) whose weights are the base's (NF4 dequantised) with the
-    adapters folded in by ``common.peft.merge_adapters``; ``model`` is left as it is."""
+    adapters folded in by ``common.models.peft.merge_adapters``; ``model`` is left as it is."""
     peft = peft_config_of(model)
     inner = causal_lm_of(model)
     cfg = model_config_of(inner)

@@ -1,5 +1,5 @@
 """``twinseq train --backend torch``: which builder runs each task, in one process, under FSDP2 (+ context
-parallelism) or under DeepSpeed ZeRO-3; ``common.trainer.train_task`` runs the result.
+parallelism) or under DeepSpeed ZeRO-3; ``common.run.trainer.train_task`` runs the result.
 
 A builder returns (trainer, step source, tokenizer, announce lines): ``trainer.build_sft`` and ``build_dpo``,
 ``grpo.build_grpo``; under ZeRO-3 ``deepspeed.build_zero3_sft`` and ``zero3_grpo.build_grpo_zero3``. A new
@@ -16,11 +16,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from twinseq.common.capabilities import Runtime as CapabilityRuntime
 from twinseq.common.config import TrainConfig
 from twinseq.common.errors import ConfigError
-from twinseq.common.runner import preflight
-from twinseq.common.trainer import Build, train_task
+from twinseq.common.run.capabilities import Runtime as CapabilityRuntime
+from twinseq.common.run.runner import preflight
+from twinseq.common.run.trainer import Build, train_task
 from twinseq.torch_backend.deepspeed import build_zero3_sft, check_zero3_config, ensure_process_group, require_deepspeed
 from twinseq.torch_backend.distributed import Runtime, init_runtime, wants_distributed
 from twinseq.torch_backend.grpo import build_grpo

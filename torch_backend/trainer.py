@@ -1,8 +1,8 @@
-"""The torch trainers: the torch hooks of ``common.trainer.TrainerTemplate`` (``TorchTrainer``), and SFT's and DPO's
+"""The torch trainers: the torch hooks of ``common.run.trainer.TrainerTemplate`` (``TorchTrainer``), and SFT's and DPO's
 micro-steps on them, in one process or under FSDP2 + context parallelism.
 
 ``recipes.train(cfg)`` calls ``build_sft``/``build_dpo`` (data, the plain model, ``parallel.parallelize``) and
-hands the trainer to ``common.runner.run``, which owns the loop (timing, logging, checkpoints, resume, the final
+hands the trainer to ``common.run.runner.run``, which owns the loop (timing, logging, checkpoints, resume, the final
 save). ``TrainerTemplate.step`` owns the step: ``gradient_accumulation_steps`` micro-batches, each loss already
 normalised by the label count (SFT) or pair count (DPO) of the whole step, so the summed gradients equal one big
 batch's; clipping (norm in float64), AdamW, the schedule. ``TorchTrainer`` adds the state (weights, optimizer,
@@ -21,17 +21,17 @@ import torch
 import torch.distributed as dist
 
 from twinseq.common.config import TrainConfig
-from twinseq.common.data import prepare_dpo_dataset
-from twinseq.common.dpo import validate_dpo_config
-from twinseq.common.dpo_loader import build_preference_iterator
+from twinseq.common.data.preference_steps import build_preference_iterator
+from twinseq.common.data.prepare import prepare_dpo_dataset
+from twinseq.common.data.sft_steps import build_step_iterator
 from twinseq.common.errors import CheckpointError, ConfigError
-from twinseq.common.hf_checkpoint import check_tokenizer_fits, resolve_model_source
-from twinseq.common.init import check_weights, init_weights, parameter_shapes
-from twinseq.common.loader import build_step_iterator
-from twinseq.common.metrics import peak_rss_bytes
-from twinseq.common.schedule import lr_multiplier
-from twinseq.common.step_metrics import dpo_step_metrics, sft_step_sums, with_means
-from twinseq.common.trainer import (
+from twinseq.common.models.hf_folder import check_tokenizer_fits, resolve_model_source
+from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
+from twinseq.common.objectives.dpo import validate_dpo_config
+from twinseq.common.run.report import peak_rss_bytes
+from twinseq.common.run.schedule import lr_multiplier
+from twinseq.common.run.step_metrics import dpo_step_metrics, sft_step_sums, with_means
+from twinseq.common.run.trainer import (
     TrainerTemplate,
     describe_run,
     peft_summary,
@@ -168,7 +168,7 @@ def offload_context(cfg: TrainConfig, model: torch.nn.Module):
 
 
 class TorchTrainer(TrainerTemplate):
-    """The torch hooks of ``common.trainer.TrainerTemplate``: gradients accumulate in ``.grad``, the norm is
+    """The torch hooks of ``common.run.trainer.TrainerTemplate``: gradients accumulate in ``.grad``, the norm is
     clipped in float64 (``clip_grad_norm_fp64_``), AdamW and the schedule step; plus the state (the full,
     unsharded state, gathered on rank 0 under FSDP2) and the export. A task adds ``micro_step`` and
     ``summarize``."""
@@ -246,7 +246,7 @@ class TorchTrainer(TrainerTemplate):
         set_rng_state(state["rng"])
 
     def save_final(self, path: Path) -> None:
-        """An HF model folder, or with PEFT the adapter folder (``common.trainer.save_adapter_folder``)."""
+        """An HF model folder, or with PEFT the adapter folder (``common.run.trainer.save_adapter_folder``)."""
         if self.runtime is None and not self.is_peft:
             save_pretrained(self.causal_lm, path)
             return
@@ -348,7 +348,7 @@ class DPOTrainer(TorchTrainer):
 
 
 def describe(cfg: TrainConfig, model: torch.nn.Module, device: Any, world_size: int = 1) -> str:
-    """``common.trainer.describe_run`` of a torch model: its parameters (or adapters) and the attention that runs."""
+    """``common.run.trainer.describe_run`` of a torch model: its parameters (or adapters) and the attention that runs."""
     num_params = sum(p.numel() for p in model.parameters())
     params = f"{num_params / 1e6:.2f}M params"
     if is_adapter_model(model):

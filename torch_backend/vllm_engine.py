@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.grpo import completion_budget
-from twinseq.common.peft import merge_adapters as merge_adapter_weights
+from twinseq.common.models.peft import merge_adapters as merge_adapter_weights
+from twinseq.common.objectives.grpo import completion_budget
 from twinseq.torch_backend.model import base_weights, model_config_of
 from twinseq.torch_backend.peft import export_adapters, peft_config_of
 from twinseq.torch_backend.unwrap import causal_lm_of, is_adapter_model
@@ -144,7 +144,7 @@ def _gathered(param: torch.nn.Parameter) -> Iterator[torch.Tensor]:
 def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights vLLM serves, HF-named, one tensor at a time: the model's own parameters, each gathered
     under ZeRO-3 (a collective: every rank must iterate); a PEFT model's base (NF4 dequantised) with the
-    adapters folded in (``common.peft.merge_adapters``), the model left as it is."""
+    adapters folded in (``common.models.peft.merge_adapters``), the model left as it is."""
     if is_adapter_model(model):
         inner = causal_lm_of(model)
         merged = merge_adapter_weights(model_config_of(inner), peft_config_of(model), base_weights(model),

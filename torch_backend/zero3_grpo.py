@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from twinseq.common.config import TrainConfig
-from twinseq.common.data import run_tokenizer
+from twinseq.common.data.prepare import run_tokenizer
+from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError
-from twinseq.common.grpo import reward_func_name
-from twinseq.common.grpo_data import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
+from twinseq.common.objectives.grpo import reward_func_name
 from twinseq.torch_backend.deepspeed import (
     Zero3Engine,
     Zero3Hooks,

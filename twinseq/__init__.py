@@ -30,9 +30,9 @@ from twinseq.common.config import (
     TrainConfig,
 )
 from twinseq.common.errors import TwinseqError
-from twinseq.common.grpo import GRPOConfig
-from twinseq.common.models import ModelConfig
-from twinseq.common.peft import PeftConfig
+from twinseq.common.models.configs import ModelConfig
+from twinseq.common.models.peft import PeftConfig
+from twinseq.common.objectives.grpo import GRPOConfig
 
 __version__ = "0.1.0"
 

@@ -2,8 +2,8 @@
 and activation offloading on and off.
 
 Every setup is a fresh subprocess that trains ``--steps`` optimizer steps of the same model (built from its
-config, weights drawn by ``common.init.init_weights`` with the run's seed: no download), on the same rows: the
-embedded SFT data, tokenised by ``common.data.prepare_sft_dataset`` (prompt-completion, loss on the completion).
+config, weights drawn by ``common.models.init.init_weights`` with the run's seed: no download), on the same rows: the
+embedded SFT data, tokenised by ``common.data.prepare.prepare_sft_dataset`` (prompt-completion, loss on the completion).
 
 - ``twinseq``: ``twinseq train`` with its best settings: packing (bfd) + padding-free rows, the document-masked
   ``--twinseq-attn`` attention, the fused loss (``--twinseq-loss auto``: ``triton`` when this commit has it, else
@@ -139,10 +139,10 @@ def _child_trl(spec: dict[str, Any]) -> None:
     from trl import SFTConfig, SFTTrainer
 
     from twinseq.common.config import TrainConfig
-    from twinseq.common.data import prepare_sft_dataset
-    from twinseq.common.init import init_weights
-    from twinseq.common.models import resolve_model_config
-    from twinseq.common.tokenizer import embedded_tokenizer_dir
+    from twinseq.common.data.prepare import prepare_sft_dataset
+    from twinseq.common.models.init import init_weights
+    from twinseq.common.models.configs import resolve_model_config
+    from twinseq.common.data.tokenizer import embedded_tokenizer_dir
     from twinseq.torch_backend.model import build_model
 
     torch.set_num_threads(int(os.environ.get("TWINSEQ_MEASURE_THREADS", "2")))
@@ -323,8 +323,8 @@ def _resolve(args: argparse.Namespace) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
-    from twinseq.common.init import parameter_shapes
-    from twinseq.common.models import resolve_model_config
+    from twinseq.common.models.init import parameter_shapes
+    from twinseq.common.models.configs import resolve_model_config
 
     run = start_run(_parse, argv, __file__, device=_resolve)
     args = run.args

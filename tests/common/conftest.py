@@ -21,20 +21,20 @@ def twinseq_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedded_tokenizer(twinseq_cache):
-    from twinseq.common.tokenizer import load_tokenizer
+    from twinseq.common.data.tokenizer import load_tokenizer
 
     return load_tokenizer("embedded")
 
 
 @pytest.fixture(scope="session")
 def embedded_sft(twinseq_cache):
-    from twinseq.common.corpus import load_embedded
+    from twinseq.common.data.corpus import load_embedded
 
     return load_embedded("embedded-sft")
 
 
 @pytest.fixture(scope="session")
 def embedded_preference(twinseq_cache):
-    from twinseq.common.corpus import load_embedded
+    from twinseq.common.data.corpus import load_embedded
 
     return load_embedded("embedded-preference")

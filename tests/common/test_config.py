@@ -85,7 +85,7 @@ def test_an_option_of_another_task_is_refused_not_ignored():
 
 
 def test_grpo_generation_fields_belong_to_the_grpo_task():
-    """They came back with the GRPO work that reads them (common.grpo.check_grpo_config, the GRPO trainers)."""
+    """They came back with the GRPO work that reads them (common.objectives.grpo.check_grpo_config, the GRPO trainers)."""
     for name in ("ds3_gather_for_generation", "vllm_sleep_enabled"):
         with pytest.raises(ValueError, match="task='grpo'"):
             TrainConfig.from_flat(**{name: name == "vllm_sleep_enabled"})

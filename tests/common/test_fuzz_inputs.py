@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from twinseq.common.config import TrainConfig
-from twinseq.common.data import load_dataset_any, tokenize_dpo, tokenize_sft
+from twinseq.common.data.prepare import load_dataset_any, tokenize_dpo, tokenize_sft
 from twinseq.common.errors import TwinseqError
 
 FIELDS = sorted(TrainConfig().to_flat_dict()) + ["model", "data", "optim", "max_stepz", "ds3_gather_for_generation"]
@@ -76,7 +76,7 @@ ROWS = st.lists(st.dictionaries(ROW_KEYS, ROW_VALUES, min_size=1, max_size=4), m
 
 @pytest.fixture(scope="module")
 def tok():
-    from twinseq.common.tokenizer import load_tokenizer
+    from twinseq.common.data.tokenizer import load_tokenizer
 
     return load_tokenizer("embedded")
 

@@ -22,7 +22,7 @@ import pytest
 
 from _packed_rows import packed_ids
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights
+from twinseq.common.models.init import init_weights
 from twinseq.jax_backend.attention import (blocked_document_attention, document_causal_mask,
                                            dot_product_attention)
 
@@ -93,7 +93,7 @@ def test_block_larger_than_the_sequence_and_bad_block_size():
 
 
 def _batch(cfg, rows, seq_len, seed=0):
-    from twinseq.common.batching import collate
+    from twinseq.common.data.batching import collate
 
     rng = np.random.default_rng(seed)
     examples = [{"input_ids": rng.integers(1, cfg.vocab_size, n).tolist()} for n in rows]
@@ -196,7 +196,7 @@ def test_no_token_by_vocab_buffer_in_the_step(loss_type):
 def test_trainer_honours_attn_implementation(tmp_path):
     import twinseq.jax_backend as jb
     from twinseq.common.config import TrainConfig
-    from twinseq.common.metrics import read_metrics
+    from twinseq.common.run.report import read_metrics
     from twinseq.jax_backend.trainer import build_causal_lm
 
     def cfg(attn, out):
@@ -233,7 +233,7 @@ def test_blocked_trajectory_matches_the_dense_golden_run(tmp_path):
     import sys
 
     from tests.test_golden_losses import GOLDEN, recorded_losses
-    from twinseq.common.metrics import read_metrics
+    from twinseq.common.run.report import read_metrics
 
     argv = list(GOLDEN["runs"]["sft_jax"]["argv"])
     i = argv.index("--attn-implementation")

@@ -18,10 +18,10 @@ from safetensors.numpy import load_file, save_file
 
 import twinseq.jax_backend as jb
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights
-from twinseq.common.hf_checkpoint import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
-from twinseq.common.hf_checkpoint import read_hf_checkpoint as load_checkpoint
-from twinseq.common.hf_checkpoint import write_hf_checkpoint as save_checkpoint
+from twinseq.common.models.init import init_weights
+from twinseq.common.models.hf_folder import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE
+from twinseq.common.models.hf_folder import read_hf_checkpoint as load_checkpoint
+from twinseq.common.models.hf_folder import write_hf_checkpoint as save_checkpoint
 from twinseq.jax_backend.checkpoint import load_pretrained as import_checkpoint
 from twinseq.jax_backend.checkpoint import save_pretrained
 

@@ -21,10 +21,10 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 from twinseq.common.config import ModelConfig, TrainConfig  # noqa: E402
-from twinseq.common.dpo import DPO_LOSS_TYPES, dpo_loss, validate_dpo_config  # noqa: E402
-from twinseq.common.dpo_batching import collate_preference, sequence_logps_from_logits  # noqa: E402
-from twinseq.common.dpo_loader import preference_columns  # noqa: E402
-from twinseq.common.init import init_weights  # noqa: E402
+from twinseq.common.objectives.dpo import DPO_LOSS_TYPES, dpo_loss, validate_dpo_config  # noqa: E402
+from twinseq.common.data.preference_batching import collate_preference, sequence_logps_from_logits  # noqa: E402
+from twinseq.common.data.preference_steps import preference_columns  # noqa: E402
+from twinseq.common.models.init import init_weights  # noqa: E402
 from twinseq.jax_backend import build_model, logits  # noqa: E402
 from twinseq.jax_backend import dpo as jdpo  # noqa: E402
 from twinseq.jax_backend import logprobs as jlp  # noqa: E402
@@ -103,7 +103,7 @@ def test_kernels_agree_on_logps_and_dpo_gradients(tiny, padding_free):
 
 @pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
 def test_loss_family_gradient_matches_numpy_finite_difference(loss_type):
-    """float32 autodiff of each loss vs a float64 central difference of ``common.dpo`` (rel 1e-5:
+    """float32 autodiff of each loss vs a float64 central difference of ``common.objectives.dpo`` (rel 1e-5:
     float32 arithmetic on O(1) log-ratios)."""
     rng = np.random.default_rng(1)
     c, r = rng.normal(0, 2, 6), rng.normal(0, 2, 6)
@@ -172,7 +172,7 @@ def test_precomputed_reference_equals_the_live_copy(tiny):
     ({"dpo_loss_type": ["exo_pair"]}, "label_smoothing=0.0 is not valid"),
 ])
 def test_trainer_refuses_invalid_combinations(overrides, match):
-    from twinseq.common.capabilities import Runtime, check_runtime
+    from twinseq.common.run.capabilities import Runtime, check_runtime
 
     with pytest.raises(ValueError, match=match):  # packing and exo_pair are refused by TrainConfig itself
         check_runtime(TrainConfig.from_flat(backend="jax", task="dpo", **overrides),

@@ -15,7 +15,7 @@ Invariants:
   and the cap is really applied (the logits lie inside it; without it they differ);
 - ring and all-gather context-parallel attention honour the window and the score soft-cap (forward
   and gradients equal dense attention), and a Gemma 2 step on a cp=4 mesh equals the dense step;
-- dynamic RoPE: the traced frequencies equal ``common.rope``'s, and a batch's frequencies depend on that
+- dynamic RoPE: the traced frequencies equal ``common.models.rope``'s, and a batch's frequencies depend on that
   batch only (no state carried between calls).
 """
 
@@ -32,10 +32,10 @@ import pytest
 from parity_tests.families import FAMILIES, FAMILY_CASES, family_batches, family_examples
 from parity_tests.inputs import rel_norm
 from parity_tests.tolerances import tol
-from twinseq.common.batching import collate, pad_batch
-from twinseq.common.init import init_weights
-from twinseq.common.models import parameter_shapes
-from twinseq.common.rope import dynamic_inv_freq, rope_inv_freq
+from twinseq.common.data.batching import collate, pad_batch
+from twinseq.common.models.init import init_weights
+from twinseq.common.models.configs import parameter_shapes
+from twinseq.common.models.rope import dynamic_inv_freq, rope_inv_freq
 
 SEPARATE_WIDTH = 24  # every ``separate`` batch padded to one width: one compile for the three documents
 
@@ -333,7 +333,7 @@ def _attention_vjp(q, k, v, dout, seg, pos, *, attend, window, softcap):
 @pytest.mark.multi_device
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 def test_context_parallel_attention_honours_window_and_softcap(cp_mesh, strategy):
-    from twinseq.common.context_parallel import shard_sequence
+    from twinseq.common.data.context_parallel import shard_sequence
     from twinseq.jax_backend.attention import document_attention
     from twinseq.jax_backend.parallel import ring_attention_fn
 

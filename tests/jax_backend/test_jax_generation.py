@@ -22,7 +22,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from twinseq.common.config import ModelConfig  # noqa: E402
 from twinseq.common.errors import ConfigError  # noqa: E402
-from twinseq.common.init import init_weights  # noqa: E402
+from twinseq.common.models.init import init_weights  # noqa: E402
 from twinseq.jax_backend.generation import (SamplingParams, completion_mask, filter_logits, generate,  # noqa: E402
                                             left_pad)
 from twinseq.jax_backend.model import build_model  # noqa: E402

@@ -6,7 +6,7 @@ Invariants:
   an all-ignored batch: loss and gradients (hidden and LM head) equal ``nll`` within the
   float32 parity bounds, and ``nll`` equals the float64 numpy reference;
 - an all-ignored batch has loss exactly 0 and gradients exactly 0 (finite);
-- the metrics equal ``twinseq.common.loss.metrics``;
+- the metrics equal ``twinseq.common.objectives.nll.metrics``;
 - ``fused_linear`` and ``chunked_nll`` never hold an [N, V] array (checked on the jaxpr),
   while ``nll`` does (so the check can fail), and the compiled temp memory is 8x smaller.
 """
@@ -20,7 +20,7 @@ import pytest
 
 from parity_tests.inputs import rel_norm
 from parity_tests.tolerances import tol
-from twinseq.common import loss as ref_loss
+from twinseq.common.objectives import nll as ref_loss
 from twinseq.jax_backend.losses import LOSS_TYPES, causal_lm_loss, check_labels, shift_labels
 
 

@@ -21,10 +21,10 @@ import twinseq.jax_backend as jb
 from parity_tests import numpy_reference
 from parity_tests.inputs import LAYOUTS, parity_batches, rel_norm, valid_positions
 from parity_tests.tolerances import tol
-from twinseq.common.batching import collate
+from twinseq.common.data.batching import collate
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights
-from twinseq.common.loss import shift_labels, token_nll
+from twinseq.common.models.init import init_weights
+from twinseq.common.objectives.nll import shift_labels, token_nll
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 
 Invariants (float32, matmuls at "highest" precision):
 - an adapter model's logits equal those of the plain model its adapters are merged into
-  (``common.peft.merge_adapters``, float64) within 1e-5, for LoRA, DoRA, rsLoRA and trainable tokens, on
+  (``common.models.peft.merge_adapters``, float64) within 1e-5, for LoRA, DoRA, rsLoRA and trainable tokens, on
   llama and qwen2; the adapters move the logits (negative control: the base differs by far more);
 - they equal real ``peft.PeftModel`` (torch, from a locally written HF folder and ``save_adapters``) within
   1e-5, and so do the loss (1e-6) and every adapter gradient by PEFT key (1e-5 relative): the
@@ -32,11 +32,11 @@ jax = pytest.importorskip("jax")
 
 from flax import nnx  # noqa: E402
 
-from twinseq.common.batching import collate  # noqa: E402
+from twinseq.common.data.batching import collate  # noqa: E402
 from twinseq.common.config import ModelConfig, TrainConfig  # noqa: E402
 from twinseq.common.errors import CheckpointError, ConfigError, MissingDependencyError  # noqa: E402
-from twinseq.common.init import init_weights  # noqa: E402
-from twinseq.common.peft import TOKENS_KEY, PeftConfig, adapter_shapes, init_adapters  # noqa: E402
+from twinseq.common.models.init import init_weights  # noqa: E402
+from twinseq.common.models.peft import TOKENS_KEY, PeftConfig, adapter_shapes, init_adapters  # noqa: E402
 from twinseq.jax_backend import build_model, export_weights, logits, loss_and_grads  # noqa: E402
 from twinseq.jax_backend import peft as jpeft  # noqa: E402
 
@@ -108,7 +108,7 @@ def test_logits_loss_and_grads_equal_real_peft(case, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from twinseq.common.peft import save_adapters
+    from twinseq.common.models.peft import save_adapters
     from twinseq.jax_backend import save_pretrained
 
     preset, kw = {"llama-dora-tokens": ("tiny", {"use_dora": True, "trainable_token_indices": [5, 8, 9]}),
@@ -252,8 +252,8 @@ def test_qlora_step_holds_one_layer_of_dequantised_weights(remat_policy):
 
 
 def test_dpo_with_lora_reference_is_the_base_and_loss_falls(tmp_path):
-    from twinseq.common.dpo import validate_dpo_config
-    from twinseq.common.dpo_batching import collate_preference
+    from twinseq.common.objectives.dpo import validate_dpo_config
+    from twinseq.common.data.preference_batching import collate_preference
     from twinseq.jax_backend import compute_sequence_logps, dpo_loss_and_grads
     from twinseq.jax_backend.trainer import DPOTrainer, with_adapters
 
@@ -288,9 +288,9 @@ def test_dpo_with_lora_reference_is_the_base_and_loss_falls(tmp_path):
 @pytest.mark.slow
 def test_trainer_writes_peft_folder_and_resumes_bitwise(tmp_path):
     import twinseq.jax_backend as jb
-    from twinseq.common.checkpoint import load_training_checkpoint
-    from twinseq.common.metrics import read_metrics
-    from twinseq.common.peft import read_adapters
+    from twinseq.common.run.checkpoint import load_training_checkpoint
+    from twinseq.common.run.report import read_metrics
+    from twinseq.common.models.peft import read_adapters
 
     jb.train(_train_cfg(tmp_path / "full", use_dora=True))
     records = read_metrics(tmp_path / "full")

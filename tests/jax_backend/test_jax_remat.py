@@ -21,7 +21,7 @@ import twinseq.jax_backend as jb
 from parity_tests.inputs import parity_batches, rel_norm
 from parity_tests.tolerances import tol
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights
+from twinseq.common.models.init import init_weights
 from twinseq.jax_backend.memory import (REMAT_POLICIES, apply_activation_checkpointing, check_policy,
                                         device_memory_kinds, remat)
 

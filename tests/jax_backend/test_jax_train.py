@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from twinseq.common.config import TrainConfig
-from twinseq.common.metrics import REQUIRED_FIELDS, read_metrics
+from twinseq.common.run.report import REQUIRED_FIELDS, read_metrics
 
 
 def _cfg(output_dir, **overrides) -> TrainConfig:
@@ -28,8 +28,8 @@ def test_train_logs_checkpoints_and_resumes_bitwise(tmp_path):
     import numpy as np
 
     import twinseq.jax_backend as jb
-    from twinseq.common.checkpoint import load_training_checkpoint
-    from twinseq.common.hf_checkpoint import read_hf_checkpoint
+    from twinseq.common.run.checkpoint import load_training_checkpoint
+    from twinseq.common.models.hf_folder import read_hf_checkpoint
 
     path = jb.train(_cfg(tmp_path / "full"))
     records = read_metrics(tmp_path / "full")
@@ -67,8 +67,8 @@ def test_unsupported_options_raise_before_any_work(tmp_path, overrides, match):
 def test_pad_batch_keeps_the_loss_inputs():
     import numpy as np
 
-    from twinseq.common.batching import collate
-    from twinseq.common.batching import pad_batch
+    from twinseq.common.data.batching import collate
+    from twinseq.common.data.batching import pad_batch
 
     batch = collate([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}], padding_free=True)
     padded = pad_batch(batch, rows=2, multiple=8)

@@ -1,6 +1,6 @@
 """Ring and all-gather attention on 8 host CPU devices against dense single-device attention.
 
-Invariant: for any token order produced by ``twinseq.common.context_parallel`` and any packing,
+Invariant: for any token order produced by ``twinseq.common.data.context_parallel`` and any packing,
 context-parallel attention equals the dense document-causal attention of
 ``twinseq.jax_backend.attention`` (forward and the gradients of q, k, v) within 1e-5 in float32.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from twinseq.common.context_parallel import shard_sequence, unshard_sequence
+from twinseq.common.data.context_parallel import shard_sequence, unshard_sequence
 from twinseq.jax_backend.attention import document_causal_mask, dot_product_attention
 from twinseq.jax_backend.context_parallel import (
     STRATEGIES,

@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from twinseq.common.batching import collate
+from twinseq.common.data.batching import collate
 from twinseq.common.config import ModelConfig, TrainConfig
-from twinseq.common.context_parallel import cp_permutation
-from twinseq.common.init import init_weights
-from twinseq.common.loader import StepIterator
-from twinseq.common.loss import shift_labels
-from twinseq.common.metrics import read_metrics
+from twinseq.common.data.context_parallel import cp_permutation
+from twinseq.common.models.init import init_weights
+from twinseq.common.data.sft_steps import StepIterator
+from twinseq.common.objectives.nll import shift_labels
+from twinseq.common.run.report import read_metrics
 
 CP_LOSS_REL = 1e-5  # acceptance bound of issue 6: same framework, only the attention kernel and sharding differ
 
@@ -153,7 +153,7 @@ def test_good_mesh_configs():
 
 @pytest.fixture(scope="module")
 def sft_jsonl(tmp_path_factory):
-    from twinseq.common.corpus import load_embedded
+    from twinseq.common.data.corpus import load_embedded
 
     path = tmp_path_factory.mktemp("data") / "sft.jsonl"
     with path.open("w") as f:

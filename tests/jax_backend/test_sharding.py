@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from twinseq.common.batching import collate
-from twinseq.common.context_parallel import shard_batch as reorder_batch
-from twinseq.common.context_parallel import shard_sequence
-from twinseq.common.loss import shift_labels
+from twinseq.common.data.batching import collate
+from twinseq.common.data.context_parallel import shard_batch as reorder_batch
+from twinseq.common.data.context_parallel import shard_sequence
+from twinseq.common.objectives.nll import shift_labels
 from twinseq.jax_backend.attention import document_causal_mask, dot_product_attention
 from twinseq.jax_backend.parallel import (
     MESH_AXES,

@@ -56,7 +56,7 @@ def make_config(**overrides: Any):
 
 def _model(cfg):
     from twinseq.common.config import ModelConfig
-    from twinseq.common.init import init_weights
+    from twinseq.common.models.init import init_weights
     from twinseq.torch_backend.model import build_model
 
     model_cfg = ModelConfig.preset(cfg.model.model_config)
@@ -83,7 +83,7 @@ def _trainer(cfg, runtime=None):
 
 def reference_losses(cfg, rows, *, return_batches: bool = False):
     """Per-step losses of the single-process trainer."""
-    from twinseq.common.loader import StepIterator
+    from twinseq.common.data.sft_steps import StepIterator
 
     trainer = _trainer(cfg)
     iterator = StepIterator(rows, cfg, pad_token_id=0)
@@ -96,7 +96,7 @@ def reference_losses(cfg, rows, *, return_batches: bool = False):
 
 
 def _parallel_setup(cfg, rows):
-    from twinseq.common.loader import StepIterator
+    from twinseq.common.data.sft_steps import StepIterator
     from twinseq.torch_backend.distributed import init_runtime
 
     runtime = init_runtime(cfg)
@@ -123,7 +123,7 @@ def distributed_grads(cfg, rows) -> dict[str, np.ndarray]:
 
 def reference_grads(cfg, rows) -> dict[str, np.ndarray]:
     """The gradients of the first step of the single-process trainer."""
-    from twinseq.common.loader import StepIterator
+    from twinseq.common.data.sft_steps import StepIterator
 
     trainer = _trainer(cfg)
     for batch in StepIterator(rows, cfg, pad_token_id=0).next_step():
@@ -134,7 +134,7 @@ def reference_grads(cfg, rows) -> dict[str, np.ndarray]:
 
 def packed_batch(seed: int = 1, pad_to: int = 8):
     """Two padded rows, several documents each (lengths chosen so documents cross every shard edge)."""
-    from twinseq.common.batching import collate
+    from twinseq.common.data.batching import collate
 
     rng = np.random.default_rng(seed)
     examples = []
@@ -154,7 +154,7 @@ def attention_check(seed: int = 0) -> dict[str, float]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from twinseq.common.context_parallel import cp_permutation
+    from twinseq.common.data.context_parallel import cp_permutation
     from twinseq.torch_backend import context_parallel as cpmod
     from twinseq.torch_backend.attention import document_mask
 
@@ -202,7 +202,7 @@ def cp_parity(out_dir: str, cp: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from twinseq.common.context_parallel import cp_permutation
+    from twinseq.common.data.context_parallel import cp_permutation
     from twinseq.torch_backend import context_parallel as cpmod
     from twinseq.torch_backend.distributed import init_runtime
     from twinseq.torch_backend.parallel import parallelize

@@ -25,9 +25,9 @@ def _status(field: str) -> int:
 
 
 def main(kind: str) -> None:
-    from twinseq.common.batching import collate
-    from twinseq.common.models import ModelConfig
-    from twinseq.common.peft import PeftConfig
+    from twinseq.common.data.batching import collate
+    from twinseq.common.models.configs import ModelConfig
+    from twinseq.common.models.peft import PeftConfig
     from twinseq.torch_backend.model import build_model, compute_loss
     from twinseq.torch_backend.peft import add_adapters
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from twinseq.common.batching import collate
+from twinseq.common.data.batching import collate
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights
-from twinseq.common.loss import per_document_loss
+from twinseq.common.models.init import init_weights
+from twinseq.common.objectives.nll import per_document_loss
 from twinseq.torch_backend import attention as A
 from twinseq.torch_backend.model import build_model, logits, loss_and_grads
 

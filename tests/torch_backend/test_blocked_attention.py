@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from twinseq.common.batching import collate
+from twinseq.common.data.batching import collate
 from twinseq.common.config import ModelConfig
-from twinseq.common.context_parallel import cp_permutation
-from twinseq.common.init import init_weights
+from twinseq.common.data.context_parallel import cp_permutation
+from twinseq.common.models.init import init_weights
 from twinseq.torch_backend import attention as A
 from twinseq.torch_backend import blocked_attention as BA
 from twinseq.torch_backend import context_parallel as cpmod

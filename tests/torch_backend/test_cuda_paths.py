@@ -33,9 +33,9 @@ torch = pytest.importorskip("torch")
 
 from parity_tests.inputs import rel_norm  # noqa: E402
 from parity_tests.tolerances import bf16_ulp, tol  # noqa: E402
-from twinseq.common.batching import collate  # noqa: E402
+from twinseq.common.data.batching import collate  # noqa: E402
 from twinseq.common.config import ModelConfig  # noqa: E402
-from twinseq.common.init import init_weights  # noqa: E402
+from twinseq.common.models.init import init_weights  # noqa: E402
 from twinseq.torch_backend import attention as A  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -163,7 +163,7 @@ FSDP_STEPS = 3
 
 
 def _steps(trainer, cfg, device):
-    from twinseq.common.loader import StepIterator
+    from twinseq.common.data.sft_steps import StepIterator
 
     iterator = StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0)
     out = [trainer.step(iterator.next_step()) for _ in range(FSDP_STEPS)]
@@ -223,7 +223,7 @@ def test_fsdp2_bf16_mixed_precision_on_one_rank_is_within_the_bf16_rows(device, 
     pre-clip gradient norm within ``grad_rel`` (the bfloat16 rows), every step finite and training."""
     import torch.distributed as dist
 
-    from twinseq.common.loader import StepIterator
+    from twinseq.common.data.sft_steps import StepIterator
     from twinseq.torch_backend.model import logits
     from twinseq.torch_backend.distributed import init_runtime
     from twinseq.torch_backend.parallel import parallelize
@@ -282,8 +282,8 @@ def test_train_on_cuda_with_its_features_resumes_where_it_stopped(tmp_path):
     import shutil
 
     from twinseq.common.config import TrainConfig
-    from twinseq.common.corpus import load_embedded
-    from twinseq.common.metrics import read_metrics
+    from twinseq.common.data.corpus import load_embedded
+    from twinseq.common.run.report import read_metrics
     from twinseq.torch_backend.recipes import train
 
     data = tmp_path / "sft.jsonl"

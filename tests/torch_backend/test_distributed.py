@@ -27,11 +27,11 @@ torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent))
 import _dist_workers as W  # noqa: E402
 
-from twinseq.common.batching import collate  # noqa: E402
+from twinseq.common.data.batching import collate  # noqa: E402
 from twinseq.common.config import TrainConfig  # noqa: E402
-from twinseq.common.context_parallel import cp_permutation  # noqa: E402
+from twinseq.common.data.context_parallel import cp_permutation  # noqa: E402
 from twinseq.torch_backend import context_parallel as cpmod  # noqa: E402
-from twinseq.common.capabilities import Runtime, check_runtime  # noqa: E402
+from twinseq.common.run.capabilities import Runtime, check_runtime  # noqa: E402
 from twinseq.common.errors import ConfigError  # noqa: E402
 from twinseq.torch_backend.distributed import MeshConfig, check_launcher_env, wants_distributed  # noqa: E402
 
@@ -147,7 +147,7 @@ def _documents_crossing_shards(batches, cp: int) -> int:
 def _leak_changes_the_loss(batch) -> float:
     """Relative change of ``batch``'s loss when documents are mixed (plain causal attention over the row)."""
     from twinseq.common.config import ModelConfig
-    from twinseq.common.init import init_weights
+    from twinseq.common.models.init import init_weights
     from twinseq.torch_backend.model import build_model, compute_loss
 
     cfg = ModelConfig.preset("tiny")
@@ -207,7 +207,7 @@ def test_rank_shards_partition_the_targets_and_tokens():
     assert sum(s.num_label_tokens for s in shards) == batch.num_label_tokens
     assert sum(s.num_tokens for s in shards) == batch.num_tokens
     targets = np.concatenate([s.targets.numpy() for s in shards], axis=1)
-    from twinseq.common.loss import shift_labels
+    from twinseq.common.objectives.nll import shift_labels
 
     assert np.array_equal(targets, shift_labels(batch.labels)[:, cp_permutation(batch.input_ids.shape[1], CP)])
 
@@ -336,7 +336,7 @@ def test_accelerate_yaml_is_parsed_by_accelerate_and_agrees_with_the_flags(monke
 def sft_jsonl(tmp_path_factory) -> Path:
     import json
 
-    from twinseq.common.corpus import load_embedded
+    from twinseq.common.data.corpus import load_embedded
 
     path = tmp_path_factory.mktemp("data") / "sft.jsonl"
     with path.open("w") as f:
@@ -356,9 +356,9 @@ def test_twinseq_train_under_torchrun_with_fsdp2_and_cp(sft_jsonl, tmp_path):
     import subprocess
 
     from twinseq.common.config import ModelConfig
-    from twinseq.common.init import init_weights
-    from twinseq.common.loader import build_step_iterator
-    from twinseq.common.metrics import REQUIRED_FIELDS, read_metrics
+    from twinseq.common.models.init import init_weights
+    from twinseq.common.data.sft_steps import build_step_iterator
+    from twinseq.common.run.report import REQUIRED_FIELDS, read_metrics
     from twinseq.torch_backend.checkpoint import load_pretrained
     from twinseq.torch_backend.model import build_model, export_weights
     from twinseq.torch_backend.parallel import parallelize
@@ -400,7 +400,7 @@ def test_fsdp2_cp_resume_from_a_checkpoint_continues_the_uninterrupted_run(sft_j
 
     from safetensors.numpy import load_file
 
-    from twinseq.common.metrics import read_metrics
+    from twinseq.common.run.report import read_metrics
 
     flags = dict(dataset_name=str(sft_jsonl), max_length=64, per_device_train_batch_size=2, packing=True,
                  padding_free=True, attn_implementation="varlen", context_parallel_size=CP, pad_to_multiple_of=2 * CP,

@@ -3,7 +3,7 @@
 Invariants:
 - the fused log-prob Function equals autograd through ``log_softmax`` (float64: to rounding),
   and the three kernels give the same sequence log-probs and DPO gradients (float32: 1e-5);
-- every loss type's value and gradient equal the float64 numpy reference (``common.dpo``);
+- every loss type's value and gradient equal the float64 numpy reference (``common.objectives.dpo``);
 - micro-batches normalised by the step's pairs add up to the full batch;
 - precomputed reference log-probs equal the live frozen copy's, and the copy never trains;
 - invalid combinations raise before any work; ``twinseq train --task dpo`` runs and logs
@@ -20,10 +20,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from twinseq.common.config import ModelConfig, TrainConfig  # noqa: E402
-from twinseq.common.dpo import DPO_LOSS_TYPES, dpo_loss, validate_dpo_config  # noqa: E402
-from twinseq.common.dpo_batching import collate_preference, sequence_logps_from_logits  # noqa: E402
-from twinseq.common.dpo_loader import iter_preference_batches, preference_columns  # noqa: E402
-from twinseq.common.init import init_weights  # noqa: E402
+from twinseq.common.objectives.dpo import DPO_LOSS_TYPES, dpo_loss, validate_dpo_config  # noqa: E402
+from twinseq.common.data.preference_batching import collate_preference, sequence_logps_from_logits  # noqa: E402
+from twinseq.common.data.preference_steps import iter_preference_batches, preference_columns  # noqa: E402
+from twinseq.common.models.init import init_weights  # noqa: E402
 from twinseq.torch_backend import dpo as tdpo  # noqa: E402
 from twinseq.torch_backend import logprobs as tlp  # noqa: E402
 from twinseq.torch_backend.model import build_model, logits  # noqa: E402
@@ -158,7 +158,7 @@ def _family_case(loss_type: str, beta: float):
 @pytest.mark.parametrize("beta", [0.1, 1.0])
 @pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES + ("combined",))
 def test_loss_family_value_and_gradient_match_numpy(loss_type, beta):
-    """float64 torch vs ``common.dpo.dpo_loss``: values to rounding, and autograd vs a central
+    """float64 torch vs ``common.objectives.dpo.dpo_loss``: values to rounding, and autograd vs a central
     difference of the numpy loss (step 1e-6: truncation ~1e-12, rounding ~1e-10 relative)."""
     logps, counts, kwargs = _family_case(loss_type, beta)
     config = validate_dpo_config(**kwargs)
@@ -260,9 +260,9 @@ def test_frozen_reference_does_not_train(tiny):
 
 
 def test_preference_iterator_sees_every_pair_once_per_epoch_and_resumes():
-    """The DPO loader (common.dpo_loader): steps of ga x bs pairs, each pair once per epoch, the
+    """The DPO loader (common.data.preference_steps): steps of ga x bs pairs, each pair once per epoch, the
     step's pair count as denominator, and a resumed iterator continuing the same stream."""
-    from twinseq.common.dpo_loader import PreferenceStepIterator
+    from twinseq.common.data.preference_steps import PreferenceStepIterator
 
     rows = {"prompt_input_ids": [[1, i] for i in range(10)], "chosen_input_ids": [[100 + i] for i in range(10)],
             "rejected_input_ids": [[200 + i, 7] for i in range(10)]}
@@ -278,7 +278,7 @@ def test_preference_iterator_sees_every_pair_once_per_epoch_and_resumes():
     with pytest.raises(ValueError, match="packing=True does not apply to DPO"):
         PreferenceStepIterator(rows, TrainConfig.from_flat(task="dpo", packing=True, max_length=8), pad_token_id=0)
     with pytest.raises(ValueError, match="one value per row"):
-        from twinseq.common.dpo_loader import with_ref_logps
+        from twinseq.common.data.preference_steps import with_ref_logps
 
         with_ref_logps(rows, np.zeros(9), np.zeros(10))
 
@@ -289,7 +289,7 @@ def test_preference_iterator_sees_every_pair_once_per_epoch_and_resumes():
 
 
 def test_liger_on_cpu_raises_a_clear_error():
-    from twinseq.common.capabilities import Runtime, check_runtime
+    from twinseq.common.run.capabilities import Runtime, check_runtime
 
     cfg = TrainConfig.from_flat(task="dpo", loss_type="liger")
     with pytest.raises(ValueError, match="Liger's CUDA kernel"):
@@ -319,7 +319,7 @@ def test_liger_configuration_conflicts_raise_on_any_machine(overrides, match):
     ({"loss_type": "liger", "padding_free": True}, "padded batches"),
 ])
 def test_trainer_refuses_invalid_combinations(overrides, match):
-    from twinseq.common.capabilities import Runtime, check_runtime
+    from twinseq.common.run.capabilities import Runtime, check_runtime
 
     with pytest.raises(ValueError, match=match):
         check_runtime(TrainConfig.from_flat(task="dpo", **overrides), Runtime("torch", "cpu"))

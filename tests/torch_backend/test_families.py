@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from parity_tests.families import (FAMILIES, FAMILY_CASES, family_batches, family_examples, hf_document_logits,
                                    hf_random_checkpoint)
 from parity_tests.tolerances import tol
-from twinseq.common.batching import collate
+from twinseq.common.data.batching import collate
 from twinseq.common.errors import ConfigError
-from twinseq.common.hf_checkpoint import read_hf_checkpoint
-from twinseq.common.loss import shift_labels
-from twinseq.common.models import ARCHITECTURES, MODEL_TYPES, from_hf_config
+from twinseq.common.models.hf_folder import read_hf_checkpoint
+from twinseq.common.objectives.nll import shift_labels
+from twinseq.common.models.configs import ARCHITECTURES, MODEL_TYPES, from_hf_config
 from twinseq.torch_backend.attention import forward_hidden
 from twinseq.torch_backend.checkpoint import load_pretrained
 from twinseq.torch_backend.losses import causal_lm_loss
@@ -97,7 +97,7 @@ def doc_rows(batch, i: int) -> tuple[int, np.ndarray]:
 def hf_reference_logits(hf, name: str, batch) -> list[np.ndarray]:
     """transformers' logits of each document of ``family_examples`` alone.
 
-    Dynamic RoPE takes its frequencies from the longest position of the whole batch (common/rope.py),
+    Dynamic RoPE takes its frequencies from the longest position of the whole batch (common/models/rope.py),
     so there each document is followed by filler tokens up to that length: causal attention keeps
     the filler out of the document's logits, and HF then sees the batch's largest position. (HF's rotary
     module keeps the largest length it has seen; a short call first takes its own reset branch.)
@@ -198,7 +198,7 @@ def test_flex_attention_logits_equal_transformers(checkpoint, hf_model, batches,
 def reference_batches(name: str, batches) -> list:
     """What a packed batch must equal: each document in a batch of its own (``separate``, normalised by the
     step's label count), except for dynamic RoPE, whose frequencies come from the batch's longest position
-    (common/rope.py): there the reference is the padded batch, one document per row, same longest position."""
+    (common/models/rope.py): there the reference is the padded batch, one document per row, same longest position."""
     return [batches["padded"]] if FAMILY_CASES[name].rope_type == "dynamic" else batches["separate"]
 
 
@@ -396,7 +396,7 @@ def test_gemma2_loss_is_transformers_loss(checkpoint, hf_model):
 def test_dpo_log_probs_soft_cap_like_transformers(checkpoint, hf_model):
     """Gemma 2's sequence log-probs, every kernel, equal the sum of ``log_softmax`` of transformers' own
     (soft-capped) logits of each document: within ``token_loss_abs`` per scored token."""
-    from twinseq.common.dpo_batching import collate_preference, sequence_logps_from_logits
+    from twinseq.common.data.preference_batching import collate_preference, sequence_logps_from_logits
     from twinseq.torch_backend.dpo import compute_sequence_logps
     from twinseq.torch_backend.logprobs import LOGPS_LOSS_TYPES
 
@@ -487,7 +487,7 @@ def test_a_bad_logit_softcap_is_refused(bad):
 
 
 def test_liger_dpo_refuses_a_soft_capped_model():
-    from twinseq.common.dpo import validate_dpo_config
+    from twinseq.common.objectives.dpo import validate_dpo_config
     from twinseq.torch_backend.dpo import check_liger_dpo
 
     config = validate_dpo_config(["sigmoid"], [1.0], beta=0.1)
@@ -585,7 +585,7 @@ def test_allgather_ranks_equal_dense_attention_with_window_and_softcap(window, c
 
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-    from twinseq.common.context_parallel import cp_permutation
+    from twinseq.common.data.context_parallel import cp_permutation
     from twinseq.torch_backend import context_parallel as cpmod
     from twinseq.torch_backend.attention import document_mask
 
@@ -651,7 +651,7 @@ def test_minimal_config_json_reads_as_transformers_reads_it(tmp_path, model_type
     ``parameter_shapes`` lists for it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from twinseq.common.models import parameter_shapes
+    from twinseq.common.models.configs import parameter_shapes
 
     raw = {"model_type": model_type, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
@@ -675,7 +675,7 @@ def _hf_rotary(cfg):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_rope_inverse_frequencies_are_transformers_bit_for_bit(name):
-    from twinseq.common.rope import rope_inv_freq
+    from twinseq.common.models.rope import rope_inv_freq
 
     cfg = FAMILY_CASES[name]
     np.testing.assert_array_equal(rope_inv_freq(cfg), _hf_rotary(cfg).original_inv_freq.numpy())
@@ -685,7 +685,7 @@ def test_rope_inverse_frequencies_are_transformers_bit_for_bit(name):
 def test_dynamic_rope_frequencies_within_4_ulps(seq_len):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from twinseq.common.rope import dynamic_inv_freq
+    from twinseq.common.models.rope import dynamic_inv_freq
 
     cfg = FAMILY_CASES["llama-dynamic-rope"]
     want, _ = ROPE_INIT_FUNCTIONS["dynamic"](to_hf_model_config(cfg), None, seq_len=seq_len)

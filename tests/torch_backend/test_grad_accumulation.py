@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from twinseq.common.batching import collate
+from twinseq.common.data.batching import collate
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights
+from twinseq.common.models.init import init_weights
 from twinseq.torch_backend.model import build_model, loss_and_grads
 
 LENGTHS = (6, 31, 9, 40, 5, 18, 27, 12)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from twinseq.common import loss as ref
+from twinseq.common.objectives import nll as ref
 from twinseq.common.config import LOSS_TYPES
 from twinseq.torch_backend.losses import causal_lm_loss
 

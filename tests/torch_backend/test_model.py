@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from twinseq.common.backend import PROTOCOL, load_backend
-from twinseq.common.batching import collate
+from twinseq.common.data.batching import collate
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights, parameter_shapes
-from twinseq.common.loss import nll_loss
+from twinseq.common.models.init import init_weights, parameter_shapes
+from twinseq.common.objectives.nll import nll_loss
 from twinseq.torch_backend.checkpoint import load_pretrained, save_pretrained
 from twinseq.torch_backend.model import (build_model, export_weights, logits, loss_and_grads, model_config_of,
                                          to_hf_model_config)

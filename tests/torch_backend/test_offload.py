@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from twinseq.common.batching import collate
+from twinseq.common.data.batching import collate
 from twinseq.common.config import ModelConfig
-from twinseq.common.init import init_weights
+from twinseq.common.models.init import init_weights
 from twinseq.torch_backend.model import build_model, compute_loss
 from twinseq.torch_backend.memory import ActivationOffloader, offload_activations
 

@@ -17,15 +17,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from twinseq.common.batching import collate  # noqa: E402
+from twinseq.common.data.batching import collate  # noqa: E402
 from twinseq.common.config import ModelConfig, TrainConfig  # noqa: E402
-from twinseq.common.dpo import validate_dpo_config  # noqa: E402
-from twinseq.common.dpo_batching import collate_preference  # noqa: E402
+from twinseq.common.objectives.dpo import validate_dpo_config  # noqa: E402
+from twinseq.common.data.preference_batching import collate_preference  # noqa: E402
 from twinseq.common.errors import ConfigError, MissingDependencyError  # noqa: E402
-from twinseq.common.hf_checkpoint import write_hf_checkpoint  # noqa: E402
-from twinseq.common.init import init_weights  # noqa: E402
-from twinseq.common.loss import nll_loss  # noqa: E402
-from twinseq.common.peft import (PeftConfig, TOKENS_KEY, adapter_shapes, init_adapters, read_adapters,  # noqa: E402
+from twinseq.common.models.hf_folder import write_hf_checkpoint  # noqa: E402
+from twinseq.common.models.init import init_weights  # noqa: E402
+from twinseq.common.objectives.nll import nll_loss  # noqa: E402
+from twinseq.common.models.peft import (PeftConfig, TOKENS_KEY, adapter_shapes, init_adapters, read_adapters,  # noqa: E402
                                  save_adapters)
 from twinseq.torch_backend import dpo as tdpo  # noqa: E402
 from twinseq.torch_backend import peft as tpeft  # noqa: E402
@@ -131,7 +131,7 @@ def test_adapters_interchange_with_peft_both_ways(preset, variant, tmp_path):
 
 
 def test_adapter_model_structure_and_keys():
-    """A PeftModel whose trainable tensors are exactly common.peft's adapter tensors (PEFT saved keys, the same
+    """A PeftModel whose trainable tensors are exactly common.models.peft's adapter tensors (PEFT saved keys, the same
     set peft's own ``get_peft_model_state_dict`` saves), the base frozen and exported unchanged."""
     from peft import get_peft_model_state_dict
 
@@ -344,7 +344,7 @@ def test_lora_resume_is_bitwise_and_the_final_folder_loads_in_peft(tmp_path):
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
-    from twinseq.common.metrics import read_metrics
+    from twinseq.common.run.report import read_metrics
     from twinseq.torch_backend.recipes import train
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -381,7 +381,7 @@ def test_qlora_trains_tiny_and_loss_falls(tmp_path):
     B = 0): step 1 is identical, and each of the last 10 steps' loss is below the control's, by 0.05 on average
     (a random-init ``tiny`` sits at ln 8192 = 9.01 and its frozen embedding bounds what LoRA can reach)."""
     pytest.importorskip("bitsandbytes")
-    from twinseq.common.metrics import read_metrics
+    from twinseq.common.run.report import read_metrics
     from twinseq.torch_backend.recipes import train
 
     kw = dict(load_in_4bit=True, max_steps=50, learning_rate=3e-2, lora_r=16)
@@ -402,7 +402,7 @@ def test_qlora_trains_tiny_and_loss_falls(tmp_path):
 def test_dpo_with_lora_uses_the_base_as_reference_and_trains(tmp_path, monkeypatch):
     """DPO + LoRA through ``train``: no reference copy is built (``frozen_reference`` would raise), the step-1
     rewards are exactly 0 (the policy starts as the base, B = 0), and the margins grow."""
-    from twinseq.common.metrics import read_metrics
+    from twinseq.common.run.report import read_metrics
     from twinseq.torch_backend.recipes import train
 
     def no_copy(model):
@@ -420,7 +420,7 @@ def test_dpo_with_lora_uses_the_base_as_reference_and_trains(tmp_path, monkeypat
 
 def test_adamw_8bit_trains_adapters(tmp_path):
     pytest.importorskip("bitsandbytes")
-    from twinseq.common.metrics import read_metrics
+    from twinseq.common.run.report import read_metrics
     from twinseq.torch_backend.recipes import train
 
     train(_train_cfg(tmp_path, optimizer="adamw_bnb_8bit", max_steps=12))

@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file  # noqa: E402
 
 from twinseq.common.config import TrainConfig  # noqa: E402
-from twinseq.common.corpus import load_embedded  # noqa: E402
-from twinseq.common.metrics import REQUIRED_FIELDS, read_metrics  # noqa: E402
-from twinseq.common.capabilities import Runtime, check_runtime  # noqa: E402
+from twinseq.common.data.corpus import load_embedded  # noqa: E402
+from twinseq.common.run.report import REQUIRED_FIELDS, read_metrics  # noqa: E402
+from twinseq.common.run.capabilities import Runtime, check_runtime  # noqa: E402
 from twinseq.torch_backend.recipes import train  # noqa: E402
 
 

@@ -19,12 +19,12 @@ import torch
 pytest.importorskip("triton", reason="needs the triton package (in the dev extra): the kernel runs under its "
                                      "CPU interpreter")
 
-from twinseq.common.capabilities import Runtime, check_runtime  # noqa: E402
+from twinseq.common.run.capabilities import Runtime, check_runtime  # noqa: E402
 from twinseq.common.config import ModelConfig, TrainConfig  # noqa: E402
 from twinseq.common.errors import ConfigError  # noqa: E402
-from twinseq.common.grpo import collate_completions  # noqa: E402
-from twinseq.common.init import init_weights  # noqa: E402
-from twinseq.common.memory_plan import plan_memory  # noqa: E402
+from twinseq.common.objectives.grpo import collate_completions  # noqa: E402
+from twinseq.common.models.init import init_weights  # noqa: E402
+from twinseq.common.run.memory_plan import plan_memory  # noqa: E402
 from twinseq.torch_backend import grpo as tgrpo  # noqa: E402
 from twinseq.torch_backend import triton_ce  # noqa: E402
 from twinseq.torch_backend.logprobs import TargetRows, token_logps  # noqa: E402

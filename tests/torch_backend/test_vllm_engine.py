@@ -93,7 +93,7 @@ def test_config_folder_describes_the_policy(tmp_path):
     from transformers import AutoConfig
 
     from twinseq.common.config import ModelConfig
-    from twinseq.common.models import from_hf_config
+    from twinseq.common.models.configs import from_hf_config
     from twinseq.torch_backend.model import to_hf_model_config
 
     for preset in ("tiny", "tiny-qwen2", "tiny-gemma2"):
@@ -120,7 +120,7 @@ PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 103, 106], [7]]
 @pytest.fixture(scope="module")
 def policy_and_engine():
     from twinseq.common.config import ModelConfig
-    from twinseq.common.init import init_weights
+    from twinseq.common.models.init import init_weights
     from twinseq.torch_backend.model import build_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -236,7 +236,7 @@ def test_colocated_engine_generates_the_same_after_sleeping(sleep_level):
     if not (torch.cuda.is_available() and ve.vllm_available()):
         pytest.skip("sleep mode needs vLLM's CUDA build on a GPU")
     from twinseq.common.config import ModelConfig
-    from twinseq.common.init import init_weights
+    from twinseq.common.models.init import init_weights
     from twinseq.torch_backend.model import build_model
 
     cfg = ModelConfig.preset("tiny-qwen3")

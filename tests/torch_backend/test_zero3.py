@@ -68,7 +68,7 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
     import torch.distributed as dist
 
     from twinseq.common.config import ModelConfig
-    from twinseq.common.loader import StepIterator
+    from twinseq.common.data.sft_steps import StepIterator
     from twinseq.torch_backend.deepspeed import Zero3SFTTrainer, build_zero3_engine
 
     cfg = W.make_config(**cfg_overrides)
@@ -80,7 +80,7 @@ def rank_job(cfg_overrides: dict, out_dir: str) -> dict:
         if world > 1 else all(hasattr(p, "ds_id") for p in params)
     iterator = StepIterator(W.synthetic_rows(seed=0), cfg, pad_token_id=0, world_size=world, rank=rank)
     # generation between two optimizer steps, as online RL does: training must go on exactly after it
-    trainer = Zero3SFTTrainer(engine)  # common.trainer.TrainerTemplate's step on the ZeRO-3 hooks
+    trainer = Zero3SFTTrainer(engine)  # common.run.trainer.TrainerTemplate's step on the ZeRO-3 hooks
     steps = [trainer.step(iterator.next_step()) for _ in range(cfg.max_steps - 1)]
     out: dict = {"partitioned": bool(partitioned), "dtypes": sorted({str(p.ds_tensor.dtype) for p in params}),
                  "device": params[0].ds_tensor.device.type}
@@ -139,7 +139,7 @@ def _hf_greedy(weights: dict) -> list[list[int]]:
 
 def _plain_run(device: str = "cpu"):
     """(losses, pre-clip gradient norms) of the single-process torch trainer on ``device``, step by step."""
-    from twinseq.common.loader import StepIterator
+    from twinseq.common.data.sft_steps import StepIterator
     from twinseq.torch_backend.parallel import parallelize
     from twinseq.torch_backend.trainer import SFTTrainer
 
@@ -229,7 +229,7 @@ def test_twinseq_train_with_zero3_in_one_process_matches_and_resumes(tmp_path):
     """``train`` with ``deepspeed_zero_stage=3`` and no launcher (a world size of 1): the losses of the plain
     torch trainer on the same JSONL; a run resumed from its step-2 checkpoint (weights, Adam moments and
     step, schedule, data position) continues exactly as the uninterrupted one; the final folder loads."""
-    from twinseq.common.corpus import load_embedded
+    from twinseq.common.data.corpus import load_embedded
     from twinseq.torch_backend.checkpoint import load_pretrained
     from twinseq.torch_backend.recipes import train
 
@@ -287,7 +287,7 @@ def test_other_zero_stages_are_refused_by_the_config(stage):
 
 
 def test_the_jax_backend_refuses_zero3():
-    from twinseq.common.capabilities import Runtime, check_runtime
+    from twinseq.common.run.capabilities import Runtime, check_runtime
 
     with pytest.raises(ConfigError, match="deepspeed_zero_stage=3 is a torch option"):
         check_runtime(W.make_config(**ZERO3, backend="jax"), Runtime("jax", "cpu", 1, accelerator=False))

@@ -1,0 +1,1 @@
+"""Models: configs and presets, initial weights, RoPE, Hugging Face folders, PEFT adapters."""

@@ -1,0 +1,259 @@
+"""Hugging Face model folders as numpy, without any framework: ``config.json`` + safetensors.
+
+A model folder holds ``config.json`` and ``model.safetensors`` (or shards listed by
+``model.safetensors.index.json``), as ``save_pretrained`` of transformers writes it. Tensors
+are read and written with ``safetensors.numpy``, never converted on the way through (float32
+stays float32, bfloat16 stays bfloat16), so torch -> jax -> torch is bitwise exact. The JAX
+backend loads and saves models through this module; both backends check folders with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from twinseq.common.errors import CheckpointError, ConfigError
+from twinseq.common.models.configs import (
+    MODEL_PRESETS,
+    ModelConfig,
+    from_hf_config,
+    parameter_shapes,
+    resolve_model_config,
+    to_hf_config,
+)
+from twinseq.common.models.init import check_weights
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def read_model_config(path: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of a model folder's ``config.json`` (weights not needed), or ``CheckpointError``
+    naming the file: missing, corrupt, or an architecture twinseq does not build (the error names the
+    ``model_type`` and the supported list)."""
+    config_path = Path(path) / CONFIG_FILE
+    if not config_path.is_file():
+        raise CheckpointError(f"{str(Path(path))!r} has no {CONFIG_FILE}; pass a Hugging Face checkpoint directory "
+                              f"(config.json + model.safetensors), or a folder with a hand-written config.json to "
+                              f"train from random weights.")
+    try:
+        return from_hf_config(read_json(config_path), str(config_path))
+    except (ValueError, TypeError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(str(err) if str(err).startswith(str(config_path)) else f"{config_path}: {err}") from None
+
+
+def has_weights(path: str | Path) -> bool:
+    """Whether a model folder holds weights (``model.safetensors`` or a safetensors index)."""
+    return (Path(path) / WEIGHTS_FILE).is_file() or (Path(path) / INDEX_FILE).is_file()
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``, or ``CheckpointError`` naming the file and the line of the fault."""
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}:{err.lineno}: not valid JSON ({err.msg}); the file is corrupt or truncated: "
+                              f"restore it or save the model again.") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} cannot be read ({err}); check the file and its permissions.") from None
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, not a {type(values).__name__}.")
+    return values
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map' object; the index is corrupt: save the model again.")
+        return [directory / s for s in sorted(set(weight_map.values()))]
+    single = directory / WEIGHTS_FILE
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{str(directory)!r} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}; save the model with "
+                          f"save_pretrained(..., safe_serialization=True).")
+
+
+def _drop_tied_head(cfg: ModelConfig, weights: dict[str, np.ndarray], source: str) -> None:
+    """A tied checkpoint may still store ``lm_head.weight``; accept it only as an exact copy."""
+    if not cfg.tie_word_embeddings or "lm_head.weight" not in weights:
+        return
+    if not np.array_equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"]):
+        raise CheckpointError(f"{source}: tie_word_embeddings=True but lm_head.weight differs from "
+                              f"model.embed_tokens.weight; set tie_word_embeddings=false in config.json.")
+    logger.info("%s: dropping lm_head.weight, an exact copy of the tied model.embed_tokens.weight", source)
+    del weights["lm_head.weight"]
+
+
+def _safetensors_header(file: Path) -> dict[str, dict]:
+    """The tensor table of a safetensors file (name -> dtype, shape, data_offsets), read from its header
+    alone, after checking that the file holds every byte the header promises (a truncated copy does not)."""
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+            header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < header_len <= size - 8:
+                raise ValueError("no valid header")
+            header = json.loads(f.read(header_len))
+    except (OSError, ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file} is not a readable safetensors file ({err}); the file is corrupt, truncated "
+                              f"or unreadable: save the model again.") from None
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    if 8 + header_len + end > size:
+        raise CheckpointError(f"{file} is truncated: its header describes {8 + header_len + end} bytes, the file has "
+                              f"{size}; copy or save the model again.")
+    return tensors
+
+
+def inspect_model_folder(path: str | Path) -> tuple[ModelConfig, dict[str, tuple[int, ...]]]:
+    """Check a Hugging Face model folder without loading its weights; (ModelConfig, shape by tensor name).
+
+    Raises ``CheckpointError`` naming the file for a missing or corrupt ``config.json``, a missing,
+    unreadable or truncated weight file, and any tensor missing, unexpected or of another shape than
+    ``config.json`` implies. Both backends run it before they load a model folder.
+    """
+    directory = Path(path)
+    cfg = read_model_config(directory)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in _weight_files(directory):
+        if not file.is_file():
+            raise CheckpointError(f"{file} is listed in {INDEX_FILE} but missing; copy the whole model folder.")
+        shapes.update({k: tuple(v["shape"]) for k, v in _safetensors_header(file).items()})
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    expected = parameter_shapes(cfg)
+    problems = [f"missing {sorted(set(expected) - set(shapes))[:3]}" if set(expected) - set(shapes) else "",
+                f"unexpected {sorted(set(shapes) - set(expected))[:3]}" if set(shapes) - set(expected) else ""]
+    problems += [f"{k} is {shapes[k]}, config.json implies {v}" for k, v in expected.items()
+                 if k in shapes and shapes[k] != v][:3]
+    problems = [p for p in problems if p]
+    if problems:
+        raise CheckpointError(f"{directory}: the weights do not match {CONFIG_FILE}: {'; '.join(problems)}; the "
+                              f"folder mixes files of two models, or config.json was edited.")
+    return cfg, shapes
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What ``model_config`` names: an architecture, and the folder its weights come from (None: twinseq
+    draws them with ``common.models.init.init_weights``, the same model on both backends)."""
+
+    config: ModelConfig
+    weights_folder: Optional[Path]
+    description: str
+
+
+def resolve_model_source(spec: str, init_weights: str = "pretrained") -> ModelSource:
+    """The model a run trains, from ``--model-config`` and ``--init-weights``: a preset name (random initial
+    weights), a Hugging Face checkpoint folder (``config.json`` + safetensors, checked by ``inspect_model_folder``),
+    or, with ``init_weights="random"``, a folder's architecture from random initial weights (its weights, if any,
+    unread). A folder with a ``config.json`` and no weights is refused unless random weights are asked for: a
+    forgotten ``model.safetensors`` must not train a random model silently.
+
+    >>> resolve_model_source("tiny-qwen3").description
+    "preset 'tiny-qwen3' (qwen3, 1.79M parameters), random initial weights"
+    """
+    if init_weights not in ("pretrained", "random"):
+        raise ConfigError(f"init_weights={init_weights!r} is not valid; choose 'pretrained' (the folder's weights) or "
+                          f"'random' (weights drawn from the seed).")
+    path = Path(spec)
+    if spec not in MODEL_PRESETS and path.is_dir():
+        if init_weights == "pretrained":
+            if not has_weights(path):
+                read_model_config(path)  # a missing or broken config.json is named first
+                raise CheckpointError(
+                    f"model_config={spec!r} has a {CONFIG_FILE} but no weights: neither {WEIGHTS_FILE} nor "
+                    f"{INDEX_FILE} is there. Copy the checkpoint's safetensors files into it, or pass "
+                    f"--init-weights random to train this architecture from random initial weights.")
+            cfg = inspect_model_folder(path)[0]
+            return ModelSource(cfg, path, f"{spec} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M parameters)")
+        cfg = read_model_config(path)
+        logger.info("init_weights='random': training %s's architecture (%s) from random initial weights%s", spec,
+                    cfg.model_type, "; its weights are not read" if has_weights(path) else "")
+        return ModelSource(cfg, None, f"{spec} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M parameters), "
+                                      f"random initial weights (--init-weights random)")
+    cfg = resolve_model_config(spec)
+    return ModelSource(cfg, None, f"preset {spec!r} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M "
+                                  f"parameters), random initial weights")
+
+
+def check_tokenizer_fits(cfg: ModelConfig, tokenizer_vocab_size: int, spec: str) -> None:
+    """``ConfigError`` when the tokenizer can produce ids the model has no embedding for."""
+    if cfg.vocab_size < tokenizer_vocab_size:
+        raise ConfigError(f"model_config={spec!r} has vocab_size={cfg.vocab_size} but the tokenizer has "
+                          f"{tokenizer_vocab_size} tokens; use the model's own tokenizer (--tokenizer-name-or-path) "
+                          f"or one of at most {cfg.vocab_size} tokens.")
+
+
+def check_finite(name: str, values, source: str) -> None:
+    """``CheckpointError`` if the array ``values`` of tensor ``name`` holds NaN or Inf."""
+    if not np.isfinite(np.asarray(values, dtype=np.float32)).all():
+        raise CheckpointError(f"{source}: tensor {name} holds NaN or Inf values; the checkpoint is corrupt or came "
+                              f"from a diverged run: use an earlier one.")
+
+
+def read_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read a Hugging Face checkpoint directory -> (ModelConfig, HF-named numpy weights as stored).
+
+    The folder is checked first (``inspect_model_folder``), then every tensor for NaN and Inf.
+    """
+    from safetensors.numpy import load_file
+
+    directory = Path(path)
+    cfg, _ = inspect_model_folder(directory)
+    weights: dict[str, np.ndarray] = {}
+    for file in _weight_files(directory):
+        weights.update(load_file(str(file)))
+    _drop_tied_head(cfg, weights, str(directory))
+    check_weights(cfg, weights)
+    for name, values in weights.items():
+        check_finite(name, values, str(directory))
+    return cfg, weights
+
+
+def write_hf_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], path: str | Path,
+                        dtype: Optional[str] = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` loadable by ``AutoModelForCausalLM.from_pretrained``.
+
+    ``dtype`` (``float32``/``bfloat16``/``float16``) casts every tensor; None keeps each as given.
+    """
+    from safetensors.numpy import save_file
+
+    check_weights(cfg, weights)
+    if dtype is not None and dtype not in CHECKPOINT_DTYPES:
+        raise CheckpointError(f"dtype={dtype!r} is not valid; choose one of {tuple(CHECKPOINT_DTYPES)} or None.")
+    tensors = {}
+    for name in parameter_shapes(cfg):
+        array = np.asarray(weights[name])
+        if dtype is not None:
+            array = array.astype(_np_dtype(dtype))
+        tensors[name] = np.ascontiguousarray(array)
+    stored = {str(a.dtype) for a in tensors.values()}
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = to_hf_config(cfg, stored.pop() if len(stored) == 1 else "float32")
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes  # ships with jax; numpy has no native bfloat16
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)

@@ -1,0 +1,96 @@
+"""RoPE frequencies of every ``rope_type`` twinseq builds, in numpy float32, as transformers computes them.
+
+Both backends rotate with angles ``position_ids * inv_freq`` (so angles restart with each
+document) on the half-split layout. What differs between RoPE types is ``inv_freq``:
+
+============  =====================================================================================
+rope_type     inverse frequencies (``d = head_dim``, ``base = rope_theta``)
+============  =====================================================================================
+default       ``1 / base ** (arange(0, d, 2) / d)``
+linear        ``default / factor`` (positions effectively divided by ``factor``)
+llama3        Llama 3.x: wavelengths longer than ``original_max_position_embeddings / low_freq_factor``
+              divided by ``factor``, shorter than ``... / high_freq_factor`` kept, a smooth blend between
+dynamic       NTK: ``base`` stretched to ``base * (factor * L / max_pos - (factor - 1)) ** (d / (d - 2))``
+              with ``L = max(max(position_ids) + 1, max_position_embeddings)``: it depends on the batch
+============  =====================================================================================
+
+``dynamic`` is the one type whose frequencies depend on the input: like transformers, twinseq
+takes ``L`` from the largest position id in the whole batch, so a long document changes the
+frequencies of the short ones next to it. (transformers also keeps the largest ``L`` seen so far
+between calls; twinseq recomputes it for every batch, so that a step does not depend on the steps
+before it.) The other types are constants of the config.
+
+Every float operation is float32 in the order transformers performs it, so ``inv_freq`` matches
+the torch buffer bit for bit (``default``, ``linear``, ``llama3``) or within a few ulps (``dynamic``,
+whose stretched base goes through two float32 ``pow`` calls, which libraries round differently);
+the tests compare them with transformers' own functions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from twinseq.common.models.configs import ModelConfig
+
+
+def _pow_f32(base: float, exponent_F: np.ndarray) -> np.ndarray:
+    """float32 ``base ** exponent``, the power taken in float64 and rounded once (torch's float32 ``pow``
+    is correctly rounded on almost every entry, and so is this)."""
+    return np.power(np.float64(base), exponent_F.astype(np.float64)).astype(np.float32)
+
+
+def default_inv_freq(head_dim: int, rope_theta: float) -> np.ndarray:
+    """float32 [head_dim / 2]: ``1 / theta ** (arange(0, d, 2) / d)``, the exponent in float32 as in torch."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    return (np.float32(1.0) / _pow_f32(rope_theta, exponent)).astype(np.float32)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """float32 [head_dim / 2]: the inverse frequencies of ``cfg`` (for ``dynamic``: those of a batch no longer
+    than ``max_position_embeddings``, i.e. the default ones; see ``dynamic_inv_freq``).
+
+    >>> cfg = ModelConfig.preset("tiny-llama3")
+    >>> bool((rope_inv_freq(cfg) <= default_inv_freq(cfg.head_dim, cfg.rope_theta)).all())
+    True
+    """
+    inv_freq = default_inv_freq(cfg.head_dim, cfg.rope_theta)
+    if cfg.rope_type == "linear":
+        return (inv_freq / np.float32(cfg.rope_factor)).astype(np.float32)
+    if cfg.rope_type == "llama3":
+        return _llama3(inv_freq, cfg)
+    return inv_freq
+
+
+def _llama3(inv_freq: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    factor = np.float32(cfg.rope_factor)
+    old_context_len = cfg.rope_original_max_position_embeddings
+    low_freq_wavelen = old_context_len / cfg.rope_low_freq_factor   # python floats, as in transformers
+    high_freq_wavelen = old_context_len / cfg.rope_high_freq_factor
+    wavelen = (np.float32(2 * math.pi) / inv_freq).astype(np.float32)
+    scaled = np.where(wavelen > np.float32(low_freq_wavelen), inv_freq / factor, inv_freq).astype(np.float32)
+    smooth = ((np.float32(old_context_len) / wavelen - np.float32(cfg.rope_low_freq_factor))
+              / np.float32(cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)).astype(np.float32)
+    smoothed = ((np.float32(1) - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
+    is_medium = ~(wavelen < np.float32(high_freq_wavelen)) & ~(wavelen > np.float32(low_freq_wavelen))
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def dynamic_base(cfg: ModelConfig, seq_len: float) -> float:
+    """The stretched NTK base of ``dynamic`` RoPE for a batch whose largest position id is ``seq_len - 1``
+    (``seq_len`` is raised to ``max_position_embeddings`` first, so short batches use the plain base)."""
+    seq_len = max(float(seq_len), float(cfg.max_position_embeddings))
+    dim = cfg.head_dim
+    return cfg.rope_theta * ((cfg.rope_factor * seq_len / cfg.max_position_embeddings)
+                             - (cfg.rope_factor - 1)) ** (dim / (dim - 2))
+
+
+def dynamic_inv_freq(cfg: ModelConfig, max_position_id: int) -> np.ndarray:
+    """float32 [head_dim / 2] of ``dynamic`` RoPE for a batch whose largest position id is ``max_position_id``."""
+    seq_len = max(max_position_id + 1, cfg.max_position_embeddings)
+    base = np.float32(cfg.rope_theta) * ((np.float32(cfg.rope_factor) * np.float32(seq_len)
+                                         / np.float32(cfg.max_position_embeddings))
+                                        - np.float32(cfg.rope_factor - 1)) ** np.float32(cfg.head_dim / (cfg.head_dim - 2))
+    exponent = np.arange(0, cfg.head_dim, 2, dtype=np.float32) / np.float32(cfg.head_dim)
+    return (np.float32(1.0) / _pow_f32(float(np.float32(base)), exponent)).astype(np.float32)

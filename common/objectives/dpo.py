@@ -1,0 +1,368 @@
+"""DPO loss family: the numpy reference both backends are tested against.
+
+Names and parameters follow TRL 1.16 (``DPOConfig.loss_type``, ``loss_weights``, ``beta``,
+``label_smoothing``). Inputs are per-example sequence log-probs (sums of the completion's
+target log-probs, see ``twinseq.common.data.preference_batching``); outputs are per-example losses.
+
+Notation used in the docstrings below, per example:
+
+- ``c = policy_chosen_logps - ref_chosen_logps``     (chosen log-ratio)
+- ``r = policy_rejected_logps - ref_rejected_logps`` (rejected log-ratio)
+- ``Δ = c - r``, ``x = β Δ``, ``ε = label_smoothing``, ``σ`` the logistic function,
+  ``log σ(z) = -log(1 + e^-z)`` computed as ``-logaddexp(0, -z)`` so that it stays exact
+  and finite for any finite ``z`` (``log(sigmoid(z))`` gives -inf for z < -745).
+
+TRL's reduction is ``loss = Σ_k w_k · mean_n L_k[n]``; ``dpo_loss`` returns the per-example
+``Σ_k w_k L_k[n]`` whose mean is exactly that. The rewards are ``β c`` and ``β r`` whatever
+the loss type, as in TRL's metrics.
+
+Everything is computed in float64 so that it can serve as the reference for float32 tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+
+from twinseq.common.errors import ConfigError, ConfigTypeError
+
+logger = logging.getLogger(__name__)
+
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
+                  "apo_zero", "apo_down")
+# TRL 1.16 accepts these too; twinseq does not implement them yet, and says so rather than "unknown".
+TRL_LOSS_TYPES_NOT_IMPLEMENTED = ("aot", "aot_unpaired", "discopop", "sft", "sigmoid_norm")
+# Loss types that read label_smoothing; the others ignore it (TRL 1.16 dropped cDPO's smoothing of
+# 'sigmoid').
+LABEL_SMOOTHING_LOSS_TYPES = ("robust", "exo_pair")
+# ε is the probability that a preference label is flipped: above 1/2 the pair should be swapped.
+LABEL_SMOOTHING_MAX = 0.5
+
+
+@dataclass(frozen=True)
+class DPOLossConfig:
+    """A validated DPO loss configuration (see ``validate_dpo_config``)."""
+
+    loss_type: tuple[str, ...]
+    loss_weights: tuple[float, ...]
+    beta: float
+    label_smoothing: float
+
+
+def _check_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigTypeError(f"{name}={value!r} must be a real number, got {type(value).__name__}.")
+    if not math.isfinite(float(value)):
+        raise ConfigError(f"{name}={value!r} must be finite.")
+    return float(value)
+
+
+def _check_loss_types(loss_type: Union[str, Sequence[str]]) -> tuple[str, ...]:
+    types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    if not types:
+        raise ConfigError(f"loss_type={loss_type!r} is empty; give one of {', '.join(DPO_LOSS_TYPES)} or a list "
+                          f"of them (combined with loss_weights).")
+    for t in types:
+        if not isinstance(t, str):
+            raise ConfigTypeError(f"loss_type entries must be strings, got {t!r} ({type(t).__name__}) in {loss_type!r}.")
+        if t in TRL_LOSS_TYPES_NOT_IMPLEMENTED:
+            raise ConfigError(f"loss_type={t!r} is a TRL loss type that twinseq does not implement; choose one of "
+                              f"{', '.join(DPO_LOSS_TYPES)}.")
+        if t not in DPO_LOSS_TYPES:
+            raise ConfigError(f"loss_type={t!r} is not a DPO loss type; choose one of {', '.join(DPO_LOSS_TYPES)}.")
+    return types
+
+
+def _check_loss_weights(loss_weights: Optional[Sequence[float]], types: tuple[str, ...]) -> tuple[float, ...]:
+    if loss_weights is None:
+        return (1.0,) * len(types)
+    if isinstance(loss_weights, (str, bytes)) or not hasattr(loss_weights, "__len__"):
+        raise ConfigTypeError(f"loss_weights={loss_weights!r} must be a list of numbers, one per loss_type, or None.")
+    if len(loss_weights) != len(types):
+        raise ConfigError(f"loss_weights={list(loss_weights)!r} has {len(loss_weights)} entries but loss_type="
+                          f"{list(types)!r} has {len(types)}; give one weight per loss type, or None for all 1.0.")
+    return tuple(_check_real(f"loss_weights[{i}]", w) for i, w in enumerate(loss_weights))
+
+
+def _check_label_smoothing(eps: float, types: tuple[str, ...]) -> None:
+    if not 0.0 <= eps <= LABEL_SMOOTHING_MAX:
+        raise ConfigError(f"label_smoothing={eps!r} is not valid; it is the probability that a preference label is "
+                          f"flipped and must lie in [0, {LABEL_SMOOTHING_MAX}] (above that, swap chosen and rejected).")
+    if "robust" in types and eps >= LABEL_SMOOTHING_MAX:
+        # TRL 1.16 only warns; the robust loss divides by 1 - 2ε and is undefined at ε = 1/2.
+        raise ConfigError(f"label_smoothing={eps!r} is not valid with loss_type 'robust', which divides by "
+                          f"1 - 2*label_smoothing; use a value in [0, 0.5), e.g. 0.1 (Robust DPO paper).")
+    if "exo_pair" in types and eps == 0.0:
+        raise ConfigError("label_smoothing=0.0 is not valid with loss_type 'exo_pair': EXO takes log(label_smoothing); "
+                          "use a value in (0, 0.5], e.g. 1e-3 (EXO paper).")
+    if eps > 0.0 and not set(types) & set(LABEL_SMOOTHING_LOSS_TYPES):
+        logger.warning("label_smoothing=%s has no effect on loss_type %s; only %s read it (TRL 1.16 semantics).",
+                       eps, list(types), list(LABEL_SMOOTHING_LOSS_TYPES))
+
+
+def validate_dpo_config(loss_type: Union[str, Sequence[str]] = "sigmoid",
+                        loss_weights: Optional[Sequence[float]] = None,
+                        beta: float = 0.1, label_smoothing: float = 0.0) -> DPOLossConfig:
+    """Check a DPO loss configuration against TRL's rules (and a few stricter ones).
+
+    ``loss_type`` is a name or a list of names from ``DPO_LOSS_TYPES``; ``loss_weights`` is
+    None (all 1.0) or one weight per loss type. ``beta`` must be > 0. ``label_smoothing`` must
+    lie in [0, 0.5]; 'robust' needs it < 0.5 and 'exo_pair' needs it > 0. Raises ValueError
+    (or TypeError for a wrong type) naming the field, the value and the fix.
+
+    >>> validate_dpo_config(["sigmoid", "bco_pair"], [0.8, 0.2], beta=0.1)
+    DPOLossConfig(loss_type=('sigmoid', 'bco_pair'), loss_weights=(0.8, 0.2), beta=0.1, label_smoothing=0.0)
+    """
+    types = _check_loss_types(loss_type)
+    weights = _check_loss_weights(loss_weights, types)
+    beta = _check_real("beta", beta)
+    if beta <= 0.0:
+        raise ConfigError(f"beta={beta!r} is not valid; it must be > 0 (TRL's default is 0.1; for 'ipo' it is τ).")
+    eps = _check_real("label_smoothing", label_smoothing)
+    _check_label_smoothing(eps, types)
+    return DPOLossConfig(loss_type=types, loss_weights=weights, beta=beta, label_smoothing=eps)
+
+
+def check_liger_dpo_config(loss_type: Sequence[str], *, padding_free: bool, precompute: bool) -> None:
+    """Liger's fused DPO loss computes exactly twinseq's only for padded, live-reference 'sigmoid'."""
+    if tuple(loss_type) != ("sigmoid",):
+        raise ConfigError(f"loss_type='liger' computes the 'sigmoid' DPO loss only; dpo_loss_type="
+                          f"{list(loss_type)} needs --loss-type fused_linear.")
+    if padding_free:
+        raise ConfigError("loss_type='liger' needs padded batches (chosen and rejected stacked as rows); drop "
+                          "--padding-free or use --loss-type fused_linear.")
+    if precompute:
+        raise ConfigError("precompute_ref_log_probs=True is not supported with loss_type='liger': twinseq's Liger "
+                          "path feeds the reference hidden states to the kernel. Drop --precompute-ref-log-probs "
+                          "or use --loss-type fused_linear.")
+
+
+# ---------------------------------------------------------------------------------------
+# Stable building blocks
+# ---------------------------------------------------------------------------------------
+
+
+def log_sigmoid(z: np.ndarray) -> np.ndarray:
+    """``log σ(z) = -log(1 + e^-z)``, exact and finite for every finite z (float64)."""
+    return -np.logaddexp(0.0, -np.asarray(z, dtype=np.float64))
+
+
+def sigmoid(z: np.ndarray) -> np.ndarray:
+    """``σ(z)`` without overflow for large |z| (float64)."""
+    return np.exp(log_sigmoid(z))
+
+
+# ---------------------------------------------------------------------------------------
+# The loss family, written once over an array namespace. Each loss takes the per-example
+# log-ratios and returns [N] in the framework of its inputs.
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArrayOps:
+    """The four array functions the loss family needs, from one framework.
+
+    numpy (``NUMPY_OPS``, float64, the reference), torch and jax each supply theirs, so the
+    formulas below are the only copy of the DPO losses in the project.
+    """
+
+    log_sigmoid: Callable
+    exp: Callable
+    relu: Callable
+    zeros_like: Callable
+
+
+NUMPY_OPS = ArrayOps(log_sigmoid=log_sigmoid, exp=np.exp, relu=lambda z: np.maximum(0.0, z),
+                     zeros_like=np.zeros_like)
+
+
+@dataclass(frozen=True)
+class _Pair:
+    c: Any               # chosen log-ratio [N]
+    r: Any               # rejected log-ratio [N]
+    beta: float
+    eps: float           # label_smoothing
+    ops: ArrayOps
+    n_c: Any = None      # chosen completion token counts [N] (ipo only)
+    n_r: Any = None
+
+
+def _loss_sigmoid(p: _Pair):
+    """``-log σ(x)`` (DPO)."""
+    return -p.ops.log_sigmoid(p.beta * (p.c - p.r))
+
+
+def _loss_hinge(p: _Pair):
+    """``max(0, 1 - x)`` (SLiC)."""
+    return p.ops.relu(1.0 - p.beta * (p.c - p.r))
+
+
+def _loss_ipo(p: _Pair):
+    """``(c/n_c - r/n_r - 1/(2β))²``: TRL normalises the log-ratios by completion length."""
+    return (p.c / p.n_c - p.r / p.n_r - 0.5 / p.beta) ** 2
+
+
+def _loss_exo_pair(p: _Pair):
+    """``KL(q ‖ (1-ε, ε))`` with ``q = (σ(x), σ(-x))`` (EXO-pref, K = 2)."""
+    x = p.beta * (p.c - p.r)
+    log_qw, log_ql = p.ops.log_sigmoid(x), p.ops.log_sigmoid(-x)
+    # exp(log_q) underflows to exactly 0 where log_q is huge and negative, so 0 * finite stays 0.
+    return p.ops.exp(log_qw) * (log_qw - math.log1p(-p.eps)) + p.ops.exp(log_ql) * (log_ql - math.log(p.eps))
+
+
+def _loss_nca_pair(p: _Pair):
+    """``-log σ(βc) - ½ log σ(-βc) - ½ log σ(-βr)`` (NCA)."""
+    bc, br = p.beta * p.c, p.beta * p.r
+    return -p.ops.log_sigmoid(bc) - 0.5 * p.ops.log_sigmoid(-bc) - 0.5 * p.ops.log_sigmoid(-br)
+
+
+def _loss_robust(p: _Pair):
+    """``(-(1-ε) log σ(x) + ε log σ(-x)) / (1 - 2ε)`` (Robust DPO; unbounded below if ε > 0)."""
+    x = p.beta * (p.c - p.r)
+    return (-(1.0 - p.eps) * p.ops.log_sigmoid(x) + p.eps * p.ops.log_sigmoid(-x)) / (1.0 - 2.0 * p.eps)
+
+
+def _loss_bco_pair(p: _Pair):
+    """``-log σ(βc) - log σ(-βr)``."""
+    return -p.ops.log_sigmoid(p.beta * p.c) - p.ops.log_sigmoid(-p.beta * p.r)
+
+
+def _loss_sppo_hard(p: _Pair):
+    """``(c - 1/(2β))² + (r + 1/(2β))²`` (SPPO with hard win probabilities 1 and 0)."""
+    half = 0.5 / p.beta
+    return (p.c - half) ** 2 + (p.r + half) ** 2
+
+
+def _sigmoid(p: _Pair, z):
+    return p.ops.exp(p.ops.log_sigmoid(z))
+
+
+def _loss_apo_zero(p: _Pair):
+    """``1 - σ(βc) + σ(βr)`` (APO-zero), with ``1 - σ(z)`` written ``σ(-z)`` to keep precision."""
+    return _sigmoid(p, -p.beta * p.c) + _sigmoid(p, p.beta * p.r)
+
+
+def _loss_apo_down(p: _Pair):
+    """``σ(βc) + 1 - σ(β(c - r))`` (APO-down)."""
+    return _sigmoid(p, p.beta * p.c) + _sigmoid(p, -p.beta * (p.c - p.r))
+
+
+_LOSSES: dict[str, Callable[[_Pair], Any]] = {
+    "sigmoid": _loss_sigmoid, "hinge": _loss_hinge, "ipo": _loss_ipo, "exo_pair": _loss_exo_pair,
+    "nca_pair": _loss_nca_pair, "robust": _loss_robust, "bco_pair": _loss_bco_pair,
+    "sppo_hard": _loss_sppo_hard, "apo_zero": _loss_apo_zero, "apo_down": _loss_apo_down,
+}
+assert set(_LOSSES) == set(DPO_LOSS_TYPES)
+
+
+class DPOFamilyOutput(NamedTuple):
+    losses: Any              # [N]: Σ_k w_k L_k
+    chosen_rewards: Any      # [N]: β c
+    rejected_rewards: Any    # [N]: β r
+    losses_by_type: dict     # unweighted L_k [N]
+
+
+def dpo_family(chosen_logratios, rejected_logratios, config: DPOLossConfig, ops: ArrayOps, *,
+               chosen_num_tokens=None, rejected_num_tokens=None) -> DPOFamilyOutput:
+    """Per-pair DPO losses and rewards from the log-ratios ``c`` and ``r`` [N], in ``ops``' framework.
+
+    ``config`` comes from ``validate_dpo_config``; 'ipo' needs the completion token counts.
+    """
+    if "ipo" in config.loss_type and (chosen_num_tokens is None or rejected_num_tokens is None):
+        raise ConfigError("loss_type 'ipo' normalises by completion length and needs chosen_num_tokens and "
+                          "rejected_num_tokens (PreferenceBatch.chosen_num_tokens / rejected_num_tokens).")
+    pair = _Pair(c=chosen_logratios, r=rejected_logratios, beta=config.beta, eps=config.label_smoothing, ops=ops,
+                 n_c=chosen_num_tokens, n_r=rejected_num_tokens)
+    by_type = {t: _LOSSES[t](pair) for t in dict.fromkeys(config.loss_type)}
+    losses = ops.zeros_like(pair.c)
+    for t, w in zip(config.loss_type, config.loss_weights):
+        losses = losses + w * by_type[t]
+    return DPOFamilyOutput(losses, config.beta * pair.c, config.beta * pair.r, by_type)
+
+
+@dataclass
+class DPOLossOutput:
+    """Per-example outputs of ``dpo_loss``; ``loss`` is TRL's scalar."""
+
+    losses: np.ndarray             # float64 [N]: Σ_k w_k L_k
+    chosen_rewards: np.ndarray     # float64 [N]: β c
+    rejected_rewards: np.ndarray   # float64 [N]: β r
+    losses_by_type: dict[str, np.ndarray] = field(default_factory=dict)  # unweighted L_k [N]
+
+    @property
+    def loss(self) -> float:
+        return float(self.losses.mean())
+
+
+def _as_logps(name: str, value: np.ndarray) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.float64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ConfigError(f"{name} must be a non-empty 1-D array [N] of sequence log-probs, got shape {arr.shape}.")
+    if not np.isfinite(arr).all():
+        raise ConfigError(f"{name} holds non-finite values (e.g. {arr[~np.isfinite(arr)][:3].tolist()}); a "
+                          f"sequence log-prob must be finite: check the model output and the target mask.")
+    return arr
+
+
+def _as_counts(name: str, value: Optional[np.ndarray], n: int) -> np.ndarray:
+    if value is None:
+        raise ConfigError(f"loss_type 'ipo' normalises the log-ratios by completion length (TRL 1.16) and needs "
+                          f"{name}; pass PreferenceBatch.{name} from twinseq.common.data.preference_batching.")
+    arr = np.asarray(value, dtype=np.float64)
+    if arr.shape != (n,) or (arr < 1).any():
+        raise ConfigError(f"{name} must be [N={n}] counts >= 1 of scored completion tokens, got shape {arr.shape} "
+                          f"and min {arr.min(initial=np.inf)}.")
+    return arr
+
+
+def dpo_loss(policy_chosen_logps: np.ndarray, policy_rejected_logps: np.ndarray,
+             ref_chosen_logps: np.ndarray, ref_rejected_logps: np.ndarray, *,
+             loss_type: Union[str, Sequence[str]] = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
+             loss_weights: Optional[Sequence[float]] = None,
+             chosen_num_tokens: Optional[np.ndarray] = None,
+             rejected_num_tokens: Optional[np.ndarray] = None) -> DPOLossOutput:
+    """Per-example DPO losses and rewards from sequence log-probs, all float [N].
+
+    ``chosen_num_tokens`` / ``rejected_num_tokens`` (scored completion tokens per sequence)
+    are needed by 'ipo' only, which TRL length-normalises.
+
+    >>> out = dpo_loss([-3.0], [-5.0], [-4.0], [-4.0], beta=0.5)   # c = 1, r = -1, x = 1
+    >>> round(out.loss, 6), out.chosen_rewards.tolist(), out.rejected_rewards.tolist()
+    (0.313262, [0.5], [-0.5])
+    """
+    cfg = validate_dpo_config(loss_type, loss_weights, beta, label_smoothing)
+    pc = _as_logps("policy_chosen_logps", policy_chosen_logps)
+    pr = _as_logps("policy_rejected_logps", policy_rejected_logps)
+    rc = _as_logps("ref_chosen_logps", ref_chosen_logps)
+    rr = _as_logps("ref_rejected_logps", ref_rejected_logps)
+    if not pc.shape == pr.shape == rc.shape == rr.shape:
+        raise ConfigError(f"the four log-prob arrays must have the same shape [N]; got policy_chosen {pc.shape}, "
+                          f"policy_rejected {pr.shape}, ref_chosen {rc.shape}, ref_rejected {rr.shape}.")
+    n_c = n_r = None
+    if "ipo" in cfg.loss_type:
+        n_c = _as_counts("chosen_num_tokens", chosen_num_tokens, pc.size)
+        n_r = _as_counts("rejected_num_tokens", rejected_num_tokens, pc.size)
+    out = dpo_family(pc - rc, pr - rr, cfg, NUMPY_OPS, chosen_num_tokens=n_c, rejected_num_tokens=n_r)
+    return DPOLossOutput(losses=out.losses, chosen_rewards=out.chosen_rewards, rejected_rewards=out.rejected_rewards,
+                         losses_by_type=out.losses_by_type)
+
+
+def reward_metrics(chosen_rewards: np.ndarray, rejected_rewards: np.ndarray) -> dict[str, float]:
+    """TRL's reward metrics: means over examples of β c, β r, [β c > β r] and β (c - r).
+
+    >>> reward_metrics(np.array([1.0, -1.0]), np.array([0.0, 0.0]))
+    {'rewards/chosen': 0.0, 'rewards/rejected': 0.0, 'rewards/accuracies': 0.5, 'rewards/margins': 0.0}
+    """
+    chosen = np.asarray(chosen_rewards, dtype=np.float64)
+    rejected = np.asarray(rejected_rewards, dtype=np.float64)
+    if chosen.shape != rejected.shape or chosen.ndim != 1 or chosen.size == 0:
+        raise ConfigError(f"chosen_rewards {chosen.shape} and rejected_rewards {rejected.shape} must be the same "
+                          f"non-empty 1-D shape [N].")
+    return {"rewards/chosen": float(chosen.mean()), "rewards/rejected": float(rejected.mean()),
+            # Strict: a tie is not a win, as in TRL.
+            "rewards/accuracies": float((chosen > rejected).mean()),
+            "rewards/margins": float((chosen - rejected).mean())}

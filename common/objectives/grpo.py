@@ -1,0 +1,523 @@
+"""GRPO (group relative policy optimisation): the config section, the rules and the numpy reference.
+
+Online RL in TRL 1.16's shape. For every prompt the policy samples ``num_generations``
+completions (a *group*); reward functions score them; each completion's advantage is its
+reward relative to its group:
+
+    A_i = (r_i - mean_group(r)) / (std(r) + 1e-4)
+
+with ``std`` the group's (``scale_rewards='group'``), the whole batch's (``'batch'``) or 1
+(``'none'``, Dr. GRPO's choice); ``std`` is the unbiased estimate, as ``torch.std`` in TRL.
+The policy then takes ``num_iterations`` optimizer steps on that batch with the clipped
+surrogate, per completion token t (``π`` the policy, ``π_old`` the sampling policy, ``π_ref``
+the reference):
+
+    ρ_t   = exp(log π(t) - log π_old(t))
+    L_t   = -min(ρ_t A, clip(ρ_t, 1 - ε, 1 + ε_high) A) + β KL_t
+    KL_t  = exp(log π_ref(t) - log π(t)) - (log π_ref(t) - log π(t)) - 1   (the k3 estimator)
+
+``ρ_t`` is 1 with gradient when ``num_iterations == 1`` (``π_old`` is the detached policy).
+The per-token losses ``L`` [N, C] (mask ``m``) are reduced by ``grpo_loss_type``:
+
+- ``grpo``:    mean over completions of each completion's token mean ``Σ_t L m / Σ_t m``;
+- ``bnpo``:    token mean over the micro-batch ``Σ L m / Σ m`` (then averaged over micro-batches);
+- ``dr_grpo``: ``Σ L m / (N · max_completion_length)``, a constant normaliser;
+- ``dapo``:    ``Σ L m / (completion tokens of the whole step)``; TRL's default.
+
+``grpo_loss`` evaluates one micro-batch's share of the step's loss, so that summing the
+shares of a step's micro-batches gives the step's loss (with one micro-batch, the loss
+itself). Everything here is float64 numpy: the reference the backends are tested against.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from twinseq.common.data.batching import collate
+from twinseq.common.data.preference_batching import _target_doc_ids
+from twinseq.common.errors import ConfigError, ConfigTypeError, DataError
+from twinseq.common.fields import _CHECKS_ON, _check_fields, knob
+
+logger = logging.getLogger(__name__)
+
+GRPOLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+ScaleRewards = Literal["group", "batch", "none"]
+VLLMMode = Literal["colocate", "server"]
+GRPO_LOSS_TYPES = typing.get_args(GRPOLossType)
+SCALE_REWARDS = typing.get_args(ScaleRewards)
+STD_EPS = 1e-4
+"""Added to the reward std before dividing (TRL's constant), so a constant group gives 0, not NaN."""
+
+RewardFunc = Callable[..., Sequence[Optional[float]]]
+"""``f(prompts, completions, **columns) -> [float | None] * len(completions)`` (TRL's signature)."""
+
+
+@dataclass
+class GRPOConfig:
+    """Group relative policy optimisation (read with ``task=grpo`` only). TRL 1.16 names, except
+    ``grpo_loss_type`` and ``grpo_beta`` (``loss_type`` is the token-loss kernel, ``beta`` is DPO's)."""
+
+    num_generations: int = knob(8, ge=1)
+    """Completions sampled per prompt (a group); at least 2, since advantages compare within a group."""
+    temperature: float = knob(1.0, gt=0)
+    top_p: float = knob(1.0, gt=0, le=1)
+    top_k: int = knob(0, ge=0)
+    """Sample among the k most likely tokens only; 0 disables (TRL's 0/None)."""
+    grpo_beta: float = knob(0.0, ge=0)
+    """KL coefficient (TRL's GRPO ``beta``). 0: no reference model is loaded or run."""
+    epsilon: float = knob(0.2, gt=0, lt=1)
+    """Lower clip of the importance ratio: ρ >= 1 - epsilon."""
+    epsilon_high: Optional[float] = knob(None, gt=0)
+    """Upper clip: ρ <= 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses e.g. 0.28)."""
+    num_iterations: int = knob(1, ge=1)
+    """Optimizer steps per generated batch (μ); above 1 the sampling policy's log-probs are kept."""
+    scale_rewards: ScaleRewards = "group"
+    grpo_loss_type: GRPOLossType = "dapo"
+    reward_funcs: list[str] = field(default_factory=lambda: ["exact_match", "format"])
+    """Names of built-in reward functions (``common.data.prompts.REWARD_FUNCTIONS``); the Python API also takes
+    callables ``f(prompts, completions, **columns)``."""
+    reward_weights: Optional[list[float]] = None
+    """One weight per reward function (None: all 1.0); the reward is the weighted sum."""
+    mask_truncated_completions: bool = False
+    """Completions cut by max_completion_length (no EOS) get no loss."""
+    generation_greedy: bool = False
+    """Decode greedily instead of sampling (evaluation, tests); a group is then num_generations copies."""
+    ds3_gather_for_generation: bool = True
+    """Under ZeRO-3, gather the full weights for generation (False: generate sharded, slow; HF only)."""
+    use_vllm: bool = False
+    vllm_mode: VLLMMode = "colocate"
+    vllm_enable_sleep_mode: bool = False
+    """Offload vLLM's weights and KV cache while training (TRL's name; the guide's ``vllm_sleep_enabled``)."""
+    vllm_sleep_level: int = knob(1, ge=1, le=2)
+    """1: offload weights to CPU and drop the KV cache; 2: drop both (reloaded each generation)."""
+    vllm_gpu_memory_utilization: float = knob(0.3, gt=0, le=1)
+
+    def __post_init__(self) -> None:
+        if _CHECKS_ON.get():
+            _check_fields(self)
+
+
+# ---------------------------------------------------------------------------------------
+# Config rules
+# ---------------------------------------------------------------------------------------
+
+
+def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gradient_accumulation_steps: int
+                      ) -> None:
+    """The rules that tie GRPO's knobs together; raises ``ConfigError`` naming the fields and the fix.
+
+    The generation batch of one optimizer step is ``per_device_train_batch_size *
+    gradient_accumulation_steps`` completions (TRL counts completions, not prompts); it must
+    hold whole groups.
+    """
+    g = grpo.num_generations
+    if g < 2:
+        raise ConfigError(f"num_generations={g} is not valid: GRPO's advantage compares a completion with the "
+                          f"others of its group, so a group needs at least 2 completions (--num-generations 2 "
+                          f"or more; TRL's default is 8).")
+    generation_batch = per_device_train_batch_size * gradient_accumulation_steps
+    if generation_batch % g:
+        raise ConfigError(f"the generation batch per_device_train_batch_size x gradient_accumulation_steps = "
+                          f"{per_device_train_batch_size} x {gradient_accumulation_steps} = {generation_batch} "
+                          f"completions is not divisible by num_generations={g}: every prompt needs its whole "
+                          f"group in one step; make it a multiple of {g} (e.g. --per-device-train-batch-size {g}).")
+    if grpo.use_vllm and grpo.vllm_mode != "colocate":
+        raise ConfigError(f"vllm_mode={grpo.vllm_mode!r} is not supported: twinseq runs vLLM in colocate mode (the "
+                          f"training process owns the engine); use --vllm-mode colocate, or TRL's `trl vllm-serve` "
+                          f"setup for a separate server.")
+    if grpo.use_vllm and not grpo.ds3_gather_for_generation:
+        raise ConfigError("ds3_gather_for_generation=False cannot be used with use_vllm=True: vLLM needs the full "
+                          "weights to be pushed to its engine; drop --no-ds3-gather-for-generation or --use-vllm.")
+    if grpo.vllm_enable_sleep_mode and not grpo.use_vllm:
+        raise ConfigError("vllm_enable_sleep_mode=True (vllm_sleep_enabled) puts a vLLM engine to sleep, but "
+                          "use_vllm=False: there is none; add --use-vllm or drop --vllm-enable-sleep-mode.")
+    if grpo.vllm_sleep_level not in (1, 2):
+        raise ConfigError(f"vllm_sleep_level={grpo.vllm_sleep_level!r} is not valid; choose 1 (weights to CPU, "
+                          f"KV cache dropped) or 2 (both dropped) (--vllm-sleep-level).")
+    if grpo.reward_weights is not None and len(grpo.reward_weights) != len(grpo.reward_funcs):
+        raise ConfigError(f"reward_weights={grpo.reward_weights!r} has {len(grpo.reward_weights)} entries but "
+                          f"reward_funcs={grpo.reward_funcs!r} has {len(grpo.reward_funcs)}; give one weight per "
+                          f"reward function, or none (all 1.0).")
+    if not grpo.reward_funcs:
+        raise ConfigError("reward_funcs=[] is not valid: GRPO needs at least one reward function "
+                          "(--reward-funcs exact_match format).")
+
+
+DEFAULT_MAX_COMPLETION_LENGTH = 512
+"""Tokens generated per completion when ``max_completion_length`` is unset (TRL 1.16's GRPOConfig default), on
+both backends."""
+
+
+def completion_budget(max_completion_length: Optional[int]) -> int:
+    """``max_completion_length``, or TRL's default (``DEFAULT_MAX_COMPLETION_LENGTH``) when unset (logged: the data
+    section's None means "no truncation" for SFT/DPO, but generation needs a bound)."""
+    if max_completion_length is None:
+        logger.info("max_completion_length is unset: GRPO generates up to %d tokens (TRL's default); set "
+                    "--max-completion-length to change it", DEFAULT_MAX_COMPLETION_LENGTH)
+        return DEFAULT_MAX_COMPLETION_LENGTH
+    return max_completion_length
+
+
+def epsilon_bounds(grpo: GRPOConfig) -> tuple[float, float]:
+    """(ε_low, ε_high) of the ratio clip."""
+    return grpo.epsilon, grpo.epsilon if grpo.epsilon_high is None else grpo.epsilon_high
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The static part of a backend's GRPO loss (hashable: a ``jit`` static argument on JAX); the step's normalisers
+    (``StepShare``) change with every generation and are passed beside it."""
+
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = None
+    beta: float = 0.0
+    max_completion_length: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in GRPO_LOSS_TYPES:
+            raise ConfigError(f"grpo_loss_type={self.loss_type!r} is not valid; choose one of {GRPO_LOSS_TYPES}.")
+        if self.loss_type == "dr_grpo" and self.max_completion_length is None:
+            raise ConfigError("grpo_loss_type='dr_grpo' needs max_completion_length.")
+
+    @classmethod
+    def of(cls, grpo: GRPOConfig, max_completion_length: int) -> "LossSpec":
+        eps_low, eps_high = epsilon_bounds(grpo)
+        return cls(grpo.grpo_loss_type, eps_low, eps_high, grpo.grpo_beta, max_completion_length)
+
+
+class StepShare(NamedTuple):
+    """What a micro-batch's loss is a share of: the step's completions (``grpo``, ``dr_grpo``), completion tokens
+    (``dapo``) and micro-batches (``bnpo``), over every rank. None: the micro-batch's own count."""
+
+    num_sequences_in_step: Optional[int] = None
+    num_tokens_in_step: Optional[int] = None
+    num_micro_batches: int = 1
+
+
+# ---------------------------------------------------------------------------------------
+# Rewards and advantages
+# ---------------------------------------------------------------------------------------
+
+
+def reward_func_name(func: Any) -> str:
+    """The name metrics use: a built-in's registered name (``reward_name``), else the function's."""
+    return getattr(func, "reward_name", None) or getattr(func, "__name__", None) or type(func).__name__
+
+
+def _call_reward_func(func: RewardFunc, prompts: Sequence[Any], completions: Sequence[Any],
+                      columns: Mapping[str, Sequence[Any]]) -> np.ndarray:
+    name = reward_func_name(func)
+    try:
+        out = func(prompts=list(prompts), completions=list(completions), **columns)
+    except Exception as err:  # a user's function: report which one failed, and why
+        raise DataError(f"reward function {name!r} raised {type(err).__name__}: {err}; it is called as "
+                        f"{name}(prompts=..., completions=..., **columns) with columns {sorted(columns)} and "
+                        f"must return one float (or None) per completion.") from err
+    if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
+        raise DataError(f"reward function {name!r} returned {type(out).__name__}, not a list of "
+                        f"{len(completions)} floats (one per completion, None to abstain).")
+    if len(out) != len(completions):
+        raise DataError(f"reward function {name!r} returned {len(out)} rewards for {len(completions)} completions; "
+                        f"return one float (or None) per completion.")
+    values = np.full(len(out), np.nan)
+    for i, v in enumerate(out):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise DataError(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; "
+                            f"return a float or None.")
+        if np.isinf(v):  # NaN is an abstention, as TRL reads it; an infinite reward would make every advantage NaN
+            raise DataError(f"reward function {name!r} returned {float(v)} for completion {i}; rewards must be "
+                            f"finite: return a float, or None (or NaN) to abstain.")
+        values[i] = float(v)
+    return values
+
+
+def compute_rewards(funcs: Sequence[RewardFunc], prompts: Sequence[Any], completions: Sequence[Any], *,
+                    weights: Optional[Sequence[float]] = None,
+                    columns: Optional[Mapping[str, Sequence[Any]]] = None) -> tuple[np.ndarray, np.ndarray]:
+    """(total reward [N], per-function rewards [N, F]) float64; None -> NaN, and the total is the
+    NaN-ignoring weighted sum (TRL's ``nansum``), so a function may abstain on some completions.
+
+    >>> def ones(prompts, completions, **kw): return [1.0] * len(completions)
+    >>> def half(prompts, completions, **kw): return [0.5, None]
+    >>> total, per = compute_rewards([ones, half], ["p", "p"], ["a", "b"], weights=[1.0, 2.0])
+    >>> total.tolist(), np.isnan(per[:, 1]).tolist()
+    ([2.0, 1.0], [False, True])
+    """
+    if not funcs:
+        raise ConfigError("no reward functions: pass at least one (reward_funcs).")
+    weights = [1.0] * len(funcs) if weights is None else list(weights)
+    if len(weights) != len(funcs):
+        raise ConfigError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions; give one "
+                          f"weight per function.")
+    columns = dict(columns or {})
+    per = np.stack([_call_reward_func(f, prompts, completions, columns) for f in funcs], axis=1)
+    all_none = np.isnan(per).all(axis=1)
+    if all_none.any():
+        logger.warning("%d completion(s) got None from every reward function; their reward is 0",
+                       int(all_none.sum()))
+    total = np.nansum(per * np.asarray(weights, np.float64)[None, :], axis=1)
+    return total, per
+
+
+def group_advantages(rewards_N: np.ndarray, num_generations: int, scale_rewards: str = "group") -> np.ndarray:
+    """float64 [N] advantages; completions ``g*G .. g*G+G-1`` are group g (TRL's order).
+
+    >>> group_advantages(np.array([1.0, 0.0, 2.0, 2.0]), 2).round(3).tolist()
+    [0.707, -0.707, 0.0, 0.0]
+    """
+    r = np.asarray(rewards_N, np.float64)
+    if r.ndim != 1 or r.size % num_generations:
+        raise DataError(f"rewards of shape {r.shape} do not hold whole groups of num_generations={num_generations}.")
+    if scale_rewards not in SCALE_REWARDS:
+        raise ConfigError(f"scale_rewards={scale_rewards!r} is not valid; choose one of {SCALE_REWARDS}.")
+    groups = r.reshape(-1, num_generations)
+    centred = (groups - groups.mean(axis=1, keepdims=True)).reshape(-1)
+    if scale_rewards == "none":
+        return centred
+    if scale_rewards == "group":
+        std = np.repeat(groups.std(axis=1, ddof=1), num_generations)
+    else:
+        std = np.full_like(r, r.std(ddof=1) if r.size > 1 else 0.0)
+    return centred / (std + STD_EPS)
+
+
+# ---------------------------------------------------------------------------------------
+# The loss family (numpy reference)
+# ---------------------------------------------------------------------------------------
+
+
+class GRPOLossOutput(NamedTuple):
+    loss: float
+    """This micro-batch's share of the step's loss."""
+    metrics: dict[str, float]
+    """Token means over the micro-batch's completion tokens: ``kl``, ``clip_ratio/low_mean``,
+    ``clip_ratio/high_mean``, ``clip_ratio/region_mean``."""
+
+
+@dataclass(frozen=True)
+class LossNorm:
+    """What the reduction of one micro-batch divides by (see ``loss_normaliser``)."""
+
+    loss_type: str
+    num_sequences_in_step: Optional[int] = None   # grpo
+    num_tokens_in_step: Optional[int] = None      # dapo
+    num_micro_batches: int = 1                    # bnpo
+    max_completion_length: Optional[int] = None   # dr_grpo
+
+
+def per_token_loss_np(logps_NC, old_logps_NC, advantages_N, eps_low, eps_high, beta=0.0, ref_logps_NC=None):
+    """(per-token loss [N, C], ratio [N, C], k3 KL [N, C] or None), float64."""
+    logps = np.asarray(logps_NC, np.float64)
+    old = logps if old_logps_NC is None else np.asarray(old_logps_NC, np.float64)
+    adv = np.asarray(advantages_N, np.float64)[:, None]
+    ratio = np.exp(logps - old)
+    loss = -np.minimum(ratio * adv, np.clip(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    kl = None
+    if beta > 0:
+        if ref_logps_NC is None:
+            raise ConfigError("grpo_beta > 0 needs the reference model's log-probs (ref_logps).")
+        delta = np.asarray(ref_logps_NC, np.float64) - logps
+        kl = np.exp(delta) - delta - 1
+        loss = loss + beta * kl
+    return loss, ratio, kl
+
+
+def reduce_loss_np(loss_NC: np.ndarray, mask_NC: np.ndarray, norm: LossNorm) -> float:
+    """One micro-batch's share of the step loss, by ``norm.loss_type`` (see the module docstring)."""
+    m = np.asarray(mask_NC, np.float64)
+    summed = loss_NC * m
+    n = loss_NC.shape[0]
+    if norm.loss_type == "grpo":
+        per_seq = summed.sum(-1) / np.maximum(m.sum(-1), 1.0)
+        return float(per_seq.sum() / (norm.num_sequences_in_step or n))
+    if norm.loss_type == "bnpo":
+        return float(summed.sum() / max(m.sum(), 1.0) / norm.num_micro_batches)
+    if norm.loss_type == "dr_grpo":
+        if norm.max_completion_length is None:
+            raise ConfigError("grpo_loss_type='dr_grpo' needs max_completion_length.")
+        return float(summed.sum() / ((norm.num_sequences_in_step or n) * norm.max_completion_length))
+    if norm.loss_type == "dapo":
+        return float(summed.sum() / max(norm.num_tokens_in_step or m.sum(), 1.0))
+    raise ConfigError(f"grpo_loss_type={norm.loss_type!r} is not valid; choose one of {GRPO_LOSS_TYPES}.")
+
+
+def clip_metrics_np(ratio_NC, advantages_N, mask_NC, eps_low, eps_high) -> dict[str, float]:
+    """Token fractions where the clip is active: low (ρ < 1-ε with A < 0), high (ρ > 1+ε_high with A > 0)."""
+    m = np.asarray(mask_NC, bool)
+    adv = np.asarray(advantages_N, np.float64)[:, None]
+    low = (ratio_NC < 1 - eps_low) & (adv < 0)
+    high = (ratio_NC > 1 + eps_high) & (adv > 0)
+    count = max(int(m.sum()), 1)
+    return {"clip_ratio/low_mean": float((low & m).sum() / count),
+            "clip_ratio/high_mean": float((high & m).sum() / count),
+            "clip_ratio/region_mean": float(((low | high) & m).sum() / count)}
+
+
+def grpo_loss(logps_NC: np.ndarray, advantages_N: np.ndarray, mask_NC: np.ndarray, *,
+              old_logps_NC: Optional[np.ndarray] = None, ref_logps_NC: Optional[np.ndarray] = None,
+              loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: Optional[float] = None,
+              beta: float = 0.0, max_completion_length: Optional[int] = None,
+              num_sequences_in_step: Optional[int] = None, num_tokens_in_step: Optional[int] = None,
+              num_micro_batches: int = 1) -> GRPOLossOutput:
+    """The GRPO loss of completions ``[N, C]`` (padded right, ``mask_NC`` 1 on completion tokens).
+
+    ``logps_NC``: the policy's log-prob of each completion token; ``old_logps_NC``: the sampling
+    policy's (None: the policy's own, ratio 1); ``ref_logps_NC``: the reference's (needed when
+    ``beta > 0``). The ``num_*_in_step`` arguments make the result one micro-batch's share of a
+    larger step; left None, the micro-batch is the whole step.
+
+    >>> out = grpo_loss(np.zeros((2, 1)), np.array([1.0, -1.0]), np.ones((2, 1)), loss_type="grpo")
+    >>> out.loss, out.metrics["clip_ratio/region_mean"]
+    (0.0, 0.0)
+    """
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    mask = np.asarray(mask_NC, np.float64)
+    loss_NC, ratio_NC, kl_NC = per_token_loss_np(logps_NC, old_logps_NC, advantages_N, epsilon, eps_high, beta,
+                                                 ref_logps_NC)
+    norm = LossNorm(loss_type, num_sequences_in_step, num_tokens_in_step, num_micro_batches, max_completion_length)
+    metrics = clip_metrics_np(ratio_NC, advantages_N, mask, epsilon, eps_high)
+    if kl_NC is not None:
+        metrics["kl"] = float((kl_NC * mask).sum() / max(mask.sum(), 1.0))
+    return GRPOLossOutput(reduce_loss_np(loss_NC, mask, norm), metrics)
+
+
+# ---------------------------------------------------------------------------------------
+# Completions: from generated ids to the mask the loss reads
+# ---------------------------------------------------------------------------------------
+
+
+def completion_mask(completion_ids_NC: np.ndarray, eos_token_id: Optional[int], pad_token_id: int,
+                    *, mask_truncated: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(mask [N, C] int32: 1 up to and including the first EOS, truncated [N] bool: no EOS).
+
+    Tokens after the first EOS are not the completion's (generation pads them). With
+    ``mask_truncated`` a completion without EOS gets an all-zero mask (TRL's
+    ``mask_truncated_completions``).
+
+    >>> m, t = completion_mask(np.array([[5, 2, 0], [5, 6, 7]]), eos_token_id=2, pad_token_id=0)
+    >>> m.tolist(), t.tolist()
+    ([[1, 1, 0], [1, 1, 1]], [False, True])
+    """
+    ids = np.asarray(completion_ids_NC)
+    n, c = ids.shape
+    if eos_token_id is None:
+        is_eos = np.zeros_like(ids, bool)
+    else:
+        is_eos = ids == eos_token_id
+    has_eos = is_eos.any(axis=1)
+    first_eos = np.where(has_eos, is_eos.argmax(axis=1), c)
+    mask = np.arange(c)[None, :] <= first_eos[:, None]
+    if eos_token_id is None:
+        mask &= ids != pad_token_id
+    if mask_truncated:
+        mask &= has_eos[:, None]
+    return mask.astype(np.int32), ~has_eos
+
+
+def completion_lengths(mask_NC: np.ndarray) -> np.ndarray:
+    return np.asarray(mask_NC).sum(axis=1)
+
+
+def check_callable_reward(func: Any, index: int) -> None:
+    if not callable(func):
+        raise ConfigTypeError(f"reward_funcs[{index}]={func!r} is not callable; pass a function "
+                              f"f(prompts, completions, **columns) -> list[float | None] or a built-in name.")
+    try:
+        inspect.signature(func).bind_partial(prompts=[], completions=[])  # dataset columns come as keywords too
+    except TypeError:
+        raise ConfigTypeError(f"reward function {reward_func_name(func)!r} cannot be called as "
+                              f"f(prompts=..., completions=..., **columns); give it those keyword parameters "
+                              f"and **kwargs.") from None
+    except ValueError:  # builtins without a signature: let the call decide
+        pass
+
+
+
+# ---------------------------------------------------------------------------------------
+# Prompt + completion batches for the log-probs (padded or padding-free)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class CompletionBatch:
+    """N documents ``prompt_i + completion_i`` collated into one ``Batch``, completion tokens as targets.
+
+    Padded: row i is document i. Padding-free: every document in one row, each its own segment.
+    ``token_row_n``/``token_col_n`` place the n-th scored target (flattened order) in the
+    ``[N, C]`` completion matrix, so a backend's per-token log-probs become ``logps[N, C]``.
+    """
+
+    batch: Any                       # common.data.batching.Batch
+    target_doc_ids: np.ndarray       # int32 [B, T]: document of the target labels[t + 1]; -1: none
+    num_docs: int                    # N
+    token_row_n: np.ndarray          # int64 [n]
+    token_col_n: np.ndarray          # int64 [n]
+    num_columns: int                 # C
+
+
+def collate_completions(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], *,
+                        padding_free: bool = False, pad_token_id: int = 0, num_columns: Optional[int] = None,
+                        pad_to_multiple_of: Optional[int] = None) -> CompletionBatch:
+    """Prompt and (trimmed, non-empty) completion ids -> a ``CompletionBatch``.
+
+    >>> cb = collate_completions([[1, 5], [1]], [[7, 2], [8]], padding_free=True)
+    >>> cb.batch.input_ids.tolist(), cb.token_row_n.tolist(), cb.token_col_n.tolist()
+    ([[1, 5, 7, 2, 1, 8]], [0, 0, 1], [0, 1, 0])
+    """
+    if len(prompt_ids) != len(completion_ids) or not len(prompt_ids):
+        raise DataError(f"collate_completions needs one completion per prompt, got {len(prompt_ids)} prompts and "
+                        f"{len(completion_ids)} completions.")
+    docs = []
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        p, c = np.asarray(p, np.int64), np.asarray(c, np.int64)
+        if p.size == 0 or c.size == 0:
+            raise DataError(f"document {i}: an empty {'prompt' if p.size == 0 else 'completion'}; a prompt needs at "
+                            f"least one token (a BOS) to predict the completion's first token from.")
+        docs.append({"input_ids": np.concatenate([p, c]),
+                     "completion_mask": np.concatenate([np.zeros(p.size, np.int64), np.ones(c.size, np.int64)])})
+    batch = collate(docs, padding_free=padding_free, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of,
+                    completion_only_loss=True)
+    target_doc_ids = _target_doc_ids(batch)
+    doc_n = target_doc_ids[target_doc_ids >= 0].astype(np.int64)
+    lengths = np.bincount(doc_n, minlength=len(docs))
+    expected = np.array([len(c) for c in completion_ids])
+    assert (lengths == expected).all(), (lengths, expected)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    col_n = np.arange(doc_n.size) - starts[doc_n]
+    width = int(expected.max()) if num_columns is None else int(num_columns)
+    return CompletionBatch(batch, target_doc_ids, len(docs), doc_n, col_n, width)
+
+
+def scatter_tokens(values_n: np.ndarray, cb: CompletionBatch) -> np.ndarray:
+    """Per-target values in flattened order -> float64 ``[N, C]`` (0 where there is no token)."""
+    out = np.zeros((cb.num_docs, cb.num_columns), np.float64)
+    out[cb.token_row_n, cb.token_col_n] = values_n
+    return out
+
+
+def reward_metrics(total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str], num_generations: int
+                   ) -> dict[str, float]:
+    """TRL's reward metrics of one generation: ``reward``, ``reward_std`` (mean of the groups' std),
+    ``frac_reward_zero_std`` and each function's mean and std over the completions it scored (NaN: not scored).
+
+    >>> m = reward_metrics(np.array([1.0, 0.0, 1.0, 1.0]), np.array([[1.0], [0.0], [1.0], [np.nan]]), ["em"], 2)
+    >>> m["reward"], m["frac_reward_zero_std"], m["rewards/em/mean"]
+    (0.75, 0.5, 0.6666666666666666)
+    """
+    groups = total_N.reshape(-1, num_generations)
+    out = {"reward": float(total_N.mean()), "reward_std": float(groups.std(axis=1, ddof=1).mean()),
+           "frac_reward_zero_std": float((groups.std(axis=1) == 0).mean())}
+    for j, name in enumerate(names):
+        ok = per_NF[:, j][~np.isnan(per_NF[:, j])]
+        out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else float("nan")
+        out[f"rewards/{name}/std"] = float(ok.std(ddof=1)) if ok.size > 1 else 0.0
+    return out

@@ -1,0 +1,1 @@
+"""Running a job: the loop, the trainer template, rollouts, checkpoints, logging, the schedule, capabilities."""

@@ -1,0 +1,734 @@
+"""How much memory a training run needs, per component, before it runs: ``plan_memory(config)``.
+
+The PEFT "memory budget" idea, made specific to what twinseq's trainers keep alive:
+
+    total = parameters (bytes by storage dtype)
+          + gradients            (trainable parameters only, float32)
+          + optimizer state      (AdamW: 2 x float32 per trainable; adamw_bnb_8bit: 2 x 1 byte + block stats)
+          + activations          (per token x tokens per micro-batch, by what backward keeps)
+          + the loss kernel's logits term, attention scores/masks, LoRA's own activations, DPO's reference
+
+For a full fine-tune in float32 that is the familiar ``P x (4 + 4 + 8)`` bytes, i.e. parameters
+``x (1 + 1 + 2)`` with gradients and Adam's two moments, plus activations that grow with the
+tokens of one micro-batch. All numbers are bytes on one device.
+
+Parameters
+    twinseq keeps **float32 master weights** on both backends (torch: ``build_model(dtype="float32")``
+    with autocast; jax: ``CausalLM(dtype="float32")`` with ``cast_floating`` inside the step); a
+    bfloat16 run adds **compute-dtype copies** of the matmul weights (2 bytes each), which autograd
+    keeps for backward (torch autocast's cast cache / jax's cast state). QLoRA stores every decoder
+    linear weight as NF4 (0.5 byte) plus its quantisation statistics (``QUANT_STATS_BYTES``: bitsandbytes
+    ``Params4bit`` defaults to double quantisation: an 8-bit absmax per block of 64 and a float32 one per 256
+    blocks; qwix keeps a float32 scale per block of 64); embeddings, norms and an
+    untied ``lm_head`` stay float32. FSDP over ``devices`` divides parameters, gradients and optimizer
+    state, and adds the all-gathered full weights of two decoder layers (the one running and the prefetch).
+
+Gradients and optimizer
+    One float32 gradient per trainable number (``trainable_parameter_count`` for LoRA), and AdamW's
+    ``exp_avg``/``exp_avg_sq`` (8 bytes); ``adamw_bnb_8bit`` keeps 2 bytes plus a float32 absmax per block
+    of 256 for each tensor of at least 4096 numbers (bitsandbytes' ``min_8bit_size``), float32 below.
+
+Activations (the part that grows with the batch)
+    ``tokens = rows x row_length`` of one micro-batch: ``per_device_train_batch_size x max_length``, or one
+    row of that many tokens when padding-free (packing fills every row; without packing ``max_length`` is
+    the upper bound a padded batch reaches). DPO doubles the rows (chosen + rejected). The JAX trainer pads
+    the length to ``pad_to_multiple_of`` (default 64).
+
+    Per decoder layer and token, the tensors autograd saves for backward, counted in the torch Hugging Face
+    Llama forward (``LlamaDecoderLayer``, ``sdpa``) and checked against measurement (``LAYER_SAVED``):
+
+    - each RMSNorm: its input, ``x * rsqrt(var)`` and its output: ``3 h`` (two norms: ``6 h``);
+    - attention: rotated q, k and v repeated to the query heads (``repeat_kv``: a document mask disables
+      sdpa's native GQA), the attention output and its contiguous copy for ``o_proj``: ``5 q``;
+    - the gated MLP: gate, ``silu(gate)``, up and their product: ``4 i``.
+
+    so ``a = 6 h + 5 q + 4 i`` elements per layer per token, at the compute dtype's size. With
+    gradient checkpointing only each layer's input (``h``) is kept, plus one layer's full set while it is
+    recomputed. jax's compiled step keeps a different set (XLA fuses the norms and keeps what it
+    chooses); its coefficients were fitted to ``compiled.memory_analysis()`` of the real step and are
+    listed next to torch's. The final norm and the hidden state the loss reads add ``3 h`` per token.
+
+Attention (``attention_path``: which path each backend takes for the configured name and row length)
+    Dense: torch ``sdpa``/``eager`` on CUDA or for rows shorter than ``BLOCKED_MIN_SEQ_LEN`` on CPU, jax
+    ``eager``, and jax's other names for rows that fit one block (``T <= attention_block_size``).
+    ``sdpa``, ``flex_attention``, ``varlen`` and flash never materialise scores. ``eager`` keeps the
+    softmax output ``B x heads x T x T`` per layer; jax's dense path (no mesh) keeps the float32
+    probabilities and their masked copy. torch's ``sdpa``/``eager`` also build one float additive mask
+    ``B x T x T`` (4 bytes), jax a boolean one (1 byte). Blocked (torch's ``twinseq_blocked`` on CPU from
+    ``BLOCKED_MIN_SEQ_LEN``, jax's ``BlockedAttention`` past one block): no ``T x T`` tensor; each layer saves a
+    float32 ``B x heads x T`` log-sum-exp (q, k, v and the output are in the layer's count), and one block
+    pair's backward holds ``BLOCKED_TILES`` float32 ``B x heads x block x block`` tiles. Padding-free rows make ``T`` the whole micro-batch,
+    which is why dense attention and padding-free do not mix (``varlen`` is the path for it on torch).
+
+The loss kernel (the logits term)
+    ``nll`` materialises ``[tokens, vocab]`` float32 logits; cross-entropy keeps their log-softmax and
+    backward makes the gradient of each: ``LOGITS_COPIES`` float32 copies of ``tokens x vocab``.
+    ``chunked_nll``/``fused_linear``/``liger`` only ever hold one chunk (``loss_chunk_size`` tokens) of it,
+    plus ``fused_linear``'s float32 gradient accumulators (the size of the hidden states and the lm_head).
+    ``triton`` on CUDA holds no logits at all: a float32 hidden-state gradient and one float32 lm_head-gradient
+    slice (``TRITON_DW_SLICE_BYTES``); elsewhere it runs ``fused_linear`` and is planned as such.
+    The difference between ``nll`` and ``fused_linear`` is exactly this row: it is what the fused loss removes.
+
+LoRA
+    The base is frozen: its gradient and optimizer rows vanish; each adapted linear adds its dropout output
+    (``in_features``, float32 + a 1-byte mask when ``lora_dropout > 0``; torch only, the jax trainer applies no
+    LoRA dropout) and ``A``'s output (``r``) per token. The base keeps the full fine-tune's saved set (measured:
+    freezing it frees next to nothing).
+
+Activation offloading (CUDA): saved decoder activations move to host memory; the device keeps two layers'
+worth in flight. On CPU the host *is* the device, so it saves nothing and the plan says so.
+
+DPO: the frozen reference is a float32 copy of the weights (none with ``precompute_ref_log_probs``, or with
+PEFT, whose reference is the base with adapters off); its no-grad forward runs before the policy's, so it
+adds no activations to the peak.
+
+What is not modelled: the allocator's fragmentation and caches (CUDA's caching allocator rounds up to
+2 MiB blocks and keeps freed blocks), framework code and kernels' workspaces, the data pipeline, the model
+build transient (numpy weights copied into the framework), the checkpoint written at the end. The
+``benchmarks/memory_planner_check.py`` harness measures how close the plan is (docs/memory.md).
+
+>>> from twinseq.common.config import TrainConfig
+>>> plan = plan_memory(TrainConfig.from_flat(model_config="tiny", max_length=512, packing=True,
+...                                          per_device_train_batch_size=8))
+>>> plan.tokens
+4096
+>>> fused = plan_memory(TrainConfig.from_flat(model_config="tiny", max_length=512, packing=True,
+...                                           per_device_train_batch_size=8, loss_type="fused_linear"))
+>>> plan.total > fused.total
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from twinseq.common.config import (
+    BLOCKED_MIN_SEQ_LEN,
+    DEFAULT_ATTENTION_BLOCK_SIZE,
+    JAX_DENSE_ATTN_IMPLEMENTATIONS,
+    TRITON_DW_SLICE_BYTES,
+)
+from twinseq.common.errors import ConfigError
+from twinseq.common.models.configs import ModelConfig, parameter_shapes, resolve_model_config
+from twinseq.common.models.peft import LINEAR_MODULES, PeftConfig, adapter_shapes, lora_targets
+
+__all__ = ["MemoryPlan", "MemoryRow", "plan_memory", "parse_bytes", "format_bytes", "Advice", "advise",
+           "KNOBS", "DTYPE_BYTES", "attention_path"]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+NF4_BYTES = 0.5
+QUANT_BLOCK = 64
+QUANT_STATS_BYTES = {
+    # bytes of quantisation statistics per quantised weight element
+    # torch: bitsandbytes Params4bit's default compress_statistics=True (double quantisation): an 8-bit absmax
+    # per block of 64 and a float32 absmax per 256 of those blocks
+    "torch": 1 / QUANT_BLOCK + 4 / (QUANT_BLOCK * 256),
+    "jax": 4 / QUANT_BLOCK,  # qwix NF4: one float32 scale per block of 64 input features
+}
+LORA_DROPOUT_APPLIED = {"torch": True, "jax": False}
+"""The jax trainer does not apply LoRA dropout (jax_backend.peft), so it keeps no dropout output or mask."""
+BNB_8BIT_BLOCK = 256
+BNB_MIN_8BIT_SIZE = 4096
+LOGITS_COPIES = {"torch": 3.0, "jax": 2.5}
+"""float32 copies of ``[tokens, vocab]`` alive at the loss's peak: logits/log-softmax, and in backward the
+gradient of the log-softmax and of the logits (torch frees the logits after the log-softmax). jax's value is
+fitted to the compiled step (XLA reuses some of those buffers: 2.1 copies on ``tiny``, 3.1 on ``small``)."""
+CHUNK_COPIES = 3.0
+
+
+@dataclass(frozen=True)
+class LayerCoefficients:
+    """Elements saved per decoder layer per token: ``norm * h + attn * q + mlp * i`` (q = heads x head_dim)."""
+
+    norm: float
+    attn: float
+    mlp: float
+    kv: float = 0.0
+    ckpt_keep: float = 1.0
+    """``x h`` kept per layer under checkpointing (the layer input)."""
+    scores: float = 0.0
+    """float32 ``B x heads x T x T`` tensors kept per layer on the dense path."""
+    final: float = 3.0
+    """``x h`` per token after the last layer (final norm, the hidden state the loss reads)."""
+    work: float = 0.0
+    """torch: one layer's backward working set, as a fraction of that layer's saved activations."""
+    mask_per_layer: float = 0.0
+    """torch sdpa/eager: mask-sized (``B x T x T`` float32) bytes each layer keeps beyond the tensors autograd
+    lists as saved (fitted, not explained by the saved-tensor count)."""
+    ckpt_cpu_kept: float = 1.0
+    """jax on CPU: the fraction of the activations checkpointing leaves in the compiled peak."""
+
+
+LAYER_SAVED = {
+    # derived by counting (module docstring), checked against the measured peaks of benchmarks/memory_planner_check
+    "torch": LayerCoefficients(norm=6, attn=5, mlp=4, scores=1.0, work=0.5, mask_per_layer=0.6),
+    "jax": LayerCoefficients(norm=5, attn=5, mlp=5, scores=3.0, ckpt_cpu_kept=0.9),
+}
+BLOCKED_TILES = 4.0
+"""float32 ``B x heads x block x block`` tiles alive in the blocked attention's backward of one block pair (the
+scores ``s``, the probabilities ``p``, ``dp = do v^T`` and ``ds``: FlashAttention-2's backward, both backends).
+Counted; a least-squares fit to ``compiled.memory_analysis()`` of jax ``tiny`` steps past one block (B x T x block
+in {4, 8, 1} x {1024, 2048, 4096} x {256, 512, 1024}, the held-out planner row's shape left out) gives 3.9."""
+
+
+def attention_path(backend: str, attn_implementation: str, row_length: int, device: str = "cpu",
+                   block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE) -> str:
+    """Which attention a step of rows of ``row_length`` tokens runs: ``"dense"`` (a ``T x T`` mask, and
+    scores where the path keeps them), ``"blocked"`` (online softmax over ``block_size`` tiles, O(T x block))
+    or ``"kernel"`` (torch's ``varlen``/flex/flash: no ``T x T`` tensor, nothing planned for attention).
+
+    The backends' rules, with their constants (``common.config``):
+
+    - jax: ``JAX_DENSE_ATTN_IMPLEMENTATIONS`` (``eager``) is always dense; every other name runs
+      ``BlockedAttention``, which takes the dense path for rows that fit one block (``T <= block_size``)
+      and the blocked kernel for longer ones (``jax_backend.attention``);
+    - torch: ``sdpa``/``eager`` on CPU with ``T >= BLOCKED_MIN_SEQ_LEN`` run ``twinseq_blocked``
+      (``torch_backend.blocked_attention.uses_blocked_attention``), shorter rows and CUDA the dense mask;
+      the other implementations their own kernels.
+
+    >>> attention_path("jax", "sdpa", 512), attention_path("jax", "sdpa", 576), attention_path("jax", "eager", 4096)
+    ('dense', 'blocked', 'dense')
+    >>> attention_path("torch", "sdpa", 2047), attention_path("torch", "sdpa", 2048)
+    ('dense', 'blocked')
+    >>> attention_path("torch", "sdpa", 4096, device="cuda"), attention_path("torch", "varlen", 4096)
+    ('dense', 'kernel')
+    """
+    if backend == "jax":
+        if attn_implementation in JAX_DENSE_ATTN_IMPLEMENTATIONS or row_length <= block_size:
+            return "dense"
+        return "blocked"
+    if attn_implementation in ("sdpa", "eager"):
+        return "blocked" if device == "cpu" and row_length >= BLOCKED_MIN_SEQ_LEN else "dense"
+    return "kernel"
+
+
+RUNTIME_BYTES = {("torch", "cpu"): 20 * 2 ** 20}
+"""Fitted constant: what a torch CPU step allocates besides tensors the model names (measured on a
+64-token step of ``tiny`` and ``small``)."""
+
+
+@dataclass
+class MemoryRow:
+    component: str
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """One row per component (bytes, on one device) and what the plan assumed."""
+
+    rows: list[MemoryRow]
+    backend: str
+    device: str
+    dtype: str
+    devices: int
+    tokens: int
+    rows_per_micro_batch: int
+    row_length: int
+    trainable_parameters: int
+    total_parameters: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return int(sum(r.bytes for r in self.rows))
+
+    def get(self, component: str) -> int:
+        return int(sum(r.bytes for r in self.rows if r.component == component))
+
+    @property
+    def activations(self) -> int:
+        return int(sum(r.bytes for r in self.rows if r.component in ACTIVATION_ROWS))
+
+    def table(self) -> str:
+        width = max(len(r.component) for r in self.rows)
+        lines = [f"{'component':<{width}}  {'memory':>10}  note", "-" * (width + 14 + 30)]
+        for r in self.rows:
+            lines.append(f"{r.component:<{width}}  {format_bytes(r.bytes):>10}  {r.note}")
+        lines.append("-" * (width + 14 + 30))
+        lines.append(f"{'total':<{width}}  {format_bytes(self.total):>10}  "
+                     f"({self.backend}, {self.device}, {self.dtype}, {self.devices} device(s), {self.tokens} tokens "
+                     f"per micro-batch = {self.rows_per_micro_batch} x {self.row_length})")
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**{k: v for k, v in dataclasses.asdict(self).items() if k != "rows"},
+                "rows": [dataclasses.asdict(r) for r in self.rows], "total": self.total}
+
+
+ACTIVATION_ROWS = ("activations (decoder layers)", "attention scores", "attention mask", "LoRA activations",
+                   "logits (loss kernel)")
+"""The rows that grow with the tokens of a micro-batch."""
+
+
+# --------------------------------------------------------------------------------------
+# Sizes
+# --------------------------------------------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_bytes(text: Any, field_name: str = "budget") -> int:
+    """``"24GiB"``, ``"24 GB"``, ``"1.5e9"``, ``512MiB`` -> bytes; anything else raises ``ConfigError``.
+
+    >>> parse_bytes("24GiB"), parse_bytes("1.5 GB"), parse_bytes(1024)
+    (25769803776, 1500000000, 1024)
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool) and text > 0:
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ConfigError(f"{field_name}={text!r} is not a memory size; write a positive number with a unit, "
+                          f"e.g. 24GiB, 24GB, 512MiB (GiB/MiB are powers of 2, GB/MB powers of 10).")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """Binary units: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _numel(shape: Sequence[int]) -> int:
+    return int(math.prod(shape))
+
+
+# --------------------------------------------------------------------------------------
+# The plan
+# --------------------------------------------------------------------------------------
+
+
+def _micro_batch_shape(config, backend: str) -> tuple[int, int]:
+    """(rows, row length) of one micro-batch (the module docstring's rule)."""
+    d = config.data
+    length = d.max_length
+    if length is None:
+        raise ConfigError("max_length=None leaves the micro-batch size unbounded, so there is nothing to plan "
+                          "from; set --max-length (the longest row the run will see).")
+    per_row = 2 if config.task == "dpo" else 1
+    rows = d.per_device_train_batch_size * per_row
+    if d.padding_free:
+        rows, length = 1, rows * length
+    multiple = d.pad_to_multiple_of or (64 if backend == "jax" else 1)
+    length = -(-length // multiple) * multiple
+    return rows, length
+
+
+def _quant_stats_key(backend: str) -> str:
+    return "jax" if backend == "jax" else "torch"
+
+
+def _bnb_state_bytes(shapes: Sequence[tuple[int, ...]]) -> int:
+    total = 0
+    for shape in shapes:
+        n = _numel(shape)
+        if n >= BNB_MIN_8BIT_SIZE:
+            total += 2 * n + 2 * 4 * -(-n // BNB_8BIT_BLOCK)
+        else:
+            total += 8 * n
+    return total
+
+
+def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device: str = "cpu",
+                backend: Optional[str] = None, model: Optional[ModelConfig] = None) -> MemoryPlan:
+    """The ``MemoryPlan`` of one training step of ``config`` (a ``TrainConfig``) on one of ``devices``.
+
+    ``dtype`` overrides ``config.model.dtype`` (the compute dtype), ``backend`` ``config.backend``;
+    ``device`` is ``cpu`` or ``cuda`` (offloading only saves memory on ``cuda``); ``model`` overrides the
+    ``ModelConfig`` that ``config.model.model_config`` names.
+    """
+    backend = backend or config.backend
+    dtype = dtype or config.model.dtype
+    if backend not in LAYER_SAVED:
+        raise ConfigError(f"backend={backend!r} is not one twinseq plans for; use torch or jax.")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"dtype={dtype!r} is not planned; use one of {sorted(DTYPE_BYTES)}.")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"device={device!r} is not planned; use cpu or cuda.")
+    if not isinstance(devices, int) or devices < 1:
+        raise ConfigError(f"devices={devices!r} must be a positive integer (the FSDP world size).")
+    cfg = model or resolve_model_config(config.model.model_config)
+    peft: PeftConfig = config.peft
+    coef = LAYER_SAVED[backend]
+    act_bytes = DTYPE_BYTES[dtype]
+    notes: list[str] = []
+    rows: list[MemoryRow] = []
+    shard = devices if (config.parallel.fsdp or devices > 1) else 1
+    if devices > 1 and not config.parallel.fsdp:
+        notes.append(f"devices={devices}: a multi-process torch launch always shards with FSDP2, so states are "
+                     f"divided by {devices}.")
+
+    shapes = parameter_shapes(cfg)
+    total_params = sum(_numel(s) for s in shapes.values())
+    targets = lora_targets(cfg, peft) if peft.use_peft else {}
+    quantised: set[str] = set()
+    if peft.use_peft and peft.load_in_4bit:
+        # QLoRA quantises every decoder linear, adapted or not (bitsandbytes/qwix replace all of them)
+        quantised = {n for n, s in shapes.items() if len(s) == 2 and n.split(".")[-2] in LINEAR_MODULES}
+    dense_elems = sum(_numel(s) for n, s in shapes.items() if n not in quantised)
+    quant_elems = sum(_numel(shapes[n]) for n in quantised)
+
+    # --- parameters ------------------------------------------------------------------
+    if quant_elems:
+        stats = QUANT_STATS_BYTES[_quant_stats_key(backend)]
+        rows.append(MemoryRow("weights (NF4 + absmax)", int(quant_elems * (NF4_BYTES + stats) / shard),
+                              f"{quant_elems / 1e6:.1f}M decoder linear weights x ({NF4_BYTES} + {stats:.4f}) B"))
+    rows.append(MemoryRow("weights (float32)", int(dense_elems * 4 / shard),
+                          f"{dense_elems / 1e6:.2f}M numbers x 4 B" + ("" if not quant_elems else
+                                                                       " (embeddings, norms, lm_head)")))
+    if peft.use_peft:
+        adapters = adapter_shapes(cfg, peft)
+        trainable_shapes = list(adapters.values())
+        rows.append(MemoryRow("LoRA adapters (float32)", int(sum(map(_numel, trainable_shapes)) * 4 / shard),
+                              f"r={peft.lora_r} on {len(targets)} linear layers"))
+    else:
+        trainable_shapes = list(shapes.values())
+    trainable = int(sum(map(_numel, trainable_shapes)))
+    # the matmul weights autocast casts: decoder linears and the lm_head (a tied embedding is one; an untied
+    # embedding is a lookup, never cast)
+    lookup = set() if cfg.tie_word_embeddings else {"model.embed_tokens.weight"}
+    matmul_elems = sum(_numel(s) for n, s in shapes.items() if len(s) == 2 and n not in quantised | lookup)
+    copies_all = copies_layer = 0
+    if dtype != "float32":
+        copies_all = int(matmul_elems * act_bytes / shard)
+        layer_matmul = sum(_numel(s) for n, s in shapes.items()
+                           if n.startswith("model.layers.0.") and len(s) == 2 and n not in quantised)
+        head = shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"])
+        copies_layer = int((layer_matmul + _numel(head)) * act_bytes)
+        rows.append(MemoryRow(f"{dtype} weight copies", copies_all,
+                              "compute-dtype casts of the matmul weights (torch: autocast's cache, or saved for "
+                              "backward; with checkpointing one layer's at a time in backward)"))
+    if quant_elems:
+        # both backends dequantise one linear layer's weight right before its matmul and again for its
+        # backward (jax: jax_backend.peft._nf4_matmul, whose dequantisations are tied to the layer's input so
+        # that XLA cannot merge them into one value alive from forward to backward; measured on CPU, staircase
+        # small and llama-100m: the QLoRA step is LoRA's less the float32-vs-NF4 storage plus exactly one
+        # largest linear's float32 weight, 1.5 and 7.5 MiB)
+        biggest = max(_numel(shapes[n]) for n in quantised)
+        rows.append(MemoryRow("dequantised weight (transient)", int(biggest * act_bytes),
+                              "one linear layer dequantised at a time"))
+
+    # --- gradients and optimizer --------------------------------------------------------
+    rows.append(MemoryRow("gradients (float32)", int(trainable * 4 / shard), f"{trainable / 1e6:.2f}M trainable"))
+    if config.optim.optimizer == "adamw_bnb_8bit":
+        if backend != "torch":
+            raise ConfigError("optimizer='adamw_bnb_8bit' is bitsandbytes' (torch only); use --optimizer "
+                              "adamw_torch on the jax backend.")
+        rows.append(MemoryRow("optimizer state (AdamW 8-bit)", int(_bnb_state_bytes(trainable_shapes) / shard),
+                              f"2 x 1 B + float32 absmax per {BNB_8BIT_BLOCK}"))
+    else:
+        rows.append(MemoryRow("optimizer state (AdamW)", int(trainable * 8 / shard), "exp_avg + exp_avg_sq, float32"))
+    if shard > 1:
+        layer_elems = sum(_numel(s) for n, s in shapes.items() if n.startswith("model.layers.0."))
+        per_elem = (NF4_BYTES + QUANT_STATS_BYTES[_quant_stats_key(backend)]) if quant_elems else 4
+        rows.append(MemoryRow("FSDP all-gather buffers", int(2 * layer_elems * per_elem),
+                              f"full weights of 2 decoder layers (sharded over {shard})"))
+    if config.task == "dpo" and not config.dpo.precompute_ref_log_probs and not peft.use_peft:
+        rows.append(MemoryRow("reference model (DPO)", int(total_params * 4 / shard), "frozen float32 copy"))
+
+    # --- activations ------------------------------------------------------------------------
+    b, t = _micro_batch_shape(config, backend)
+    tokens = b * t
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q = cfg.num_attention_heads * cfg.head_dim
+    layers = cfg.num_hidden_layers
+    per_layer = coef.norm * h + coef.attn * q + coef.mlp * i + coef.kv * cfg.num_key_value_heads * cfg.head_dim
+    if cfg.gemma:
+        per_layer += coef.norm * h  # two more norms
+    # Under LoRA the frozen base's linears could skip saving their inputs, but measurement says the saved set
+    # barely shrinks (tiny, no dropout: the same activations as a full fine-tune within 2 %); the plan keeps the
+    # full fine-tune's set and adds the adapters' own tensors ("LoRA activations").
+    # bytes per saved number: jax casts the whole state to the compute dtype; torch autocast keeps the residual
+    # stream, the norms and RoPE's products in float32 and saves compute-dtype casts of each linear's input
+    layer_bytes = per_layer * act_bytes
+    resid_bytes = act_bytes
+    if backend == "torch" and dtype != "float32":
+        resid_bytes = 4
+        casts = 2 * h + q + i
+        layer_bytes = (coef.norm * h * 4 + casts * act_bytes + (coef.attn * q + coef.mlp * i) * act_bytes
+                       + 2 * q * 4)
+    ckpt = config.memory.gradient_checkpointing
+    offload = config.memory.activation_offloading
+    if offload and device == "cpu":
+        notes.append("activation_offloading on CPU moves activations to the same RAM: no saving is planned.")
+    offloaded = offload and device == "cuda"
+    # what stays saved for backward once the forward is done, and what one layer's recompute adds back
+    if ckpt and backend == "jax" and device == "cpu":
+        kept_per_token = layers * layer_bytes * coef.ckpt_cpu_kept
+        recompute = 0.0
+        how = (f"{layers} layers x {per_layer:.0f} numbers per token, x {coef.ckpt_cpu_kept:g} with remat "
+               f"(XLA:CPU schedules the recompute early)")
+        notes.append("jax on CPU: jax.checkpoint barely lowers the compiled peak (XLA:CPU hoists the "
+                     "recomputation); on GPU the plan's checkpointing saving is the theoretical one.")
+    elif ckpt:
+        kept_per_token = layers * coef.ckpt_keep * h * resid_bytes
+        recompute = tokens * layer_bytes
+        how = f"{layers} layer inputs + 1 layer recomputed"
+    else:
+        kept_per_token = layers * layer_bytes
+        recompute = 0.0
+        how = f"{layers} layers x {per_layer:.0f} numbers per token"
+    if offloaded:
+        kept_per_token = min(2, layers) * (coef.ckpt_keep * h * resid_bytes if ckpt else layer_bytes)
+        how += ", offloaded to host (2 layers in flight)"
+    kept = tokens * (kept_per_token + coef.final * h * resid_bytes)
+    rows.append(MemoryRow("activations (decoder layers)", int(kept + recompute), f"{tokens} tokens, {how}"))
+
+    attn = config.model.attn_implementation
+    heads = cfg.num_attention_heads
+    path = attention_path(backend, attn, t, device, config.memory.attention_block_size)
+    scores_kept = scores_recompute = blocked_work = 0.0
+    # kept per layer, and what one layer adds back when checkpointing recomputes it (not on jax CPU: XLA keeps
+    # every layer's there, remat or not, as for the layers above)
+    recomputed = ckpt and not (backend == "jax" and device == "cpu")
+    kept_layers = 0 if recomputed else (min(2, layers) if offloaded else layers)
+    if path == "dense" and (backend == "jax" or attn == "eager"):
+        one = coef.scores * b * heads * t * t * 4
+        scores_recompute = one if recomputed else 0.0
+        scores_kept = one * kept_layers
+        rows.append(MemoryRow("attention scores", int(scores_kept + scores_recompute),
+                              f"{'jax dense' if backend == 'jax' else 'eager'}: {coef.scores:g} x {b} x {heads} x "
+                              f"{t} x {t} float32 per layer{' (one layer, recomputed)' if scores_recompute else ''}"))
+    elif path == "blocked":
+        block = config.memory.attention_block_size
+        padded = -(-t // block) * block  # jax pads T to a multiple of the block; torch's last block is short
+        lse = b * heads * padded * 4  # the float32 log-sum-exp each layer saves for its backward
+        tile = b * heads * block * block * 4
+        # the lse is kept like the activations; the block pair's tiles live inside one layer's attention
+        # backward (jax: inside the compiled step's peak; torch: the backward moment below)
+        scores_kept = lse * kept_layers
+        scores_recompute = lse if recomputed else 0.0
+        blocked_work = BLOCKED_TILES * tile
+        rows.append(MemoryRow("attention scores", int(scores_kept + scores_recompute + blocked_work),
+                              f"blocked, T={t} in {block}-token blocks: {BLOCKED_TILES:g} x {b} x {heads} x {block} x {block} float32 (one block pair's "
+                              f"backward) + a float32 [{b}, {heads}, {padded}] log-sum-exp per layer"))
+    mask = 0
+    if path == "dense" and (backend == "jax" or attn in ("sdpa", "eager")):
+        mask_bytes = 1 if backend == "jax" else 4
+        sliding = [cfg.layer_is_sliding(k) for k in range(layers)]
+        n_masks = 2 if any(sliding) and not all(sliding) else 1
+        mask = n_masks * b * t * t * mask_bytes
+        note = f"{b} x {t} x {t} x {mask_bytes} B"
+        if backend == "torch" and coef.mask_per_layer:
+            mask_layers = layers if not ckpt else 1
+            mask += coef.mask_per_layer * b * t * t * mask_bytes * mask_layers
+            note += f", + {coef.mask_per_layer:g} of it per layer (fitted)"
+        rows.append(MemoryRow("attention mask", int(mask), note))
+
+    lora_kept = lora_recompute = 0.0
+    if peft.use_peft:
+        dropout = peft.lora_dropout > 0 and LORA_DROPOUT_APPLIED[backend]
+        per_token = 0.0
+        for fan_in, _fan_out in targets.values():
+            per_token += peft.lora_r * act_bytes + (fan_in * (act_bytes + 1) if dropout else 0)
+        if ckpt and not (backend == "jax" and device == "cpu"):
+            lora_recompute = tokens * per_token / layers
+        else:  # (XLA:CPU keeps every layer's, remat or not, as for the layers above)
+            lora_kept = tokens * per_token * (min(2, layers) / layers if offloaded else 1)
+        rows.append(MemoryRow("LoRA activations", int(lora_kept + lora_recompute),
+                              f"A x per adapted linear{', dropout(x) + its mask' if dropout else ''}"))
+
+    loss_type = config.loss.loss_type
+    head_grad = 0 if peft.use_peft else v * h * 4  # the lm_head/embedding gradient, made by the loss
+    if loss_type == "nll":
+        logits = LOGITS_COPIES[backend] * tokens * v * 4
+        note = f"{LOGITS_COPIES[backend]:g} x [{tokens}, {v}] float32"
+    elif loss_type == "triton" and device == "cuda":
+        head_slice = 0 if peft.use_peft else min(TRITON_DW_SLICE_BYTES, v * h * 4)
+        logits = tokens * h * 4 + head_slice
+        note = "no logits: the float32 hidden-state gradient + one float32 lm_head-gradient slice"
+    else:
+        chunk = min(config.loss.loss_chunk_size, tokens)
+        logits = CHUNK_COPIES * chunk * v * 4 + tokens * h * 4
+        note = f"{CHUNK_COPIES:g} x [{chunk}, {v}] float32 (one chunk) + the float32 hidden-state gradient"
+    rows.append(MemoryRow("logits (loss kernel)", int(logits), f"{loss_type}: {note}"))
+
+    runtime = RUNTIME_BYTES.get((backend, device), 0)
+    if runtime:
+        rows.append(MemoryRow("runtime", int(runtime), "fitted: autograd engine, kernels' scratch (torch CPU)"))
+    largest = max(map(_numel, trainable_shapes)) * 4
+    if backend == "torch":
+        work = tokens * coef.work * layer_bytes
+        rows.append(MemoryRow("backward working set", int(work), f"one layer's activation gradients "
+                                                                 f"({coef.work:g} x a layer's activations)"))
+        # torch frees as it goes: the peak is the largest of three moments, not the sum of every row
+        alive = kept + mask + scores_kept + lora_kept
+        # autocast caches the casts of trainable weights until the forward ends; frozen weights' casts are only
+        # kept when saved for backward (not under checkpointing)
+        copies_at_loss = copies_layer if (ckpt and peft.use_peft) else copies_all
+        copies_in_backward = copies_layer if ckpt else copies_all
+        at_loss = alive + logits + head_grad + copies_at_loss
+        in_backward = (alive + recompute + scores_recompute + blocked_work + lora_recompute + work + head_grad
+                       + tokens * h * 4 + copies_in_backward)
+        # every gradient, and clip_grad_norm_fp64's float64 copy of one gradient at a time (vector_norm with
+        # dtype=float64 casts the whole tensor first: 8 bytes per number of the largest)
+        at_update = trainable * 4 + 2 * largest
+        peak = max(at_loss, in_backward, at_update)
+        moment = {at_loss: "the loss", in_backward: "the backward pass", at_update: "the optimizer step"}[peak]
+        listed = sum(r.bytes for r in rows if r.component in ACTIVATION_ROWS + ("backward working set",)) \
+            + trainable * 4 + copies_all
+        rows.append(MemoryRow("not alive at once", int(peak - listed),
+                              f"rows above freed before the peak, at {moment} (torch frees saved tensors as "
+                              f"backward consumes them; gradients appear as activations go)"))
+    return MemoryPlan(rows=rows, backend=backend, device=device, dtype=dtype, devices=devices, tokens=tokens,
+                      rows_per_micro_batch=b, row_length=t, trainable_parameters=trainable,
+                      total_parameters=total_params, notes=notes)
+
+
+# --------------------------------------------------------------------------------------
+# The budget advisor
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    cost: float
+    """Expected cost of turning it on (the ordering below): 0 free, 1-9 compute for memory, 10+ changes what
+    trains."""
+    why: str
+
+
+KNOBS = (
+    Knob("loss_type=fused_linear", 0.0, "free: same loss and gradients, no [tokens, vocab] logits"),
+    Knob("padding_free", 0.1, "free: no padding tokens (varlen attention on torch)"),
+    Knob("fsdp", 1.0, "communication: shard weights, gradients and optimizer over the devices"),
+    Knob("gradient_checkpointing", 3.0, "compute: about one more forward per step (~30% slower)"),
+    Knob("activation_offloading", 2.0, "host transfers, overlapped on a side stream (CUDA only)"),
+    Knob("micro_batch", 4.0, "compute: smaller micro-batches, more accumulation, same effective batch"),
+    Knob("adamw_bnb_8bit", 5.0, "8-bit optimizer moments: a small change in the update (torch only)"),
+    Knob("use_peft", 10.0, "changes what trains: LoRA adapters on a frozen base"),
+    Knob("load_in_4bit", 12.0, "changes the base: NF4-quantised frozen weights (QLoRA)"),
+)
+"""The advisor's cost ordering: free knobs first (same model, same numbers), then compute-for-memory, then
+knobs that change what trains. The cheapest fitting set minimises the summed costs; among sets of equal cost the
+one with the smallest plan wins (so the free knobs come along whenever something has to change).
+
+Packing is not a memory knob here: the plan takes ``max_length`` as the row length a micro-batch reaches,
+padded or packed, so packing changes tokens per second, not the planned peak. Padding-free saves the
+``B x T x T`` mask on torch (it switches to ``varlen``), and costs a ``(B T)^2`` one on jax's dense path."""
+
+
+@dataclass
+class Advice:
+    fits: bool
+    plan: MemoryPlan
+    changes: dict[str, Any]
+    knobs: list[str]
+    cost: float
+    flags: list[str]
+    budget: int
+    minimum: Optional[MemoryPlan] = None
+
+    def text(self) -> str:
+        if not self.changes:
+            return f"fits as is: {format_bytes(self.plan.total)} <= budget {format_bytes(self.budget)}."
+        return (f"cheapest set that fits {format_bytes(self.budget)}: {', '.join(self.knobs)} -> "
+                f"{format_bytes(self.plan.total)}\nadd: {' '.join(self.flags)}")
+
+
+def _flags(changes: dict[str, Any]) -> list[str]:
+    out = []
+    for k, val in changes.items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(val, bool):
+            out.append(flag if val else "--no-" + k.replace("_", "-"))
+        else:
+            out += [flag, str(val)]
+    return out
+
+
+def _candidates(config, backend: str, device: str, devices: int):
+    """Every combination of knobs that applies, as (knob names, flat changes, cost)."""
+    d = config.data
+    options: list[list[tuple[Optional[str], dict]]] = []
+    if config.loss.loss_type == "nll":
+        options.append([(None, {}), ("loss_type=fused_linear", {"loss_type": "fused_linear"})])
+    if not d.padding_free:
+        change = {"padding_free": True}
+        if backend == "torch" and config.model.attn_implementation in ("sdpa", "eager"):
+            change["attn_implementation"] = "varlen"
+        options.append([(None, {}), ("padding_free", change)])
+    if not config.memory.gradient_checkpointing:
+        options.append([(None, {}), ("gradient_checkpointing", {"gradient_checkpointing": True})])
+    if device == "cuda" and not config.memory.activation_offloading and backend == "torch":
+        options.append([(None, {}), ("activation_offloading", {"activation_offloading": True})])
+    if devices > 1 and not config.parallel.fsdp and backend == "torch":
+        options.append([(None, {}), ("fsdp", {"fsdp": True})])
+    if backend == "torch" and config.optim.optimizer != "adamw_bnb_8bit":
+        options.append([(None, {}), ("adamw_bnb_8bit", {"optimizer": "adamw_bnb_8bit"})])
+    peft_opts: list[tuple[Optional[str], dict]] = [(None, {})]
+    if not config.peft.use_peft:
+        peft_opts.append(("use_peft", {"use_peft": True}))
+        peft_opts.append(("use_peft+load_in_4bit", {"use_peft": True, "load_in_4bit": True}))
+    elif not config.peft.load_in_4bit:
+        peft_opts.append(("load_in_4bit", {"load_in_4bit": True}))
+    options.append(peft_opts)
+    bs, ga = d.per_device_train_batch_size, d.gradient_accumulation_steps
+    micro = [(None, {})]
+    k = 2
+    while bs % k == 0:
+        micro.append((f"micro_batch={bs // k}x{ga * k}",
+                      {"per_device_train_batch_size": bs // k, "gradient_accumulation_steps": ga * k}))
+        k *= 2
+    options.append(micro)
+    costs = {kn.name: kn.cost for kn in KNOBS}
+    for combo in itertools.product(*options):
+        names = [n for n, _ in combo if n]
+        changes: dict[str, Any] = {}
+        for _, c in combo:
+            changes.update(c)
+        cost = 0.0
+        for n in names:
+            if n.startswith("micro_batch="):
+                cost += costs["micro_batch"] * math.log2(bs // changes["per_device_train_batch_size"])
+            elif n == "use_peft+load_in_4bit":
+                cost += costs["use_peft"] + costs["load_in_4bit"]
+            else:
+                cost += costs[n]
+        yield names, changes, cost
+
+
+def advise(config, budget: Any, *, dtype: Optional[str] = None, devices: int = 1, device: str = "cpu",
+           backend: Optional[str] = None) -> Advice:
+    """The cheapest set of knobs (``KNOBS``' ordering) under which ``plan_memory`` fits ``budget`` (bytes or
+    ``"24GiB"``). Raises ``ConfigError`` naming the minimum when nothing fits."""
+    budget_bytes = parse_bytes(budget)
+    backend = backend or config.backend
+    kw = dict(dtype=dtype, devices=devices, device=device, backend=backend)
+    base = plan_memory(config, **kw)
+    if base.total <= budget_bytes:
+        return Advice(True, base, {}, [], 0.0, [], budget_bytes)
+    best: Optional[tuple] = None
+    smallest: Optional[MemoryPlan] = None
+    for names, changes, cost in _candidates(config, backend, device, devices):
+        if not changes:
+            continue
+        try:
+            plan = plan_memory(config.replace(**changes), **kw)
+        except ConfigError:
+            continue
+        if smallest is None or plan.total < smallest.total:
+            smallest = plan
+        if plan.total <= budget_bytes:
+            key = (cost, plan.total, len(names))
+            if best is None or key < best[0]:
+                best = (key, names, changes, plan)
+    if best is None:
+        minimum = smallest or base
+        raise ConfigError(f"budget={format_bytes(budget_bytes)} is below the smallest this run can plan to: "
+                          f"{format_bytes(minimum.total)} with every knob on (fused loss, padding-free, "
+                          f"checkpointing, QLoRA, micro-batch 1, ...); raise --budget to at least "
+                          f"{format_bytes(minimum.total)}, or shorten --max-length or pick a smaller model.")
+    (cost, _, _), names, changes, plan = best
+    return Advice(True, plan, changes, names, cost, _flags(changes), budget_bytes)

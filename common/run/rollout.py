@@ -1,0 +1,180 @@
+"""The rollout of an online method, once for every backend: from a step's prompts to its scored, grouped
+completions, split into micro-batches, and the step's metrics.
+
+``GroupRollout`` is a mixin beside a backend's trainer (``common.run.trainer.TrainerTemplate``'s hooks). It owns:
+
+- group expansion (``num_generations`` completions per prompt) and the completion-length rule
+  (``grpo.completion_budget``: ``max_completion_length``, or TRL 1.16's 512 when unset, on both backends);
+- the completion mask (to the first EOS; ``mask_truncated_completions``), the reward calls with the dataset's
+  extra columns (conversational prompts get their completions back as messages, as TRL passes them),
+  the group advantages and TRL's reward and completion metrics;
+- regeneration every ``num_iterations`` steps (``PromptSource`` marks the steps that generate), and the
+  step's loss normalisers over every rank (``StepShare``);
+- the step's metrics (``summarize``): token means of the micro-batches' sums, the generation's metrics,
+  and the time spent generating and training.
+
+A backend supplies ``sample`` (generate completions of these prompt ids) and ``build_micro_batches``
+(collate them, with the per-token log-probs of the sampling policy and the reference where the loss needs
+them). A multi-rank engine (ZeRO-3) overrides ``gather_rewards``, ``gather_rows`` and ``step_totals``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from twinseq.common.config import TrainConfig
+from twinseq.common.objectives.grpo import (
+    LossSpec,
+    StepShare,
+    completion_budget,
+    completion_mask,
+    compute_rewards,
+    group_advantages,
+    reward_func_name,
+    reward_metrics,
+)
+
+
+@dataclass
+class Rollout:
+    """What one generation produced: the micro-batches, and the metrics of the completions."""
+
+    micro_batches: list[Any]
+    metrics: dict[str, float]
+    num_loss_tokens: int
+    num_sequences: int
+
+
+def trim_completions(completion_ids_NC: np.ndarray, length_mask_NC: np.ndarray) -> list[np.ndarray]:
+    """Each completion up to and including its first EOS (at least one token: a completion is never empty)."""
+    lengths = np.maximum(np.asarray(length_mask_NC).sum(axis=1), 1)
+    return [row[:n] for row, n in zip(completion_ids_NC, lengths)]
+
+
+class GroupRollout:
+    """GRPO's rollout and step bookkeeping (see the module docstring); ``init_rollout`` sets it up."""
+
+    cfg: TrainConfig
+
+    def init_rollout(self, cfg: TrainConfig, tokenizer: Any, reward_funcs: Sequence[Any]) -> None:
+        self.tokenizer, self.reward_funcs = tokenizer, list(reward_funcs)
+        self.num_generations = cfg.grpo.num_generations
+        self.max_completion_length = completion_budget(cfg.data.max_completion_length)
+        self.loss_spec = LossSpec.of(cfg.grpo, self.max_completion_length)
+        self.share = StepShare()
+        self.num_generations_done = 0
+        self._rollout: Optional[Rollout] = None
+        self._generated_now = False
+        self._step_started = 0.0
+
+    # -- backend hooks -------------------------------------------------------------------
+
+    def sample(self, prompt_ids: list[list[int]]) -> np.ndarray:
+        """[N, C] completion ids of ``prompt_ids`` (one completion per entry), right-padded with ``pad_token_id``."""
+        raise NotImplementedError
+
+    def build_micro_batches(self, prompt_ids: list[list[int]], completions: list[np.ndarray],
+                            loss_mask_NC: np.ndarray, advantages_N: np.ndarray, num_columns: int) -> list[Any]:
+        """Consecutive slices of ``per_device_train_batch_size`` completions, collated for the backend, with the
+        sampling policy's (``num_iterations > 1``) and the reference's (``grpo_beta > 0``) log-probs."""
+        raise NotImplementedError
+
+    def generation_metrics(self) -> dict[str, float]:
+        """Backend extras of the last generation (vLLM's weight-sync time)."""
+        return {}
+
+    # -- multi-rank hooks (one process: the identity) ---------------------------------------
+
+    def gather_rewards(self, total: np.ndarray, per: np.ndarray) -> tuple[np.ndarray, np.ndarray, slice]:
+        """(every rank's total rewards, per-function rewards, the slice of them that are this rank's)."""
+        return total, per, slice(0, len(total))
+
+    def gather_rows(self, values: np.ndarray) -> np.ndarray:
+        """A per-completion array of every rank, in rank order."""
+        return values
+
+    def step_totals(self, num_sequences: int, num_tokens: int, num_micro_batches: int) -> tuple[int, int, int]:
+        """The step's completions, loss tokens and micro-batches, over every rank."""
+        return num_sequences, num_tokens, num_micro_batches
+
+    # -- the rollout ---------------------------------------------------------------------
+
+    def rollout(self, prompts: Sequence[dict]) -> Rollout:
+        """Sample ``num_generations`` completions of each prompt, score them, and split them into micro-batches."""
+        g, tok = self.cfg.grpo, self.tokenizer
+        expanded = [row for row in prompts for _ in range(self.num_generations)]
+        prompt_ids = [list(r["prompt_input_ids"]) for r in expanded]
+        t0 = time.perf_counter()
+        completion_ids = self.sample(prompt_ids)
+        gen_seconds = time.perf_counter() - t0
+        self.num_generations_done += 1
+        length_mask, truncated = completion_mask(completion_ids, tok.eos_token_id, tok.pad_token_id)
+        loss_mask = length_mask * (~truncated[:, None] if g.mask_truncated_completions else 1)
+        completions = trim_completions(completion_ids, length_mask)
+        texts = [tok.decode(ids.tolist(), skip_special_tokens=True) for ids in completions]
+        prompt_values = [r["prompt"] for r in expanded]
+        if prompt_values and not isinstance(prompt_values[0], str):  # conversational: TRL passes messages back
+            texts_for_rewards: list[Any] = [[{"role": "assistant", "content": t}] for t in texts]
+        else:
+            texts_for_rewards = texts
+        skip = {"prompt", "prompt_text", "prompt_input_ids"}
+        columns = {k: [r.get(k) for r in expanded] for k in expanded[0] if k not in skip}
+        t1 = time.perf_counter()
+        total, per = compute_rewards(self.reward_funcs, prompt_values, texts_for_rewards, weights=g.reward_weights,
+                                     columns=columns)
+        reward_seconds = time.perf_counter() - t1
+        # every rank's rewards (one process: its own), in rank order; advantages over them all, then ours
+        total, per, ours = self.gather_rewards(total, per)
+        advantages = group_advantages(total, self.num_generations, g.scale_rewards)[ours]
+        micro = self.build_micro_batches(prompt_ids, completions, loss_mask, advantages, completion_ids.shape[1])
+        lengths = self.gather_rows(length_mask.sum(axis=1))
+        truncated = self.gather_rows(truncated)
+        metrics = {**reward_metrics(total, per, [reward_func_name(f) for f in self.reward_funcs], self.num_generations),
+                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+                   "completions/max_length": float(lengths.max()),
+                   "completions/clipped_ratio": float(truncated.mean()),
+                   "generation_seconds": gen_seconds, "reward_seconds": reward_seconds, **self.generation_metrics()}
+        return Rollout(micro, metrics, int(loss_mask.sum()), len(completions))
+
+    # -- TrainerTemplate's task hooks ------------------------------------------------------
+
+    def prepare(self, micro_batches: list[Any]) -> list[Any]:
+        """The step's one entry (``PromptSource``: its prompts, and whether it generates) -> the rollout's
+        micro-batches; ``share`` holds the step's normalisers."""
+        (entry,) = micro_batches
+        self._generated_now = bool(entry["new_generation"] or self._rollout is None)
+        if self._generated_now:
+            self._rollout = self.rollout(entry["prompts"])
+        rec = self._rollout
+        assert rec is not None
+        self.share = StepShare(*self.step_totals(rec.num_sequences, rec.num_loss_tokens, len(rec.micro_batches)))
+        self._step_started = time.perf_counter()
+        return rec.micro_batches
+
+    def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
+        """The loss, token counts, token means of the ``*_sum`` metrics, and the generation's metrics."""
+        tokens = max(sum(r["num_loss_tokens"] for r in records), 1.0)
+        out: dict[str, Any] = {"loss": sum(r["loss"] for r in records),
+                               "num_tokens": int(sum(r["num_tokens"] for r in records)),
+                               "num_completion_tokens": int(sum(r["num_loss_tokens"] for r in records))}
+        for key in sorted({k for r in records for k in r if k.endswith("_sum")}):
+            out[key[:-4]] = sum(r.get(key, 0.0) for r in records) / tokens
+        assert self._rollout is not None
+        out.update(self._rollout.metrics)
+        out["generation_seconds"] = self._rollout.metrics["generation_seconds"] if self._generated_now else 0.0
+        out["training_seconds"] = time.perf_counter() - self._step_started
+        return out
+
+
+def token_record(loss: float, num_loss_tokens: float, num_tokens: int, token_means: dict[str, float]
+                 ) -> dict[str, float]:
+    """A micro-step's record: its loss and counts, and its token means as token sums (``*_sum``), so that the
+    step's means weigh the micro-batches by their tokens."""
+    record = {"loss": float(loss), "num_loss_tokens": float(num_loss_tokens), "num_tokens": num_tokens}
+    for k, v in token_means.items():
+        record[k + "_sum"] = float(v) * float(num_loss_tokens)
+    return record

@@ -1,0 +1,290 @@
+"""The one step loop every trainer runs on, whatever the backend and the task.
+
+A backend supplies a *step trainer* (``StepTrainer``: one optimizer step per call, its state as
+numpy arrays and JSON values, a final export) and a *step source* (``StepSource``: the
+micro-batches of each optimizer step, with a resumable position). ``run`` owns everything
+around them, once: resume, step timing, logging every ``logging_steps`` steps, checkpoint
+cadence and rotation, the final save and the end-of-run report. This is Keras 3's split,
+where a backend's ``TorchTrainer`` overrides ``train_step`` and inherits ``fit``.
+
+Under a multi-process launch every rank runs ``run``: ``step``, ``state_dict`` and
+``save_final`` may be collectives; only the main rank writes files and logs.
+
+What the runner guarantees a user who trains for hours:
+
+- ``preflight`` refuses, before any data or model is built, what this machine cannot run, an
+  output folder that cannot be written, and a model folder or checkpoint that cannot be read;
+- a checkpoint is complete or absent (``common.run.checkpoint`` writes it atomically), and
+  ``--resume-from-checkpoint latest`` takes the newest complete one;
+- SIGTERM or Ctrl-C stops the run at the next step boundary with a checkpoint of that step
+  (``TrainingInterrupted``), as preemptible clusters need; a second signal stops it at once;
+- a NaN or Inf loss or gradient norm stops the run (``NonFiniteError``, naming the step and
+  the micro-batch) before the update is applied, so the last checkpoint is the last good one;
+  with ``skip_nonfinite_steps`` the step is skipped instead, counted and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
+
+from twinseq.common.config import TrainConfig
+from twinseq.common.errors import CheckpointError, ConfigError, NonFiniteError, TrainingInterrupted
+from twinseq.common.models.hf_folder import resolve_model_source
+from twinseq.common.run.capabilities import check_runtime
+from twinseq.common.run.checkpoint import (
+    list_checkpoints,
+    load_training_checkpoint,
+    read_meta,
+    resolve_resume,
+    rotate_checkpoints,
+    save_training_checkpoint,
+)
+from twinseq.common.run.report import RunLogger, finish_run
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class StepTrainer(Protocol):
+    """What a backend implements per task (torch and jax, SFT and DPO, one process or many)."""
+
+    is_main: bool
+    """This process writes files and logs (rank 0)."""
+
+    def step(self, micro_batches: list[Any]) -> dict[str, Any]:
+        """One optimizer step; metrics with at least ``loss`` and ``num_tokens`` (over all ranks)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs, as nested dicts of numpy arrays and JSON values."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (on every rank)."""
+
+    def save_final(self, path: Path) -> None:
+        """Export the trained model to ``path`` (a Hugging Face folder)."""
+
+    def peak_memory_bytes(self) -> int:
+        """Peak device memory so far (max over ranks)."""
+
+    def any_rank(self, flag: bool) -> bool:
+        """``flag`` OR-ed over every rank (the ranks must agree on when to stop)."""
+
+
+class StepSource(Protocol):
+    """The data side: ``common.data.sft_steps.StepIterator`` and its kin."""
+
+    def next_step(self) -> list[Any]:
+        """The micro-batches of the next optimizer step, for this rank."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+# --------------------------------------------------------------------------------------
+# Before any work
+# --------------------------------------------------------------------------------------
+
+
+def check_output_dir(path: str | os.PathLike) -> None:
+    """Raise unless ``path`` is (or can become) a writable folder: checked before data and model are built."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"output_dir={str(path)!r} is a file, not a folder; pass a folder for the run "
+                          f"(--output-dir runs/NAME).")
+    existing = path if path.is_dir() else next((p for p in path.parents if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"output_dir={str(path)!r} cannot be written ({str(existing)!r} is not a writable "
+                          f"folder); pass a folder you can write to (--output-dir).")
+
+
+def preflight(cfg: TrainConfig, runtime: Any) -> None:
+    """Every check that needs no data and no model, in the order a user would fix them: what this
+    machine can run (``common.run.capabilities``), the output folder, the model folder, the checkpoint."""
+    check_runtime(cfg, runtime)
+    check_output_dir(cfg.output_dir)
+    resolve_model_source(cfg.model.model_config, cfg.model.init_weights)
+    if cfg.resume_from_checkpoint not in (None, "latest", "auto"):
+        read_meta(cfg.resume_from_checkpoint)
+
+
+# --------------------------------------------------------------------------------------
+# Resume
+# --------------------------------------------------------------------------------------
+
+# Fields a resumed run must share with the run that wrote the checkpoint: the model, and what
+# defines the data stream whose position the checkpoint holds.
+RESUME_INVARIANTS = ("backend", "task", "model_config", "dataset_name", "dataset_split", "tokenizer_name_or_path",
+                     "max_length", "truncation_mode", "packing", "packing_strategy", "padding_free",
+                     "per_device_train_batch_size", "gradient_accumulation_steps", "seed")
+
+
+def _check_compatible(cfg: TrainConfig, meta: dict[str, Any], path: Path) -> None:
+    try:
+        saved = TrainConfig.from_dict(meta["config"]).to_flat_dict()
+    except (KeyError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{path}/trainer_state.json holds no readable run config ({err}); resume from a "
+                              f"checkpoint written by this twinseq.") from None
+    now = cfg.to_flat_dict()
+    changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in RESUME_INVARIANTS if saved[k] != now[k]]
+    if changed:
+        raise CheckpointError(f"{path} was written by another run ({'; '.join(changed)}); resume with the same "
+                              f"settings, or start a fresh run in another --output-dir.")
+
+
+def resume(cfg: TrainConfig, trainer: StepTrainer, source: StepSource) -> int:
+    """Restore ``trainer`` and ``source`` from ``cfg.resume_from_checkpoint``; the last step done (0: fresh)."""
+    path = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+    if path is None:
+        return 0
+    meta, state = load_training_checkpoint(path)
+    _check_compatible(cfg, meta, path)
+    step = int(meta["step"])
+    if step > cfg.max_steps:
+        raise CheckpointError(f"{path} is at step {step}, past max_steps={cfg.max_steps}; raise --max-steps to "
+                              f"at least {step} to continue that run.")
+    trainer.load_state_dict(state)
+    source.load_state_dict(meta["data"])
+    logger.info("resumed from %s at step %d", path, step)
+    return step
+
+
+def _merge_window(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One metrics line for the steps since the last one: counts add up, peaks take the max, the
+    learning rate is the last one, the rest is averaged; tokens/s is total tokens over total time."""
+    if len(records) == 1:
+        return records[0]
+    out: dict[str, Any] = {}
+    for key in records[-1]:
+        values = [r[key] for r in records if key in r]
+        if key in ("step", "lr"):
+            out[key] = values[-1]
+        elif key.startswith("num_") or key.endswith("_sum"):
+            out[key] = sum(values)
+        elif key.startswith("peak_"):
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    out["tokens_per_second"] = out["num_tokens"] / sum(r["step_seconds"] for r in records)
+    out["logged_steps"] = len(records)
+    return out
+
+
+class StopSignal:
+    """SIGTERM/SIGINT handlers that ask the loop to stop at the next step boundary (main thread only).
+
+    The first signal sets the request and restores the default handlers, so a second one stops the
+    process at once (Ctrl-C twice).
+    """
+
+    SIGNALS = {signal.SIGTERM: 143, signal.SIGINT: 130}
+
+    def __init__(self) -> None:
+        self.received: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignal":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        self._restore()
+        logger.warning("received %s: stopping after the current step, with a checkpoint",
+                       signal.Signals(signum).name)
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+
+def _save(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, step: int) -> None:
+    state = trainer.state_dict()  # a collective under FSDP: every rank calls it
+    if not trainer.is_main:
+        return
+    save_training_checkpoint(cfg.output_dir, step, state,
+                             {"data": source.state_dict(), "config": cfg.to_dict()})
+    rotate_checkpoints(cfg.output_dir, cfg.save_total_limit)
+
+
+def run(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, *, tokenizer: Any, desc: str,
+        announce: Sequence[str] = (), plot_keys: Sequence[str] = ("loss", "tokens_per_second")) -> Path:
+    """Train ``cfg.max_steps`` optimizer steps; returns the path of ``<output_dir>/metrics.jsonl``.
+
+    ``announce`` lines are printed (main rank) before the first step; ``plot_keys`` are the panels
+    of the end-of-run ``metrics.png``.
+    """
+    start = resume(cfg, trainer, source)
+    log: Optional[RunLogger] = None
+    if trainer.is_main:
+        log = RunLogger(cfg.output_dir, cfg.max_steps, disable_tqdm=cfg.disable_tqdm, desc=desc, resume_step=start,
+                        report_to=cfg.report_to)
+        log.log_config(cfg)
+        for line in announce:
+            log.write(line)
+    final = Path(cfg.output_dir) / "final"
+    try:
+        with StopSignal() as stop:  # a signal during the last saves lets them finish
+            skipped = _loop(cfg, trainer, source, log, start, stop)
+            if start < cfg.max_steps:
+                _save(cfg, trainer, source, cfg.max_steps)
+            trainer.save_final(final)
+    finally:
+        if log is not None:
+            log.close()
+    metrics_path = Path(cfg.output_dir) / "metrics.jsonl"
+    if log is not None:
+        tokenizer.save_pretrained(final)
+        finish_run(cfg.output_dir, keys=tuple(plot_keys))
+        if skipped:
+            print(f"skipped {skipped} optimizer step(s) with a non-finite loss or gradient norm "
+                  f"(skip_nonfinite_steps=True); see num_skipped_steps in {metrics_path}")
+    return metrics_path
+
+
+def _loop(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, log: Any, start: int,
+          stop: StopSignal) -> int:
+    """Steps ``start + 1 .. max_steps``: log, checkpoint, and stop cleanly on a signal; returns the
+    number of skipped steps."""
+    window: list[dict[str, Any]] = []
+    skipped = 0
+    for step in range(start + 1, cfg.max_steps + 1):
+        t0 = time.perf_counter()
+        try:
+            out = trainer.step(source.next_step())
+        except NonFiniteError as err:
+            kept = [p.name for p in list_checkpoints(cfg.output_dir)]
+            raise NonFiniteError(f"step {step}: {err}; the run stops here and the last checkpoint "
+                                 f"({kept[-1] if kept else 'none yet'}) holds the last good state. Lower the learning "
+                                 f"rate, check the data, or pass --skip-nonfinite-steps.") from None
+        seconds = time.perf_counter() - t0
+        skipped += int(out.get("num_skipped_steps", 0))
+        window.append({"step": step, **out, "tokens_per_second": out["num_tokens"] / seconds,
+                       "step_seconds": seconds, "peak_memory_bytes": trainer.peak_memory_bytes()})
+        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+            if log is not None:
+                log.log_step(_merge_window(window))
+            window = []
+        stopping = trainer.any_rank(stop.received is not None)
+        if (cfg.save_steps and step % cfg.save_steps == 0 or stopping) and step < cfg.max_steps:
+            _save(cfg, trainer, source, step)
+        if stopping and step < cfg.max_steps:
+            if log is not None and window:
+                log.log_step(_merge_window(window))
+            name = signal.Signals(stop.received).name if stop.received else "a signal on another rank"
+            raise TrainingInterrupted(f"stopped by {name} after step {step} of {cfg.max_steps}: saved "
+                                      f"checkpoint-{step} in {cfg.output_dir}; resume with --resume-from-checkpoint "
+                                      f"latest", StopSignal.SIGNALS.get(stop.received, 143))
+    return skipped
