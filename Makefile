@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup lock lock-vllm test-latest demo test test-fast test-all test-vllm setup-vllm bench bench-gpu gpu-wheels clean
+.PHONY: setup lock lock-vllm test-latest demo test test-fast test-all test-vllm setup-vllm bench bench-gpu gpu-wheels clean lint docs
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,17 @@ test-latest:
 	@echo "test-latest: versions that differ from $(LOCK) (< locked, > newest):"
 	@grep -v '^#' $(LOCK) | diff - $(LATEST_VENV)/freeze.txt | grep '^[<>]' || echo "  none"
 	$(LATEST_VENV)/bin/pytest -q -m "not slow"
+
+# The library's lint (pyproject.toml: ruff, line length 120; mypy over twinseq.*), and the generated tables of
+# docs/architecture.md checked against the code (`make docs` rewrites them). CI runs it first.
+lint: setup
+	$(BIN)/ruff check
+	$(BIN)/ruff format --check
+	$(BIN)/mypy
+	$(BIN)/python docs/architecture_tables.py --check
+
+docs: setup
+	$(BIN)/python docs/architecture_tables.py
 
 # Main job: profile the embedded data, then train the `small` model on it (packing + padding-free, CPU).
 demo: setup

@@ -39,8 +39,15 @@ PathLike = Union[str, os.PathLike]
 class Backend(Protocol):
     """What each backend module exports (``Model`` is a torch ``nn.Module`` or a Flax NNX module)."""
 
-    def build_model(self, cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *,
-                    dtype: str = "float32", attn_implementation: str = "sdpa", device: Any = None) -> Model:
+    def build_model(
+        self,
+        cfg: ModelConfig,
+        weights: Optional[dict[str, np.ndarray]] = None,
+        *,
+        dtype: str = "float32",
+        attn_implementation: str = "sdpa",
+        device: Any = None,
+    ) -> Model:
         """A model of ``cfg`` with ``weights`` (HF names; None: ``init_weights(cfg, seed=0)``), train mode."""
 
     def export_weights(self, model: Model) -> dict[str, np.ndarray]:
@@ -49,33 +56,49 @@ class Backend(Protocol):
     def logits(self, model: Model, batch: Batch) -> np.ndarray:
         """float32 [B, T, V] logits, documents masked on every attention path."""
 
-    def loss_and_grads(self, model: Model, batch: Batch, loss_type: str = "nll", *,
-                       chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray]]:
+    def loss_and_grads(
+        self, model: Model, batch: Batch, loss_type: str = "nll", *, chunk_size: int = DEFAULT_CHUNK_SIZE
+    ) -> tuple[float, dict[str, np.ndarray]]:
         """(loss normalised by ``batch.num_items_in_batch``, float32 gradients by HF name)."""
 
     def train(self, config: TrainConfig) -> Path:
         """Run a training job; returns the path of ``metrics.jsonl``."""
 
-    def load_pretrained(self, path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
-                        device: Any = None) -> Model:
+    def load_pretrained(
+        self, path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa", device: Any = None
+    ) -> Model:
         """A model from a local Hugging Face folder (``dtype`` None: as stored, float32 or bfloat16)."""
 
     def save_pretrained(self, model: Model, path: PathLike) -> Path:
         """Write ``model`` as a Hugging Face folder (``config.json`` + ``model.safetensors``)."""
 
-    def compute_sequence_logps(self, model: Model, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear",
-                               chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    def compute_sequence_logps(
+        self,
+        model: Model,
+        pbatch: PreferenceBatch,
+        *,
+        loss_type: str = "fused_linear",
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(chosen [N], rejected [N]) float64 sequence log-probs of a preference batch, no gradient."""
 
-    def dpo_loss_and_grads(self, model: Model, pbatch: PreferenceBatch, config: DPOLossConfig, *,
-                           ref_chosen_logps: Any = None, ref_rejected_logps: Any = None,
-                           loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                           num_examples_in_step: Optional[int] = None
-                           ) -> tuple[float, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    def dpo_loss_and_grads(
+        self,
+        model: Model,
+        pbatch: PreferenceBatch,
+        config: DPOLossConfig,
+        *,
+        ref_chosen_logps: Any = None,
+        ref_rejected_logps: Any = None,
+        loss_type: str = "fused_linear",
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        num_examples_in_step: Optional[int] = None,
+    ) -> tuple[float, dict[str, np.ndarray], dict[str, np.ndarray]]:
         """(DPO loss, float32 gradients by HF name, per-pair float64 outputs) of one micro-batch."""
 
-    def add_adapters(self, model: Model, cfg: ModelConfig, peft: PeftConfig,
-                     adapters: Optional[dict[str, np.ndarray]] = None) -> Model:
+    def add_adapters(
+        self, model: Model, cfg: ModelConfig, peft: PeftConfig, adapters: Optional[dict[str, np.ndarray]] = None
+    ) -> Model:
         """``model`` with LoRA/DoRA adapters on ``common.models.peft.lora_targets`` (plus trainable tokens, and a 4-bit
         NF4 base with ``load_in_4bit``), loaded from ``adapters`` (PEFT keys; None: ``common.models.peft.init_adapters``
         with seed 0). Only adapter tensors train: ``loss_and_grads`` and ``dpo_loss_and_grads`` of the result
@@ -99,15 +122,18 @@ def require(backend: str) -> None:
     """Raise ``MissingDependencyError`` naming the extra to install when a backend's framework is missing."""
     for module in _EXTRA_FOR[backend]:
         if importlib.util.find_spec(module) is None:
-            raise MissingDependencyError(f"the {backend} backend needs the '{module}' package; install it with "
-                                         f"`pip install -e '.[{backend}]'` (or '.[all]').")
+            raise MissingDependencyError(
+                f"the {backend} backend needs the '{module}' package; install it with "
+                f"`pip install -e '.[{backend}]'` (or '.[all]')."
+            )
 
 
 def load_backend(name: Optional[str] = None) -> ModuleType:
     """The backend module (``twinseq.torch_backend`` or ``twinseq.jax_backend``), imported now."""
     name = name or default_backend()
     if name not in BACKENDS:
-        raise ConfigError(f"backend={name!r} is not valid; choose one of {BACKENDS} "
-                          f"(flag --backend or env TWINSEQ_BACKEND).")
+        raise ConfigError(
+            f"backend={name!r} is not valid; choose one of {BACKENDS} (flag --backend or env TWINSEQ_BACKEND)."
+        )
     require(name)
     return importlib.import_module(f"twinseq.{name}_backend")

@@ -55,11 +55,14 @@ def _parse_error(event) -> ConfigError:
     argument = getattr(event, "argument", None)
     name = getattr(getattr(argument, "field", None), "intern_name", None) if argument is not None else None
     if isinstance(event, tyro_errors.InvalidChoice):
-        return ConfigError(f"{name}={event.value!r} is not valid; choose one of "
-                           f"{', '.join(map(repr, event.choices))} ({_flag(name)}).")
+        return ConfigError(
+            f"{name}={event.value!r} is not valid; choose one of {', '.join(map(repr, event.choices))} "
+            f"({_flag(str(name))})."
+        )
     if isinstance(event, tyro_errors.InstantiationFailure) and name:
-        return ConfigError(f"{_flag(name)}: {event.message}; pass a value of the field's type "
-                           f"(`twinseq train --help` lists it).")
+        return ConfigError(
+            f"{_flag(name)}: {event.message}; pass a value of the field's type (`twinseq train --help` lists it)."
+        )
     if isinstance(event, tyro_errors.BadValue) and name:
         got = "" if event.offending_value is None else f" (got {event.offending_value!r})"
         return ConfigError(f"{_flag(name)} is missing its value{got}; pass {_flag(name)} VALUE.")
@@ -69,8 +72,10 @@ def _parse_error(event) -> ConfigError:
         for token in unknown:
             close = difflib.get_close_matches(token, flag_names(), n=1)
             hints.append(f"{token} (did you mean {close[0]}?)" if close else token)
-        return ConfigError(f"unrecognized argument(s) {', '.join(hints)}; `twinseq train --help` lists the flags "
-                           f"(a boolean is set with --flag or --no-flag, never --flag no).")
+        return ConfigError(
+            f"unrecognized argument(s) {', '.join(hints)}; `twinseq train --help` lists the flags "
+            f"(a boolean is set with --flag or --no-flag, never --flag no)."
+        )
     return ConfigError(f"the arguments could not be parsed ({type(event).__name__}); see `twinseq train --help`.")
 
 
@@ -105,9 +110,14 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
     known, rest = pre.parse_known_args(list(argv))
     default = TrainConfig.from_yaml(known.config) if known.config else TrainConfig()
     with deferred_checks(), _one_line_parse_errors():
-        cfg = tyro.cli(TrainConfig, args=rest, default=default, prog="twinseq train",
-                       config=(tyro.conf.OmitArgPrefixes,),
-                       description="Train a model. YAML: --config FILE (flags override it).")
+        cfg = tyro.cli(
+            TrainConfig,
+            args=rest,
+            default=default,
+            prog="twinseq train",
+            config=(tyro.conf.OmitArgPrefixes,),
+            description="Train a model. YAML: --config FILE (flags override it).",
+        )
     return cfg.validate()
 
 
@@ -170,8 +180,10 @@ def memory_main(argv: Sequence[str]) -> int:
         if devices < 1:
             raise ValueError
     except ValueError:
-        raise ConfigError(f"--devices {known.devices!r} is not a positive integer; pass the number of devices "
-                          f"FSDP shards over (e.g. --devices 8).") from None
+        raise ConfigError(
+            f"--devices {known.devices!r} is not a positive integer; pass the number of devices "
+            f"FSDP shards over (e.g. --devices 8)."
+        ) from None
     if known.device not in ("cpu", "cuda"):
         raise ConfigError(f"--device {known.device!r} is not planned; use --device cpu or --device cuda.")
     budget = parse_bytes(known.budget, "--budget") if known.budget is not None else None
@@ -184,8 +196,10 @@ def memory_main(argv: Sequence[str]) -> int:
     if not advice.changes:
         print(f"\nbudget {format_bytes(budget)}: fits as is ({format_bytes(plan.total)}).")
         return 0
-    print(f"\nbudget {format_bytes(budget)}: {format_bytes(plan.total)} does not fit. Cheapest set that fits "
-          f"(free knobs first, then compute for memory, then what trains): {', '.join(advice.knobs)}\n")
+    print(
+        f"\nbudget {format_bytes(budget)}: {format_bytes(plan.total)} does not fit. Cheapest set that fits "
+        f"(free knobs first, then compute for memory, then what trains): {', '.join(advice.knobs)}\n"
+    )
     print(advice.plan.table())
     print(f"\nadd: {' '.join(advice.flags)}")
     return 0
@@ -214,8 +228,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         close = difflib.get_close_matches(command, COMMANDS, n=1)
-        print(f"twinseq: unknown command {command!r}{f' (did you mean {close[0]!r}?)' if close else ''}\n\n{USAGE}",
-              file=sys.stderr)
+        print(
+            f"twinseq: unknown command {command!r}{f' (did you mean {close[0]!r}?)' if close else ''}\n\n{USAGE}",
+            file=sys.stderr,
+        )
         return 2
     _setup_logging()
     try:

@@ -93,7 +93,7 @@ JAX_DENSE_ATTN_IMPLEMENTATIONS = ("eager",)
 rows longer than one block (rows that fit one block take the dense path: ``jax_backend.attention``)."""
 DEFAULT_CHUNK_SIZE = 256
 """Tokens per chunk of the chunked and fused losses and log-probs, on both backends."""
-TRITON_DW_SLICE_BYTES = 64 * 2 ** 20
+TRITON_DW_SLICE_BYTES = 64 * 2**20
 """loss_type='triton': the float32 lm_head gradient is accumulated a vocabulary slice of at most this size at a time
 (1/30 of a 248k x 2048 head), each slice cast to the weight's dtype when done."""
 
@@ -235,9 +235,16 @@ class DPOConfig(_Section):
     """Compute reference log-probs once before training instead of keeping a frozen model copy."""
 
 
-SECTIONS: dict[str, type] = {"model": ModelArgs, "data": DataConfig, "optim": OptimConfig, "loss": LossConfig,
-                             "memory": MemoryConfig, "parallel": ParallelConfig, "dpo": DPOConfig,
-                             "peft": PeftConfig}
+SECTIONS: dict[str, type] = {
+    "model": ModelArgs,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "loss": LossConfig,
+    "memory": MemoryConfig,
+    "parallel": ParallelConfig,
+    "dpo": DPOConfig,
+    "peft": PeftConfig,
+}
 SECTIONS["grpo"] = GRPOConfig
 TASK_SECTIONS = {"dpo": "dpo"}
 TASK_SECTIONS["grpo"] = "grpo"
@@ -248,7 +255,7 @@ TASK_SECTIONS["grpo"] = "grpo"
 class TrainConfig:
     """Everything one training run needs. ``twinseq train --help`` lists every field as a flag."""
 
-    backend: Backend = field(default_factory=lambda: os.environ.get("TWINSEQ_BACKEND", "torch"))  # type: ignore[assignment]
+    backend: Backend = field(default_factory=lambda: os.environ.get("TWINSEQ_BACKEND", "torch"))  # type: ignore
     """Which backend runs the job; ``TWINSEQ_BACKEND`` sets the default."""
     task: Task = "sft"
     output_dir: str = "runs/latest"
@@ -285,9 +292,11 @@ class TrainConfig:
         _check_fields(self)
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
-                raise ConfigTypeError(f"TrainConfig.{name} must be a {cls.__name__}, got "
-                                      f"{type(getattr(self, name)).__name__}; build configs with "
-                                      f"TrainConfig.from_flat(...) or from_dict(...).")
+                raise ConfigTypeError(
+                    f"TrainConfig.{name} must be a {cls.__name__}, got "
+                    f"{type(getattr(self, name)).__name__}; build configs with "
+                    f"TrainConfig.from_flat(...) or from_dict(...)."
+                )
             _check_fields(getattr(self, name))
         self._check_combinations()
         return self
@@ -301,35 +310,48 @@ class TrainConfig:
             if self.task != task:
                 changed = _changed_fields(getattr(self, section))
                 if changed:
-                    raise ConfigError(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} read by "
-                                      f"task={task!r} only, and this run has task={self.task!r}; drop "
-                                      f"{' '.join(_flag(c) for c in changed)} or set --task {task}.")
+                    raise ConfigError(
+                        f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} read by "
+                        f"task={task!r} only, and this run has task={self.task!r}; drop "
+                        f"{' '.join(_flag(c) for c in changed)} or set --task {task}."
+                    )
         if self.task == "dpo":
             if d.packing:
-                raise ConfigError("packing=True does not apply to DPO (it would cut pairs apart); use "
-                                  "--padding-free to put every pair of a micro-batch in one row.")
+                raise ConfigError(
+                    "packing=True does not apply to DPO (it would cut pairs apart); use "
+                    "--padding-free to put every pair of a micro-batch in one row."
+                )
 
-            validate_dpo_config(self.dpo.dpo_loss_type, self.dpo.loss_weights, self.dpo.beta,
-                                self.dpo.label_smoothing)
+            validate_dpo_config(self.dpo.dpo_loss_type, self.dpo.loss_weights, self.dpo.beta, self.dpo.label_smoothing)
             if loss.loss_type == "liger" or loss.use_liger_kernel:
-                check_liger_dpo_config(self.dpo.dpo_loss_type, padding_free=d.padding_free,
-                                       precompute=self.dpo.precompute_ref_log_probs)
+                check_liger_dpo_config(
+                    self.dpo.dpo_loss_type, padding_free=d.padding_free, precompute=self.dpo.precompute_ref_log_probs
+                )
         if self.task == "grpo":
             if d.packing:
-                raise ConfigError("packing=True does not apply to GRPO (its batches are generated, one group of "
-                                  "completions per prompt); use --padding-free to put them in one row.")
-            check_grpo_config(self.grpo, per_device_train_batch_size=d.per_device_train_batch_size,
-                              gradient_accumulation_steps=d.gradient_accumulation_steps)
+                raise ConfigError(
+                    "packing=True does not apply to GRPO (its batches are generated, one group of "
+                    "completions per prompt); use --padding-free to put them in one row."
+                )
+            check_grpo_config(
+                self.grpo,
+                per_device_train_batch_size=d.per_device_train_batch_size,
+                gradient_accumulation_steps=d.gradient_accumulation_steps,
+            )
 
         check_peft_config(self.peft)
         if loss.use_liger_kernel and loss.loss_type not in ("nll", "liger"):
-            raise ConfigError(f"use_liger_kernel=True selects Liger's fused cross-entropy, but loss_type="
-                              f"{loss.loss_type!r} asks for another kernel; drop --use-liger-kernel or use "
-                              f"--loss-type liger.")
+            raise ConfigError(
+                f"use_liger_kernel=True selects Liger's fused cross-entropy, but loss_type="
+                f"{loss.loss_type!r} asks for another kernel; drop --use-liger-kernel or use "
+                f"--loss-type liger."
+            )
         if loss.triton_gradients != "exact" and loss.loss_type != "triton":
-            raise ConfigError(f"triton_gradients={loss.triton_gradients!r} is read by loss_type='triton' only, and "
-                              f"this run has loss_type={loss.loss_type!r}; add --loss-type triton or drop "
-                              f"--triton-gradients.")
+            raise ConfigError(
+                f"triton_gradients={loss.triton_gradients!r} is read by loss_type='triton' only, and "
+                f"this run has loss_type={loss.loss_type!r}; add --loss-type triton or drop "
+                f"--triton-gradients."
+            )
         if loss.use_liger_kernel:
             # TRL's use_liger_kernel switches the loss to Liger's fused linear cross-entropy.
             loss.loss_type = "liger"
@@ -360,16 +382,22 @@ class TrainConfig:
         for key, value in values.items():
             key = FIELD_ALIASES.get(key, key) if isinstance(key, str) else key
             if not isinstance(key, str):
-                raise ConfigTypeError(f"{source}: key {key!r} is not a field name; write `field: value` with a "
-                                      f"field listed by `twinseq train --help`.")
+                raise ConfigTypeError(
+                    f"{source}: key {key!r} is not a field name; write `field: value` with a "
+                    f"field listed by `twinseq train --help`."
+                )
             if key in SECTIONS and not isinstance(value, Mapping):
-                raise ConfigTypeError(f"{source}: section {key!r} must be a mapping of its fields (e.g. {key}: "
-                                      f"{{{next(iter(_fields_of(key)))}: ...}}), not a {type(value).__name__}.")
+                raise ConfigTypeError(
+                    f"{source}: section {key!r} must be a mapping of its fields (e.g. {key}: "
+                    f"{{{next(iter(_fields_of(key)))}: ...}}), not a {type(value).__name__}."
+                )
             if key in SECTIONS:
                 for sub_key, sub_value in value.items():
                     if not isinstance(sub_key, str):
-                        raise ConfigTypeError(f"{source}: key {key}.{sub_key!r} is not a field name; write "
-                                              f"`{key}: {{field: value}}` with fields of that section.")
+                        raise ConfigTypeError(
+                            f"{source}: key {key}.{sub_key!r} is not a field name; write "
+                            f"`{key}: {{field: value}}` with fields of that section."
+                        )
                     if _FLAT_INDEX.get(sub_key) != key:
                         unknown.append(f"{key}.{sub_key}")
                     sections[key][sub_key] = sub_value
@@ -379,10 +407,15 @@ class TrainConfig:
             else:
                 unknown.append(key)
         if unknown:
-            hints = [f"{u} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u.split('.')[-1],
-                     list(_FLAT_INDEX), n=1)) else u for u in unknown]
-            raise ConfigError(f"{source}: unknown field(s) {', '.join(hints)}; the valid fields are listed by "
-                              f"`twinseq train --help`.")
+            hints = [
+                f"{u} (did you mean {m[0]!r}?)"
+                if (m := difflib.get_close_matches(u.split(".")[-1], list(_FLAT_INDEX), n=1))
+                else u
+                for u in unknown
+            ]
+            raise ConfigError(
+                f"{source}: unknown field(s) {', '.join(hints)}; the valid fields are listed by `twinseq train --help`."
+            )
         built = {name: SECTIONS[name](**kw) for name, kw in sections.items()}
         return cls(**top, **built)
 
@@ -435,8 +468,10 @@ def _accepting_flat_names(dataclass_init):
         if args or own.issuperset(kwargs):
             dataclass_init(self, *args, **kwargs)
             return
-        values = {k: dataclasses.asdict(v) if k in SECTIONS and dataclasses.is_dataclass(v) else v
-                  for k, v in kwargs.items()}
+        values = {
+            k: dataclasses.asdict(v) if k in SECTIONS and dataclasses.is_dataclass(v) else v  # type: ignore[arg-type]
+            for k, v in kwargs.items()
+        }
         built = TrainConfig.from_dict(values, source="TrainConfig(...)")
         dataclass_init(self, **{name: getattr(built, name) for name in own})
 
@@ -465,6 +500,7 @@ def load_yaml(path: str | Path) -> dict:
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"{where}: YAML syntax error: {problem}; fix the file (key: value per line).") from None
     if not isinstance(values, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of field: value, "
-                          f"not a {type(values).__name__}.")
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping of field: value, not a {type(values).__name__}."
+        )
     return values

@@ -21,8 +21,9 @@ from typing import Any, Literal, Mapping, Optional, Union
 from twinseq.common.errors import ConfigError, ConfigTypeError
 
 
-def _bounds(*, ge: Optional[float] = None, gt: Optional[float] = None, lt: Optional[float] = None,
-            le: Optional[float] = None) -> dict[str, Any]:
+def _bounds(
+    *, ge: Optional[float] = None, gt: Optional[float] = None, lt: Optional[float] = None, le: Optional[float] = None
+) -> dict[str, Any]:
     return {"bounds": {k: v for k, v in (("ge", ge), ("gt", gt), ("lt", lt), ("le", le)) if v is not None}}
 
 
@@ -71,8 +72,9 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
             hint_text = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{name}={value!r} is not valid{hint_text}; choose one of "
-                              f"{', '.join(map(repr, args))} ({_flag(name)}).")
+            raise ConfigError(
+                f"{name}={value!r} is not valid{hint_text}; choose one of {', '.join(map(repr, args))} ({_flag(name)})."
+            )
         return value
     if origin is list:
         if isinstance(value, str) and (args[0] is str or typing.get_origin(args[0]) is Literal):
@@ -82,33 +84,37 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         return [_coerce(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if hint is bool:
         if not isinstance(value, bool):
-            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be true or false (a boolean, not "
-                                  f"{type(value).__name__}); on the command line use {_flag(name)} or "
-                                  f"--no-{_flag(name)[2:]}.")
+            raise ConfigTypeError(
+                f"{name}={value!r} is not valid: it must be true or false (a boolean, not "
+                f"{type(value).__name__}); on the command line use {_flag(name)} or "
+                f"--no-{_flag(name)[2:]}."
+            )
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be an integer, not "
-                                  f"{type(value).__name__} ({_flag(name)}).")
+            raise ConfigTypeError(
+                f"{name}={value!r} is not valid: it must be an integer, not {type(value).__name__} ({_flag(name)})."
+            )
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be a number, not "
-                                  f"{type(value).__name__} ({_flag(name)}).")
+            raise ConfigTypeError(
+                f"{name}={value!r} is not valid: it must be a number, not {type(value).__name__} ({_flag(name)})."
+            )
         if not math.isfinite(value):
             raise ConfigError(f"{name}={value!r} is not valid: it must be a finite number ({_flag(name)}).")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be a string, not "
-                                  f"{type(value).__name__} ({_flag(name)}).")
+            raise ConfigTypeError(
+                f"{name}={value!r} is not valid: it must be a string, not {type(value).__name__} ({_flag(name)})."
+            )
         return value
     raise AssertionError(f"unsupported config annotation {hint!r} for {name}")
 
 
 _RANGE_TEXT = {"ge": ">=", "gt": ">", "lt": "<", "le": "<="}
-_RANGE_OK = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "lt": lambda v, b: v < b,
-             "le": lambda v, b: v <= b}
+_RANGE_OK = {"ge": lambda v, b: v >= b, "gt": lambda v, b: v > b, "lt": lambda v, b: v < b, "le": lambda v, b: v <= b}
 
 
 def _check_range(name: str, value: Any, bounds: Mapping[str, float]) -> None:
@@ -145,7 +151,8 @@ def deferred_checks() -> typing.Iterator[None]:
 
 def _check_fields(section: Any) -> None:
     """Check (and normalise in place) every non-section field of a config dataclass: the one place."""
-    hints = _hints(type(section))
+    # a class is hashable: lru_cache's stub says otherwise
+    hints = _hints(type(section))  # type: ignore[arg-type]
     for f in dataclasses.fields(section):
         if dataclasses.is_dataclass(hints[f.name]):
             continue

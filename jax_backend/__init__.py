@@ -15,21 +15,38 @@ from twinseq.jax_backend.checkpoint import load_pretrained, save_pretrained
 from twinseq.jax_backend.dpo import compute_sequence_logps, dpo_loss_and_grads
 from twinseq.jax_backend.generation import generate
 from twinseq.jax_backend.model import (
-                                       CausalLM,
-                                       batch_inputs,
-                                       build_model,
-                                       export_weights,
-                                       grads_jit,
-                                       logits,
-                                       loss_and_grads,
-                                       loss_fn,
-                                       loss_grads_and_metrics,
-                                       token_losses,
+    CausalLM,
+    batch_inputs,
+    build_model,
+    export_weights,
+    grads_jit,
+    logits,
+    loss_and_grads,
+    loss_fn,
+    loss_grads_and_metrics,
+    token_losses,
 )
 from twinseq.jax_backend.peft import add_adapters, export_adapters, merge_adapters
 from twinseq.jax_backend.recipes import train
 
-__all__ = ["build_model", "export_weights", "logits", "loss_and_grads", "train", "load_pretrained", "save_pretrained",
-           "compute_sequence_logps", "dpo_loss_and_grads", "add_adapters", "export_adapters", "merge_adapters",
-           "CausalLM", "batch_inputs", "grads_jit", "loss_fn", "loss_grads_and_metrics", "token_losses",
-           "generate"]
+__all__ = [
+    "build_model",
+    "export_weights",
+    "logits",
+    "loss_and_grads",
+    "train",
+    "load_pretrained",
+    "save_pretrained",
+    "compute_sequence_logps",
+    "dpo_loss_and_grads",
+    "add_adapters",
+    "export_adapters",
+    "merge_adapters",
+    "CausalLM",
+    "batch_inputs",
+    "grads_jit",
+    "loss_fn",
+    "loss_grads_and_metrics",
+    "token_losses",
+    "generate",
+]

@@ -44,8 +44,9 @@ DENSE_IMPLEMENTATIONS = JAX_DENSE_ATTN_IMPLEMENTATIONS
 """``attn_implementation`` values that run the dense reference; every other value runs the blocked kernel."""
 
 
-def document_causal_mask(segment_ids_BT: jax.Array, position_ids_BT: jax.Array,
-                         sliding_window: Optional[int] = None) -> jax.Array:
+def document_causal_mask(
+    segment_ids_BT: jax.Array, position_ids_BT: jax.Array, sliding_window: Optional[int] = None
+) -> jax.Array:
     """bool [B, 1, T, T]: ``allowed[b, 0, i, j]`` per the mask rule (head axis broadcast).
 
     >>> seg = jnp.array([[1, 1, 2, 2, 0]]); pos = jnp.array([[0, 1, 0, 1, 0]])
@@ -75,8 +76,14 @@ def soft_cap(x: jax.Array, cap: float) -> jax.Array:
     return jnp.tanh(x / jnp.asarray(cap, x.dtype)) * jnp.asarray(cap, x.dtype)
 
 
-def dot_product_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array,
-                          allowed_B1TT: jax.Array, scaling: float, softcap: Optional[float] = None) -> jax.Array:
+def dot_product_attention(
+    q_BNTD: jax.Array,
+    k_BKTD: jax.Array,
+    v_BKTD: jax.Array,
+    allowed_B1TT: jax.Array,
+    scaling: float,
+    softcap: Optional[float] = None,
+) -> jax.Array:
     """Masked softmax attention, as HF's eager path: [B, N, T, D] out.
 
     Scores are computed in the input dtype (and soft-capped there, after the scaling and before the mask,
@@ -100,9 +107,17 @@ def dot_product_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Arra
     return jnp.einsum("bnqk,bnkd->bnqd", probs_BNTT, v_BNTD)
 
 
-def document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, segment_ids_BT: jax.Array,
-                       position_ids_BT: jax.Array, scaling: float, *, sliding_window: Optional[int] = None,
-                       softcap: Optional[float] = None) -> jax.Array:
+def document_attention(
+    q_BNTD: jax.Array,
+    k_BKTD: jax.Array,
+    v_BKTD: jax.Array,
+    segment_ids_BT: jax.Array,
+    position_ids_BT: jax.Array,
+    scaling: float,
+    *,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> jax.Array:
     """The model's default attention in the pluggable signature, ``[B, N, T, D]`` out.
 
     ``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, **options) -> out_BNTD`` is
@@ -115,10 +130,18 @@ def document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, 
     return dot_product_attention(q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, scaling, softcap)
 
 
-def blocked_document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax.Array, segment_ids_BT: jax.Array,
-                               position_ids_BT: jax.Array, scaling: float, *,
-                               block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE,
-                               sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> jax.Array:
+def blocked_document_attention(
+    q_BNTD: jax.Array,
+    k_BKTD: jax.Array,
+    v_BKTD: jax.Array,
+    segment_ids_BT: jax.Array,
+    position_ids_BT: jax.Array,
+    scaling: float,
+    *,
+    block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> jax.Array:
     """``document_attention`` without the T x T mask or scores: ``[B, N, T, D]`` out, in q's dtype.
 
     Naive equivalent (equal up to float32 rounding; the blocked kernel accumulates in float32 where
@@ -130,19 +153,31 @@ def blocked_document_attention(q_BNTD: jax.Array, k_BKTD: jax.Array, v_BKTD: jax
     query attends to and whose queries get zeros; the padding is sliced off again.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ConfigError(f"attention_block_size={block_size!r} must be a positive integer (tokens per query/key "
-                          f"tile of the blocked attention).")
+        raise ConfigError(
+            f"attention_block_size={block_size!r} must be a positive integer (tokens per query/key "
+            f"tile of the blocked attention)."
+        )
     t = q_BNTD.shape[2]
     block = min(block_size, t)
     pad = -t % block
     if pad:
+
         def pad_t(x, axis):
             return jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)])
+
         q_BNTD, k_BKTD, v_BKTD = pad_t(q_BNTD, 2), pad_t(k_BKTD, 2), pad_t(v_BKTD, 2)
         segment_ids_BT, position_ids_BT = pad_t(segment_ids_BT, 1), pad_t(position_ids_BT, 1)
-    out_BNTD = blocked_attention_heads_first(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT,
-                                             scale=scaling, block_size=block, sliding_window=sliding_window,
-                                             softcap=softcap)
+    out_BNTD = blocked_attention_heads_first(
+        q_BNTD,
+        k_BKTD,
+        v_BKTD,
+        segment_ids_BT,
+        position_ids_BT,
+        scale=scaling,
+        block_size=block,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
     return out_BNTD[:, :, :t] if pad else out_BNTD
 
 
@@ -156,30 +191,63 @@ class BlockedAttention:
 
     block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE
 
-    def __call__(self, q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, *,
-                 sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> jax.Array:
+    def __call__(
+        self,
+        q_BNTD,
+        k_BKTD,
+        v_BKTD,
+        segment_ids_BT,
+        position_ids_BT,
+        scaling,
+        *,
+        sliding_window: Optional[int] = None,
+        softcap: Optional[float] = None,
+    ) -> jax.Array:
         if q_BNTD.shape[2] <= self.block_size:
             # One block: the blocked kernel would hold the same T x T tile the dense path does, only with
             # the online-softmax rescaling's extra rounding. Rows that fit one block take the dense path,
             # which is HF eager's operation order (as torch keeps sdpa for short rows).
-            return document_attention(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling,
-                                      sliding_window=sliding_window, softcap=softcap)
-        return blocked_document_attention(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling,
-                                          block_size=self.block_size, sliding_window=sliding_window,
-                                          softcap=softcap)
+            return document_attention(
+                q_BNTD,
+                k_BKTD,
+                v_BKTD,
+                segment_ids_BT,
+                position_ids_BT,
+                scaling,
+                sliding_window=sliding_window,
+                softcap=softcap,
+            )
+        return blocked_document_attention(
+            q_BNTD,
+            k_BKTD,
+            v_BKTD,
+            segment_ids_BT,
+            position_ids_BT,
+            scaling,
+            block_size=self.block_size,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
 
 
-def attention_for(attn_implementation: str,
-                  block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE) -> Optional[BlockedAttention]:
+def attention_for(
+    attn_implementation: str, block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE
+) -> Optional[BlockedAttention]:
     """The model's single-device attention for ``attn_implementation``: None (the dense ``eager``
     reference) or a ``BlockedAttention``. The torch names of memory-efficient kernels (``sdpa``,
     ``varlen``, ``flex_attention``, ``flash_attention_*``) all map to the blocked kernel here."""
     if attn_implementation in DENSE_IMPLEMENTATIONS:
         return None
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ConfigError(f"attention_block_size={block_size!r} must be a positive integer (tokens per query/key "
-                          f"tile of the blocked attention).")
+        raise ConfigError(
+            f"attention_block_size={block_size!r} must be a positive integer (tokens per query/key "
+            f"tile of the blocked attention)."
+        )
     if attn_implementation != "sdpa":
-        logger.info("attn_implementation=%r on the jax backend: blocked online-softmax attention (block %d), "
-                    "document-masked by segment ids", attn_implementation, block_size)
+        logger.info(
+            "attn_implementation=%r on the jax backend: blocked online-softmax attention (block %d), "
+            "document-masked by segment ids",
+            attn_implementation,
+            block_size,
+        )
     return BlockedAttention(int(block_size))

@@ -20,8 +20,9 @@ from twinseq.common.models.hf_folder import read_hf_checkpoint, write_hf_checkpo
 from twinseq.jax_backend.model import build_model, export_weights
 
 
-def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
-                    device: Any = None) -> Model:
+def load_pretrained(
+    path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa", device: Any = None
+) -> Model:
     """A JAX ``CausalLM`` (any family of ``common.models.configs``) from an HF checkpoint directory.
 
     ``dtype`` None uses the stored dtype when it is float32 or bfloat16 (else float32).
@@ -47,12 +48,16 @@ def from_numpy_tree(leaves: list[np.ndarray], like: Any) -> Any:
     """``leaves`` back into the structure of ``like``; raises ``ValueError`` on a count mismatch."""
     treedef = jax.tree.structure(like)
     if treedef.num_leaves != len(leaves):
-        raise CheckpointError(f"the checkpoint holds {len(leaves)} optimizer arrays but this optimizer has "
-                              f"{treedef.num_leaves}; resume with the same optimizer settings (max_grad_norm).")
+        raise CheckpointError(
+            f"the checkpoint holds {len(leaves)} optimizer arrays but this optimizer has "
+            f"{treedef.num_leaves}; resume with the same optimizer settings (max_grad_norm)."
+        )
     expected = jax.tree.leaves(like)
     for i, (got, want) in enumerate(zip(leaves, expected)):
         if np.shape(got) != np.shape(want) or np.asarray(got).dtype != want.dtype:
-            raise CheckpointError(f"optimizer array {i} has shape {np.shape(got)} and dtype {np.asarray(got).dtype}, but "
-                                  f"this optimizer expects {np.shape(want)} {want.dtype}; the checkpoint is from another "
-                                  f"model or optimizer configuration.")
+            raise CheckpointError(
+                f"optimizer array {i} has shape {np.shape(got)} and dtype {np.asarray(got).dtype}, but "
+                f"this optimizer expects {np.shape(want)} {want.dtype}; the checkpoint is from another "
+                f"model or optimizer configuration."
+            )
     return jax.tree.unflatten(treedef, [jax.numpy.asarray(x) for x in leaves])

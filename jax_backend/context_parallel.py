@@ -114,8 +114,9 @@ def _fwd_shard(cfg: _Cfg, state, q, k, v, seg_q, pos_q, seg_k, pos_k):
 
     def pair(i, state):
         qs, ks = (i // num_k) * bq, (i % num_k) * bk
-        allowed = _allowed(cfg, _slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1),
-                           _slice(seg_k, ks, bk, 1), _slice(pos_k, ks, bk, 1))
+        allowed = _allowed(
+            cfg, _slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1), _slice(seg_k, ks, bk, 1), _slice(pos_k, ks, bk, 1)
+        )
 
         def compute(state):
             o, m, l = state
@@ -150,8 +151,9 @@ def _bwd_shard(cfg: _Cfg, grads, q, k, v, dout, lse, delta, seg_q, pos_q, seg_k,
 
     def pair(i, grads):
         qs, ks = (i // num_k) * bq, (i % num_k) * bk
-        allowed = _allowed(cfg, _slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1),
-                           _slice(seg_k, ks, bk, 1), _slice(pos_k, ks, bk, 1))
+        allowed = _allowed(
+            cfg, _slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1), _slice(seg_k, ks, bk, 1), _slice(pos_k, ks, bk, 1)
+        )
 
         def compute(grads):
             dq, dk, dv = grads
@@ -167,9 +169,11 @@ def _bwd_shard(cfg: _Cfg, grads, q, k, v, dout, lse, delta, seg_q, pos_q, seg_k,
             ds = ds * jnp.asarray(cfg.scale, _F32)
             dq_a = jnp.einsum("bkgqc,bkcd->bkgqd", ds, k_b.astype(_F32))
             dk_b = jnp.einsum("bkgqc,bkgqd->bkcd", ds, q_a.astype(_F32))
-            return (_update(dq, _slice(dq, qs, bq, 3) + dq_a, qs, 3),
-                    _update(dk, _slice(dk, ks, bk, 2) + dk_b, ks, 2),
-                    _update(dv, _slice(dv, ks, bk, 2) + dv_b, ks, 2))
+            return (
+                _update(dq, _slice(dq, qs, bq, 3) + dq_a, qs, 3),
+                _update(dk, _slice(dk, ks, bk, 2) + dk_b, ks, 2),
+                _update(dv, _slice(dv, ks, bk, 2) + dv_b, ks, 2),
+            )
 
         return jax.lax.cond(jnp.any(allowed), compute, lambda g: g, grads)
 
@@ -287,12 +291,16 @@ def _from_internal(out_BKGTD) -> jax.Array:
 
 
 def _check_options(sliding_window, softcap) -> None:
-    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
-                                       or sliding_window < 1):
-        raise ConfigError(f"sliding_window={sliding_window!r} must be a positive integer (positions a query "
-                          f"attends to) or None for full attention.")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-                                    and softcap > 0):
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ConfigError(
+            f"sliding_window={sliding_window!r} must be a positive integer (positions a query "
+            f"attends to) or None for full attention."
+        )
+    if softcap is not None and not (
+        isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap > 0
+    ):
         raise ConfigError(f"softcap={softcap!r} must be a positive number (the attention logit soft-cap) or None.")
 
 
@@ -302,16 +310,35 @@ def _cfg(axis_name, num_shards, q_BTND, k_len, scale, block_q, block_k, sliding_
     block_q = block_q or _default_block(len_q)
     block_k = block_k or _default_block(k_len)
     if len_q % block_q or k_len % block_k:
-        raise ConfigError(f"block_q={block_q} must divide the local query length {len_q} and block_k={block_k} "
-                          f"the local key length {k_len}; pick divisors (default: half a shard).")
+        raise ConfigError(
+            f"block_q={block_q} must divide the local query length {len_q} and block_k={block_k} "
+            f"the local key length {k_len}; pick divisors (default: half a shard)."
+        )
     scale = q_BTND.shape[3] ** -0.5 if scale is None else float(scale)
-    return _Cfg(axis_name, int(num_shards), scale, int(block_q), int(block_k),
-                None if sliding_window is None else int(sliding_window), None if softcap is None else float(softcap))
+    return _Cfg(
+        axis_name,
+        int(num_shards),
+        scale,
+        int(block_q),
+        int(block_k),
+        None if sliding_window is None else int(sliding_window),
+        None if softcap is None else float(softcap),
+    )
 
 
-def blocked_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, scale: Optional[float] = None,
-                      block_q: Optional[int] = None, block_k: Optional[int] = None,
-                      sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> jax.Array:
+def blocked_attention(
+    q_BTND,
+    k_BTKD,
+    v_BTKD,
+    segment_ids_BT,
+    position_ids_BT,
+    *,
+    scale: Optional[float] = None,
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> jax.Array:
     """Single-device memory-efficient attention (online softmax forward, FlashAttention-2 backward).
 
     Same inputs/outputs and mask as the module docstring; ``[B, T, N, D]`` out in q's dtype. Queries
@@ -324,9 +351,18 @@ def blocked_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *
     return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos))
 
 
-def blocked_attention_heads_first(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, *, scale: float,
-                                  block_size: int, sliding_window: Optional[int] = None,
-                                  softcap: Optional[float] = None) -> jax.Array:
+def blocked_attention_heads_first(
+    q_BNTD,
+    k_BKTD,
+    v_BKTD,
+    segment_ids_BT,
+    position_ids_BT,
+    *,
+    scale: float,
+    block_size: int,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> jax.Array:
     """``blocked_attention`` in the model's head-first layout: ``[B, N, T, D]`` in and out, ``T % block_size == 0``.
 
     The single-device attention of the model (``attention.blocked_document_attention`` pads T and calls
@@ -342,33 +378,69 @@ def blocked_attention_heads_first(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, positi
     if t % block_size:
         raise ConfigError(f"block_size={block_size} must divide the sequence length {t}; pad T first.")
     _check_options(sliding_window, softcap)
-    cfg = _Cfg(None, 1, float(scale), int(block_size), int(block_size),
-               None if sliding_window is None else int(sliding_window), None if softcap is None else float(softcap))
+    cfg = _Cfg(
+        None,
+        1,
+        float(scale),
+        int(block_size),
+        int(block_size),
+        None if sliding_window is None else int(sliding_window),
+        None if softcap is None else float(softcap),
+    )
     q_BKGTD = q_BNTD.reshape(b, kv, n // kv, t, d)
     seg, pos = segment_ids_BT, position_ids_BT
     return _attention_core(cfg, q_BKGTD, k_BKTD, v_BKTD, seg, pos, seg, pos).reshape(b, n, t, d)
 
 
-def ring_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, axis_name: str,
-                         scale: Optional[float] = None, block_q: Optional[int] = None,
-                         block_k: Optional[int] = None, sliding_window: Optional[int] = None,
-                         softcap: Optional[float] = None) -> jax.Array:
+def ring_attention_shard(
+    q_BTND,
+    k_BTKD,
+    v_BTKD,
+    segment_ids_BT,
+    position_ids_BT,
+    *,
+    axis_name: str,
+    scale: Optional[float] = None,
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> jax.Array:
     """Ring attention for the local shard; call inside ``shard_map`` over ``axis_name``.
 
     Every argument is this device's ``[B, T/cp, ...]`` shard; returns this device's output shard.
     """
     _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
-    cfg = _cfg(axis_name, jax.lax.axis_size(axis_name), q_BTND, k_BTKD.shape[1], scale, block_q, block_k,
-               sliding_window, softcap)
+    cfg = _cfg(
+        axis_name,
+        jax.lax.axis_size(axis_name),
+        q_BTND,
+        k_BTKD.shape[1],
+        scale,
+        block_q,
+        block_k,
+        sliding_window,
+        softcap,
+    )
     q, k, v = _to_internal(q_BTND, k_BTKD, v_BTKD)
     seg, pos = segment_ids_BT, position_ids_BT
     return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos))
 
 
-def allgather_attention_shard(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, *, axis_name: str,
-                               scale: Optional[float] = None, block_q: Optional[int] = None,
-                               block_k: Optional[int] = None, sliding_window: Optional[int] = None,
-                               softcap: Optional[float] = None) -> jax.Array:
+def allgather_attention_shard(
+    q_BTND,
+    k_BTKD,
+    v_BTKD,
+    segment_ids_BT,
+    position_ids_BT,
+    *,
+    axis_name: str,
+    scale: Optional[float] = None,
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> jax.Array:
     """All-gather K/V (and their ids) over ``axis_name``, then blocked attention for the local queries.
 
     Call inside ``shard_map``. ``block_k`` defaults to half a shard, so block skipping sees the
@@ -393,11 +465,23 @@ def _batch_spec(mesh: Mesh, axis_name: str, batch_axes) -> Union[None, str, tupl
     return batch_axes if batch_axes else None
 
 
-def sharded_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, mesh: Mesh, *,
-                      strategy: str = "ring", axis_name: str = "cp",
-                      batch_axes: Union[None, str, Sequence[str]] = None, scale: Optional[float] = None,
-                      block_q: Optional[int] = None, block_k: Optional[int] = None,
-                      sliding_window: Optional[int] = None, softcap: Optional[float] = None) -> jax.Array:
+def sharded_attention(
+    q_BTND,
+    k_BTKD,
+    v_BTKD,
+    segment_ids_BT,
+    position_ids_BT,
+    mesh: Mesh,
+    *,
+    strategy: str = "ring",
+    axis_name: str = "cp",
+    batch_axes: Union[None, str, Sequence[str]] = None,
+    scale: Optional[float] = None,
+    block_q: Optional[int] = None,
+    block_k: Optional[int] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> jax.Array:
     """Context-parallel attention on global ``[B, T, ...]`` arrays: ``shard_map`` over ``mesh``.
 
     T is split over ``axis_name`` in the row's current order: pass rows already reordered with
@@ -412,17 +496,28 @@ def sharded_attention(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, m
     _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
     cp = mesh.shape[axis_name]
     if q_BTND.shape[1] % cp:
-        raise ConfigError(f"sequence length T={q_BTND.shape[1]} is not divisible by cp={cp}; pad with "
-                          f"--pad-to-multiple-of {2 * cp}.")
+        raise ConfigError(
+            f"sequence length T={q_BTND.shape[1]} is not divisible by cp={cp}; pad with --pad-to-multiple-of {2 * cp}."
+        )
     batch = _batch_spec(mesh, axis_name, batch_axes)
     num_replicas = int(np.prod([mesh.shape[a] for a in batch or ()]))
     if q_BTND.shape[0] % num_replicas:
-        raise ConfigError(f"batch size B={q_BTND.shape[0]} is not divisible by the {num_replicas} devices of the "
-                          f"batch axes {batch}; use a multiple of {num_replicas} or pass batch_axes=().")
+        raise ConfigError(
+            f"batch size B={q_BTND.shape[0]} is not divisible by the {num_replicas} devices of the "
+            f"batch axes {batch}; use a multiple of {num_replicas} or pass batch_axes=()."
+        )
     local = ring_attention_shard if strategy == "ring" else allgather_attention_shard
     _check_options(sliding_window, softcap)
-    fn = functools.partial(local, axis_name=axis_name, scale=scale, block_q=block_q, block_k=block_k,
-                           sliding_window=sliding_window, softcap=softcap)
+    fn = functools.partial(
+        local,
+        axis_name=axis_name,
+        scale=scale,
+        block_q=block_q,
+        block_k=block_k,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
     x_spec, id_spec = P(batch, axis_name, None, None), P(batch, axis_name)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, id_spec, id_spec),
-                         out_specs=x_spec)(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, id_spec, id_spec), out_specs=x_spec)(
+        q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT
+    )

@@ -32,31 +32,70 @@ from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, gra
 
 logger = logging.getLogger(__name__)
 
-JAX_OPS = ArrayOps(log_sigmoid=jax.nn.log_sigmoid, exp=jnp.exp, relu=lambda z: jnp.maximum(0.0, z),
-                   zeros_like=jnp.zeros_like)
+JAX_OPS = ArrayOps(
+    log_sigmoid=jax.nn.log_sigmoid, exp=jnp.exp, relu=lambda z: jnp.maximum(0.0, z), zeros_like=jnp.zeros_like
+)
 PER_PAIR = ("losses", "chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards")
 
 
-def dpo_losses(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
-               config: DPOLossConfig, *, chosen_num_tokens=None, rejected_num_tokens=None):
+def dpo_losses(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    config: DPOLossConfig,
+    *,
+    chosen_num_tokens=None,
+    rejected_num_tokens=None,
+):
     """(per-pair ``Σ_k w_k L_k`` [N], ``β c`` [N], ``β r`` [N]) in jnp."""
-    out = dpo_family(policy_chosen_logps - ref_chosen_logps, policy_rejected_logps - ref_rejected_logps, config,
-                     JAX_OPS, chosen_num_tokens=chosen_num_tokens, rejected_num_tokens=rejected_num_tokens)
+    out = dpo_family(
+        policy_chosen_logps - ref_chosen_logps,
+        policy_rejected_logps - ref_rejected_logps,
+        config,
+        JAX_OPS,
+        chosen_num_tokens=chosen_num_tokens,
+        rejected_num_tokens=rejected_num_tokens,
+    )
     return out.losses, out.chosen_rewards, out.rejected_rewards
 
 
-def dpo_loss_fn(model: CausalLM, inputs, ref_chosen_logps, ref_rejected_logps, num_examples_in_step, *,
-                config: DPOLossConfig, loss_type: str, chunk_size: int):
+def dpo_loss_fn(
+    model: CausalLM,
+    inputs,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    num_examples_in_step,
+    *,
+    config: DPOLossConfig,
+    loss_type: str,
+    chunk_size: int,
+):
     """(loss, per-pair dict) of one micro-batch; traceable. ``inputs`` as ``preference_inputs`` returns."""
     input_ids, position_ids, segment_ids, labels, target_doc_ids, counts_D = inputs
     num_docs = counts_D.shape[0]
     n = num_docs // 2
     hidden_BTH = model(input_ids, position_ids, segment_ids)
-    logps_D = sequence_logps(hidden_BTH, model.lm_head_VH(), labels, target_doc_ids, num_docs, loss_type, chunk_size,
-                             logit_softcap=model.final_logit_softcapping)
+    logps_D = sequence_logps(
+        hidden_BTH,
+        model.lm_head_VH(),
+        labels,
+        target_doc_ids,
+        num_docs,
+        loss_type,
+        chunk_size,
+        logit_softcap=model.final_logit_softcapping,
+    )
     counts_D = counts_D.astype(jnp.float32)
-    losses, cr, rr = dpo_losses(logps_D[:n], logps_D[n:], ref_chosen_logps, ref_rejected_logps, config,
-                                chosen_num_tokens=counts_D[:n], rejected_num_tokens=counts_D[n:])
+    losses, cr, rr = dpo_losses(
+        logps_D[:n],
+        logps_D[n:],
+        ref_chosen_logps,
+        ref_rejected_logps,
+        config,
+        chosen_num_tokens=counts_D[:n],
+        rejected_num_tokens=counts_D[n:],
+    )
     loss = losses.sum() / jnp.asarray(num_examples_in_step, jnp.float32)
     return loss, dict(zip(PER_PAIR, (losses, logps_D[:n], logps_D[n:], cr, rr)))
 
@@ -69,71 +108,129 @@ def dpo_loss_fn(model: CausalLM, inputs, ref_chosen_logps, ref_rejected_logps, n
 def preference_inputs(pbatch: PreferenceBatch, vocab_size: int) -> tuple[jax.Array, ...]:
     """(input_ids, position_ids, segment_ids, labels, target_doc_ids, num_target_tokens) as int32 arrays."""
     check_labels(pbatch.batch.labels, vocab_size, pbatch.batch.num_items_in_batch)
-    return (*batch_inputs(pbatch.batch, vocab_size), jnp.asarray(pbatch.target_doc_ids, jnp.int32),
-            jnp.asarray(pbatch.num_target_tokens, jnp.int32))
+    return (
+        *batch_inputs(pbatch.batch, vocab_size),
+        jnp.asarray(pbatch.target_doc_ids, jnp.int32),
+        jnp.asarray(pbatch.num_target_tokens, jnp.int32),
+    )
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("config", "loss_type", "chunk_size", "compute_dtype"))
-def dpo_grads_jit(graphdef, state, inputs, ref_chosen_logps, ref_rejected_logps, num_examples_in_step, *,
-                  config: DPOLossConfig, loss_type: str, chunk_size: int, compute_dtype: Optional[str] = None,
-                  frozen=None):
+def dpo_grads_jit(
+    graphdef,
+    state,
+    inputs,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    num_examples_in_step,
+    *,
+    config: DPOLossConfig,
+    loss_type: str,
+    chunk_size: int,
+    compute_dtype: Optional[str] = None,
+    frozen=None,
+):
     """((loss, per-pair dict), grads as an NNX state) of one micro-batch; ``frozen``: the state that gets no
     gradient (``model.split_trainable``: adapters train, their base does not)."""
+
     def scalar_loss(s):
         model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
-        return dpo_loss_fn(model, inputs, ref_chosen_logps,
-                           ref_rejected_logps, num_examples_in_step, config=config, loss_type=loss_type,
-                           chunk_size=chunk_size)
+        return dpo_loss_fn(
+            model,
+            inputs,
+            ref_chosen_logps,
+            ref_rejected_logps,
+            num_examples_in_step,
+            config=config,
+            loss_type=loss_type,
+            chunk_size=chunk_size,
+        )
 
     return jax.value_and_grad(scalar_loss, has_aux=True)(state)
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("loss_type", "chunk_size", "compute_dtype"))
-def sequence_logps_jit(graphdef, state, inputs, *, loss_type: str, chunk_size: int,
-                       compute_dtype: Optional[str] = None, frozen=None) -> jax.Array:
+def sequence_logps_jit(
+    graphdef, state, inputs, *, loss_type: str, chunk_size: int, compute_dtype: Optional[str] = None, frozen=None
+) -> jax.Array:
     """[2N] sequence log-probs of a model (no gradient): the reference pass. ``frozen`` as ``dpo_grads_jit``
     (the PEFT reference: the graphdef of the same model with its adapters switched off)."""
     model = merge_state(graphdef, cast_floating(state, compute_dtype), cast_floating(frozen, compute_dtype))
     input_ids, position_ids, segment_ids, labels, target_doc_ids, counts_D = inputs
     hidden_BTH = model(input_ids, position_ids, segment_ids)
-    return sequence_logps(hidden_BTH, model.lm_head_VH(), labels, target_doc_ids, counts_D.shape[0], loss_type,
-                          chunk_size, logit_softcap=model.final_logit_softcapping)
+    return sequence_logps(
+        hidden_BTH,
+        model.lm_head_VH(),
+        labels,
+        target_doc_ids,
+        counts_D.shape[0],
+        loss_type,
+        chunk_size,
+        logit_softcap=model.final_logit_softcapping,
+    )
 
 
-def compute_sequence_logps(model: Model, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear",
-                           chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[np.ndarray, np.ndarray]:
+def compute_sequence_logps(
+    model: Model, pbatch: PreferenceBatch, *, loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[np.ndarray, np.ndarray]:
     """(chosen [N], rejected [N]) float64 numpy sequence log-probs of ``model``."""
     graphdef, state = nnx.split(model)
-    logps_D = np.asarray(sequence_logps_jit(graphdef, state, preference_inputs(pbatch, model.config.vocab_size),
-                                            loss_type=loss_type, chunk_size=int(chunk_size)), np.float64)
-    return logps_D[:pbatch.num_examples], logps_D[pbatch.num_examples:]
+    logps_D = np.asarray(
+        sequence_logps_jit(
+            graphdef,
+            state,
+            preference_inputs(pbatch, model.config.vocab_size),
+            loss_type=loss_type,
+            chunk_size=int(chunk_size),
+        ),
+        np.float64,
+    )
+    return logps_D[: pbatch.num_examples], logps_D[pbatch.num_examples :]
 
 
 def _ref_arrays(pbatch: PreferenceBatch, ref_chosen, ref_rejected):
     ref_chosen = pbatch.ref_chosen_logps if ref_chosen is None else ref_chosen
     ref_rejected = pbatch.ref_rejected_logps if ref_rejected is None else ref_rejected
     if ref_chosen is None or ref_rejected is None:
-        raise ConfigError("no reference log-probs: pass ref_chosen_logps/ref_rejected_logps (a reference model's "
-                          "compute_sequence_logps) or precompute them into the rows (precompute_ref_log_probs=True).")
+        raise ConfigError(
+            "no reference log-probs: pass ref_chosen_logps/ref_rejected_logps (a reference model's "
+            "compute_sequence_logps) or precompute them into the rows (precompute_ref_log_probs=True)."
+        )
     return tuple(jnp.asarray(np.asarray(a, np.float32).reshape(-1)) for a in (ref_chosen, ref_rejected))
 
 
-def dpo_loss_and_grads(model: Model, pbatch: PreferenceBatch, config: DPOLossConfig, *,
-                       ref_chosen_logps: Any = None, ref_rejected_logps: Any = None, loss_type: str = "fused_linear",
-                       chunk_size: int = DEFAULT_CHUNK_SIZE, num_examples_in_step: Optional[int] = None
-                       ) -> tuple[float, dict[str, np.ndarray], dict[str, np.ndarray]]:
+def dpo_loss_and_grads(
+    model: Model,
+    pbatch: PreferenceBatch,
+    config: DPOLossConfig,
+    *,
+    ref_chosen_logps: Any = None,
+    ref_rejected_logps: Any = None,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    num_examples_in_step: Optional[int] = None,
+) -> tuple[float, dict[str, np.ndarray], dict[str, np.ndarray]]:
     """(loss, float32 numpy gradients in HF names and layout, per-pair float64 outputs): the mirror of
     ``twinseq.torch_backend.dpo.dpo_loss_and_grads``. On a model with adapters the gradients are the adapters'
     only, by PEFT key; its reference is the same model with them switched off (``peft.adapters_disabled``)."""
     denom = pbatch.num_examples if num_examples_in_step is None else int(num_examples_in_step)
     if denom < pbatch.num_examples:
-        raise ConfigError(f"num_examples_in_step={denom} is smaller than this micro-batch's {pbatch.num_examples} "
-                          f"pairs; it must count the pairs of the whole optimizer step.")
+        raise ConfigError(
+            f"num_examples_in_step={denom} is smaller than this micro-batch's {pbatch.num_examples} "
+            f"pairs; it must count the pairs of the whole optimizer step."
+        )
     graphdef, state, frozen = split_trainable(model)
     (loss, per_pair), grads = dpo_grads_jit(
-        graphdef, state, preference_inputs(pbatch, model.config.vocab_size),
-        *_ref_arrays(pbatch, ref_chosen_logps, ref_rejected_logps), jnp.asarray(denom, jnp.float32),
-        config=config, loss_type=loss_type, chunk_size=int(chunk_size), frozen=frozen)
+        graphdef,
+        state,
+        preference_inputs(pbatch, model.config.vocab_size),
+        *_ref_arrays(pbatch, ref_chosen_logps, ref_rejected_logps),
+        jnp.asarray(denom, jnp.float32),
+        config=config,
+        loss_type=loss_type,
+        chunk_size=int(chunk_size),
+        frozen=frozen,
+    )
     return float(loss), grads_by_name(model, grads), {k: np.asarray(v, np.float64) for k, v in per_pair.items()}
 
 
@@ -153,12 +250,25 @@ def precompute_ref_logps(model: CausalLM, rows: Any, cfg: Any, pad_token_id: int
     graphdef, state = nnx.split(model)
     compute_dtype = None if cfg.model.dtype == "float32" else cfg.model.dtype
     chosen, rejected = [], []
-    for _, pbatch in iter_preference_batches(rows, d.per_device_train_batch_size, padding_free=d.padding_free,
-                                             pad_token_id=pad_token_id, pad_to_multiple_of=d.pad_to_multiple_of):
+    for _, pbatch in iter_preference_batches(
+        rows,
+        d.per_device_train_batch_size,
+        padding_free=d.padding_free,
+        pad_token_id=pad_token_id,
+        pad_to_multiple_of=d.pad_to_multiple_of,
+    ):
         pbatch = pad_preference_batch(pbatch, bucket)
-        logps_D = np.asarray(sequence_logps_jit(graphdef, state, preference_inputs(pbatch, model.config.vocab_size),
-                                                loss_type=loss.loss_type, chunk_size=loss.loss_chunk_size,
-                                                compute_dtype=compute_dtype), np.float64)
-        chosen.append(logps_D[:pbatch.num_examples])
-        rejected.append(logps_D[pbatch.num_examples:])
+        logps_D = np.asarray(
+            sequence_logps_jit(
+                graphdef,
+                state,
+                preference_inputs(pbatch, model.config.vocab_size),
+                loss_type=loss.loss_type,
+                chunk_size=loss.loss_chunk_size,
+                compute_dtype=compute_dtype,
+            ),
+            np.float64,
+        )
+        chosen.append(logps_D[: pbatch.num_examples])
+        rejected.append(logps_D[pbatch.num_examples :])
     return with_ref_logps(rows, np.concatenate(chosen), np.concatenate(rejected))

@@ -55,8 +55,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
-            raise ConfigError(f"temperature={self.temperature!r} must be > 0; use do_sample=False for greedy "
-                              f"decoding.")
+            raise ConfigError(f"temperature={self.temperature!r} must be > 0; use do_sample=False for greedy decoding.")
         if int(self.top_k) < 0:
             raise ConfigError(f"top_k={self.top_k!r} must be >= 0 (0 disables the top-k filter).")
         if not 0.0 < self.top_p <= 1.0:
@@ -78,8 +77,9 @@ class Completions:
     completion_mask: np.ndarray
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
-             pad_to_multiple_of: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_token_id: int, pad_to_multiple_of: Optional[int] = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(ids [B, P], mask [B, P]) int32, each prompt right-aligned (padding on the left).
 
     >>> ids, mask = left_pad([[5, 6, 7], [8]], pad_token_id=0)
@@ -87,16 +87,18 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
     ([[5, 6, 7], [0, 0, 8]], [[1, 1, 1], [0, 0, 1]])
     """
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ConfigError("prompts must be a non-empty list of non-empty token lists (an empty prompt has no "
-                          "token to condition on); drop empty prompts or prepend a BOS token.")
+        raise ConfigError(
+            "prompts must be a non-empty list of non-empty token lists (an empty prompt has no "
+            "token to condition on); drop empty prompts or prepend a BOS token."
+        )
     length = max(len(p) for p in prompts)
     if pad_to_multiple_of:
         length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
     ids = np.full((len(prompts), length), pad_token_id, np.int32)
     mask = np.zeros((len(prompts), length), np.int32)
     for row, prompt in enumerate(prompts):
-        ids[row, length - len(prompt):] = prompt
-        mask[row, length - len(prompt):] = 1
+        ids[row, length - len(prompt) :] = prompt
+        mask[row, length - len(prompt) :] = 1
     return ids, mask
 
 
@@ -151,8 +153,9 @@ class _CachedAttention:
         self.start, self.query_pos_BT = start, query_pos_BT
         self.key_pos_BS, self.key_valid_BS = key_pos_BS, key_valid_BS
 
-    def __call__(self, q_BNTD, k_BKTD, v_BKTD, scaling, *, sliding_window: Optional[int] = None,
-                 softcap: Optional[float] = None) -> jax.Array:
+    def __call__(
+        self, q_BNTD, k_BKTD, v_BKTD, scaling, *, sliding_window: Optional[int] = None, softcap: Optional[float] = None
+    ) -> jax.Array:
         at = (0, 0, self.start, 0)
         self.k_BKSD = jax.lax.dynamic_update_slice(self.k_BKSD, k_BKTD.astype(self.k_BKSD.dtype), at)
         self.v_BKSD = jax.lax.dynamic_update_slice(self.v_BKSD, v_BKTD.astype(self.v_BKSD.dtype), at)
@@ -194,10 +197,25 @@ def _empty_cache(model: CausalLM, batch_size: int, num_slots: int) -> tuple:
     return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers))
 
 
-@partial(jax.jit, static_argnums=(0,), static_argnames=("max_completion_length", "params", "eos_ids", "pad_id",
-                                                        "use_cache", "min_new_tokens"))
-def _generate_jit(graphdef, state, prompt_ids_BP, prompt_mask_BP, key, *, max_completion_length: int,
-                  params: SamplingParams, eos_ids: tuple, pad_id: int, use_cache: bool, min_new_tokens: int = 0):
+@partial(
+    jax.jit,
+    static_argnums=(0,),
+    static_argnames=("max_completion_length", "params", "eos_ids", "pad_id", "use_cache", "min_new_tokens"),
+)
+def _generate_jit(
+    graphdef,
+    state,
+    prompt_ids_BP,
+    prompt_mask_BP,
+    key,
+    *,
+    max_completion_length: int,
+    params: SamplingParams,
+    eos_ids: tuple,
+    pad_id: int,
+    use_cache: bool,
+    min_new_tokens: int = 0,
+):
     """int32 completion ids [B, C]; the rollout of ``generate``, compiled once per (B, P, C) and settings."""
     model = nnx.merge(graphdef, state)
     (b, p), c = prompt_ids_BP.shape, max_completion_length
@@ -218,8 +236,9 @@ def _generate_jit(graphdef, state, prompt_ids_BP, prompt_mask_BP, key, *, max_co
 
     def emit(i, logits_BV, key, tokens_BC, done_B):
         if min_new_tokens and eos_ids:  # HF's MinNewTokensLengthLogitsProcessor: no EOS before min_new_tokens
-            logits_BV = jnp.where((i < min_new_tokens) & jnp.isin(jnp.arange(logits_BV.shape[-1]), eos_E),
-                                  -jnp.inf, logits_BV)
+            logits_BV = jnp.where(
+                (i < min_new_tokens) & jnp.isin(jnp.arange(logits_BV.shape[-1]), eos_E), -jnp.inf, logits_BV
+            )
         token_B = jnp.where(done_B, pad_id, choose_tokens(logits_BV, key, params))
         return tokens_BC.at[:, i].set(token_B), done_B | jnp.isin(token_B, eos_E), token_B
 
@@ -275,18 +294,30 @@ def check_generation_supported(model: CausalLM, total_length: int) -> None:
     (its frequencies depend on the longest sequence, so cached keys would carry stale angles)."""
     cfg = model.config
     if cfg.rope_type == "dynamic" and total_length > cfg.max_position_embeddings:
-        raise ConfigError(f"rope_type='dynamic' with a prompt plus max_completion_length of {total_length} tokens "
-                          f"> max_position_embeddings={cfg.max_position_embeddings}: the JAX sampler does not "
-                          f"re-rotate cached keys when the NTK base stretches; shorten max_completion_length or "
-                          f"the prompts.")
+        raise ConfigError(
+            f"rope_type='dynamic' with a prompt plus max_completion_length of {total_length} tokens "
+            f"> max_position_embeddings={cfg.max_position_embeddings}: the JAX sampler does not "
+            f"re-rotate cached keys when the NTK base stretches; shorten max_completion_length or "
+            f"the prompts."
+        )
 
 
-def generate(model: CausalLM, prompts: Union[Sequence[Sequence[int]], tuple[np.ndarray, np.ndarray]], *,
-             max_completion_length: int, key: Optional[jax.Array] = None, do_sample: bool = True,
-             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             eos_token_id: Union[int, Sequence[int], None, str] = "config", pad_token_id: Optional[int] = None,
-             use_cache: bool = True, pad_to_multiple_of: Optional[int] = None,
-             min_new_tokens: int = 0) -> Completions:
+def generate(
+    model: CausalLM,
+    prompts: Union[Sequence[Sequence[int]], tuple[np.ndarray, np.ndarray]],
+    *,
+    max_completion_length: int,
+    key: Optional[jax.Array] = None,
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: Union[int, Sequence[int], None, str] = "config",
+    pad_token_id: Optional[int] = None,
+    use_cache: bool = True,
+    pad_to_multiple_of: Optional[int] = None,
+    min_new_tokens: int = 0,
+) -> Completions:
     """Sample up to ``max_completion_length`` tokens after each prompt.
 
     ``prompts``: token lists (left-padded here, to a multiple of ``pad_to_multiple_of`` to bound the
@@ -307,8 +338,9 @@ def generate(model: CausalLM, prompts: Union[Sequence[Sequence[int]], tuple[np.n
         raise ConfigError(f"max_completion_length={max_completion_length!r} must be >= 1.")
     params = SamplingParams(bool(do_sample), float(temperature), int(top_k), float(top_p))
     if do_sample and key is None:
-        raise ConfigError("generate(do_sample=True) needs key=jax.random.key(seed); pass one, or do_sample=False "
-                          "for greedy decoding.")
+        raise ConfigError(
+            "generate(do_sample=True) needs key=jax.random.key(seed); pass one, or do_sample=False for greedy decoding."
+        )
     if pad_token_id is None:
         pad_token_id = 0 if cfg.pad_token_id is None else cfg.pad_token_id
     pad_id = int(pad_token_id)
@@ -320,11 +352,19 @@ def generate(model: CausalLM, prompts: Union[Sequence[Sequence[int]], tuple[np.n
     _check_left_padded(mask_BP)
     check_generation_supported(model, ids_BP.shape[1] + int(max_completion_length))
     graphdef, state = nnx.split(model)
-    tokens_BC = _generate_jit(graphdef, state, jnp.asarray(ids_BP), jnp.asarray(mask_BP),
-                              jax.random.key(0) if key is None else key,
-                              max_completion_length=int(max_completion_length), params=params, eos_ids=eos_ids,
-                              pad_id=pad_id, use_cache=bool(use_cache),
-                              min_new_tokens=min(int(min_new_tokens), int(max_completion_length)))
+    tokens_BC = _generate_jit(
+        graphdef,
+        state,
+        jnp.asarray(ids_BP),
+        jnp.asarray(mask_BP),
+        jax.random.key(0) if key is None else key,
+        max_completion_length=int(max_completion_length),
+        params=params,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        use_cache=bool(use_cache),
+        min_new_tokens=min(int(min_new_tokens), int(max_completion_length)),
+    )
     tokens_BC = np.asarray(tokens_BC, np.int32)
     return Completions(ids_BP, mask_BP, tokens_BC, completion_mask(tokens_BC, eos_ids))
 
@@ -334,5 +374,7 @@ def _check_left_padded(mask_BP: np.ndarray) -> None:
     ends_real = mask_BP[:, -1] == 1
     contiguous = np.all(np.diff(mask_BP, axis=1) >= 0, axis=1)
     if not (ends_real.all() and contiguous.all()):
-        raise ConfigError("prompt_mask must describe left-padded prompts (0s then 1s in every row, a real token in "
-                          "the last column); build them with generation.left_pad.")
+        raise ConfigError(
+            "prompt_mask must describe left-padded prompts (0s then 1s in every row, a real token in "
+            "the last column); build them with generation.left_pad."
+        )

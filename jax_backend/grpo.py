@@ -61,13 +61,19 @@ def loss_norms(mask_NC, *, num_sequences_in_step=None, num_tokens_in_step=None, 
     """float32 [3]: (sequences in the step, completion tokens in the step, micro-batches); None: this micro-batch's
     own count (``common.objectives.grpo.LossNorm``'s defaults)."""
     mask = np.asarray(mask_NC)
-    return jnp.asarray([mask.shape[0] if num_sequences_in_step is None else num_sequences_in_step,
-                        mask.sum() if num_tokens_in_step is None else num_tokens_in_step,
-                        num_micro_batches], jnp.float32)
+    return jnp.asarray(
+        [
+            mask.shape[0] if num_sequences_in_step is None else num_sequences_in_step,
+            mask.sum() if num_tokens_in_step is None else num_tokens_in_step,
+            num_micro_batches,
+        ],
+        jnp.float32,
+    )
 
 
-def grpo_loss_jax(logps_NC, advantages_N, mask_NC, norms_3, spec: LossSpec, *, old_logps_NC=None,
-                  ref_logps_NC=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+def grpo_loss_jax(
+    logps_NC, advantages_N, mask_NC, norms_3, spec: LossSpec, *, old_logps_NC=None, ref_logps_NC=None
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(this micro-batch's share of the step loss, metrics as token means): ``common.objectives.grpo.grpo_loss`` in jnp;
     traceable. ``norms_3`` as ``loss_norms`` returns; ``old_logps_NC`` None: the detached policy (ratio 1)."""
     eps_low = spec.epsilon
@@ -120,12 +126,12 @@ class CompletionInputs:
     flat_NC: jax.Array
 
     @classmethod
-    def of(cls, cb: CompletionBatch, vocab_size: int, rows: Optional[int] = None,
-           multiple: int = 1) -> "CompletionInputs":
+    def of(
+        cls, cb: CompletionBatch, vocab_size: int, rows: Optional[int] = None, multiple: int = 1
+    ) -> "CompletionInputs":
         batch = pad_batch(cb.batch, rows or cb.batch.shape[0], multiple)
         b, t = cb.batch.shape
-        target_doc = np.pad(cb.target_doc_ids, ((0, batch.shape[0] - b), (0, batch.shape[1] - t)),
-                            constant_values=-1)
+        target_doc = np.pad(cb.target_doc_ids, ((0, batch.shape[0] - b), (0, batch.shape[1] - t)), constant_values=-1)
         flat_n = np.flatnonzero(target_doc.reshape(-1) >= 0)  # flattened order = the order of token_row/col_n
         flat_NC = np.full((cb.num_docs, cb.num_columns), -1, np.int32)
         flat_NC[cb.token_row_n, cb.token_col_n] = flat_n
@@ -137,8 +143,12 @@ def _gather_NC(values_n: jax.Array, flat_NC: jax.Array) -> jax.Array:
     return jnp.where(flat_NC >= 0, values_n[jnp.maximum(flat_NC, 0)], 0.0)
 
 
-def chunked_entropy(hidden_nH: jax.Array, lm_head_VH: jax.Array, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                    logit_softcap: Optional[float] = None) -> jax.Array:
+def chunked_entropy(
+    hidden_nH: jax.Array,
+    lm_head_VH: jax.Array,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    logit_softcap: Optional[float] = None,
+) -> jax.Array:
     """float32 [n] entropy of ``softmax(hidden @ W.T)`` per row, ``chunk_size`` rows of logits at a time, no
     gradient. Naive equivalent: ``-(softmax(l) * log_softmax(l)).sum(-1)`` with ``l = logits_f32(h, W)``."""
     hidden_nH, lm_head_VH = jax.lax.stop_gradient(hidden_nH), jax.lax.stop_gradient(lm_head_VH)
@@ -153,9 +163,15 @@ def chunked_entropy(hidden_nH: jax.Array, lm_head_VH: jax.Array, chunk_size: int
     return jax.lax.map(chunk, hidden_CSH).reshape(-1)[:n]
 
 
-def completion_logps(model: CausalLM, ci: CompletionInputs, *, loss_type: str = "fused_linear",
-                     chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0, with_entropy: bool = False
-                     ) -> tuple[jax.Array, Optional[jax.Array]]:
+def completion_logps(
+    model: CausalLM,
+    ci: CompletionInputs,
+    *,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[jax.Array, Optional[jax.Array]]:
     """(log-probs [N, C], entropy [N, C] or None) of each completion token; 0 past a completion. Traceable.
 
     Naive equivalent, for completion i and its token j, the target of flattened position t::
@@ -179,9 +195,11 @@ def completion_logps(model: CausalLM, ci: CompletionInputs, *, loss_type: str = 
 
 def check_temperature(temperature: float, cap: Optional[float]) -> None:
     if cap is not None and temperature != 1.0:
-        raise ConfigError(f"temperature={temperature} with a model that soft-caps its logits (final_logit_softcapping="
-                          f"{cap}): the temperature would have to divide the capped logits, which the chunked "
-                          f"kernels do not do; use --temperature 1.0 with this model.")
+        raise ConfigError(
+            f"temperature={temperature} with a model that soft-caps its logits (final_logit_softcapping="
+            f"{cap}): the temperature would have to divide the capped logits, which the chunked "
+            f"kernels do not do; use --temperature 1.0 with this model."
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -192,16 +210,39 @@ _STATIC = ("spec", "loss_type", "chunk_size", "temperature", "compute_dtype")
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=_STATIC)
-def grpo_grads_jit(graphdef, state, ci: CompletionInputs, mask_NC, advantages_N, norms_3, old_logps_NC=None,
-                   ref_logps_NC=None, *, spec: LossSpec, loss_type: str, chunk_size: int, temperature: float,
-                   compute_dtype: Optional[str] = None, frozen=None):
+def grpo_grads_jit(
+    graphdef,
+    state,
+    ci: CompletionInputs,
+    mask_NC,
+    advantages_N,
+    norms_3,
+    old_logps_NC=None,
+    ref_logps_NC=None,
+    *,
+    spec: LossSpec,
+    loss_type: str,
+    chunk_size: int,
+    temperature: float,
+    compute_dtype: Optional[str] = None,
+    frozen=None,
+):
     """((loss, metrics), grads as an NNX state) of one micro-batch; ``frozen`` as ``model.grads_jit``."""
+
     def scalar_loss(s):
         model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
-        logps_NC, entropy_NC = completion_logps(model, ci, loss_type=loss_type, chunk_size=chunk_size,
-                                                temperature=temperature, with_entropy=True)
-        loss, metrics = grpo_loss_jax(logps_NC.astype(jnp.float32), advantages_N, mask_NC, norms_3, spec,
-                                      old_logps_NC=old_logps_NC, ref_logps_NC=ref_logps_NC)
+        logps_NC, entropy_NC = completion_logps(
+            model, ci, loss_type=loss_type, chunk_size=chunk_size, temperature=temperature, with_entropy=True
+        )
+        loss, metrics = grpo_loss_jax(
+            logps_NC.astype(jnp.float32),
+            advantages_N,
+            mask_NC,
+            norms_3,
+            spec,
+            old_logps_NC=old_logps_NC,
+            ref_logps_NC=ref_logps_NC,
+        )
         metrics["entropy_sum"] = (entropy_NC * mask_NC).sum()
         return loss, metrics
 
@@ -209,20 +250,40 @@ def grpo_grads_jit(graphdef, state, ci: CompletionInputs, mask_NC, advantages_N,
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("loss_type", "chunk_size", "temperature", "compute_dtype"))
-def completion_logps_jit(graphdef, state, ci: CompletionInputs, *, loss_type: str, chunk_size: int,
-                         temperature: float, compute_dtype: Optional[str] = None, frozen=None) -> jax.Array:
+def completion_logps_jit(
+    graphdef,
+    state,
+    ci: CompletionInputs,
+    *,
+    loss_type: str,
+    chunk_size: int,
+    temperature: float,
+    compute_dtype: Optional[str] = None,
+    frozen=None,
+) -> jax.Array:
     """float32 [N, C] log-probs, no gradient: the sampling policy's and the reference's passes."""
     model = merge_state(graphdef, cast_floating(state, compute_dtype), cast_floating(frozen, compute_dtype))
-    return completion_logps(model, ci, loss_type=loss_type, chunk_size=chunk_size,
-                            temperature=temperature)[0].astype(jnp.float32)
+    return completion_logps(model, ci, loss_type=loss_type, chunk_size=chunk_size, temperature=temperature)[0].astype(
+        jnp.float32
+    )
 
 
-def grpo_loss_and_grads(model: CausalLM, cb: CompletionBatch, mask_NC: np.ndarray, advantages_N: np.ndarray,
-                        spec: LossSpec, *, old_logps_NC: Optional[np.ndarray] = None,
-                        ref_logps_NC: Optional[np.ndarray] = None, loss_type: str = "fused_linear",
-                        chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0,
-                        num_sequences_in_step: Optional[int] = None, num_tokens_in_step: Optional[int] = None,
-                        num_micro_batches: int = 1) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
+def grpo_loss_and_grads(
+    model: CausalLM,
+    cb: CompletionBatch,
+    mask_NC: np.ndarray,
+    advantages_N: np.ndarray,
+    spec: LossSpec,
+    *,
+    old_logps_NC: Optional[np.ndarray] = None,
+    ref_logps_NC: Optional[np.ndarray] = None,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
+    num_sequences_in_step: Optional[int] = None,
+    num_tokens_in_step: Optional[int] = None,
+    num_micro_batches: int = 1,
+) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
     """(loss, float32 numpy gradients in HF names and layout, metrics) of one micro-batch of completions; the
     mirror of the torch backend's GRPO step (``parity_tests/test_grpo_parity.py``)."""
     graphdef, state, frozen = split_trainable(model)
@@ -232,21 +293,47 @@ def grpo_loss_and_grads(model: CausalLM, cb: CompletionBatch, mask_NC: np.ndarra
         return None if a is None else jnp.asarray(np.asarray(a, np.float32))
 
     (loss, metrics), grads = grpo_grads_jit(
-        graphdef, state, ci, as_f32(mask_NC), as_f32(advantages_N),
-        loss_norms(mask_NC, num_sequences_in_step=num_sequences_in_step, num_tokens_in_step=num_tokens_in_step,
-                   num_micro_batches=num_micro_batches),
-        as_f32(old_logps_NC), as_f32(ref_logps_NC), spec=spec, loss_type=loss_type, chunk_size=int(chunk_size),
-        temperature=float(temperature), frozen=frozen)
+        graphdef,
+        state,
+        ci,
+        as_f32(mask_NC),
+        as_f32(advantages_N),
+        loss_norms(
+            mask_NC,
+            num_sequences_in_step=num_sequences_in_step,
+            num_tokens_in_step=num_tokens_in_step,
+            num_micro_batches=num_micro_batches,
+        ),
+        as_f32(old_logps_NC),
+        as_f32(ref_logps_NC),
+        spec=spec,
+        loss_type=loss_type,
+        chunk_size=int(chunk_size),
+        temperature=float(temperature),
+        frozen=frozen,
+    )
     return float(loss), grads_by_name(model, grads), {k: float(v) for k, v in metrics.items()}
 
 
-def compute_completion_logps(model: CausalLM, cb: CompletionBatch, *, loss_type: str = "fused_linear",
-                             chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0) -> np.ndarray:
+def compute_completion_logps(
+    model: CausalLM,
+    cb: CompletionBatch,
+    *,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
+) -> np.ndarray:
     """float64 numpy [N, C] completion-token log-probs of ``model`` (0 past each completion)."""
     graphdef, state, frozen = split_trainable(model)
-    out = completion_logps_jit(graphdef, state, CompletionInputs.of(cb, model.config.vocab_size),
-                               loss_type=loss_type, chunk_size=int(chunk_size), temperature=float(temperature),
-                               frozen=frozen)
+    out = completion_logps_jit(
+        graphdef,
+        state,
+        CompletionInputs.of(cb, model.config.vocab_size),
+        loss_type=loss_type,
+        chunk_size=int(chunk_size),
+        temperature=float(temperature),
+        frozen=frozen,
+    )
     return np.asarray(out, np.float64)
 
 
@@ -291,8 +378,12 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
 
     def _logps_kwargs(self) -> dict[str, Any]:
         c = self.cfg
-        return dict(loss_type=c.loss.loss_type, chunk_size=c.loss.loss_chunk_size, temperature=c.grpo.temperature,
-                    compute_dtype=compute_dtype(c))
+        return dict(
+            loss_type=c.loss.loss_type,
+            chunk_size=c.loss.loss_chunk_size,
+            temperature=c.grpo.temperature,
+            compute_dtype=compute_dtype(c),
+        )
 
     # -- GroupRollout's backend hooks ----------------------------------------------------------
 
@@ -302,31 +393,58 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
         policy = merge_state(self.graphdef, cast_floating(self.params, dtype), cast_floating(self.frozen, dtype))
         # a key per generation, from the seed: a resumed run samples what the uninterrupted one would have
         key = jax.random.fold_in(jax.random.key(self.cfg.seed), self.num_generations_done)
-        return generate(policy, prompt_ids, max_completion_length=self.max_completion_length, key=key,
-                        do_sample=not g.generation_greedy, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
-                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                        pad_to_multiple_of=self.cfg.data.pad_to_multiple_of or 16,
-                        min_new_tokens=1).completion_ids  # as torch: a completion is never a bare EOS
+        return generate(
+            policy,
+            prompt_ids,
+            max_completion_length=self.max_completion_length,
+            key=key,
+            do_sample=not g.generation_greedy,
+            temperature=g.temperature,
+            top_k=g.top_k,
+            top_p=g.top_p,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            pad_to_multiple_of=self.cfg.data.pad_to_multiple_of or 16,
+            min_new_tokens=1,
+        ).completion_ids  # as torch: a completion is never a bare EOS
 
-    def build_micro_batches(self, prompt_ids: list[list[int]], completions: list[np.ndarray],
-                            loss_mask_NC: np.ndarray, advantages_N: np.ndarray, num_columns: int
-                            ) -> list[GRPOMicroBatch]:
+    def build_micro_batches(
+        self,
+        prompt_ids: list[list[int]],
+        completions: list[np.ndarray],
+        loss_mask_NC: np.ndarray,
+        advantages_N: np.ndarray,
+        num_columns: int,
+    ) -> list[GRPOMicroBatch]:
         """Collated and bucketed to ``[N, max_completion_length]`` (static shapes: one compile per bucket)."""
         d, g = self.cfg.data, self.cfg.grpo
         size, out = d.per_device_train_batch_size, []
         for s in range(0, len(completions), size):
             sl = slice(s, s + size)
-            cb = collate_completions(prompt_ids[sl], completions[sl], padding_free=d.padding_free,
-                                     pad_token_id=self.tokenizer.pad_token_id, num_columns=self.max_completion_length)
+            cb = collate_completions(
+                prompt_ids[sl],
+                completions[sl],
+                padding_free=d.padding_free,
+                pad_token_id=self.tokenizer.pad_token_id,
+                num_columns=self.max_completion_length,
+            )
             ci = CompletionInputs.of(cb, self.vocab_size, rows=1 if d.padding_free else size, multiple=self.bucket)
-            mb = GRPOMicroBatch(ci, jnp.asarray(loss_mask_NC[sl], jnp.float32),
-                                jnp.asarray(advantages_N[sl], jnp.float32), cb.batch.num_tokens)
+            mb = GRPOMicroBatch(
+                ci,
+                jnp.asarray(loss_mask_NC[sl], jnp.float32),
+                jnp.asarray(advantages_N[sl], jnp.float32),
+                cb.batch.num_tokens,
+            )
             if g.num_iterations > 1:
-                mb.old_logps_NC = completion_logps_jit(self.graphdef, self.params, ci, frozen=self.frozen,
-                                                       **self._logps_kwargs())
+                mb.old_logps_NC = completion_logps_jit(
+                    self.graphdef, self.params, ci, frozen=self.frozen, **self._logps_kwargs()
+                )
             if g.grpo_beta > 0:
-                graphdef, state, frozen = (self.ref_graphdef, self.params, self.frozen) if self.peft else \
-                    (self.graphdef, self.ref_params, None)
+                graphdef, state, frozen = (
+                    (self.ref_graphdef, self.params, self.frozen)
+                    if self.peft
+                    else (self.graphdef, self.ref_params, None)
+                )
                 mb.ref_logps_NC = completion_logps_jit(graphdef, state, ci, frozen=frozen, **self._logps_kwargs())
             out.append(mb)
         return out
@@ -339,9 +457,19 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
         return micro
 
     def micro_step(self, mb: GRPOMicroBatch) -> tuple[dict[str, float], Any]:
-        (loss, metrics), grads = grpo_grads_jit(self.graphdef, self.params, mb.ci, mb.mask_NC, mb.advantages_N,
-                                                self._norms, mb.old_logps_NC, mb.ref_logps_NC, spec=self.loss_spec,
-                                                frozen=self.frozen, **self._logps_kwargs())
+        (loss, metrics), grads = grpo_grads_jit(
+            self.graphdef,
+            self.params,
+            mb.ci,
+            mb.mask_NC,
+            mb.advantages_N,
+            self._norms,
+            mb.old_logps_NC,
+            mb.ref_logps_NC,
+            spec=self.loss_spec,
+            frozen=self.frozen,
+            **self._logps_kwargs(),
+        )
         entropy_sum = float(metrics.pop("entropy_sum"))
         record = token_record(float(loss), float(mb.mask_NC.sum()), mb.num_tokens, metrics)
         record["entropy_sum"] = entropy_sum
@@ -358,14 +486,19 @@ def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None):
     overrides ``cfg.grpo.reward_funcs``."""
     g = cfg.grpo
     if g.use_vllm:
-        raise ConfigError("use_vllm=True: vLLM generation is a torch/CUDA integration; the jax backend samples with "
-                          "its own KV-cache sampler (jax_backend.generation); drop --use-vllm or use --backend torch.")
+        raise ConfigError(
+            "use_vllm=True: vLLM generation is a torch/CUDA integration; the jax backend samples with "
+            "its own KV-cache sampler (jax_backend.generation); drop --use-vllm or use --backend torch."
+        )
     if cfg.loss.loss_type == "liger" or cfg.loss.use_liger_kernel:
-        raise ConfigError("loss_type='liger' (Liger's fused GRPO loss) is a torch/CUDA kernel; on the jax backend use "
-                          "--loss-type fused_linear, the same chunked log-probs without a [tokens, vocab] tensor.")
+        raise ConfigError(
+            "loss_type='liger' (Liger's fused GRPO loss) is a torch/CUDA kernel; on the jax backend use "
+            "--loss-type fused_linear, the same chunked log-probs without a [tokens, vocab] tensor."
+        )
     if cfg.parallel.context_parallel_size > 1:
-        raise ConfigError("task=grpo runs on one device on the jax backend (generation is not sharded); drop "
-                          "--context-parallel-size.")
+        raise ConfigError(
+            "task=grpo runs on one device on the jax backend (generation is not sharded); drop --context-parallel-size."
+        )
     tokenizer = run_tokenizer(cfg)
     funcs = resolve_reward_funcs(g.reward_funcs if reward_funcs is None else reward_funcs)
     rows = prepare_grpo_prompts(cfg, tokenizer)
@@ -374,9 +507,11 @@ def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None):
     prompts_per_step = generation_batch // g.num_generations
     source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
     trainer = GRPOTrainer(model, cfg, tokenizer=tokenizer, reward_funcs=funcs)
-    announce = [describe(cfg, trainer),
-                f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
-                f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
-                f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference_description(cfg)}, num_iterations="
-                f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}"]
+    announce = [
+        describe(cfg, trainer),
+        f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
+        f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
+        f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference_description(cfg)}, num_iterations="
+        f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}",
+    ]
     return trainer, source, tokenizer, announce

@@ -53,8 +53,9 @@ def _scan_logps(hidden_NH, lm_head_VH, targets_N, chunk_size: int, remat: bool, 
         return _picked_logps(logits_f32(h_SH, w_VH, softcap), t_S)
 
     chunk_fn = jax.checkpoint(chunk) if remat else chunk
-    _, (logp_CS, lse_CS) = jax.lax.scan(lambda carry, xs: (carry, chunk_fn(xs[0], lm_head_VH, xs[1])), None,
-                                        (hidden_CSH, targets_CS))
+    _, (logp_CS, lse_CS) = jax.lax.scan(
+        lambda carry, xs: (carry, chunk_fn(xs[0], lm_head_VH, xs[1])), None, (hidden_CSH, targets_CS)
+    )
     return logp_CS.reshape(-1)[:n], lse_CS.reshape(-1)[:n]
 
 
@@ -80,16 +81,23 @@ def _fused_bwd(chunk_size: int, softcap: Optional[float], residuals, g_N):
 _fused_logps.defvjp(_fused_fwd, _fused_bwd)
 
 
-def token_logps(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Array,
-                loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                logit_softcap: Optional[float] = None) -> jax.Array:
+def token_logps(
+    hidden_BTH: jax.Array,
+    lm_head_VH: jax.Array,
+    labels_BT: jax.Array,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    logit_softcap: Optional[float] = None,
+) -> jax.Array:
     """float32 [B*T]: log-prob of ``labels[t + 1]`` at t (flattened), 0 where the target is -100.
 
     Naive equivalent: ``log_softmax(logits_f32(hidden, W, logit_softcap))[..., shift_labels(labels)]``.
     """
     if loss_type not in LOGPS_LOSS_TYPES:
-        raise ConfigError(f"loss_type={loss_type!r} is not supported by the JAX DPO log-probs; choose one of "
-                          f"{LOGPS_LOSS_TYPES}.")
+        raise ConfigError(
+            f"loss_type={loss_type!r} is not supported by the JAX DPO log-probs; choose one of {LOGPS_LOSS_TYPES}."
+        )
     if int(chunk_size) <= 0:
         raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
     softcap = check_softcap(logit_softcap)
@@ -102,9 +110,17 @@ def token_logps(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Arr
     return _fused_logps(hidden_NH, lm_head_VH, targets_N, int(chunk_size), softcap)
 
 
-def sequence_logps(hidden_BTH, lm_head_VH, labels_BT, target_doc_ids_BT, num_docs: int,
-                   loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                   logit_softcap: Optional[float] = None) -> jax.Array:
+def sequence_logps(
+    hidden_BTH,
+    lm_head_VH,
+    labels_BT,
+    target_doc_ids_BT,
+    num_docs: int,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    logit_softcap: Optional[float] = None,
+) -> jax.Array:
     """float32 [2N]: per-document sums of the target log-probs (``common.data.preference_batching``'s rule);
     ``logit_softcap`` as ``token_logps``."""
     logp_N = token_logps(hidden_BTH, lm_head_VH, labels_BT, loss_type, chunk_size, logit_softcap=logit_softcap)

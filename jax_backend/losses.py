@@ -106,16 +106,17 @@ def _stats(logits_NV, lse_N, safe_N, valid_N) -> Stats:
     # entropy = lse - sum(p * logits), the stable form of -sum(p log p)
     probs_NV = jnp.exp(logits_NV - lse_N[:, None])
     entropy_N = lse_N - jnp.sum(probs_NV * logits_NV, axis=-1)
-    return Stats(correct_N.sum(dtype=jnp.int32), jnp.where(valid_N, entropy_N, 0.0).sum(),
-                 valid_N.sum(dtype=jnp.int32))
+    return Stats(correct_N.sum(dtype=jnp.int32), jnp.where(valid_N, entropy_N, 0.0).sum(), valid_N.sum(dtype=jnp.int32))
 
 
-def token_nll(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Array, *,
-              logit_softcap: Optional[float] = None) -> jax.Array:
+def token_nll(
+    hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Array, *, logit_softcap: Optional[float] = None
+) -> jax.Array:
     """float32 [B, T]: the NLL of ``labels[:, t + 1]`` at position t; 0 where the target is -100."""
     b, t, h = hidden_BTH.shape
-    nll_N, _, _ = _nll_and_stats(logits_f32(hidden_BTH.reshape(-1, h), lm_head_VH, logit_softcap),
-                                 shift_labels(labels_BT).reshape(-1))
+    nll_N, _, _ = _nll_and_stats(
+        logits_f32(hidden_BTH.reshape(-1, h), lm_head_VH, logit_softcap), shift_labels(labels_BT).reshape(-1)
+    )
     return nll_N.reshape(b, t)
 
 
@@ -158,8 +159,9 @@ def _scan_token_chunks(hidden_NH, lm_head_VH, targets_N, chunk_size: int, softca
     return total, stats, lse_CS.reshape(-1)[:n]
 
 
-def _chunked_sums(hidden_NH, lm_head_VH, targets_N, chunk_size: int,
-                  softcap: Optional[float]) -> tuple[jax.Array, Stats]:
+def _chunked_sums(
+    hidden_NH, lm_head_VH, targets_N, chunk_size: int, softcap: Optional[float]
+) -> tuple[jax.Array, Stats]:
     total, stats, _ = _scan_token_chunks(hidden_NH, lm_head_VH, targets_N, chunk_size, softcap)
     return total, stats
 
@@ -182,8 +184,9 @@ def _vocab_chunking(num_tokens: int, vocab_size: int, chunk_size: int) -> tuple[
     return num_chunks, -(-vocab_size // num_chunks)
 
 
-def vocab_chunked_grads(hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_size: int,
-                        softcap: Optional[float] = None):
+def vocab_chunked_grads(
+    hidden_NH, lm_head_VH, targets_N, lse_N, scale_N, chunk_size: int, softcap: Optional[float] = None
+):
     """(dh [N, H], dW [V, H]) of ``Σ_n scale_n · nll_n``, scanning the vocabulary in chunks.
 
     Recomputes ``logits[:, chunk]`` (soft-capped with ``softcap``) from the saved logsumexp, forms
@@ -230,10 +233,15 @@ def check_softcap(logit_softcap: Optional[float]) -> Optional[float]:
     """``logit_softcap`` as a float (a static, hashable argument of the kernels), or ``ConfigError``."""
     if logit_softcap is None:
         return None
-    if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, (int, float, np.floating, np.integer)) \
-            or not logit_softcap > 0:
-        raise ConfigError(f"logit_softcap={logit_softcap!r} must be a positive number (the model's "
-                          f"final_logit_softcapping) or None for no cap.")
+    if (
+        isinstance(logit_softcap, bool)
+        or not isinstance(logit_softcap, (int, float, np.floating, np.integer))
+        or not logit_softcap > 0
+    ):
+        raise ConfigError(
+            f"logit_softcap={logit_softcap!r} must be a positive number (the model's "
+            f"final_logit_softcapping) or None for no cap."
+        )
     return float(logit_softcap)
 
 
@@ -250,10 +258,18 @@ def check_labels(labels_BT, vocab_size: int, num_items_in_batch, *, targets_are_
     return num_valid
 
 
-def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.Array,
-                   num_items_in_batch, loss_type: str = "nll", chunk_size: int = DEFAULT_CHUNK_SIZE,
-                   return_metrics: bool = False, *, targets_are_shifted: bool = False,
-                   logit_softcap: Optional[float] = None):
+def causal_lm_loss(
+    hidden_BTH: jax.Array,
+    lm_head_VH: jax.Array,
+    labels_BT: jax.Array,
+    num_items_in_batch,
+    loss_type: str = "nll",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_metrics: bool = False,
+    *,
+    targets_are_shifted: bool = False,
+    logit_softcap: Optional[float] = None,
+):
     """Mean next-token NLL over the optimizer step: ``sum(nll) / max(num_items_in_batch, 1)``.
 
     ``hidden_BTH`` are the final-norm hidden states, ``lm_head_VH`` the LM head in HF layout
@@ -289,6 +305,10 @@ def causal_lm_loss(hidden_BTH: jax.Array, lm_head_VH: jax.Array, labels_BT: jax.
     if not return_metrics:
         return loss
     denom = jnp.maximum(stats.count, 1).astype(jnp.float32)
-    return loss, {"mean_token_accuracy": stats.num_correct / denom, "entropy": stats.entropy_sum / denom,
-                  "num_tokens": stats.count, "num_correct_tokens": stats.num_correct,
-                  "entropy_sum": stats.entropy_sum}
+    return loss, {
+        "mean_token_accuracy": stats.num_correct / denom,
+        "entropy": stats.entropy_sum / denom,
+        "num_tokens": stats.count,
+        "num_correct_tokens": stats.num_correct,
+        "entropy_sum": stats.entropy_sum,
+    }

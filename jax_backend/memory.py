@@ -49,9 +49,10 @@ def check_policy(name: str, memory_kinds: Sequence[str]) -> None:
         raise ConfigError(f"remat policy {name!r} is unknown; choose one of {', '.join(REMAT_POLICIES)}.")
     if name in HOST_OFFLOAD_POLICIES and HOST_MEMORY_KIND not in memory_kinds:
         raise ConfigError(
-                          f"remat policy {name!r} offloads activations to {HOST_MEMORY_KIND!r} memory, but this device only "
-                          f"has memory kinds {tuple(memory_kinds)}; pick 'full' or 'dots_saveable' instead, or run on a "
-                          f"platform with host memory spaces (GPU/TPU).")
+            f"remat policy {name!r} offloads activations to {HOST_MEMORY_KIND!r} memory, but this device only "
+            f"has memory kinds {tuple(memory_kinds)}; pick 'full' or 'dots_saveable' instead, or run on a "
+            f"platform with host memory spaces (GPU/TPU)."
+        )
 
 
 def _policy(name: str) -> Optional[Callable[..., bool]]:
@@ -66,8 +67,9 @@ def _policy(name: str) -> Optional[Callable[..., bool]]:
     return policies.offload_dot_with_no_batch_dims("device", HOST_MEMORY_KIND)
 
 
-def remat(fn: Callable, policy: str = "none", *, device: Optional[jax.Device] = None,
-          static_argnums: tuple[int, ...] = ()) -> Callable:
+def remat(
+    fn: Callable, policy: str = "none", *, device: Optional[jax.Device] = None, static_argnums: tuple[int, ...] = ()
+) -> Callable:
     """``fn`` wrapped in ``jax.checkpoint`` with the named policy (``fn`` itself for ``"none"``).
 
     Numerically a no-op: the wrapped function returns the same values and gradients.
@@ -79,8 +81,7 @@ def remat(fn: Callable, policy: str = "none", *, device: Optional[jax.Device] = 
     if policy in HOST_OFFLOAD_POLICIES and device.platform == "cpu":
         # The CPU client exposes a pinned_host space, so offload compiles and runs, but it is the
         # same RAM as "device" memory: the policy is honoured and saves nothing.
-        logger.info("remat policy %r on CPU: device and host memory are the same RAM; no memory is saved.",
-                    policy)
+        logger.info("remat policy %r on CPU: device and host memory are the same RAM; no memory is saved.", policy)
     return jax.checkpoint(fn, policy=_policy(policy), static_argnums=static_argnums)
 
 

@@ -136,10 +136,16 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed
 
 
-def dynamic_rope_inv_freq(position_ids_BT: jax.Array, inv_freq_F: np.ndarray, head_dim: int, rope_theta: float,
-                          factor: float, max_position_embeddings: int) -> jax.Array:
-    """float32 [head_dim / 2] of ``dynamic`` (NTK) RoPE for this batch, traceable: ``common.models.rope.dynamic_inv_freq``
-    with the largest position id read from the traced ``position_ids_BT``.
+def dynamic_rope_inv_freq(
+    position_ids_BT: jax.Array,
+    inv_freq_F: np.ndarray,
+    head_dim: int,
+    rope_theta: float,
+    factor: float,
+    max_position_embeddings: int,
+) -> jax.Array:
+    """float32 [head_dim / 2] of ``dynamic`` (NTK) RoPE for this batch, traceable:
+    ``common.models.rope.dynamic_inv_freq`` with the largest position id read from the traced ``position_ids_BT``.
 
     ``inv_freq_F`` (the config's unstretched frequencies) is used as is while ``max(position_ids) + 1 <=
     max_position_embeddings``, as HF keeps its initial buffer there; past it the base is stretched with the
@@ -148,8 +154,9 @@ def dynamic_rope_inv_freq(position_ids_BT: jax.Array, inv_freq_F: np.ndarray, he
     """
     f32 = np.float32
     seq_len = jnp.maximum(jnp.max(position_ids_BT) + 1, max_position_embeddings).astype(jnp.float32)
-    base = f32(rope_theta) * ((f32(factor) * seq_len / f32(max_position_embeddings)) - f32(factor - 1)) \
-        ** f32(head_dim / (head_dim - 2))
+    base = f32(rope_theta) * ((f32(factor) * seq_len / f32(max_position_embeddings)) - f32(factor - 1)) ** f32(
+        head_dim / (head_dim - 2)
+    )
     exponent_F = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / f32(head_dim)
     stretched_F = f32(1.0) / jnp.power(base, exponent_F)
     return jnp.where(seq_len > max_position_embeddings, stretched_F, jnp.asarray(inv_freq_F))
@@ -288,15 +295,25 @@ def _layer_apply(graphdef, attend, state, x_BTH, cos, sin, attn_args):
 class DecoderModel(nnx.Module):
     """HF's ``model.`` prefix: embeddings, decoder layers, final norm, and the RoPE of the config."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], dtype: str, remat_policy: str,
-                 attn_implementation: str = "sdpa", attention_block_size: int = 512):
-        embed_scale = cfg.hidden_size ** 0.5 if cfg.gemma else None
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        w: dict[str, np.ndarray],
+        dtype: str,
+        remat_policy: str,
+        attn_implementation: str = "sdpa",
+        attention_block_size: int = 512,
+    ):
+        embed_scale = cfg.hidden_size**0.5 if cfg.gemma else None
         self.embed_tokens = Embedding(w["model.embed_tokens.weight"], dtype, embed_scale)
         self.layers = nnx.List([DecoderLayer(cfg, w, i, dtype) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(w["model.norm.weight"], cfg.rms_norm_eps, dtype, unit_offset=cfg.gemma)
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg))  # static: floats live in the graphdef
-        self.dynamic_rope = None if cfg.rope_type != "dynamic" else (
-            int(cfg.head_dim), float(cfg.rope_theta), float(cfg.rope_factor), int(cfg.max_position_embeddings))
+        self.dynamic_rope = (
+            None
+            if cfg.rope_type != "dynamic"
+            else (int(cfg.head_dim), float(cfg.rope_theta), float(cfg.rope_factor), int(cfg.max_position_embeddings))
+        )
         windows = {layer.self_attn.sliding_window for layer in self.layers} - {None}
         assert len(windows) <= 1, windows  # one window per model (HF's config has one sliding_window)
         self.sliding_window = windows.pop() if windows else None
@@ -320,8 +337,11 @@ class DecoderModel(nnx.Module):
         if attend is None:
             # The dense masks are built once and shared by every layer of their kind.
             allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT)
-            sliding_B1TT = None if self.sliding_window is None else \
-                document_causal_mask(segment_ids_BT, position_ids_BT, sliding_window=self.sliding_window)
+            sliding_B1TT = (
+                None
+                if self.sliding_window is None
+                else document_causal_mask(segment_ids_BT, position_ids_BT, sliding_window=self.sliding_window)
+            )
             attn_args = (allowed_B1TT, sliding_B1TT)
         else:
             attn_args = (segment_ids_BT, position_ids_BT)
@@ -350,22 +370,33 @@ class CausalLM(nnx.Module):
     loss never needs the full logits.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, np.ndarray], *, dtype: str = "float32",
-                 remat_policy: str = "none", attn_implementation: str = "sdpa", attention_block_size: int = 512,
-                 tiled_mlp_chunk_size: Optional[int] = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, np.ndarray],
+        *,
+        dtype: str = "float32",
+        remat_policy: str = "none",
+        attn_implementation: str = "sdpa",
+        attention_block_size: int = 512,
+        tiled_mlp_chunk_size: Optional[int] = None,
+    ):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype={dtype!r} is not valid; choose one of {tuple(DTYPES)}.")
         if attn_implementation not in ATTN_IMPLEMENTATIONS:
-            raise ConfigError(f"attn_implementation={attn_implementation!r} is unknown; choose one of "
-                              f"{ATTN_IMPLEMENTATIONS} ('eager': dense reference, the others: blocked attention).")
+            raise ConfigError(
+                f"attn_implementation={attn_implementation!r} is unknown; choose one of "
+                f"{ATTN_IMPLEMENTATIONS} ('eager': dense reference, the others: blocked attention)."
+            )
         check_weights(cfg, weights)
         self.model = DecoderModel(cfg, weights, dtype, remat_policy, attn_implementation, attention_block_size)
         set_tiled_mlp(self, tiled_mlp_chunk_size)
         self.lm_head: Optional[Linear] = None if cfg.tie_word_embeddings else Linear(weights["lm_head.weight"], dtype)
         # hashable (lists as tuples): it lives in the static graphdef
         self.config_items = tuple(sorted((k, _hashable(v)) for k, v in cfg.to_dict().items()))
-        self.final_logit_softcapping = None if cfg.final_logit_softcapping is None \
-            else float(cfg.final_logit_softcapping)
+        self.final_logit_softcapping = (
+            None if cfg.final_logit_softcapping is None else float(cfg.final_logit_softcapping)
+        )
         self.dtype = dtype
 
     @property
@@ -376,9 +407,13 @@ class CausalLM(nnx.Module):
         """The build options beyond config and weights (``CausalLM(cfg, weights, **model.options())`` rebuilds
         a model that runs the same code paths)."""
         tiles = {layer.mlp.tile_size for layer in self.model.layers}
-        return dict(dtype=self.dtype, remat_policy=self.model.remat_policy,
-                    attn_implementation=self.model.attn_implementation,
-                    attention_block_size=self.model.attention_block_size, tiled_mlp_chunk_size=tiles.pop())
+        return dict(
+            dtype=self.dtype,
+            remat_policy=self.model.remat_policy,
+            attn_implementation=self.model.attn_implementation,
+            attention_block_size=self.model.attention_block_size,
+            tiled_mlp_chunk_size=tiles.pop(),
+        )
 
     def lm_head_VH(self) -> jax.Array:
         if self.lm_head is None:
@@ -397,8 +432,10 @@ class CausalLM(nnx.Module):
 def set_tiled_mlp(model: CausalLM, chunk_size: Optional[int]) -> None:
     """Run every decoder MLP of ``model`` over tiles of ``chunk_size`` tokens (None: untiled); see ``tiled_mlp``."""
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ConfigError(f"tiled_mlp_chunk_size={chunk_size!r} must be a positive integer (tokens per MLP tile) "
-                          f"or None to run the MLP untiled.")
+        raise ConfigError(
+            f"tiled_mlp_chunk_size={chunk_size!r} must be a positive integer (tokens per MLP tile) "
+            f"or None to run the MLP untiled."
+        )
     for layer in model.model.layers:
         layer.mlp.tile_size = chunk_size
 
@@ -459,8 +496,10 @@ def adapter_key_of_path(path: tuple) -> str:
 def adapters_by_key(model: Model, state: Any) -> dict[str, np.ndarray]:
     """An adapter state (``nnx.state(model, AdapterParam)``, or a gradient of one) as float32 numpy by PEFT
     key, in ``common.models.peft.adapter_shapes`` order."""
-    out = {adapter_key_of_path(path): np.asarray(jnp.asarray(v.get_value(), jnp.float32))
-           for path, v in nnx.to_flat_state(state)}
+    out = {
+        adapter_key_of_path(path): np.asarray(jnp.asarray(v.get_value(), jnp.float32))
+        for path, v in nnx.to_flat_state(state)
+    }
     order = adapter_shapes(model.config, peft_config(model))
     assert set(order) == set(out), sorted(set(order) ^ set(out))
     return {k: out[k] for k in order}
@@ -476,7 +515,8 @@ def base_weights(model: Model) -> dict[str, np.ndarray]:
     for path, module in nnx.iter_modules(model):
         if hasattr(module, "base_kernel") and module.kernel is None:
             out[".".join(str(p) for p in path) + ".weight"] = np.asarray(
-                jnp.asarray(module.base_kernel(), jnp.float32)).T
+                jnp.asarray(module.base_kernel(), jnp.float32)
+            ).T
     return in_hf_order(model.config, out)
 
 
@@ -508,8 +548,9 @@ def cast_floating(state: Any, compute_dtype: Optional[str]) -> Any:
     float32 master weights with a bfloat16 forward, like torch autocast."""
     if compute_dtype is None:
         return state
-    return jax.tree.map(lambda x: x.astype(DTYPES[compute_dtype]) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                        state)
+    return jax.tree.map(
+        lambda x: x.astype(DTYPES[compute_dtype]) if jnp.issubdtype(x.dtype, jnp.floating) else x, state
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -517,8 +558,14 @@ def cast_floating(state: Any, compute_dtype: Optional[str]) -> Any:
 # --------------------------------------------------------------------------------------
 
 
-def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *, dtype: str = "float32",
-                attn_implementation: str = "sdpa", device: Any = None) -> Model:
+def build_model(
+    cfg: ModelConfig,
+    weights: Optional[dict[str, np.ndarray]] = None,
+    *,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    device: Any = None,
+) -> Model:
     """An NNX ``CausalLM`` of ``cfg``'s family holding ``weights`` (HF names, torch layout), on ``device``.
 
     ``weights`` None draws ``common.models.init.init_weights(cfg, seed=0)``, the same model the torch
@@ -537,8 +584,12 @@ def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = Non
 
     ``device`` (a ``jax.Device``) places the parameters; None uses JAX's default device.
     """
-    model = CausalLM(cfg, init_weights(cfg, seed=0) if weights is None else weights, dtype=dtype,
-                     attn_implementation=attn_implementation)
+    model = CausalLM(
+        cfg,
+        init_weights(cfg, seed=0) if weights is None else weights,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+    )
     if device is not None:
         graphdef, state = nnx.split(model)
         model = nnx.merge(graphdef, jax.device_put(state, device))
@@ -548,8 +599,10 @@ def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = Non
 def batch_inputs(batch: Batch, vocab_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(input_ids, position_ids, segment_ids, labels) as int32 device arrays, after range checks."""
     check_batch(batch, vocab_size)
-    return tuple(jnp.asarray(a, jnp.int32) for a in  # type: ignore[return-value]
-                 (batch.input_ids, batch.position_ids, batch.segment_ids, batch.labels))
+    return tuple(
+        jnp.asarray(a, jnp.int32)
+        for a in (batch.input_ids, batch.position_ids, batch.segment_ids, batch.labels)  # type: ignore[return-value]
+    )
 
 
 @partial(jax.jit, static_argnums=(0,))
@@ -576,24 +629,56 @@ def token_losses(model: CausalLM, batch: Batch) -> np.ndarray:
     return np.asarray(_forward_jit(graphdef, state, *batch_inputs(batch, model.config.vocab_size))[1])
 
 
-def loss_fn(model: CausalLM, input_ids_BT, position_ids_BT, segment_ids_BT, labels_BT,
-            num_items_in_batch, loss_type: str = "nll", chunk_size: int = DEFAULT_CHUNK_SIZE, *, attend=None,
-            targets_are_shifted: bool = False):
+def loss_fn(
+    model: CausalLM,
+    input_ids_BT,
+    position_ids_BT,
+    segment_ids_BT,
+    labels_BT,
+    num_items_in_batch,
+    loss_type: str = "nll",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    attend=None,
+    targets_are_shifted: bool = False,
+):
     """(loss, metrics) of one micro-batch; traceable, used by ``loss_and_grads`` and the trainer.
 
     ``attend``: the model's attention function (None: dense; see ``CausalLM``);
     ``targets_are_shifted``: ``labels_BT`` are already the targets (context-parallel batches).
     """
     hidden_BTH = model(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
-    return causal_lm_loss(hidden_BTH, model.lm_head_VH(), labels_BT, num_items_in_batch, loss_type,
-                          chunk_size=chunk_size, return_metrics=True, targets_are_shifted=targets_are_shifted,
-                          logit_softcap=model.final_logit_softcapping)
+    return causal_lm_loss(
+        hidden_BTH,
+        model.lm_head_VH(),
+        labels_BT,
+        num_items_in_batch,
+        loss_type,
+        chunk_size=chunk_size,
+        return_metrics=True,
+        targets_are_shifted=targets_are_shifted,
+        logit_softcap=model.final_logit_softcapping,
+    )
 
 
-@partial(jax.jit, static_argnums=(0,),
-         static_argnames=("loss_type", "chunk_size", "compute_dtype", "attend", "targets_are_shifted"))
-def grads_jit(graphdef, state, inputs, num_items, *, loss_type: str, chunk_size: int,
-              compute_dtype: Optional[str] = None, attend=None, targets_are_shifted: bool = False, frozen=None):
+@partial(
+    jax.jit,
+    static_argnums=(0,),
+    static_argnames=("loss_type", "chunk_size", "compute_dtype", "attend", "targets_are_shifted"),
+)
+def grads_jit(
+    graphdef,
+    state,
+    inputs,
+    num_items,
+    *,
+    loss_type: str,
+    chunk_size: int,
+    compute_dtype: Optional[str] = None,
+    attend=None,
+    targets_are_shifted: bool = False,
+    frozen=None,
+):
     """((loss, metrics), grads as an NNX state) of one micro-batch; ``inputs`` as ``batch_inputs`` returns.
 
     ``attend`` and ``targets_are_shifted`` as ``loss_fn`` (the trainer's context-parallel step passes
@@ -604,29 +689,39 @@ def grads_jit(graphdef, state, inputs, num_items, *, loss_type: str, chunk_size:
 
     ``frozen``: the state that gets no gradient (``split_trainable``: a model with adapters trains only them).
     """
+
     def scalar_loss(s):
         model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
-        return loss_fn(model, *inputs, num_items, loss_type, chunk_size, attend=attend,
-                       targets_are_shifted=targets_are_shifted)
+        return loss_fn(
+            model, *inputs, num_items, loss_type, chunk_size, attend=attend, targets_are_shifted=targets_are_shifted
+        )
 
     return jax.value_and_grad(scalar_loss, has_aux=True)(state)
 
 
-def loss_grads_and_metrics(model: CausalLM, batch: Batch, loss_type: str = "nll",
-                           chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
+def loss_grads_and_metrics(
+    model: CausalLM, batch: Batch, loss_type: str = "nll", chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
     """``loss_and_grads`` plus the loss metrics of ``twinseq.common.objectives.nll.metrics`` (as floats)."""
     if loss_type not in LOSS_TYPES:
         raise ConfigError(f"loss_type={loss_type!r} is not supported by the JAX backend; choose one of {LOSS_TYPES}.")
     check_labels(batch.labels, model.config.vocab_size, batch.num_items_in_batch)
     graphdef, state, frozen = split_trainable(model)
-    (loss, metrics), grads = grads_jit(graphdef, state, batch_inputs(batch, model.config.vocab_size),
-                                       jnp.asarray(batch.num_items_in_batch, jnp.int32),
-                                       loss_type=loss_type, chunk_size=int(chunk_size), frozen=frozen)
+    (loss, metrics), grads = grads_jit(
+        graphdef,
+        state,
+        batch_inputs(batch, model.config.vocab_size),
+        jnp.asarray(batch.num_items_in_batch, jnp.int32),
+        loss_type=loss_type,
+        chunk_size=int(chunk_size),
+        frozen=frozen,
+    )
     return float(loss), grads_by_name(model, grads), {k: float(v) for k, v in metrics.items()}
 
 
-def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,
-                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray]]:
+def loss_and_grads(
+    model: Model, batch: Batch, loss_type: str = "nll", *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[float, dict[str, np.ndarray]]:
     """(loss, grads): grads are float32 numpy in HF names and HF ``[out, in]`` layout.
 
     The loss is normalised by ``batch.num_items_in_batch`` (the whole step's label count). With
@@ -644,10 +739,19 @@ def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,
 # --------------------------------------------------------------------------------------
 
 
-def compiled_step_memory(model_cfg: ModelConfig, seq_len: int, *, batch_size: int = 1, dtype: str = "float32",
-                         loss_type: str = "fused_linear", chunk_size: Optional[int] = None,
-                         remat_policy: str = "none", attn_implementation: str = "sdpa",
-                         attention_block_size: int = 512, tiled_mlp_chunk_size: Optional[int] = None) -> StepMemory:
+def compiled_step_memory(
+    model_cfg: ModelConfig,
+    seq_len: int,
+    *,
+    batch_size: int = 1,
+    dtype: str = "float32",
+    loss_type: str = "fused_linear",
+    chunk_size: Optional[int] = None,
+    remat_policy: str = "none",
+    attn_implementation: str = "sdpa",
+    attention_block_size: int = 512,
+    tiled_mlp_chunk_size: Optional[int] = None,
+) -> StepMemory:
     """The memory of one JAX training step (loss, metrics and gradients of a ``[batch_size, seq_len]``
     micro-batch: ``grads_jit``) for ``model_cfg`` (a ``ModelConfig``), from compilation alone.
 
@@ -658,17 +762,29 @@ def compiled_step_memory(model_cfg: ModelConfig, seq_len: int, *, batch_size: in
     the trainer's knobs of the same names (``remat_policy`` as ``memory.remat_policy_of``). The model is built
     with ``jax.eval_shape``, so no weights are drawn.
     """
+
     def build():
         # zero-stride views: only their shapes matter, and eval_shape allocates nothing
         weights = {name: np.broadcast_to(np.float32(0), shape) for name, shape in parameter_shapes(model_cfg).items()}
-        return CausalLM(model_cfg, weights, remat_policy=remat_policy, attn_implementation=attn_implementation,
-                        attention_block_size=attention_block_size, tiled_mlp_chunk_size=tiled_mlp_chunk_size)
+        return CausalLM(
+            model_cfg,
+            weights,
+            remat_policy=remat_policy,
+            attn_implementation=attn_implementation,
+            attention_block_size=attention_block_size,
+            tiled_mlp_chunk_size=tiled_mlp_chunk_size,
+        )
 
     graphdef, state = nnx.split(nnx.eval_shape(build))
     ids = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-    lowered = grads_jit.lower(graphdef, state, (ids, ids, ids, ids), jax.ShapeDtypeStruct((), jnp.int32),
-                              loss_type=loss_type, chunk_size=int(chunk_size or DEFAULT_CHUNK_SIZE),
-                              compute_dtype=None if dtype == "float32" else dtype)
+    lowered = grads_jit.lower(
+        graphdef,
+        state,
+        (ids, ids, ids, ids),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        loss_type=loss_type,
+        chunk_size=int(chunk_size or DEFAULT_CHUNK_SIZE),
+        compute_dtype=None if dtype == "float32" else dtype,
+    )
     stats = lowered.compile().memory_analysis()
-    return StepMemory(int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes),
-                      int(stats.output_size_in_bytes))
+    return StepMemory(int(stats.temp_size_in_bytes), int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes))

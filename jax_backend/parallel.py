@@ -66,19 +66,26 @@ def make_mesh(data: int = 1, cp: int = 1, fsdp: int = 1, devices: Optional[Seque
     ``devices`` defaults to all of ``jax.devices()``; the axis sizes must multiply to their count.
     Devices that are neighbours in the list are neighbours on ``cp`` (the ring's hops).
     """
-    sizes = {"data": _check_axis_size("data", data), "fsdp": _check_axis_size("fsdp", fsdp),
-             "cp": _check_axis_size("cp", cp)}
+    sizes = {
+        "data": _check_axis_size("data", data),
+        "fsdp": _check_axis_size("fsdp", fsdp),
+        "cp": _check_axis_size("cp", cp),
+    }
     devices = list(jax.devices() if devices is None else devices)
     if sizes["cp"] > len(devices):
-        raise ConfigError(f"cp={cp} is larger than the {len(devices)} available devices; use cp <= {len(devices)} "
-                          f"(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax).")
+        raise ConfigError(
+            f"cp={cp} is larger than the {len(devices)} available devices; use cp <= {len(devices)} "
+            f"(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)."
+        )
     product = sizes["data"] * sizes["fsdp"] * sizes["cp"]
     if product != len(devices):
         model_parallel = sizes["fsdp"] * sizes["cp"]
         fits = len(devices) % model_parallel == 0
         hint = f"e.g. data={len(devices) // model_parallel}" if fits else "pick sizes whose product is the device count"
-        raise ConfigError(f"mesh axes data={data} x fsdp={fsdp} x cp={cp} = {product} do not multiply to the "
-                          f"{len(devices)} devices; {hint}, or pass devices=jax.devices()[:{product}].")
+        raise ConfigError(
+            f"mesh axes data={data} x fsdp={fsdp} x cp={cp} = {product} do not multiply to the "
+            f"{len(devices)} devices; {hint}, or pass devices=jax.devices()[:{product}]."
+        )
     grid = np.asarray(devices, dtype=object).reshape(sizes["data"], sizes["fsdp"], sizes["cp"])
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
@@ -117,8 +124,9 @@ def param_shardings(mesh: Mesh, params: Any) -> Any:
     def one(x):
         spec = param_spec(np.shape(x), fsdp_size)
         if fsdp_size > 1 and spec == P() and np.size(x) > 1:
-            logger.info("parameter of shape %s has no dim divisible by fsdp=%d; replicating it.",
-                        np.shape(x), fsdp_size)
+            logger.info(
+                "parameter of shape %s has no dim divisible by fsdp=%d; replicating it.", np.shape(x), fsdp_size
+            )
         return NamedSharding(mesh, spec)
 
     return jax.tree.map(one, params)
@@ -140,8 +148,10 @@ def shard_batch(batch: Batch, mesh: Mesh, load_balance: bool = True) -> dict[str
     _check_mesh(mesh)
     num_rows = mesh.shape["data"] * mesh.shape["fsdp"]
     if batch.input_ids.shape[0] % num_rows:
-        raise ConfigError(f"batch size B={batch.input_ids.shape[0]} is not divisible by data x fsdp = {num_rows}; "
-                          f"set per_device_train_batch_size so that B is a multiple of {num_rows}.")
+        raise ConfigError(
+            f"batch size B={batch.input_ids.shape[0]} is not divisible by data x fsdp = {num_rows}; "
+            f"set per_device_train_batch_size so that B is a multiple of {num_rows}."
+        )
     cp_batch = reorder_batch(batch, mesh.shape[CP_AXIS], load_balance)
     sharding = batch_sharding(mesh)
     arrays: dict[str, Any] = {k: jax.device_put(v, sharding) for k, v in cp_batch.arrays().items()}
@@ -160,8 +170,9 @@ AttentionFn = Callable[..., jax.Array]
 
 
 @functools.lru_cache(maxsize=None)  # one function per setting: jit keys static args by hash, a new closure recompiles
-def ring_attention_fn(mesh: Mesh, strategy: str = "ring", block_q: Optional[int] = None,
-                      block_k: Optional[int] = None) -> AttentionFn:
+def ring_attention_fn(
+    mesh: Mesh, strategy: str = "ring", block_q: Optional[int] = None, block_k: Optional[int] = None
+) -> AttentionFn:
     """Context-parallel attention with the model's (Hugging Face) layout.
 
     The returned ``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, *,
@@ -174,13 +185,33 @@ def ring_attention_fn(mesh: Mesh, strategy: str = "ring", block_q: Optional[int]
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is not valid; choose one of {STRATEGIES}.")
 
-    def attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, *,
-               sliding_window: Optional[int] = None, softcap: Optional[float] = None):
-        out_BTND = sharded_attention(q_BNTD.transpose(0, 2, 1, 3), k_BKTD.transpose(0, 2, 1, 3),
-                                     v_BKTD.transpose(0, 2, 1, 3), segment_ids_BT, position_ids_BT, mesh,
-                                     strategy=strategy, axis_name=CP_AXIS, batch_axes=BATCH_AXES,
-                                     scale=scaling, block_q=block_q, block_k=block_k,
-                                     sliding_window=sliding_window, softcap=softcap)
+    def attend(
+        q_BNTD,
+        k_BKTD,
+        v_BKTD,
+        segment_ids_BT,
+        position_ids_BT,
+        scaling,
+        *,
+        sliding_window: Optional[int] = None,
+        softcap: Optional[float] = None,
+    ):
+        out_BTND = sharded_attention(
+            q_BNTD.transpose(0, 2, 1, 3),
+            k_BKTD.transpose(0, 2, 1, 3),
+            v_BKTD.transpose(0, 2, 1, 3),
+            segment_ids_BT,
+            position_ids_BT,
+            mesh,
+            strategy=strategy,
+            axis_name=CP_AXIS,
+            batch_axes=BATCH_AXES,
+            scale=scaling,
+            block_q=block_q,
+            block_k=block_k,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
         return out_BTND.transpose(0, 2, 1, 3)
 
     return attend
@@ -272,12 +303,14 @@ def stack_batches(batches: Sequence[Batch], rows: int, multiple: int) -> Batch:
     width = -(-max(b.shape[1] for b in batches) // multiple) * multiple
     padded = [pad_batch(b, rows, width) for b in batches]
     lengths = np.concatenate([np.diff(b.cu_seqlens) for b in batches])
-    return Batch(input_ids=np.concatenate([b.input_ids for b in padded]),
-                 labels=np.concatenate([b.labels for b in padded]),
-                 position_ids=np.concatenate([b.position_ids for b in padded]),
-                 segment_ids=np.concatenate([b.segment_ids for b in padded]),
-                 cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
-                 num_items_in_batch=totals.pop())
+    return Batch(
+        input_ids=np.concatenate([b.input_ids for b in padded]),
+        labels=np.concatenate([b.labels for b in padded]),
+        position_ids=np.concatenate([b.position_ids for b in padded]),
+        segment_ids=np.concatenate([b.segment_ids for b in padded]),
+        cu_seqlens=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32),
+        num_items_in_batch=totals.pop(),
+    )
 
 
 class DataParallelSteps:
@@ -289,8 +322,9 @@ class DataParallelSteps:
     """
 
     def __init__(self, rows: Any, cfg: TrainConfig, pad_token_id: int, num_replicas: int, multiple: int) -> None:
-        self.iterators = [StepIterator(rows, cfg, pad_token_id, world_size=num_replicas, rank=r)
-                          for r in range(num_replicas)]
+        self.iterators = [
+            StepIterator(rows, cfg, pad_token_id, world_size=num_replicas, rank=r) for r in range(num_replicas)
+        ]
         # A padding-free micro-batch is one row however many examples it holds.
         self.rows_per_replica = 1 if cfg.data.padding_free else cfg.data.per_device_train_batch_size
         self.multiple = multiple
@@ -307,7 +341,24 @@ class DataParallelSteps:
             it.load_state_dict(state)
 
 
-__all__ = ["parallelize", "MESH_AXES", "BATCH_AXES", "CP_AXIS", "CPBatch", "make_mesh", "batch_sharding", "param_spec",
-           "param_shardings", "shard_params", "shard_batch", "unshard_tokens", "ring_attention_fn",
-           "mesh_shape_of_config", "mesh_from_config", "attention_of_config",
-           "sequence_multiple", "stack_batches", "DataParallelSteps"]
+__all__ = [
+    "parallelize",
+    "MESH_AXES",
+    "BATCH_AXES",
+    "CP_AXIS",
+    "CPBatch",
+    "make_mesh",
+    "batch_sharding",
+    "param_spec",
+    "param_shardings",
+    "shard_params",
+    "shard_batch",
+    "unshard_tokens",
+    "ring_attention_fn",
+    "mesh_shape_of_config",
+    "mesh_from_config",
+    "attention_of_config",
+    "sequence_multiple",
+    "stack_batches",
+    "DataParallelSteps",
+]

@@ -67,8 +67,18 @@ from twinseq.jax_backend.model import (
 NF4_BLOCK = 64
 """bitsandbytes' default 4-bit blocksize: one absmax scale per 64 consecutive weights of a row."""
 
-__all__ = ["add_adapters", "export_adapters", "merge_adapters", "adapters_disabled", "peft_config",
-           "base_weights", "adapters_by_key", "AdapterParam", "NF4Codes", "NF4Scale"]
+__all__ = [
+    "add_adapters",
+    "export_adapters",
+    "merge_adapters",
+    "adapters_disabled",
+    "peft_config",
+    "base_weights",
+    "adapters_by_key",
+    "AdapterParam",
+    "NF4Codes",
+    "NF4Scale",
+]
 
 
 class NF4Codes(nnx.Variable):
@@ -88,9 +98,11 @@ def _require_qwix():
     try:
         import qwix  # optional dependency
     except ImportError:  # pragma: no cover - qwix is in the [jax] extra
-        raise MissingDependencyError("load_in_4bit=True on the jax backend quantises the base with qwix's NF4, "
-                                     "and qwix is not installed; `pip install -e '.[jax]'` or drop "
-                                     "--load-in-4bit.") from None
+        raise MissingDependencyError(
+            "load_in_4bit=True on the jax backend quantises the base with qwix's NF4, "
+            "and qwix is not installed; `pip install -e '.[jax]'` or drop "
+            "--load-in-4bit."
+        ) from None
     return qwix
 
 
@@ -159,14 +171,23 @@ class PeftLinear(nnx.Module):
     ``kernel_scale`` instead of ``kernel``.
     """
 
-    def __init__(self, base: Linear, *, lora_A: Optional[np.ndarray] = None, lora_B: Optional[np.ndarray] = None,
-                 magnitude: Optional[np.ndarray] = None, scaling: float = 1.0, load_in_4bit: bool = False):
+    def __init__(
+        self,
+        base: Linear,
+        *,
+        lora_A: Optional[np.ndarray] = None,
+        lora_B: Optional[np.ndarray] = None,
+        magnitude: Optional[np.ndarray] = None,
+        scaling: float = 1.0,
+        load_in_4bit: bool = False,
+    ):
         kernel = base.kernel[...]
         self.dtype = str(kernel.dtype)
         if load_in_4bit:
             qwix = _require_qwix()
-            q = qwix.quantize(kernel.astype(jnp.float32), "nf4", tiled_axes={0: _nf4_block(kernel.shape[0])},
-                              channelwise_axes=(1,))
+            q = qwix.quantize(
+                kernel.astype(jnp.float32), "nf4", tiled_axes={0: _nf4_block(kernel.shape[0])}, channelwise_axes=(1,)
+            )
             self.kernel = None
             self.kernel_nf4, self.kernel_scale = NF4Codes(q.qvalue), NF4Scale(q.scale)
         else:
@@ -247,19 +268,23 @@ def _locate(model: Model, path: str) -> tuple[Any, str]:
     return node, name
 
 
-def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
-                 adapters: Optional[dict[str, np.ndarray]] = None) -> Model:
+def add_adapters(
+    model: Model, cfg: ModelConfig, peft: PeftConfig, adapters: Optional[dict[str, np.ndarray]] = None
+) -> Model:
     """A copy of ``model`` with adapters on ``common.models.peft.lora_targets(cfg, peft)`` (and trainable tokens, and
     an NF4 base with ``load_in_4bit``); ``adapters`` (PEFT keys) None: ``init_adapters(cfg, peft, seed=0)``."""
     check_peft_config(peft)
     if not peft.use_peft:
         raise ConfigError("add_adapters with use_peft=False adds nothing; set use_peft=True (--use-peft).")
     if has_adapters(model):
-        raise ConfigError("this model already has adapters; add_adapters takes a plain model (merge_adapters "
-                          "gives one).")
+        raise ConfigError(
+            "this model already has adapters; add_adapters takes a plain model (merge_adapters gives one)."
+        )
     if model.config.to_dict() != cfg.to_dict():
-        raise ConfigError(f"add_adapters: cfg (model_type={cfg.model_type}) is not the config of this model "
-                          f"({model.config.model_type}); pass model.config.")
+        raise ConfigError(
+            f"add_adapters: cfg (model_type={cfg.model_type}) is not the config of this model "
+            f"({model.config.model_type}); pass model.config."
+        )
     if peft.load_in_4bit:
         _require_qwix()
     if adapters is None:
@@ -271,21 +296,34 @@ def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
     graphdef, state = nnx.split(model)
     model = nnx.merge(graphdef, state)  # a new module tree: the caller's model keeps no adapters
     targets = lora_targets(cfg, peft)
-    linear_paths = [name[: -len(".weight")] for name in in_hf_order(cfg, state_to_hf(nnx.state(model, nnx.Param)))
-                    if name.startswith("model.layers.") and name.endswith("_proj.weight")]
+    linear_paths = [
+        name[: -len(".weight")]
+        for name in in_hf_order(cfg, state_to_hf(nnx.state(model, nnx.Param)))
+        if name.startswith("model.layers.") and name.endswith("_proj.weight")
+    ]
     for path in linear_paths:
         parent, name = _locate(model, path)
         base = getattr(parent, name)
         if path in targets:
             magnitude = adapters.get(adapter_key(path, "lora_magnitude_vector"))
-            setattr(parent, name, PeftLinear(base, lora_A=adapters[adapter_key(path, "lora_A")],
-                                             lora_B=adapters[adapter_key(path, "lora_B")], magnitude=magnitude,
-                                             scaling=peft.scaling, load_in_4bit=peft.load_in_4bit))
+            setattr(
+                parent,
+                name,
+                PeftLinear(
+                    base,
+                    lora_A=adapters[adapter_key(path, "lora_A")],
+                    lora_B=adapters[adapter_key(path, "lora_B")],
+                    magnitude=magnitude,
+                    scaling=peft.scaling,
+                    load_in_4bit=peft.load_in_4bit,
+                ),
+            )
         elif peft.load_in_4bit:  # QLoRA quantises every decoder linear layer, adapted or not (bitsandbytes)
             setattr(parent, name, PeftLinear(base, load_in_4bit=True))
     if peft.trainable_token_indices:
-        model.model.embed_tokens = TokenEmbedding(model.model.embed_tokens, peft.trainable_token_indices,
-                                                  adapters[TOKENS_KEY])
+        model.model.embed_tokens = TokenEmbedding(
+            model.model.embed_tokens, peft.trainable_token_indices, adapters[TOKENS_KEY]
+        )
     model.peft_json = json.dumps(dataclasses.asdict(peft), sort_keys=True)
     return model
 

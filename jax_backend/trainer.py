@@ -107,6 +107,7 @@ def clip_by_global_norm_like_torch(max_norm: float) -> optax.GradientTransformat
     optax's ``clip_by_global_norm`` has no ``1e-6`` and skips the multiply below the threshold;
     the difference is a relative 1e-6 / norm, enough to break a 1e-5 trajectory parity.
     """
+
     def update(updates, state, params=None):
         del params
         coef = jnp.minimum(max_norm / (optax.global_norm(updates) + TORCH_CLIP_EPS), 1.0)
@@ -118,9 +119,16 @@ def clip_by_global_norm_like_torch(max_norm: float) -> optax.GradientTransformat
 def lr_schedule(cfg: TrainConfig):
     """optax schedule: ``learning_rate * lr_multiplier(count)`` from a table (torch's LambdaLR values)."""
     opt = cfg.optim
-    table = np.array([opt.learning_rate * lr_multiplier(k, warmup_steps=cfg.effective_warmup_steps,
-                                                        max_steps=cfg.max_steps, scheduler=opt.lr_scheduler_type)
-                      for k in range(cfg.max_steps)], dtype=np.float32)
+    table = np.array(
+        [
+            opt.learning_rate
+            * lr_multiplier(
+                k, warmup_steps=cfg.effective_warmup_steps, max_steps=cfg.max_steps, scheduler=opt.lr_scheduler_type
+            )
+            for k in range(cfg.max_steps)
+        ],
+        dtype=np.float32,
+    )
     table_jnp = jnp.asarray(table)
     return lambda count: table_jnp[jnp.minimum(count, cfg.max_steps - 1)]
 
@@ -134,9 +142,15 @@ def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """
     opt = cfg.optim
     check_optimizer(cfg)
-    adamw = optax.adamw(lr_schedule(cfg), b1=opt.adam_beta1, b2=opt.adam_beta2, eps=opt.adam_epsilon,
-                        eps_root=0.0, weight_decay=opt.weight_decay,
-                        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params))
+    adamw = optax.adamw(
+        lr_schedule(cfg),
+        b1=opt.adam_beta1,
+        b2=opt.adam_beta2,
+        eps=opt.adam_epsilon,
+        eps_root=0.0,
+        weight_decay=opt.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+    )
     if opt.max_grad_norm is None:
         return adamw
     return optax.chain(clip_by_global_norm_like_torch(opt.max_grad_norm), adamw)
@@ -145,9 +159,11 @@ def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 def check_optimizer(cfg: TrainConfig) -> None:
     """The jax backend has one optimizer, AdamW with float32 moments (``adamw_torch``)."""
     if cfg.optim.optimizer != "adamw_torch":
-        raise ConfigError(f"optimizer={cfg.optim.optimizer!r} is a torch option (bitsandbytes' 8-bit AdamW states "
-                          f"need CUDA kernels that JAX does not have); the jax backend trains with AdamW in float32 "
-                          f"('adamw_torch'): use --optimizer adamw_torch or --backend torch.")
+        raise ConfigError(
+            f"optimizer={cfg.optim.optimizer!r} is a torch option (bitsandbytes' 8-bit AdamW states "
+            f"need CUDA kernels that JAX does not have); the jax backend trains with AdamW in float32 "
+            f"('adamw_torch'): use --optimizer adamw_torch or --backend torch."
+        )
 
 
 @partial(jax.jit, static_argnums=(0,), donate_argnums=(1, 2))
@@ -174,12 +190,20 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> CausalLM:
     spec = cfg.model.model_config
     source = resolve_model_source(spec, cfg.model.init_weights)
     check_tokenizer_fits(source.config, vocab_size, spec)
-    weights = (read_hf_checkpoint(source.weights_folder)[1] if source.weights_folder is not None
-               else init_weights(source.config, seed=cfg.seed))
+    weights = (
+        read_hf_checkpoint(source.weights_folder)[1]
+        if source.weights_folder is not None
+        else init_weights(source.config, seed=cfg.seed)
+    )
     mem = cfg.memory
-    model = CausalLM(source.config, weights, dtype="float32", attn_implementation=cfg.model.attn_implementation,
-                     attention_block_size=mem.attention_block_size,
-                     tiled_mlp_chunk_size=mem.tiled_mlp_chunk_size if mem.tiled_mlp else None)
+    model = CausalLM(
+        source.config,
+        weights,
+        dtype="float32",
+        attn_implementation=cfg.model.attn_implementation,
+        attention_block_size=mem.attention_block_size,
+        tiled_mlp_chunk_size=mem.tiled_mlp_chunk_size if mem.tiled_mlp else None,
+    )
     return with_adapters(model, cfg)
 
 
@@ -189,8 +213,11 @@ def with_adapters(model: CausalLM, cfg: TrainConfig) -> CausalLM:
         return model
 
     if cfg.peft.lora_dropout > 0:
-        logger.warning("lora_dropout=%s is not applied by the jax trainer (its adapters train without dropout, "
-                       "as PEFT with lora_dropout=0); set --lora-dropout 0 to silence this.", cfg.peft.lora_dropout)
+        logger.warning(
+            "lora_dropout=%s is not applied by the jax trainer (its adapters train without dropout, "
+            "as PEFT with lora_dropout=0); set --lora-dropout 0 to silence this.",
+            cfg.peft.lora_dropout,
+        )
     adapters = init_adapters(model.config, cfg.peft, seed=cfg.seed, base_weights=export_weights(model))
     return add_adapters(model, model.config, cfg.peft, adapters)
 
@@ -208,8 +235,6 @@ class JaxTrainer(TrainerTemplate):
     replicas' rows, ``parallel.DataParallelSteps``); it is sharded over ``data`` x ``cp`` and the
     model attends with ``parallel.ring_attention_fn``. Without one, everything runs on one device.
     """
-
-    is_main = True  # one process drives every device
 
     def __init__(self, model: CausalLM, cfg: TrainConfig, mesh: Optional[Mesh] = None) -> None:
         self.cfg, self.mesh = cfg, mesh
@@ -230,8 +255,11 @@ class JaxTrainer(TrainerTemplate):
         self._lr = lr_schedule(cfg)
         self._grads: Any = None
         if d.pad_to_multiple_of is None:
-            logger.info("pad_to_multiple_of is unset: padding every micro-batch to a multiple of %d tokens so "
-                        "that the step compiles once per length bucket", self.bucket)
+            logger.info(
+                "pad_to_multiple_of is unset: padding every micro-batch to a multiple of %d tokens so "
+                "that the step compiles once per length bucket",
+                self.bucket,
+            )
 
     # -- the step's backend hooks ----------------------------------------------------------
 
@@ -247,8 +275,9 @@ class JaxTrainer(TrainerTemplate):
         return float(_global_norm(self._grads))
 
     def apply_update(self, grad_norm: Optional[float]) -> float:
-        self.params, self.opt_state, applied_norm = apply_updates(self.optimizer, self.params, self.opt_state,
-                                                                  self._grads)
+        self.params, self.opt_state, applied_norm = apply_updates(
+            self.optimizer, self.params, self.opt_state, self._grads
+        )
         self.steps_done += 1
         return float(applied_norm)
 
@@ -264,10 +293,16 @@ class JaxTrainer(TrainerTemplate):
         """The trained parameters (a PEFT run: its adapters by PEFT key, the frozen base is rebuilt from the
         config), the optimizer state and the step count."""
         if self.peft:
-            return {"adapters": export_adapters(self.model()), "optimizer": to_numpy_tree(self.opt_state),
-                    "steps_done": self.steps_done}
-        return {"model": export_weights(self.model()), "optimizer": to_numpy_tree(self.opt_state),
-                "steps_done": self.steps_done}
+            return {
+                "adapters": export_adapters(self.model()),
+                "optimizer": to_numpy_tree(self.opt_state),
+                "steps_done": self.steps_done,
+            }
+        return {
+            "model": export_weights(self.model()),
+            "optimizer": to_numpy_tree(self.opt_state),
+            "steps_done": self.steps_done,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model = self.model()
@@ -286,9 +321,11 @@ class JaxTrainer(TrainerTemplate):
 
     def _load_adapter_state(self, model: CausalLM, state: dict[str, Any]) -> None:
         if not (self.peft and "adapters" in state):
-            raise CheckpointError(f"the checkpoint holds {'adapters' if 'adapters' in state else 'full weights'} but "
-                                  f"this run trains {'adapters' if self.peft else 'every weight'} (use_peft="
-                                  f"{self.cfg.peft.use_peft}); resume with the run's own --use-peft setting.")
+            raise CheckpointError(
+                f"the checkpoint holds {'adapters' if 'adapters' in state else 'full weights'} but "
+                f"this run trains {'adapters' if self.peft else 'every weight'} (use_peft="
+                f"{self.cfg.peft.use_peft}); resume with the run's own --use-peft setting."
+            )
         try:
             load_adapter_values(model, state["adapters"])
             opt_state = from_numpy_tree(state["optimizer"], self.opt_state)
@@ -317,10 +354,16 @@ class JaxTrainer(TrainerTemplate):
         if not self.peft:
             save_pretrained(model, path)
             return
-        save_adapter_folder(path, self.cfg, model.config, self.cfg.peft, export_adapters(model),
-                            lambda base: save_pretrained(build_model(model.config,
-                                                                     init_weights(model.config, seed=self.cfg.seed)),
-                                                         base))
+        save_adapter_folder(
+            path,
+            self.cfg,
+            model.config,
+            self.cfg.peft,
+            export_adapters(model),
+            lambda base: save_pretrained(
+                build_model(model.config, init_weights(model.config, seed=self.cfg.seed)), base
+            ),
+        )
 
     def peak_memory_bytes(self) -> int:
         """Accelerator peak bytes in use where JAX reports it, else the process's peak RSS (CPU)."""
@@ -334,20 +377,34 @@ class SFTTrainer(JaxTrainer):
     def micro_step(self, batch: Batch):
         check_labels(batch.labels, self.vocab_size, batch.num_items_in_batch)
         batch = pad_batch(batch, max(self.rows, batch.shape[0]), self.bucket)
-        kwargs = dict(loss_type=self.cfg.loss.loss_type, chunk_size=self.cfg.loss.loss_chunk_size,
-                      compute_dtype=compute_dtype(self.cfg))
+        kwargs = dict(
+            loss_type=self.cfg.loss.loss_type,
+            chunk_size=self.cfg.loss.loss_chunk_size,
+            compute_dtype=compute_dtype(self.cfg),
+        )
         inputs = batch_inputs(batch, self.vocab_size)  # also range-checks the token ids
         num_items = jnp.asarray(batch.num_items_in_batch, jnp.int32)
         if self.mesh is None:
-            (loss, metrics), grads = grads_jit(self.graphdef, self.params, inputs, num_items, frozen=self.frozen,
-                                               **kwargs)
+            (loss, metrics), grads = grads_jit(
+                self.graphdef, self.params, inputs, num_items, frozen=self.frozen, **kwargs
+            )
         else:
             arrays = shard_batch(batch, self.mesh)  # reordered for CP, targets shifted before the reorder
             inputs = tuple(arrays[k] for k in ("input_ids", "position_ids", "segment_ids", "targets"))
-            (loss, metrics), grads = grads_jit(self.graphdef, self.params, inputs, num_items, attend=self.attend,
-                                               targets_are_shifted=True, frozen=self.frozen, **kwargs)
-        return {"loss": float(loss), **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum")}}, \
-            grads
+            (loss, metrics), grads = grads_jit(
+                self.graphdef,
+                self.params,
+                inputs,
+                num_items,
+                attend=self.attend,
+                targets_are_shifted=True,
+                frozen=self.frozen,
+                **kwargs,
+            )
+        return {
+            "loss": float(loss),
+            **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum")},
+        }, grads
 
     def summarize(self, records: list[dict[str, Any]], micro_batches: list[Batch]) -> dict[str, Any]:
         return with_means(sft_step_sums(records, num_tokens=sum(b.num_tokens for b in micro_batches)))
@@ -357,13 +414,13 @@ class DPOTrainer(JaxTrainer):
     """One DPO optimizer step per ``step(pbatches)``; the live reference is a frozen copy of the initial
     parameters (``ref_params``), unless the batches carry precomputed log-probs."""
 
-    def __init__(self, model: CausalLM, cfg: TrainConfig, *, config, examples_per_step: int,
-                 live_reference: bool) -> None:
+    def __init__(
+        self, model: CausalLM, cfg: TrainConfig, *, config, examples_per_step: int, live_reference: bool
+    ) -> None:
         super().__init__(model, cfg)
         self.config, self.examples_per_step = config, examples_per_step
         self.ref_graphdef = None
         if self.peft:  # the reference is the same parameters with the adapters switched off: no copy
-
             with adapters_disabled(model):
                 self.ref_graphdef = split_trainable(model)[0]
             self.ref_params = None
@@ -380,31 +437,51 @@ class DPOTrainer(JaxTrainer):
             graphdef, state, frozen = self.ref_graphdef, self.params, self.frozen
         else:
             graphdef, state, frozen = self.graphdef, self.ref_params, None
-        logps_D = sequence_logps_jit(graphdef, state, inputs, loss_type=loss.loss_type, frozen=frozen,
-                                     chunk_size=loss.loss_chunk_size, compute_dtype=compute_dtype(self.cfg))
-        return logps_D[:pbatch.num_examples], logps_D[pbatch.num_examples:]
+        logps_D = sequence_logps_jit(
+            graphdef,
+            state,
+            inputs,
+            loss_type=loss.loss_type,
+            frozen=frozen,
+            chunk_size=loss.loss_chunk_size,
+            compute_dtype=compute_dtype(self.cfg),
+        )
+        return logps_D[: pbatch.num_examples], logps_D[pbatch.num_examples :]
 
     def micro_step(self, pbatch):
         pbatch = pad_preference_batch(pbatch, self.bucket)
         inputs = preference_inputs(pbatch, self.vocab_size)
         ref_c, ref_r = self._reference(pbatch, inputs)
         loss = self.cfg.loss
-        (value, pairs), grads = dpo_grads_jit(self.graphdef, self.params, inputs, ref_c, ref_r,
-                                              jnp.asarray(self.examples_per_step, jnp.float32), config=self.config,
-                                              frozen=self.frozen,
-                                              loss_type=loss.loss_type, chunk_size=loss.loss_chunk_size,
-                                              compute_dtype=compute_dtype(self.cfg))
+        (value, pairs), grads = dpo_grads_jit(
+            self.graphdef,
+            self.params,
+            inputs,
+            ref_c,
+            ref_r,
+            jnp.asarray(self.examples_per_step, jnp.float32),
+            config=self.config,
+            frozen=self.frozen,
+            loss_type=loss.loss_type,
+            chunk_size=loss.loss_chunk_size,
+            compute_dtype=compute_dtype(self.cfg),
+        )
         return (float(value), pairs), grads
 
     def micro_losses(self, records: list[Any]) -> list[float]:
         return [value for value, _ in records]
 
     def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
-        per_pair = {k: [np.asarray(pairs[k], np.float64) for _, pairs in records]
-                    for k in ("chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps")}
-        return dpo_step_metrics([value for value, _ in records], per_pair,
-                                num_tokens=sum(pb.batch.num_tokens for pb in micro_batches),
-                                num_label_tokens=sum(pb.batch.num_label_tokens for pb in micro_batches))
+        per_pair = {
+            k: [np.asarray(pairs[k], np.float64) for _, pairs in records]
+            for k in ("chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps")
+        }
+        return dpo_step_metrics(
+            [value for value, _ in records],
+            per_pair,
+            num_tokens=sum(pb.batch.num_tokens for pb in micro_batches),
+            num_label_tokens=sum(pb.batch.num_label_tokens for pb in micro_batches),
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -419,11 +496,20 @@ def describe(cfg: TrainConfig, trainer: JaxTrainer) -> str:
     if trainer.peft:
         total = num_params + sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainer.frozen))
         params = peft_summary(cfg.peft, trainable=num_params, total=total, quantized=cfg.peft.load_in_4bit)
-    where = str(jax.devices()[0]) if trainer.mesh is None else \
-        f"a mesh {dict(trainer.mesh.shape)} (cp attention: {cfg.parallel.context_parallel_strategy})"
+    where = (
+        str(jax.devices()[0])
+        if trainer.mesh is None
+        else f"a mesh {dict(trainer.mesh.shape)} (cp attention: {cfg.parallel.context_parallel_strategy})"
+    )
     model = trainer.model()
-    return describe_run(cfg, backend="jax", model_type=model.config.model_type, params=params, where=where,
-                        details=[f"remat={model.model.remat_policy}"])
+    return describe_run(
+        cfg,
+        backend="jax",
+        model_type=model.config.model_type,
+        params=params,
+        where=where,
+        details=[f"remat={model.model.remat_policy}"],
+    )
 
 
 def build_step_source(cfg: TrainConfig, mesh: Optional[Mesh]):
@@ -453,17 +539,24 @@ def build_dpo(cfg: TrainConfig):
         t0 = time.perf_counter()
         reference = model
         if has_adapters(model):  # PEFT: the base, adapters switched off (a shallow copy shares the weights)
-
             reference = nnx.merge(*nnx.split(model))
             set_adapters_enabled(reference, False)
-        rows = precompute_ref_logps(reference, rows, cfg, tokenizer.pad_token_id,
-                                    cfg.data.pad_to_multiple_of or DEFAULT_BUCKET)
+        rows = precompute_ref_logps(
+            reference, rows, cfg, tokenizer.pad_token_id, cfg.data.pad_to_multiple_of or DEFAULT_BUCKET
+        )
         logger.info("precomputed reference log-probs of %d pairs in %.1fs", len(rows), time.perf_counter() - t0)
     source = build_preference_iterator(cfg, rows, tokenizer.pad_token_id)
-    trainer = DPOTrainer(model, cfg, config=config, examples_per_step=source.examples_per_step,
-                         live_reference=not cfg.dpo.precompute_ref_log_probs)
-    announce = [describe(cfg, trainer),
-                f"dpo_loss_type={list(config.loss_type)}, beta={config.beta}, reference="
-                f"{reference_description(cfg, precomputed=cfg.dpo.precompute_ref_log_probs)}, "
-                f"{source.examples_per_step} pairs per step; data: {stats}"]
+    trainer = DPOTrainer(
+        model,
+        cfg,
+        config=config,
+        examples_per_step=source.examples_per_step,
+        live_reference=not cfg.dpo.precompute_ref_log_probs,
+    )
+    announce = [
+        describe(cfg, trainer),
+        f"dpo_loss_type={list(config.loss_type)}, beta={config.beta}, reference="
+        f"{reference_description(cfg, precomputed=cfg.dpo.precompute_ref_log_probs)}, "
+        f"{source.examples_per_step} pairs per step; data: {stats}",
+    ]
     return trainer, source, tokenizer, announce

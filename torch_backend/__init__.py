@@ -14,7 +14,25 @@ from twinseq.torch_backend.model import build_model, compute_loss, export_weight
 from twinseq.torch_backend.peft import add_adapters, export_adapters, merge_adapters
 from twinseq.torch_backend.recipes import train
 
-__all__ = ["build_model", "export_weights", "logits", "loss_and_grads", "train", "load_pretrained", "save_pretrained",
-           "compute_sequence_logps", "dpo_loss_and_grads", "add_adapters", "export_adapters", "merge_adapters",
-           "compute_loss", "forward_hidden", "check_attention_supported", "ActivationOffloader",
-           "offload_activations", "generate", "completion_logps", "grpo_loss_torch"]
+__all__ = [
+    "build_model",
+    "export_weights",
+    "logits",
+    "loss_and_grads",
+    "train",
+    "load_pretrained",
+    "save_pretrained",
+    "compute_sequence_logps",
+    "dpo_loss_and_grads",
+    "add_adapters",
+    "export_adapters",
+    "merge_adapters",
+    "compute_loss",
+    "forward_hidden",
+    "check_attention_supported",
+    "ActivationOffloader",
+    "offload_activations",
+    "generate",
+    "completion_logps",
+    "grpo_loss_torch",
+]

@@ -87,8 +87,9 @@ _FLASH2_MIN_VERSION = {"sliding windows": (2, 3), "soft-capping": (2, 6)}
 # --------------------------------------------------------------------------------------
 
 
-def check_attention_supported(attn_implementation: str, padding_free: bool = False,
-                              device: Any = "cpu", *, requires_grad: bool = True) -> None:
+def check_attention_supported(
+    attn_implementation: str, padding_free: bool = False, device: Any = "cpu", *, requires_grad: bool = True
+) -> None:
     """Raise ``ValueError`` when ``attn_implementation`` cannot run, or cannot mask documents, here.
 
     ``padding_free`` means rows hold several documents (packing or padding-free). Every path
@@ -96,24 +97,31 @@ def check_attention_supported(attn_implementation: str, padding_free: bool = Fal
     to something else in HF, so it is refused instead of risking a silent leak.
     """
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ConfigError(f"attn_implementation={attn_implementation!r} is unknown; choose one of "
-                          f"{', '.join(ATTN_IMPLEMENTATIONS)}.")
+        raise ConfigError(
+            f"attn_implementation={attn_implementation!r} is unknown; choose one of {', '.join(ATTN_IMPLEMENTATIONS)}."
+        )
     device_type = torch.device(device).type
     what = "padding-free/packed batches" if padding_free else "this run"
     if attn_implementation in _FLASH_MODULES:
         module = _FLASH_MODULES[attn_implementation]
         if device_type != "cuda":
-            raise ConfigError(f"attn_implementation={attn_implementation!r} needs a CUDA device (got "
-                              f"{device_type!r}); refusing {what} rather than attending across documents. "
-                              f"Use attn_implementation='varlen' (padding-free, document-masked) or 'sdpa'.")
+            raise ConfigError(
+                f"attn_implementation={attn_implementation!r} needs a CUDA device (got "
+                f"{device_type!r}); refusing {what} rather than attending across documents. "
+                f"Use attn_implementation='varlen' (padding-free, document-masked) or 'sdpa'."
+            )
         if importlib.util.find_spec(module) is None:
-            raise ConfigError(f"attn_implementation={attn_implementation!r} needs the {module!r} package, which is "
-                              f"not installed; refusing {what} rather than attending across documents. Install "
-                              f"it with `pip install -e '.[gpu]'` or use attn_implementation='varlen'.")
+            raise ConfigError(
+                f"attn_implementation={attn_implementation!r} needs the {module!r} package, which is "
+                f"not installed; refusing {what} rather than attending across documents. Install "
+                f"it with `pip install -e '.[gpu]'` or use attn_implementation='varlen'."
+            )
     if attn_implementation == "flex_attention" and device_type == "cpu" and requires_grad:
-        raise ConfigError("attn_implementation='flex_attention' cannot train on CPU: torch "
-                          f"{torch.__version__} has no FlexAttention backward on CPU. Use 'varlen' or 'sdpa' on "
-                          "CPU, or flex_attention on CUDA (forward-only CPU use works under torch.no_grad()).")
+        raise ConfigError(
+            "attn_implementation='flex_attention' cannot train on CPU: torch "
+            f"{torch.__version__} has no FlexAttention backward on CPU. Use 'varlen' or 'sdpa' on "
+            "CPU, or flex_attention on CUDA (forward-only CPU use works under torch.no_grad())."
+        )
 
 
 def hf_attn_name(attn_implementation: str) -> str:
@@ -150,9 +158,11 @@ def resolve_attn_implementation(attn_implementation: str, config: Any) -> str:
     cap = getattr(config, "attn_logit_softcapping", None)
     if attn_implementation != "sdpa" or cap is None:
         return attn_implementation
-    _warn_once(f"attn_implementation='sdpa' cannot soft-cap attention scores (model_type "
-               f"{config.model_type!r}, attn_logit_softcapping={cap}); running 'eager' instead, with the same "
-               f"document mask. Pass 'varlen' or 'flex_attention' for a kernel that skips masked blocks.")
+    _warn_once(
+        f"attn_implementation='sdpa' cannot soft-cap attention scores (model_type "
+        f"{config.model_type!r}, attn_logit_softcapping={cap}); running 'eager' instead, with the same "
+        f"document mask. Pass 'varlen' or 'flex_attention' for a kernel that skips masked blocks."
+    )
     return "eager"
 
 
@@ -160,9 +170,9 @@ def resolve_attn_implementation(attn_implementation: str, config: Any) -> str:
 class MaskLayout:
     """How the HF model of a family takes its attention mask, read from its config (``mask_layout``)."""
 
-    mapping: bool                   # one mask per layer type in a dict (qwen2, qwen3, gemma2), else one mask
-    sliding_window: Optional[int]   # window of the sliding layers (mistral: of every layer); None: none slides
-    softcap: Optional[float]        # attention score soft-cap (gemma2), else None
+    mapping: bool  # one mask per layer type in a dict (qwen2, qwen3, gemma2), else one mask
+    sliding_window: Optional[int]  # window of the sliding layers (mistral: of every layer); None: none slides
+    softcap: Optional[float]  # attention score soft-cap (gemma2), else None
 
 
 def mask_layout(config: Any) -> MaskLayout:
@@ -174,8 +184,10 @@ def mask_layout(config: Any) -> MaskLayout:
     """
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_TYPES:
-        raise ConfigError(f"model_type={model_type!r} is not supported; twinseq builds {', '.join(MODEL_TYPES)} "
-                          f"(model_type in config.json).")
+        raise ConfigError(
+            f"model_type={model_type!r} is not supported; twinseq builds {', '.join(MODEL_TYPES)} "
+            f"(model_type in config.json)."
+        )
     window = getattr(config, "sliding_window", None)
     cap = getattr(config, "attn_logit_softcapping", None)
     if model_type == "mistral":  # one mask, and HF passes config.sliding_window to every layer
@@ -204,8 +216,9 @@ def per_layer_type(layout: MaskLayout, make: Callable[[Optional[int]], Any]) -> 
 # --------------------------------------------------------------------------------------
 
 
-def allowed_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
-                 sliding_window: Optional[int] = None) -> torch.Tensor:
+def allowed_mask(
+    segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, sliding_window: Optional[int] = None
+) -> torch.Tensor:
     """bool [B, T, T]: the document-causal rule (within ``sliding_window`` positions when given), plus the
     diagonal of padding queries.
 
@@ -226,16 +239,21 @@ def allowed_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
     return (same_doc & causal) | (eye & (seg_q == 0))
 
 
-def document_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
-                  dtype: torch.dtype = torch.float32, sliding_window: Optional[int] = None) -> torch.Tensor:
+def document_mask(
+    segment_ids_BT: torch.Tensor,
+    position_ids_BT: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    sliding_window: Optional[int] = None,
+) -> torch.Tensor:
     """Additive float mask [B, 1, T, T]: 0 where ``allowed_mask`` holds, ``finfo(dtype).min`` elsewhere."""
     allowed = allowed_mask(segment_ids_BT, position_ids_BT, sliding_window)[:, None]
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
-def document_block_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor,
-                        sliding_window: Optional[int] = None):
+def document_block_mask(
+    segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, sliding_window: Optional[int] = None
+):
     """FlexAttention ``BlockMask`` of ``allowed_mask`` (blocks fully outside a document, or a window, are skipped)."""
     seg, pos = segment_ids_BT, position_ids_BT
 
@@ -249,12 +267,18 @@ def document_block_mask(segment_ids_BT: torch.Tensor, position_ids_BT: torch.Ten
         return mask_mod(b, h, q_idx, kv_idx) & (pos[b, q_idx] - pos[b, kv_idx] < sliding_window)
 
     B, T = seg.shape
-    return create_block_mask(mask_mod if sliding_window is None else window_mask_mod, B, None, T, T,
-                             device=seg.device)
+    return create_block_mask(mask_mod if sliding_window is None else window_mask_mod, B, None, T, T, device=seg.device)
 
 
-def softcapped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-                         scaling: Optional[float], softcap: Optional[float], dropout: float = 0.0) -> torch.Tensor:
+def softcapped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: Optional[float],
+    softcap: Optional[float],
+    dropout: float = 0.0,
+) -> torch.Tensor:
     """Attention with soft-capped scores, as transformers' eager Gemma 2: q [..., H, L, D], k/v [..., KV, S, D]
     -> [..., H, L, Dv]. ``mask`` is a bool ``allowed`` mask or an additive float one, broadcast to the scores.
 
@@ -296,12 +320,12 @@ class VarlenPlan:
     padded [n, L] bucket; padding slots repeat a valid index of their document.
     """
 
-    slot_index: torch.Tensor    # long [S = sum n*L]
-    bucket_shapes: list         # [(n, L)] per bucket, in slot_index order
-    gather_idx: torch.Tensor    # long [B*T]: each token's slot; padding tokens -> S (a zero row)
-    num_rows: int               # B
-    seq_len: int                # T
-    cu_seqlens: torch.Tensor    # int32 [num_runs+1] over the flattened batch, padding runs included (flash)
+    slot_index: torch.Tensor  # long [S = sum n*L]
+    bucket_shapes: list  # [(n, L)] per bucket, in slot_index order
+    gather_idx: torch.Tensor  # long [B*T]: each token's slot; padding tokens -> S (a zero row)
+    num_rows: int  # B
+    seq_len: int  # T
+    cu_seqlens: torch.Tensor  # int32 [num_runs+1] over the flattened batch, padding runs included (flash)
     max_seqlen: int
 
 
@@ -353,8 +377,12 @@ def _document_runs(segment_ids_BT: np.ndarray, position_ids_BT: np.ndarray):
     return starts[is_doc], lengths[is_doc], lengths
 
 
-def varlen_plan(segment_ids_BT: np.ndarray, position_ids_BT: np.ndarray, device: Any = "cpu",
-                bucket_ratio: float = DEFAULT_BUCKET_RATIO) -> Optional[VarlenPlan]:
+def varlen_plan(
+    segment_ids_BT: np.ndarray,
+    position_ids_BT: np.ndarray,
+    device: Any = "cpu",
+    bucket_ratio: float = DEFAULT_BUCKET_RATIO,
+) -> Optional[VarlenPlan]:
     """Plan the per-document attention of a batch, or ``None`` if documents are not contiguous runs
     with positions 0, 1, 2, ... (then only the dense mask implements the rule).
 
@@ -385,9 +413,15 @@ def varlen_plan(segment_ids_BT: np.ndarray, position_ids_BT: np.ndarray, device:
     gather_idx[gather_idx < 0] = num_slots
     slot_index = np.concatenate(slots) if slots else np.zeros(0, np.int64)
     cu_seqlens = np.concatenate([[0], np.cumsum(lengths)])
-    return VarlenPlan(torch.as_tensor(slot_index, device=device), shapes, torch.as_tensor(gather_idx, device=device),
-                      segment_ids_BT.shape[0], segment_ids_BT.shape[1],
-                      torch.as_tensor(cu_seqlens, dtype=torch.int32, device=device), int(lengths.max(initial=0)))
+    return VarlenPlan(
+        torch.as_tensor(slot_index, device=device),
+        shapes,
+        torch.as_tensor(gather_idx, device=device),
+        segment_ids_BT.shape[0],
+        segment_ids_BT.shape[1],
+        torch.as_tensor(cu_seqlens, dtype=torch.int32, device=device),
+        int(lengths.max(initial=0)),
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -411,11 +445,18 @@ def _plan_from_position_ids(position_ids: torch.Tensor, batch_size: int) -> Varl
 _UNSUPPORTED_KWARGS = ("s_aux", "position_bias")
 
 
-def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                             value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                             dropout: float = 0.0, scaling: Optional[float] = None,
-                             sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                             **kwargs) -> tuple[torch.Tensor, None]:
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """HF attention function ``twinseq_varlen``: q [B, H, T, D], k/v [B, KV, T, D] -> out [B, T, H, D].
 
     ``sliding_window`` and ``softcap`` are the layer's (HF's attention modules pass them: Mistral,
@@ -425,29 +466,36 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """
     unsupported = sorted(k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None)
     if unsupported or kwargs.get("is_causal") is False:
-        raise ConfigError(f"attn_implementation='varlen' got {unsupported or 'is_causal=False'} from "
-                          f"{type(module).__name__}, which it cannot compute; use attn_implementation='eager'.")
+        raise ConfigError(
+            f"attn_implementation='varlen' got {unsupported or 'is_causal=False'} from "
+            f"{type(module).__name__}, which it cannot compute; use attn_implementation='eager'."
+        )
     plan: Optional[VarlenPlan] = kwargs.get(PLAN_KWARG)
     if plan is None and attention_mask is not None:
         # the dense fallback of model_inputs: this layer type's mask already holds the window
         if softcap is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling)
-        out = softcapped_attention(query, key, value, attention_mask, scaling, softcap,
-                                   dropout if module.training else 0.0)
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
+        out = softcapped_attention(
+            query, key, value, attention_mask, scaling, softcap, dropout if module.training else 0.0
+        )
         return out.transpose(1, 2).contiguous(), None
     if plan is None:
         if kwargs.get("position_ids") is None:
-            raise ConfigError("attn_implementation='varlen' needs document boundaries: call "
-                              "twinseq.torch_backend.attention.forward_hidden(model, batch), or pass position_ids "
-                              "that restart at 0 for each document.")
-        _log_once("twinseq_varlen called without a VarlenPlan: documents taken from position_ids restarts "
-                  "(use forward_hidden to pass segment_ids).")
+            raise ConfigError(
+                "attn_implementation='varlen' needs document boundaries: call "
+                "twinseq.torch_backend.attention.forward_hidden(model, batch), or pass position_ids "
+                "that restart at 0 for each document."
+            )
+        _log_once(
+            "twinseq_varlen called without a VarlenPlan: documents taken from position_ids restarts "
+            "(use forward_hidden to pass segment_ids)."
+        )
         plan = _plan_from_position_ids(kwargs["position_ids"], query.shape[0])
     B, H, T, D = query.shape
     assert (plan.num_rows, plan.seq_len) == (B, T), "VarlenPlan built for another batch shape"
-    out_NHD = _bucketed_attention(query, key, value, plan, scaling, dropout if module.training else 0.0,
-                                  sliding_window, softcap)
+    out_NHD = _bucketed_attention(
+        query, key, value, plan, scaling, dropout if module.training else 0.0, sliding_window, softcap
+    )
     return out_NHD.view(B, T, H, value.shape[-1]), None
 
 
@@ -465,24 +513,34 @@ def _bucket_attention(q, k, v, scaling, dropout, sliding_window, softcap) -> tor
         allowed = _band(L, L if window is None else window, q.device)
         return softcapped_attention(q, k, v, allowed, scaling, softcap, dropout)
     if window is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling,
-                                              enable_gqa=k.shape[1] != q.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_band(L, window, q.device), dropout_p=dropout,
-                                          scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
+        )
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=_band(L, window, q.device),
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
 
 
-def _bucketed_attention(query, key, value, plan: VarlenPlan, scaling, dropout, sliding_window=None,
-                        softcap=None) -> torch.Tensor:
+def _bucketed_attention(
+    query, key, value, plan: VarlenPlan, scaling, dropout, sliding_window=None, softcap=None
+) -> torch.Tensor:
     """[B, H, T, D] q and [B, KV, T, D] k/v -> [B*T, H, Dv]: causal attention inside each document (within
     ``sliding_window`` positions, with soft-capped scores when given)."""
     B, H, T, D = query.shape
     dv = value.shape[-1]
-    q_HS, k_KS, v_KS = (x.transpose(0, 1).reshape(x.shape[1], B * T, x.shape[-1]).index_select(1, plan.slot_index)
-                        for x in (query, key, value))
+    q_HS, k_KS, v_KS = (
+        x.transpose(0, 1).reshape(x.shape[1], B * T, x.shape[-1]).index_select(1, plan.slot_index)
+        for x in (query, key, value)
+    )
     sizes = [n * L for n, L in plan.bucket_shapes]
     outs = []
-    for (n, L), q, k, v in zip(plan.bucket_shapes, q_HS.split(sizes, 1), k_KS.split(sizes, 1),
-                               v_KS.split(sizes, 1)):
+    for (n, L), q, k, v in zip(plan.bucket_shapes, q_HS.split(sizes, 1), k_KS.split(sizes, 1), v_KS.split(sizes, 1)):
         q, k, v = (x.view(x.shape[0], n, L, x.shape[-1]).transpose(0, 1) for x in (q, k, v))
         o_nHLD = _bucket_attention(q, k, v, scaling, dropout, sliding_window, softcap)
         outs.append(o_nHLD.transpose(1, 2).reshape(n * L, H, dv))
@@ -513,8 +571,9 @@ def _ensure_attn(model: torch.nn.Module, attn_implementation: Optional[str]) -> 
     if attn_implementation is None or attn_implementation == current:
         return current
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ConfigError(f"attn_implementation={attn_implementation!r} is unknown; choose one of "
-                          f"{', '.join(ATTN_IMPLEMENTATIONS)}.")
+        raise ConfigError(
+            f"attn_implementation={attn_implementation!r} is unknown; choose one of {', '.join(ATTN_IMPLEMENTATIONS)}."
+        )
     resolved = resolve_attn_implementation(attn_implementation, model.config)
     if resolved != current:
         logger.info("switching the model's attention from %r to %r as requested", current, resolved)
@@ -533,20 +592,28 @@ def check_flash_features(attn_implementation: str, layout: MaskLayout) -> None:
     try:
         version = importlib.metadata.version("flash_attn")
     except importlib.metadata.PackageNotFoundError:
-        raise MissingDependencyError("attn_implementation='flash_attention_2' needs the flash-attn package; "
-                                     "install it with `pip install -e '.[gpu]'` or use attn_implementation='varlen'."
-                                     ) from None
+        raise MissingDependencyError(
+            "attn_implementation='flash_attention_2' needs the flash-attn package; "
+            "install it with `pip install -e '.[gpu]'` or use attn_implementation='varlen'."
+        ) from None
     have = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
     for feature, on in (("sliding windows", layout.sliding_window is not None), ("soft-capping", layout.softcap)):
         if on and have < _FLASH2_MIN_VERSION[feature]:
             need = ".".join(map(str, _FLASH2_MIN_VERSION[feature]))
-            raise ConfigError(f"attn_implementation='flash_attention_2': flash-attn {version} has no {feature}, "
-                              f"which this model uses; upgrade to flash-attn>={need} or use "
-                              f"attn_implementation='varlen'.")
+            raise ConfigError(
+                f"attn_implementation='flash_attention_2': flash-attn {version} has no {feature}, "
+                f"which this model uses; upgrade to flash-attn>={need} or use "
+                f"attn_implementation='varlen'."
+            )
 
 
-def model_inputs(batch: Batch, attn_implementation: str, device: Any, mask_dtype: torch.dtype = torch.float32,
-                 layout: MaskLayout = MaskLayout(False, None, None)) -> dict[str, Any]:
+def model_inputs(
+    batch: Batch,
+    attn_implementation: str,
+    device: Any,
+    mask_dtype: torch.dtype = torch.float32,
+    layout: MaskLayout = MaskLayout(False, None, None),
+) -> dict[str, Any]:
     """Keyword arguments for the HF decoder's ``forward`` that implement the document rule on one path.
 
     ``layout`` (``mask_layout`` of the model's config) says which layers slide and how the model
@@ -555,8 +622,11 @@ def model_inputs(batch: Batch, attn_implementation: str, device: Any, mask_dtype
     device = torch.device(device)
     seg_BT = torch.as_tensor(batch.segment_ids, dtype=torch.long, device=device)
     pos_BT = torch.as_tensor(batch.position_ids, dtype=torch.long, device=device)
-    inputs: dict[str, Any] = {"input_ids": torch.as_tensor(batch.input_ids, dtype=torch.long, device=device),
-                              "position_ids": pos_BT, "use_cache": False}
+    inputs: dict[str, Any] = {
+        "input_ids": torch.as_tensor(batch.input_ids, dtype=torch.long, device=device),
+        "position_ids": pos_BT,
+        "use_cache": False,
+    }
 
     def dense(window: Optional[int]) -> torch.Tensor:
         return document_mask(seg_BT, pos_BT, mask_dtype, window)
@@ -568,18 +638,26 @@ def model_inputs(batch: Batch, attn_implementation: str, device: Any, mask_dtype
     else:
         plan = varlen_plan(batch.segment_ids, batch.position_ids, device)
         if plan is None and attn_implementation in _FLASH_MODULES:
-            raise ConfigError(f"attn_implementation={attn_implementation!r} needs contiguous documents with "
-                              f"position_ids 0, 1, 2, ... (as common.data.batching.collate builds them); this batch "
-                              f"has other positions. Use attn_implementation='sdpa'.")
+            raise ConfigError(
+                f"attn_implementation={attn_implementation!r} needs contiguous documents with "
+                f"position_ids 0, 1, 2, ... (as common.data.batching.collate builds them); this batch "
+                f"has other positions. Use attn_implementation='sdpa'."
+            )
         if plan is None:
-            logger.info("varlen: documents are not contiguous runs with positions 0..n-1; using the dense "
-                        "document mask for this batch")
+            logger.info(
+                "varlen: documents are not contiguous runs with positions 0..n-1; using the dense "
+                "document mask for this batch"
+            )
             inputs["attention_mask"] = per_layer_type(layout, dense)
         elif attn_implementation == "varlen":
             inputs[PLAN_KWARG] = plan
         else:
-            inputs.update(cu_seq_lens_q=plan.cu_seqlens, cu_seq_lens_k=plan.cu_seqlens,
-                          max_length_q=plan.max_seqlen, max_length_k=plan.max_seqlen)
+            inputs.update(
+                cu_seq_lens_q=plan.cu_seqlens,
+                cu_seq_lens_k=plan.cu_seqlens,
+                max_length_q=plan.max_seqlen,
+                max_length_k=plan.max_seqlen,
+            )
     return inputs
 
 
@@ -594,8 +672,12 @@ def forward_hidden(model: torch.nn.Module, batch: Batch, attn_implementation: Op
     layout = mask_layout(model.config)
     attn = _ensure_attn(model, attn_implementation)
     device = next(model.parameters()).device
-    check_attention_supported(attn, padding_free=int(batch.segment_ids.max(initial=0)) > 1, device=device,
-                              requires_grad=torch.is_grad_enabled())
+    check_attention_supported(
+        attn,
+        padding_free=int(batch.segment_ids.max(initial=0)) > 1,
+        device=device,
+        requires_grad=torch.is_grad_enabled(),
+    )
     check_flash_features(attn, layout)
     if uses_blocked_attention(attn, device, batch.input_ids.shape[1]):
         switch_to_blocked(model, attn)

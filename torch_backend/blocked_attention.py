@@ -73,8 +73,10 @@ class BlockedPlan:
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ConfigError(f"attention_block_size={self.block_size!r} must be a positive integer (tokens per "
-                              f"query and key block of the blocked attention); the default is 512.")
+            raise ConfigError(
+                f"attention_block_size={self.block_size!r} must be a positive integer (tokens per "
+                f"query and key block of the blocked attention); the default is 512."
+            )
 
     def pairs(self, sliding_window: Optional[int]) -> list[list[tuple[int, bool]]]:
         """For every query block, ``(key block, full)`` for the key blocks that may hold an allowed pair (a
@@ -102,11 +104,18 @@ def _block_ranges(seg_BT: torch.Tensor, pos_BT: torch.Tensor, block: int):
     def masked(x: torch.Tensor, fill: int) -> torch.Tensor:
         return torch.where(real, x.long(), torch.full_like(x, fill, dtype=torch.long))
 
-    seg_min, seg_max = _block_reduce(masked(seg_BT, big), block, big, torch.min), \
-        _block_reduce(masked(seg_BT, -big), block, -big, torch.max)
+    seg_min, seg_max = (
+        _block_reduce(masked(seg_BT, big), block, big, torch.min),
+        _block_reduce(masked(seg_BT, -big), block, -big, torch.max),
+    )
     one_doc = (_block_reduce(seg_BT, block, big, torch.min) == seg_max) & (seg_max > 0)  # a 0 would be the min
-    return (seg_min, seg_max, _block_reduce(masked(pos_BT, big), block, big, torch.min),
-            _block_reduce(masked(pos_BT, -big), block, -big, torch.max), one_doc)
+    return (
+        seg_min,
+        seg_max,
+        _block_reduce(masked(pos_BT, big), block, big, torch.min),
+        _block_reduce(masked(pos_BT, -big), block, -big, torch.max),
+        one_doc,
+    )
 
 
 def _candidate_pairs(plan: BlockedPlan, sliding_window: Optional[int]) -> list[list[tuple[int, bool]]]:
@@ -115,15 +124,17 @@ def _candidate_pairs(plan: BlockedPlan, sliding_window: Optional[int]) -> list[l
     sq_min, sq_max, pq_min, pq_max, q_one = _block_ranges(plan.seg_q, plan.pos_q, plan.block_size)
     sk_min, sk_max, pk_min, pk_max, k_one = _block_ranges(plan.seg_k, plan.pos_k, plan.block_size)
     ok = (sq_min[:, :, None] <= sk_max[:, None, :]) & (sk_min[:, None, :] <= sq_max[:, :, None])
-    ok &= pk_min[:, None, :] <= pq_max[:, :, None]                      # some key not after some query
+    ok &= pk_min[:, None, :] <= pq_max[:, :, None]  # some key not after some query
     full = q_one[:, :, None] & k_one[:, None, :] & (sq_min[:, :, None] == sk_min[:, None, :])
-    full &= pk_max[:, None, :] <= pq_min[:, :, None]                    # every key not after every query
-    if sliding_window is not None:                                       # some key within the window
+    full &= pk_max[:, None, :] <= pq_min[:, :, None]  # every key not after every query
+    if sliding_window is not None:  # some key within the window
         ok &= pq_min[:, :, None] - pk_max[:, None, :] < sliding_window
         full &= pq_max[:, :, None] - pk_min[:, None, :] < sliding_window
     ok_QK, full_QK = ok.any(0).cpu(), full.all(0).cpu()
-    return [[(kj, bool(full_QK[qi, kj])) for kj in torch.nonzero(ok_QK[qi]).flatten().tolist()]
-            for qi in range(ok_QK.shape[0])]
+    return [
+        [(kj, bool(full_QK[qi, kj])) for kj in torch.nonzero(ok_QK[qi]).flatten().tolist()]
+        for qi in range(ok_QK.shape[0])
+    ]
 
 
 def _allowed(seg_q, pos_q, seg_k, pos_k, sliding_window: Optional[int]) -> torch.Tensor:
@@ -154,8 +165,9 @@ class _BlockedAttention(torch.autograd.Function):
     """q [B, H, L, D], k/v [B, KV, S, D] -> out [B, H, L, Dv]; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan: BlockedPlan, scaling: float, sliding_window: Optional[int],
-                softcap: Optional[float]):
+    def forward(
+        ctx, q, k, v, plan: BlockedPlan, scaling: float, sliding_window: Optional[int], softcap: Optional[float]
+    ):
         B, H, L, D = q.shape
         KV, Dv, bs = k.shape[1], v.shape[-1], plan.block_size
         G, wd = H // KV, _work_dtype(q)
@@ -173,11 +185,12 @@ class _BlockedAttention(torch.autograd.Function):
                 ks = slice(kj * bs, (kj + 1) * bs)
                 s, _ = _scores(q_blk, k[:, :, ks].to(wd), scaling, softcap)
                 if not full:
-                    ok = _allowed(plan.seg_q[:, qs], plan.pos_q[:, qs], plan.seg_k[:, ks], plan.pos_k[:, ks],
-                                  sliding_window)[:, None, None]
+                    ok = _allowed(
+                        plan.seg_q[:, qs], plan.pos_q[:, qs], plan.seg_k[:, ks], plan.pos_k[:, ks], sliding_window
+                    )[:, None, None]
                     s = s.masked_fill(~ok, float("-inf"))
                 m_new = torch.maximum(m, s.amax(-1))
-                m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)   # rows with nothing allowed yet
+                m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing allowed yet
                 p = torch.exp(s - m_safe[..., None])
                 alpha = torch.exp(m - m_safe)
                 l = l * alpha + p.sum(-1)
@@ -201,7 +214,7 @@ class _BlockedAttention(torch.autograd.Function):
         KV, Dv, bs = k.shape[1], v.shape[-1], plan.block_size
         G, wd = H // KV, _work_dtype(q)
         q5, do5 = q.view(B, KV, G, L, D), grad_out.reshape(B, KV, G, L, Dv)
-        delta = (do5.to(wd) * out.view(B, KV, G, L, Dv).to(wd)).sum(-1)   # rowsum(do * out)
+        delta = (do5.to(wd) * out.view(B, KV, G, L, Dv).to(wd)).sum(-1)  # rowsum(do * out)
         dq = torch.zeros(B, KV, G, L, D, dtype=wd, device=q.device)
         dk = torch.zeros(k.shape, dtype=wd, device=q.device)
         dv = torch.zeros(v.shape, dtype=wd, device=q.device)
@@ -213,10 +226,11 @@ class _BlockedAttention(torch.autograd.Function):
                 ks = slice(kj * bs, (kj + 1) * bs)
                 k_blk, v_blk = k[:, :, ks].to(wd), v[:, :, ks].to(wd)
                 s, t = _scores(q_blk, k_blk, scaling, cap)
-                p = torch.exp(s - lse_blk)                                     # [B, KV, G, bq, bk]
+                p = torch.exp(s - lse_blk)  # [B, KV, G, bq, bk]
                 if not full:
-                    ok = _allowed(plan.seg_q[:, qs], plan.pos_q[:, qs], plan.seg_k[:, ks], plan.pos_k[:, ks],
-                                  window)[:, None, None]
+                    ok = _allowed(plan.seg_q[:, qs], plan.pos_q[:, qs], plan.seg_k[:, ks], plan.pos_k[:, ks], window)[
+                        :, None, None
+                    ]
                     p = torch.where(ok, p, 0.0)
                 dv[:, :, ks] += torch.einsum("bkgqn,bkgqd->bknd", p, do_blk)
                 ds = p * (torch.einsum("bkgqd,bknd->bkgqn", do_blk, v_blk) - delta_blk)
@@ -228,9 +242,15 @@ class _BlockedAttention(torch.autograd.Function):
         return dq.view(B, H, L, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def blocked_attention(q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, plan: BlockedPlan,
-                      scaling: Optional[float] = None, sliding_window: Optional[int] = None,
-                      softcap: Optional[float] = None) -> torch.Tensor:
+def blocked_attention(
+    q_BHLD: torch.Tensor,
+    k_BKSD: torch.Tensor,
+    v_BKSD: torch.Tensor,
+    plan: BlockedPlan,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """[B, H, L, Dv]: document attention of ``plan``'s queries over its keys, block by block (module docstring).
 
     >>> seg, pos = torch.tensor([[1, 1, 2, 0]]), torch.tensor([[0, 1, 0, 0]])
@@ -240,9 +260,10 @@ def blocked_attention(q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.
     """
     B, H, L, D = q_BHLD.shape
     assert H % k_BKSD.shape[1] == 0, "query heads must be a multiple of the K/V heads (GQA)"
-    assert tuple(plan.seg_q.shape) == (B, L) and tuple(plan.seg_k.shape) == (B, k_BKSD.shape[2]), \
+    assert tuple(plan.seg_q.shape) == (B, L) and tuple(plan.seg_k.shape) == (B, k_BKSD.shape[2]), (
         "BlockedPlan built for another batch shape"
-    scale = D ** -0.5 if scaling is None else float(scaling)
+    )
+    scale = D**-0.5 if scaling is None else float(scaling)
     return _BlockedAttention.apply(q_BHLD, k_BKSD, v_BKSD, plan, scale, sliding_window, softcap)
 
 
@@ -278,8 +299,11 @@ def uses_blocked_attention(attn_implementation: str, device: torch.device, seq_l
     trajectories stay bit-identical). ``varlen`` keeps its own per-document kernel (it never
     builds a [T, T] mask); on CUDA, ``flex_attention`` and the flash paths skip masked blocks.
     """
-    return (attn_implementation in ("sdpa", "eager") and torch.device(device).type == "cpu"
-            and seq_len >= BLOCKED_MIN_SEQ_LEN)
+    return (
+        attn_implementation in ("sdpa", "eager")
+        and torch.device(device).type == "cpu"
+        and seq_len >= BLOCKED_MIN_SEQ_LEN
+    )
 
 
 def register_blocked() -> None:
@@ -298,9 +322,11 @@ def switch_to_blocked(model: torch.nn.Module, dense_attn: str) -> None:
     if causal_lm.config._attn_implementation != BLOCKED_HF_NAME:
         register_blocked()
         causal_lm.set_attn_implementation(BLOCKED_HF_NAME)
-    _log_once(f"attention: rows of >= BLOCKED_MIN_SEQ_LEN tokens on CPU run the blocked attention (blocks of "
-              f"{attention_block_size(causal_lm)} tokens, no [T, T] mask) in place of {dense_attn!r}; shorter rows "
-              f"keep {dense_attn!r} with the dense document mask.")
+    _log_once(
+        f"attention: rows of >= BLOCKED_MIN_SEQ_LEN tokens on CPU run the blocked attention (blocks of "
+        f"{attention_block_size(causal_lm)} tokens, no [T, T] mask) in place of {dense_attn!r}; shorter rows "
+        f"keep {dense_attn!r} with the dense document mask."
+    )
 
 
 def _dense_function(module: torch.nn.Module, name: str):
@@ -309,9 +335,16 @@ def _dense_function(module: torch.nn.Module, name: str):
     return ALL_ATTENTION_FUNCTIONS[name]
 
 
-def blocked_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                              scaling: Optional[float] = None, **kwargs) -> tuple[torch.Tensor, None]:
+def blocked_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """HF attention ``twinseq_blocked``: q [B, H, T, D], k/v [B, KV, T, D] -> out [B, T, H, Dv].
 
     With a ``BlockedPlan`` in ``twinseq_blocked_plan``: ``blocked_attention`` with the layer's
@@ -323,11 +356,12 @@ def blocked_attention_forward(module: torch.nn.Module, query: torch.Tensor, key:
         dense = _dense_function(module, getattr(module, "_twinseq_dense_attn", "sdpa"))
         return dense(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout > 0 and module.training:
-        raise ConfigError(f"the blocked attention has no attention dropout (got {dropout} from "
-                          f"{type(module).__name__}); set attention_dropout=0 or use rows shorter than "
-                          f"BLOCKED_MIN_SEQ_LEN.")
-    out_BHTD = blocked_attention(query, key, value, plan, scaling, kwargs.get("sliding_window"),
-                                 kwargs.get("softcap"))
+        raise ConfigError(
+            f"the blocked attention has no attention dropout (got {dropout} from "
+            f"{type(module).__name__}); set attention_dropout=0 or use rows shorter than "
+            f"BLOCKED_MIN_SEQ_LEN."
+        )
+    out_BHTD = blocked_attention(query, key, value, plan, scaling, kwargs.get("sliding_window"), kwargs.get("softcap"))
     return out_BHTD.transpose(1, 2).contiguous(), None
 
 
@@ -336,5 +370,9 @@ def blocked_model_inputs(model: torch.nn.Module, batch, device) -> dict:
     seg_BT = torch.as_tensor(batch.segment_ids, dtype=torch.long, device=device)
     pos_BT = torch.as_tensor(batch.position_ids, dtype=torch.long, device=device)
     plan = BlockedPlan(seg_BT, pos_BT, seg_BT, pos_BT, attention_block_size(causal_lm_of(model)))
-    return {"input_ids": torch.as_tensor(batch.input_ids, dtype=torch.long, device=device), "position_ids": pos_BT,
-            "use_cache": False, BLOCKED_KWARG: plan}
+    return {
+        "input_ids": torch.as_tensor(batch.input_ids, dtype=torch.long, device=device),
+        "position_ids": pos_BT,
+        "use_cache": False,
+        BLOCKED_KWARG: plan,
+    }

@@ -25,8 +25,9 @@ from twinseq.torch_backend.attention import check_attention_supported, hf_attn_n
 from twinseq.torch_backend.model import _as_dtype, make_rope_stateless_, model_config_of
 
 
-def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa",
-                    device: Any = None) -> Model:
+def load_pretrained(
+    path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa", device: Any = None
+) -> Model:
     """Load a local HF checkpoint directory of any family twinseq builds (no download); train mode.
 
     The folder is checked first with numpy (``common.models.hf_folder.inspect_model_folder``: its
@@ -44,16 +45,22 @@ def load_pretrained(path: PathLike, *, dtype: Optional[str] = None, attn_impleme
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     attn = hf_attn_name(resolve_attn_implementation(attn_implementation, config))
     # safetensors only: a pickled pytorch_model.bin is never unpickled
-    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, use_safetensors=True,
-                                                 dtype="auto" if dtype is None else _as_dtype(dtype),
-                                                 attn_implementation=attn)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path),
+        local_files_only=True,
+        use_safetensors=True,
+        dtype="auto" if dtype is None else _as_dtype(dtype),
+        attn_implementation=attn,
+    )
     if model.dtype not in (torch.float32, torch.bfloat16):
         model = model.float()
     model_config_of(model)  # the loaded config must read back as a ModelConfig (an invariant, checked again)
     for name, param in model.named_parameters():
         if not bool(torch.isfinite(param).all()):
-            raise CheckpointError(f"{path}: tensor {name} holds NaN or Inf values; the checkpoint is corrupt or came "
-                                  f"from a diverged run: use an earlier one.")
+            raise CheckpointError(
+                f"{path}: tensor {name} holds NaN or Inf values; the checkpoint is corrupt or came "
+                f"from a diverged run: use an earlier one."
+            )
     model.config.use_cache = False
     make_rope_stateless_(model)
     return model.to(device).train()
@@ -94,10 +101,16 @@ def rng_state() -> dict[str, Any]:
     """Every RNG a torch run draws from, as numpy/JSON (Python's, numpy's legacy one, torch CPU/CUDA)."""
     version, internal, gauss = random.getstate()
     legacy = np.random.get_state()
-    state = {"python": {"version": version, "internal": np.asarray(internal, np.uint64), "gauss": gauss},
-             "numpy": {"keys": legacy[1], "pos": int(legacy[2]), "has_gauss": int(legacy[3]),
-                       "cached_gaussian": float(legacy[4])},
-             "torch": torch.get_rng_state().numpy().copy()}
+    state = {
+        "python": {"version": version, "internal": np.asarray(internal, np.uint64), "gauss": gauss},
+        "numpy": {
+            "keys": legacy[1],
+            "pos": int(legacy[2]),
+            "has_gauss": int(legacy[3]),
+            "cached_gaussian": float(legacy[4]),
+        },
+        "torch": torch.get_rng_state().numpy().copy(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = [s.numpy().copy() for s in torch.cuda.get_rng_state_all()]
     return state

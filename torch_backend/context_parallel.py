@@ -121,8 +121,15 @@ def shard_for_rank(batch: Batch, cp: int, cp_rank: int, device: Any = "cpu") -> 
     def tensor(name: str) -> torch.Tensor:
         return torch.as_tensor(np.ascontiguousarray(arrays[name]), dtype=torch.long, device=device)
 
-    return CPShard(tensor("input_ids"), tensor("targets"), tensor("position_ids"), tensor("segment_ids"),
-                   int(batch.num_items_in_batch), int(cp), int(cp_rank))
+    return CPShard(
+        tensor("input_ids"),
+        tensor("targets"),
+        tensor("position_ids"),
+        tensor("segment_ids"),
+        int(batch.num_items_in_batch),
+        int(cp),
+        int(cp_rank),
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -169,8 +176,14 @@ def gather_sequence(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return _GatherSequence.apply(x, group, dim)
 
 
-def cp_allowed_mask(seg_q_BL: torch.Tensor, pos_q_BL: torch.Tensor, seg_k_BT: torch.Tensor,
-                    pos_k_BT: torch.Tensor, q_offset: int, sliding_window: Optional[int] = None) -> torch.Tensor:
+def cp_allowed_mask(
+    seg_q_BL: torch.Tensor,
+    pos_q_BL: torch.Tensor,
+    seg_k_BT: torch.Tensor,
+    pos_k_BT: torch.Tensor,
+    q_offset: int,
+    sliding_window: Optional[int] = None,
+) -> torch.Tensor:
     """bool [B, 1, L, T]: the mask rule for L local queries against all T keys (zigzag order), within
     ``sliding_window`` positions when given.
 
@@ -192,8 +205,8 @@ def cp_allowed_mask(seg_q_BL: torch.Tensor, pos_q_BL: torch.Tensor, seg_k_BT: to
 class CPAttentionContext:
     """What every attention layer of one forward needs; built once per forward by ``make_context``."""
 
-    group: Any                            # the cp ProcessGroup (None: one rank, nothing to gather)
-    plan: Optional[BlockedPlan]           # local queries' and gathered keys' ids (allgather); None for ring
+    group: Any  # the cp ProcessGroup (None: one rank, nothing to gather)
+    plan: Optional[BlockedPlan]  # local queries' and gathered keys' ids (allgather); None for ring
     sliding_window: Optional[int] = None  # the window of the model's sliding layers, if any
 
     def plan_for(self, block_size: int) -> BlockedPlan:
@@ -205,8 +218,13 @@ class CPAttentionContext:
         return self.plan
 
 
-def make_context(shard: CPShard, group, strategy: str, sliding_window: Optional[int] = None,
-                 block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE) -> CPAttentionContext:
+def make_context(
+    shard: CPShard,
+    group,
+    strategy: str,
+    sliding_window: Optional[int] = None,
+    block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE,
+) -> CPAttentionContext:
     """Gather the segment and position ids of the whole row once (no gradient), for the blocked attention of
     the local queries against the gathered keys (``sliding_window``: the window of the model's sliding
     layers, ``attention.mask_layout``). No mask is built: each block pair's comes from these ids."""
@@ -221,9 +239,15 @@ def make_context(shard: CPShard, group, strategy: str, sliding_window: Optional[
     return CPAttentionContext(group, plan, sliding_window)
 
 
-def local_document_attention(q_BHLD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor,
-                             allowed_B1LT: torch.Tensor, scaling: Optional[float],
-                             dropout: float = 0.0, softcap: Optional[float] = None) -> torch.Tensor:
+def local_document_attention(
+    q_BHLD: torch.Tensor,
+    k_BKTD: torch.Tensor,
+    v_BKTD: torch.Tensor,
+    allowed_B1LT: torch.Tensor,
+    scaling: Optional[float],
+    dropout: float = 0.0,
+    softcap: Optional[float] = None,
+) -> torch.Tensor:
     """[B, H, L, D]: local queries against every key, masked by ``allowed_B1LT`` (GQA-aware).
 
     Naive equivalent: ``softmax(softcap(q k^T * scaling) + where(allowed, 0, -inf)) v``, where
@@ -231,39 +255,60 @@ def local_document_attention(q_BHLD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD:
     """
     if softcap is not None:
         return softcapped_attention(q_BHLD, k_BKTD, v_BKTD, allowed_B1LT, scaling, softcap, dropout)
-    return F.scaled_dot_product_attention(q_BHLD, k_BKTD, v_BKTD, attn_mask=allowed_B1LT, dropout_p=dropout,
-                                          scale=scaling, enable_gqa=k_BKTD.shape[1] != q_BHLD.shape[1])
+    return F.scaled_dot_product_attention(
+        q_BHLD,
+        k_BKTD,
+        v_BKTD,
+        attn_mask=allowed_B1LT,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=k_BKTD.shape[1] != q_BHLD.shape[1],
+    )
 
 
 def _context(kwargs: dict, name: str) -> CPAttentionContext:
     ctx = kwargs.get(CP_KWARG)
     if ctx is None:
-        raise ConfigError(f"attention {name!r} needs a CPAttentionContext in the {CP_KWARG!r} keyword; run the "
-                          f"model through twinseq.torch_backend.parallel (CausalLMLoss), not model(input_ids).")
+        raise ConfigError(
+            f"attention {name!r} needs a CPAttentionContext in the {CP_KWARG!r} keyword; run the "
+            f"model through twinseq.torch_backend.parallel (CausalLMLoss), not model(input_ids)."
+        )
     return ctx
 
 
-def allgather_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                                value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                                dropout: float = 0.0, scaling: Optional[float] = None,
-                                sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                                **kwargs) -> tuple[torch.Tensor, None]:
+def allgather_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """HF attention ``twinseq_cp_allgather``: q [B, H, L, D], k/v [B, KV, L, D] (local) -> [B, L, H, D].
 
     ``sliding_window`` and ``softcap`` are the layer's, as HF's attention modules pass them.
     """
     ctx = _context(kwargs, ALLGATHER_HF_NAME)
     if sliding_window is not None and sliding_window != ctx.sliding_window:
-        raise ConfigError(f"a layer of {type(module).__name__} slides within {sliding_window} positions but the "
-                          f"CPAttentionContext was built for sliding_window={ctx.sliding_window}; build it with "
-                          f"make_context(..., sliding_window=mask_layout(model.config).sliding_window).")
+        raise ConfigError(
+            f"a layer of {type(module).__name__} slides within {sliding_window} positions but the "
+            f"CPAttentionContext was built for sliding_window={ctx.sliding_window}; build it with "
+            f"make_context(..., sliding_window=mask_layout(model.config).sliding_window)."
+        )
     if dropout > 0 and module.training:
-        raise ConfigError(f"context_parallel_strategy='allgather' has no attention dropout (got {dropout} from "
-                          f"{type(module).__name__}); set attention_dropout=0.")
+        raise ConfigError(
+            f"context_parallel_strategy='allgather' has no attention dropout (got {dropout} from "
+            f"{type(module).__name__}); set attention_dropout=0."
+        )
     if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
         key, value = gather_sequence(key, ctx.group, 2), gather_sequence(value, ctx.group, 2)
-    out_BHLD = blocked_attention(query, key, value, ctx.plan_for(attention_block_size(module)), scaling,
-                                 sliding_window, softcap)
+    out_BHLD = blocked_attention(
+        query, key, value, ctx.plan_for(attention_block_size(module)), scaling, sliding_window, softcap
+    )
     return out_BHLD.transpose(1, 2).contiguous(), None
 
 
@@ -272,10 +317,16 @@ def allgather_attention_forward(module: torch.nn.Module, query: torch.Tensor, ke
 # --------------------------------------------------------------------------------------
 
 
-def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                           value: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                           dropout: float = 0.0, scaling: Optional[float] = None,
-                           **kwargs) -> tuple[torch.Tensor, None]:
+def ring_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """HF attention ``twinseq_cp_ring``: causal SDPA, which ``torch...context_parallel`` turns into a ring.
 
     Only ``is_causal`` reaches the kernel: the rows must hold one document each, right-padded
@@ -283,15 +334,18 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     """
     _context(kwargs, RING_HF_NAME)
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise ConfigError(f"context_parallel_strategy='ring' cannot slide a window or soft-cap scores (layer of "
-                          f"{type(module).__name__}); use --context-parallel-strategy allgather.")
+        raise ConfigError(
+            f"context_parallel_strategy='ring' cannot slide a window or soft-cap scores (layer of "
+            f"{type(module).__name__}); use --context-parallel-strategy allgather."
+        )
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     # torch's ring exists for these two kernels only; the math fallback would raise inside CP
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-        out_BHLD = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout if module.training else 0.0,
-                                                  is_causal=True, scale=scaling)
+        out_BHLD = F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout if module.training else 0.0, is_causal=True, scale=scaling
+        )
     return out_BHLD.transpose(1, 2).contiguous(), None
 
 
@@ -300,27 +354,35 @@ def check_ring_model(config: Any) -> None:
     neither a sliding window (Mistral, Qwen2/3 with ``use_sliding_window``, Gemma 2) nor soft-capped
     scores (Gemma 2)."""
     layout = mask_layout(config)
-    features = [f"sliding_window={layout.sliding_window}" if layout.sliding_window is not None else "",
-                f"attn_logit_softcapping={layout.softcap}" if layout.softcap is not None else ""]
+    features = [
+        f"sliding_window={layout.sliding_window}" if layout.sliding_window is not None else "",
+        f"attn_logit_softcapping={layout.softcap}" if layout.softcap is not None else "",
+    ]
     features = [f for f in features if f]
     if features:
-        raise ConfigError(f"context_parallel_strategy='ring' cannot compute the attention of model_type "
-                          f"{config.model_type!r} ({', '.join(features)}): torch's ring attention applies a plain "
-                          f"causal mask only. Use --context-parallel-strategy allgather, which masks windows and "
-                          f"soft-caps scores.")
+        raise ConfigError(
+            f"context_parallel_strategy='ring' cannot compute the attention of model_type "
+            f"{config.model_type!r} ({', '.join(features)}): torch's ring attention applies a plain "
+            f"causal mask only. Use --context-parallel-strategy allgather, which masks windows and "
+            f"soft-caps scores."
+        )
 
 
 def check_ring_batch(batch: Batch) -> None:
     """``ValueError`` unless every row holds one document, right-padded (what ``is_causal`` can mask)."""
     seg_BT = np.asarray(batch.segment_ids)
     if int(seg_BT.max(initial=0)) > 1:
-        raise ConfigError("context_parallel_strategy='ring' got a packed/padding-free batch (several documents per "
-                          "row); torch's ring attention only applies a causal mask and would attend across "
-                          "documents (TRL #6843). Use --context-parallel-strategy allgather, which masks documents.")
+        raise ConfigError(
+            "context_parallel_strategy='ring' got a packed/padding-free batch (several documents per "
+            "row); torch's ring attention only applies a causal mask and would attend across "
+            "documents (TRL #6843). Use --context-parallel-strategy allgather, which masks documents."
+        )
     real_BT = seg_BT != 0
     if (real_BT[:, 1:] & ~real_BT[:, :-1]).any():
-        raise ConfigError("context_parallel_strategy='ring' needs right padding (a causal mask lets real tokens "
-                          "see left padding); set --padding-side right or use --context-parallel-strategy allgather.")
+        raise ConfigError(
+            "context_parallel_strategy='ring' needs right padding (a causal mask lets real tokens "
+            "see left padding); set --padding-side right or use --context-parallel-strategy allgather."
+        )
 
 
 @dataclass
@@ -356,12 +418,16 @@ def ring_context(cp_mesh, batch: Batch, device: Any):
     check_ring_batch(batch)
     cp = cp_mesh.size()
     check_cp_seq_len(batch.input_ids.shape[1], cp)
-    assert np.array_equal(ring_load_balancer_indices(batch.input_ids.shape[1], cp),
-                          cp_permutation(batch.input_ids.shape[1], cp)), "torch's head-tail order changed"
-    buffers = [torch.as_tensor(np.asarray(x), dtype=torch.long, device=device)
-               for x in (batch.input_ids, shift_labels(batch.labels), batch.position_ids, batch.segment_ids)]
-    with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
-                          no_restore_buffers=set(buffers)):
+    assert np.array_equal(
+        ring_load_balancer_indices(batch.input_ids.shape[1], cp), cp_permutation(batch.input_ids.shape[1], cp)
+    ), "torch's head-tail order changed"
+    buffers = [
+        torch.as_tensor(np.asarray(x), dtype=torch.long, device=device)
+        for x in (batch.input_ids, shift_labels(batch.labels), batch.position_ids, batch.segment_ids)
+    ]
+    with context_parallel(
+        cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)
+    ):
         yield CPShard(*buffers, int(batch.num_items_in_batch), cp, cp_mesh.get_local_rank())
 
 

@@ -36,7 +36,7 @@ import contextlib
 import importlib.util
 import logging
 import os
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence, cast
 
 import numpy as np
 import torch
@@ -75,8 +75,10 @@ def deepspeed_available() -> bool:
 def require_deepspeed(what: str = "deepspeed_zero_stage=3") -> None:
     """Raise ``MissingDependencyError`` naming the extra when DeepSpeed is not installed."""
     if not deepspeed_available():
-        raise MissingDependencyError(f"{what} needs DeepSpeed, which is not installed; {INSTALL_HINT} (pure Python "
-                                     f"at install, CPU or CUDA), or set --deepspeed-zero-stage 0.")
+        raise MissingDependencyError(
+            f"{what} needs DeepSpeed, which is not installed; {INSTALL_HINT} (pure Python "
+            f"at install, CPU or CUDA), or set --deepspeed-zero-stage 0."
+        )
 
 
 def _import_deepspeed():
@@ -94,28 +96,50 @@ def check_zero3_config(cfg: TrainConfig) -> None:
     """Refuse what ZeRO-3 here does not combine with, naming the flag to drop."""
     par = cfg.parallel
     if par.deepspeed_zero_stage != 3:
-        raise ConfigError(f"deepspeed_zero_stage={par.deepspeed_zero_stage!r}: the DeepSpeed path runs ZeRO-3 "
-                          f"only; pass --deepspeed-zero-stage 3 (or 0 for the plain/FSDP2 trainer).")
+        raise ConfigError(
+            f"deepspeed_zero_stage={par.deepspeed_zero_stage!r}: the DeepSpeed path runs ZeRO-3 "
+            f"only; pass --deepspeed-zero-stage 3 (or 0 for the plain/FSDP2 trainer)."
+        )
     if cfg.backend != "torch":
-        raise ConfigError("deepspeed_zero_stage=3 is a torch option; the jax backend shards over its device mesh. "
-                          "Drop --deepspeed-zero-stage or use --backend torch.")
+        raise ConfigError(
+            "deepspeed_zero_stage=3 is a torch option; the jax backend shards over its device mesh. "
+            "Drop --deepspeed-zero-stage or use --backend torch."
+        )
     refusals = [
         (par.fsdp, "fsdp=True", "ZeRO-3 and FSDP2 both partition the parameters; pick one (drop --fsdp)"),
-        (par.context_parallel_size > 1, f"context_parallel_size={par.context_parallel_size}",
-         "context parallelism runs under FSDP2 only; use --context-parallel-size 1"),
+        (
+            par.context_parallel_size > 1,
+            f"context_parallel_size={par.context_parallel_size}",
+            "context parallelism runs under FSDP2 only; use --context-parallel-size 1",
+        ),
         (cfg.task == "dpo", "task='dpo'", "DPO's frozen reference copy is not partitioned here; use --task sft"),
-        (cfg.task == "grpo" and cfg.grpo.grpo_beta > 0, f"grpo_beta={cfg.grpo.grpo_beta}",
-         "the KL term's frozen reference copy is not partitioned here; use --grpo-beta 0 (TRL's default)"),
-        (cfg.task == "grpo" and cfg.loss.loss_type == "liger", "loss_type='liger' with task='grpo'",
-         "Liger's fused GRPO loss reads the LM head outside the engine's forward; use --loss-type fused_linear"),
+        (
+            cfg.task == "grpo" and cfg.grpo.grpo_beta > 0,
+            f"grpo_beta={cfg.grpo.grpo_beta}",
+            "the KL term's frozen reference copy is not partitioned here; use --grpo-beta 0 (TRL's default)",
+        ),
+        (
+            cfg.task == "grpo" and cfg.loss.loss_type == "liger",
+            "loss_type='liger' with task='grpo'",
+            "Liger's fused GRPO loss reads the LM head outside the engine's forward; use --loss-type fused_linear",
+        ),
         (cfg.peft.use_peft, "use_peft=True", "adapters are trained with FSDP2 or one process here; drop --use-peft"),
-        (cfg.optim.optimizer != "adamw_torch", f"optimizer={cfg.optim.optimizer!r}",
-         "ZeRO-3 partitions a client torch AdamW; use --optimizer adamw_torch"),
-        (cfg.memory.activation_offloading, "activation_offloading=True",
-         "its saved-tensor hooks are not wired to ZeRO-3's parameter release; drop --activation-offloading"),
+        (
+            cfg.optim.optimizer != "adamw_torch",
+            f"optimizer={cfg.optim.optimizer!r}",
+            "ZeRO-3 partitions a client torch AdamW; use --optimizer adamw_torch",
+        ),
+        (
+            cfg.memory.activation_offloading,
+            "activation_offloading=True",
+            "its saved-tensor hooks are not wired to ZeRO-3's parameter release; drop --activation-offloading",
+        ),
         (cfg.memory.torch_compile, "torch_compile=True", "not wired with ZeRO-3's hooks; drop --torch-compile"),
-        (cfg.model.dtype == "bfloat16" and not torch.cuda.is_available(), "dtype='bfloat16' on CPU",
-         "DeepSpeed's bf16 mode needs CUDA; use --dtype float32 on CPU"),
+        (
+            cfg.model.dtype == "bfloat16" and not torch.cuda.is_available(),
+            "dtype='bfloat16' on CPU",
+            "DeepSpeed's bf16 mode needs CUDA; use --dtype float32 on CPU",
+        ),
     ]
     for bad, what, fix in refusals:
         if bad:
@@ -149,7 +173,7 @@ def ds_config(cfg: TrainConfig, *, param_persistence_threshold: Optional[int] = 
         "fp16": {"enabled": False},
         # a client torch optimizer is what we want (DeepSpeed's own compile C++ at run time)
         "zero_allow_untested_optimizer": True,
-        "steps_per_print": 2 ** 31 - 1,
+        "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
 
@@ -180,8 +204,9 @@ def ensure_process_group() -> None:
         dist.init_process_group(backend)
 
 
-def build_partitioned_model(model_cfg, weights: Mapping[str, np.ndarray], ds_cfg: dict, *,
-                            attn_implementation: str = "sdpa") -> torch.nn.Module:
+def build_partitioned_model(
+    model_cfg, weights: Mapping[str, np.ndarray], ds_cfg: dict, *, attn_implementation: str = "sdpa"
+) -> torch.nn.Module:
     """The HF model of ``model_cfg`` built under ``deepspeed.zero.Init``: each parameter is partitioned as
     it is created, then ``weights`` (HF names, the same on every rank, e.g. ``init_weights(cfg, seed)``)
     are written one tensor at a time (gathered, written on rank 0, re-partitioned).
@@ -209,10 +234,12 @@ def build_partitioned_model(model_cfg, weights: Mapping[str, np.ndarray], ds_cfg
     expected = torch.bfloat16 if ds_cfg.get("bf16", {}).get("enabled") else torch.float32
     wrong = sorted({str(p.dtype) for p in model.parameters() if p.dtype != expected})
     if wrong:
-        raise RuntimeError(f"deepspeed.zero.Init built parameters of dtype {', '.join(wrong)}, not {expected} as "
-                           f"the DeepSpeed config asks (bf16.enabled={bool(ds_cfg.get('bf16', {}).get('enabled'))}); "
-                           "this DeepSpeed version does not honour the config's precision: install the "
-                           "version pinned by twinseq's 'deepspeed' extra")
+        raise RuntimeError(
+            f"deepspeed.zero.Init built parameters of dtype {', '.join(wrong)}, not {expected} as "
+            f"the DeepSpeed config asks (bf16.enabled={bool(ds_cfg.get('bf16', {}).get('enabled'))}); "
+            "this DeepSpeed version does not honour the config's precision: install the "
+            "version pinned by twinseq's 'deepspeed' extra"
+        )
     model.tie_weights()
     make_rope_stateless_(model)
     params = dict(model.named_parameters())
@@ -270,17 +297,25 @@ class Zero3Engine:
         with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
             return {name: p.detach().float().cpu().numpy().copy() for name, p in named}
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, gather_for_generation: bool = True,
-                 **kwargs: Any) -> list[list[int]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], *, gather_for_generation: bool = True, **kwargs: Any
+    ) -> list[list[int]]:
         """``generate(self.causal_lm, ...)`` on this engine (every rank calls it, each with its own prompts)."""
         offload = getattr(self.engine.optimizer, "parameter_offload", None)
-        return generate(self.causal_lm, prompts, gather_for_generation=gather_for_generation,
-                        parameter_offload=offload, **kwargs)
+        return generate(
+            self.causal_lm, prompts, gather_for_generation=gather_for_generation, parameter_offload=offload, **kwargs
+        )
 
 
-def build_zero3_engine(cfg: TrainConfig, *, model_config=None, weights: Optional[Mapping[str, np.ndarray]] = None,
-                       model: Optional[torch.nn.Module] = None, zero_init: bool = True,
-                       param_persistence_threshold: Optional[int] = None) -> Zero3Engine:
+def build_zero3_engine(
+    cfg: TrainConfig,
+    *,
+    model_config=None,
+    weights: Optional[Mapping[str, np.ndarray]] = None,
+    model: Optional[torch.nn.Module] = None,
+    zero_init: bool = True,
+    param_persistence_threshold: Optional[int] = None,
+) -> Zero3Engine:
     """A ``Zero3Engine`` for ``cfg`` (``deepspeed_zero_stage=3``), on every rank of the launch.
 
     The model is either ``model`` (a plain twinseq model, whole on each rank, partitioned by
@@ -293,18 +328,22 @@ def build_zero3_engine(cfg: TrainConfig, *, model_config=None, weights: Optional
     conf = ds_config(cfg, param_persistence_threshold=param_persistence_threshold)
     if model is None:
         if model_config is None:
-            raise ConfigError("build_zero3_engine needs model= (a built twinseq model) or model_config= (a "
-                              "ModelConfig to build under zero.Init).")
+            raise ConfigError(
+                "build_zero3_engine needs model= (a built twinseq model) or model_config= (a "
+                "ModelConfig to build under zero.Init)."
+            )
         weights = init_weights(model_config, seed=cfg.seed) if weights is None else weights
         if zero_init:
-            model = build_partitioned_model(model_config, weights, conf,
-                                            attn_implementation=cfg.model.attn_implementation)
+            model = build_partitioned_model(
+                model_config, weights, conf, attn_implementation=cfg.model.attn_implementation
+            )
         else:
             model = build_model(model_config, dict(weights), attn_implementation=cfg.model.attn_implementation)
     module = CausalLMLoss(model, cfg)
     optimizer, scheduler = build_optimizer(module, cfg, ndim=lambda p: len(_full_shape(p)))
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler, config=conf,
-                                           dist_init_required=False)
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=scheduler, config=conf, dist_init_required=False
+    )
     # The loss multiplies by the lm_head weight outside lm_head's own forward: DeepSpeed must gather it
     # around the whole root forward and backward (with tied embeddings it is the embedding's weight).
     deepspeed.zero.register_external_parameter(engine.module, lm_head_weight(model))
@@ -330,8 +369,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch
     ids_BT = torch.full((len(prompts), T), pad_token_id, dtype=torch.long)
     mask_BT = torch.zeros((len(prompts), T), dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        ids_BT[row, T - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
-        mask_BT[row, T - len(prompt):] = 1
+        ids_BT[row, T - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+        mask_BT[row, T - len(prompt) :] = 1
     return ids_BT, mask_BT
 
 
@@ -355,11 +394,21 @@ def gathered_for_generation(model: torch.nn.Module, parameter_offload: Any = Non
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, gather_for_generation: bool = True,
-             max_new_tokens: int = 16, do_sample: bool = False, temperature: float = 1.0,
-             top_k: Optional[int] = None, top_p: Optional[float] = None, pad_token_id: int = 0,
-             eos_token_id: Optional[int] = None, seed: Optional[int] = None, parameter_offload: Any = None,
-             ) -> list[list[int]]:
+def generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    gather_for_generation: bool = True,
+    max_new_tokens: int = 16,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    pad_token_id: int = 0,
+    eos_token_id: Optional[int] = None,
+    seed: Optional[int] = None,
+    parameter_offload: Any = None,
+) -> list[list[int]]:
     """Completions (new token ids, up to ``max_new_tokens``, cut after ``eos_token_id``) of ``prompts``.
 
     HF ``generate`` on left-padded prompts, greedy (``do_sample=False``) or sampled (``temperature``,
@@ -376,31 +425,45 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, gather
     ids_BT, mask_BT = left_pad(prompts, pad_token_id)
     partitioned = _is_partitioned(model)
     if partitioned and gather_for_generation and parameter_offload is None:
-        logger.warning("gather_for_generation=True on a ZeRO-3 model without its engine's parameter_offload: "
-                       "the per-module hooks stay on (slower); pass Zero3Engine.generate instead")
-    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad_token_id,
-                               eos_token_id=eos_token_id, use_cache=True,
-                               **({"temperature": temperature, "top_k": top_k, "top_p": top_p} if do_sample else {}))
+        logger.warning(
+            "gather_for_generation=True on a ZeRO-3 model without its engine's parameter_offload: "
+            "the per-module hooks stay on (slower); pass Zero3Engine.generate instead"
+        )
+    gen_cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        use_cache=True,
+        **({"temperature": temperature, "top_k": top_k, "top_p": top_p} if do_sample else {}),
+    )
     synced = partitioned and not gather_for_generation and dist.is_initialized() and dist.get_world_size() > 1
-    context = gathered_for_generation(model, parameter_offload) if partitioned and gather_for_generation else \
-        contextlib.nullcontext(model)
+    context = (
+        gathered_for_generation(model, parameter_offload)
+        if partitioned and gather_for_generation
+        else contextlib.nullcontext(model)
+    )
     was_training = model.training
     model.eval()
     try:
         if seed is not None:
             torch.manual_seed(seed)
         with context:
-            out_BS = model.generate(input_ids=ids_BT.to(device), attention_mask=mask_BT.to(device),
-                                    generation_config=gen_cfg, synced_gpus=synced)
+            out_BS = cast(Any, model).generate(
+                input_ids=ids_BT.to(device),
+                attention_mask=mask_BT.to(device),
+                generation_config=gen_cfg,
+                synced_gpus=synced,
+            )
     finally:
         model.train(was_training)
-    return [_cut(row[ids_BT.shape[1]:].tolist(), eos_token_id, pad_token_id) for row in out_BS.cpu()]
+    return [_cut(row[ids_BT.shape[1] :].tolist(), eos_token_id, pad_token_id) for row in out_BS.cpu()]
 
 
 def _cut(tokens: list[int], eos_token_id: Optional[int], pad_token_id: int) -> list[int]:
     """The completion up to and including the first EOS (HF pads finished rows after it)."""
     if eos_token_id is not None and eos_token_id in tokens:
-        return tokens[:tokens.index(eos_token_id) + 1]
+        return tokens[: tokens.index(eos_token_id) + 1]
     return tokens
 
 
@@ -421,14 +484,16 @@ class Zero3Hooks(TrainerTemplate):
     engine: Zero3Engine
 
     @property
-    def is_main(self) -> bool:  # type: ignore[override]
+    def is_main(self) -> bool:
         return self.engine.is_main
 
     def check_micro_batches(self, micro_batches: Sequence[Any]) -> None:
         steps = self.engine.engine.gradient_accumulation_steps()
         if len(micro_batches) != steps:
-            raise ConfigError(f"this rank's step has {len(micro_batches)} micro-batches, but DeepSpeed steps after "
-                              f"gradient_accumulation_steps={steps}")
+            raise ConfigError(
+                f"this rank's step has {len(micro_batches)} micro-batches, but DeepSpeed steps after "
+                f"gradient_accumulation_steps={steps}"
+            )
 
     # -- the step's backend hooks ----------------------------------------------------------
 
@@ -477,21 +542,29 @@ class Zero3Hooks(TrainerTemplate):
         weights, moments = {}, {}
         for name, param in self._named():
             weights[name] = deepspeed.utils.safe_get_full_fp32_param(param).cpu().numpy()
-            moments[name] = {k: deepspeed.utils.safe_get_full_optimizer_state(param, k).cpu().numpy()
-                             for k in ("exp_avg", "exp_avg_sq")}
+            moments[name] = {
+                k: deepspeed.utils.safe_get_full_optimizer_state(param, k).cpu().numpy()
+                for k in ("exp_avg", "exp_avg_sq")
+            }
         if not self.is_main:
             return {}
-        return {"model": weights, "optimizer": {"state": moments, "step": self._adam_step()},
-                "scheduler": to_numpy_tree(self.engine.scheduler.state_dict()), "rng": rng_state()}
+        return {
+            "model": weights,
+            "optimizer": {"state": moments, "step": self._adam_step()},
+            "scheduler": to_numpy_tree(self.engine.scheduler.state_dict()),
+            "rng": rng_state(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         deepspeed = _import_deepspeed()
         named = self._named()
         missing = sorted({n for n, _ in named} - set(state["model"]))
         if missing or "state" not in state["optimizer"]:
-            raise CheckpointError(f"the checkpoint does not hold this model's full state (missing {missing[:2]}, or "
-                                  f"an optimizer state of another trainer); resume a deepspeed_zero_stage=3 run from "
-                                  f"its own checkpoint.")
+            raise CheckpointError(
+                f"the checkpoint does not hold this model's full state (missing {missing[:2]}, or "
+                f"an optimizer state of another trainer); resume a deepspeed_zero_stage=3 run from "
+                f"its own checkpoint."
+            )
         self._set_adam_step(float(state["optimizer"]["step"]))
         for name, param in named:
             value = torch.as_tensor(np.asarray(state["model"][name]))
@@ -524,8 +597,8 @@ class Zero3Hooks(TrainerTemplate):
 
 
 class Zero3SFTTrainer(Zero3Hooks):
-    """SFT under ZeRO-3: this rank's micro-batches (``common.data.sft_steps.StepIterator(..., world_size, rank)``), losses
-    normalised by the step's label count; the step's metrics summed over ranks (the step's mean token loss)."""
+    """SFT under ZeRO-3: this rank's micro-batches (``common.data.sft_steps.StepIterator(..., world_size, rank)``),
+    losses normalised by the step's label count; the step's metrics summed over ranks (the step's mean token loss)."""
 
     def __init__(self, engine: Zero3Engine) -> None:
         self.engine, self.cfg, self.device = engine, engine.cfg, engine.device
@@ -570,7 +643,10 @@ def build_zero3_sft(cfg: TrainConfig):
         source, tokenizer, stats = build_step_iterator(cfg, world_size=world, rank=rank)
     engine = zero3_engine_for(cfg, tokenizer.vocab_size)
     d = cfg.data
-    announce = [f"twinseq torch sft: DeepSpeed ZeRO-3 over {world} rank(s) ({dist.get_backend()}), "
-                f"{cfg.model.model_config!r}; effective batch = {d.per_device_train_batch_size} per device x "
-                f"{world} x {d.gradient_accumulation_steps} accumulation steps", f"data: {stats}"]
+    announce = [
+        f"twinseq torch sft: DeepSpeed ZeRO-3 over {world} rank(s) ({dist.get_backend()}), "
+        f"{cfg.model.model_config!r}; effective batch = {d.per_device_train_batch_size} per device x "
+        f"{world} x {d.gradient_accumulation_steps} accumulation steps",
+        f"data: {stats}",
+    ]
     return Zero3SFTTrainer(engine), source, tokenizer, announce

@@ -84,18 +84,24 @@ def check_launcher_env(cfg: TrainConfig, env: Optional[Mapping[str, str]] = None
     """
     env = os.environ if env is None else env
     if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and env.get("FSDP_VERSION", "2") != "2":
-        raise ConfigError(f"the accelerate config asks for fsdp_version={env['FSDP_VERSION']}; twinseq shards with "
-                          f"FSDP2 only. Set fsdp_version: 2 in the accelerate YAML.")
+        raise ConfigError(
+            f"the accelerate config asks for fsdp_version={env['FSDP_VERSION']}; twinseq shards with "
+            f"FSDP2 only. Set fsdp_version: 2 in the accelerate YAML."
+        )
     if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
         cp_env = int(env.get("PARALLELISM_CONFIG_CP_SIZE", "1"))
         if cp_env != cfg.parallel.context_parallel_size:
-            raise ConfigError(f"the accelerate config sets parallelism_config_cp_size={cp_env} but "
-                              f"context_parallel_size={cfg.parallel.context_parallel_size}; pass --context-parallel-size "
-                              f"{cp_env} (or change the YAML) so both agree.")
+            raise ConfigError(
+                f"the accelerate config sets parallelism_config_cp_size={cp_env} but "
+                f"context_parallel_size={cfg.parallel.context_parallel_size}; pass --context-parallel-size "
+                f"{cp_env} (or change the YAML) so both agree."
+            )
     precision = env.get("ACCELERATE_MIXED_PRECISION", "no")
     if precision == "bf16" and cfg.model.dtype != "bfloat16":
-        raise ConfigError(f"the accelerate config sets mixed_precision=bf16 but dtype={cfg.model.dtype!r}; pass "
-                          f"--dtype bfloat16 (or set mixed_precision: 'no').")
+        raise ConfigError(
+            f"the accelerate config sets mixed_precision=bf16 but dtype={cfg.model.dtype!r}; pass "
+            f"--dtype bfloat16 (or set mixed_precision: 'no')."
+        )
 
 
 def wants_distributed(cfg: TrainConfig, env: Optional[Mapping[str, str]] = None) -> bool:
@@ -116,9 +122,9 @@ class Runtime:
     device: torch.device
     rank: int
     mesh_cfg: MeshConfig
-    mesh: Any                 # DeviceMesh ("dp", "cp")
-    fsdp_mesh: Any            # the flattened dp x cp mesh FSDP shards over
-    owns_group: bool          # this module initialised the process group (and destroys it)
+    mesh: Any  # DeviceMesh ("dp", "cp")
+    fsdp_mesh: Any  # the flattened dp x cp mesh FSDP shards over
+    owns_group: bool  # this module initialised the process group (and destroys it)
 
     @property
     def dp_rank(self) -> int:

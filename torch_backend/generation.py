@@ -41,8 +41,9 @@ def eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         model.train(was_training)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(
+    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids [N, P], attention_mask [N, P]) with every prompt aligned to the right.
 
     >>> ids, mask = left_pad([[5, 6], [7]], 0, torch.device("cpu"))
@@ -55,8 +56,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.
     ids = np.full((len(prompts), width), pad_token_id, np.int64)
     mask = np.zeros((len(prompts), width), np.int64)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = p
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = p
+        mask[i, width - len(p) :] = 1
     return torch.as_tensor(ids, device=device), torch.as_tensor(mask, device=device)
 
 
@@ -66,10 +67,20 @@ def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_completion_length: int,
-             eos_token_id: Optional[int], pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0,
-             top_k: int = 0, greedy: bool = False, seed: Optional[int] = None, synced_gpus: bool = False
-             ) -> Generated:
+def generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_completion_length: int,
+    eos_token_id: Optional[int],
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    greedy: bool = False,
+    seed: Optional[int] = None,
+    synced_gpus: bool = False,
+) -> Generated:
     """Completions of each prompt (token ids, no special handling of chat templates).
 
     Sampling is ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens
@@ -81,8 +92,14 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_co
     """
     device = next(model.parameters()).device
     input_ids, attention_mask = left_pad(prompts, pad_token_id, device)
-    kwargs = dict(max_new_tokens=int(max_completion_length), min_new_tokens=1, pad_token_id=pad_token_id,
-                  eos_token_id=eos_token_id, use_cache=True, return_dict_in_generate=False)
+    kwargs = dict(
+        max_new_tokens=int(max_completion_length),
+        min_new_tokens=1,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        use_cache=True,
+        return_dict_in_generate=False,
+    )
     if greedy:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     else:
@@ -91,9 +108,10 @@ def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_co
         torch.manual_seed(seed)
     t0 = time.perf_counter()
     with eval_mode(model):
-        out = _causal_lm(model).generate(input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus,
-                                         **kwargs)
-    completion = out[:, input_ids.shape[1]:].cpu().numpy().astype(np.int64)
+        out = _causal_lm(model).generate(
+            input_ids=input_ids, attention_mask=attention_mask, synced_gpus=synced_gpus, **kwargs
+        )
+    completion = out[:, input_ids.shape[1] :].cpu().numpy().astype(np.int64)
     return Generated(completion, time.perf_counter() - t0)
 
 

@@ -58,8 +58,12 @@ logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def chunked_entropy(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                    logit_softcap: Optional[float] = None) -> torch.Tensor:
+def chunked_entropy(
+    hidden_nH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    logit_softcap: Optional[float] = None,
+) -> torch.Tensor:
     """[n] entropy of ``softmax(softcap(hidden @ W.T))`` per row, ``chunk_size`` rows of logits at a time (no graph).
 
     Naive equivalent: ``-(softmax(z) * log_softmax(z)).sum(-1)`` with ``z = c * tanh(h @ W.T / c)`` for a
@@ -68,9 +72,9 @@ def chunked_entropy(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, chunk_size
     acc = torch.promote_types(hidden_nH.dtype, torch.float32)  # fp32, or fp64 for an fp64 model (tests)
     out = torch.empty(hidden_nH.shape[0], dtype=acc, device=hidden_nH.device)
     for s in range(0, hidden_nH.shape[0], chunk_size):
-        logits_cV = torch.nn.functional.linear(hidden_nH[s:s + chunk_size], weight_VH).to(acc)
+        logits_cV = torch.nn.functional.linear(hidden_nH[s : s + chunk_size], weight_VH).to(acc)
         logp_cV = torch.log_softmax(apply_logit_softcap(logits_cV, logit_softcap), -1)
-        out[s:s + chunk_size] = -(logp_cV.exp() * logp_cV).sum(-1)
+        out[s : s + chunk_size] = -(logp_cV.exp() * logp_cV).sum(-1)
         del logp_cV
     return out
 
@@ -82,10 +86,16 @@ def _scatter_NC(values_n: torch.Tensor, cb: CompletionBatch) -> torch.Tensor:
     return out.index_put((rows, cols), values_n)
 
 
-def completion_logps(model: torch.nn.Module, cb: CompletionBatch, *, loss_type: str = "fused_linear",
-                     chunk_size: int = DEFAULT_CHUNK_SIZE, temperature: float = 1.0,
-                     attn_implementation: Optional[str] = None, with_entropy: bool = False
-                     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def completion_logps(
+    model: torch.nn.Module,
+    cb: CompletionBatch,
+    *,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    temperature: float = 1.0,
+    attn_implementation: Optional[str] = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log-probs [N, C], entropy [N, C] or None) of each completion token under ``model``; 0 past a completion.
 
     Naive equivalent, for completion i and its token j at flattened position t + 1::
@@ -96,9 +106,11 @@ def completion_logps(model: torch.nn.Module, cb: CompletionBatch, *, loss_type: 
     """
     cap = final_logit_softcap(model)
     if cap is not None and temperature != 1.0:
-        raise ConfigError(f"temperature={temperature} with a model that soft-caps its logits (final_logit_softcapping="
-                          f"{cap}): the temperature would have to divide the capped logits, which the fused "
-                          f"kernels do not do; use --temperature 1.0 with this model.")
+        raise ConfigError(
+            f"temperature={temperature} with a model that soft-caps its logits (final_logit_softcapping="
+            f"{cap}): the temperature would have to divide the capped logits, which the fused "
+            f"kernels do not do; use --temperature 1.0 with this model."
+        )
     hidden_BTH = forward_hidden(model, cb.batch, attn_implementation)
     if temperature != 1.0:
         hidden_BTH = hidden_BTH / temperature  # (h / T) @ W.T = logits / T, exactly the sampled distribution
@@ -107,8 +119,9 @@ def completion_logps(model: torch.nn.Module, cb: CompletionBatch, *, loss_type: 
     if with_entropy and loss_type == "triton" and triton_ce.kernel_runs(hidden_BTH):
         # the kernel's forward yields the entropy in the same pass over the vocabulary
         hidden_nH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows.idx_n)
-        logps_n, ent_n, _ = triton_ce.linear_logps(hidden_nH, weight, rows.targets_n, logit_softcap=cap,
-                                                   with_entropy=True)
+        logps_n, ent_n, _ = triton_ce.linear_logps(
+            hidden_nH, weight, rows.targets_n, logit_softcap=cap, with_entropy=True
+        )
         return _scatter_NC(logps_n, cb), _scatter_NC(ent_n.detach(), cb)
     logps_n = token_logps(hidden_BTH, weight, rows, loss_type, chunk_size, logit_softcap=cap)
     entropy = None
@@ -123,10 +136,16 @@ def completion_logps(model: torch.nn.Module, cb: CompletionBatch, *, loss_type: 
 # --------------------------------------------------------------------------------------
 
 
-def grpo_loss_torch(logps_NC: torch.Tensor, advantages_N: torch.Tensor, mask_NC: torch.Tensor, spec: LossSpec,
-                    share: StepShare = StepShare(),  # noqa: B008 (an immutable NamedTuple)
-                    *, old_logps_NC: Optional[torch.Tensor] = None,
-                    ref_logps_NC: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo_loss_torch(
+    logps_NC: torch.Tensor,
+    advantages_N: torch.Tensor,
+    mask_NC: torch.Tensor,
+    spec: LossSpec,
+    share: StepShare = StepShare(),  # noqa: B008 (an immutable NamedTuple)
+    *,
+    old_logps_NC: Optional[torch.Tensor] = None,
+    ref_logps_NC: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """(this micro-batch's ``share`` of the step loss, metrics): ``common.objectives.grpo.grpo_loss`` in torch."""
     eps_low = spec.epsilon
     eps_high = spec.epsilon if spec.epsilon_high is None else spec.epsilon_high
@@ -173,19 +192,28 @@ def grpo_loss_torch(logps_NC: torch.Tensor, advantages_N: torch.Tensor, mask_NC:
 def check_liger_grpo(device: Any) -> None:
     """Raise (and log) unless Liger's fused GRPO loss can run here: a CUDA device and the liger-kernel package."""
     if torch.device(device).type != "cuda":
-        msg = ("use_liger_kernel=True (loss_type='liger') for GRPO runs Liger's fused GRPO loss, which needs a CUDA "
-               f"GPU with liger-kernel (`{GPU_EXTRA}`); on CPU use --loss-type fused_linear, the same chunked "
-               "log-probs without a [tokens, vocab] tensor.")
+        msg = (
+            "use_liger_kernel=True (loss_type='liger') for GRPO runs Liger's fused GRPO loss, which needs a CUDA "
+            f"GPU with liger-kernel (`{GPU_EXTRA}`); on CPU use --loss-type fused_linear, the same chunked "
+            "log-probs without a [tokens, vocab] tensor."
+        )
         logger.error(msg)
         raise ConfigError(msg)
     if importlib.util.find_spec("liger_kernel") is None:
-        raise MissingDependencyError(f"loss_type='liger' needs the liger-kernel package; install the gpu extra "
-                                     f"with `{GPU_EXTRA}`, or use --loss-type fused_linear.")
+        raise MissingDependencyError(
+            f"loss_type='liger' needs the liger-kernel package; install the gpu extra "
+            f"with `{GPU_EXTRA}`, or use --loss-type fused_linear."
+        )
 
 
-def liger_grpo_loss(model: torch.nn.Module, micro: "GRPOMicroBatch", spec: LossSpec, share: StepShare,
-                    temperature: float, attn_implementation: Optional[str] = None
-                    ) -> tuple[torch.Tensor, dict[str, float]]:
+def liger_grpo_loss(
+    model: torch.nn.Module,
+    micro: "GRPOMicroBatch",
+    spec: LossSpec,
+    share: StepShare,
+    temperature: float,
+    attn_implementation: Optional[str] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Liger's ``LigerFusedLinearGRPOLoss`` on the padded completion positions of a micro-batch (CUDA).
 
     Liger normalises by its own micro-batch; its loss is rescaled to this micro-batch's share of
@@ -200,16 +228,32 @@ def liger_grpo_loss(model: torch.nn.Module, micro: "GRPOMicroBatch", spec: LossS
     ids_NC = _scatter_NC(rows.targets_n, cb)
     mask_NC = micro.mask_NC
     eps_low, eps_high = spec.epsilon, spec.epsilon if spec.epsilon_high is None else spec.epsilon_high
-    loss_fn = LigerFusedLinearGRPOLoss(beta=spec.beta, epsilon_low=eps_low, epsilon_high=eps_high,
-                                       temperature=temperature, use_ref_model=spec.beta > 0,
-                                       loss_type=spec.loss_type, max_completion_length=spec.max_completion_length)
-    out = loss_fn(hidden_NCH, lm_head_weight(model), ids_NC, mask_NC.to(hidden_NCH.dtype), micro.advantages_N,
-                  ref_per_token_logps=micro.ref_logps_NC, old_per_token_logps=micro.old_logps_NC)
+    loss_fn = LigerFusedLinearGRPOLoss(
+        beta=spec.beta,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        temperature=temperature,
+        use_ref_model=spec.beta > 0,
+        loss_type=spec.loss_type,
+        max_completion_length=spec.max_completion_length,
+    )
+    out = loss_fn(
+        hidden_NCH,
+        lm_head_weight(model),
+        ids_NC,
+        mask_NC.to(hidden_NCH.dtype),
+        micro.advantages_N,
+        ref_per_token_logps=micro.ref_logps_NC,
+        old_per_token_logps=micro.old_logps_NC,
+    )
     loss, extra = (out[0], out[1]) if isinstance(out, tuple) else (out, [])
     n, tokens = mask_NC.shape[0], float(mask_NC.sum().clamp(min=1))
-    scale = {"dapo": tokens / max(share.num_tokens_in_step or tokens, 1.0),
-             "grpo": n / (share.num_sequences_in_step or n), "dr_grpo": n / (share.num_sequences_in_step or n),
-             "bnpo": 1.0 / share.num_micro_batches}[spec.loss_type]
+    scale = {
+        "dapo": tokens / max(share.num_tokens_in_step or tokens, 1.0),
+        "grpo": n / (share.num_sequences_in_step or n),
+        "dr_grpo": n / (share.num_sequences_in_step or n),
+        "bnpo": 1.0 / share.num_micro_batches,
+    }[spec.loss_type]
     metrics = {}
     if spec.beta > 0 and len(extra) > 0:
         metrics["kl"] = float(extra[0])
@@ -239,19 +283,38 @@ class GRPOMicroBatch:
     ref_logps_NC: Optional[torch.Tensor] = None
 
 
-def split_micro_batches(prompt_ids: Sequence[Sequence[int]], completions: Sequence[np.ndarray],
-                        mask_NC: np.ndarray, advantages_N: np.ndarray, micro_size: int, *, padding_free: bool,
-                        pad_token_id: int, device: torch.device, num_columns: int,
-                        pad_to_multiple_of: Optional[int] = None) -> list[GRPOMicroBatch]:
+def split_micro_batches(
+    prompt_ids: Sequence[Sequence[int]],
+    completions: Sequence[np.ndarray],
+    mask_NC: np.ndarray,
+    advantages_N: np.ndarray,
+    micro_size: int,
+    *,
+    padding_free: bool,
+    pad_token_id: int,
+    device: torch.device,
+    num_columns: int,
+    pad_to_multiple_of: Optional[int] = None,
+) -> list[GRPOMicroBatch]:
     """Consecutive slices of ``micro_size`` completions, collated (``collate_completions``)."""
     out = []
     for s in range(0, len(completions), micro_size):
         sl = slice(s, s + micro_size)
-        cb = collate_completions(prompt_ids[sl], completions[sl], padding_free=padding_free,
-                                 pad_token_id=pad_token_id, num_columns=num_columns,
-                                 pad_to_multiple_of=pad_to_multiple_of)
-        out.append(GRPOMicroBatch(cb, torch.as_tensor(mask_NC[sl], device=device),
-                                  torch.as_tensor(advantages_N[sl], dtype=torch.float32, device=device)))
+        cb = collate_completions(
+            prompt_ids[sl],
+            completions[sl],
+            padding_free=padding_free,
+            pad_token_id=pad_token_id,
+            num_columns=num_columns,
+            pad_to_multiple_of=pad_to_multiple_of,
+        )
+        out.append(
+            GRPOMicroBatch(
+                cb,
+                torch.as_tensor(mask_NC[sl], device=device),
+                torch.as_tensor(advantages_N[sl], dtype=torch.float32, device=device),
+            )
+        )
     return out
 
 
@@ -265,9 +328,17 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
     advantages, the step's metrics) on ``TorchTrainer``'s hooks; here only what is torch: sampling (HF generate
     with a KV cache, or a colocated vLLM engine), the kept log-probs, and the micro-step."""
 
-    def __init__(self, cfg: TrainConfig, module: torch.nn.Module, device: torch.device, *, tokenizer: Any,
-                 reward_funcs: Sequence[Any], ref_model: Optional[torch.nn.Module] = None,
-                 vllm: Optional[Any] = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        module: torch.nn.Module,
+        device: torch.device,
+        *,
+        tokenizer: Any,
+        reward_funcs: Sequence[Any],
+        ref_model: Optional[torch.nn.Module] = None,
+        vllm: Optional[Any] = None,
+    ) -> None:
         super().__init__(cfg, module, device)
         self.init_rollout(cfg, tokenizer, reward_funcs)
         self.ref_model = ref_model
@@ -283,9 +354,18 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         g, tok = self.cfg.grpo, self.tokenizer
         if self.vllm is not None:
             return self._vllm_sample(prompt_ids)
-        return generate(self.causal_lm, prompt_ids, max_completion_length=self.max_completion_length,
-                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, temperature=g.temperature,
-                        top_p=g.top_p, top_k=g.top_k, greedy=g.generation_greedy, **extra).completion_ids
+        return generate(
+            self.causal_lm,
+            prompt_ids,
+            max_completion_length=self.max_completion_length,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            top_k=g.top_k,
+            greedy=g.generation_greedy,
+            **extra,
+        ).completion_ids
 
     def _vllm_sample(self, prompt_ids: list[list[int]]) -> np.ndarray:
         """Sync the weights (every generation follows at least one optimizer step, or is the first), generate
@@ -295,27 +375,46 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         t0 = time.perf_counter()
         self.vllm.sync_weights(self.causal_lm)
         self._vllm_sync_seconds = time.perf_counter() - t0
-        rows = self.vllm.generate(prompt_ids, max_new_tokens=self.max_completion_length, temperature=g.temperature,
-                                  top_p=g.top_p, top_k=g.top_k, do_sample=not g.generation_greedy,
-                                  seed=(self.cfg.seed + self.num_generations_done) * 100_003,
-                                  eos_token_id=tok.eos_token_id)
+        rows = self.vllm.generate(
+            prompt_ids,
+            max_new_tokens=self.max_completion_length,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            top_k=g.top_k,
+            do_sample=not g.generation_greedy,
+            seed=(self.cfg.seed + self.num_generations_done) * 100_003,
+            eos_token_id=tok.eos_token_id,
+        )
         self.vllm.sleep()
         ids = np.full((len(rows), max(map(len, rows))), tok.pad_token_id, dtype=np.int64)
         for i, row in enumerate(rows):
-            ids[i, :len(row)] = row
+            ids[i, : len(row)] = row
         return ids
 
     def generation_metrics(self) -> dict[str, float]:
         return {} if self._vllm_sync_seconds is None else {"vllm/weight_sync_seconds": self._vllm_sync_seconds}
 
-    def build_micro_batches(self, prompt_ids: list[list[int]], completions: list[np.ndarray],
-                            loss_mask_NC: np.ndarray, advantages_N: np.ndarray, num_columns: int
-                            ) -> list[GRPOMicroBatch]:
+    def build_micro_batches(
+        self,
+        prompt_ids: list[list[int]],
+        completions: list[np.ndarray],
+        loss_mask_NC: np.ndarray,
+        advantages_N: np.ndarray,
+        num_columns: int,
+    ) -> list[GRPOMicroBatch]:
         d = self.cfg.data
-        micro = split_micro_batches(prompt_ids, completions, loss_mask_NC, advantages_N,
-                                    d.per_device_train_batch_size, padding_free=d.padding_free,
-                                    pad_token_id=self.tokenizer.pad_token_id, device=self.device,
-                                    num_columns=num_columns, pad_to_multiple_of=d.pad_to_multiple_of)
+        micro = split_micro_batches(
+            prompt_ids,
+            completions,
+            loss_mask_NC,
+            advantages_N,
+            d.per_device_train_batch_size,
+            padding_free=d.padding_free,
+            pad_token_id=self.tokenizer.pad_token_id,
+            device=self.device,
+            num_columns=num_columns,
+            pad_to_multiple_of=d.pad_to_multiple_of,
+        )
         self._kept_logps(micro)
         return micro
 
@@ -333,9 +432,12 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
     def _kept_logps(self, micro: list[GRPOMicroBatch]) -> None:
         """The sampling policy's log-probs (``num_iterations > 1``) and the reference's (``grpo_beta > 0``)."""
         c, g = self.cfg, self.cfg.grpo
-        kw = dict(loss_type="fused_linear" if c.loss.loss_type == "liger" else c.loss.loss_type,
-                  chunk_size=c.loss.loss_chunk_size, temperature=g.temperature,
-                  attn_implementation=c.model.attn_implementation)
+        kw: dict[str, Any] = dict(
+            loss_type="fused_linear" if c.loss.loss_type == "liger" else c.loss.loss_type,
+            chunk_size=c.loss.loss_chunk_size,
+            temperature=g.temperature,
+            attn_implementation=c.model.attn_implementation,
+        )
         for mb in micro:
             with autocast(c, self.device):
                 if g.num_iterations > 1:
@@ -354,19 +456,31 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         with offload_context(c, self.causal_lm):
             with autocast(c, self.device):
                 if c.loss.loss_type == "liger":
-                    loss, metrics = liger_grpo_loss(self.causal_lm, mb, self.loss_spec, self.share,
-                                                    c.grpo.temperature, c.model.attn_implementation)
+                    loss, metrics = liger_grpo_loss(
+                        self.causal_lm, mb, self.loss_spec, self.share, c.grpo.temperature, c.model.attn_implementation
+                    )
                     entropy = None
                 else:
+
                     def policy(lm: torch.nn.Module) -> tuple[torch.Tensor, dict, Optional[torch.Tensor]]:
-                        logps, entropy = completion_logps(lm, mb.cb, loss_type=c.loss.loss_type,
-                                                          chunk_size=c.loss.loss_chunk_size,
-                                                          temperature=c.grpo.temperature,
-                                                          attn_implementation=c.model.attn_implementation,
-                                                          with_entropy=True)
-                        loss, metrics = grpo_loss_torch(logps.float(), mb.advantages_N, mb.mask_NC, self.loss_spec,
-                                                        self.share, old_logps_NC=mb.old_logps_NC,
-                                                        ref_logps_NC=mb.ref_logps_NC)
+                        logps, entropy = completion_logps(
+                            lm,
+                            mb.cb,
+                            loss_type=c.loss.loss_type,
+                            chunk_size=c.loss.loss_chunk_size,
+                            temperature=c.grpo.temperature,
+                            attn_implementation=c.model.attn_implementation,
+                            with_entropy=True,
+                        )
+                        loss, metrics = grpo_loss_torch(
+                            logps.float(),
+                            mb.advantages_N,
+                            mb.mask_NC,
+                            self.loss_spec,
+                            self.share,
+                            old_logps_NC=mb.old_logps_NC,
+                            ref_logps_NC=mb.ref_logps_NC,
+                        )
                         return loss, metrics, entropy
 
                     loss, metrics, entropy = self._forward(policy)
@@ -387,15 +501,23 @@ def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_func
     """(trainer, source, tokenizer, announce lines) of a GRPO run; ``reward_funcs`` (names or callables)
     overrides ``cfg.grpo.reward_funcs`` (the Python API passes callables)."""
     if runtime is not None:
-        raise ConfigError("task=grpo runs in one process on the torch backend here (generation is not sharded); "
-                          "launch it without torchrun/accelerate.")
+        raise ConfigError(
+            "task=grpo runs in one process on the torch backend here (generation is not sharded); "
+            "launch it without torchrun/accelerate."
+        )
     g = cfg.grpo
     if g.use_vllm:  # before anything loads
-        check_vllm(enable_sleep_mode=g.vllm_enable_sleep_mode, sleep_level=g.vllm_sleep_level,
-                   gpu_memory_utilization=g.vllm_gpu_memory_utilization, cuda_available=device.type == "cuda")
+        check_vllm(
+            enable_sleep_mode=g.vllm_enable_sleep_mode,
+            sleep_level=g.vllm_sleep_level,
+            gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+            cuda_available=device.type == "cuda",
+        )
     if not g.ds3_gather_for_generation:
-        logger.warning("ds3_gather_for_generation=False only changes generation under DeepSpeed ZeRO-3; this run "
-                       "holds the full weights, so it has no effect")
+        logger.warning(
+            "ds3_gather_for_generation=False only changes generation under DeepSpeed ZeRO-3; this run "
+            "holds the full weights, so it has no effect"
+        )
     if cfg.loss.loss_type == "liger":
         check_liger_grpo(device)
     tokenizer = run_tokenizer(cfg)
@@ -414,13 +536,19 @@ def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_func
     engine = None
     if g.use_vllm:
         engine = engine_for_grpo(cfg, causal_lm, max(len(r["prompt_input_ids"]) for r in rows), generation_batch)
-    generation = "HF generate (KV cache)" if engine is None else \
-        f"vLLM colocate, sleep {'level ' + str(g.vllm_sleep_level) if g.vllm_enable_sleep_mode else 'off'}"
-    trainer = GRPOTrainer(cfg, module, device, tokenizer=tokenizer, reward_funcs=funcs, ref_model=ref_model,
-                          vllm=engine)
-    announce = [describe(cfg, causal_lm, device),
-                f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
-                f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
-                f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference_description(cfg)}, num_iterations="
-                f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}, generation={generation}"]
+    generation = (
+        "HF generate (KV cache)"
+        if engine is None
+        else f"vLLM colocate, sleep {'level ' + str(g.vllm_sleep_level) if g.vllm_enable_sleep_mode else 'off'}"
+    )
+    trainer = GRPOTrainer(
+        cfg, module, device, tokenizer=tokenizer, reward_funcs=funcs, ref_model=ref_model, vllm=engine
+    )
+    announce = [
+        describe(cfg, causal_lm, device),
+        f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
+        f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
+        f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference_description(cfg)}, num_iterations="
+        f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}, generation={generation}",
+    ]
     return trainer, source, tokenizer, announce

@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
 from twinseq.common.data.preference_batching import PreferenceBatch
 from twinseq.common.errors import ConfigError, DataError
+from twinseq.common.objectives.grpo import CompletionBatch
 from twinseq.common.objectives.nll import shift_labels
 from twinseq.torch_backend import triton_ce
 from twinseq.torch_backend.losses import apply_logit_softcap, check_logit_softcap, softcap_with_derivative_
@@ -49,19 +50,21 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
 class TargetRows:
     """The scored positions of a ``PreferenceBatch``, flattened: index into [B*T], target, document."""
 
-    idx_n: torch.Tensor       # long [n]: flattened positions t with a target
-    targets_n: torch.Tensor   # long [n]: labels[t + 1]
-    doc_n: torch.Tensor       # long [n]: document of that target (0..2N-1, chosen first)
+    idx_n: torch.Tensor  # long [n]: flattened positions t with a target
+    targets_n: torch.Tensor  # long [n]: labels[t + 1]
+    doc_n: torch.Tensor  # long [n]: document of that target (0..2N-1, chosen first)
     num_docs: int
 
     @classmethod
-    def of(cls, pbatch: PreferenceBatch, vocab_size: int, device: Any) -> "TargetRows":
+    def of(cls, pbatch: PreferenceBatch | CompletionBatch, vocab_size: int, device: Any) -> "TargetRows":
         doc_N = pbatch.target_doc_ids.reshape(-1)
         idx = np.flatnonzero(doc_N >= 0)
         targets = shift_labels(pbatch.batch.labels).reshape(-1)[idx]
         if targets.size and (targets.min() < 0 or targets.max() >= vocab_size):
-            raise DataError(f"labels hold values in [{targets.min()}, {targets.max()}], outside the vocabulary "
-                            f"[0, {vocab_size}); fix the tokenisation or the model's vocab_size.")
+            raise DataError(
+                f"labels hold values in [{targets.min()}, {targets.max()}], outside the vocabulary "
+                f"[0, {vocab_size}); fix the tokenisation or the model's vocab_size."
+            )
         as_long = lambda a: torch.as_tensor(a, dtype=torch.long, device=device)  # noqa: E731
         return cls(as_long(idx), as_long(targets), as_long(doc_N[idx]), pbatch.num_docs)
 
@@ -94,8 +97,17 @@ def _chunk_logps(hidden_cH, weight_VH, targets_c, logit_softcap=None):
 
 def _token_logps_chunked(hidden_nH, weight_VH, targets_n, chunk_size: int, logit_softcap=None) -> torch.Tensor:
     """Checkpointed chunks: naive equivalent ``log_softmax(hidden_nH @ W.T)[arange(n), targets_n]``."""
-    parts = [checkpoint(_chunk_logps, hidden_nH[s:s + chunk_size], weight_VH, targets_n[s:s + chunk_size],
-                        logit_softcap, use_reentrant=False) for s in range(0, hidden_nH.shape[0], chunk_size)]
+    parts = [
+        checkpoint(
+            _chunk_logps,
+            hidden_nH[s : s + chunk_size],
+            weight_VH,
+            targets_n[s : s + chunk_size],
+            logit_softcap,
+            use_reentrant=False,
+        )
+        for s in range(0, hidden_nH.shape[0], chunk_size)
+    ]
     assert parts, "collate_preference guarantees at least one scored token per document"
     return torch.cat(parts)
 
@@ -121,8 +133,7 @@ class FusedLinearTokenLogps(torch.autograd.Function):
     def forward(ctx, hidden_nH, weight_VH, targets_n, chunk_size: int, logit_softcap: Optional[float] = None):
         # Backward runs outside autocast, so the matmul dtype is fixed here and the operands saved in it.
         device_type = hidden_nH.device.type
-        compute = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-                   else weight_VH.dtype)
+        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight_VH.dtype
         h_nH, w_VH = hidden_nH.to(compute), weight_VH.to(compute)
         n = h_nH.shape[0]
         acc_dtype = torch.promote_types(compute, torch.float32)
@@ -130,9 +141,10 @@ class FusedLinearTokenLogps(torch.autograd.Function):
         lse_n = torch.empty(n, dtype=acc_dtype, device=h_nH.device)
         with torch.autocast(device_type, enabled=False):
             for s in range(0, n, chunk_size):
-                logits_cV = apply_logit_softcap(_acc(F.linear(h_nH[s:s + chunk_size], w_VH)), logit_softcap)
-                logps_n[s:s + chunk_size], lse_n[s:s + chunk_size] = _picked_logps(logits_cV,
-                                                                                  targets_n[s:s + chunk_size])
+                logits_cV = apply_logit_softcap(_acc(F.linear(h_nH[s : s + chunk_size], w_VH)), logit_softcap)
+                logps_n[s : s + chunk_size], lse_n[s : s + chunk_size] = _picked_logps(
+                    logits_cV, targets_n[s : s + chunk_size]
+                )
                 del logits_cV  # else the next chunk's logits are allocated while these are alive
         ctx.save_for_backward(h_nH, w_VH, targets_n, lse_n)
         ctx.chunk_size, ctx.dtypes, ctx.cap = chunk_size, (hidden_nH.dtype, weight_VH.dtype), logit_softcap
@@ -147,29 +159,37 @@ class FusedLinearTokenLogps(torch.autograd.Function):
         grad_w = torch.zeros(weight_VH.shape, dtype=lse_n.dtype, device=weight_VH.device) if need_w else None
         cs = ctx.chunk_size
         for s in range(0, hidden_nH.shape[0], cs):
-            h_cH, t_c, g_c = hidden_nH[s:s + cs], targets_n[s:s + cs], grad_logps_n[s:s + cs].to(lse_n.dtype)
+            h_cH, t_c, g_c = hidden_nH[s : s + cs], targets_n[s : s + cs], grad_logps_n[s : s + cs].to(lse_n.dtype)
             # dlogp/dlogits = onehot - softmax, scaled by the upstream gradient; in place on the chunk's logits
             logits_cV, dcap_cV = softcap_with_derivative_(_acc(F.linear(h_cH, weight_VH)), ctx.cap, True)
-            g_cV = logits_cV.sub_(lse_n[s:s + cs, None]).exp_().mul_(-g_c[:, None])
+            g_cV = logits_cV.sub_(lse_n[s : s + cs, None]).exp_().mul_(-g_c[:, None])
             g_cV[torch.arange(len(t_c), device=t_c.device), t_c] += g_c
             if dcap_cV is not None:
                 g_cV.mul_(dcap_cV)
             if grad_h is not None:
-                grad_h[s:s + cs] = g_cV.to(weight_VH.dtype) @ weight_VH
+                grad_h[s : s + cs] = g_cV.to(weight_VH.dtype) @ weight_VH
             if grad_w is not None:
                 grad_w.addmm_(g_cV.t(), h_cH.to(grad_w.dtype))
             del g_cV, dcap_cV
         return grad_h, None if grad_w is None else grad_w.to(ctx.dtypes[1]), None, None, None
 
 
-def token_logps(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, rows: TargetRows,
-                loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                logit_softcap: Optional[float] = None) -> torch.Tensor:
+def token_logps(
+    hidden_BTH: torch.Tensor,
+    lm_head_weight_VH: torch.Tensor,
+    rows: TargetRows,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    logit_softcap: Optional[float] = None,
+) -> torch.Tensor:
     """[n] log-probs of the targets at ``rows.idx_n`` (fp32; fp64 for fp64 inputs), from the logits soft-capped
     by ``logit_softcap`` when given (the model's ``final_logit_softcapping``)."""
     if loss_type not in LOGPS_LOSS_TYPES:
-        raise ConfigError(f"loss_type={loss_type!r} has no log-prob kernel here; choose one of {LOGPS_LOSS_TYPES} "
-                          f"('liger' is the separate liger_dpo_loss path).")
+        raise ConfigError(
+            f"loss_type={loss_type!r} has no log-prob kernel here; choose one of {LOGPS_LOSS_TYPES} "
+            f"('liger' is the separate liger_dpo_loss path)."
+        )
     if not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
     check_logit_softcap(logit_softcap)
@@ -184,9 +204,15 @@ def token_logps(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, rows:
     return FusedLinearTokenLogps.apply(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size, logit_softcap)
 
 
-def sequence_logps(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, pbatch: PreferenceBatch,
-                   loss_type: str = "fused_linear", chunk_size: int = DEFAULT_CHUNK_SIZE, *,
-                   logit_softcap: Optional[float] = None) -> torch.Tensor:
+def sequence_logps(
+    hidden_BTH: torch.Tensor,
+    lm_head_weight_VH: torch.Tensor,
+    pbatch: PreferenceBatch,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    logit_softcap: Optional[float] = None,
+) -> torch.Tensor:
     """[2N] sequence log-probs (chosen documents, then rejected) from the final hidden states.
 
     Naive equivalent (``common.data.preference_batching.sequence_logps_from_logits``)::

@@ -60,11 +60,15 @@ def shift_labels(labels_BT: torch.Tensor) -> torch.Tensor:
 
 def _check_inputs(hidden_BTH, weight_VH, labels_BT, bias_V) -> None:
     if hidden_BTH.dim() != 3 or labels_BT.shape != hidden_BTH.shape[:2]:
-        raise ConfigError(f"hidden must be [B, T, H] and labels [B, T]; got hidden {tuple(hidden_BTH.shape)} "
-                          f"and labels {tuple(labels_BT.shape)}.")
+        raise ConfigError(
+            f"hidden must be [B, T, H] and labels [B, T]; got hidden {tuple(hidden_BTH.shape)} "
+            f"and labels {tuple(labels_BT.shape)}."
+        )
     if weight_VH.dim() != 2 or weight_VH.shape[1] != hidden_BTH.shape[2]:
-        raise ConfigError(f"lm_head_weight must be [V, H] with H={hidden_BTH.shape[2]}; got "
-                          f"{tuple(weight_VH.shape)} (pass lm_head.weight, not its transpose).")
+        raise ConfigError(
+            f"lm_head_weight must be [V, H] with H={hidden_BTH.shape[2]}; got "
+            f"{tuple(weight_VH.shape)} (pass lm_head.weight, not its transpose)."
+        )
     if bias_V is not None and bias_V.shape != weight_VH.shape[:1]:
         raise ConfigError(f"lm_head_bias must be [V]={weight_VH.shape[0]}, got {tuple(bias_V.shape)}.")
     if labels_BT.dtype.is_floating_point:
@@ -83,8 +87,10 @@ def _num_valid_checked(targets_N: torch.Tensor, vocab_size: int, num_items_in_ba
         in_vocab_N = torch.where(valid_N, targets_N, 0)
         num_valid, lowest, highest = torch.stack([valid_N.sum(), in_vocab_N.amin(), in_vocab_N.amax()]).tolist()
     if num_valid and (lowest < 0 or highest >= vocab_size):
-        raise DataError(f"labels hold values outside the vocabulary [0, {vocab_size}) that are not the ignore "
-                         f"index {IGNORE_INDEX} (min {lowest}, max {highest}); fix the tokenisation or vocab_size.")
+        raise DataError(
+            f"labels hold values outside the vocabulary [0, {vocab_size}) that are not the ignore "
+            f"index {IGNORE_INDEX} (min {lowest}, max {highest}); fix the tokenisation or vocab_size."
+        )
     if isinstance(num_items_in_batch, torch.Tensor):
         num_items_in_batch = num_items_in_batch.item()
     check_num_items(num_items_in_batch, num_valid)
@@ -112,8 +118,6 @@ def apply_logit_softcap(logits: torch.Tensor, cap: Optional[float]) -> torch.Ten
     return torch.tanh(logits / cap) * cap
 
 
-
-
 def _capped_logits(hidden_NH, weight_VH, bias_V, logit_softcap):
     """float32 (fp64 for fp64) logits of the lm_head, soft-capped after the upcast when ``logit_softcap`` is set."""
     return apply_logit_softcap(_upcast(F.linear(hidden_NH, weight_VH, bias_V)), logit_softcap)
@@ -127,8 +131,8 @@ def _metric_sums(logits_NV: torch.Tensor, targets_N: torch.Tensor, row_chunk: in
     """
     sums = torch.zeros(2, dtype=_acc_dtype(logits_NV.dtype), device=logits_NV.device)
     for start in range(0, logits_NV.shape[0], row_chunk):
-        logits = _upcast(logits_NV[start:start + row_chunk])
-        targets = targets_N[start:start + row_chunk]
+        logits = _upcast(logits_NV[start : start + row_chunk])
+        targets = targets_N[start : start + row_chunk]
         valid = targets != IGNORE_INDEX
         lse = torch.logsumexp(logits, -1)
         probs = torch.exp(logits - lse[:, None])
@@ -142,9 +146,13 @@ def _metric_sums(logits_NV: torch.Tensor, targets_N: torch.Tensor, row_chunk: in
 
 def _metrics_dict(sums: torch.Tensor, num_valid: int) -> dict:
     num_correct, entropy_sum = sums.tolist()
-    return {"mean_token_accuracy": num_correct / num_valid if num_valid else 0.0,
-            "entropy": entropy_sum / num_valid if num_valid else 0.0,
-            "num_tokens": num_valid, "num_correct_tokens": int(round(num_correct)), "entropy_sum": entropy_sum}
+    return {
+        "mean_token_accuracy": num_correct / num_valid if num_valid else 0.0,
+        "entropy": entropy_sum / num_valid if num_valid else 0.0,
+        "num_tokens": num_valid,
+        "num_correct_tokens": int(round(num_correct)),
+        "entropy_sum": entropy_sum,
+    }
 
 
 def _nll(hidden_NH, weight_VH, bias_V, targets_N, want_metrics, logit_softcap=None):
@@ -167,8 +175,16 @@ def _chunked_nll(hidden_nH, weight_VH, bias_V, targets_n, chunk_size, want_metri
     # max(n, 1): an empty input still runs one (empty) chunk so the weight gets a zero gradient
     for start in range(0, max(hidden_nH.shape[0], 1), chunk_size):
         end = start + chunk_size
-        part, part_sums = checkpoint(_chunk_ce, hidden_nH[start:end], weight_VH, bias_V, targets_n[start:end],
-                                     want_metrics, logit_softcap, use_reentrant=False)
+        part, part_sums = checkpoint(
+            _chunk_ce,
+            hidden_nH[start:end],
+            weight_VH,
+            bias_V,
+            targets_n[start:end],
+            want_metrics,
+            logit_softcap,
+            use_reentrant=False,
+        )
         loss_sum = loss_sum + part
         if want_metrics:
             sums += part_sums
@@ -196,8 +212,18 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, bias_V, targets_N, valid_idx_n, denom: int, chunk_size: int,
-                want_metrics: bool, logit_softcap: Optional[float] = None):
+    def forward(
+        ctx,
+        hidden_NH,
+        weight_VH,
+        bias_V,
+        targets_N,
+        valid_idx_n,
+        denom: int,
+        chunk_size: int,
+        want_metrics: bool,
+        logit_softcap: Optional[float] = None,
+    ):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         targets_n = targets_N.index_select(0, valid_idx_n)
         n, V = targets_n.shape[0], weight_VH.shape[0]
@@ -207,11 +233,12 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight_VH.shape, **acc) if need_w else None
         grad_b = torch.zeros(V, **acc) if need_b and bias_V is not None else None
         for start in range(0, n, chunk_size):
-            rows_c, t_c = valid_idx_n[start:start + chunk_size], targets_n[start:start + chunk_size]
+            rows_c, t_c = valid_idx_n[start : start + chunk_size], targets_n[start : start + chunk_size]
             h_cH = hidden_NH.index_select(0, rows_c)  # per chunk: no [n, H] copy of the valid rows
             need_grad = need_h or need_w or need_b
-            logits_cV, dcap_cV = softcap_with_derivative_(_upcast(F.linear(h_cH, weight_VH, bias_V)), logit_softcap,
-                                                           need_grad)
+            logits_cV, dcap_cV = softcap_with_derivative_(
+                _upcast(F.linear(h_cH, weight_VH, bias_V)), logit_softcap, need_grad
+            )
             if want_metrics:
                 sums += _metric_sums(logits_cV, t_c)
             chunk_loss, g_cV = _ce_and_logit_grad_(logits_cV, t_c, denom, need_grad)
@@ -230,8 +257,10 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, _grad_sums):
         if ctx.grads is None:
-            raise RuntimeError("the fused_linear loss frees its stored gradients in backward, so it can be "
-                               "backpropagated once only; recompute the loss instead of retain_graph=True.")
+            raise RuntimeError(
+                "the fused_linear loss frees its stored gradients in backward, so it can be "
+                "backpropagated once only; recompute the loss instead of retain_graph=True."
+            )
         grads, ctx.grads = ctx.grads, None  # drop our reference so autograd can take the buffers without a copy
         if not bool(grad_loss == 1.0):
             for g in grads:
@@ -288,20 +317,26 @@ def _accumulate_chunk_grads(g_cV, h_cH, weight_VH, grad_h, grad_w, grad_b, rows_
 
 def _liger(hidden_nH, weight_VH, bias_V, targets_n, logit_softcap=None):
     if not hidden_nH.is_cuda:
-        raise ConfigError(f"loss_type='liger' needs CUDA (Liger's kernels are Triton); the hidden states are on "
-                          f"{hidden_nH.device}. Use loss_type='fused_linear', the CPU implementation of the same "
-                          f"fused loss, or run on a GPU with `{_GPU_EXTRA}`.")
+        raise ConfigError(
+            f"loss_type='liger' needs CUDA (Liger's kernels are Triton); the hidden states are on "
+            f"{hidden_nH.device}. Use loss_type='fused_linear', the CPU implementation of the same "
+            f"fused loss, or run on a GPU with `{_GPU_EXTRA}`."
+        )
     if importlib.util.find_spec("liger_kernel") is None:
-        raise ImportError(f"loss_type='liger' needs the liger-kernel package; install the gpu extra with "
-                          f"`{_GPU_EXTRA}`, or use loss_type='fused_linear'.")
+        raise ImportError(
+            f"loss_type='liger' needs the liger-kernel package; install the gpu extra with "
+            f"`{_GPU_EXTRA}`, or use loss_type='fused_linear'."
+        )
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # optional dependency
 
     kwargs = dict(ignore_index=IGNORE_INDEX, reduction="sum")
     if logit_softcap is not None:
         if "softcap" not in inspect.signature(LigerFusedLinearCrossEntropyLoss.__init__).parameters:
-            raise ConfigError(f"loss_type='liger': this liger-kernel version has no softcap option, and the model "
-                              f"soft-caps its logits (final_logit_softcapping={logit_softcap}); upgrade liger-kernel "
-                              f"(`{_GPU_EXTRA}`) or use loss_type='fused_linear'.")
+            raise ConfigError(
+                f"loss_type='liger': this liger-kernel version has no softcap option, and the model "
+                f"soft-caps its logits (final_logit_softcapping={logit_softcap}); upgrade liger-kernel "
+                f"(`{_GPU_EXTRA}`) or use loss_type='fused_linear'."
+            )
         kwargs["softcap"] = logit_softcap
     out = LigerFusedLinearCrossEntropyLoss(**kwargs)(weight_VH, hidden_nH, targets_n, bias_V)
     # newer liger versions may return (loss, z_loss, ...) or an output object
@@ -314,8 +349,10 @@ def check_logit_softcap(logit_softcap) -> None:
     if logit_softcap is None:
         return
     if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, numbers.Real) or not logit_softcap > 0:
-        raise ConfigError(f"logit_softcap={logit_softcap!r} must be a positive number (the model's "
-                          f"final_logit_softcapping) or None for no cap.")
+        raise ConfigError(
+            f"logit_softcap={logit_softcap!r} must be a positive number (the model's "
+            f"final_logit_softcapping) or None for no cap."
+        )
 
 
 def _valid_rows(targets_N):
@@ -323,11 +360,19 @@ def _valid_rows(targets_N):
     return torch.nonzero(targets_N != IGNORE_INDEX).squeeze(1)
 
 
-def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, labels_BT: torch.Tensor,
-                   num_items_in_batch: Union[int, torch.Tensor], loss_type: str = "nll",
-                   chunk_size: int = DEFAULT_CHUNK_SIZE, return_metrics: bool = False,
-                   lm_head_bias: Optional[torch.Tensor] = None, targets_are_shifted: bool = False,
-                   logit_softcap: Optional[float] = None, triton_gradients: str = "exact"):
+def causal_lm_loss(
+    hidden_BTH: torch.Tensor,
+    lm_head_weight_VH: torch.Tensor,
+    labels_BT: torch.Tensor,
+    num_items_in_batch: Union[int, torch.Tensor],
+    loss_type: str = "nll",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_metrics: bool = False,
+    lm_head_bias: Optional[torch.Tensor] = None,
+    targets_are_shifted: bool = False,
+    logit_softcap: Optional[float] = None,
+    triton_gradients: str = "exact",
+):
     """Next-token cross-entropy from the last hidden state, normalised by the whole step.
 
     In: ``hidden_BTH`` (final-norm output), ``lm_head_weight_VH`` (``lm_head.weight``),
@@ -358,11 +403,13 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
         loss_sum, sums = _nll(hidden_NH, *args, targets_N, return_metrics, logit_softcap)
         loss = loss_sum / denom
     elif loss_type == "triton" and triton_ce.kernel_runs(hidden_NH, lm_head_bias):
-        loss, sums = _triton_loss(hidden_NH, lm_head_weight_VH, targets_N, denom, return_metrics, logit_softcap,
-                                  triton_gradients)
+        loss, sums = _triton_loss(
+            hidden_NH, lm_head_weight_VH, targets_N, denom, return_metrics, logit_softcap, triton_gradients
+        )
     elif loss_type in ("fused_linear", "triton"):
-        loss, sums = FusedLinearCrossEntropy.apply(hidden_NH, *args, targets_N, _valid_rows(targets_N), denom,
-                                                   chunk_size, return_metrics, logit_softcap)
+        loss, sums = FusedLinearCrossEntropy.apply(
+            hidden_NH, *args, targets_N, _valid_rows(targets_N), denom, chunk_size, return_metrics, logit_softcap
+        )
     else:
         idx = _valid_rows(targets_N)
         hidden_nH, targets_n = hidden_NH.index_select(0, idx), targets_N.index_select(0, idx)
@@ -372,8 +419,9 @@ def causal_lm_loss(hidden_BTH: torch.Tensor, lm_head_weight_VH: torch.Tensor, la
         else:
             loss = _liger(hidden_nH, *args, targets_n, logit_softcap) / denom
             # Liger returns no logits, so metrics cost one extra no-grad lm_head pass, chunked
-            sums = (_metric_sums_chunked(hidden_nH, *args, targets_n, chunk_size, logit_softcap) if return_metrics
-                    else None)
+            sums = (
+                _metric_sums_chunked(hidden_nH, *args, targets_n, chunk_size, logit_softcap) if return_metrics else None
+            )
     if not return_metrics:
         return loss
     return loss, _metrics_dict(sums, num_valid)
@@ -383,9 +431,15 @@ def _triton_loss(hidden_NH, weight_VH, targets_N, denom, want_metrics, logit_sof
     # every row goes in: the kernel visits only those with a target (no gathered copy of the hidden states), and
     # an ignored row's log-prob, entropy and hit are 0
     cce = gradients == "cce"  # cut cross-entropy's numerics: its gradient filter, input-dtype accumulation
-    logp_n, ent_n, hit_n = triton_ce.linear_logps(hidden_NH, weight_VH, targets_N, logit_softcap=logit_softcap,
-                                                  with_entropy=want_metrics, filter_eps="auto" if cce else None,
-                                                  accumulate="input" if cce else "float32")
+    logp_n, ent_n, hit_n = triton_ce.linear_logps(
+        hidden_NH,
+        weight_VH,
+        targets_N,
+        logit_softcap=logit_softcap,
+        with_entropy=want_metrics,
+        filter_eps="auto" if cce else None,
+        accumulate="input" if cce else "float32",
+    )
     loss = -logp_n.sum() / denom
     sums = torch.stack([hit_n.sum(), ent_n.detach().sum()]) if want_metrics else None
     return loss, sums
@@ -395,8 +449,8 @@ def _triton_loss(hidden_NH, weight_VH, targets_N, denom, want_metrics, logit_sof
 def _metric_sums_chunked(hidden_nH, weight_VH, bias_V, targets_n, chunk_size, logit_softcap=None):
     sums = torch.zeros(2, dtype=_acc_dtype(hidden_nH.dtype), device=hidden_nH.device)
     for start in range(0, hidden_nH.shape[0], chunk_size):
-        logits_cV = _capped_logits(hidden_nH[start:start + chunk_size], weight_VH, bias_V, logit_softcap)
-        sums += _metric_sums(logits_cV, targets_n[start:start + chunk_size])
+        logits_cV = _capped_logits(hidden_nH[start : start + chunk_size], weight_VH, bias_V, logit_softcap)
+        sums += _metric_sums(logits_cV, targets_n[start : start + chunk_size])
         del logits_cV
     return sums
 
@@ -432,10 +486,15 @@ class CausalLMLoss(torch.nn.Module):
         if isinstance(micro, Batch):
             hidden = forward_hidden(self.causal_lm, micro, self.cfg.model.attn_implementation)
             return hidden, torch.as_tensor(micro.labels, dtype=torch.long, device=hidden.device), False
-        ctx = cpmod.make_context(micro, self.cp_group, self.cfg.parallel.context_parallel_strategy,
-                                 mask_layout(self.causal_lm.config).sliding_window)
-        out = causal_lm_of(self.causal_lm).model(input_ids=micro.input_ids, position_ids=micro.position_ids,
-                                                 use_cache=False, **{cpmod.CP_KWARG: ctx})
+        ctx = cpmod.make_context(
+            micro,
+            self.cp_group,
+            self.cfg.parallel.context_parallel_strategy,
+            mask_layout(self.causal_lm.config).sliding_window,
+        )
+        out = causal_lm_of(self.causal_lm).model(
+            input_ids=micro.input_ids, position_ids=micro.position_ids, use_cache=False, **{cpmod.CP_KWARG: ctx}
+        )
         return out.last_hidden_state, micro.targets, True
 
     def forward(self, micro):
@@ -444,7 +503,15 @@ class CausalLMLoss(torch.nn.Module):
         if callable(micro):
             return micro(self.causal_lm)
         hidden_BTH, labels_BT, shifted = self._hidden(micro)
-        return causal_lm_loss(hidden_BTH, lm_head_weight(self.causal_lm), labels_BT, micro.num_items_in_batch,
-                              self.cfg.loss.loss_type, chunk_size=self.cfg.loss.loss_chunk_size, return_metrics=True,
-                              targets_are_shifted=shifted, logit_softcap=final_logit_softcap(self.causal_lm),
-                              triton_gradients=self.cfg.loss.triton_gradients)
+        return causal_lm_loss(
+            hidden_BTH,
+            lm_head_weight(self.causal_lm),
+            labels_BT,
+            micro.num_items_in_batch,
+            self.cfg.loss.loss_type,
+            chunk_size=self.cfg.loss.loss_chunk_size,
+            return_metrics=True,
+            targets_are_shifted=shifted,
+            logit_softcap=final_logit_softcap(self.causal_lm),
+            triton_gradients=self.cfg.loss.triton_gradients,
+        )

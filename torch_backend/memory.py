@@ -77,9 +77,9 @@ class _Entry:
     host: torch.Tensor
     source: "weakref.ref[torch.Tensor]"
     version: int
-    event: Optional[Any] = None            # D2H copy done (CUDA)
+    event: Optional[Any] = None  # D2H copy done (CUDA)
     device_copy: Optional[torch.Tensor] = None
-    device_event: Optional[Any] = None     # H2D prefetch done (CUDA)
+    device_event: Optional[Any] = None  # H2D prefetch done (CUDA)
     expand_to: Optional[torch.Size] = None  # an expanded view: host holds one copy; expanded again on return
 
 
@@ -88,14 +88,16 @@ class OffloadStats:
     num_offloaded: int = 0
     bytes_offloaded: int = 0
     num_kept: int = 0
-    shapes: set = field(default_factory=set)   # distinct shapes offloaded (bounded, for checks)
+    shapes: set = field(default_factory=set)  # distinct shapes offloaded (bounded, for checks)
 
 
 def _check_version(t: Optional[torch.Tensor], version: int) -> None:
     if t is not None and t._version != version:
-        raise RuntimeError("a tensor saved for backward was modified in place after it was saved under "
-                           "activation offloading (e.g. an in-place loss kernel such as Liger's); compute it "
-                           "under ActivationOffloader.paused() or outside the offloaded region.")
+        raise RuntimeError(
+            "a tensor saved for backward was modified in place after it was saved under "
+            "activation offloading (e.g. an in-place loss kernel such as Liger's); compute it "
+            "under ActivationOffloader.paused() or outside the offloaded region."
+        )
 
 
 def _mirrorable(t: torch.Tensor) -> bool:
@@ -121,9 +123,16 @@ class ActivationOffloader:
     ``prefetch``: tensors brought back ahead of use in backward.
     """
 
-    def __init__(self, model: Optional[torch.nn.Module] = None, *, device: Any = None,
-                 loss_type: str = "nll", min_offload_bytes: int = 1024, prefetch: int = 2,
-                 allow_cpu_for_testing: bool = False) -> None:
+    def __init__(
+        self,
+        model: Optional[torch.nn.Module] = None,
+        *,
+        device: Any = None,
+        loss_type: str = "nll",
+        min_offload_bytes: int = 1024,
+        prefetch: int = 2,
+        allow_cpu_for_testing: bool = False,
+    ) -> None:
         if device is None:
             if model is None:
                 raise ConfigError("ActivationOffloader needs the model or an explicit device=.")
@@ -133,12 +142,16 @@ class ActivationOffloader:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.testing = self.device.type != "cuda"
         if self.testing and not allow_cpu_for_testing:
-            raise ConfigError(f"activation offloading moves activations from a CUDA device to host memory; the "
-                              f"model is on {self.device.type!r}, where activations already live in host memory. "
-                              f"Drop activation_offloading (gradient_checkpointing saves memory on CPU).")
+            raise ConfigError(
+                f"activation offloading moves activations from a CUDA device to host memory; the "
+                f"model is on {self.device.type!r}, where activations already live in host memory. "
+                f"Drop activation_offloading (gradient_checkpointing saves memory on CPU)."
+            )
         if loss_type in INPLACE_LOSS_TYPES and model is None:
-            raise ConfigError(f"loss_type={loss_type!r} modifies its input in place, which breaks offloaded "
-                              f"tensors; pass the model so that only the decoder region is offloaded.")
+            raise ConfigError(
+                f"loss_type={loss_type!r} modifies its input in place, which breaks offloaded "
+                f"tensors; pass the model so that only the decoder region is offloaded."
+            )
         self.region = None if model is None else self._decoder_of(model)
         self.param_ptrs = set() if model is None else {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.min_offload_bytes, self.prefetch = min_offload_bytes, prefetch
@@ -156,9 +169,11 @@ class ActivationOffloader:
     def _decoder_of(model: torch.nn.Module) -> torch.nn.Module:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
         if decoder is None or decoder is model:
-            raise ConfigError(f"cannot find the decoder of {type(model).__name__} (expected a .model submodule, as "
-                              f"every *ForCausalLM twinseq builds has); pass model=None to offload everything "
-                              f"(not with Liger).")
+            raise ConfigError(
+                f"cannot find the decoder of {type(model).__name__} (expected a .model submodule, as "
+                f"every *ForCausalLM twinseq builds has); pass model=None to offload everything "
+                f"(not with Liger)."
+            )
         return decoder
 
     # ---- public state ----------------------------------------------------------------
@@ -182,7 +197,8 @@ class ActivationOffloader:
         if self.region is not None:
             self._region_handles = [
                 self.region.register_forward_pre_hook(lambda *_: self._enter_region()),
-                self.region.register_forward_hook(lambda *_: self._leave_region(), always_call=True)]
+                self.region.register_forward_hook(lambda *_: self._leave_region(), always_call=True),
+            ]
         self._hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks_ctx.__enter__()
         return self
@@ -294,7 +310,7 @@ class ActivationOffloader:
         """Start bringing back the next tensors backward will need (saved just before ``key``)."""
         window = range(key - 1, max(key - 1 - 4 * self.prefetch, -1), -1)
         pending = [e for e in (self._stash.get(k) for k in window) if e is not None]
-        for entry in pending[:self.prefetch]:
+        for entry in pending[: self.prefetch]:
             if entry.device_copy is None:
                 self._start_device_copy(entry)
 
@@ -315,8 +331,9 @@ class ActivationOffloader:
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
 
 
-def offload_activations(model: Optional[torch.nn.Module] = None, *, loss_type: str = "nll",
-                        **kwargs: Any) -> ActivationOffloader:
+def offload_activations(
+    model: Optional[torch.nn.Module] = None, *, loss_type: str = "nll", **kwargs: Any
+) -> ActivationOffloader:
     """``ActivationOffloader(model, loss_type=loss_type, **kwargs)``: the trainer's entry point."""
     return ActivationOffloader(model, loss_type=loss_type, **kwargs)
 
@@ -328,8 +345,10 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: str = "full")
     (``"full"``), so other policies are refused rather than approximated.
     """
     if policy != "full":
-        raise ConfigError(f"activation checkpointing policy={policy!r} is not available on the torch backend, "
-                          f"which recomputes whole layers ('full'); use policy='full'.")
+        raise ConfigError(
+            f"activation checkpointing policy={policy!r} is not available on the torch backend, "
+            f"which recomputes whole layers ('full'); use policy='full'."
+        )
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x; the old name is deprecated
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -367,13 +386,13 @@ class _TiledMLP(torch.autograd.Function):
         grad_x = torch.zeros_like(x_NH) if need_x else None
         grad_p: list = [None] * len(params)
         for start in range(0, x_NH.shape[0], ctx.chunk_size):
-            x_cH = x_NH[start:start + ctx.chunk_size].detach().requires_grad_(need_x)
+            x_cH = x_NH[start : start + ctx.chunk_size].detach().requires_grad_(need_x)
             with torch.enable_grad():
                 y_cH = ctx.mlp_forward(x_cH)
                 inputs = ([x_cH] if need_x else []) + [params[i] for i in wanted]
-                grads = torch.autograd.grad(y_cH, inputs, grad_NH[start:start + ctx.chunk_size], allow_unused=True)
+                grads = torch.autograd.grad(y_cH, inputs, grad_NH[start : start + ctx.chunk_size], allow_unused=True)
             if need_x:
-                grad_x[start:start + ctx.chunk_size] = grads[0]
+                grad_x[start : start + ctx.chunk_size] = grads[0]
                 grads = grads[1:]
             for i, g in zip(wanted, grads):
                 if g is not None:
@@ -397,8 +416,10 @@ def decoder_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The ``.mlp`` of every decoder layer of an HF causal LM (all families twinseq builds name it so)."""
     layers = getattr(getattr(causal_lm_of(model), "model", None), "layers", None)
     if layers is None or not all(hasattr(layer, "mlp") for layer in layers):
-        raise ConfigError(f"tiled_mlp=True: cannot find the decoder layers' .mlp modules of {type(model).__name__}; "
-                          f"set tiled_mlp=False for this model.")
+        raise ConfigError(
+            f"tiled_mlp=True: cannot find the decoder layers' .mlp modules of {type(model).__name__}; "
+            f"set tiled_mlp=False for this model."
+        )
     return [layer.mlp for layer in layers]
 
 
@@ -457,14 +478,21 @@ def return_large_frees_to_the_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
         libc = ctypes.CDLL(name) if name else None
         # the trim threshold too: glibc had raised it with the mmap threshold (to twice it), so the heap's free top
         # would not be given back either
-        ok = bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(M_MMAP_THRESHOLD, int(threshold))
-                  and libc.mallopt(M_TRIM_THRESHOLD, 2 * int(threshold)))
+        ok = bool(
+            libc is not None
+            and hasattr(libc, "mallopt")
+            and libc.mallopt(M_MMAP_THRESHOLD, int(threshold))
+            and libc.mallopt(M_TRIM_THRESHOLD, 2 * int(threshold))
+        )
     except OSError:
         ok = False
     _PINNED = ok
     if ok:
-        logger.info("CPU: glibc mmap threshold pinned at %d KiB, so the float32 weights dequantised "
-                    "for each layer leave the process when freed", threshold // 1024)
+        logger.info(
+            "CPU: glibc mmap threshold pinned at %d KiB, so the float32 weights dequantised "
+            "for each layer leave the process when freed",
+            threshold // 1024,
+        )
     else:
         logger.info("CPU: not glibc (no mallopt); freed dequantised weights may stay resident")
     return ok

@@ -102,8 +102,14 @@ def _reset_dynamic_rope(rotary: torch.nn.Module, _args) -> None:
     rotary.max_seq_len_cached = rotary.original_max_seq_len
 
 
-def build_model(cfg: ModelConfig, weights: Optional[dict[str, np.ndarray]] = None, *, dtype: str = "float32",
-                attn_implementation: str = "sdpa", device: Any = None) -> Model:
+def build_model(
+    cfg: ModelConfig,
+    weights: Optional[dict[str, np.ndarray]] = None,
+    *,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    device: Any = None,
+) -> Model:
     """An ``AutoModelForCausalLM`` of ``cfg`` (its family's HF class) in ``dtype`` on ``device``
     (default CPU), in train mode.
 
@@ -186,20 +192,34 @@ def logits(model: Model, batch: Batch) -> np.ndarray:
     return apply_logit_softcap(head(hidden_BTH).float(), final_logit_softcap(model)).cpu().numpy()
 
 
-def compute_loss(model: torch.nn.Module, batch: Batch, loss_type: str = "nll", *,
-                 attn_implementation: Optional[str] = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 return_metrics: bool = False):
+def compute_loss(
+    model: torch.nn.Module,
+    batch: Batch,
+    loss_type: str = "nll",
+    *,
+    attn_implementation: Optional[str] = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    return_metrics: bool = False,
+):
     """Scalar loss tensor: ``sum of NLL over batch's targets / batch.num_items_in_batch`` (of the soft-capped
     logits when the family caps them)."""
     hidden_BTH = forward_hidden(model, batch, attn_implementation)
     labels_BT = torch.as_tensor(batch.labels, dtype=torch.long, device=hidden_BTH.device)
-    return causal_lm_loss(hidden_BTH, lm_head_weight(model), labels_BT, batch.num_items_in_batch, loss_type,
-                          chunk_size=chunk_size, return_metrics=return_metrics,
-                          logit_softcap=final_logit_softcap(model))
+    return causal_lm_loss(
+        hidden_BTH,
+        lm_head_weight(model),
+        labels_BT,
+        batch.num_items_in_batch,
+        loss_type,
+        chunk_size=chunk_size,
+        return_metrics=return_metrics,
+        logit_softcap=final_logit_softcap(model),
+    )
 
 
-def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,
-                   chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[float, dict[str, np.ndarray]]:
+def loss_and_grads(
+    model: Model, batch: Batch, loss_type: str = "nll", *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[float, dict[str, np.ndarray]]:
     """(loss, float32 numpy gradient per HF parameter name) of one micro-batch.
 
     The loss is normalised by ``batch.num_items_in_batch`` (the whole step's label count), so
@@ -218,7 +238,10 @@ def loss_and_grads(model: Model, batch: Batch, loss_type: str = "nll", *,
     grads = {}
     for name in parameter_shapes(model_config_of(model)):
         grad = params[name].grad
-        grads[name] = (np.zeros(tuple(params[name].shape), np.float32) if grad is None
-                       else grad.detach().to(device="cpu", dtype=torch.float32).numpy().copy())
+        grads[name] = (
+            np.zeros(tuple(params[name].shape), np.float32)
+            if grad is None
+            else grad.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
+        )
     model.zero_grad(set_to_none=True)
     return float(loss.detach()), grads

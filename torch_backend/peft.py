@@ -84,8 +84,10 @@ def require_peft() -> None:
 
 def require_bitsandbytes(what: str) -> None:
     if not bitsandbytes_available():
-        raise MissingDependencyError(f"{what} needs the 'bitsandbytes' package (its CPU backend works too); install "
-                                     f"it with `{PEFT_EXTRA}`, or drop {what}.")
+        raise MissingDependencyError(
+            f"{what} needs the 'bitsandbytes' package (its CPU backend works too); install "
+            f"it with `{PEFT_EXTRA}`, or drop {what}."
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -103,8 +105,7 @@ def peft_config_of(model: Model) -> PeftConfig:
 def adapters_disabled(model: Model) -> Iterator[Model]:
     """The base model inside this block: PEFT's ``disable_adapter`` (DPO's reference, as TRL does)."""
     if not is_adapter_model(model):
-        raise ConfigError("adapters_disabled needs an adapter model (add_adapters); a plain model has none to "
-                          "disable.")
+        raise ConfigError("adapters_disabled needs an adapter model (add_adapters); a plain model has none to disable.")
     with model.disable_adapter():
         yield model
 
@@ -131,21 +132,26 @@ def check_peft_model(model: torch.nn.Module, cfg: ModelConfig, peft: PeftConfig)
     if not peft.use_peft:
         raise ConfigError("add_adapters was given use_peft=False; set use_peft=True (--use-peft) to add adapters.")
     if is_adapter_model(model):
-        raise ConfigError("this model already has adapters (add_adapters was called on it); merge_adapters or "
-                          "build a new base model first.")
+        raise ConfigError(
+            "this model already has adapters (add_adapters was called on it); merge_adapters or "
+            "build a new base model first."
+        )
     lora_targets(cfg, peft)  # ConfigError for unknown target modules, empty lists, repeated token ids
     check_token_indices(cfg, peft)
     if peft.lora_r <= 0:  # PeftConfig checks this on construction; a config built with checks off still must not
         raise ConfigError(f"lora_r={peft.lora_r} is not valid: the adapter rank must be an integer >= 1 (--lora-r).")
     dtypes = {p.dtype for p in model.parameters()}
     if peft.load_in_4bit and dtypes != {torch.float32}:
-        raise ConfigError(f"load_in_4bit=True quantises a float32 base here (parameters are "
-                          f"{sorted(map(str, dtypes))}); build the model with dtype='float32' (bitsandbytes computes "
-                          f"in float32 on CPU).")
+        raise ConfigError(
+            f"load_in_4bit=True quantises a float32 base here (parameters are "
+            f"{sorted(map(str, dtypes))}); build the model with dtype='float32' (bitsandbytes computes "
+            f"in float32 on CPU)."
+        )
 
 
-def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
-                 adapters: Optional[dict[str, np.ndarray]] = None) -> Model:
+def add_adapters(
+    model: Model, cfg: ModelConfig, peft: PeftConfig, adapters: Optional[dict[str, np.ndarray]] = None
+) -> Model:
     """``model`` wrapped by ``peft.get_peft_model`` with LoRA/DoRA adapters on ``common.models.peft.lora_targets`` (and
     trainable tokens, and an NF4 base with ``load_in_4bit``), loaded from ``adapters`` (PEFT keys; None:
     ``common.models.peft.init_adapters(cfg, peft, seed=0, base_weights=...)``). Only the adapters require grad.
@@ -155,8 +161,9 @@ def add_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig,
     return add_adapters_seeded(model, cfg, peft, adapters, seed=0)
 
 
-def add_adapters_seeded(model: Model, cfg: ModelConfig, peft: PeftConfig,
-                        adapters: Optional[dict[str, np.ndarray]] = None, *, seed: int = 0) -> Model:
+def add_adapters_seeded(
+    model: Model, cfg: ModelConfig, peft: PeftConfig, adapters: Optional[dict[str, np.ndarray]] = None, *, seed: int = 0
+) -> Model:
     """``add_adapters`` whose fresh adapters are drawn with ``seed`` (the trainer's ``TrainConfig.seed``)."""
     require_peft()
     check_peft_model(model, cfg, peft)
@@ -174,20 +181,29 @@ def add_adapters_seeded(model: Model, cfg: ModelConfig, peft: PeftConfig,
         adapters = init_adapters(cfg, peft, seed=seed, base_weights=base_weights(model))
     targets = sorted(lora_targets(cfg, peft))
     config = LoraConfig(
-        r=peft.lora_r, lora_alpha=peft.lora_alpha, lora_dropout=peft.lora_dropout,
+        r=peft.lora_r,
+        lora_alpha=peft.lora_alpha,
+        lora_dropout=peft.lora_dropout,
         # explicit module paths (not "all-linear"): exactly common.models.peft's targets, whatever PEFT's own rule is
-        target_modules=targets, use_rslora=peft.use_rslora, use_dora=peft.use_dora, bias="none",
+        target_modules=targets,
+        use_rslora=peft.use_rslora,
+        use_dora=peft.use_dora,
+        bias="none",
         task_type="CAUSAL_LM",
-        trainable_token_indices=({"embed_tokens": list(peft.trainable_token_indices)}
-                                 if peft.trainable_token_indices else None))
+        trainable_token_indices=(
+            {"embed_tokens": list(peft.trainable_token_indices)} if peft.trainable_token_indices else None
+        ),
+    )
     wrapped = get_peft_model(model, config)
     wrapped.__dict__[PEFT_CONFIG_ATTR] = peft
     params = adapter_parameters(wrapped)
     expected = adapter_shapes(cfg, peft)
     if set(params) != set(expected):
-        raise AssertionError(f"PEFT built other adapter tensors than common.models.peft expects: missing "
-                             f"{sorted(set(expected) - set(params))[:3]}, extra "
-                             f"{sorted(set(params) - set(expected))[:3]}")
+        raise AssertionError(
+            f"PEFT built other adapter tensors than common.models.peft expects: missing "
+            f"{sorted(set(expected) - set(params))[:3]}, extra "
+            f"{sorted(set(params) - set(expected))[:3]}"
+        )
     load_adapters_(wrapped, adapters)
     trainable = {id(p) for p in params.values()}
     for param in wrapped.parameters():
@@ -201,8 +217,10 @@ def load_adapters_(model: Model, adapters: dict[str, np.ndarray]) -> None:
     params = adapter_parameters(model)
     missing, unexpected = sorted(set(params) - set(adapters)), sorted(set(adapters) - set(params))
     if missing or unexpected:
-        raise ConfigError(f"the adapters do not fit this adapter model: missing {missing[:3]}, unexpected "
-                          f"{unexpected[:3]}; pass the tensors of the same PeftConfig.")
+        raise ConfigError(
+            f"the adapters do not fit this adapter model: missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}; pass the tensors of the same PeftConfig."
+        )
     for key, param in params.items():
         value = torch.as_tensor(np.asarray(adapters[key]), device=param.device, dtype=param.dtype)
         if tuple(value.shape) != tuple(param.shape):
@@ -213,8 +231,9 @@ def load_adapters_(model: Model, adapters: dict[str, np.ndarray]) -> None:
 def export_adapters(model: Model) -> dict[str, np.ndarray]:
     """float32 numpy adapter tensors by PEFT saved key (what ``common.models.peft.save_adapters`` writes)."""
     peft_config_of(model)
-    return {k: p.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
-            for k, p in adapter_parameters(model).items()}
+    return {
+        k: p.detach().to(device="cpu", dtype=torch.float32).numpy().copy() for k, p in adapter_parameters(model).items()
+    }
 
 
 # --------------------------------------------------------------------------------------
@@ -237,17 +256,27 @@ def quantize_4bit_(model: torch.nn.Module) -> int:
                 continue
             parent_name, _, attr = name.rpartition(".")
             parent = layer.get_submodule(parent_name) if parent_name else layer
-            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                  compute_dtype=torch.float32, quant_type="nf4", quant_storage=torch.uint8,
-                                  device="meta")
-            q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False, quant_type="nf4",
-                                         quant_storage=torch.uint8).to(device)
+            q = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=torch.float32,
+                quant_type="nf4",
+                quant_storage=torch.uint8,
+                device="meta",
+            )
+            q.weight = bnb.nn.Params4bit(
+                child.weight.data.to("cpu"), requires_grad=False, quant_type="nf4", quant_storage=torch.uint8
+            ).to(device)
             if child.bias is not None:
                 q.bias = torch.nn.Parameter(child.bias.data.clone(), requires_grad=False)
             setattr(parent, attr, q)
             count += 1
-    logger.info("load_in_4bit: %d linear layers quantised to NF4 (bitsandbytes %s, float32 compute)", count,
-                getattr(bnb, "__version__", "?"))
+    logger.info(
+        "load_in_4bit: %d linear layers quantised to NF4 (bitsandbytes %s, float32 compute)",
+        count,
+        getattr(bnb, "__version__", "?"),
+    )
     return count
 
 
@@ -268,6 +297,7 @@ def merge_adapters(model: Model) -> Model:
     cfg = model_config_of(inner)
     merged = merge_adapter_weights(cfg, peft, base_weights(model), export_adapters(model))
     device = next(model.parameters()).device
-    plain = build_model(cfg, merged, attn_implementation=twinseq_attn_name(inner.config._attn_implementation),
-                        device=device)
+    plain = build_model(
+        cfg, merged, attn_implementation=twinseq_attn_name(inner.config._attn_implementation), device=device
+    )
     return plain.train(model.training)

@@ -30,8 +30,11 @@ from twinseq.torch_backend.zero3_grpo import build_grpo_zero3
 
 def builders(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]) -> dict[str, Build]:
     """The torch builder of each task (one process, or FSDP2 on every rank of a launch)."""
-    return {"sft": partial(build_sft, cfg, device, runtime), "dpo": partial(build_dpo, cfg, device, runtime),
-            "grpo": partial(build_grpo, cfg, device, runtime)}
+    return {
+        "sft": partial(build_sft, cfg, device, runtime),
+        "dpo": partial(build_dpo, cfg, device, runtime),
+        "grpo": partial(build_grpo, cfg, device, runtime),
+    }
 
 
 def train(config: TrainConfig) -> Path:
@@ -60,19 +63,24 @@ def train_zero3(cfg: TrainConfig) -> Path:
     process); returns the path of ``metrics.jsonl``."""
     check_zero3_config(cfg)
     if cfg.optim.skip_nonfinite_steps:
-        raise ConfigError("skip_nonfinite_steps=True does not combine with deepspeed_zero_stage=3: DeepSpeed applies "
-                          "the update before the step's norm is known here; drop --skip-nonfinite-steps.")
+        raise ConfigError(
+            "skip_nonfinite_steps=True does not combine with deepspeed_zero_stage=3: DeepSpeed applies "
+            "the update before the step's norm is known here; drop --skip-nonfinite-steps."
+        )
     require_deepspeed()
     owns_group = not dist.is_initialized()
     ensure_process_group()
     try:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else \
-            torch.device("cpu")
-        preflight(cfg, CapabilityRuntime("torch", device.type, dist.get_world_size(),
-                                         accelerator=device.type == "cuda"))
+        device = (
+            torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        preflight(
+            cfg, CapabilityRuntime("torch", device.type, dist.get_world_size(), accelerator=device.type == "cuda")
+        )
         torch.manual_seed(cfg.seed)
-        return train_task(cfg, {"sft": partial(build_zero3_sft, cfg), "grpo": partial(build_grpo_zero3, cfg)},
-                          desc="torch-zero3")
+        return train_task(
+            cfg, {"sft": partial(build_zero3_sft, cfg), "grpo": partial(build_grpo_zero3, cfg)}, desc="torch-zero3"
+        )
     finally:
         if owns_group:
             dist.barrier()

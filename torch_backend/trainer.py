@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -106,8 +106,9 @@ def add_peft(cfg: TrainConfig, causal_lm: torch.nn.Module) -> torch.nn.Module:
     return add_adapters_seeded(causal_lm, model_config_of(causal_lm), cfg.peft, seed=cfg.seed)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig,
-                    ndim: Callable[[torch.nn.Parameter], int] = lambda p: p.ndim):
+def build_optimizer(
+    model: torch.nn.Module, cfg: TrainConfig, ndim: Callable[[torch.nn.Parameter], int] = lambda p: p.ndim
+):
     """AdamW over the parameters that train (all, or the adapters only); weight decay on matrices only (norm
     scales are not decayed), as HF Trainer does. ``optimizer='adamw_bnb_8bit'``: bitsandbytes' ``AdamW8bit``.
     ``ndim``: a parameter's rank (ZeRO-3 reads it from the full shape: its own is a placeholder's)."""
@@ -119,14 +120,17 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig,
         require_bitsandbytes("optimizer='adamw_bnb_8bit'")
         import bitsandbytes as bnb  # optional dependency
 
-        optimizer = bnb.optim.AdamW8bit(groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2),
-                                        eps=opt.adam_epsilon)
+        optimizer = bnb.optim.AdamW8bit(
+            groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon
+        )
     else:
-        optimizer = torch.optim.AdamW(groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2),
-                                      eps=opt.adam_epsilon, foreach=False)
+        optimizer = torch.optim.AdamW(
+            groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon, foreach=False
+        )
     warmup, total, kind = cfg.effective_warmup_steps, cfg.max_steps, opt.lr_scheduler_type
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda k: lr_multiplier(k, warmup_steps=warmup, max_steps=total, scheduler=kind))
+        optimizer, lambda k: lr_multiplier(k, warmup_steps=warmup, max_steps=total, scheduler=kind)
+    )
     return optimizer, scheduler
 
 
@@ -173,10 +177,11 @@ class TorchTrainer(TrainerTemplate):
     unsharded state, gathered on rank 0 under FSDP2) and the export. A task adds ``micro_step`` and
     ``summarize``."""
 
-    def __init__(self, cfg: TrainConfig, module: torch.nn.Module, device: torch.device,
-                 runtime: Optional[Runtime] = None) -> None:
+    def __init__(
+        self, cfg: TrainConfig, module: torch.nn.Module, device: torch.device, runtime: Optional[Runtime] = None
+    ) -> None:
         self.cfg, self.module, self.device, self.runtime = cfg, module, device, runtime
-        self.causal_lm = module.causal_lm
+        self.causal_lm: torch.nn.Module = cast(torch.nn.Module, module.causal_lm)
         self.optimizer, self.scheduler = build_optimizer(module, cfg)
 
     @property
@@ -188,7 +193,7 @@ class TorchTrainer(TrainerTemplate):
     def current_lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def gradient_norm(self) -> float:
+    def gradient_norm(self) -> Optional[float]:
         max_norm = self.cfg.optim.max_grad_norm
         if max_norm is not None:
             return float(clip_grad_norm_fp64_(self.module.parameters(), max_norm))
@@ -222,9 +227,12 @@ class TorchTrainer(TrainerTemplate):
         optimizer = full_optimizer_state(self.module, self.optimizer)
         if not self.is_main:
             return {}
-        return {"model": {k: to_numpy_tree(weights[k]) for k in self._weight_names()},
-                "optimizer": to_numpy_tree(optimizer), "scheduler": to_numpy_tree(self.scheduler.state_dict()),
-                "rng": rng_state()}
+        return {
+            "model": {k: to_numpy_tree(weights[k]) for k in self._weight_names()},
+            "optimizer": to_numpy_tree(optimizer),
+            "scheduler": to_numpy_tree(self.scheduler.state_dict()),
+            "rng": rng_state(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.is_peft or any("lora_" in k or "trainable_tokens" in k for k in state["model"]):
@@ -234,7 +242,8 @@ class TorchTrainer(TrainerTemplate):
                     f"the checkpoint holds {'adapter' if any('lora_' in k for k in got) else 'full-model'} weights "
                     f"that do not fit this {'PEFT' if self.is_peft else 'full fine-tuning'} run (missing "
                     f"{sorted(expected - got)[:2]}, unexpected {sorted(got - expected)[:2]}); resume with the "
-                    f"peft settings (use_peft, lora_r, lora_target_modules, ...) the checkpoint was written with.")
+                    f"peft settings (use_peft, lora_r, lora_target_modules, ...) the checkpoint was written with."
+                )
         else:
             try:
                 check_weights(model_config_of(self.causal_lm), state["model"])
@@ -255,12 +264,20 @@ class TorchTrainer(TrainerTemplate):
             model_cfg = model_config_of(self.causal_lm)
             if self.is_peft:
                 adapters = {saved_key(k): weights[k].float().numpy() for k in self._weight_names()}
-                save_adapter_folder(path, self.cfg, model_cfg, peft_config_of(self.causal_lm), adapters,
-                                    lambda base: save_pretrained(
-                                        build_model(model_cfg, init_weights(model_cfg, seed=self.cfg.seed)), base))
+                save_adapter_folder(
+                    path,
+                    self.cfg,
+                    model_cfg,
+                    peft_config_of(self.causal_lm),
+                    adapters,
+                    lambda base: save_pretrained(
+                        build_model(model_cfg, init_weights(model_cfg, seed=self.cfg.seed)), base
+                    ),
+                )
             else:
-                save_pretrained(build_model(model_cfg, {k: weights[k].float().numpy()
-                                                        for k in self._weight_names()}), path)
+                save_pretrained(
+                    build_model(model_cfg, {k: weights[k].float().numpy() for k in self._weight_names()}), path
+                )
         if self.runtime is not None:
             dist.barrier()
 
@@ -269,8 +286,9 @@ class TorchTrainer(TrainerTemplate):
         return peak if self.runtime is None else max_over_ranks(peak, self.device)
 
 
-def sft_summary(records: list[dict[str, float]], micro_batches: list[Any], device: torch.device,
-                distributed: bool) -> dict[str, Any]:
+def sft_summary(
+    records: list[dict[str, float]], micro_batches: list[Any], device: torch.device, distributed: bool
+) -> dict[str, Any]:
     """An SFT step's metrics from its micro-batches' sums, all-reduced over the ranks when ``distributed``."""
     sums = sft_step_sums(records, num_tokens=sum(mb.num_tokens for mb in micro_batches))
     return with_means(reduce_step_metrics(sums, device) if distributed else sums)
@@ -297,8 +315,16 @@ class SFTTrainer(TorchTrainer):
 class DPOTrainer(TorchTrainer):
     """DPO of the policy (``module.causal_lm``) against a frozen reference copy, or precomputed log-probs."""
 
-    def __init__(self, cfg: TrainConfig, module: torch.nn.Module, device: torch.device, *, ref_model, config,
-                 examples_per_step: int) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        module: torch.nn.Module,
+        device: torch.device,
+        *,
+        ref_model,
+        config,
+        examples_per_step: int,
+    ) -> None:
         super().__init__(cfg, module, device)
         self.ref_model, self.config, self.examples_per_step = ref_model, config, examples_per_step
         # PEFT: the reference is the policy with its adapters disabled (TRL's way), unless precomputed
@@ -312,34 +338,60 @@ class DPOTrainer(TorchTrainer):
         with autocast(c, self.device):
             ref_c = ref_r = None
             if self.ref_model is not None and loss.loss_type != "liger":
-                ref_c, ref_r = reference_logps(self.ref_model, pbatch, loss_type=loss.loss_type,
-                                               chunk_size=loss.loss_chunk_size,
-                                               attn_implementation=c.model.attn_implementation)
+                ref_c, ref_r = reference_logps(
+                    self.ref_model,
+                    pbatch,
+                    loss_type=loss.loss_type,
+                    chunk_size=loss.loss_chunk_size,
+                    attn_implementation=c.model.attn_implementation,
+                )
             elif self.adapter_reference:
                 with reference_mode(self.causal_lm):
-                    ref_c, ref_r = reference_logps(self.causal_lm, pbatch, loss_type=loss.loss_type,
-                                                   chunk_size=loss.loss_chunk_size,
-                                                   attn_implementation=c.model.attn_implementation)
+                    ref_c, ref_r = reference_logps(
+                        self.causal_lm,
+                        pbatch,
+                        loss_type=loss.loss_type,
+                        chunk_size=loss.loss_chunk_size,
+                        attn_implementation=c.model.attn_implementation,
+                    )
         with offload_context(c, self.causal_lm):
             with autocast(c, self.device):
                 if loss.loss_type == "liger":
-                    out = liger_dpo_forward(self.causal_lm, self.ref_model, pbatch, self.config,
-                                            self.examples_per_step, chunk_size=loss.loss_chunk_size,
-                                            attn_implementation=c.model.attn_implementation)
+                    out = liger_dpo_forward(
+                        self.causal_lm,
+                        self.ref_model,
+                        pbatch,
+                        self.config,
+                        self.examples_per_step,
+                        chunk_size=loss.loss_chunk_size,
+                        attn_implementation=c.model.attn_implementation,
+                    )
                 else:
-                    out = dpo_forward(self.causal_lm, pbatch, self.config, ref_chosen_logps=ref_c,
-                                      ref_rejected_logps=ref_r, loss_type=loss.loss_type,
-                                      chunk_size=loss.loss_chunk_size, num_examples_in_step=self.examples_per_step,
-                                      attn_implementation=c.model.attn_implementation)
+                    out = dpo_forward(
+                        self.causal_lm,
+                        pbatch,
+                        self.config,
+                        ref_chosen_logps=ref_c,
+                        ref_rejected_logps=ref_r,
+                        loss_type=loss.loss_type,
+                        chunk_size=loss.loss_chunk_size,
+                        num_examples_in_step=self.examples_per_step,
+                        attn_implementation=c.model.attn_implementation,
+                    )
             out.loss.backward()
         return out
 
     def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
-        per_pair = {k: [getattr(o, k).detach().double().cpu().numpy() for o in records]
-                    for k in ("chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps")}
-        return dpo_step_metrics([float(o.loss.detach()) for o in records], per_pair,
-                                num_tokens=sum(pb.batch.num_tokens for pb in micro_batches),
-                                num_label_tokens=sum(pb.batch.num_label_tokens for pb in micro_batches))
+        per_pair = {
+            k: [getattr(o, k).detach().double().cpu().numpy() for o in records]
+            for k in ("chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps")
+        }
+        return dpo_step_metrics(
+            [float(o.loss.detach()) for o in records],
+            per_pair,
+            num_tokens=sum(pb.batch.num_tokens for pb in micro_batches),
+            num_label_tokens=sum(pb.batch.num_label_tokens for pb in micro_batches),
+        )
 
 
 # --------------------------------------------------------------------------------------
@@ -348,15 +400,27 @@ class DPOTrainer(TorchTrainer):
 
 
 def describe(cfg: TrainConfig, model: torch.nn.Module, device: Any, world_size: int = 1) -> str:
-    """``common.run.trainer.describe_run`` of a torch model: its parameters (or adapters) and the attention that runs."""
+    """``common.run.trainer.describe_run`` of a torch model: its parameters (or adapters), the attention that runs."""
     num_params = sum(p.numel() for p in model.parameters())
     params = f"{num_params / 1e6:.2f}M params"
     if is_adapter_model(model):
-        params = peft_summary(cfg.peft, trainable=sum(t.numel() for t in model.parameters() if t.requires_grad),
-                              total=num_params, quantized=is_quantized(model))
-    attn = twinseq_attn_name(model.config._attn_implementation)  # what runs (sdpa may have fallen back)
-    return describe_run(cfg, backend="torch", model_type=model.config.model_type, params=params, where=str(device),
-                        details=[f"attn={attn}"], world_size=world_size)
+        params = peft_summary(
+            cfg.peft,
+            trainable=sum(t.numel() for t in model.parameters() if t.requires_grad),
+            total=num_params,
+            quantized=is_quantized(model),
+        )
+    hf_config: Any = model.config
+    attn = twinseq_attn_name(hf_config._attn_implementation)  # what runs (sdpa may have fallen back)
+    return describe_run(
+        cfg,
+        backend="torch",
+        model_type=hf_config.model_type,
+        params=params,
+        where=str(device),
+        details=[f"attn={attn}"],
+        world_size=world_size,
+    )
 
 
 def build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]):
@@ -367,15 +431,19 @@ def build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]
     causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device)
     if cfg.peft.use_peft:
         if runtime is not None and cfg.peft.load_in_4bit:
-            raise ConfigError("load_in_4bit=True (QLoRA) runs in one process here: FSDP2 cannot shard "
-                              "bitsandbytes' packed NF4 weights; drop --load-in-4bit (LoRA shards) or run one process.")
+            raise ConfigError(
+                "load_in_4bit=True (QLoRA) runs in one process here: FSDP2 cannot shard "
+                "bitsandbytes' packed NF4 weights; drop --load-in-4bit (LoRA shards) or run one process."
+            )
         causal_lm = add_peft(cfg, causal_lm)
     module = parallelize(causal_lm, runtime, cfg)
     announce = [describe(cfg, module.causal_lm, device, dp), f"data: {stats}"]
     if runtime is not None:
         m = runtime.mesh_cfg
-        announce.append(f"mesh: dp={m.dp} x cp={m.cp} on {m.world_size} ranks ({dist.get_backend()}), FSDP2 over "
-                        f"dp x cp, cp strategy={cfg.parallel.context_parallel_strategy if m.cp > 1 else 'none'}")
+        announce.append(
+            f"mesh: dp={m.dp} x cp={m.cp} on {m.world_size} ranks ({dist.get_backend()}), FSDP2 over "
+            f"dp x cp, cp strategy={cfg.parallel.context_parallel_strategy if m.cp > 1 else 'none'}"
+        )
     return SFTTrainer(cfg, module, device, runtime), source, tokenizer, announce
 
 
@@ -387,9 +455,11 @@ def build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]
     causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device)
     if cfg.peft.use_peft:
         if cfg.loss.loss_type == "liger":
-            raise ConfigError("loss_type='liger' (or use_liger_kernel=True) for DPO needs a separate reference "
-                              "model, and with use_peft=True the reference is the policy with its adapters "
-                              "disabled; use --loss-type fused_linear with --use-peft.")
+            raise ConfigError(
+                "loss_type='liger' (or use_liger_kernel=True) for DPO needs a separate reference "
+                "model, and with use_peft=True the reference is the policy with its adapters "
+                "disabled; use --loss-type fused_linear with --use-peft."
+            )
         causal_lm = add_peft(cfg, causal_lm)
         # The reference is the base: the policy with its adapters disabled, no second copy (as TRL does).
         ref_model = None
@@ -398,18 +468,25 @@ def build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]
         ref_model = frozen_reference(causal_lm)
     if cfg.dpo.precompute_ref_log_probs:
         t0 = time.perf_counter()
-        with autocast(cfg, device), (reference_mode(causal_lm) if ref_model is None else contextlib.nullcontext()):
-            rows = precompute_ref_logps(causal_lm if ref_model is None else ref_model, rows, cfg,
-                                        tokenizer.pad_token_id)
-        logger.info("precomputed reference log-probs of %d pairs in %.1fs; the reference model is freed", len(rows),
-                    time.perf_counter() - t0)
+        with autocast(cfg, device), reference_mode(causal_lm) if ref_model is None else contextlib.nullcontext():
+            rows = precompute_ref_logps(
+                causal_lm if ref_model is None else ref_model, rows, cfg, tokenizer.pad_token_id
+            )
+        logger.info(
+            "precomputed reference log-probs of %d pairs in %.1fs; the reference model is freed",
+            len(rows),
+            time.perf_counter() - t0,
+        )
         ref_model = None
     source = build_preference_iterator(cfg, rows, tokenizer.pad_token_id)
     module = parallelize(causal_lm, None, cfg)
-    announce = [describe(cfg, causal_lm, device),
-                f"dpo_loss_type={list(config.loss_type)}, beta={config.beta}, reference="
-                f"{reference_description(cfg, precomputed=cfg.dpo.precompute_ref_log_probs)}, "
-                f"{source.examples_per_step} pairs per step; data: {stats}"]
-    trainer = DPOTrainer(cfg, module, device, ref_model=ref_model, config=config,
-                         examples_per_step=source.examples_per_step)
+    announce = [
+        describe(cfg, causal_lm, device),
+        f"dpo_loss_type={list(config.loss_type)}, beta={config.beta}, reference="
+        f"{reference_description(cfg, precomputed=cfg.dpo.precompute_ref_log_probs)}, "
+        f"{source.examples_per_step} pairs per step; data: {stats}",
+    ]
+    trainer = DPOTrainer(
+        cfg, module, device, ref_model=ref_model, config=config, examples_per_step=source.examples_per_step
+    )
     return trainer, source, tokenizer, announce

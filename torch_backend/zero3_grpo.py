@@ -52,16 +52,18 @@ class Zero3GRPOTrainer(Zero3Hooks, GRPOTrainer):
     def prepare(self, micro_batches: list[Any]) -> list[Any]:
         (entry,) = micro_batches
         share = len(entry["prompts"]) // self.world
-        mine = entry["prompts"][self.rank * share:(self.rank + 1) * share]
+        mine = entry["prompts"][self.rank * share : (self.rank + 1) * share]
         micro = super().prepare([{**entry, "prompts": mine}])
         self.check_micro_batches(micro)
         return micro
 
     def sample(self, prompt_ids: list[list[int]], **extra: Any) -> np.ndarray:
         gather = self.cfg.grpo.ds3_gather_for_generation
-        context = gathered_for_generation(self.causal_lm, getattr(self.engine.engine.optimizer,
-                                                                  "parameter_offload", None)) \
-            if gather else contextlib.nullcontext()
+        context = (
+            gathered_for_generation(self.causal_lm, getattr(self.engine.engine.optimizer, "parameter_offload", None))
+            if gather
+            else contextlib.nullcontext()
+        )
         with context:
             return super().sample(prompt_ids, synced_gpus=not gather and self.world > 1)
 
@@ -72,16 +74,18 @@ class Zero3GRPOTrainer(Zero3Hooks, GRPOTrainer):
 
     def gather_rewards(self, total: np.ndarray, per: np.ndarray) -> tuple[np.ndarray, np.ndarray, slice]:
         parts = self._gather((np.asarray(total), np.asarray(per)))
-        start = sum(len(t) for t, _ in parts[:self.rank])
-        return (np.concatenate([t for t, _ in parts]), np.concatenate([p for _, p in parts]),
-                slice(start, start + len(total)))
+        start = sum(len(t) for t, _ in parts[: self.rank])
+        return (
+            np.concatenate([t for t, _ in parts]),
+            np.concatenate([p for _, p in parts]),
+            slice(start, start + len(total)),
+        )
 
     def gather_rows(self, values: np.ndarray) -> np.ndarray:
         return np.concatenate([np.asarray(v) for v in self._gather(np.asarray(values))])
 
     def step_totals(self, num_sequences: int, num_tokens: int, num_micro_batches: int) -> tuple[int, int, int]:
-        counts = torch.tensor([num_sequences, num_tokens, num_micro_batches], dtype=torch.int64,
-                              device=self.device)
+        counts = torch.tensor([num_sequences, num_tokens, num_micro_batches], dtype=torch.int64, device=self.device)
         dist.all_reduce(counts)
         a, b, c = (int(x) for x in counts.tolist())
         return a, b, c
@@ -93,10 +97,10 @@ class Zero3GRPOTrainer(Zero3Hooks, GRPOTrainer):
         self.engine.backward(loss)
 
     def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
-        keys = sorted({k for r in records for k in r if k.endswith("_sum")} | {"loss", "num_tokens",
-                                                                                 "num_loss_tokens"})
-        sums = torch.tensor([sum(r.get(k, 0.0) for r in records) for k in keys], dtype=torch.float64,
-                            device=self.device)
+        keys = sorted({k for r in records for k in r if k.endswith("_sum")} | {"loss", "num_tokens", "num_loss_tokens"})
+        sums = torch.tensor(
+            [sum(r.get(k, 0.0) for r in records) for k in keys], dtype=torch.float64, device=self.device
+        )
         dist.all_reduce(sums)
         return super().summarize([dict(zip(keys, sums.tolist()))], micro_batches)
 
@@ -109,8 +113,10 @@ def build_grpo_zero3(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = N
     ensure_process_group()
     g = cfg.grpo
     if g.use_vllm:
-        raise ConfigError("use_vllm=True does not combine with deepspeed_zero_stage=3 here: generation runs on the "
-                          "ZeRO-3 model (ds3_gather_for_generation); drop --use-vllm.")
+        raise ConfigError(
+            "use_vllm=True does not combine with deepspeed_zero_stage=3 here: generation runs on the "
+            "ZeRO-3 model (ds3_gather_for_generation); drop --use-vllm."
+        )
     world = dist.get_world_size()
     with rank_zero_first():
         tokenizer = run_tokenizer(cfg)
@@ -121,13 +127,14 @@ def build_grpo_zero3(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = N
     prompts_per_step = world * per_rank // g.num_generations
     source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
     trainer = Zero3GRPOTrainer(cfg, engine, tokenizer=tokenizer, reward_funcs=funcs)
-    announce = [f"twinseq torch grpo: DeepSpeed ZeRO-3 over {world} rank(s) ({dist.get_backend()}), "
-                f"{cfg.model.model_config!r}; generation "
-                f"{'gathered once per generation' if g.ds3_gather_for_generation else 'on the partitioned model'} "
-                f"(ds3_gather_for_generation={g.ds3_gather_for_generation})",
-                f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
-                f"{world * per_rank} completions per step ({per_rank} per rank), max_completion_length="
-                f"{trainer.max_completion_length}, loss={g.grpo_loss_type}, beta={g.grpo_beta}, num_iterations="
-                f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}"]
+    announce = [
+        f"twinseq torch grpo: DeepSpeed ZeRO-3 over {world} rank(s) ({dist.get_backend()}), "
+        f"{cfg.model.model_config!r}; generation "
+        f"{'gathered once per generation' if g.ds3_gather_for_generation else 'on the partitioned model'} "
+        f"(ds3_gather_for_generation={g.ds3_gather_for_generation})",
+        f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
+        f"{world * per_rank} completions per step ({per_rank} per rank), max_completion_length="
+        f"{trainer.max_completion_length}, loss={g.grpo_loss_type}, beta={g.grpo_beta}, num_iterations="
+        f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}",
+    ]
     return trainer, source, tokenizer, announce
-

@@ -42,6 +42,20 @@ def train(config: TrainConfig) -> Path:
     return load_backend(config.backend).train(config)
 
 
-__all__ = ["train", "load_backend", "TrainConfig", "ModelArgs", "DataConfig", "OptimConfig", "LossConfig",
-           "MemoryConfig", "ParallelConfig", "DPOConfig", "GRPOConfig", "PeftConfig", "ModelConfig", "TwinseqError",
-           "__version__"]
+__all__ = [
+    "train",
+    "load_backend",
+    "TrainConfig",
+    "ModelArgs",
+    "DataConfig",
+    "OptimConfig",
+    "LossConfig",
+    "MemoryConfig",
+    "ParallelConfig",
+    "DPOConfig",
+    "GRPOConfig",
+    "PeftConfig",
+    "ModelConfig",
+    "TwinseqError",
+    "__version__",
+]

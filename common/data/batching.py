@@ -29,11 +29,11 @@ from twinseq.common.objectives.nll import IGNORE_INDEX
 
 @dataclass
 class Batch:
-    input_ids: np.ndarray       # int32 [B, T]
-    labels: np.ndarray          # int32 [B, T]
-    position_ids: np.ndarray    # int32 [B, T]
-    segment_ids: np.ndarray     # int32 [B, T]
-    cu_seqlens: np.ndarray      # int32 [num_docs + 1]
+    input_ids: np.ndarray  # int32 [B, T]
+    labels: np.ndarray  # int32 [B, T]
+    position_ids: np.ndarray  # int32 [B, T]
+    segment_ids: np.ndarray  # int32 [B, T]
+    cu_seqlens: np.ndarray  # int32 [num_docs + 1]
     num_items_in_batch: int
 
     @property
@@ -76,40 +76,55 @@ class Batch:
 def _as_int_list(value: Any, field: str, index: int) -> np.ndarray:
     arr = np.asarray(value)
     if arr.ndim != 1:
-        raise DataError(f"example {index}: field {field!r} must be a flat list of integers, got an array "
-                        f"of shape {arr.shape}; flatten it or fix the tokenisation step.")
+        raise DataError(
+            f"example {index}: field {field!r} must be a flat list of integers, got an array "
+            f"of shape {arr.shape}; flatten it or fix the tokenisation step."
+        )
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         if np.issubdtype(arr.dtype, np.bool_):
             return arr.astype(np.int64)
-        raise DataError(f"example {index}: field {field!r} must hold integers, got dtype {arr.dtype} "
-                        f"(first value {arr.flat[0]!r}); tokenise the text before collating.")
+        raise DataError(
+            f"example {index}: field {field!r} must hold integers, got dtype {arr.dtype} "
+            f"(first value {arr.flat[0]!r}); tokenise the text before collating."
+        )
     return arr.astype(np.int64, copy=False)
 
 
-def _example_labels(ex: Mapping[str, Any], ids: np.ndarray, index: int,
-                    completion_only_loss: Optional[bool], assistant_only_loss: bool) -> np.ndarray:
+def _example_labels(
+    ex: Mapping[str, Any], ids: np.ndarray, index: int, completion_only_loss: Optional[bool], assistant_only_loss: bool
+) -> np.ndarray:
     labels = _as_int_list(ex["labels"], "labels", index).copy() if "labels" in ex else ids.copy()
     if len(labels) != len(ids):
-        raise DataError(f"example {index}: 'labels' has length {len(labels)} but 'input_ids' has "
-                        f"{len(ids)}; they must be aligned (unshifted), same length.")
+        raise DataError(
+            f"example {index}: 'labels' has length {len(labels)} but 'input_ids' has "
+            f"{len(ids)}; they must be aligned (unshifted), same length."
+        )
     use_completion = completion_only_loss if completion_only_loss is not None else "completion_mask" in ex
     if use_completion:
         if "completion_mask" not in ex:
-            raise DataError(f"example {index}: completion_only_loss=True needs a 'completion_mask' field; "
-                            f"tokenise prompt/completion data, or set completion_only_loss=False.")
+            raise DataError(
+                f"example {index}: completion_only_loss=True needs a 'completion_mask' field; "
+                f"tokenise prompt/completion data, or set completion_only_loss=False."
+            )
         mask = _as_int_list(ex["completion_mask"], "completion_mask", index)
         if len(mask) != len(ids):
-            raise DataError(f"example {index}: 'completion_mask' has length {len(mask)} but 'input_ids' "
-                            f"has {len(ids)}; they must be the same length.")
+            raise DataError(
+                f"example {index}: 'completion_mask' has length {len(mask)} but 'input_ids' "
+                f"has {len(ids)}; they must be the same length."
+            )
         labels[mask == 0] = IGNORE_INDEX
     if assistant_only_loss:
         if "assistant_masks" not in ex:
-            raise DataError(f"example {index}: assistant_only_loss=True needs an 'assistant_masks' field; "
-                            f"tokenise conversational 'messages' data with a chat template.")
+            raise DataError(
+                f"example {index}: assistant_only_loss=True needs an 'assistant_masks' field; "
+                f"tokenise conversational 'messages' data with a chat template."
+            )
         mask = _as_int_list(ex["assistant_masks"], "assistant_masks", index)
         if len(mask) != len(ids):
-            raise DataError(f"example {index}: 'assistant_masks' has length {len(mask)} but 'input_ids' "
-                            f"has {len(ids)}; they must be the same length.")
+            raise DataError(
+                f"example {index}: 'assistant_masks' has length {len(mask)} but 'input_ids' "
+                f"has {len(ids)}; they must be the same length."
+            )
         labels[mask == 0] = IGNORE_INDEX
     return labels
 
@@ -119,8 +134,10 @@ def _doc_lengths(ex: Mapping[str, Any], n: int, index: int) -> np.ndarray:
         return np.array([n] if n else [], dtype=np.int64)
     lengths = _as_int_list(ex["seq_lengths"], "seq_lengths", index)
     if (lengths < 0).any() or int(lengths.sum()) != n:
-        raise DataError(f"example {index}: 'seq_lengths' {lengths.tolist()[:8]} must be non-negative and sum "
-                        f"to len(input_ids)={n}; re-run pack_dataset instead of editing packed rows.")
+        raise DataError(
+            f"example {index}: 'seq_lengths' {lengths.tolist()[:8]} must be non-negative and sum "
+            f"to len(input_ids)={n}; re-run pack_dataset instead of editing packed rows."
+        )
     return lengths[lengths > 0]
 
 
@@ -158,8 +175,10 @@ def collate(
     ([[0, 1, 2, 0, 1]], [[1, 1, 1, 2, 2]], [0, 3, 5])
     """
     if isinstance(examples, Mapping) or not len(examples):
-        raise DataError("collate() needs a non-empty list of examples (dicts with 'input_ids'); "
-                        f"got {type(examples).__name__} of length {len(examples) if hasattr(examples, '__len__') else '?'}.")
+        raise DataError(
+            "collate() needs a non-empty list of examples (dicts with 'input_ids'); "
+            f"got {type(examples).__name__} of length {len(examples) if hasattr(examples, '__len__') else '?'}."
+        )
     if padding_side not in ("right", "left"):
         raise DataError(f"padding_side={padding_side!r} is not valid; choose 'right' or 'left'.")
     if pad_to_multiple_of is not None and pad_to_multiple_of <= 0:
@@ -168,8 +187,10 @@ def collate(
     ids_rows, label_rows, doc_rows = [], [], []
     for i, ex in enumerate(examples):
         if "input_ids" not in ex:
-            raise DataError(f"example {i} has no 'input_ids' field (fields: {sorted(ex)}); tokenise the "
-                            f"dataset first, e.g. with twinseq.common.data.prepare.tokenize_sft.")
+            raise DataError(
+                f"example {i} has no 'input_ids' field (fields: {sorted(ex)}); tokenise the "
+                f"dataset first, e.g. with twinseq.common.data.prepare.tokenize_sft."
+            )
         ids = _as_int_list(ex["input_ids"], "input_ids", i)
         ids_rows.append(ids)
         label_rows.append(_example_labels(ex, ids, i, completion_only_loss, assistant_only_loss))
@@ -203,9 +224,14 @@ def collate(
     all_docs = np.concatenate(doc_rows)
     cu_seqlens = np.concatenate([[0], np.cumsum(all_docs)]).astype(np.int32)
     local_items = int((labels != IGNORE_INDEX).sum())
-    return Batch(input_ids=input_ids, labels=labels, position_ids=position_ids, segment_ids=segment_ids,
-                 cu_seqlens=cu_seqlens,
-                 num_items_in_batch=local_items if num_items_in_batch is None else int(num_items_in_batch))
+    return Batch(
+        input_ids=input_ids,
+        labels=labels,
+        position_ids=position_ids,
+        segment_ids=segment_ids,
+        cu_seqlens=cu_seqlens,
+        num_items_in_batch=local_items if num_items_in_batch is None else int(num_items_in_batch),
+    )
 
 
 def check_batch(batch: Any, vocab_size: int) -> None:
@@ -221,8 +247,10 @@ def check_batch(batch: Any, vocab_size: int) -> None:
     input_ids hold 9 at [row 0, position 1], outside the vocabul
     """
     if not isinstance(batch, Batch):
-        raise DataTypeError(f"batch must be a twinseq.common.data.batching.Batch (from collate), got "
-                            f"{type(batch).__name__}; build it with twinseq.common.data.batching.collate(examples).")
+        raise DataTypeError(
+            f"batch must be a twinseq.common.data.batching.Batch (from collate), got "
+            f"{type(batch).__name__}; build it with twinseq.common.data.batching.collate(examples)."
+        )
     for name, values, allowed in (("input_ids", batch.input_ids, None), ("labels", batch.labels, IGNORE_INDEX)):
         values = np.asarray(values)
         bad = (values < 0) | (values >= vocab_size)
@@ -230,9 +258,11 @@ def check_batch(batch: Any, vocab_size: int) -> None:
             bad &= values != allowed
         if bad.any():
             row, pos = (int(i) for i in np.argwhere(bad)[0])
-            raise DataError(f"{name} hold {int(values[row, pos])} at [row {row}, position {pos}], outside the "
-                            f"vocabulary [0, {vocab_size}){'' if allowed is None else f' (and not {allowed})'}; "
-                            f"fix the tokenisation or use a model whose vocab_size covers the tokenizer.")
+            raise DataError(
+                f"{name} hold {int(values[row, pos])} at [row {row}, position {pos}], outside the "
+                f"vocabulary [0, {vocab_size}){'' if allowed is None else f' (and not {allowed})'}; "
+                f"fix the tokenisation or use a model whose vocab_size covers the tokenizer."
+            )
 
 
 def pad_batch(batch: Batch, rows: int, multiple: int) -> Batch:
@@ -249,16 +279,22 @@ def pad_batch(batch: Batch, rows: int, multiple: int) -> Batch:
     b, t = batch.shape
     width = _round_up(t, multiple)
     if rows < b:
-        raise DataError(f"a micro-batch of {b} rows does not fit in {rows} rows; per_device_train_batch_size is "
-                        f"too small for it.")
+        raise DataError(
+            f"a micro-batch of {b} rows does not fit in {rows} rows; per_device_train_batch_size is too small for it."
+        )
     if (b, t) == (rows, width):
         return batch
 
     def pad(a: np.ndarray, value: int) -> np.ndarray:
         return np.pad(a, ((0, rows - b), (0, width - t)), constant_values=value)
 
-    return dataclasses.replace(batch, input_ids=pad(batch.input_ids, 0), labels=pad(batch.labels, IGNORE_INDEX),
-                               position_ids=pad(batch.position_ids, 0), segment_ids=pad(batch.segment_ids, 0))
+    return dataclasses.replace(
+        batch,
+        input_ids=pad(batch.input_ids, 0),
+        labels=pad(batch.labels, IGNORE_INDEX),
+        position_ids=pad(batch.position_ids, 0),
+        segment_ids=pad(batch.segment_ids, 0),
+    )
 
 
 def split_documents(batch: Batch) -> list[dict[str, np.ndarray]]:

@@ -68,8 +68,9 @@ def template_roles(template: Optional[str]) -> tuple[str, ...]:
     return VALID_ROLES + extra
 
 
-def validate_messages(messages: Any, index: Optional[int] = None, field: str = "messages",
-                      roles: Sequence[str] = VALID_ROLES) -> None:
+def validate_messages(
+    messages: Any, index: Optional[int] = None, field: str = "messages", roles: Sequence[str] = VALID_ROLES
+) -> None:
     """Raise ``DataTypeError``/``DataError`` naming the row, the field and the bad message.
 
     A conversation is a non-empty list of ``{"role": str, "content": str}`` dicts whose roles
@@ -77,21 +78,29 @@ def validate_messages(messages: Any, index: Optional[int] = None, field: str = "
     """
     where = _where(index)
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise DataTypeError(f"{where}{field!r} must be a non-empty list of {{'role', 'content'}} dicts, got "
-                            f"{type(messages).__name__} {str(messages)[:80]!r}.")
+        raise DataTypeError(
+            f"{where}{field!r} must be a non-empty list of {{'role', 'content'}} dicts, got "
+            f"{type(messages).__name__} {str(messages)[:80]!r}."
+        )
     for j, msg in enumerate(messages):
         if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
             raise DataTypeError(f"{where}{field}[{j}] must be a dict with 'role' and 'content', got {str(msg)[:80]!r}.")
         if not isinstance(msg["role"], str) or msg["role"] not in roles:
-            raise DataError(f"{where}{field}[{j}]['role']={msg['role']!r} is not a role this chat template "
-                            f"handles; use one of {tuple(roles)} ({_RENAMES}).")
+            raise DataError(
+                f"{where}{field}[{j}]['role']={msg['role']!r} is not a role this chat template "
+                f"handles; use one of {tuple(roles)} ({_RENAMES})."
+            )
         if not isinstance(msg["content"], str):
-            raise DataTypeError(f"{where}{field}[{j}]['content'] must be a string, got "
-                                f"{type(msg['content']).__name__} {str(msg['content'])[:80]!r}; flatten "
-                                f"multimodal content to text.")
+            raise DataTypeError(
+                f"{where}{field}[{j}]['content'] must be a string, got "
+                f"{type(msg['content']).__name__} {str(msg['content'])[:80]!r}; flatten "
+                f"multimodal content to text."
+            )
         if any(c in msg["content"] for c in _RESERVED):
-            raise DataError(f"{where}{field}[{j}]['content'] holds one of the private-use characters "
-                            f"U+E000..U+E002, which twinseq reserves for chat rendering; remove them from the data.")
+            raise DataError(
+                f"{where}{field}[{j}]['content'] holds one of the private-use characters "
+                f"U+E000..U+E002, which twinseq reserves for chat rendering; remove them from the data."
+            )
 
 
 def clean_messages(messages: Sequence[dict]) -> list[dict]:
@@ -136,17 +145,21 @@ def _compile(template: str):
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_generation_extension(), "jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), "jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as err:
-        raise DataError(f"the chat template does not compile: {err.message} (template line {err.lineno}); "
-                        f"fix the template in the tokenizer folder.") from None
+        raise DataError(
+            f"the chat template does not compile: {err.message} (template line {err.lineno}); "
+            f"fix the template in the tokenizer folder."
+        ) from None
 
 
 def check_template(template: str) -> None:
@@ -154,16 +167,25 @@ def check_template(template: str) -> None:
     _compile(template)
 
 
-def _render_raw(template: str, messages: Sequence[dict], add_generation_prompt: bool, index: Optional[int],
-                field: str, special: dict[str, str]) -> str:
+def _render_raw(
+    template: str,
+    messages: Sequence[dict],
+    add_generation_prompt: bool,
+    index: Optional[int],
+    field: str,
+    special: dict[str, str],
+) -> str:
     import jinja2
 
     try:
-        return _compile(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **special)
+        return _compile(template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None, **special
+        )
     except jinja2.TemplateError as err:
-        raise DataError(f"{_where(index)}the chat template refuses {field!r}: {' '.join(str(err).split())}; fix "
-                        f"the conversation (or the template).") from None
+        raise DataError(
+            f"{_where(index)}the chat template refuses {field!r}: {' '.join(str(err).split())}; fix "
+            f"the conversation (or the template)."
+        ) from None
 
 
 def _strip_markers(text: str) -> tuple[str, list[tuple[int, int]]]:
@@ -181,8 +203,9 @@ def _strip_markers(text: str) -> tuple[str, list[tuple[int, int]]]:
     return "".join(out), spans
 
 
-def _continue_final(template: str, messages: Sequence[dict], index: Optional[int], field: str,
-                    special: dict[str, str]) -> str:
+def _continue_final(
+    template: str, messages: Sequence[dict], index: Optional[int], field: str, special: dict[str, str]
+) -> str:
     """The text up to the end of the last message's content, with no end-of-turn after it.
 
     The content gets a marker and a space appended; the text is cut at the marker. If the
@@ -193,14 +216,23 @@ def _continue_final(template: str, messages: Sequence[dict], index: Optional[int
     text, _ = _strip_markers(_render_raw(template, [*messages[:-1], last], False, index, field, special))
     cut = text.rfind(_CONTINUE)
     if cut < 0:
-        raise DataError(f"{_where(index)}the chat template drops the content of the last message of {field!r}, so "
-                        f"a completion cannot continue it; end {field!r} with a user message instead.")
+        raise DataError(
+            f"{_where(index)}the chat template drops the content of the last message of {field!r}, so "
+            f"a completion cannot continue it; end {field!r} with a user message instead."
+        )
     return text[:cut] if text.startswith(" ", cut + 1) else text[:cut].rstrip()
 
 
-def render_text(template: str, messages: Sequence[dict], *, add_generation_prompt: bool = False,
-                continue_final_message: bool = False, index: Optional[int] = None, field: str = "messages",
-                **special: str) -> str:
+def render_text(
+    template: str,
+    messages: Sequence[dict],
+    *,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
+    index: Optional[int] = None,
+    field: str = "messages",
+    **special: str,
+) -> str:
     """The rendered conversation as one string (``tokenize=False`` in transformers)."""
     if continue_final_message:
         if add_generation_prompt:
@@ -210,9 +242,14 @@ def render_text(template: str, messages: Sequence[dict], *, add_generation_promp
     return text
 
 
-def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: bool = False,
-                index: Optional[int] = None, field: str = "messages",
-                **special: str) -> tuple[str, list[tuple[int, int]]]:
+def render_chat(
+    template: str,
+    messages: Sequence[dict],
+    add_generation_prompt: bool = False,
+    index: Optional[int] = None,
+    field: str = "messages",
+    **special: str,
+) -> tuple[str, list[tuple[int, int]]]:
     """Render ``messages``; returns the text and the character spans of the assistant turns.
 
     With ``{% generation %}`` blocks in the template, the spans are their output. Without
@@ -227,12 +264,16 @@ def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: 
 
 @functools.lru_cache(maxsize=16)
 def _log_prefix_mode(template: str) -> None:
-    logger.info("the chat template has no {%% generation %%} block; assistant tokens are located by "
-                "rendering each conversation prefix (template starts %r)", template[:60])
+    logger.info(
+        "the chat template has no {%% generation %%} block; assistant tokens are located by "
+        "rendering each conversation prefix (template starts %r)",
+        template[:60],
+    )
 
 
-def _prefix_spans(template: str, messages: Sequence[dict], text: str, index: Optional[int], field: str,
-                  special: dict[str, str]) -> list[tuple[int, int]]:
+def _prefix_spans(
+    template: str, messages: Sequence[dict], text: str, index: Optional[int], field: str, special: dict[str, str]
+) -> list[tuple[int, int]]:
     if any(m["role"] == "assistant" for m in messages):
         _log_prefix_mode(template)
     spans = []
@@ -242,9 +283,11 @@ def _prefix_spans(template: str, messages: Sequence[dict], text: str, index: Opt
         before, _ = _strip_markers(_render_raw(template, messages[:i], True, index, field, special))
         upto, _ = _strip_markers(_render_raw(template, messages[: i + 1], False, index, field, special))
         if not (upto.startswith(before) and text.startswith(upto)):
-            raise DataError(f"{_where(index)}the chat template renders {field!r} differently from its prefixes, so "
-                            f"assistant tokens cannot be located; add {{% generation %}}...{{% endgeneration %}} "
-                            f"around the assistant content in the template.")
+            raise DataError(
+                f"{_where(index)}the chat template renders {field!r} differently from its prefixes, so "
+                f"assistant tokens cannot be located; add {{% generation %}}...{{% endgeneration %}} "
+                f"around the assistant content in the template."
+            )
         spans.append((len(before), len(upto)))
     return spans
 
@@ -257,15 +300,28 @@ def split_rendered(prompt_text: str, full_text: str, index: Optional[int], field
     what follows it (TRL refuses such rows too).
     """
     if full_text.startswith(prompt_text):
-        return full_text[len(prompt_text):]
+        return full_text[len(prompt_text) :]
     fix = ", or put the whole conversation in a 'messages' column" if field == "completion" else ""
-    at = next((i for i, (a, b) in enumerate(zip(prompt_text, full_text)) if a != b),
-              min(len(prompt_text), len(full_text)))
-    raise DataError(f"{_where(index)}the chat template renders 'prompt' + {field!r} so that it does not start with "
-                    f"the rendered prompt (they differ at character {at}: prompt {prompt_text[at:at + 30]!r}, "
-                    f"conversation {full_text[at:at + 30]!r}): the template renders a turn differently depending "
-                    f"on what follows it. Fix the template{fix}.")
+    at = next(
+        (i for i, (a, b) in enumerate(zip(prompt_text, full_text)) if a != b), min(len(prompt_text), len(full_text))
+    )
+    raise DataError(
+        f"{_where(index)}the chat template renders 'prompt' + {field!r} so that it does not start with "
+        f"the rendered prompt (they differ at character {at}: prompt {prompt_text[at : at + 30]!r}, "
+        f"conversation {full_text[at : at + 30]!r}): the template renders a turn differently depending "
+        f"on what follows it. Fix the template{fix}."
+    )
 
 
-__all__ = ["VALID_ROLES", "EXTRA_ROLES", "row_name", "template_roles", "validate_messages", "clean_messages",
-           "check_template", "render_text", "render_chat", "split_rendered"]
+__all__ = [
+    "VALID_ROLES",
+    "EXTRA_ROLES",
+    "row_name",
+    "template_roles",
+    "validate_messages",
+    "clean_messages",
+    "check_template",
+    "render_text",
+    "render_chat",
+    "split_rendered",
+]

@@ -49,8 +49,9 @@ def check_seq_len(seq_len: int, cp: int, load_balance: bool = True) -> None:
     if seq_len % multiple:
         what = f"2 * cp = {multiple} load-balanced chunks" if load_balance else f"cp = {multiple} shards"
         raise ConfigError(
-                          f"sequence length T={seq_len} is not divisible by {what} (cp={cp}); pad the batch with "
-                          f"--pad-to-multiple-of {multiple} (TrainConfig.pad_to_multiple_of={multiple}).")
+            f"sequence length T={seq_len} is not divisible by {what} (cp={cp}); pad the batch with "
+            f"--pad-to-multiple-of {multiple} (TrainConfig.pad_to_multiple_of={multiple})."
+        )
 
 
 def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
@@ -108,8 +109,9 @@ def split_shards(x_reordered: np.ndarray, cp: int, axis: int = -1) -> list[np.nd
     return np.split(x_reordered, cp, axis=axis)
 
 
-def unshard_sequence(shards: Union[np.ndarray, Sequence[np.ndarray]], cp: int, load_balance: bool = True,
-                     axis: int = -1) -> np.ndarray:
+def unshard_sequence(
+    shards: Union[np.ndarray, Sequence[np.ndarray]], cp: int, load_balance: bool = True, axis: int = -1
+) -> np.ndarray:
     """Inverse of ``shard_sequence``: a reordered array, or the list of rank shards, back to token order.
 
     >>> unshard_sequence([np.array([0, 1, 6, 7]), np.array([2, 3, 4, 5])], cp=2).tolist()
@@ -133,17 +135,21 @@ class CPBatch:
     then reordered); a loss on a CP batch must use them as they are and not shift again.
     """
 
-    input_ids: np.ndarray      # int32 [B, T], reordered
-    targets: np.ndarray        # int32 [B, T], shifted then reordered; -100 = no loss
-    position_ids: np.ndarray   # int32 [B, T], reordered (the attention mask reads these)
-    segment_ids: np.ndarray    # int32 [B, T], reordered
+    input_ids: np.ndarray  # int32 [B, T], reordered
+    targets: np.ndarray  # int32 [B, T], shifted then reordered; -100 = no loss
+    position_ids: np.ndarray  # int32 [B, T], reordered (the attention mask reads these)
+    segment_ids: np.ndarray  # int32 [B, T], reordered
     num_items_in_batch: int
     cp: int
     load_balance: bool
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"input_ids": self.input_ids, "targets": self.targets,
-                "position_ids": self.position_ids, "segment_ids": self.segment_ids}
+        return {
+            "input_ids": self.input_ids,
+            "targets": self.targets,
+            "position_ids": self.position_ids,
+            "segment_ids": self.segment_ids,
+        }
 
     def rank(self, rank: int) -> dict[str, np.ndarray]:
         """The [B, T / cp] shard of every array held by ``rank``."""
@@ -173,9 +179,15 @@ def shard_batch(batch: Batch, cp: int, load_balance: bool = True) -> CPBatch:
     def reorder(x: np.ndarray) -> np.ndarray:
         return shard_sequence(x, cp, load_balance, axis=1)
 
-    return CPBatch(input_ids=reorder(batch.input_ids), targets=reorder(targets),
-                   position_ids=reorder(batch.position_ids), segment_ids=reorder(batch.segment_ids),
-                   num_items_in_batch=int(batch.num_items_in_batch), cp=int(cp), load_balance=bool(load_balance))
+    return CPBatch(
+        input_ids=reorder(batch.input_ids),
+        targets=reorder(targets),
+        position_ids=reorder(batch.position_ids),
+        segment_ids=reorder(batch.segment_ids),
+        num_items_in_batch=int(batch.num_items_in_batch),
+        cp=int(cp),
+        load_balance=bool(load_balance),
+    )
 
 
 def _block_extremes(seg_NS: np.ndarray, pos_NS: np.ndarray, segments: np.ndarray):
@@ -204,16 +216,18 @@ def _nonempty_block_pairs(seg_T: np.ndarray, pos_T: np.ndarray, block_size: int)
     num_blocks = len(seg_T) // block_size
     if not len(segments):
         return np.zeros((num_blocks, num_blocks), dtype=bool)
-    max_q, min_k = _block_extremes(seg_T.reshape(num_blocks, block_size),
-                                   pos_T.astype(np.int64).reshape(num_blocks, block_size), segments)
+    max_q, min_k = _block_extremes(
+        seg_T.reshape(num_blocks, block_size), pos_T.astype(np.int64).reshape(num_blocks, block_size), segments
+    )
     out = np.zeros((num_blocks, num_blocks), dtype=bool)
     for a in range(num_blocks):
         out[a] = (min_k <= max_q[a][None, :]).any(axis=1)
     return out
 
 
-def count_attention_blocks(segment_ids: np.ndarray, position_ids: np.ndarray, cp: int, block_size: int,
-                           load_balance: bool = True) -> np.ndarray:
+def count_attention_blocks(
+    segment_ids: np.ndarray, position_ids: np.ndarray, cp: int, block_size: int, load_balance: bool = True
+) -> np.ndarray:
     """int64 [cp]: attention blocks each rank computes, fully masked blocks skipped.
 
     Rank r's queries (its ``T / cp`` shard, cut into blocks of ``block_size``) meet every key
@@ -247,4 +261,3 @@ def imbalance(counts: np.ndarray) -> float:
     """``max / mean`` of per-rank work: 1.0 is perfect balance."""
     counts = np.asarray(counts, dtype=np.float64)
     return float(counts.max() / counts.mean()) if counts.mean() > 0 else 1.0
-

@@ -53,7 +53,9 @@ MIN_DOC_CHARS = 8
 
 # Importable on every CPython >= 3.10 on Linux/macOS; a module missing on some platform is
 # skipped with a log line (the content hash then differs, so caches never mix).
-STDLIB_MODULES: tuple[str, ...] = tuple(sorted("""
+STDLIB_MODULES: tuple[str, ...] = tuple(
+    sorted(
+        """
 abc argparse ast asyncio asyncio.base_events asyncio.events asyncio.futures asyncio.locks
 asyncio.protocols asyncio.queues asyncio.streams asyncio.subprocess asyncio.tasks
 asyncio.transports base64 bdb binascii bisect builtins bz2 calendar cmath cmd code codecs
@@ -80,7 +82,9 @@ urllib.error urllib.parse urllib.request urllib.response urllib.robotparser uuid
 wave weakref xml.dom xml.dom.minidom xml.dom.pulldom xml.etree.ElementTree xml.parsers.expat
 xml.sax xml.sax.handler xml.sax.saxutils xml.sax.xmlreader zipapp zipfile zipimport zlib
 zoneinfo
-""".split()))
+""".split()
+    )
+)
 
 PROMPT_TEMPLATES: tuple[str, ...] = (
     "Explain `{name}`.",
@@ -123,7 +127,7 @@ def _param_names(obj: object) -> str:
         return ""
     names = []
     for p in sig.parameters.values():
-        prefix = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+        prefix = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")  # type: ignore[call-overload]
         names.append(prefix + p.name)
     return "(" + ", ".join(names) + ")"
 
@@ -215,11 +219,18 @@ def collect_docstrings(modules: tuple[str, ...] = STDLIB_MODULES) -> tuple[DocRe
     replaces ``inspect.getfile``), which would change the text. Docstrings shorter than
     ``MIN_DOC_CHARS`` characters are dropped.
     """
-    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('corpus', sys.argv[1]); "
-            "m = importlib.util.module_from_spec(spec); sys.modules['corpus'] = m; spec.loader.exec_module(m); "
-            "m._subprocess_main()")
-    proc = subprocess.run([sys.executable, "-I", "-S", "-c", code, __file__], input=json.dumps(modules),
-                          capture_output=True, text=True, check=False)
+    code = (
+        "import importlib.util, sys; spec = importlib.util.spec_from_file_location('corpus', sys.argv[1]); "
+        "m = importlib.util.module_from_spec(spec); sys.modules['corpus'] = m; spec.loader.exec_module(m); "
+        "m._subprocess_main()"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code, __file__],
+        input=json.dumps(modules),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"collecting stdlib docstrings failed in a subprocess:\n{proc.stderr[-2000:]}")
     return tuple(DocRecord(*fields) for fields in json.loads(proc.stdout))
@@ -281,8 +292,9 @@ def build_rows(records: Sequence[DocRecord], seed: int = SEED) -> dict[str, list
         rec = records[i]
         prompt = _prompt(rec, PROMPT_TEMPLATES[template_idx[i]])
         sft.append({"prompt": prompt, "completion": rec.doc})
-        messages.append({"messages": [{"role": "user", "content": prompt.rstrip("\n")},
-                                      {"role": "assistant", "content": rec.doc}]})
+        messages.append(
+            {"messages": [{"role": "user", "content": prompt.rstrip("\n")}, {"role": "assistant", "content": rec.doc}]}
+        )
         preference.append({"prompt": prompt, "chosen": rec.doc, "rejected": corrupt_docstring(rec.doc, rng)})
         text.append({"text": rec.doc})
     return {"sft": sft, "messages": messages, "preference": preference, "text": text}

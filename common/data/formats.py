@@ -32,23 +32,29 @@ from twinseq.common.errors import DataError
 TEXT, MESSAGES, PROMPT_COMPLETION, TOKENIZED = "text", "messages", "prompt_completion", "tokenized"
 CONVERSATIONAL_PROMPT_COMPLETION = "conversational_prompt_completion"
 PREFERENCE, IMPLICIT_PREFERENCE = "preference", "implicit_preference"
-CONVERSATIONAL_PREFERENCE, CONVERSATIONAL_IMPLICIT_PREFERENCE = "conversational_preference", \
-    "conversational_implicit_preference"
-CONVERSATIONAL = (MESSAGES, CONVERSATIONAL_PROMPT_COMPLETION, CONVERSATIONAL_PREFERENCE,
-                  CONVERSATIONAL_IMPLICIT_PREFERENCE)
+CONVERSATIONAL_PREFERENCE, CONVERSATIONAL_IMPLICIT_PREFERENCE = (
+    "conversational_preference",
+    "conversational_implicit_preference",
+)
+CONVERSATIONAL = (
+    MESSAGES,
+    CONVERSATIONAL_PROMPT_COMPLETION,
+    CONVERSATIONAL_PREFERENCE,
+    CONVERSATIONAL_IMPLICIT_PREFERENCE,
+)
 
 DESCRIPTIONS = {
     TOKENIZED: "pre-tokenised input_ids",
     MESSAGES: "conversational language modeling ('messages', chat template)",
     PROMPT_COMPLETION: "standard prompt-completion ('prompt'/'completion' strings)",
     CONVERSATIONAL_PROMPT_COMPLETION: "conversational prompt-completion ('prompt'/'completion' message lists, "
-                                      "chat template)",
+    "chat template)",
     TEXT: "standard language modeling ('text')",
     PREFERENCE: "standard preference ('prompt'/'chosen'/'rejected' strings)",
     IMPLICIT_PREFERENCE: "standard preference with implicit prompt ('chosen'/'rejected' strings)",
     CONVERSATIONAL_PREFERENCE: "conversational preference ('prompt'/'chosen'/'rejected' message lists, chat template)",
     CONVERSATIONAL_IMPLICIT_PREFERENCE: "conversational preference with implicit prompt ('chosen'/'rejected' "
-                                        "message lists, chat template)",
+    "message lists, chat template)",
 }
 
 STRING, LIST, OTHER = "string", "list", "other"
@@ -90,28 +96,38 @@ def detect_sft_format(columns: Sequence[str], kinds: Optional[dict[str, str]] = 
     if "messages" in columns:
         return MESSAGES
     if "chosen" in columns or "rejected" in columns:
-        raise DataError(f"the dataset has the columns {sorted(columns)}: that is preference data, which SFT cannot "
-                        f"train on; use task='dpo' (--task dpo), or keep only the chosen answers as 'completion'.")
+        raise DataError(
+            f"the dataset has the columns {sorted(columns)}: that is preference data, which SFT cannot "
+            f"train on; use task='dpo' (--task dpo), or keep only the chosen answers as 'completion'."
+        )
     if "prompt" in columns or "completion" in columns:
         missing = [c for c in ("prompt", "completion") if c not in columns]
         if missing == ["completion"]:
-            raise DataError(f"prompt/completion SFT data needs the column(s) ['completion'], but the dataset has "
-                            f"{sorted(columns)}: prompt-only data (TRL's format for online methods such as GRPO) has "
-                            f"nothing to learn from; add a 'completion' column (or rename e.g. 'response').")
+            raise DataError(
+                f"prompt/completion SFT data needs the column(s) ['completion'], but the dataset has "
+                f"{sorted(columns)}: prompt-only data (TRL's format for online methods such as GRPO) has "
+                f"nothing to learn from; add a 'completion' column (or rename e.g. 'response')."
+            )
         if missing:
-            raise DataError(f"prompt/completion SFT data needs the column(s) {missing}, but the dataset has "
-                            f"{sorted(columns)}; rename your columns, e.g. {{'prompt': 'Q', 'completion': 'A'}}.")
+            raise DataError(
+                f"prompt/completion SFT data needs the column(s) {missing}, but the dataset has "
+                f"{sorted(columns)}; rename your columns, e.g. {{'prompt': 'Q', 'completion': 'A'}}."
+            )
         if "label" in columns and kinds.get("label") == OTHER:
-            raise DataError("the dataset has 'prompt', 'completion' and 'label' columns: TRL's unpaired preference "
-                            "format (KTO), where label=False marks a bad completion; SFT would train on those too. "
-                            "Keep the rows with label=True and drop the 'label' column.")
+            raise DataError(
+                "the dataset has 'prompt', 'completion' and 'label' columns: TRL's unpaired preference "
+                "format (KTO), where label=False marks a bad completion; SFT would train on those too. "
+                "Keep the rows with label=True and drop the 'label' column."
+            )
         conversational = _conversational(kinds, ("prompt", "completion"))
         return CONVERSATIONAL_PROMPT_COMPLETION if conversational else PROMPT_COMPLETION
     if "text" in columns:
         return TEXT
-    raise DataError(f"SFT data needs a 'messages', a 'prompt'+'completion' or a 'text' column, but the dataset "
-                    f"has {sorted(columns)}; rename your columns (for preference data with "
-                    f"prompt/chosen/rejected, use task='dpo').")
+    raise DataError(
+        f"SFT data needs a 'messages', a 'prompt'+'completion' or a 'text' column, but the dataset "
+        f"has {sorted(columns)}; rename your columns (for preference data with "
+        f"prompt/chosen/rejected, use task='dpo')."
+    )
 
 
 def detect_dpo_format(columns: Sequence[str], kinds: Optional[dict[str, str]] = None) -> str:
@@ -119,9 +135,11 @@ def detect_dpo_format(columns: Sequence[str], kinds: Optional[dict[str, str]] = 
     columns, kinds = list(columns), kinds or {}
     missing = [c for c in ("chosen", "rejected") if c not in columns]
     if missing:
-        raise DataError(f"DPO data needs the column(s) {missing}, but the dataset has {sorted(columns)}; rename your "
-                        f"columns, e.g. {{'prompt': 'Q', 'chosen': 'good A', 'rejected': 'bad A'}} ('prompt' may be "
-                        f"left out when chosen and rejected both start with it).")
+        raise DataError(
+            f"DPO data needs the column(s) {missing}, but the dataset has {sorted(columns)}; rename your "
+            f"columns, e.g. {{'prompt': 'Q', 'chosen': 'good A', 'rejected': 'bad A'}} ('prompt' may be "
+            f"left out when chosen and rejected both start with it)."
+        )
     fields = ("prompt", "chosen", "rejected") if "prompt" in columns else ("chosen", "rejected")
     conversational = _conversational(kinds, fields)
     if "prompt" in columns:
@@ -163,9 +181,11 @@ def split_implicit_prompt(chosen: Any, rejected: Any, index: int) -> tuple[Any, 
     n = shared_prefix_length(chosen, rejected)
     if n == 0:
         what = "text" if isinstance(chosen, str) else "message"
-        raise DataError(f"{row_name(index)}: 'chosen' and 'rejected' share no leading {what}, so there is no implicit "
-                        f"prompt to extract (chosen starts {str(chosen)[:40]!r}, rejected {str(rejected)[:40]!r}); "
-                        f"add a 'prompt' column, or repeat the prompt at the start of both.")
+        raise DataError(
+            f"{row_name(index)}: 'chosen' and 'rejected' share no leading {what}, so there is no implicit "
+            f"prompt to extract (chosen starts {str(chosen)[:40]!r}, rejected {str(rejected)[:40]!r}); "
+            f"add a 'prompt' column, or repeat the prompt at the start of both."
+        )
     return chosen[:n], chosen[n:], rejected[n:]
 
 
@@ -182,28 +202,45 @@ def is_empty_conversation(messages: Sequence[dict]) -> bool:
 Preference = Union[tuple[str, str, str], str]
 
 
-def conversational_preference(tok, prompt: Any, chosen: Any, rejected: Any, index: int,
-                              drop_empty: str, drop_same: str) -> Preference:
+def conversational_preference(
+    tok, prompt: Any, chosen: Any, rejected: Any, index: int, drop_empty: str, drop_same: str
+) -> Preference:
     """One conversational preference row -> ``(prompt_text, chosen_text, rejected_text)`` or a drop reason.
 
     ``prompt=None`` means an implicit prompt: the messages ``chosen`` and ``rejected`` share.
     ``chosen_text`` is the rendered ``prompt + chosen`` without its rendered-prompt prefix, so
     both completions follow the very same prompt text.
     """
-    fields = {"chosen": chosen, "rejected": rejected} if prompt is None else {"prompt": prompt, "chosen": chosen,
-                                                                              "rejected": rejected}
+    fields = (
+        {"chosen": chosen, "rejected": rejected}
+        if prompt is None
+        else {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    )
     clean = {name: tok.validate_messages(value, index, name) for name, value in fields.items()}
     if clean["chosen"] == clean["rejected"]:
         return drop_same
     if prompt is None:
-        clean["prompt"], clean["chosen"], clean["rejected"] = split_implicit_prompt(clean["chosen"],
-                                                                                   clean["rejected"], index)
+        clean["prompt"], clean["chosen"], clean["rejected"] = split_implicit_prompt(
+            clean["chosen"], clean["rejected"], index
+        )
     if is_empty_conversation(clean["chosen"]) or is_empty_conversation(clean["rejected"]):
         return drop_empty
     prompt_text = tok.render_prompt(clean["prompt"], index)
-    return (prompt_text, tok.render_completion(clean["prompt"], clean["chosen"], prompt_text, index, "chosen"),
-            tok.render_completion(clean["prompt"], clean["rejected"], prompt_text, index, "rejected"))
+    return (
+        prompt_text,
+        tok.render_completion(clean["prompt"], clean["chosen"], prompt_text, index, "chosen"),
+        tok.render_completion(clean["prompt"], clean["rejected"], prompt_text, index, "rejected"),
+    )
 
 
-__all__ = ["detect_sft_format", "detect_dpo_format", "column_kinds", "shared_prefix_length", "split_implicit_prompt",
-           "conversational_preference", "is_empty_conversation", "DESCRIPTIONS", "CONVERSATIONAL"]
+__all__ = [
+    "detect_sft_format",
+    "detect_dpo_format",
+    "column_kinds",
+    "shared_prefix_length",
+    "split_implicit_prompt",
+    "conversational_preference",
+    "is_empty_conversation",
+    "DESCRIPTIONS",
+    "CONVERSATIONAL",
+]

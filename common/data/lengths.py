@@ -115,8 +115,12 @@ def _candidate(lengths: np.ndarray, max_length: int, batch_size: int, with_bfd: 
     )
 
 
-def profile_lengths(lengths: Sequence[int] | np.ndarray, candidates: Optional[Sequence[int]] = None,
-                    batch_size: int = 8, with_bfd: bool = True) -> LengthProfile:
+def profile_lengths(
+    lengths: Sequence[int] | np.ndarray,
+    candidates: Optional[Sequence[int]] = None,
+    batch_size: int = 8,
+    with_bfd: bool = True,
+) -> LengthProfile:
     """Percentiles of ``lengths`` and the cost table of each candidate ``max_length``.
 
     Percentiles are order statistics (``inverted_cdf``): p90 is the smallest length that at
@@ -128,17 +132,23 @@ def profile_lengths(lengths: Sequence[int] | np.ndarray, candidates: Optional[Se
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.ndim != 1 or lengths.size == 0 or (lengths <= 0).any():
-        raise ConfigError(f"lengths must be a non-empty 1-D array of positive token counts, got shape "
-                          f"{lengths.shape} with min {lengths.min() if lengths.size else None}.")
+        raise ConfigError(
+            f"lengths must be a non-empty 1-D array of positive token counts, got shape "
+            f"{lengths.shape} with min {lengths.min() if lengths.size else None}."
+        )
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
         raise ConfigError(f"batch_size={batch_size!r} must be a positive integer (per-device batch size).")
     candidates = sorted(set(int(c) for c in (candidates or default_candidates(lengths))))
     if candidates[0] <= 0:
         raise ConfigError(f"candidates={candidates} must all be positive max_length values.")
     profile = LengthProfile(
-        count=int(lengths.size), total_tokens=int(lengths.sum()), mean=float(lengths.mean()),
-        max=int(lengths.max()), batch_size=int(batch_size),
-        percentiles={p: int(np.percentile(lengths, p, method="inverted_cdf")) for p in PERCENTILES})
+        count=int(lengths.size),
+        total_tokens=int(lengths.sum()),
+        mean=float(lengths.mean()),
+        max=int(lengths.max()),
+        batch_size=int(batch_size),
+        percentiles={p: int(np.percentile(lengths, p, method="inverted_cdf")) for p in PERCENTILES},
+    )
     profile.candidates = [_candidate(lengths, c, int(batch_size), with_bfd) for c in candidates]
     keeping = [c.max_length for c in profile.candidates if 1.0 - c.tokens_lost_share >= KEEP_TARGET]
     profile.recommended = keeping[0] if keeping else candidates[-1]
@@ -148,25 +158,38 @@ def profile_lengths(lengths: Sequence[int] | np.ndarray, candidates: Optional[Se
 def format_profile(profile: LengthProfile) -> str:
     """The printed report: percentiles, the candidate table, the recommendation."""
     pct = "  ".join(f"p{p}={v}" for p, v in profile.percentiles.items())
-    lines = [f"{profile.count} sequences, {profile.total_tokens} tokens, mean {profile.mean:.1f}",
-             f"{pct}  max={profile.max}", "",
-             f"{'max_length':>10} {'tokens lost':>11} {'ex. cut':>8} {'pad (batch)':>11} {'pad (to L)':>10} "
-             f"{'rows (lb)':>11} {'rows (bfd)':>10} {'batch tokens':>12}"]
+    lines = [
+        f"{profile.count} sequences, {profile.total_tokens} tokens, mean {profile.mean:.1f}",
+        f"{pct}  max={profile.max}",
+        "",
+        f"{'max_length':>10} {'tokens lost':>11} {'ex. cut':>8} {'pad (batch)':>11} {'pad (to L)':>10} "
+        f"{'rows (lb)':>11} {'rows (bfd)':>10} {'batch tokens':>12}",
+    ]
     for c in profile.candidates:
         bfd = "-" if c.packed_rows_bfd is None else str(c.packed_rows_bfd)
-        lines.append(f"{c.max_length:>10} {c.tokens_lost_share:>11.2%} {c.examples_truncated_share:>8.2%} "
-                     f"{c.padding_share_batch:>11.2%} {c.padding_share_fixed:>10.2%} "
-                     f"{c.packed_rows_lower_bound:>11} {bfd:>10} {c.batch_tokens:>12}")
+        lines.append(
+            f"{c.max_length:>10} {c.tokens_lost_share:>11.2%} {c.examples_truncated_share:>8.2%} "
+            f"{c.padding_share_batch:>11.2%} {c.padding_share_fixed:>10.2%} "
+            f"{c.packed_rows_lower_bound:>11} {bfd:>10} {c.batch_tokens:>12}"
+        )
     kept = next(1 - c.tokens_lost_share for c in profile.candidates if c.max_length == profile.recommended)
     if kept >= KEEP_TARGET:
-        advice = f"recommended max_length: {profile.recommended} (the smallest that keeps >= {KEEP_TARGET:.0%} " \
-                 f"of tokens: {kept:.2%})"
+        advice = (
+            f"recommended max_length: {profile.recommended} (the smallest that keeps >= {KEEP_TARGET:.0%} "
+            f"of tokens: {kept:.2%})"
+        )
     else:
-        advice = f"no candidate keeps {KEEP_TARGET:.0%} of tokens; the largest, {profile.recommended}, keeps " \
-                 f"{kept:.2%}: try larger candidates, or packing with packing_strategy='bfd_split'"
-    lines += ["", f"pad (batch): batches of {profile.batch_size} consecutive examples, truncated to L, padded to "
-                  f"their longest. rows (lb): packed rows, lower bound ceil(kept tokens / L); rows (bfd): rows "
-                  f"of the bfd packer. batch tokens: batch size x L.", advice]
+        advice = (
+            f"no candidate keeps {KEEP_TARGET:.0%} of tokens; the largest, {profile.recommended}, keeps "
+            f"{kept:.2%}: try larger candidates, or packing with packing_strategy='bfd_split'"
+        )
+    lines += [
+        "",
+        f"pad (batch): batches of {profile.batch_size} consecutive examples, truncated to L, padded to "
+        f"their longest. rows (lb): packed rows, lower bound ceil(kept tokens / L); rows (bfd): rows "
+        f"of the bfd packer. batch tokens: batch size x L.",
+        advice,
+    ]
     return "\n".join(lines)
 
 
@@ -179,8 +202,10 @@ def check_output_file(path: str | Path, flag: str = "--output") -> Path:
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise ConfigError(f"{flag}={str(path)!r}: {str(parent)!r} is a file, so no folder can be made there; "
-                                  f"choose another path.")
+                raise ConfigError(
+                    f"{flag}={str(path)!r}: {str(parent)!r} is a file, so no folder can be made there; "
+                    f"choose another path."
+                )
             break
     return path
 
@@ -202,8 +227,14 @@ def plot_lengths(lengths: np.ndarray, profile: LengthProfile, path: str | Path, 
     for c in profile.candidates:
         best = c.max_length == profile.recommended
         ax.axvline(c.max_length, color="#c44e52" if best else "0.4", linestyle="-" if best else "--", linewidth=1)
-        ax.text(c.max_length, ax.get_ylim()[1] * 0.98, f" L={c.max_length}: {1 - c.tokens_lost_share:.1%} kept",
-                fontsize=7, va="top", rotation=90)
+        ax.text(
+            c.max_length,
+            ax.get_ylim()[1] * 0.98,
+            f" L={c.max_length}: {1 - c.tokens_lost_share:.1%} kept",
+            fontsize=7,
+            va="top",
+            rotation=90,
+        )
     ax.set_xlabel("tokens per sequence (log scale)")
     ax.set_ylabel("sequences")
     ax.set_title(title or f"{profile.count} sequences; recommended max_length {profile.recommended}")
@@ -243,12 +274,19 @@ def _parse_candidates(text: Optional[str]) -> Optional[list[int]]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="twinseq lengths", description=__doc__.split("\n\n")[0])
-    parser.add_argument("dataset", nargs="?", default="embedded",
-                        help="embedded name, local JSONL/Parquet/CSV file or folder (default: embedded)")
+    parser.add_argument(
+        "dataset",
+        nargs="?",
+        default="embedded",
+        help="embedded name, local JSONL/Parquet/CSV file or folder (default: embedded)",
+    )
     parser.add_argument("--split", default="train")
     parser.add_argument("--tokenizer", default="embedded", help="'embedded' or a local tokenizer folder")
-    parser.add_argument("--candidates", default=None,
-                        help="comma-separated max_length values (default: powers of two around the lengths)")
+    parser.add_argument(
+        "--candidates",
+        default=None,
+        help="comma-separated max_length values (default: powers of two around the lengths)",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="per-device batch size for the padding columns")
     parser.add_argument("--output", default=None, help="histogram PNG path (default: OUTPUT_DIR/lengths.png)")
     parser.add_argument("--output-dir", default=".", help="folder of the default PNG (default: cwd)")
@@ -272,7 +310,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"dataset {args.dataset!r} ({args.split}), tokenizer {args.tokenizer!r}")
     print(format_profile(profile))
     if not args.no_plot:
-        out = plot_lengths(lengths, profile, plot_path,
-                           title=f"{args.dataset}: token lengths")
+        out = plot_lengths(lengths, profile, plot_path, title=f"{args.dataset}: token lengths")
         print(f"histogram: {out}")
     return 0

@@ -41,8 +41,10 @@ def _parse_split(split: str) -> tuple[str, Optional[str]]:
     """``"train[:100]"`` -> ``("train", ":100")``; ``"train"`` -> ``("train", None)``."""
     m = re.fullmatch(r"(\w+)(?:\[(-?\d*%?:-?\d*%?)\])?", split)
     if not m:
-        raise DataError(f"dataset_split={split!r} is not valid; use a split name such as 'train', "
-                        f"optionally sliced: 'train[:1000]', 'train[100:200]', 'train[:10%]'.")
+        raise DataError(
+            f"dataset_split={split!r} is not valid; use a split name such as 'train', "
+            f"optionally sliced: 'train[:1000]', 'train[100:200]', 'train[:10%]'."
+        )
     return m.group(1), m.group(2)
 
 
@@ -73,9 +75,11 @@ def _load_file(path: Path):
 
     fmt = FILE_FORMATS.get(path.suffix.lower())
     if fmt is None:
-        raise DataError(f"dataset file {str(path)!r} has the unsupported extension {path.suffix!r}; "
-                        f"supported: {', '.join(FILE_FORMATS)}. Convert it, e.g. to JSONL with one "
-                        f"{{\"prompt\", \"completion\"}} object per line.")
+        raise DataError(
+            f"dataset file {str(path)!r} has the unsupported extension {path.suffix!r}; "
+            f"supported: {', '.join(FILE_FORMATS)}. Convert it, e.g. to JSONL with one "
+            f'{{"prompt", "completion"}} object per line.'
+        )
     try:
         if fmt == "json":
             return as_dataset(_read_json_rows(path), source=str(path))
@@ -106,16 +110,23 @@ def _read_json_rows(path: Path):
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}); fix that line, or write one "
-                        f"object per line as JSONL.") from None
+        raise DataError(
+            f"{path}:{err.lineno}:{err.colno}: not valid JSON ({err.msg}); fix that line, or write one "
+            f"object per line as JSONL."
+        ) from None
     if isinstance(data, list) and all(isinstance(row, dict) for row in data):
         return data
     if isinstance(data, dict) and all(isinstance(col, list) for col in data.values()):
         return data
-    kind = type(data).__name__ if not isinstance(data, list) else "list of " + ", ".join(
-        sorted({type(row).__name__ for row in data}))
-    raise DataTypeError(f"{path}: the top level is a {kind}; a dataset file holds rows: a list of objects "
-                        f"([{{\"prompt\": ..., \"completion\": ...}}, ...]) or an object of columns.")
+    kind = (
+        type(data).__name__
+        if not isinstance(data, list)
+        else "list of " + ", ".join(sorted({type(row).__name__ for row in data}))
+    )
+    raise DataTypeError(
+        f"{path}: the top level is a {kind}; a dataset file holds rows: a list of objects "
+        f'([{{"prompt": ..., "completion": ...}}, ...]) or an object of columns.'
+    )
 
 
 def _check_jsonl_lines(path: Path) -> int:
@@ -130,11 +141,15 @@ def _check_jsonl_lines(path: Path) -> int:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}); fix that line "
-                                f"(one JSON object per line).") from None
+                raise DataError(
+                    f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno}); fix that line "
+                    f"(one JSON object per line)."
+                ) from None
             if not isinstance(row, dict):
-                raise DataTypeError(f"{path}:{number}: the line holds a {type(row).__name__}, not an object; a JSONL "
-                                    f"dataset has one {{\"field\": value}} object per line.")
+                raise DataTypeError(
+                    f"{path}:{number}: the line holds a {type(row).__name__}, not an object; a JSONL "
+                    f'dataset has one {{"field": value}} object per line.'
+                )
     return longest
 
 
@@ -145,8 +160,7 @@ def _load_folder(path: Path, split: str):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise DataError(f"dataset_split={split!r} is not in {str(path)!r}; available splits: "
-                                f"{sorted(loaded)}.")
+                raise DataError(f"dataset_split={split!r} is not in {str(path)!r}; available splits: {sorted(loaded)}.")
             return loaded[split]
         return loaded
     logger.info("%s is not a save_to_disk folder; reading its data files with datasets.load_dataset", path)
@@ -169,25 +183,33 @@ def _network_error(endpoint: str, timeout: float = NETWORK_PROBE_TIMEOUT_S) -> O
 
 
 def _load_hub(name: str, split: str):
-    hint = ("Pass a local JSONL, JSON, Parquet or CSV file, a folder saved with Dataset.save_to_disk, "
-            "or 'embedded' (the offline default).")
+    hint = (
+        "Pass a local JSONL, JSON, Parquet or CSV file, a folder saved with Dataset.save_to_disk, "
+        "or 'embedded' (the offline default)."
+    )
     if _env_flag("HF_HUB_OFFLINE") or _env_flag("HF_DATASETS_OFFLINE"):
         import datasets
 
         if not datasets.config.HF_HUB_OFFLINE:  # the variable was set after datasets was imported
-            raise DataError(f"dataset_name={name!r} is not a local file or folder and HF_HUB_OFFLINE is set, "
-                            f"so it cannot be fetched from the Hugging Face Hub. {hint}")
+            raise DataError(
+                f"dataset_name={name!r} is not a local file or folder and HF_HUB_OFFLINE is set, "
+                f"so it cannot be fetched from the Hugging Face Hub. {hint}"
+            )
         try:
             return datasets.load_dataset(name, split=split)
         except Exception as err:  # noqa: BLE001 - datasets raises many types; all mean "not cached"
-            raise DataError(f"dataset_name={name!r} is not a local path and, with HF_HUB_OFFLINE set, not in "
-                            f"the local Hugging Face cache either ({type(err).__name__}: {err}). {hint}") from err
+            raise DataError(
+                f"dataset_name={name!r} is not a local path and, with HF_HUB_OFFLINE set, not in "
+                f"the local Hugging Face cache either ({type(err).__name__}: {err}). {hint}"
+            ) from err
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     error = _network_error(endpoint)
     if error is not None:
-        raise DataError(f"dataset_name={name!r} is not a local file or folder, so it was looked up on the "
-                        f"Hugging Face Hub, but {endpoint} cannot be reached (network problem: {error}). "
-                        f"{hint}")
+        raise DataError(
+            f"dataset_name={name!r} is not a local file or folder, so it was looked up on the "
+            f"Hugging Face Hub, but {endpoint} cannot be reached (network problem: {error}). "
+            f"{hint}"
+        )
     import datasets
 
     return datasets.load_dataset(name, split=split)
@@ -207,20 +229,26 @@ def load_dataset_any(name_or_path: str, split: str = "train"):
         raise DataTypeError(f"dataset_name must be a string, got {type(name_or_path).__name__} ({name_or_path!r}).")
     name_or_path = str(name_or_path)
     if not name_or_path.strip():  # Path('') is '.', which would be read as a dataset folder
-        raise DataError(f"dataset_name={name_or_path!r} is empty; give a data file, a dataset folder, a Hub dataset "
-                        f"name, or 'embedded' (the offline default data).")
+        raise DataError(
+            f"dataset_name={name_or_path!r} is empty; give a data file, a dataset folder, a Hub dataset "
+            f"name, or 'embedded' (the offline default data)."
+        )
     split_name, spec = _parse_split(split)
     path = Path(name_or_path).expanduser()
     if name_or_path in corpus.EMBEDDED_NAMES or path.is_file():
         if split_name != "train":
-            raise DataError(f"dataset_split={split!r}: {name_or_path!r} has a single split, 'train'; "
-                            f"select a part of it with e.g. 'train[:90%]'.")
+            raise DataError(
+                f"dataset_split={split!r}: {name_or_path!r} has a single split, 'train'; "
+                f"select a part of it with e.g. 'train[:90%]'."
+            )
         ds = corpus.load_embedded(name_or_path) if name_or_path in corpus.EMBEDDED_NAMES else _load_file(path)
     elif path.is_dir():
         ds = _load_folder(path, split_name)
     elif _looks_like_path(name_or_path):
-        raise DataError(f"dataset_name={name_or_path!r}: no such file or folder ({str(path.resolve())!r}); "
-                        f"check the path, or use 'embedded' for the offline default data.")
+        raise DataError(
+            f"dataset_name={name_or_path!r}: no such file or folder ({str(path.resolve())!r}); "
+            f"check the path, or use 'embedded' for the offline default data."
+        )
     else:
         ds = _load_hub(name_or_path, split_name)
     return _apply_slice(ds, spec)
@@ -239,8 +267,10 @@ def as_dataset(data: Any, source: str = "the data"):
         if isinstance(data, list):
             return Dataset.from_list(data)
     except (pa.ArrowException, ValueError, TypeError) as err:
-        raise DataTypeError(f"{source} cannot be made into a table ({one_line_of(err)}); every value of a column must "
-                            f"have the same type (e.g. all prompts strings) and every column the same length.") from None
+        raise DataTypeError(
+            f"{source} cannot be made into a table ({one_line_of(err)}); every value of a column must "
+            f"have the same type (e.g. all prompts strings) and every column the same length."
+        ) from None
     raise DataTypeError(f"expected a datasets.Dataset, a dict of lists or a list of dicts, got {type(data).__name__}.")
 
 

@@ -55,8 +55,7 @@ from twinseq.common.data.packing_plan import (
 )
 from twinseq.common.errors import DataError, DataTypeError
 
-__all__ = ["pack_dataset", "pack_table", "plan_packing", "gather_rows", "PackingPlan", "PackingStats",
-           "STRATEGIES"]
+__all__ = ["pack_dataset", "pack_table", "plan_packing", "gather_rows", "PackingPlan", "PackingStats", "STRATEGIES"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +64,18 @@ SOURCE_COLUMNS = ("source_indices", "source_offsets")
 RESERVED_COLUMNS = ("seq_lengths",) + SOURCE_COLUMNS
 
 
-def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: Optional[dict] = None, *,
-                 window: Optional[int] = None, return_source: bool = False, return_stats: bool = False,
-                 completion_only_loss: Optional[bool] = None, assistant_only_loss: bool = False):
+def pack_dataset(
+    dataset,
+    seq_length: int,
+    strategy: str = "bfd",
+    map_kwargs: Optional[dict] = None,
+    *,
+    window: Optional[int] = None,
+    return_source: bool = False,
+    return_stats: bool = False,
+    completion_only_loss: Optional[bool] = None,
+    assistant_only_loss: bool = False,
+):
     """Pack every list column of ``dataset`` into rows of at most ``seq_length`` values.
 
     Args:
@@ -94,8 +102,9 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: Op
 
     >>> examples = {"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]],
     ...             "attention_mask": [[1, 1, 1, 0, 0], [1, 0], [1, 1, 0], [1]]}
-    >>> pack_dataset(examples, seq_length=4, strategy="bfd")
-    {'input_ids': [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7]], 'attention_mask': [[1, 1, 1, 0], [1, 1, 0, 1], [1, 0]], 'seq_lengths': [[4], [3, 1], [2]]}
+    >>> pack_dataset(examples, seq_length=4, strategy="bfd")  # doctest: +NORMALIZE_WHITESPACE
+    {'input_ids': [[1, 2, 3, 4], [8, 9, 10, 11], [6, 7]],
+     'attention_mask': [[1, 1, 1, 0], [1, 1, 0, 1], [1, 0]], 'seq_lengths': [[4], [3, 1], [2]]}
     >>> packed, stats = pack_dataset(examples, 4, "bfd_split", return_source=True, return_stats=True)
     >>> packed["input_ids"], packed["seq_lengths"]
     ([[1, 2, 3, 4], [8, 9, 10, 5], [6, 7, 11]], [[4], [3, 1], [2, 1]])
@@ -120,43 +129,65 @@ def pack_dataset(dataset, seq_length: int, strategy: str = "bfd", map_kwargs: Op
     for name, flag in (("completion_only_loss", completion_only_loss), ("assistant_only_loss", assistant_only_loss)):
         if flag is not None and not isinstance(flag, (bool, np.bool_)):
             raise DataTypeError(f"{name}={flag!r} must be True, False or None, as in collate().")
-    options = dict(seq_length=seq_length, strategy=strategy, window=window, return_source=return_source,
-                   completion_only_loss=completion_only_loss, assistant_only_loss=assistant_only_loss)
+    options = dict(
+        seq_length=seq_length,
+        strategy=strategy,
+        window=window,
+        return_source=return_source,
+        completion_only_loss=completion_only_loss,
+        assistant_only_loss=assistant_only_loss,
+    )
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         return _pack_splits(dataset, map_kwargs, return_stats, options)
     if isinstance(dataset, datasets.IterableDataset):
         if return_stats:
-            raise DataError("return_stats=True needs the whole dataset, but an IterableDataset is packed lazily; "
-                            "use return_stats=False (each window logs its stats), or a datasets.Dataset.")
+            raise DataError(
+                "return_stats=True needs the whole dataset, but an IterableDataset is packed lazily; "
+                "use return_stats=False (each window logs its stats), or a datasets.Dataset."
+            )
         return _pack_iterable(dataset, map_kwargs or {}, **options)
     if map_kwargs:
-        logger.warning("pack_dataset ignores map_kwargs=%r: a Dataset is packed globally with pyarrow, not with "
-                       "datasets.map; pass window=N to pack runs of N examples separately.", dict(map_kwargs))
+        logger.warning(
+            "pack_dataset ignores map_kwargs=%r: a Dataset is packed globally with pyarrow, not with "
+            "datasets.map; pass window=N to pack runs of N examples separately.",
+            dict(map_kwargs),
+        )
     if isinstance(dataset, datasets.Dataset):
         packed, stats = _pack_dataset_object(dataset, **options)
     elif isinstance(dataset, Mapping):
         packed, stats = pack_table(_dict_to_table(dataset), **options)
         packed = packed.to_pydict()
     else:
-        raise DataTypeError(f"dataset has type {type(dataset).__name__}; pack_dataset takes a datasets.Dataset, "
-                            f"DatasetDict, IterableDataset or a dict of lists such as {{'input_ids': [[1, 2], [3]]}}.")
+        raise DataTypeError(
+            f"dataset has type {type(dataset).__name__}; pack_dataset takes a datasets.Dataset, "
+            f"DatasetDict, IterableDataset or a dict of lists such as {{'input_ids': [[1, 2], [3]]}}."
+        )
     _log_stats(stats)
     return (packed, stats) if return_stats else packed
 
 
 def _pack_splits(dataset, map_kwargs, return_stats: bool, options: dict):
     """A DatasetDict packed split by split; stats (if asked) as a dict by split name."""
-    packed = {name: pack_dataset(split, map_kwargs=map_kwargs, return_stats=return_stats, **options)
-              for name, split in dataset.items()}
+    packed = {
+        name: pack_dataset(split, map_kwargs=map_kwargs, return_stats=return_stats, **options)
+        for name, split in dataset.items()
+    }
     if not return_stats:
         return type(dataset)(packed)
     return type(dataset)({k: v[0] for k, v in packed.items()}), {k: v[1] for k, v in packed.items()}
 
 
-def pack_table(table: pa.Table, seq_length: int, strategy: str = "bfd", *, window: Optional[int] = None,
-               return_source: bool = False, row_ids: Optional[np.ndarray] = None,
-               completion_only_loss: Optional[bool] = None,
-               assistant_only_loss: bool = False) -> tuple[pa.Table, PackingStats]:
+def pack_table(
+    table: pa.Table,
+    seq_length: int,
+    strategy: str = "bfd",
+    *,
+    window: Optional[int] = None,
+    return_source: bool = False,
+    row_ids: Optional[np.ndarray] = None,
+    completion_only_loss: Optional[bool] = None,
+    assistant_only_loss: bool = False,
+) -> tuple[pa.Table, PackingStats]:
     """Pack a pyarrow ``table`` of list columns; returns ``(packed_table, stats)``.
 
     ``row_ids`` (optional, int [N]): pack ``table`` rows ``row_ids`` in that order, as a
@@ -191,8 +222,15 @@ def gather_rows(plan: PackingPlan, source, rows) -> list[dict[str, np.ndarray]]:
         table = _dict_to_table({name: [column[i] for i in needed.tolist()] for name, column in source.items()})
     else:
         table = source.with_format("arrow")[needed.tolist()]
-    local = PackingPlan(sub.seq_length, sub.strategy, np.searchsorted(needed, sub.source_indices),
-                        sub.source_offsets, sub.fragment_lengths, sub.row_offsets, sub.stats)
+    local = PackingPlan(
+        sub.seq_length,
+        sub.strategy,
+        np.searchsorted(needed, sub.source_indices),
+        sub.source_offsets,
+        sub.fragment_lengths,
+        sub.row_offsets,
+        sub.stats,
+    )
     _validate_table(table, None)
     packed = _materialize(table, local, None, return_source=False)
     token_offsets = local.token_offsets()
@@ -202,12 +240,13 @@ def gather_rows(plan: PackingPlan, source, rows) -> list[dict[str, np.ndarray]]:
     for r in range(local.num_rows):
         a, b = token_offsets[r], token_offsets[r + 1]
         row = {name: values[a:b] for name, values in flat.items()}
-        row["seq_lengths"] = local.fragment_lengths[local.row_offsets[r]:local.row_offsets[r + 1]]
+        row["seq_lengths"] = local.fragment_lengths[local.row_offsets[r] : local.row_offsets[r + 1]]
         rows_out.append(row)
     return rows_out
 
 
 # --------------------------------------------------------------------------- inputs
+
 
 def _dict_to_table(data: Mapping[str, Any]) -> pa.Table:
     if not len(data):
@@ -215,17 +254,22 @@ def _dict_to_table(data: Mapping[str, Any]) -> pa.Table:
     arrays = {}
     for name, column in data.items():
         if not isinstance(column, (list, tuple, np.ndarray, pa.Array, pa.ChunkedArray)):
-            raise DataTypeError(f"column {name!r} is a {type(column).__name__}, not a list with one entry per example; "
-                                f"pass a dict of lists such as {{'input_ids': [[1, 2], [3]]}}.")
+            raise DataTypeError(
+                f"column {name!r} is a {type(column).__name__}, not a list with one entry per example; "
+                f"pass a dict of lists such as {{'input_ids': [[1, 2], [3]]}}."
+            )
         try:
             arrays[name] = column if isinstance(column, (pa.Array, pa.ChunkedArray)) else pa.array(list(column))
         except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
-            raise DataTypeError(f"column {name!r} cannot be read as one list of values per example ({err}); every "
-                                f"entry must be a list of numbers, e.g. [[1, 2], [3]].") from err
+            raise DataTypeError(
+                f"column {name!r} cannot be read as one list of values per example ({err}); every "
+                f"entry must be a list of numbers, e.g. [[1, 2], [3]]."
+            ) from err
     sizes = {name: len(a) for name, a in arrays.items()}
     if len(set(sizes.values())) > 1:
-        raise DataError(f"columns have different numbers of examples {sizes}; every column needs one entry per "
-                        f"example.")
+        raise DataError(
+            f"columns have different numbers of examples {sizes}; every column needs one entry per example."
+        )
     return pa.table(arrays)
 
 
@@ -237,26 +281,39 @@ def _validate_table(table: pa.Table, row_ids: Optional[np.ndarray]) -> np.ndarra
     """Check the columns can be packed; return the ``input_ids`` length of every example."""
     num_examples = table.num_rows if row_ids is None else len(row_ids)
     if num_examples == 0:
-        raise DataError("the dataset has 0 examples: there is nothing to pack; check the filtering and "
-                        "tokenisation steps before pack_dataset.")
+        raise DataError(
+            "the dataset has 0 examples: there is nothing to pack; check the filtering and "
+            "tokenisation steps before pack_dataset."
+        )
     if INPUT_COLUMN not in table.column_names:
-        raise DataError(f"the dataset has no {INPUT_COLUMN!r} column (columns: {table.column_names}); pack a "
-                        f"tokenised dataset, or rename the token column to {INPUT_COLUMN!r}.")
-    non_list = {name: str(table.schema.field(name).type) for name in table.column_names
-                if not _is_list_type(table.schema.field(name).type)}
+        raise DataError(
+            f"the dataset has no {INPUT_COLUMN!r} column (columns: {table.column_names}); pack a "
+            f"tokenised dataset, or rename the token column to {INPUT_COLUMN!r}."
+        )
+    non_list = {
+        name: str(table.schema.field(name).type)
+        for name in table.column_names
+        if not _is_list_type(table.schema.field(name).type)
+    }
     if non_list:
-        raise DataTypeError(f"pack_dataset packs list columns only, but {non_list} are not lists; remove them first, "
-                            f"e.g. dataset.remove_columns({sorted(non_list)}).")
+        raise DataTypeError(
+            f"pack_dataset packs list columns only, but {non_list} are not lists; remove them first, "
+            f"e.g. dataset.remove_columns({sorted(non_list)})."
+        )
     reserved = [name for name in RESERVED_COLUMNS if name in table.column_names]
     if reserved:
-        raise DataError(f"the dataset already has column(s) {reserved}, which pack_dataset writes; it looks "
-                        f"packed already. Pack the unpacked dataset, or remove those columns.")
+        raise DataError(
+            f"the dataset already has column(s) {reserved}, which pack_dataset writes; it looks "
+            f"packed already. Pack the unpacked dataset, or remove those columns."
+        )
     value_type = table.schema.field(INPUT_COLUMN).type.value_type
     # list<null> is what Arrow infers when every example is empty.
     all_empty = pa.types.is_null(value_type) and not any(len(c.flatten()) for c in table.column(INPUT_COLUMN).chunks)
     if not pa.types.is_integer(value_type) and not all_empty:
-        raise DataTypeError(f"column {INPUT_COLUMN!r} must hold integer token ids, got {value_type}; tokenise the "
-                            f"text first, or cast it with dataset.cast_column('input_ids', List(Value('int32'))).")
+        raise DataTypeError(
+            f"column {INPUT_COLUMN!r} must hold integer token ids, got {value_type}; tokenise the "
+            f"text first, or cast it with dataset.cast_column('input_ids', List(Value('int32')))."
+        )
     lengths = _column_lengths(table, INPUT_COLUMN, row_ids)
     ids_values = table.column(INPUT_COLUMN)
     if ids_values.num_chunks and any(c.flatten().null_count for c in ids_values.chunks):
@@ -267,9 +324,11 @@ def _validate_table(table: pa.Table, row_ids: Optional[np.ndarray]) -> np.ndarra
             bad = np.flatnonzero(other != lengths)
             if bad.size:
                 i = int(bad[0])
-                raise DataError(f"example {i}: column {name!r} has {int(other[i])} values but {INPUT_COLUMN!r} "
-                                f"has {int(lengths[i])} ({bad.size} examples differ); list columns are packed "
-                                f"in parallel and must have equal lengths per example. Fix or drop {name!r}.")
+                raise DataError(
+                    f"example {i}: column {name!r} has {int(other[i])} values but {INPUT_COLUMN!r} "
+                    f"has {int(lengths[i])} ({bad.size} examples differ); list columns are packed "
+                    f"in parallel and must have equal lengths per example. Fix or drop {name!r}."
+                )
     return lengths
 
 
@@ -277,16 +336,20 @@ def _column_lengths(table: pa.Table, name: str, row_ids: Optional[np.ndarray]) -
     lengths = pc.list_value_length(table.column(name))
     if lengths.null_count:
         i = int(np.flatnonzero(lengths.is_null().to_numpy(zero_copy_only=False))[0])
-        raise DataError(f"example {i}: column {name!r} is null (None); every example needs a list, possibly "
-                        f"empty. Filter those examples or fill them with [].")
+        raise DataError(
+            f"example {i}: column {name!r} is null (None); every example needs a list, possibly "
+            f"empty. Filter those examples or fill them with []."
+        )
     lengths = lengths.to_numpy().astype(np.int64, copy=False)
     return lengths if row_ids is None else lengths[row_ids]
 
 
 # --------------------------------------------------------------------------- lost targets
 
-def _target_rules(column_names: list[str], completion_only_loss: Optional[bool],
-                  assistant_only_loss: bool) -> list[tuple[str, int]]:
+
+def _target_rules(
+    column_names: list[str], completion_only_loss: Optional[bool], assistant_only_loss: bool
+) -> list[tuple[str, int]]:
     """``(column, value that is no target)`` pairs deciding the loss targets, as ``collate`` does.
 
     Empty when every token is a target (no ``labels`` column, no loss mask in use).
@@ -296,18 +359,23 @@ def _target_rules(column_names: list[str], completion_only_loss: Optional[bool],
     """
     rules = [("labels", IGNORE_INDEX)] if "labels" in column_names else []
     use_completion = "completion_mask" in column_names if completion_only_loss is None else completion_only_loss
-    for name, used, flag in (("completion_mask", use_completion, "completion_only_loss"),
-                             ("assistant_masks", assistant_only_loss, "assistant_only_loss")):
+    for name, used, flag in (
+        ("completion_mask", use_completion, "completion_only_loss"),
+        ("assistant_masks", assistant_only_loss, "assistant_only_loss"),
+    ):
         if used and name not in column_names:
-            raise DataError(f"{flag}=True needs a {name!r} column, but the dataset has {column_names}; add the "
-                            f"mask when tokenising, or pass {flag}=False.")
+            raise DataError(
+                f"{flag}=True needs a {name!r} column, but the dataset has {column_names}; add the "
+                f"mask when tokenising, or pass {flag}=False."
+            )
         if used:
             rules.append((name, 0))
     return rules
 
 
-def _count_targets_lost(table: pa.Table, plan: PackingPlan, lengths: np.ndarray, row_ids: Optional[np.ndarray],
-                        rules: list[tuple[str, int]]) -> int:
+def _count_targets_lost(
+    table: pa.Table, plan: PackingPlan, lengths: np.ndarray, row_ids: Optional[np.ndarray], rules: list[tuple[str, int]]
+) -> int:
     """``PackingStats.num_targets_lost`` read from ``table``'s label and mask columns.
 
     Reads only the affected tokens: the first token of each continuation fragment, or for
@@ -331,14 +399,23 @@ def _count_targets_lost(table: pa.Table, plan: PackingPlan, lengths: np.ndarray,
 
 # --------------------------------------------------------------------------- outputs
 
+
 def _materialize(table: pa.Table, plan: PackingPlan, row_ids: Optional[np.ndarray], return_source: bool) -> pa.Table:
     """The packed table; ``row_ids`` maps the plan's example positions to ``table`` rows."""
     reader = plan
     if row_ids is not None:
-        reader = PackingPlan(plan.seq_length, plan.strategy, row_ids[plan.source_indices], plan.source_offsets,
-                             plan.fragment_lengths, plan.row_offsets, plan.stats)
-    columns = {name: reader.materialize_arrow(table.column(name), table.schema.field(name).type)
-               for name in table.column_names}
+        reader = PackingPlan(
+            plan.seq_length,
+            plan.strategy,
+            row_ids[plan.source_indices],
+            plan.source_offsets,
+            plan.fragment_lengths,
+            plan.row_offsets,
+            plan.stats,
+        )
+    columns = {
+        name: reader.materialize_arrow(table.column(name), table.schema.field(name).type) for name in table.column_names
+    }
     assert plan.num_fragments < 2**31
     row_offsets = pa.array(plan.row_offsets, pa.int32())
     columns["seq_lengths"] = pa.ListArray.from_arrays(row_offsets, pa.array(plan.fragment_lengths, pa.int32()))
@@ -367,30 +444,42 @@ def _pack_dataset_object(dataset, seq_length, strategy, window, return_source, *
     # seconds per million rows, so the plan reads the underlying table at these rows.
     indices = getattr(dataset, "_indices", None)
     row_ids = None if indices is None else indices.column(0).to_numpy().astype(np.int64, copy=False)
-    packed, stats = pack_table(table, seq_length, strategy, window=window, return_source=return_source,
-                               row_ids=row_ids, **targets)
+    packed, stats = pack_table(
+        table, seq_length, strategy, window=window, return_source=return_source, row_ids=row_ids, **targets
+    )
     features = {name: dataset.features[name] for name in table.column_names}
     features["seq_lengths"] = datasets.List(datasets.Value("int32"))
     for name in SOURCE_COLUMNS if return_source else ():
         features[name] = datasets.List(datasets.Value("int64"))
     # Without a fingerprint, datasets hashes the whole packed table (0.9 s per 40M tokens).
-    key = repr((getattr(dataset, "_fingerprint", None), "twinseq.pack_dataset", seq_length, strategy, window,
-                return_source))
+    key = repr(
+        (getattr(dataset, "_fingerprint", None), "twinseq.pack_dataset", seq_length, strategy, window, return_source)
+    )
     fingerprint = hashlib.sha256(key.encode()).hexdigest()[:32]
-    out = datasets.Dataset(packed, info=datasets.DatasetInfo(features=datasets.Features(features)),
-                           split=dataset.split, fingerprint=fingerprint)
+    out = datasets.Dataset(
+        packed,
+        info=datasets.DatasetInfo(features=datasets.Features(features)),
+        split=dataset.split,
+        fingerprint=fingerprint,
+    )
     return _restore_format(out, dataset.format, return_source), stats
 
 
 def _pack_iterable(dataset, map_kwargs, seq_length, strategy, window, return_source, **targets):
     if window is None:
-        raise DataError("an IterableDataset is packed window by window: pass window=N (examples per window, "
-                        "e.g. window=10_000), or convert it to a datasets.Dataset to pack it globally.")
+        raise DataError(
+            "an IterableDataset is packed window by window: pass window=N (examples per window, "
+            "e.g. window=10_000), or convert it to a datasets.Dataset to pack it globally."
+        )
     fmt = {"type": dataset._formatting.format_type if dataset._formatting is not None else None}
     packed = dataset.with_format("arrow").map(
-        _pack_window, batched=True, batch_size=window, with_indices=return_source,
+        _pack_window,
+        batched=True,
+        batch_size=window,
+        with_indices=return_source,
         fn_kwargs={"seq_length": seq_length, "strategy": strategy, "return_source": return_source, **targets},
-        **map_kwargs)
+        **map_kwargs,
+    )
     return packed.with_format(**fmt)
 
 
@@ -408,8 +497,15 @@ def _pack_window(table: pa.Table, indices=None, *, seq_length, strategy, return_
 
 def _log_stats(stats: PackingStats) -> None:
     if stats.num_tokens_dropped:
-        logger.warning("pack_dataset(strategy=%r) truncated %d examples longer than seq_length=%d, dropping %d of "
-                       "%d tokens (%.2f %%) and %d loss targets; use strategy='bfd_split' to keep the tokens.",
-                       stats.strategy, stats.num_truncated_examples, stats.seq_length, stats.num_tokens_dropped,
-                       stats.num_tokens, 100 * (1 - stats.tokens_kept_fraction), stats.num_targets_lost)
+        logger.warning(
+            "pack_dataset(strategy=%r) truncated %d examples longer than seq_length=%d, dropping %d of "
+            "%d tokens (%.2f %%) and %d loss targets; use strategy='bfd_split' to keep the tokens.",
+            stats.strategy,
+            stats.num_truncated_examples,
+            stats.seq_length,
+            stats.num_tokens_dropped,
+            stats.num_tokens,
+            100 * (1 - stats.tokens_kept_fraction),
+            stats.num_targets_lost,
+        )
     logger.info("pack_dataset: %s", stats.summary())

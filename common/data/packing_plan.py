@@ -51,21 +51,28 @@ _INT32_MAX = 2**31 - 1  # seq_lengths and list offsets are int32, as in TRL
 
 # --------------------------------------------------------------------------- validation
 
+
 def check_seq_length(seq_length) -> int:
     """Return ``seq_length`` as an int, or raise naming the value and the fix."""
     if isinstance(seq_length, (bool, np.bool_)) or not isinstance(seq_length, numbers.Integral):
-        raise DataTypeError(f"seq_length={seq_length!r} ({type(seq_length).__name__}) must be a positive int; "
-                            f"pass an integer such as seq_length=2048.")
+        raise DataTypeError(
+            f"seq_length={seq_length!r} ({type(seq_length).__name__}) must be a positive int; "
+            f"pass an integer such as seq_length=2048."
+        )
     if not 0 < int(seq_length) <= _INT32_MAX:
-        raise DataError(f"seq_length={seq_length!r} must be a positive int no larger than {_INT32_MAX}; "
-                        f"pass the packed row length, e.g. seq_length=2048.")
+        raise DataError(
+            f"seq_length={seq_length!r} must be a positive int no larger than {_INT32_MAX}; "
+            f"pass the packed row length, e.g. seq_length=2048."
+        )
     return int(seq_length)
 
 
 def check_strategy(strategy) -> str:
     if strategy not in STRATEGIES:
-        raise DataError(f"strategy={strategy!r} is not a packing strategy; choose one of {STRATEGIES} "
-                        f"('bfd' truncates overflow, 'bfd_split' splits it, 'wrapped' cuts documents).")
+        raise DataError(
+            f"strategy={strategy!r} is not a packing strategy; choose one of {STRATEGIES} "
+            f"('bfd' truncates overflow, 'bfd_split' splits it, 'wrapped' cuts documents)."
+        )
     return strategy
 
 
@@ -73,11 +80,15 @@ def check_window(window) -> Optional[int]:
     if window is None:
         return None
     if isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral):
-        raise DataTypeError(f"window={window!r} ({type(window).__name__}) must be a positive int (examples per "
-                            f"packing window) or None for one global window.")
+        raise DataTypeError(
+            f"window={window!r} ({type(window).__name__}) must be a positive int (examples per "
+            f"packing window) or None for one global window."
+        )
     if int(window) <= 0:
-        raise DataError(f"window={window!r} must be a positive number of examples per packing window, "
-                        f"or None to pack the whole dataset at once.")
+        raise DataError(
+            f"window={window!r} must be a positive number of examples per packing window, "
+            f"or None to pack the whole dataset at once."
+        )
     return int(window)
 
 
@@ -85,13 +96,17 @@ def check_lengths(lengths) -> np.ndarray:
     """Return ``lengths`` as an int64 vector of non-negative example lengths."""
     lengths = np.asarray(lengths)
     if lengths.ndim != 1:
-        raise DataError(f"lengths must be a 1-D sequence of example lengths, got shape {lengths.shape}; "
-                        f"pass one length per example.")
+        raise DataError(
+            f"lengths must be a 1-D sequence of example lengths, got shape {lengths.shape}; "
+            f"pass one length per example."
+        )
     if lengths.size == 0:
         raise DataError("lengths is empty: there are no examples to pack; check the dataset is not empty.")
     if lengths.dtype == np.bool_ or not np.issubdtype(lengths.dtype, np.integer):
-        raise DataTypeError(f"lengths must hold integers, got dtype {lengths.dtype} (first value {lengths[0]!r}); "
-                            f"pass token counts, e.g. [len(ids) for ids in dataset['input_ids']].")
+        raise DataTypeError(
+            f"lengths must hold integers, got dtype {lengths.dtype} (first value {lengths[0]!r}); "
+            f"pass token counts, e.g. [len(ids) for ids in dataset['input_ids']]."
+        )
     if lengths.min() < 0:
         i = int(np.argmin(lengths))
         raise DataError(f"lengths[{i}]={int(lengths[i])} is negative; example lengths are token counts >= 0.")
@@ -99,6 +114,7 @@ def check_lengths(lengths) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- stats
+
 
 @dataclass(frozen=True)
 class PackingStats:
@@ -168,21 +184,30 @@ class PackingStats:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for name in ("num_tokens_dropped", "num_cuts", "lower_bound_rows", "rows_over_lower_bound",
-                     "tokens_kept_fraction", "fill_fraction"):
+        for name in (
+            "num_tokens_dropped",
+            "num_cuts",
+            "lower_bound_rows",
+            "rows_over_lower_bound",
+            "tokens_kept_fraction",
+            "fill_fraction",
+        ):
             d[name] = getattr(self, name)
         return d
 
     def summary(self) -> str:
-        return (f"{self.strategy}: {self.num_examples} examples ({self.num_empty_examples} empty) -> "
-                f"{self.num_rows} rows of {self.seq_length} (lower bound {self.lower_bound_rows}, "
-                f"+{100 * self.rows_over_lower_bound:.4f} %), kept {self.num_tokens_kept}/{self.num_tokens} tokens "
-                f"({100 * self.tokens_kept_fraction:.2f} %), {self.num_truncated_examples} truncated, "
-                f"{self.num_split_examples} split at {self.num_cuts} cuts, lost {self.num_targets_lost} loss "
-                f"targets {'in the dropped tokens' if self.strategy == 'bfd' else 'at the cuts'}")
+        return (
+            f"{self.strategy}: {self.num_examples} examples ({self.num_empty_examples} empty) -> "
+            f"{self.num_rows} rows of {self.seq_length} (lower bound {self.lower_bound_rows}, "
+            f"+{100 * self.rows_over_lower_bound:.4f} %), kept {self.num_tokens_kept}/{self.num_tokens} tokens "
+            f"({100 * self.tokens_kept_fraction:.2f} %), {self.num_truncated_examples} truncated, "
+            f"{self.num_split_examples} split at {self.num_cuts} cuts, lost {self.num_targets_lost} loss "
+            f"targets {'in the dropped tokens' if self.strategy == 'bfd' else 'at the cuts'}"
+        )
 
 
 # --------------------------------------------------------------------------- the plan
+
 
 @dataclass(frozen=True, eq=False)
 class PackingPlan:
@@ -200,10 +225,10 @@ class PackingPlan:
 
     seq_length: int
     strategy: str
-    source_indices: np.ndarray    # int64 [F]: example each fragment comes from
-    source_offsets: np.ndarray    # int64 [F]: first token of the fragment within its example
+    source_indices: np.ndarray  # int64 [F]: example each fragment comes from
+    source_offsets: np.ndarray  # int64 [F]: first token of the fragment within its example
     fragment_lengths: np.ndarray  # int64 [F]: tokens in the fragment (>= 1)
-    row_offsets: np.ndarray       # int64 [R + 1]: row r holds fragments row_offsets[r]:row_offsets[r+1]
+    row_offsets: np.ndarray  # int64 [R + 1]: row r holds fragments row_offsets[r]:row_offsets[r+1]
     stats: PackingStats
 
     @property
@@ -236,27 +261,39 @@ class PackingPlan:
         starts, ends = self.row_offsets[rows], self.row_offsets[rows + 1]
         counts = ends - starts
         frag = _ranges(starts, counts)
-        return PackingPlan(self.seq_length, self.strategy, self.source_indices[frag], self.source_offsets[frag],
-                           self.fragment_lengths[frag], np.concatenate([[0], np.cumsum(counts)]), self.stats)
+        return PackingPlan(
+            self.seq_length,
+            self.strategy,
+            self.source_indices[frag],
+            self.source_offsets[frag],
+            self.fragment_lengths[frag],
+            np.concatenate([[0], np.cumsum(counts)]),
+            self.stats,
+        )
 
     def fragment_starts(self, example_offsets: np.ndarray) -> np.ndarray:
         """int64 [F]: absolute start of each fragment in values laid out by ``example_offsets`` [N+1]."""
         example_offsets = np.asarray(example_offsets, dtype=np.int64)
         if example_offsets.ndim != 1 or len(example_offsets) < 2:
-            raise DataError(f"example_offsets must be a 1-D [num_examples + 1] offsets array, got shape "
-                            f"{example_offsets.shape}.")
+            raise DataError(
+                f"example_offsets must be a 1-D [num_examples + 1] offsets array, got shape {example_offsets.shape}."
+            )
         num_examples = len(example_offsets) - 1
         if self.num_fragments and int(self.source_indices.max()) >= num_examples:
-            raise DataError(f"the plan reads example {int(self.source_indices.max())} but the arrays hold "
-                            f"{num_examples} examples; materialise the plan with the arrays it was planned for.")
+            raise DataError(
+                f"the plan reads example {int(self.source_indices.max())} but the arrays hold "
+                f"{num_examples} examples; materialise the plan with the arrays it was planned for."
+            )
         example_len = np.diff(example_offsets)[self.source_indices]
         bad = np.flatnonzero(self.source_offsets + self.fragment_lengths > example_len)
         if bad.size:
             f = int(bad[0])
-            raise DataError(f"fragment {f} needs tokens {int(self.source_offsets[f])}.."
-                            f"{int(self.source_offsets[f] + self.fragment_lengths[f])} of example "
-                            f"{int(self.source_indices[f])}, which has {int(example_len[f])}; the arrays do not "
-                            f"match the lengths this plan was made from.")
+            raise DataError(
+                f"fragment {f} needs tokens {int(self.source_offsets[f])}.."
+                f"{int(self.source_offsets[f] + self.fragment_lengths[f])} of example "
+                f"{int(self.source_indices[f])}, which has {int(example_len[f])}; the arrays do not "
+                f"match the lengths this plan was made from."
+            )
         return example_offsets[self.source_indices] + self.source_offsets
 
     def materialize(self, values: np.ndarray, example_offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -279,15 +316,18 @@ class PackingPlan:
         """
         values, example_offsets = flat_list_values(column)
         starts = self.fragment_starts(example_offsets)
-        view = pa.LargeListViewArray.from_arrays(pa.array(starts, pa.int64()),
-                                                 pa.array(self.fragment_lengths, pa.int64()), values)
+        view = pa.LargeListViewArray.from_arrays(
+            pa.array(starts, pa.int64()), pa.array(self.fragment_lengths, pa.int64()), values
+        )
         flat = pc.list_flatten(view)
         list_type = list_type or column.type
         offsets = self.token_offsets()
         if pa.types.is_list(list_type):
             if offsets[-1] > _INT32_MAX:
-                raise DataError(f"{int(offsets[-1])} packed values do not fit the int32 offsets of {list_type}; "
-                                f"cast the column to a large_list first.")
+                raise DataError(
+                    f"{int(offsets[-1])} packed values do not fit the int32 offsets of {list_type}; "
+                    f"cast the column to a large_list first."
+                )
             return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), flat, type=list_type)
         return pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), flat, type=list_type)
 
@@ -316,6 +356,7 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- planning
+
 
 def plan_packing(lengths, seq_length: int, strategy: str = "bfd", *, window: Optional[int] = None) -> PackingPlan:
     """Plan the packing of examples with the given token ``lengths`` into rows of ``seq_length``.
@@ -401,12 +442,18 @@ def _stats(lengths, seq_length, strategy, src, frag_len, num_rows) -> PackingSta
     else:
         num_split = int((lengths > seq_length).sum()) if strategy == "bfd_split" else 0
     return PackingStats(
-        strategy=strategy, seq_length=seq_length, num_examples=len(lengths),
-        num_empty_examples=int((lengths == 0).sum()), num_tokens=int(lengths.sum()),
+        strategy=strategy,
+        seq_length=seq_length,
+        num_examples=len(lengths),
+        num_empty_examples=int((lengths == 0).sum()),
+        num_tokens=int(lengths.sum()),
         num_tokens_kept=int(frag_len.sum()),
         num_truncated_examples=int((lengths > seq_length).sum()) if strategy == "bfd" else 0,
-        num_split_examples=num_split, num_fragments=len(frag_len), num_rows=int(num_rows),
-        num_targets_lost=_targets_lost_by_lengths(lengths, seq_length, strategy, len(frag_len)))
+        num_split_examples=num_split,
+        num_fragments=len(frag_len),
+        num_rows=int(num_rows),
+        num_targets_lost=_targets_lost_by_lengths(lengths, seq_length, strategy, len(frag_len)),
+    )
 
 
 def _targets_lost_by_lengths(lengths, seq_length, strategy, num_fragments) -> int:
@@ -442,9 +489,9 @@ class _BestFitDecreasing:
     def __init__(self, lengths: np.ndarray, seq_length: int):
         assert lengths.size == 0 or (lengths.min() >= 1 and lengths.max() <= seq_length)
         self.lengths, self.seq_length = lengths, seq_length
-        self.queues: dict[int, list[np.ndarray]] = {}   # capacity -> FIFO of arrays of bin ids
+        self.queues: dict[int, list[np.ndarray]] = {}  # capacity -> FIFO of arrays of bin ids
         self.queue_size: dict[int, int] = {}
-        self.capacities: list[int] = []                  # sorted capacities with a non-empty queue
+        self.capacities: list[int] = []  # sorted capacities with a non-empty queue
         self.bin_of_sorted = np.empty(len(lengths), dtype=np.int64)
         self.num_placed = 0
         self.num_bins = 0
@@ -455,9 +502,9 @@ class _BestFitDecreasing:
         key = (S - self.lengths).astype(np.uint16 if S < 2**16 else np.uint32)
         sorted_items = np.argsort(key, kind="stable")
         counts = np.bincount(self.lengths, minlength=S + 1)
-        num_long = int(counts[S // 2 + 1:].sum())
+        num_long = int(counts[S // 2 + 1 :].sum())
         self._open_singletons(S - self.lengths[sorted_items[:num_long]])
-        for length in (np.flatnonzero(counts[1:S // 2 + 1])[::-1] + 1).tolist():
+        for length in (np.flatnonzero(counts[1 : S // 2 + 1])[::-1] + 1).tolist():
             left = self._fill_open_bins(length, int(counts[length]))
             if left:
                 self._open_bins(length, left)
@@ -488,7 +535,7 @@ class _BestFitDecreasing:
     def _place(self, bins: np.ndarray, per_bin: int) -> None:
         """The next ``len(bins) * per_bin`` sorted items go ``per_bin`` to each bin, in order."""
         n = len(bins) * per_bin
-        self.bin_of_sorted[self.num_placed:self.num_placed + n] = bins if per_bin == 1 else np.repeat(bins, per_bin)
+        self.bin_of_sorted[self.num_placed : self.num_placed + n] = bins if per_bin == 1 else np.repeat(bins, per_bin)
         self.num_placed += n
 
     def _open_singletons(self, capacities: np.ndarray) -> None:

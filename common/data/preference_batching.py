@@ -36,12 +36,12 @@ class PreferenceBatch:
     """A ``Batch`` of 2N documents plus the map from document to (example, chosen/rejected)."""
 
     batch: Batch
-    num_examples: int                    # N
-    doc_example_index: np.ndarray        # int32 [2N]: example of each document (0..N-1, then 0..N-1)
-    doc_is_chosen: np.ndarray            # bool  [2N]: True for the first N documents
-    target_doc_ids: np.ndarray           # int32 [B, T]: document of the target predicted at t (labels[t+1]); -1: none
-    num_target_tokens: np.ndarray        # int32 [2N]: scored completion tokens of each document
-    ref_chosen_logps: Optional[np.ndarray] = None     # float64 [N], when the examples carry them (precomputed)
+    num_examples: int  # N
+    doc_example_index: np.ndarray  # int32 [2N]: example of each document (0..N-1, then 0..N-1)
+    doc_is_chosen: np.ndarray  # bool  [2N]: True for the first N documents
+    target_doc_ids: np.ndarray  # int32 [B, T]: document of the target predicted at t (labels[t+1]); -1: none
+    num_target_tokens: np.ndarray  # int32 [2N]: scored completion tokens of each document
+    ref_chosen_logps: Optional[np.ndarray] = None  # float64 [N], when the examples carry them (precomputed)
     ref_rejected_logps: Optional[np.ndarray] = None
 
     @property
@@ -54,24 +54,29 @@ class PreferenceBatch:
 
     @property
     def rejected_num_tokens(self) -> np.ndarray:
-        return self.num_target_tokens[self.num_examples:]
+        return self.num_target_tokens[self.num_examples :]
 
 
 def _document_examples(examples: Sequence[Mapping[str, Any]]) -> list[dict[str, np.ndarray]]:
     """2N ``{"input_ids", "completion_mask"}`` dicts: every chosen document, then every rejected one."""
-    chosen, rejected = [], []
+    chosen: list[dict[str, np.ndarray]] = []
+    rejected: list[dict[str, np.ndarray]] = []
     for i, ex in enumerate(examples):
         missing = [f for f in PREFERENCE_FIELDS if f not in ex]
         if missing:
-            raise DataError(f"example {i} lacks {missing} (fields: {sorted(ex)}); tokenise the preference data "
-                            f"first, e.g. with twinseq.common.data.prepare.prepare_dpo_dataset.")
+            raise DataError(
+                f"example {i} lacks {missing} (fields: {sorted(ex)}); tokenise the preference data "
+                f"first, e.g. with twinseq.common.data.prepare.prepare_dpo_dataset."
+            )
         prompt = _as_int_list(ex["prompt_input_ids"], "prompt_input_ids", i)
         for side, out in (("chosen", chosen), ("rejected", rejected)):
             completion = _as_int_list(ex[f"{side}_input_ids"], f"{side}_input_ids", i)
             if completion.size == 0:
-                raise DataError(f"example {i}: '{side}_input_ids' is empty, so the {side} sequence has no "
-                                f"completion token to score; drop such rows upstream (prepare_dpo_dataset does) "
-                                f"or raise max_length / max_completion_length.")
+                raise DataError(
+                    f"example {i}: '{side}_input_ids' is empty, so the {side} sequence has no "
+                    f"completion token to score; drop such rows upstream (prepare_dpo_dataset does) "
+                    f"or raise max_length / max_completion_length."
+                )
             mask = np.concatenate([np.zeros(prompt.size, np.int64), np.ones(completion.size, np.int64)])
             out.append({"input_ids": np.concatenate([prompt, completion]), "completion_mask": mask})
     return chosen + rejected
@@ -101,13 +106,20 @@ def _ref_logps(examples: Sequence[Mapping[str, Any]], field: str) -> Optional[np
     if not any(present):
         return None
     if not all(present):
-        raise DataError(f"{field!r} is set on {sum(present)} of {len(examples)} examples; precompute the "
-                        f"reference log-probs for every row or for none.")
+        raise DataError(
+            f"{field!r} is set on {sum(present)} of {len(examples)} examples; precompute the "
+            f"reference log-probs for every row or for none."
+        )
     return np.array([float(ex[field]) for ex in examples], dtype=np.float64)
 
 
-def collate_preference(examples: Sequence[Mapping[str, Any]], *, padding_free: bool = False,
-                       pad_token_id: int = 0, pad_to_multiple_of: Optional[int] = None) -> PreferenceBatch:
+def collate_preference(
+    examples: Sequence[Mapping[str, Any]],
+    *,
+    padding_free: bool = False,
+    pad_token_id: int = 0,
+    pad_to_multiple_of: Optional[int] = None,
+) -> PreferenceBatch:
     """Collate preference rows (``prompt_input_ids``, ``chosen_input_ids``, ``rejected_input_ids``,
     optionally ``ref_chosen_logps`` / ``ref_rejected_logps``) into chosen-then-rejected documents.
 
@@ -119,25 +131,37 @@ def collate_preference(examples: Sequence[Mapping[str, Any]], *, padding_free: b
     ([[-1, 0, 0, -1, -1, 1, -1]], [2], [1])
     """
     if isinstance(examples, Mapping) or not len(examples):
-        raise DataError("collate_preference() needs a non-empty list of preference rows (dicts with "
-                        f"{', '.join(PREFERENCE_FIELDS)}); got {type(examples).__name__}.")
-    batch = collate(_document_examples(examples), padding_free=padding_free, pad_token_id=pad_token_id,
-                    pad_to_multiple_of=pad_to_multiple_of, completion_only_loss=True)
+        raise DataError(
+            "collate_preference() needs a non-empty list of preference rows (dicts with "
+            f"{', '.join(PREFERENCE_FIELDS)}); got {type(examples).__name__}."
+        )
+    batch = collate(
+        _document_examples(examples),
+        padding_free=padding_free,
+        pad_token_id=pad_token_id,
+        pad_to_multiple_of=pad_to_multiple_of,
+        completion_only_loss=True,
+    )
     num_examples = len(examples)
     target_doc_ids = _target_doc_ids(batch)
     counts = np.bincount(target_doc_ids[target_doc_ids >= 0], minlength=2 * num_examples).astype(np.int32)
     if (counts == 0).any():
         d = int(np.argmin(counts))
         side = "chosen" if d < num_examples else "rejected"
-        raise DataError(f"example {d % num_examples}: the {side} sequence has no scored completion token (an "
-                        f"empty prompt leaves a 1-token completion unscored); give it a prompt, e.g. a BOS token.")
+        raise DataError(
+            f"example {d % num_examples}: the {side} sequence has no scored completion token (an "
+            f"empty prompt leaves a 1-token completion unscored); give it a prompt, e.g. a BOS token."
+        )
     return PreferenceBatch(
-        batch=batch, num_examples=num_examples,
+        batch=batch,
+        num_examples=num_examples,
         doc_example_index=np.tile(np.arange(num_examples, dtype=np.int32), 2),
         doc_is_chosen=np.repeat(np.array([True, False]), num_examples),
-        target_doc_ids=target_doc_ids, num_target_tokens=counts,
+        target_doc_ids=target_doc_ids,
+        num_target_tokens=counts,
         ref_chosen_logps=_ref_logps(examples, "ref_chosen_logps"),
-        ref_rejected_logps=_ref_logps(examples, "ref_rejected_logps"))
+        ref_rejected_logps=_ref_logps(examples, "ref_rejected_logps"),
+    )
 
 
 def sequence_logps_from_tokens(token_logps_BT: np.ndarray, pbatch: PreferenceBatch) -> tuple[np.ndarray, np.ndarray]:
@@ -150,20 +174,22 @@ def sequence_logps_from_tokens(token_logps_BT: np.ndarray, pbatch: PreferenceBat
     """
     token_logps_BT = np.asarray(token_logps_BT, dtype=np.float64)
     if token_logps_BT.shape != pbatch.target_doc_ids.shape:
-        raise DataError(f"token_logps shape {token_logps_BT.shape} must equal the batch shape "
-                        f"{pbatch.target_doc_ids.shape} ([B, T], position t scoring input_ids[t + 1]).")
+        raise DataError(
+            f"token_logps shape {token_logps_BT.shape} must equal the batch shape "
+            f"{pbatch.target_doc_ids.shape} ([B, T], position t scoring input_ids[t + 1])."
+        )
     has_target = pbatch.target_doc_ids >= 0
-    sums = np.bincount(pbatch.target_doc_ids[has_target], weights=token_logps_BT[has_target],
-                       minlength=pbatch.num_docs)
-    return sums[: pbatch.num_examples], sums[pbatch.num_examples:]
+    sums = np.bincount(pbatch.target_doc_ids[has_target], weights=token_logps_BT[has_target], minlength=pbatch.num_docs)
+    return sums[: pbatch.num_examples], sums[pbatch.num_examples :]
 
 
 def token_logps_from_logits(logits_BTV: np.ndarray, pbatch: PreferenceBatch) -> np.ndarray:
     """float64 [B, T]: ``log softmax(logits[b, t])[labels[b, t + 1]]`` at targets, 0 elsewhere."""
     logits_BTV = np.asarray(logits_BTV)
     if logits_BTV.shape[:-1] != pbatch.target_doc_ids.shape:
-        raise DataError(f"logits shape {logits_BTV.shape} must be [B, T, V] with [B, T] = "
-                        f"{pbatch.target_doc_ids.shape}.")
+        raise DataError(
+            f"logits shape {logits_BTV.shape} must be [B, T, V] with [B, T] = {pbatch.target_doc_ids.shape}."
+        )
     return -token_nll(logits_BTV, shift_labels(pbatch.batch.labels))
 
 

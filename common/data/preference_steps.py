@@ -43,12 +43,16 @@ def preference_columns(rows: Any) -> dict[str, list]:
         raise DataTypeError(f"rows must be a datasets.Dataset or a dict of lists, got {type(rows).__name__}.")
     missing = [f for f in PREFERENCE_FIELDS if f not in names]
     if missing:
-        raise DataError(f"preference rows lack the column(s) {missing} (columns: {sorted(names)}); tokenise with "
-                        f"twinseq.common.data.prepare.prepare_dpo_dataset first.")
+        raise DataError(
+            f"preference rows lack the column(s) {missing} (columns: {sorted(names)}); tokenise with "
+            f"twinseq.common.data.prepare.prepare_dpo_dataset first."
+        )
     present_refs = [f for f in REF_FIELDS if f in names]
     if len(present_refs) == 1:
-        raise DataError(f"rows carry {present_refs[0]!r} but not its pair; precompute both reference columns "
-                        f"{REF_FIELDS} or neither.")
+        raise DataError(
+            f"rows carry {present_refs[0]!r} but not its pair; precompute both reference columns "
+            f"{REF_FIELDS} or neither."
+        )
     out: dict[str, list] = {f: [np.asarray(v) for v in rows[f]] for f in PREFERENCE_FIELDS}
     for f in present_refs:
         out[f] = [float(v) for v in rows[f]]
@@ -65,8 +69,9 @@ def with_ref_logps(rows: Any, ref_chosen_logps: np.ndarray, ref_rejected_logps: 
     rejected = np.asarray(ref_rejected_logps, dtype=np.float64)
     num_rows = len(rows) if hasattr(rows, "column_names") else len(rows[PREFERENCE_FIELDS[0]])
     if chosen.shape != (num_rows,) or rejected.shape != (num_rows,):
-        raise DataError(f"reference log-probs must have one value per row ({num_rows}); got "
-                        f"{chosen.shape} and {rejected.shape}.")
+        raise DataError(
+            f"reference log-probs must have one value per row ({num_rows}); got {chosen.shape} and {rejected.shape}."
+        )
     if not (np.isfinite(chosen).all() and np.isfinite(rejected).all()):
         raise DataError("reference log-probs hold non-finite values; check the reference model.")
     if hasattr(rows, "column_names"):
@@ -75,8 +80,14 @@ def with_ref_logps(rows: Any, ref_chosen_logps: np.ndarray, ref_rejected_logps: 
     return {**rows, REF_FIELDS[0]: chosen.tolist(), REF_FIELDS[1]: rejected.tolist()}
 
 
-def iter_preference_batches(rows: Any, batch_size: int, *, padding_free: bool = False, pad_token_id: int = 0,
-                            pad_to_multiple_of: Optional[int] = None) -> Iterator[tuple[np.ndarray, PreferenceBatch]]:
+def iter_preference_batches(
+    rows: Any,
+    batch_size: int,
+    *,
+    padding_free: bool = False,
+    pad_token_id: int = 0,
+    pad_to_multiple_of: Optional[int] = None,
+) -> Iterator[tuple[np.ndarray, PreferenceBatch]]:
     """Every row once, in order, ``batch_size`` pairs at a time: yields ``(row_indices, PreferenceBatch)``.
 
     Used to precompute reference log-probs in one pass (the last batch may be smaller).
@@ -89,8 +100,12 @@ def iter_preference_batches(rows: Any, batch_size: int, *, padding_free: bool = 
     for start in range(0, num_rows, batch_size):
         idx = np.arange(start, min(start + batch_size, num_rows))
         examples = [{f: columns[f][i] for f in PREFERENCE_FIELDS} for i in idx]
-        yield idx, collate_preference(examples, padding_free=padding_free, pad_token_id=pad_token_id,
-                                      pad_to_multiple_of=pad_to_multiple_of)
+        yield (
+            idx,
+            collate_preference(
+                examples, padding_free=padding_free, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of
+            ),
+        )
 
 
 class PreferenceStepIterator(StepIterator):
@@ -108,21 +123,32 @@ class PreferenceStepIterator(StepIterator):
     (2, 2, 2)
     """
 
-    def __init__(self, rows: Any, cfg: TrainConfig, pad_token_id: int, *, world_size: int = 1, rank: int = 0,
-                 seed: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        rows: Any,
+        cfg: TrainConfig,
+        pad_token_id: int,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        seed: Optional[int] = None,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise DataError(f"rank={rank} must be in [0, world_size={world_size}).")
         if cfg.data.packing:
-            raise DataError("packing=True does not apply to DPO: packing would cut pairs apart (TRL: packing is "
-                            "SFT-only). Use --padding-free to put every pair of a micro-batch in one row.")
+            raise DataError(
+                "packing=True does not apply to DPO: packing would cut pairs apart (TRL: packing is "
+                "SFT-only). Use --padding-free to put every pair of a micro-batch in one row."
+            )
         self.cfg, self.pad_token_id = cfg, pad_token_id
         self.world_size, self.rank = world_size, rank
         self.seed = cfg.seed if seed is None else seed
         self.columns = preference_columns(rows)
         self.num_rows = len(self.columns[PREFERENCE_FIELDS[0]])
         if self.num_rows == 0:
-            raise DataError("the preference data is empty after tokenisation and truncation; check dataset_name "
-                            "and max_length.")
+            raise DataError(
+                "the preference data is empty after tokenisation and truncation; check dataset_name and max_length."
+            )
         self.state = DataState()
         self._order = self._permutation(0)
 
@@ -136,8 +162,12 @@ class PreferenceStepIterator(StepIterator):
 
     def _collate_pairs(self, idx: np.ndarray) -> PreferenceBatch:
         c = self.cfg.data
-        return collate_preference([self._example(i) for i in idx], padding_free=c.padding_free,
-                                  pad_token_id=self.pad_token_id, pad_to_multiple_of=c.pad_to_multiple_of)
+        return collate_preference(
+            [self._example(i) for i in idx],
+            padding_free=c.padding_free,
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=c.pad_to_multiple_of,
+        )
 
     def next_step(self) -> list[PreferenceBatch]:  # type: ignore[override]
         d, ws = self.cfg.data, self.world_size
@@ -153,12 +183,15 @@ class PreferenceStepIterator(StepIterator):
         return mine
 
 
-def build_preference_iterator(cfg: TrainConfig, rows: Any, pad_token_id: int, *, world_size: int = 1,
-                              rank: int = 0) -> PreferenceStepIterator:
+def build_preference_iterator(
+    cfg: TrainConfig, rows: Any, pad_token_id: int, *, world_size: int = 1, rank: int = 0
+) -> PreferenceStepIterator:
     """``PreferenceStepIterator`` over ``rows`` (from ``prepare_dpo_dataset``, maybe with reference columns)."""
     iterator = PreferenceStepIterator(rows, cfg, pad_token_id=pad_token_id, world_size=world_size, rank=rank)
     if cfg.dpo.precompute_ref_log_probs and not iterator.has_ref_logps:
-        raise DataError("precompute_ref_log_probs=True but the rows carry no ref_chosen_logps/ref_rejected_logps; "
-                        "compute them first (the backends' precompute_ref_logps does).")
+        raise DataError(
+            "precompute_ref_log_probs=True but the rows carry no ref_chosen_logps/ref_rejected_logps; "
+            "compute them first (the backends' precompute_ref_logps does)."
+        )
     logger.info("DPO data: %d pairs, %d pairs per optimizer step", iterator.num_rows, iterator.examples_per_step)
     return iterator

@@ -72,8 +72,10 @@ def _chunks(ds, progress: Optional[bool], desc: str) -> Iterator[tuple[int, dict
 def _check_strings(values: list, field: str, offset: int, fix: str) -> None:
     for i, value in enumerate(values):
         if not isinstance(value, str):
-            raise DataTypeError(f"{row_name(offset + i)}: field {field!r} must be a string, got "
-                                f"{type(value).__name__} {str(value)[:80]!r}; {fix}")
+            raise DataTypeError(
+                f"{row_name(offset + i)}: field {field!r} must be a string, got "
+                f"{type(value).__name__} {str(value)[:80]!r}; {fix}"
+            )
 
 
 def _columns_table(columns: dict[str, list]):
@@ -85,8 +87,10 @@ def _columns_table(columns: dict[str, list]):
 
 def _special(tok: TwinseqTokenizer) -> tuple[list[int], list[int]]:
     """``([bos], [eos])`` for plain text (empty lists where the tokenizer has none)."""
-    return ([tok.bos_token_id] if tok.bos_token_id is not None else [],
-            [tok.eos_token_id] if tok.eos_token_id is not None else [])
+    return (
+        [tok.bos_token_id] if tok.bos_token_id is not None else [],
+        [tok.eos_token_id] if tok.eos_token_id is not None else [],
+    )
 
 
 def _log_format(task: str, fmt: str, tok: TwinseqTokenizer) -> None:
@@ -101,8 +105,10 @@ def _log_format(task: str, fmt: str, tok: TwinseqTokenizer) -> None:
 # An encoder turns a chunk of rows into one entry per row: the tokenised columns, or the
 # reason the row is dropped (a key of TruncationStats.dropped).
 Encoded = list[Union[dict, str]]
-_MIXED_FIX = ("pass strings in both 'prompt' and 'completion' (standard), or lists of {'role', 'content'} "
-              "messages in both (conversational; or one 'messages' column with the whole conversation).")
+_MIXED_FIX = (
+    "pass strings in both 'prompt' and 'completion' (standard), or lists of {'role', 'content'} "
+    "messages in both (conversational; or one 'messages' column with the whole conversation)."
+)
 
 
 def _encode_prompt_completion(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) -> Encoded:
@@ -110,8 +116,9 @@ def _encode_prompt_completion(batch: dict, offset: int, tok: TwinseqTokenizer, _
     _check_strings(batch["completion"], "completion", offset, _MIXED_FIX)
     bos, eos = _special(tok)
     out: Encoded = []
-    for p, c, comp in zip(tok.encode_batch(batch["prompt"]), tok.encode_batch(batch["completion"]),
-                          batch["completion"]):
+    for p, c, comp in zip(
+        tok.encode_batch(batch["prompt"]), tok.encode_batch(batch["completion"]), batch["completion"]
+    ):
         if not comp.strip():
             out.append(DROP_EMPTY_COMPLETION)
             continue
@@ -120,8 +127,9 @@ def _encode_prompt_completion(batch: dict, offset: int, tok: TwinseqTokenizer, _
     return out
 
 
-def _encode_conversational_prompt_completion(batch: dict, offset: int, tok: TwinseqTokenizer,
-                                             assistant_masks: bool) -> Encoded:
+def _encode_conversational_prompt_completion(
+    batch: dict, offset: int, tok: TwinseqTokenizer, assistant_masks: bool
+) -> Encoded:
     """Prompt and completion message lists -> ``input_ids`` = prompt ids + completion ids.
 
     The prompt text (``render_prompt``) and the completion text (the rest of the rendered
@@ -150,8 +158,10 @@ def _encode_conversational_prompt_completion(batch: dict, offset: int, tok: Twin
 def _encode_text(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) -> Encoded:
     _check_strings(batch["text"], "text", offset, "tokenise plain text only.")
     bos, eos = _special(tok)
-    return [{"input_ids": bos + ids + eos} if text.strip() else DROP_EMPTY_TEXT
-            for ids, text in zip(tok.encode_batch(batch["text"]), batch["text"])]
+    return [
+        {"input_ids": bos + ids + eos} if text.strip() else DROP_EMPTY_TEXT
+        for ids, text in zip(tok.encode_batch(batch["text"]), batch["text"])
+    ]
 
 
 def _encode_tokenized(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) -> Encoded:
@@ -163,14 +173,18 @@ def _encode_tokenized(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) 
             raise DataTypeError(f"{where}: input_ids must be a list of integers, got {str(ids)[:80]!r}.")
         bad = [t for t in ids if not 0 <= t < tok.vocab_size]
         if bad:
-            raise DataError(f"{where}: input_ids hold {bad[0]}, outside the tokenizer's vocabulary [0, "
-                            f"{tok.vocab_size}); tokenise with the tokenizer the run uses (tokenizer_name_or_path).")
+            raise DataError(
+                f"{where}: input_ids hold {bad[0]}, outside the tokenizer's vocabulary [0, "
+                f"{tok.vocab_size}); tokenise with the tokenizer the run uses (tokenizer_name_or_path)."
+            )
         row = {"input_ids": list(ids)}
         if "completion_mask" in batch:
             mask = batch["completion_mask"][i]
             if not isinstance(mask, (list, tuple)) or len(mask) != len(ids):
-                raise DataError(f"{where}: completion_mask must be a list as long as input_ids ({len(ids)}), got "
-                                f"{str(mask)[:80]!r}.")
+                raise DataError(
+                    f"{where}: completion_mask must be a list as long as input_ids ({len(ids)}), got "
+                    f"{str(mask)[:80]!r}."
+                )
             row["completion_mask"] = list(mask)
         out.append(row if ids else DROP_EMPTY_TEXT)
     return out
@@ -185,9 +199,12 @@ def _encode_messages(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) -
 
 
 _ENCODERS: dict[str, Callable] = {
-    formats.PROMPT_COMPLETION: _encode_prompt_completion, formats.TEXT: _encode_text,
-    formats.MESSAGES: _encode_messages, formats.TOKENIZED: _encode_tokenized,
-    formats.CONVERSATIONAL_PROMPT_COMPLETION: _encode_conversational_prompt_completion}
+    formats.PROMPT_COMPLETION: _encode_prompt_completion,
+    formats.TEXT: _encode_text,
+    formats.MESSAGES: _encode_messages,
+    formats.TOKENIZED: _encode_tokenized,
+    formats.CONVERSATIONAL_PROMPT_COMPLETION: _encode_conversational_prompt_completion,
+}
 
 
 def _sft_columns(fmt: str, column_names: list[str], assistant_only_loss: bool) -> tuple[str, ...]:
@@ -203,9 +220,11 @@ def _sft_columns(fmt: str, column_names: list[str], assistant_only_loss: bool) -
 
 def _loss_mask_fields(fmt: str, completion_only_loss: Optional[bool], assistant_only_loss: bool) -> tuple[str, ...]:
     """The masks the collator will apply, which decide whether a row has any target left."""
-    fields = ()
-    if fmt in (formats.PROMPT_COMPLETION, formats.CONVERSATIONAL_PROMPT_COMPLETION, formats.TOKENIZED) \
-            and completion_only_loss is not False:
+    fields: tuple[str, ...] = ()
+    if (
+        fmt in (formats.PROMPT_COMPLETION, formats.CONVERSATIONAL_PROMPT_COMPLETION, formats.TOKENIZED)
+        and completion_only_loss is not False
+    ):
         fields += ("completion_mask",)
     if fmt in (formats.MESSAGES, formats.CONVERSATIONAL_PROMPT_COMPLETION) and assistant_only_loss:
         fields += ("assistant_masks",)
@@ -224,9 +243,16 @@ def _keep_sft_row(row: dict, mask_fields: tuple[str, ...], stats: TruncationStat
     return True
 
 
-def tokenize_sft(dataset: Any, tokenizer: TwinseqTokenizer, *, max_length: Optional[int] = None,
-                 truncation_mode: str = "keep_start", completion_only_loss: Optional[bool] = None,
-                 assistant_only_loss: bool = False, progress: Optional[bool] = None):
+def tokenize_sft(
+    dataset: Any,
+    tokenizer: TwinseqTokenizer,
+    *,
+    max_length: Optional[int] = None,
+    truncation_mode: str = "keep_start",
+    completion_only_loss: Optional[bool] = None,
+    assistant_only_loss: bool = False,
+    progress: Optional[bool] = None,
+):
     """Tokenise and truncate SFT data; returns ``(datasets.Dataset, TruncationStats)``.
 
     Formats (``twinseq.common.data.formats``): standard prompt/completion gives
@@ -269,8 +295,9 @@ def tokenize_sft(dataset: Any, tokenizer: TwinseqTokenizer, *, max_length: Optio
 # --------------------------------------------------------------------------------------
 
 
-def _dpo_row(prompt_ids: list, chosen_ids: list, rejected_ids: list, limits: dict,
-             stats: TruncationStats) -> Optional[dict]:
+def _dpo_row(
+    prompt_ids: list, chosen_ids: list, rejected_ids: list, limits: dict, stats: TruncationStats
+) -> Optional[dict]:
     n = len(prompt_ids) + len(chosen_ids) + len(rejected_ids)
     prompt_ids, chosen_ids, rejected_ids, removed = truncate_dpo(prompt_ids, chosen_ids, rejected_ids, **limits)
     stats.record(n, removed)
@@ -285,8 +312,10 @@ def _dpo_row(prompt_ids: list, chosen_ids: list, rejected_ids: list, limits: dic
     return {"prompt_input_ids": prompt_ids, "chosen_input_ids": chosen_ids, "rejected_input_ids": rejected_ids}
 
 
-_PREFERENCE_FIX = ("pass strings in every one of 'prompt', 'chosen' and 'rejected' (standard), or lists of "
-                   "{'role', 'content'} messages in every one (conversational).")
+_PREFERENCE_FIX = (
+    "pass strings in every one of 'prompt', 'chosen' and 'rejected' (standard), or lists of "
+    "{'role', 'content'} messages in every one (conversational)."
+)
 
 
 def _standard_preference(batch: dict, offset: int, implicit: bool) -> list[Union[tuple[str, str, str], str]]:
@@ -307,16 +336,26 @@ def _standard_preference(batch: dict, offset: int, implicit: bool) -> list[Union
     return out
 
 
-def _conversational_preference(batch: dict, offset: int, tok: TwinseqTokenizer,
-                               implicit: bool) -> list[Union[tuple[str, str, str], str]]:
+def _conversational_preference(
+    batch: dict, offset: int, tok: TwinseqTokenizer, implicit: bool
+) -> list[Union[tuple[str, str, str], str]]:
     prompts = [None] * len(batch["chosen"]) if implicit else batch["prompt"]
-    return [formats.conversational_preference(tok, p, c, r, offset + i, DROP_EMPTY_COMPLETION, DROP_SAME_PAIR)
-            for i, (p, c, r) in enumerate(zip(prompts, batch["chosen"], batch["rejected"]))]
+    return [
+        formats.conversational_preference(tok, p, c, r, offset + i, DROP_EMPTY_COMPLETION, DROP_SAME_PAIR)
+        for i, (p, c, r) in enumerate(zip(prompts, batch["chosen"], batch["rejected"]))
+    ]
 
 
-def tokenize_dpo(dataset: Any, tokenizer: TwinseqTokenizer, *, max_prompt_length: Optional[int] = None,
-                 max_completion_length: Optional[int] = None, max_length: Optional[int] = None,
-                 truncation_mode: str = "keep_start", progress: Optional[bool] = None):
+def tokenize_dpo(
+    dataset: Any,
+    tokenizer: TwinseqTokenizer,
+    *,
+    max_prompt_length: Optional[int] = None,
+    max_completion_length: Optional[int] = None,
+    max_length: Optional[int] = None,
+    truncation_mode: str = "keep_start",
+    progress: Optional[bool] = None,
+):
     """Tokenise and truncate preference data; returns ``(datasets.Dataset, TruncationStats)``.
 
     Standard (strings): ``prompt_input_ids = [bos] + prompt``, ``chosen_input_ids = chosen +
@@ -329,24 +368,33 @@ def tokenize_dpo(dataset: Any, tokenizer: TwinseqTokenizer, *, max_prompt_length
     """
     check_truncation_mode(truncation_mode)
     if truncation_mode != "keep_start":
-        raise DataError(f"truncation_mode={truncation_mode!r} is not supported for DPO: max_length keeps the "
-                        f"start of prompt + completion. To keep the end of the prompt, set max_prompt_length.")
-    for name, value in (("max_prompt_length", max_prompt_length), ("max_completion_length", max_completion_length),
-                        ("max_length", max_length)):
+        raise DataError(
+            f"truncation_mode={truncation_mode!r} is not supported for DPO: max_length keeps the "
+            f"start of prompt + completion. To keep the end of the prompt, set max_prompt_length."
+        )
+    for name, value in (
+        ("max_prompt_length", max_prompt_length),
+        ("max_completion_length", max_completion_length),
+        ("max_length", max_length),
+    ):
         check_length(name, value)
     ds = as_dataset(dataset)
     fmt = formats.detect_dpo_format(ds.column_names, formats.column_kinds(ds))
     _log_format("dpo", fmt, tokenizer)
     conversational = fmt in formats.CONVERSATIONAL
     implicit = fmt in (formats.IMPLICIT_PREFERENCE, formats.CONVERSATIONAL_IMPLICIT_PREFERENCE)
-    limits = dict(max_prompt_length=max_prompt_length, max_completion_length=max_completion_length,
-                  max_length=max_length)
+    limits = dict(
+        max_prompt_length=max_prompt_length, max_completion_length=max_completion_length, max_length=max_length
+    )
     bos, eos = ([], []) if conversational else _special(tokenizer)
     stats = TruncationStats(task="dpo")
     columns: dict[str, list] = {"prompt_input_ids": [], "chosen_input_ids": [], "rejected_input_ids": []}
     for offset, batch in _chunks(ds, progress, "tokenizing dpo"):
-        rows = (_conversational_preference(batch, offset, tokenizer, implicit) if conversational
-                else _standard_preference(batch, offset, implicit))
+        rows = (
+            _conversational_preference(batch, offset, tokenizer, implicit)
+            if conversational
+            else _standard_preference(batch, offset, implicit)
+        )
         kept = [r for r in rows if not isinstance(r, str)]
         encoded = [tokenizer.encode_batch([r[k] for r in kept]) for k in range(3)]
         for reason in (r for r in rows if isinstance(r, str)):
@@ -372,8 +420,10 @@ def _dataset_name(cfg, task: str) -> str:
 
 def _raise_if_empty(rows, stats: TruncationStats, cfg) -> None:
     if len(rows) == 0:
-        raise DataError(f"no example of dataset_name={cfg.data.dataset_name!r} survives tokenisation and truncation "
-                        f"(max_length={cfg.data.max_length}):\n{stats}\nraise max_length or fix the data.")
+        raise DataError(
+            f"no example of dataset_name={cfg.data.dataset_name!r} survives tokenisation and truncation "
+            f"(max_length={cfg.data.max_length}):\n{stats}\nraise max_length or fix the data."
+        )
 
 
 def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
@@ -387,14 +437,23 @@ def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     d = cfg.data
     max_length = d.max_length
     if d.packing and d.packing_strategy != "bfd":
-        logger.info("packing_strategy=%r keeps every token (not the target at each cut): not truncating to "
-                    "max_length before packing", d.packing_strategy)
+        logger.info(
+            "packing_strategy=%r keeps every token (not the target at each cut): not truncating to "
+            "max_length before packing",
+            d.packing_strategy,
+        )
         max_length = None
     tokenizer = run_tokenizer(cfg)
     dataset = load_dataset_any(_dataset_name(cfg, "sft"), split=d.dataset_split)
-    rows, stats = tokenize_sft(dataset, tokenizer, max_length=max_length, truncation_mode=d.truncation_mode,
-                               completion_only_loss=d.completion_only_loss, assistant_only_loss=d.assistant_only_loss,
-                               progress=False if cfg.disable_tqdm else None)
+    rows, stats = tokenize_sft(
+        dataset,
+        tokenizer,
+        max_length=max_length,
+        truncation_mode=d.truncation_mode,
+        completion_only_loss=d.completion_only_loss,
+        assistant_only_loss=d.assistant_only_loss,
+        progress=False if cfg.disable_tqdm else None,
+    )
     stats.log()
     _raise_if_empty(rows, stats, cfg)
     return rows, tokenizer, stats
@@ -409,8 +468,12 @@ def run_tokenizer(cfg) -> TwinseqTokenizer:
         folder = Path(cfg.model.model_config)
         name = str(folder) if (folder / "tokenizer.json").is_file() else "embedded"
         if folder.is_dir():
-            logger.info("tokenizer: %s", f"the model folder's own ({folder})" if name != "embedded" else
-                        f"the embedded one ({folder} has no tokenizer.json; --tokenizer-name-or-path picks another)")
+            logger.info(
+                "tokenizer: %s",
+                f"the model folder's own ({folder})"
+                if name != "embedded"
+                else f"the embedded one ({folder} has no tokenizer.json; --tokenizer-name-or-path picks another)",
+            )
     return load_tokenizer(name)
 
 
@@ -419,13 +482,26 @@ def prepare_dpo_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     d = cfg.data
     tokenizer = run_tokenizer(cfg)
     dataset = load_dataset_any(_dataset_name(cfg, "dpo"), split=d.dataset_split)
-    rows, stats = tokenize_dpo(dataset, tokenizer, max_prompt_length=d.max_prompt_length,
-                               max_completion_length=d.max_completion_length, max_length=d.max_length,
-                               truncation_mode=d.truncation_mode, progress=False if cfg.disable_tqdm else None)
+    rows, stats = tokenize_dpo(
+        dataset,
+        tokenizer,
+        max_prompt_length=d.max_prompt_length,
+        max_completion_length=d.max_completion_length,
+        max_length=d.max_length,
+        truncation_mode=d.truncation_mode,
+        progress=False if cfg.disable_tqdm else None,
+    )
     stats.log()
     _raise_if_empty(rows, stats, cfg)
     return rows, tokenizer, stats
 
 
-__all__ = ["load_dataset_any", "tokenize_sft", "tokenize_dpo", "prepare_sft_dataset", "prepare_dpo_dataset",
-           "detect_sft_format", "detect_dpo_format"]
+__all__ = [
+    "load_dataset_any",
+    "tokenize_sft",
+    "tokenize_dpo",
+    "prepare_sft_dataset",
+    "prepare_dpo_dataset",
+    "detect_sft_format",
+    "detect_dpo_format",
+]

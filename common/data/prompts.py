@@ -30,16 +30,48 @@ from twinseq.common.errors import ConfigError, DataError
 from twinseq.common.objectives.grpo import check_callable_reward
 
 EMBEDDED_GRPO_NAMES = ("embedded", "embedded-grpo")
-TASK_WORDS = ("file", "value", "list", "string", "data", "name", "path", "type", "object", "line", "time", "error",
-              "class", "module", "number", "key", "text", "field", "size", "mode", "item", "index", "order",
-              "result", "count", "node", "test", "code", "user", "host", "port", "word")
+TASK_WORDS = (
+    "file",
+    "value",
+    "list",
+    "string",
+    "data",
+    "name",
+    "path",
+    "type",
+    "object",
+    "line",
+    "time",
+    "error",
+    "class",
+    "module",
+    "number",
+    "key",
+    "text",
+    "field",
+    "size",
+    "mode",
+    "item",
+    "index",
+    "order",
+    "result",
+    "count",
+    "node",
+    "test",
+    "code",
+    "user",
+    "host",
+    "port",
+    "word",
+)
 """Words that the embedded tokenizer encodes as one token, with or without a leading space."""
 PROMPT_TEMPLATE = "Repeat the last word: {words}\nAnswer:"
 _WORD = re.compile(r"[a-z]+")
 
 
-def build_last_word_task(num_prompts: int = 512, *, words_per_prompt: int = 3, seed: int = 0,
-                         vocabulary: Sequence[str] = TASK_WORDS) -> list[dict[str, str]]:
+def build_last_word_task(
+    num_prompts: int = 512, *, words_per_prompt: int = 3, seed: int = 0, vocabulary: Sequence[str] = TASK_WORDS
+) -> list[dict[str, str]]:
     """Rows ``{"prompt": str, "answer": str}`` of the last-word task, the same for one seed.
 
     >>> build_last_word_task(1, seed=0)[0]["prompt"].startswith("Repeat the last word: ")
@@ -62,8 +94,9 @@ def _text(completion: Any) -> str:
     raise DataError(f"a completion must be text or a list of messages, got {type(completion).__name__}.")
 
 
-def exact_match_reward(prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str] = (),
-                       **columns: Any) -> list[Optional[float]]:
+def exact_match_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str] = (), **columns: Any
+) -> list[Optional[float]]:
     """1.0 if ``completion.strip() == answer``, 0.5 if its first word is the answer, else 0.0; None
     (abstain) for a row without an answer.
 
@@ -71,8 +104,10 @@ def exact_match_reward(prompts: Sequence[Any], completions: Sequence[Any], answe
     [1.0, 0.5, 0.0]
     """
     if len(answer) != len(completions):
-        raise DataError(f"exact_match needs an 'answer' column with one entry per completion, got "
-                        f"{len(answer)} for {len(completions)}; add an 'answer' column to the dataset.")
+        raise DataError(
+            f"exact_match needs an 'answer' column with one entry per completion, got "
+            f"{len(answer)} for {len(completions)}; add an 'answer' column to the dataset."
+        )
     out: list[Optional[float]] = []
     for completion, target in zip(completions, answer):
         if target is None:
@@ -100,7 +135,8 @@ def format_reward(prompts: Sequence[Any], completions: Sequence[Any], **columns:
 REWARD_FUNCTIONS: dict[str, Callable[..., list]] = {"exact_match": exact_match_reward, "format": format_reward}
 """Built-in reward functions by the name ``reward_funcs`` gives."""
 for _name, _func in REWARD_FUNCTIONS.items():
-    _func.reward_name = _name  # type: ignore[attr-defined]  (the metrics' name: rewards/<name>/mean)
+    # the metrics' name: rewards/<name>/mean
+    _func.reward_name = _name  # type: ignore[attr-defined]
 
 
 def resolve_reward_funcs(funcs: Sequence[Any]) -> list[Callable[..., list]]:
@@ -109,8 +145,10 @@ def resolve_reward_funcs(funcs: Sequence[Any]) -> list[Callable[..., list]]:
     for i, f in enumerate(funcs):
         if isinstance(f, str):
             if f not in REWARD_FUNCTIONS:
-                raise ConfigError(f"reward_funcs[{i}]={f!r} is not a built-in reward function; choose from "
-                                  f"{sorted(REWARD_FUNCTIONS)} (--reward-funcs), or pass a callable from Python.")
+                raise ConfigError(
+                    f"reward_funcs[{i}]={f!r} is not a built-in reward function; choose from "
+                    f"{sorted(REWARD_FUNCTIONS)} (--reward-funcs), or pass a callable from Python."
+                )
             f = REWARD_FUNCTIONS[f]
         check_callable_reward(f, i)
         out.append(f)
@@ -129,12 +167,14 @@ def _prompt_text(prompt: Any, tokenizer: Any, index: int) -> str:
         return prompt
     if isinstance(prompt, (list, tuple)) and all(isinstance(m, Mapping) for m in prompt):
         return tokenizer.render_prompt(list(prompt), index)
-    raise DataError(f"row {index}: 'prompt' must be text or a list of {{'role', 'content'}} messages, got "
-                    f"{type(prompt).__name__}.")
+    raise DataError(
+        f"row {index}: 'prompt' must be text or a list of {{'role', 'content'}} messages, got {type(prompt).__name__}."
+    )
 
 
-def tokenize_prompts(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *,
-                     max_prompt_length: Optional[int] = None) -> list[dict[str, Any]]:
+def tokenize_prompts(
+    rows: Sequence[Mapping[str, Any]], tokenizer: Any, *, max_prompt_length: Optional[int] = None
+) -> list[dict[str, Any]]:
     """Prompt rows -> ``{"prompt", "prompt_text", "prompt_input_ids", **other columns}``.
 
     A prompt longer than ``max_prompt_length`` tokens keeps its end (TRL truncates prompts on
@@ -145,8 +185,10 @@ def tokenize_prompts(rows: Sequence[Mapping[str, Any]], tokenizer: Any, *,
     bos = tokenizer.bos_token_id
     for i, row in enumerate(rows):
         if "prompt" not in row:
-            raise DataError(f"row {i} has no 'prompt' column (columns: {sorted(row)}); GRPO reads prompt-only "
-                            f"data: a 'prompt' column of text or messages, plus any columns the rewards read.")
+            raise DataError(
+                f"row {i} has no 'prompt' column (columns: {sorted(row)}); GRPO reads prompt-only "
+                f"data: a 'prompt' column of text or messages, plus any columns the rewards read."
+            )
         text = _prompt_text(row["prompt"], tokenizer, i)
         ids = tokenizer.encode(text)
         if isinstance(row["prompt"], str) and bos is not None and (not ids or ids[0] != bos):
@@ -164,16 +206,19 @@ def load_prompt_rows(dataset_name: str, split: str = "train") -> list[dict[str, 
 
     ds = load_dataset_any(dataset_name, split=split)
     if "prompt" not in ds.column_names:
-        raise DataError(f"dataset {dataset_name!r} has no 'prompt' column (columns: {ds.column_names}); GRPO "
-                        f"needs prompt-only rows: {{\"prompt\": \"...\"}} or {{\"prompt\": [messages]}}.")
+        raise DataError(
+            f"dataset {dataset_name!r} has no 'prompt' column (columns: {ds.column_names}); GRPO "
+            f'needs prompt-only rows: {{"prompt": "..."}} or {{"prompt": [messages]}}.'
+        )
     return [dict(r) for r in ds]
 
 
 def prepare_grpo_prompts(cfg: Any, tokenizer: Any) -> list[dict[str, Any]]:
     """``TrainConfig`` -> tokenised prompt rows (see ``tokenize_prompts``)."""
     d = cfg.data
-    rows = tokenize_prompts(load_prompt_rows(d.dataset_name, d.dataset_split), tokenizer,
-                            max_prompt_length=d.max_prompt_length)
+    rows = tokenize_prompts(
+        load_prompt_rows(d.dataset_name, d.dataset_split), tokenizer, max_prompt_length=d.max_prompt_length
+    )
     if not rows:
         raise DataError(f"dataset {d.dataset_name!r} holds no prompts; give at least one row.")
     return rows
@@ -187,10 +232,15 @@ class PromptSource:
     completions meanwhile); the stream is shuffled per epoch with ``seed`` and resumable.
     """
 
-    def __init__(self, rows: Sequence[Mapping[str, Any]], prompts_per_step: int, *, num_iterations: int = 1,
-                 seed: int = 0) -> None:
-        self.rows, self.prompts_per_step, self.num_iterations, self.seed = list(rows), prompts_per_step, \
-            num_iterations, seed
+    def __init__(
+        self, rows: Sequence[Mapping[str, Any]], prompts_per_step: int, *, num_iterations: int = 1, seed: int = 0
+    ) -> None:
+        self.rows, self.prompts_per_step, self.num_iterations, self.seed = (
+            list(rows),
+            prompts_per_step,
+            num_iterations,
+            seed,
+        )
         self.epoch, self.position, self.steps_done = 0, 0, 0
         self._order = self._shuffled(0)
 
@@ -200,7 +250,7 @@ class PromptSource:
         return order
 
     def _take(self) -> list[Mapping[str, Any]]:
-        picked = []
+        picked: list[Mapping[str, Any]] = []
         while len(picked) < self.prompts_per_step:
             if self.position >= len(self._order):
                 self.epoch, self.position = self.epoch + 1, 0

@@ -60,8 +60,16 @@ class StepIterator:
     (2, True)
     """
 
-    def __init__(self, rows: Any, cfg: TrainConfig, pad_token_id: int, *, world_size: int = 1, rank: int = 0,
-                 seed: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        rows: Any,
+        cfg: TrainConfig,
+        pad_token_id: int,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        seed: Optional[int] = None,
+    ) -> None:
         if not 0 <= rank < world_size:
             raise DataError(f"rank={rank} must be in [0, world_size={world_size}).")
         self.cfg, self.pad_token_id = cfg, pad_token_id
@@ -69,13 +77,21 @@ class StepIterator:
         self.seed = cfg.seed if seed is None else seed
         if cfg.data.packing:
             d = cfg.data
-            rows = pack_dataset(rows, d.max_length, strategy=d.packing_strategy,
-                                completion_only_loss=d.completion_only_loss, assistant_only_loss=d.assistant_only_loss)
+            assert d.max_length is not None  # TrainConfig refuses packing without max_length
+            rows = pack_dataset(
+                rows,
+                d.max_length,
+                strategy=d.packing_strategy,
+                completion_only_loss=d.completion_only_loss,
+                assistant_only_loss=d.assistant_only_loss,
+            )
         self.columns = _columns(rows)
         self.num_rows = len(self.columns["input_ids"])
         if self.num_rows == 0:
-            raise DataError("the training data is empty after tokenisation, truncation and filtering; "
-                            "check dataset_name and max_length.")
+            raise DataError(
+                "the training data is empty after tokenisation, truncation and filtering; "
+                "check dataset_name and max_length."
+            )
         self.state = DataState()
         self._order = self._permutation(0)
 
@@ -90,7 +106,7 @@ class StepIterator:
     def _take(self, n: int) -> np.ndarray:
         out = []
         while n > 0:
-            chunk = self._order[self.state.position:self.state.position + n]
+            chunk = self._order[self.state.position : self.state.position + n]
             out.append(chunk)
             n -= len(chunk)
             self.state.position += len(chunk)
@@ -105,10 +121,16 @@ class StepIterator:
 
     def _collate(self, idx: np.ndarray, num_items: Optional[int]) -> Batch:
         c = self.cfg.data
-        return collate([self._example(i) for i in idx], padding_free=c.padding_free, pad_token_id=self.pad_token_id,
-                       padding_side=c.padding_side, pad_to_multiple_of=c.pad_to_multiple_of,
-                       completion_only_loss=c.completion_only_loss, assistant_only_loss=c.assistant_only_loss,
-                       num_items_in_batch=num_items)
+        return collate(
+            [self._example(i) for i in idx],
+            padding_free=c.padding_free,
+            pad_token_id=self.pad_token_id,
+            padding_side=c.padding_side,
+            pad_to_multiple_of=c.pad_to_multiple_of,
+            completion_only_loss=c.completion_only_loss,
+            assistant_only_loss=c.assistant_only_loss,
+            num_items_in_batch=num_items,
+        )
 
     def next_step(self) -> list[Batch]:
         d, ws = self.cfg.data, self.world_size
@@ -129,14 +151,21 @@ class StepIterator:
         return self.next_step()
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.state.epoch, "position": self.state.position,
-                "steps_done": self.state.steps_done, "seed": self.seed, "num_rows": self.num_rows}
+        return {
+            "epoch": self.state.epoch,
+            "position": self.state.position,
+            "steps_done": self.state.steps_done,
+            "seed": self.seed,
+            "num_rows": self.num_rows,
+        }
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         if state["num_rows"] != self.num_rows or state["seed"] != self.seed:
-            raise DataError(f"cannot resume: the checkpoint's data had num_rows={state['num_rows']}, "
-                            f"seed={state['seed']} but this run has num_rows={self.num_rows}, seed={self.seed}; "
-                            f"resume with the same dataset, max_length, packing and seed.")
+            raise DataError(
+                f"cannot resume: the checkpoint's data had num_rows={state['num_rows']}, "
+                f"seed={state['seed']} but this run has num_rows={self.num_rows}, seed={self.seed}; "
+                f"resume with the same dataset, max_length, packing and seed."
+            )
         self.state = DataState(state["epoch"], state["position"], state["steps_done"])
         self._order = self._permutation(self.state.epoch)
 
@@ -146,7 +175,9 @@ def count_label_tokens(batches: list[Batch]) -> int:
 
 
 def build_step_iterator(cfg: TrainConfig, *, world_size: int = 1, rank: int = 0):
-    """Load, tokenise, truncate (``common.data.prepare``) and wrap the SFT data; returns (iterator, tokenizer, stats)."""
+    """Load, tokenise, truncate (``common.data.prepare``) and wrap the SFT data.
+
+    Returns (iterator, tokenizer, stats)."""
     rows, tokenizer, stats = prepare_sft_dataset(cfg)
     iterator = StepIterator(rows, cfg, pad_token_id=tokenizer.pad_token_id, world_size=world_size, rank=rank)
     return iterator, tokenizer, stats

@@ -76,13 +76,18 @@ def train_bpe(texts: Sequence[str], vocab_size: int = EMBEDDED_VOCAB_SIZE) -> To
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     # HF convention (Llama): tokenizer(text) prepends bos; twinseq's encode() does not.
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, 1)])
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, 1)]
+    )
     assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
     return tok
 
@@ -90,7 +95,10 @@ def train_bpe(texts: Sequence[str], vocab_size: int = EMBEDDED_VOCAB_SIZE) -> To
 def _embedded_config() -> dict[str, Any]:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": None,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
         "additional_special_tokens": list(SPECIAL_TOKENS[3:]),
         "model_max_length": MODEL_MAX_LENGTH,
         "padding_side": "right",
@@ -113,8 +121,10 @@ def embedded_tokenizer_dir(vocab_size: int = EMBEDDED_VOCAB_SIZE) -> Path:
     logger.info("training the embedded byte-level BPE tokenizer (vocab %d) into %s", vocab_size, folder)
     tok = train_bpe(corpus.tokenizer_training_texts(records), vocab_size)
     if tok.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"the embedded corpus only supports {tok.get_vocab_size()} BPE tokens, not "
-                           f"vocab_size={vocab_size}; lower vocab_size.")
+        raise RuntimeError(
+            f"the embedded corpus only supports {tok.get_vocab_size()} BPE tokens, not "
+            f"vocab_size={vocab_size}; lower vocab_size."
+        )
     staging = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     TwinseqTokenizer(tok, _embedded_config(), name_or_path="embedded").save_pretrained(staging)
@@ -150,8 +160,14 @@ class TwinseqTokenizer:
     ``chat_template.jinja``); ``chat_template_source`` says where it came from.
     """
 
-    def __init__(self, tokenizer: Tokenizer, config: dict[str, Any], name_or_path: str = "",
-                 chat_template_source: str = "tokenizer_config.json", no_template_reason: Optional[str] = None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        config: dict[str, Any],
+        name_or_path: str = "",
+        chat_template_source: str = "tokenizer_config.json",
+        no_template_reason: Optional[str] = None,
+    ):
         self._tok = tokenizer
         self.config = dict(config)
         self.name_or_path = name_or_path
@@ -163,20 +179,29 @@ class TwinseqTokenizer:
         self.pad_token = _token_text(config.get("pad_token"))
         self._check_special_tokens()
         if self.pad_token is None and self.eos_token is not None:
-            logger.info("tokenizer %s has no pad token; padding with the eos token %r (id %s), as TRL does",
-                        name_or_path or "(unnamed)", self.eos_token, self.eos_token_id)
+            logger.info(
+                "tokenizer %s has no pad token; padding with the eos token %r (id %s), as TRL does",
+                name_or_path or "(unnamed)",
+                self.eos_token,
+                self.eos_token_id,
+            )
             self.pad_token = self.eos_token
         elif self.pad_token is None:
-            logger.info("tokenizer %s has neither a pad nor an eos token; padding with id 0 (padding positions "
-                        "are masked out of attention and loss, so the id only fills space)", name_or_path)
+            logger.info(
+                "tokenizer %s has neither a pad nor an eos token; padding with id 0 (padding positions "
+                "are masked out of attention and loss, so the id only fills space)",
+                name_or_path,
+            )
 
     def _check_special_tokens(self) -> None:
         for name in _TEMPLATE_TOKENS:
             token = _token_text(self.config.get(name))
             if isinstance(token, str) and self._tok.token_to_id(token) is None:
-                raise DataError(f"tokenizer {self.name_or_path!r}: {name}={token!r} (tokenizer_config.json or "
-                                f"special_tokens_map.json) is not in the vocabulary of tokenizer.json; fix the "
-                                f"token name, or add the token to tokenizer.json.")
+                raise DataError(
+                    f"tokenizer {self.name_or_path!r}: {name}={token!r} (tokenizer_config.json or "
+                    f"special_tokens_map.json) is not in the vocabulary of tokenizer.json; fix the "
+                    f"token name, or add the token to tokenizer.json."
+                )
 
     @property
     def backend(self) -> Tokenizer:
@@ -229,8 +254,10 @@ class TwinseqTokenizer:
     def _template(self) -> str:
         if not self.chat_template:
             reason = self._no_template_reason or "has no chat_template"
-            raise DataError(f"tokenizer {self.name_or_path!r} {reason}; add one to its tokenizer_config.json (or "
-                            f"a chat_template.jinja file next to it), or use prompt/completion or text data.")
+            raise DataError(
+                f"tokenizer {self.name_or_path!r} {reason}; add one to its tokenizer_config.json (or "
+                f"a chat_template.jinja file next to it), or use prompt/completion or text data."
+            )
         return self.chat_template
 
     def template_kwargs(self) -> dict[str, str]:
@@ -247,42 +274,72 @@ class TwinseqTokenizer:
         validate_messages(messages, index=index, field=field, roles=self.roles)
         return clean_messages(messages)
 
-    def render_chat(self, messages: Sequence[dict], add_generation_prompt: bool = False,
-                    index: Optional[int] = None, field: str = "messages") -> tuple[str, list]:
+    def render_chat(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = False,
+        index: Optional[int] = None,
+        field: str = "messages",
+    ) -> tuple[str, list]:
         """The chat as text, and the character spans ``[(start, end)]`` of the assistant turns."""
         template = self._template()
         messages = self.validate_messages(messages, index, field)
-        return render_chat(template, messages, add_generation_prompt=add_generation_prompt, index=index,
-                           field=field, **self.template_kwargs())
+        return render_chat(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            index=index,
+            field=field,
+            **self.template_kwargs(),
+        )
 
-    def render_text(self, messages: Sequence[dict], add_generation_prompt: bool = False,
-                    continue_final_message: bool = False, index: Optional[int] = None,
-                    field: str = "messages") -> str:
+    def render_text(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
+        index: Optional[int] = None,
+        field: str = "messages",
+    ) -> str:
         """The chat as text (transformers' ``apply_chat_template(..., tokenize=False)``)."""
         template = self._template()
         messages = self.validate_messages(messages, index, field)
-        return render_text(template, messages, add_generation_prompt=add_generation_prompt,
-                           continue_final_message=continue_final_message, index=index, field=field,
-                           **self.template_kwargs())
+        return render_text(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            index=index,
+            field=field,
+            **self.template_kwargs(),
+        )
 
     def render_prompt(self, prompt: Sequence[dict], index: Optional[int] = None) -> str:
         """The prompt as a generation call sees it: with the generation prompt, or, when it ends with
         an assistant message, stopping inside that message so that the completion continues it."""
         prompt = self.validate_messages(prompt, index, "prompt")
         continues = prompt[-1]["role"] == "assistant"
-        return self.render_text(prompt, add_generation_prompt=not continues, continue_final_message=continues,
-                                index=index, field="prompt")
+        return self.render_text(
+            prompt, add_generation_prompt=not continues, continue_final_message=continues, index=index, field="prompt"
+        )
 
-    def render_completion(self, prompt: Sequence[dict], completion: Sequence[dict], prompt_text: str,
-                          index: Optional[int] = None, field: str = "completion") -> str:
+    def render_completion(
+        self,
+        prompt: Sequence[dict],
+        completion: Sequence[dict],
+        prompt_text: str,
+        index: Optional[int] = None,
+        field: str = "completion",
+    ) -> str:
         """The rendered ``prompt + completion`` minus ``prompt_text`` (``render_prompt(prompt)``)."""
         prompt = self.validate_messages(prompt, index, "prompt")
         completion = self.validate_messages(completion, index, field)
         full_text = self.render_text(prompt + completion, index=index, field=field)
         return split_rendered(prompt_text, full_text, index, field)
 
-    def render_prompt_completion(self, prompt: Sequence[dict], completion: Sequence[dict],
-                                 index: Optional[int] = None, field: str = "completion") -> tuple[str, str]:
+    def render_prompt_completion(
+        self, prompt: Sequence[dict], completion: Sequence[dict], index: Optional[int] = None, field: str = "completion"
+    ) -> tuple[str, str]:
         """Conversational prompt + completion -> ``(prompt_text, completion_text)``.
 
         ``prompt_text`` is ``render_prompt(prompt)``: exactly the text a generation call starts
@@ -297,8 +354,9 @@ class TwinseqTokenizer:
         prompt_text = self.render_prompt(prompt, index)
         return prompt_text, self.render_completion(prompt, completion, prompt_text, index, field)
 
-    def encode_with_spans(self, pieces: Sequence[str], spans: Sequence[tuple[int, int]] = ()
-                          ) -> tuple[list[list[int]], list[int]]:
+    def encode_with_spans(
+        self, pieces: Sequence[str], spans: Sequence[tuple[int, int]] = ()
+    ) -> tuple[list[list[int]], list[int]]:
         """Encode each piece on its own; returns the ids per piece and a 0/1 mask of the tokens
         overlapping ``spans`` (character spans of the concatenated pieces).
 
@@ -311,8 +369,13 @@ class TwinseqTokenizer:
             shift += len(piece)
         return ids, _span_mask(np.concatenate(offsets) if offsets else np.zeros((0, 2), np.int64), spans)
 
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False,
-                            index: Optional[int] = None, field: str = "messages") -> tuple[list[int], list[int]]:
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = False,
+        index: Optional[int] = None,
+        field: str = "messages",
+    ) -> tuple[list[int], list[int]]:
         """Messages -> ``(input_ids, assistant_mask)``; mask is 1 on assistant tokens (eos included).
 
         >>> tok.apply_chat_template([{"role": "user", "content": "Hi"},
@@ -335,8 +398,10 @@ class TwinseqTokenizer:
         return [str(tok_path), str(cfg_path)]
 
     def __repr__(self) -> str:
-        return (f"TwinseqTokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, "
-                f"bos={self.bos_token_id}, eos={self.eos_token_id}, pad={self.pad_token_id})")
+        return (
+            f"TwinseqTokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, "
+            f"bos={self.bos_token_id}, eos={self.eos_token_id}, pad={self.pad_token_id})"
+        )
 
 
 def _span_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> list[int]:
@@ -358,8 +423,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"{path} is not valid JSON ({err}); restore the file from the model's repository.") from None
     if not isinstance(data, dict):
-        raise DataTypeError(f"{path} holds a {type(data).__name__}, not a JSON object; restore the file from the "
-                            f"model's repository.")
+        raise DataTypeError(
+            f"{path} holds a {type(data).__name__}, not a JSON object; restore the file from the model's repository."
+        )
     return data
 
 
@@ -371,11 +437,14 @@ def _named_templates(value: Any, folder: Path) -> dict[str, str]:
         return {"default": value}
     if isinstance(value, dict) and all(isinstance(v, str) for v in value.values()):
         return dict(value)
-    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
-                                       and isinstance(t.get("template"), str) for t in value):
+    if isinstance(value, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str) for t in value
+    ):
         return {t["name"]: t["template"] for t in value}
-    raise DataTypeError(f"{folder / 'tokenizer_config.json'}: chat_template must be a string or a list of "
-                        f"{{'name': ..., 'template': ...}} objects, got {str(value)[:80]!r}.")
+    raise DataTypeError(
+        f"{folder / 'tokenizer_config.json'}: chat_template must be a string or a list of "
+        f"{{'name': ..., 'template': ...}} objects, got {str(value)[:80]!r}."
+    )
 
 
 def _read_templates(folder: Path, config: dict[str, Any]) -> tuple[dict[str, str], str]:
@@ -394,8 +463,11 @@ def _read_templates(folder: Path, config: dict[str, Any]) -> tuple[dict[str, str
             files[path.stem] = path.read_text(encoding="utf-8")
     if files:
         if config.get("chat_template"):
-            logger.info("tokenizer folder %s has template files and a chat_template in tokenizer_config.json; "
-                        "the files win, as in transformers", folder)
+            logger.info(
+                "tokenizer folder %s has template files and a chat_template in tokenizer_config.json; "
+                "the files win, as in transformers",
+                folder,
+            )
         source = "chat_template.jinja" if "default" in files else "additional_chat_templates/"
         return files, f"{folder / source}"
     return _named_templates(config.get("chat_template"), folder), f"{folder / 'tokenizer_config.json'}"
@@ -418,8 +490,10 @@ def _read_config(folder: Path) -> tuple[dict[str, Any], str, Optional[str]]:
     config["chat_template"] = templates.get("default")
     missing = None
     if templates and "default" not in templates:
-        missing = (f"has chat templates named {sorted(templates)} but none named 'default', which twinseq uses; "
-                   f"rename the one for training data to 'default'")
+        missing = (
+            f"has chat templates named {sorted(templates)} but none named 'default', which twinseq uses; "
+            f"rename the one for training data to 'default'"
+        )
     if config["chat_template"]:
         try:
             check_template(config["chat_template"])
@@ -431,7 +505,8 @@ def _read_config(folder: Path) -> tuple[dict[str, Any], str, Optional[str]]:
 def _hub_cache_snapshot(name: str) -> Optional[Path]:
     """The newest snapshot of ``name`` in the local Hugging Face cache holding a tokenizer.json."""
     hub_cache = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub")
+        os.environ.get("HF_HOME") or os.path.expanduser("~/.cache/huggingface"), "hub"
+    )
     snapshots = Path(hub_cache) / f"models--{name.replace('/', '--')}" / "snapshots"
     found = sorted(snapshots.glob("*/tokenizer.json"), key=lambda p: p.stat().st_mtime) if snapshots.is_dir() else []
     return found[-1].parent if found else None
@@ -441,46 +516,71 @@ def _resolve_folder(name_or_path: str) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
-            raise DataError(f"tokenizer_name_or_path={name_or_path!r} is a folder without a tokenizer.json; "
-                            f"twinseq needs a fast (tokenizers) tokenizer: save one there with "
-                            f"`AutoTokenizer.from_pretrained(...).save_pretrained({str(path)!r})`.")
+            raise DataError(
+                f"tokenizer_name_or_path={name_or_path!r} is a folder without a tokenizer.json; "
+                f"twinseq needs a fast (tokenizers) tokenizer: save one there with "
+                f"`AutoTokenizer.from_pretrained(...).save_pretrained({str(path)!r})`."
+            )
         return path
     if path.is_file() and path.name == "tokenizer.json":
         return path.parent
     snapshot = _hub_cache_snapshot(name_or_path)
     if snapshot is not None:
-        logger.info("tokenizer %r is not a local path; using the local Hugging Face cache copy %s",
-                    name_or_path, snapshot)
+        logger.info(
+            "tokenizer %r is not a local path; using the local Hugging Face cache copy %s", name_or_path, snapshot
+        )
         return snapshot
     raise DataError(
-                    f"tokenizer_name_or_path={name_or_path!r} is neither 'embedded' nor a local folder: expected a "
-                    f"directory {str(path.resolve())!r} containing tokenizer.json (and tokenizer_config.json). "
-                    f"twinseq never downloads from the Hugging Face Hub; download it where there is network "
-                    f"(`hf download {name_or_path} --local-dir DIR`) and pass DIR, or use 'embedded'.")
+        f"tokenizer_name_or_path={name_or_path!r} is neither 'embedded' nor a local folder: expected a "
+        f"directory {str(path.resolve())!r} containing tokenizer.json (and tokenizer_config.json). "
+        f"twinseq never downloads from the Hugging Face Hub; download it where there is network "
+        f"(`hf download {name_or_path} --local-dir DIR`) and pass DIR, or use 'embedded'."
+    )
 
 
 def load_tokenizer(name_or_path: str = "embedded") -> TwinseqTokenizer:
     """``"embedded"`` (the offline default) or a local Hugging Face tokenizer folder."""
     if not isinstance(name_or_path, (str, os.PathLike)):
-        raise DataTypeError(f"tokenizer_name_or_path must be a string, got {type(name_or_path).__name__} "
-                            f"({name_or_path!r}); pass 'embedded' or a folder path.")
+        raise DataTypeError(
+            f"tokenizer_name_or_path must be a string, got {type(name_or_path).__name__} "
+            f"({name_or_path!r}); pass 'embedded' or a folder path."
+        )
     name_or_path = str(name_or_path)
     folder = embedded_tokenizer_dir() if name_or_path == "embedded" else _resolve_folder(name_or_path)
     try:
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a corrupt file
-        raise DataError(f"{folder / 'tokenizer.json'} cannot be read by the tokenizers library "
-                        f"({' '.join(str(err).split())[:200]}); restore the file from the model's "
-                        f"repository.") from None
+        raise DataError(
+            f"{folder / 'tokenizer.json'} cannot be read by the tokenizers library "
+            f"({' '.join(str(err).split())[:200]}); restore the file from the model's "
+            f"repository."
+        ) from None
     config, source, missing = _read_config(folder)
     if name_or_path == "embedded":
         source = "the embedded default (common/chat_template.jinja)"
-    tok = TwinseqTokenizer(tok, config, name_or_path=name_or_path, chat_template_source=source,
-                           no_template_reason=missing)
-    logger.info("tokenizer %s: vocab %d, bos=%r eos=%r pad=%r, chat template from %s", name_or_path, tok.vocab_size,
-                tok.bos_token, tok.eos_token, tok.pad_token, tok.chat_template_source or "nowhere (none)")
+    tok = TwinseqTokenizer(
+        tok, config, name_or_path=name_or_path, chat_template_source=source, no_template_reason=missing
+    )
+    logger.info(
+        "tokenizer %s: vocab %d, bos=%r eos=%r pad=%r, chat template from %s",
+        name_or_path,
+        tok.vocab_size,
+        tok.bos_token,
+        tok.eos_token,
+        tok.pad_token,
+        tok.chat_template_source or "nowhere (none)",
+    )
     return tok
 
 
-__all__ = ["TwinseqTokenizer", "load_tokenizer", "train_bpe", "embedded_tokenizer_dir", "SPECIAL_TOKENS",
-           "VALID_ROLES", "default_chat_template", "row_name", "validate_messages"]
+__all__ = [
+    "TwinseqTokenizer",
+    "load_tokenizer",
+    "train_bpe",
+    "embedded_tokenizer_dir",
+    "SPECIAL_TOKENS",
+    "VALID_ROLES",
+    "default_chat_template",
+    "row_name",
+    "validate_messages",
+]

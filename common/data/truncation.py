@@ -41,8 +41,9 @@ DROP_SAME_PAIR = "chosen_equals_rejected"
 
 def check_truncation_mode(truncation_mode: str) -> None:
     if truncation_mode not in TRUNCATION_MODES:
-        raise DataError(f"truncation_mode={truncation_mode!r} is not valid; choose one of "
-                        f"{', '.join(map(repr, TRUNCATION_MODES))}.")
+        raise DataError(
+            f"truncation_mode={truncation_mode!r} is not valid; choose one of {', '.join(map(repr, TRUNCATION_MODES))}."
+        )
 
 
 def check_length(name: str, value: Optional[int]) -> None:
@@ -52,8 +53,7 @@ def check_length(name: str, value: Optional[int]) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise DataTypeError(f"{name}={value!r} must be an int or None, got {type(value).__name__}.")
     if value <= 0:
-        raise DataError(f"{name}={value!r} is not valid; it must be a positive number of tokens, "
-                        f"or None for no limit.")
+        raise DataError(f"{name}={value!r} is not valid; it must be a positive number of tokens, or None for no limit.")
 
 
 @dataclass
@@ -86,9 +86,11 @@ class TruncationStats:
 
     def __str__(self) -> str:
         share = self.tokens_truncated / self.tokens_seen if self.tokens_seen else 0.0
-        lines = [f"{self.task} data: {self.examples_seen} examples seen, {self.examples_kept} kept",
-                 f"  truncated: {self.examples_truncated} examples, {self.tokens_truncated} of "
-                 f"{self.tokens_seen} tokens ({share:.2%})"]
+        lines = [
+            f"{self.task} data: {self.examples_seen} examples seen, {self.examples_kept} kept",
+            f"  truncated: {self.examples_truncated} examples, {self.tokens_truncated} of "
+            f"{self.tokens_seen} tokens ({share:.2%})",
+        ]
         for reason, count in sorted(self.dropped.items()):
             lines.append(f"  dropped: {count} ({reason})")
         return "\n".join(lines)
@@ -99,9 +101,15 @@ class TruncationStats:
             log.log(level, line)
 
     def to_dict(self) -> dict:
-        return {"task": self.task, "examples_seen": self.examples_seen, "examples_kept": self.examples_kept,
-                "examples_truncated": self.examples_truncated, "tokens_seen": self.tokens_seen,
-                "tokens_truncated": self.tokens_truncated, "dropped": dict(self.dropped)}
+        return {
+            "task": self.task,
+            "examples_seen": self.examples_seen,
+            "examples_kept": self.examples_kept,
+            "examples_truncated": self.examples_truncated,
+            "tokens_seen": self.tokens_seen,
+            "tokens_truncated": self.tokens_truncated,
+            "dropped": dict(self.dropped),
+        }
 
 
 def truncate(ids: list, max_length: Optional[int], truncation_mode: str = "keep_start") -> list:
@@ -112,7 +120,7 @@ def truncate(ids: list, max_length: Optional[int], truncation_mode: str = "keep_
     """
     if max_length is None or len(ids) <= max_length:
         return ids
-    return ids[:max_length] if truncation_mode == "keep_start" else ids[len(ids) - max_length:]
+    return ids[:max_length] if truncation_mode == "keep_start" else ids[len(ids) - max_length :]
 
 
 def num_targets(loss_mask: Optional[Sequence[int]], length: int) -> int:
@@ -126,8 +134,9 @@ def num_targets(loss_mask: Optional[Sequence[int]], length: int) -> int:
     return int(sum(loss_mask[1:]))
 
 
-def truncate_sft(columns: dict[str, list], max_length: Optional[int],
-                 truncation_mode: str = "keep_start") -> tuple[dict[str, list], int]:
+def truncate_sft(
+    columns: dict[str, list], max_length: Optional[int], truncation_mode: str = "keep_start"
+) -> tuple[dict[str, list], int]:
     """Cut ``input_ids`` and every aligned mask column of one example; returns (columns, removed).
 
     >>> truncate_sft({"input_ids": [1, 7, 8, 9], "completion_mask": [0, 0, 1, 1]}, 3, "keep_end")
@@ -138,9 +147,15 @@ def truncate_sft(columns: dict[str, list], max_length: Optional[int],
     return out, n - len(out["input_ids"])
 
 
-def truncate_dpo(prompt_ids: list, chosen_ids: list, rejected_ids: list, *,
-                 max_prompt_length: Optional[int] = None, max_completion_length: Optional[int] = None,
-                 max_length: Optional[int] = None) -> tuple[list, list, list, int]:
+def truncate_dpo(
+    prompt_ids: list,
+    chosen_ids: list,
+    rejected_ids: list,
+    *,
+    max_prompt_length: Optional[int] = None,
+    max_completion_length: Optional[int] = None,
+    max_length: Optional[int] = None,
+) -> tuple[list, list, list, int]:
     """The DPO rule (module docstring); returns (prompt, chosen, rejected, tokens removed).
 
     >>> truncate_dpo([1, 2, 3, 4], [5, 6, 7], [8, 9], max_prompt_length=3, max_length=5)

@@ -44,8 +44,13 @@ MODEL_TYPES = typing.get_args(ModelType)
 RopeType = Literal["default", "linear", "dynamic", "llama3"]
 LayerType = Literal["full_attention", "sliding_attention"]
 Activation = Literal["silu", "gelu_pytorch_tanh"]
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+}
 
 
 @dataclass
@@ -94,28 +99,41 @@ class ModelConfig:
         _check_fields(self)
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
-                raise ConfigError(f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
-                                  f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly or "
-                                  f"change one of them.")
+                raise ConfigError(
+                    f"ModelConfig.hidden_size={self.hidden_size} is not divisible by "
+                    f"num_attention_heads={self.num_attention_heads}; set head_dim explicitly or "
+                    f"change one of them."
+                )
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"ModelConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
-                              f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention).")
+            raise ConfigError(
+                f"ModelConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)."
+            )
         if self.model_type == "gemma2" and self.layer_types is None:  # HF's default: sliding, global, sliding, ...
-            self.layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
-                                for i in range(self.num_hidden_layers)]
+            self.layer_types = [
+                "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_hidden_layers)
+            ]
         if self.model_type == "mistral" and self.layer_types is not None:
-            raise ConfigError("ModelConfig.layer_types is not used by model_type 'mistral' (every layer slides within "
-                              "sliding_window); drop layer_types, or use model_type 'qwen2' for per-layer windows.")
+            raise ConfigError(
+                "ModelConfig.layer_types is not used by model_type 'mistral' (every layer slides within "
+                "sliding_window); drop layer_types, or use model_type 'qwen2' for per-layer windows."
+            )
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            raise ConfigError(f"ModelConfig.layer_types has {len(self.layer_types)} entries for "
-                              f"num_hidden_layers={self.num_hidden_layers}; give one per layer.")
+            raise ConfigError(
+                f"ModelConfig.layer_types has {len(self.layer_types)} entries for "
+                f"num_hidden_layers={self.num_hidden_layers}; give one per layer."
+            )
         if any(self.layer_is_sliding(i) for i in range(self.num_hidden_layers)) and self.sliding_window is None:
-            raise ConfigError("ModelConfig.layer_types has 'sliding_attention' layers but sliding_window is None; "
-                              "set sliding_window (the number of positions a query attends to).")
+            raise ConfigError(
+                "ModelConfig.layer_types has 'sliding_attention' layers but sliding_window is None; "
+                "set sliding_window (the number of positions a query attends to)."
+            )
         if self.rope_type == "llama3" and self.rope_original_max_position_embeddings is None:
-            raise ConfigError("ModelConfig.rope_type='llama3' needs rope_original_max_position_embeddings (the "
-                              "context length before scaling, 8192 for Llama 3.1/3.2).")
+            raise ConfigError(
+                "ModelConfig.rope_type='llama3' needs rope_original_max_position_embeddings (the "
+                "context length before scaling, 8192 for Llama 3.1/3.2)."
+            )
 
     # -- what the family has ---------------------------------------------------------------
 
@@ -152,8 +170,10 @@ class ModelConfig:
         """Named architecture presets (``MODEL_PRESETS``): ``tiny`` and ``small`` Llamas, and a tiny model
         of every family for tests and offline runs (``tiny-llama3``, ``tiny-qwen2``, ...)."""
         if name not in MODEL_PRESETS:
-            raise ConfigError(f"model preset {name!r} is unknown; choose one of {sorted(MODEL_PRESETS)} "
-                              f"or pass a path to a local Hugging Face checkpoint.")
+            raise ConfigError(
+                f"model preset {name!r} is unknown; choose one of {sorted(MODEL_PRESETS)} "
+                f"or pass a path to a local Hugging Face checkpoint."
+            )
         return cls(**{**MODEL_PRESETS[name], **overrides})
 
     @classmethod
@@ -175,21 +195,50 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-_TINY = dict(vocab_size=8192, hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
+_TINY = dict(
+    vocab_size=8192,
+    hidden_size=96,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _TINY,
-    "small": dict(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
-                  num_attention_heads=6, num_key_value_heads=2),
-    "tiny-llama3": dict(_TINY, rope_type="llama3", rope_theta=500000.0, rope_factor=8.0, rope_low_freq_factor=1.0,
-                        rope_high_freq_factor=4.0, rope_original_max_position_embeddings=64),
+    "small": dict(
+        vocab_size=8192,
+        hidden_size=384,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+    ),
+    "tiny-llama3": dict(
+        _TINY,
+        rope_type="llama3",
+        rope_theta=500000.0,
+        rope_factor=8.0,
+        rope_low_freq_factor=1.0,
+        rope_high_freq_factor=4.0,
+        rope_original_max_position_embeddings=64,
+    ),
     "tiny-qwen2": dict(_TINY, model_type="qwen2", rope_theta=1000000.0, rms_norm_eps=1e-6),
-    "tiny-qwen3": dict(_TINY, model_type="qwen3", head_dim=32, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=False),
+    "tiny-qwen3": dict(
+        _TINY, model_type="qwen3", head_dim=32, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False
+    ),
     "tiny-mistral": dict(_TINY, model_type="mistral", sliding_window=16, tie_word_embeddings=False),
-    "tiny-gemma2": dict(_TINY, model_type="gemma2", head_dim=32, hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6,
-                        sliding_window=16, layer_types=["sliding_attention", "full_attention"],
-                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256),
+    "tiny-gemma2": dict(
+        _TINY,
+        model_type="gemma2",
+        head_dim=32,
+        hidden_act="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=256,
+    ),
 }
 
 
@@ -226,8 +275,12 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def layer_norm_names(cfg: ModelConfig) -> tuple[str, ...]:
     """The RMSNorms of one decoder layer, in forward order."""
     if cfg.gemma:
-        return ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                "post_feedforward_layernorm")
+        return (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        )
     return ("input_layernorm", "post_attention_layernorm")
 
 
@@ -249,31 +302,51 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
 
 def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """The ``config.json`` of ``cfg`` that ``AutoConfig``/``AutoModelForCausalLM`` of transformers 5 read."""
-    values = {"architectures": [ARCHITECTURES[cfg.model_type]], "model_type": cfg.model_type, "dtype": dtype,
-              "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-              "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
-              "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-              "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_parameters": _rope_parameters(cfg),
-              "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
-              "initializer_range": cfg.initializer_range, "attention_dropout": 0.0, "bos_token_id": cfg.bos_token_id,
-              "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id, "use_cache": False,
-              ("hidden_activation" if cfg.gemma else "hidden_act"): cfg.hidden_act}
+    values = {
+        "architectures": [ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
+        "dtype": dtype,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_parameters": _rope_parameters(cfg),
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "initializer_range": cfg.initializer_range,
+        "attention_dropout": 0.0,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "use_cache": False,
+        ("hidden_activation" if cfg.gemma else "hidden_act"): cfg.hidden_act,
+    }
     if cfg.model_type in ("llama", "qwen3", "gemma2"):
         values["attention_bias"] = cfg.attention_bias
     if cfg.model_type == "llama":
         values["mlp_bias"] = cfg.mlp_bias
     if cfg.model_type in ("qwen2", "qwen3"):
-        values.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
-                      max_window_layers=cfg.num_hidden_layers)
+        values.update(
+            use_sliding_window=cfg.sliding_window is not None,
+            sliding_window=cfg.sliding_window,
+            max_window_layers=cfg.num_hidden_layers,
+        )
     if cfg.model_type in ("qwen2", "qwen3", "gemma2"):
-        values["layer_types"] = [("sliding_attention" if cfg.layer_is_sliding(i) else "full_attention")
-                                 for i in range(cfg.num_hidden_layers)]
+        values["layer_types"] = [
+            ("sliding_attention" if cfg.layer_is_sliding(i) else "full_attention") for i in range(cfg.num_hidden_layers)
+        ]
     if cfg.model_type in ("mistral", "gemma2"):
         values["sliding_window"] = cfg.sliding_window
     if cfg.gemma:
-        values.update(attn_logit_softcapping=cfg.attn_logit_softcapping,
-                      final_logit_softcapping=cfg.final_logit_softcapping,
-                      query_pre_attn_scalar=cfg.query_pre_attn_scalar)
+        values.update(
+            attn_logit_softcapping=cfg.attn_logit_softcapping,
+            final_logit_softcapping=cfg.final_logit_softcapping,
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar,
+        )
     return values
 
 
@@ -285,25 +358,85 @@ def _refuse(source: str, field: str, value: Any, fix: str) -> None:
 # config.json means here what it means to ``AutoConfig``. ``"heads"`` is num_attention_heads,
 # ``"split"`` is hidden_size // num_attention_heads.
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads="heads", head_dim="split", max_position_embeddings=2048,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=None),
-    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, head_dim="split", max_position_embeddings=32768,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
-    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
-                  tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None),
-    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim="split", max_position_embeddings=131072,
-                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=None, sliding_window=4096),
-    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
-                   tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, sliding_window=4096,
-                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256),
+    "llama": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads="heads",
+        head_dim="split",
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+    ),
+    "qwen2": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim="split",
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    ),
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    ),
+    "mistral": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim="split",
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+        sliding_window=4096,
+    ),
+    "gemma2": dict(
+        vocab_size=256000,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=256,
+    ),
 }
-_COMMON_DEFAULTS = dict(rms_norm_eps=1e-6, initializer_range=0.02, attention_bias=False, mlp_bias=False,
-                        rope_theta=10000.0)
+_COMMON_DEFAULTS = dict(
+    rms_norm_eps=1e-6, initializer_range=0.02, attention_bias=False, mlp_bias=False, rope_theta=10000.0
+)
 
 
 def from_hf_config(values: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -312,8 +445,9 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
     does not build (another ``model_type``, activation, RoPE) and what it builds instead."""
     model_type = values.get("model_type")
     if model_type not in MODEL_TYPES:
-        _refuse(source, "model_type", model_type, f"twinseq builds {', '.join(MODEL_TYPES)} "
-                f"(model_type in config.json).")
+        _refuse(
+            source, "model_type", model_type, f"twinseq builds {', '.join(MODEL_TYPES)} (model_type in config.json)."
+        )
     act_key = "hidden_activation" if model_type == "gemma2" else "hidden_act"
     act = values.get(act_key) or values.get("hidden_act") or ("gelu_pytorch_tanh" if model_type == "gemma2" else "silu")
     if act not in typing.get_args(Activation):
@@ -323,13 +457,34 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
     if rope_type not in typing.get_args(RopeType):
         _refuse(source, "rope_type", rope_type, f"twinseq builds {', '.join(typing.get_args(RopeType))} RoPE.")
     if float(rope.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))) != 1.0:
-        _refuse(source, "partial_rotary_factor", rope.get("partial_rotary_factor", values.get("partial_rotary_factor")),
-                "twinseq rotates whole heads.")
+        _refuse(
+            source,
+            "partial_rotary_factor",
+            rope.get("partial_rotary_factor", values.get("partial_rotary_factor")),
+            "twinseq rotates whole heads.",
+        )
     defaults = {**_COMMON_DEFAULTS, **_HF_DEFAULTS[model_type]}
-    out = {k: values.get(k, defaults.get(k)) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
-        "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id", "attention_bias", "mlp_bias")}
+    out = {
+        k: values.get(k, defaults.get(k))
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "rms_norm_eps",
+            "max_position_embeddings",
+            "tie_word_embeddings",
+            "initializer_range",
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "attention_bias",
+            "mlp_bias",
+        )
+    }
     if out["num_key_value_heads"] in (None, "heads"):
         out["num_key_value_heads"] = out["num_attention_heads"]
     if out["head_dim"] in (None, "split"):
@@ -338,11 +493,18 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
         out["attention_bias"] = False  # Qwen2's q/k/v biases come with the family; neither has an o_proj bias
     if model_type != "llama":
         out["mlp_bias"] = False
-    out.update(model_type=model_type, hidden_act=act, rope_type=rope_type,
-               rope_theta=float(rope.get("rope_theta", values.get("rope_theta", defaults["rope_theta"]))))
-    for key, name in (("factor", "rope_factor"), ("low_freq_factor", "rope_low_freq_factor"),
-                      ("high_freq_factor", "rope_high_freq_factor"),
-                      ("original_max_position_embeddings", "rope_original_max_position_embeddings")):
+    out.update(
+        model_type=model_type,
+        hidden_act=act,
+        rope_type=rope_type,
+        rope_theta=float(rope.get("rope_theta", values.get("rope_theta", defaults["rope_theta"]))),
+    )
+    for key, name in (
+        ("factor", "rope_factor"),
+        ("low_freq_factor", "rope_low_freq_factor"),
+        ("high_freq_factor", "rope_high_freq_factor"),
+        ("original_max_position_embeddings", "rope_original_max_position_embeddings"),
+    ):
         if rope.get(key) is not None and rope_type != "default":
             out[name] = rope[key]
     if model_type == "gemma2":
@@ -354,13 +516,15 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
             out["sliding_window"] = sliding_window
             window_from = values.get("max_window_layers", 28)
             out["layer_types"] = values.get("layer_types") or [
-                "sliding_attention" if i >= window_from else "full_attention" for i in range(out["num_hidden_layers"])]
+                "sliding_attention" if i >= window_from else "full_attention" for i in range(out["num_hidden_layers"])
+            ]
     elif model_type == "mistral":
         out["sliding_window"] = sliding_window
     elif model_type == "gemma2":
         out["sliding_window"] = sliding_window
         out["layer_types"] = values.get("layer_types") or [
-            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(out["num_hidden_layers"])]
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(out["num_hidden_layers"])
+        ]
     try:
         return ModelConfig.from_dict(out)
     except (ValueError, TypeError) as err:
@@ -378,5 +542,7 @@ def resolve_model_config(name_or_path: str) -> ModelConfig:
         except json.JSONDecodeError as err:
             raise ConfigError(f"{config_json}:{err.lineno}: not valid JSON ({err.msg}).") from None
         return from_hf_config(values, str(config_json))
-    raise ConfigError(f"model_config={name_or_path!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a "
-                      f"directory with a config.json; pass a preset name or a local checkpoint path.")
+    raise ConfigError(
+        f"model_config={name_or_path!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a "
+        f"directory with a config.json; pass a preset name or a local checkpoint path."
+    )

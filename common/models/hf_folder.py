@@ -42,9 +42,11 @@ def read_model_config(path: str | Path) -> ModelConfig:
     ``model_type`` and the supported list)."""
     config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
-        raise CheckpointError(f"{str(Path(path))!r} has no {CONFIG_FILE}; pass a Hugging Face checkpoint directory "
-                              f"(config.json + model.safetensors), or a folder with a hand-written config.json to "
-                              f"train from random weights.")
+        raise CheckpointError(
+            f"{str(Path(path))!r} has no {CONFIG_FILE}; pass a Hugging Face checkpoint directory "
+            f"(config.json + model.safetensors), or a folder with a hand-written config.json to "
+            f"train from random weights."
+        )
     try:
         return from_hf_config(read_json(config_path), str(config_path))
     except (ValueError, TypeError) as err:
@@ -63,8 +65,10 @@ def read_json(path: Path) -> dict:
     try:
         values = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}:{err.lineno}: not valid JSON ({err.msg}); the file is corrupt or truncated: "
-                              f"restore it or save the model again.") from None
+        raise CheckpointError(
+            f"{path}:{err.lineno}: not valid JSON ({err.msg}); the file is corrupt or truncated: "
+            f"restore it or save the model again."
+        ) from None
     except (OSError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path} cannot be read ({err}); check the file and its permissions.") from None
     if not isinstance(values, dict):
@@ -82,8 +86,10 @@ def _weight_files(directory: Path) -> list[Path]:
     single = directory / WEIGHTS_FILE
     if single.is_file():
         return [single]
-    raise CheckpointError(f"{str(directory)!r} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}; save the model with "
-                          f"save_pretrained(..., safe_serialization=True).")
+    raise CheckpointError(
+        f"{str(directory)!r} holds neither {WEIGHTS_FILE} nor {INDEX_FILE}; save the model with "
+        f"save_pretrained(..., safe_serialization=True)."
+    )
 
 
 def _drop_tied_head(cfg: ModelConfig, weights: dict[str, np.ndarray], source: str) -> None:
@@ -91,8 +97,10 @@ def _drop_tied_head(cfg: ModelConfig, weights: dict[str, np.ndarray], source: st
     if not cfg.tie_word_embeddings or "lm_head.weight" not in weights:
         return
     if not np.array_equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"]):
-        raise CheckpointError(f"{source}: tie_word_embeddings=True but lm_head.weight differs from "
-                              f"model.embed_tokens.weight; set tie_word_embeddings=false in config.json.")
+        raise CheckpointError(
+            f"{source}: tie_word_embeddings=True but lm_head.weight differs from "
+            f"model.embed_tokens.weight; set tie_word_embeddings=false in config.json."
+        )
     logger.info("%s: dropping lm_head.weight, an exact copy of the tied model.embed_tokens.weight", source)
     del weights["lm_head.weight"]
 
@@ -109,13 +117,17 @@ def _safetensors_header(file: Path) -> dict[str, dict]:
                 raise ValueError("no valid header")
             header = json.loads(f.read(header_len))
     except (OSError, ValueError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{file} is not a readable safetensors file ({err}); the file is corrupt, truncated "
-                              f"or unreadable: save the model again.") from None
+        raise CheckpointError(
+            f"{file} is not a readable safetensors file ({err}); the file is corrupt, truncated "
+            f"or unreadable: save the model again."
+        ) from None
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
     if 8 + header_len + end > size:
-        raise CheckpointError(f"{file} is truncated: its header describes {8 + header_len + end} bytes, the file has "
-                              f"{size}; copy or save the model again.")
+        raise CheckpointError(
+            f"{file} is truncated: its header describes {8 + header_len + end} bytes, the file has "
+            f"{size}; copy or save the model again."
+        )
     return tensors
 
 
@@ -136,14 +148,19 @@ def inspect_model_folder(path: str | Path) -> tuple[ModelConfig, dict[str, tuple
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     expected = parameter_shapes(cfg)
-    problems = [f"missing {sorted(set(expected) - set(shapes))[:3]}" if set(expected) - set(shapes) else "",
-                f"unexpected {sorted(set(shapes) - set(expected))[:3]}" if set(shapes) - set(expected) else ""]
-    problems += [f"{k} is {shapes[k]}, config.json implies {v}" for k, v in expected.items()
-                 if k in shapes and shapes[k] != v][:3]
+    problems = [
+        f"missing {sorted(set(expected) - set(shapes))[:3]}" if set(expected) - set(shapes) else "",
+        f"unexpected {sorted(set(shapes) - set(expected))[:3]}" if set(shapes) - set(expected) else "",
+    ]
+    problems += [
+        f"{k} is {shapes[k]}, config.json implies {v}" for k, v in expected.items() if k in shapes and shapes[k] != v
+    ][:3]
     problems = [p for p in problems if p]
     if problems:
-        raise CheckpointError(f"{directory}: the weights do not match {CONFIG_FILE}: {'; '.join(problems)}; the "
-                              f"folder mixes files of two models, or config.json was edited.")
+        raise CheckpointError(
+            f"{directory}: the weights do not match {CONFIG_FILE}: {'; '.join(problems)}; the "
+            f"folder mixes files of two models, or config.json was edited."
+        )
     return cfg, shapes
 
 
@@ -168,8 +185,10 @@ def resolve_model_source(spec: str, init_weights: str = "pretrained") -> ModelSo
     "preset 'tiny-qwen3' (qwen3, 1.79M parameters), random initial weights"
     """
     if init_weights not in ("pretrained", "random"):
-        raise ConfigError(f"init_weights={init_weights!r} is not valid; choose 'pretrained' (the folder's weights) or "
-                          f"'random' (weights drawn from the seed).")
+        raise ConfigError(
+            f"init_weights={init_weights!r} is not valid; choose 'pretrained' (the folder's weights) or "
+            f"'random' (weights drawn from the seed)."
+        )
     path = Path(spec)
     if spec not in MODEL_PRESETS and path.is_dir():
         if init_weights == "pretrained":
@@ -178,32 +197,48 @@ def resolve_model_source(spec: str, init_weights: str = "pretrained") -> ModelSo
                 raise CheckpointError(
                     f"model_config={spec!r} has a {CONFIG_FILE} but no weights: neither {WEIGHTS_FILE} nor "
                     f"{INDEX_FILE} is there. Copy the checkpoint's safetensors files into it, or pass "
-                    f"--init-weights random to train this architecture from random initial weights.")
+                    f"--init-weights random to train this architecture from random initial weights."
+                )
             cfg = inspect_model_folder(path)[0]
             return ModelSource(cfg, path, f"{spec} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M parameters)")
         cfg = read_model_config(path)
-        logger.info("init_weights='random': training %s's architecture (%s) from random initial weights%s", spec,
-                    cfg.model_type, "; its weights are not read" if has_weights(path) else "")
-        return ModelSource(cfg, None, f"{spec} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M parameters), "
-                                      f"random initial weights (--init-weights random)")
+        logger.info(
+            "init_weights='random': training %s's architecture (%s) from random initial weights%s",
+            spec,
+            cfg.model_type,
+            "; its weights are not read" if has_weights(path) else "",
+        )
+        return ModelSource(
+            cfg,
+            None,
+            f"{spec} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M parameters), "
+            f"random initial weights (--init-weights random)",
+        )
     cfg = resolve_model_config(spec)
-    return ModelSource(cfg, None, f"preset {spec!r} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M "
-                                  f"parameters), random initial weights")
+    return ModelSource(
+        cfg,
+        None,
+        f"preset {spec!r} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M parameters), random initial weights",
+    )
 
 
 def check_tokenizer_fits(cfg: ModelConfig, tokenizer_vocab_size: int, spec: str) -> None:
     """``ConfigError`` when the tokenizer can produce ids the model has no embedding for."""
     if cfg.vocab_size < tokenizer_vocab_size:
-        raise ConfigError(f"model_config={spec!r} has vocab_size={cfg.vocab_size} but the tokenizer has "
-                          f"{tokenizer_vocab_size} tokens; use the model's own tokenizer (--tokenizer-name-or-path) "
-                          f"or one of at most {cfg.vocab_size} tokens.")
+        raise ConfigError(
+            f"model_config={spec!r} has vocab_size={cfg.vocab_size} but the tokenizer has "
+            f"{tokenizer_vocab_size} tokens; use the model's own tokenizer (--tokenizer-name-or-path) "
+            f"or one of at most {cfg.vocab_size} tokens."
+        )
 
 
 def check_finite(name: str, values, source: str) -> None:
     """``CheckpointError`` if the array ``values`` of tensor ``name`` holds NaN or Inf."""
     if not np.isfinite(np.asarray(values, dtype=np.float32)).all():
-        raise CheckpointError(f"{source}: tensor {name} holds NaN or Inf values; the checkpoint is corrupt or came "
-                              f"from a diverged run: use an earlier one.")
+        raise CheckpointError(
+            f"{source}: tensor {name} holds NaN or Inf values; the checkpoint is corrupt or came "
+            f"from a diverged run: use an earlier one."
+        )
 
 
 def read_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -225,8 +260,9 @@ def read_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndar
     return cfg, weights
 
 
-def write_hf_checkpoint(cfg: ModelConfig, weights: dict[str, np.ndarray], path: str | Path,
-                        dtype: Optional[str] = None) -> Path:
+def write_hf_checkpoint(
+    cfg: ModelConfig, weights: dict[str, np.ndarray], path: str | Path, dtype: Optional[str] = None
+) -> Path:
     """Write ``config.json`` + ``model.safetensors`` loadable by ``AutoModelForCausalLM.from_pretrained``.
 
     ``dtype`` (``float32``/``bfloat16``/``float16``) casts every tensor; None keeps each as given.

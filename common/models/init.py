@@ -7,6 +7,8 @@ shape ``[out_features, in_features]``; ``common.models.configs.parameter_shapes`
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 
 from twinseq.common.errors import ConfigError
@@ -40,13 +42,16 @@ def init_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def check_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
+def check_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray]) -> None:
     """Raise ``ConfigError`` naming every missing, unexpected or mis-shaped tensor."""
     expected = parameter_shapes(cfg)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
-    wrong = [f"{k}: got {tuple(weights[k].shape)}, expected {expected[k]}"
-             for k in expected if k in weights and tuple(weights[k].shape) != expected[k]]
+    wrong = [
+        f"{k}: got {tuple(weights[k].shape)}, expected {expected[k]}"
+        for k in expected
+        if k in weights and tuple(weights[k].shape) != expected[k]
+    ]
     problems = []
     if missing:
         problems.append(f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -55,6 +60,9 @@ def check_weights(cfg: ModelConfig, weights: dict[str, np.ndarray]) -> None:
     if wrong:
         problems.append("wrong shape " + "; ".join(wrong[:5]))
     if problems:
-        raise ConfigError(f"weights do not match the ModelConfig (model_type {cfg.model_type!r}): "
-                          + " | ".join(problems) + ". Check model_type/vocab_size/hidden_size/num_hidden_layers/"
-                          "tie_word_embeddings against the checkpoint's config.json.")
+        raise ConfigError(
+            f"weights do not match the ModelConfig (model_type {cfg.model_type!r}): "
+            + " | ".join(problems)
+            + ". Check model_type/vocab_size/hidden_size/num_hidden_layers/"
+            "tie_word_embeddings against the checkpoint's config.json."
+        )

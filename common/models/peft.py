@@ -46,10 +46,24 @@ from twinseq.common.errors import CheckpointError, ConfigError
 from twinseq.common.fields import _CHECKS_ON, _check_fields, _flag, knob
 from twinseq.common.models.configs import ModelConfig, parameter_shapes
 
-__all__ = ["PeftConfig", "ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "LINEAR_MODULES", "adapter_key",
-           "check_peft_config", "check_token_indices", "init_adapters", "lora_scaling", "lora_targets",
-           "merge_adapters", "read_adapters", "save_adapters", "adapter_shapes", "trainable_parameter_count",
-           "TOKENS_KEY"]
+__all__ = [
+    "PeftConfig",
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "LINEAR_MODULES",
+    "adapter_key",
+    "check_peft_config",
+    "check_token_indices",
+    "init_adapters",
+    "lora_scaling",
+    "lora_targets",
+    "merge_adapters",
+    "read_adapters",
+    "save_adapters",
+    "adapter_shapes",
+    "trainable_parameter_count",
+    "TOKENS_KEY",
+]
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -100,37 +114,49 @@ def lora_scaling(alpha: float, r: int, use_rslora: bool = False) -> float:
 def check_peft_config(peft: PeftConfig) -> None:
     """Rules that tie PEFT fields together (model-independent; ``lora_targets`` checks names per model)."""
     if not peft.use_peft:
-        changed = [f.name for f in dataclasses.fields(peft)
-                   if f.name != "use_peft" and getattr(peft, f.name) != getattr(PeftConfig(), f.name)]
+        changed = [
+            f.name
+            for f in dataclasses.fields(peft)
+            if f.name != "use_peft" and getattr(peft, f.name) != getattr(PeftConfig(), f.name)
+        ]
         if changed:
-            raise ConfigError(f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} read only with "
-                              f"use_peft=True; add --use-peft or drop {' '.join(_flag(c) for c in changed)}.")
+            raise ConfigError(
+                f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} read only with "
+                f"use_peft=True; add --use-peft or drop {' '.join(_flag(c) for c in changed)}."
+            )
         return
     if not peft.lora_target_modules:
-        raise ConfigError("lora_target_modules=[] adapts nothing; name linear layers (q_proj v_proj ...) or use "
-                          "--lora-target-modules all-linear.")
+        raise ConfigError(
+            "lora_target_modules=[] adapts nothing; name linear layers (q_proj v_proj ...) or use "
+            "--lora-target-modules all-linear."
+        )
     unknown = [m for m in peft.lora_target_modules if m != "all-linear" and m not in LINEAR_MODULES]
     if unknown:
-        raise ConfigError(f"lora_target_modules={peft.lora_target_modules!r}: {', '.join(map(repr, unknown))} "
-                          f"{'is' if len(unknown) == 1 else 'are'} not a linear layer of the models twinseq "
-                          f"builds; choose from {', '.join(LINEAR_MODULES)} or 'all-linear' (lm_head and "
-                          f"embed_tokens are not LoRA targets: use --trainable-token-indices for new tokens).")
+        raise ConfigError(
+            f"lora_target_modules={peft.lora_target_modules!r}: {', '.join(map(repr, unknown))} "
+            f"{'is' if len(unknown) == 1 else 'are'} not a linear layer of the models twinseq "
+            f"builds; choose from {', '.join(LINEAR_MODULES)} or 'all-linear' (lm_head and "
+            f"embed_tokens are not LoRA targets: use --trainable-token-indices for new tokens)."
+        )
     if peft.trainable_token_indices is not None:
         if not peft.trainable_token_indices:
             raise ConfigError("trainable_token_indices=[] trains no token; give token ids or drop the flag.")
         if len(set(peft.trainable_token_indices)) != len(peft.trainable_token_indices):
-            raise ConfigError(f"trainable_token_indices={peft.trainable_token_indices!r} repeats a token id; "
-                              f"give each id once.")
+            raise ConfigError(
+                f"trainable_token_indices={peft.trainable_token_indices!r} repeats a token id; give each id once."
+            )
 
 
 def check_token_indices(cfg: ModelConfig, peft: PeftConfig) -> None:
     """Every trainable token id must be a row of the embedding (``0 <= id < vocab_size``)."""
     bad = [i for i in (peft.trainable_token_indices or []) if not 0 <= i < cfg.vocab_size]
     if bad:
-        raise ConfigError(f"trainable_token_indices={peft.trainable_token_indices!r}: {bad} "
-                          f"{'is' if len(bad) == 1 else 'are'} outside the vocabulary [0, {cfg.vocab_size}) of "
-                          f"this {cfg.model_type} model; use ids the tokenizer gives (add the tokens to the "
-                          f"tokenizer and resize the model first).")
+        raise ConfigError(
+            f"trainable_token_indices={peft.trainable_token_indices!r}: {bad} "
+            f"{'is' if len(bad) == 1 else 'are'} outside the vocabulary [0, {cfg.vocab_size}) of "
+            f"this {cfg.model_type} model; use ids the tokenizer gives (add the tokens to the "
+            f"tokenizer and resize the model first)."
+        )
 
 
 def lora_targets(cfg: ModelConfig, peft: PeftConfig) -> dict[str, tuple[int, int]]:
@@ -172,9 +198,13 @@ def trainable_parameter_count(cfg: ModelConfig, peft: PeftConfig) -> int:
     return int(sum(int(np.prod(s)) for s in adapter_shapes(cfg, peft).values()))
 
 
-def init_adapters(cfg: ModelConfig, peft: PeftConfig, seed: int = 0,
-                  base_weights: Optional[Mapping[str, np.ndarray]] = None,
-                  lora_b_std: float = 0.0) -> dict[str, np.ndarray]:
+def init_adapters(
+    cfg: ModelConfig,
+    peft: PeftConfig,
+    seed: int = 0,
+    base_weights: Optional[Mapping[str, np.ndarray]] = None,
+    lora_b_std: float = 0.0,
+) -> dict[str, np.ndarray]:
     """float32 adapter tensors in PEFT key names, drawn from one numpy generator (``seed``).
 
     - ``lora_A``: Kaiming-uniform with ``a = sqrt(5)``, i.e. U(-1/sqrt(in), 1/sqrt(in)), PEFT's default;
@@ -187,8 +217,10 @@ def init_adapters(cfg: ModelConfig, peft: PeftConfig, seed: int = 0,
     """
     check_token_indices(cfg, peft)
     if (peft.use_dora or peft.trainable_token_indices) and base_weights is None:
-        raise ConfigError("use_dora=True and trainable_token_indices start from the base weights (row norms, "
-                          "embedding rows); pass base_weights (the HF-named weights the adapters go on).")
+        raise ConfigError(
+            "use_dora=True and trainable_token_indices start from the base weights (row norms, "
+            "embedding rows); pass base_weights (the HF-named weights the adapters go on)."
+        )
     rng = np.random.default_rng(seed)
     out: dict[str, np.ndarray] = {}
     for module, (fan_in, fan_out) in lora_targets(cfg, peft).items():
@@ -201,11 +233,13 @@ def init_adapters(cfg: ModelConfig, peft: PeftConfig, seed: int = 0,
         out[adapter_key(module, "lora_A")] = a
         out[adapter_key(module, "lora_B")] = b
         if peft.use_dora:
+            assert base_weights is not None  # init_adapters refuses DoRA without the base weights
             w = np.asarray(base_weights[module + ".weight"], np.float64)
             direction = w + peft.scaling * (b.astype(np.float64) @ a.astype(np.float64))
             out[adapter_key(module, "lora_magnitude_vector")] = np.linalg.norm(direction, axis=1).astype(np.float32)
     if peft.trainable_token_indices:
         rows = np.asarray(peft.trainable_token_indices)
+        assert base_weights is not None  # init_adapters refuses trainable tokens without the base weights
         out[TOKENS_KEY] = np.asarray(base_weights["model.embed_tokens.weight"], np.float32)[rows].copy()
     return out
 
@@ -215,19 +249,28 @@ def check_adapters(cfg: ModelConfig, peft: PeftConfig, adapters: Mapping[str, np
     expected = adapter_shapes(cfg, peft)
     missing = sorted(set(expected) - set(adapters))
     unexpected = sorted(set(adapters) - set(expected))
-    wrong = [f"{k}: {tuple(np.shape(adapters[k]))} != {expected[k]}" for k in expected
-             if k in adapters and tuple(np.shape(adapters[k])) != expected[k]]
-    problems = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {unexpected[:3]}"] if unexpected
-                                                                  else []) + (["wrong shape " + "; ".join(wrong[:3])]
-                                                                              if wrong else [])
+    wrong = [
+        f"{k}: {tuple(np.shape(adapters[k]))} != {expected[k]}"
+        for k in expected
+        if k in adapters and tuple(np.shape(adapters[k])) != expected[k]
+    ]
+    problems = (
+        ([f"missing {missing[:3]}"] if missing else [])
+        + ([f"unexpected {unexpected[:3]}"] if unexpected else [])
+        + (["wrong shape " + "; ".join(wrong[:3])] if wrong else [])
+    )
     if problems:
-        raise CheckpointError(f"{source}: the adapters do not match lora_r={peft.lora_r}, targets "
-                              f"{peft.lora_target_modules}, use_dora={peft.use_dora} on this {cfg.model_type} model: "
-                              + " | ".join(problems) + "; load them with the adapter_config.json they were saved with.")
+        raise CheckpointError(
+            f"{source}: the adapters do not match lora_r={peft.lora_r}, targets "
+            f"{peft.lora_target_modules}, use_dora={peft.use_dora} on this {cfg.model_type} model: "
+            + " | ".join(problems)
+            + "; load them with the adapter_config.json they were saved with."
+        )
 
 
-def merge_adapters(cfg: ModelConfig, peft: PeftConfig, base_weights: Mapping[str, np.ndarray],
-                   adapters: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def merge_adapters(
+    cfg: ModelConfig, peft: PeftConfig, base_weights: Mapping[str, np.ndarray], adapters: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """Plain HF weights with the adapters folded in (float32; computed in float64):
 
     ``W' = W + s B A`` (LoRA), ``W' = m * (W + s B A) / ||W + s B A||_row`` (DoRA), and the trainable-token
@@ -258,12 +301,22 @@ def merge_adapters(cfg: ModelConfig, peft: PeftConfig, base_weights: Mapping[str
 def adapter_config_json(peft: PeftConfig, base_model_name_or_path: Optional[str] = None) -> dict[str, Any]:
     """The ``adapter_config.json`` that ``peft.LoraConfig`` reads (only fields PEFT knows)."""
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "r": peft.lora_r, "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
-        "target_modules": ("all-linear" if "all-linear" in peft.lora_target_modules
-                           else sorted(peft.lora_target_modules)),
-        "use_rslora": peft.use_rslora, "use_dora": peft.use_dora, "bias": "none", "fan_in_fan_out": False,
-        "init_lora_weights": True, "modules_to_save": None, "inference_mode": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": peft.lora_r,
+        "lora_alpha": peft.lora_alpha,
+        "lora_dropout": peft.lora_dropout,
+        "target_modules": (
+            "all-linear" if "all-linear" in peft.lora_target_modules else sorted(peft.lora_target_modules)
+        ),
+        "use_rslora": peft.use_rslora,
+        "use_dora": peft.use_dora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "inference_mode": True,
         "trainable_token_indices": list(peft.trainable_token_indices) if peft.trainable_token_indices else None,
     }
 
@@ -271,22 +324,27 @@ def adapter_config_json(peft: PeftConfig, base_model_name_or_path: Optional[str]
 def peft_config_from_json(values: Mapping[str, Any], source: str) -> PeftConfig:
     """A ``PeftConfig`` from PEFT's ``adapter_config.json``; what twinseq cannot reproduce is refused."""
     if values.get("peft_type") != "LORA":
-        raise CheckpointError(f"{source}: peft_type={values.get('peft_type')!r}; twinseq loads LoRA adapters "
-                              f"(peft_type 'LORA') only.")
+        raise CheckpointError(
+            f"{source}: peft_type={values.get('peft_type')!r}; twinseq loads LoRA adapters (peft_type 'LORA') only."
+        )
     for key, supported in (("bias", "none"), ("fan_in_fan_out", False)):
         if values.get(key, supported) != supported:
             raise CheckpointError(f"{source}: {key}={values[key]!r} is not supported (twinseq needs {supported!r}).")
     if values.get("modules_to_save"):
-        raise CheckpointError(f"{source}: modules_to_save={values['modules_to_save']!r} is not supported; twinseq "
-                              f"trains adapters and trainable tokens only.")
+        raise CheckpointError(
+            f"{source}: modules_to_save={values['modules_to_save']!r} is not supported; twinseq "
+            f"trains adapters and trainable tokens only."
+        )
     for key in ("alpha_pattern", "rank_pattern"):
         if values.get(key):
             raise CheckpointError(f"{source}: {key}={values[key]!r} (per-module ranks) is not supported.")
     targets = values.get("target_modules") or []
     if isinstance(targets, str):
         if targets != "all-linear":
-            raise CheckpointError(f"{source}: target_modules={targets!r} is a regular expression; twinseq reads a "
-                                  f"list of layer names or 'all-linear'.")
+            raise CheckpointError(
+                f"{source}: target_modules={targets!r} is a regular expression; twinseq reads a "
+                f"list of layer names or 'all-linear'."
+            )
         targets = ["all-linear"]
     # peft >= 0.1x saves "all-linear" (and any target it matched by suffix) as the full module paths it adapted,
     # e.g. "model.layers.0.self_attn.q_proj": read them as layer names; a folder that adapted only some layers
@@ -295,17 +353,29 @@ def peft_config_from_json(values: Mapping[str, Any], source: str) -> PeftConfig:
     tokens = values.get("trainable_token_indices")
     if isinstance(tokens, dict):
         if set(tokens) - {"embed_tokens"}:
-            raise CheckpointError(f"{source}: trainable_token_indices for {sorted(tokens)}; twinseq adapts "
-                                  f"embed_tokens only.")
+            raise CheckpointError(
+                f"{source}: trainable_token_indices for {sorted(tokens)}; twinseq adapts embed_tokens only."
+            )
         tokens = tokens.get("embed_tokens")
-    return PeftConfig(use_peft=True, lora_r=int(values["r"]), lora_alpha=float(values["lora_alpha"]),
-                      lora_dropout=float(values.get("lora_dropout", 0.0)), lora_target_modules=list(targets),
-                      use_rslora=bool(values.get("use_rslora", False)), use_dora=bool(values.get("use_dora", False)),
-                      trainable_token_indices=list(tokens) if tokens else None)
+    return PeftConfig(
+        use_peft=True,
+        lora_r=int(values["r"]),
+        lora_alpha=float(values["lora_alpha"]),
+        lora_dropout=float(values.get("lora_dropout", 0.0)),
+        lora_target_modules=list(targets),
+        use_rslora=bool(values.get("use_rslora", False)),
+        use_dora=bool(values.get("use_dora", False)),
+        trainable_token_indices=list(tokens) if tokens else None,
+    )
 
 
-def save_adapters(path: str | Path, cfg: ModelConfig, peft: PeftConfig, adapters: Mapping[str, np.ndarray],
-                  base_model_name_or_path: Optional[str] = None) -> Path:
+def save_adapters(
+    path: str | Path,
+    cfg: ModelConfig,
+    peft: PeftConfig,
+    adapters: Mapping[str, np.ndarray],
+    base_model_name_or_path: Optional[str] = None,
+) -> Path:
     """Write PEFT's folder: ``adapter_config.json`` + ``adapter_model.safetensors`` (float32)."""
     from safetensors.numpy import save_file
 
@@ -315,7 +385,8 @@ def save_adapters(path: str | Path, cfg: ModelConfig, peft: PeftConfig, adapters
     tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in adapters.items()}
     save_file(tensors, str(directory / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
     (directory / ADAPTER_CONFIG_FILE).write_text(
-        json.dumps(adapter_config_json(peft, base_model_name_or_path), indent=2, sort_keys=True) + "\n")
+        json.dumps(adapter_config_json(peft, base_model_name_or_path), indent=2, sort_keys=True) + "\n"
+    )
     return directory
 
 
@@ -327,8 +398,10 @@ def read_adapters(path: str | Path, cfg: Optional[ModelConfig] = None) -> tuple[
     config_file, weights_file = directory / ADAPTER_CONFIG_FILE, directory / ADAPTER_WEIGHTS_FILE
     for file in (config_file, weights_file):
         if not file.is_file():
-            raise CheckpointError(f"{directory}: {file.name} is missing; an adapter folder holds "
-                                  f"{ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE} (PEFT's save_pretrained).")
+            raise CheckpointError(
+                f"{directory}: {file.name} is missing; an adapter folder holds "
+                f"{ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE} (PEFT's save_pretrained)."
+            )
     try:
         values = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:

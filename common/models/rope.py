@@ -66,12 +66,14 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 def _llama3(inv_freq: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     factor = np.float32(cfg.rope_factor)
     old_context_len = cfg.rope_original_max_position_embeddings
-    low_freq_wavelen = old_context_len / cfg.rope_low_freq_factor   # python floats, as in transformers
+    low_freq_wavelen = old_context_len / cfg.rope_low_freq_factor  # python floats, as in transformers
     high_freq_wavelen = old_context_len / cfg.rope_high_freq_factor
     wavelen = (np.float32(2 * math.pi) / inv_freq).astype(np.float32)
     scaled = np.where(wavelen > np.float32(low_freq_wavelen), inv_freq / factor, inv_freq).astype(np.float32)
-    smooth = ((np.float32(old_context_len) / wavelen - np.float32(cfg.rope_low_freq_factor))
-              / np.float32(cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)).astype(np.float32)
+    smooth = (
+        (np.float32(old_context_len) / wavelen - np.float32(cfg.rope_low_freq_factor))
+        / np.float32(cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    ).astype(np.float32)
     smoothed = ((np.float32(1) - smooth) * scaled / factor + smooth * scaled).astype(np.float32)
     is_medium = ~(wavelen < np.float32(high_freq_wavelen)) & ~(wavelen > np.float32(low_freq_wavelen))
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
@@ -82,15 +84,17 @@ def dynamic_base(cfg: ModelConfig, seq_len: float) -> float:
     (``seq_len`` is raised to ``max_position_embeddings`` first, so short batches use the plain base)."""
     seq_len = max(float(seq_len), float(cfg.max_position_embeddings))
     dim = cfg.head_dim
-    return cfg.rope_theta * ((cfg.rope_factor * seq_len / cfg.max_position_embeddings)
-                             - (cfg.rope_factor - 1)) ** (dim / (dim - 2))
+    return cfg.rope_theta * ((cfg.rope_factor * seq_len / cfg.max_position_embeddings) - (cfg.rope_factor - 1)) ** (
+        dim / (dim - 2)
+    )
 
 
 def dynamic_inv_freq(cfg: ModelConfig, max_position_id: int) -> np.ndarray:
     """float32 [head_dim / 2] of ``dynamic`` RoPE for a batch whose largest position id is ``max_position_id``."""
     seq_len = max(max_position_id + 1, cfg.max_position_embeddings)
-    base = np.float32(cfg.rope_theta) * ((np.float32(cfg.rope_factor) * np.float32(seq_len)
-                                         / np.float32(cfg.max_position_embeddings))
-                                        - np.float32(cfg.rope_factor - 1)) ** np.float32(cfg.head_dim / (cfg.head_dim - 2))
+    base = np.float32(cfg.rope_theta) * (
+        (np.float32(cfg.rope_factor) * np.float32(seq_len) / np.float32(cfg.max_position_embeddings))
+        - np.float32(cfg.rope_factor - 1)
+    ) ** np.float32(cfg.head_dim / (cfg.head_dim - 2))
     exponent = np.arange(0, cfg.head_dim, 2, dtype=np.float32) / np.float32(cfg.head_dim)
     return (np.float32(1.0) / _pow_f32(float(np.float32(base)), exponent)).astype(np.float32)

@@ -32,8 +32,18 @@ from twinseq.common.errors import ConfigError, ConfigTypeError
 
 logger = logging.getLogger(__name__)
 
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
-                  "apo_zero", "apo_down")
+DPO_LOSS_TYPES = (
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "apo_zero",
+    "apo_down",
+)
 # TRL 1.16 accepts these too; twinseq does not implement them yet, and says so rather than "unknown".
 TRL_LOSS_TYPES_NOT_IMPLEMENTED = ("aot", "aot_unpaired", "discopop", "sft", "sigmoid_norm")
 # Loss types that read label_smoothing; the others ignore it (TRL 1.16 dropped cDPO's smoothing of
@@ -64,14 +74,20 @@ def _check_real(name: str, value: object) -> float:
 def _check_loss_types(loss_type: Union[str, Sequence[str]]) -> tuple[str, ...]:
     types = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
     if not types:
-        raise ConfigError(f"loss_type={loss_type!r} is empty; give one of {', '.join(DPO_LOSS_TYPES)} or a list "
-                          f"of them (combined with loss_weights).")
+        raise ConfigError(
+            f"loss_type={loss_type!r} is empty; give one of {', '.join(DPO_LOSS_TYPES)} or a list "
+            f"of them (combined with loss_weights)."
+        )
     for t in types:
         if not isinstance(t, str):
-            raise ConfigTypeError(f"loss_type entries must be strings, got {t!r} ({type(t).__name__}) in {loss_type!r}.")
+            raise ConfigTypeError(
+                f"loss_type entries must be strings, got {t!r} ({type(t).__name__}) in {loss_type!r}."
+            )
         if t in TRL_LOSS_TYPES_NOT_IMPLEMENTED:
-            raise ConfigError(f"loss_type={t!r} is a TRL loss type that twinseq does not implement; choose one of "
-                              f"{', '.join(DPO_LOSS_TYPES)}.")
+            raise ConfigError(
+                f"loss_type={t!r} is a TRL loss type that twinseq does not implement; choose one of "
+                f"{', '.join(DPO_LOSS_TYPES)}."
+            )
         if t not in DPO_LOSS_TYPES:
             raise ConfigError(f"loss_type={t!r} is not a DPO loss type; choose one of {', '.join(DPO_LOSS_TYPES)}.")
     return types
@@ -83,30 +99,45 @@ def _check_loss_weights(loss_weights: Optional[Sequence[float]], types: tuple[st
     if isinstance(loss_weights, (str, bytes)) or not hasattr(loss_weights, "__len__"):
         raise ConfigTypeError(f"loss_weights={loss_weights!r} must be a list of numbers, one per loss_type, or None.")
     if len(loss_weights) != len(types):
-        raise ConfigError(f"loss_weights={list(loss_weights)!r} has {len(loss_weights)} entries but loss_type="
-                          f"{list(types)!r} has {len(types)}; give one weight per loss type, or None for all 1.0.")
+        raise ConfigError(
+            f"loss_weights={list(loss_weights)!r} has {len(loss_weights)} entries but loss_type="
+            f"{list(types)!r} has {len(types)}; give one weight per loss type, or None for all 1.0."
+        )
     return tuple(_check_real(f"loss_weights[{i}]", w) for i, w in enumerate(loss_weights))
 
 
 def _check_label_smoothing(eps: float, types: tuple[str, ...]) -> None:
     if not 0.0 <= eps <= LABEL_SMOOTHING_MAX:
-        raise ConfigError(f"label_smoothing={eps!r} is not valid; it is the probability that a preference label is "
-                          f"flipped and must lie in [0, {LABEL_SMOOTHING_MAX}] (above that, swap chosen and rejected).")
+        raise ConfigError(
+            f"label_smoothing={eps!r} is not valid; it is the probability that a preference label is "
+            f"flipped and must lie in [0, {LABEL_SMOOTHING_MAX}] (above that, swap chosen and rejected)."
+        )
     if "robust" in types and eps >= LABEL_SMOOTHING_MAX:
         # TRL 1.16 only warns; the robust loss divides by 1 - 2ε and is undefined at ε = 1/2.
-        raise ConfigError(f"label_smoothing={eps!r} is not valid with loss_type 'robust', which divides by "
-                          f"1 - 2*label_smoothing; use a value in [0, 0.5), e.g. 0.1 (Robust DPO paper).")
+        raise ConfigError(
+            f"label_smoothing={eps!r} is not valid with loss_type 'robust', which divides by "
+            f"1 - 2*label_smoothing; use a value in [0, 0.5), e.g. 0.1 (Robust DPO paper)."
+        )
     if "exo_pair" in types and eps == 0.0:
-        raise ConfigError("label_smoothing=0.0 is not valid with loss_type 'exo_pair': EXO takes log(label_smoothing); "
-                          "use a value in (0, 0.5], e.g. 1e-3 (EXO paper).")
+        raise ConfigError(
+            "label_smoothing=0.0 is not valid with loss_type 'exo_pair': EXO takes log(label_smoothing); "
+            "use a value in (0, 0.5], e.g. 1e-3 (EXO paper)."
+        )
     if eps > 0.0 and not set(types) & set(LABEL_SMOOTHING_LOSS_TYPES):
-        logger.warning("label_smoothing=%s has no effect on loss_type %s; only %s read it (TRL 1.16 semantics).",
-                       eps, list(types), list(LABEL_SMOOTHING_LOSS_TYPES))
+        logger.warning(
+            "label_smoothing=%s has no effect on loss_type %s; only %s read it (TRL 1.16 semantics).",
+            eps,
+            list(types),
+            list(LABEL_SMOOTHING_LOSS_TYPES),
+        )
 
 
-def validate_dpo_config(loss_type: Union[str, Sequence[str]] = "sigmoid",
-                        loss_weights: Optional[Sequence[float]] = None,
-                        beta: float = 0.1, label_smoothing: float = 0.0) -> DPOLossConfig:
+def validate_dpo_config(
+    loss_type: Union[str, Sequence[str]] = "sigmoid",
+    loss_weights: Optional[Sequence[float]] = None,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> DPOLossConfig:
     """Check a DPO loss configuration against TRL's rules (and a few stricter ones).
 
     ``loss_type`` is a name or a list of names from ``DPO_LOSS_TYPES``; ``loss_weights`` is
@@ -130,15 +161,21 @@ def validate_dpo_config(loss_type: Union[str, Sequence[str]] = "sigmoid",
 def check_liger_dpo_config(loss_type: Sequence[str], *, padding_free: bool, precompute: bool) -> None:
     """Liger's fused DPO loss computes exactly twinseq's only for padded, live-reference 'sigmoid'."""
     if tuple(loss_type) != ("sigmoid",):
-        raise ConfigError(f"loss_type='liger' computes the 'sigmoid' DPO loss only; dpo_loss_type="
-                          f"{list(loss_type)} needs --loss-type fused_linear.")
+        raise ConfigError(
+            f"loss_type='liger' computes the 'sigmoid' DPO loss only; dpo_loss_type="
+            f"{list(loss_type)} needs --loss-type fused_linear."
+        )
     if padding_free:
-        raise ConfigError("loss_type='liger' needs padded batches (chosen and rejected stacked as rows); drop "
-                          "--padding-free or use --loss-type fused_linear.")
+        raise ConfigError(
+            "loss_type='liger' needs padded batches (chosen and rejected stacked as rows); drop "
+            "--padding-free or use --loss-type fused_linear."
+        )
     if precompute:
-        raise ConfigError("precompute_ref_log_probs=True is not supported with loss_type='liger': twinseq's Liger "
-                          "path feeds the reference hidden states to the kernel. Drop --precompute-ref-log-probs "
-                          "or use --loss-type fused_linear.")
+        raise ConfigError(
+            "precompute_ref_log_probs=True is not supported with loss_type='liger': twinseq's Liger "
+            "path feeds the reference hidden states to the kernel. Drop --precompute-ref-log-probs "
+            "or use --loss-type fused_linear."
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -176,18 +213,17 @@ class ArrayOps:
     zeros_like: Callable
 
 
-NUMPY_OPS = ArrayOps(log_sigmoid=log_sigmoid, exp=np.exp, relu=lambda z: np.maximum(0.0, z),
-                     zeros_like=np.zeros_like)
+NUMPY_OPS = ArrayOps(log_sigmoid=log_sigmoid, exp=np.exp, relu=lambda z: np.maximum(0.0, z), zeros_like=np.zeros_like)
 
 
 @dataclass(frozen=True)
 class _Pair:
-    c: Any               # chosen log-ratio [N]
-    r: Any               # rejected log-ratio [N]
+    c: Any  # chosen log-ratio [N]
+    r: Any  # rejected log-ratio [N]
     beta: float
-    eps: float           # label_smoothing
+    eps: float  # label_smoothing
     ops: ArrayOps
-    n_c: Any = None      # chosen completion token counts [N] (ipo only)
+    n_c: Any = None  # chosen completion token counts [N] (ipo only)
     n_r: Any = None
 
 
@@ -252,31 +288,54 @@ def _loss_apo_down(p: _Pair):
 
 
 _LOSSES: dict[str, Callable[[_Pair], Any]] = {
-    "sigmoid": _loss_sigmoid, "hinge": _loss_hinge, "ipo": _loss_ipo, "exo_pair": _loss_exo_pair,
-    "nca_pair": _loss_nca_pair, "robust": _loss_robust, "bco_pair": _loss_bco_pair,
-    "sppo_hard": _loss_sppo_hard, "apo_zero": _loss_apo_zero, "apo_down": _loss_apo_down,
+    "sigmoid": _loss_sigmoid,
+    "hinge": _loss_hinge,
+    "ipo": _loss_ipo,
+    "exo_pair": _loss_exo_pair,
+    "nca_pair": _loss_nca_pair,
+    "robust": _loss_robust,
+    "bco_pair": _loss_bco_pair,
+    "sppo_hard": _loss_sppo_hard,
+    "apo_zero": _loss_apo_zero,
+    "apo_down": _loss_apo_down,
 }
 assert set(_LOSSES) == set(DPO_LOSS_TYPES)
 
 
 class DPOFamilyOutput(NamedTuple):
-    losses: Any              # [N]: Σ_k w_k L_k
-    chosen_rewards: Any      # [N]: β c
-    rejected_rewards: Any    # [N]: β r
-    losses_by_type: dict     # unweighted L_k [N]
+    losses: Any  # [N]: Σ_k w_k L_k
+    chosen_rewards: Any  # [N]: β c
+    rejected_rewards: Any  # [N]: β r
+    losses_by_type: dict  # unweighted L_k [N]
 
 
-def dpo_family(chosen_logratios, rejected_logratios, config: DPOLossConfig, ops: ArrayOps, *,
-               chosen_num_tokens=None, rejected_num_tokens=None) -> DPOFamilyOutput:
+def dpo_family(
+    chosen_logratios,
+    rejected_logratios,
+    config: DPOLossConfig,
+    ops: ArrayOps,
+    *,
+    chosen_num_tokens=None,
+    rejected_num_tokens=None,
+) -> DPOFamilyOutput:
     """Per-pair DPO losses and rewards from the log-ratios ``c`` and ``r`` [N], in ``ops``' framework.
 
     ``config`` comes from ``validate_dpo_config``; 'ipo' needs the completion token counts.
     """
     if "ipo" in config.loss_type and (chosen_num_tokens is None or rejected_num_tokens is None):
-        raise ConfigError("loss_type 'ipo' normalises by completion length and needs chosen_num_tokens and "
-                          "rejected_num_tokens (PreferenceBatch.chosen_num_tokens / rejected_num_tokens).")
-    pair = _Pair(c=chosen_logratios, r=rejected_logratios, beta=config.beta, eps=config.label_smoothing, ops=ops,
-                 n_c=chosen_num_tokens, n_r=rejected_num_tokens)
+        raise ConfigError(
+            "loss_type 'ipo' normalises by completion length and needs chosen_num_tokens and "
+            "rejected_num_tokens (PreferenceBatch.chosen_num_tokens / rejected_num_tokens)."
+        )
+    pair = _Pair(
+        c=chosen_logratios,
+        r=rejected_logratios,
+        beta=config.beta,
+        eps=config.label_smoothing,
+        ops=ops,
+        n_c=chosen_num_tokens,
+        n_r=rejected_num_tokens,
+    )
     by_type = {t: _LOSSES[t](pair) for t in dict.fromkeys(config.loss_type)}
     losses = ops.zeros_like(pair.c)
     for t, w in zip(config.loss_type, config.loss_weights):
@@ -288,9 +347,9 @@ def dpo_family(chosen_logratios, rejected_logratios, config: DPOLossConfig, ops:
 class DPOLossOutput:
     """Per-example outputs of ``dpo_loss``; ``loss`` is TRL's scalar."""
 
-    losses: np.ndarray             # float64 [N]: Σ_k w_k L_k
-    chosen_rewards: np.ndarray     # float64 [N]: β c
-    rejected_rewards: np.ndarray   # float64 [N]: β r
+    losses: np.ndarray  # float64 [N]: Σ_k w_k L_k
+    chosen_rewards: np.ndarray  # float64 [N]: β c
+    rejected_rewards: np.ndarray  # float64 [N]: β r
     losses_by_type: dict[str, np.ndarray] = field(default_factory=dict)  # unweighted L_k [N]
 
     @property
@@ -303,28 +362,41 @@ def _as_logps(name: str, value: np.ndarray) -> np.ndarray:
     if arr.ndim != 1 or arr.size == 0:
         raise ConfigError(f"{name} must be a non-empty 1-D array [N] of sequence log-probs, got shape {arr.shape}.")
     if not np.isfinite(arr).all():
-        raise ConfigError(f"{name} holds non-finite values (e.g. {arr[~np.isfinite(arr)][:3].tolist()}); a "
-                          f"sequence log-prob must be finite: check the model output and the target mask.")
+        raise ConfigError(
+            f"{name} holds non-finite values (e.g. {arr[~np.isfinite(arr)][:3].tolist()}); a "
+            f"sequence log-prob must be finite: check the model output and the target mask."
+        )
     return arr
 
 
 def _as_counts(name: str, value: Optional[np.ndarray], n: int) -> np.ndarray:
     if value is None:
-        raise ConfigError(f"loss_type 'ipo' normalises the log-ratios by completion length (TRL 1.16) and needs "
-                          f"{name}; pass PreferenceBatch.{name} from twinseq.common.data.preference_batching.")
+        raise ConfigError(
+            f"loss_type 'ipo' normalises the log-ratios by completion length (TRL 1.16) and needs "
+            f"{name}; pass PreferenceBatch.{name} from twinseq.common.data.preference_batching."
+        )
     arr = np.asarray(value, dtype=np.float64)
     if arr.shape != (n,) or (arr < 1).any():
-        raise ConfigError(f"{name} must be [N={n}] counts >= 1 of scored completion tokens, got shape {arr.shape} "
-                          f"and min {arr.min(initial=np.inf)}.")
+        raise ConfigError(
+            f"{name} must be [N={n}] counts >= 1 of scored completion tokens, got shape {arr.shape} "
+            f"and min {arr.min(initial=np.inf)}."
+        )
     return arr
 
 
-def dpo_loss(policy_chosen_logps: np.ndarray, policy_rejected_logps: np.ndarray,
-             ref_chosen_logps: np.ndarray, ref_rejected_logps: np.ndarray, *,
-             loss_type: Union[str, Sequence[str]] = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
-             loss_weights: Optional[Sequence[float]] = None,
-             chosen_num_tokens: Optional[np.ndarray] = None,
-             rejected_num_tokens: Optional[np.ndarray] = None) -> DPOLossOutput:
+def dpo_loss(
+    policy_chosen_logps: np.ndarray,
+    policy_rejected_logps: np.ndarray,
+    ref_chosen_logps: np.ndarray,
+    ref_rejected_logps: np.ndarray,
+    *,
+    loss_type: Union[str, Sequence[str]] = "sigmoid",
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    loss_weights: Optional[Sequence[float]] = None,
+    chosen_num_tokens: Optional[np.ndarray] = None,
+    rejected_num_tokens: Optional[np.ndarray] = None,
+) -> DPOLossOutput:
     """Per-example DPO losses and rewards from sequence log-probs, all float [N].
 
     ``chosen_num_tokens`` / ``rejected_num_tokens`` (scored completion tokens per sequence)
@@ -340,15 +412,21 @@ def dpo_loss(policy_chosen_logps: np.ndarray, policy_rejected_logps: np.ndarray,
     rc = _as_logps("ref_chosen_logps", ref_chosen_logps)
     rr = _as_logps("ref_rejected_logps", ref_rejected_logps)
     if not pc.shape == pr.shape == rc.shape == rr.shape:
-        raise ConfigError(f"the four log-prob arrays must have the same shape [N]; got policy_chosen {pc.shape}, "
-                          f"policy_rejected {pr.shape}, ref_chosen {rc.shape}, ref_rejected {rr.shape}.")
+        raise ConfigError(
+            f"the four log-prob arrays must have the same shape [N]; got policy_chosen {pc.shape}, "
+            f"policy_rejected {pr.shape}, ref_chosen {rc.shape}, ref_rejected {rr.shape}."
+        )
     n_c = n_r = None
     if "ipo" in cfg.loss_type:
         n_c = _as_counts("chosen_num_tokens", chosen_num_tokens, pc.size)
         n_r = _as_counts("rejected_num_tokens", rejected_num_tokens, pc.size)
     out = dpo_family(pc - rc, pr - rr, cfg, NUMPY_OPS, chosen_num_tokens=n_c, rejected_num_tokens=n_r)
-    return DPOLossOutput(losses=out.losses, chosen_rewards=out.chosen_rewards, rejected_rewards=out.rejected_rewards,
-                         losses_by_type=out.losses_by_type)
+    return DPOLossOutput(
+        losses=out.losses,
+        chosen_rewards=out.chosen_rewards,
+        rejected_rewards=out.rejected_rewards,
+        losses_by_type=out.losses_by_type,
+    )
 
 
 def reward_metrics(chosen_rewards: np.ndarray, rejected_rewards: np.ndarray) -> dict[str, float]:
@@ -360,9 +438,14 @@ def reward_metrics(chosen_rewards: np.ndarray, rejected_rewards: np.ndarray) -> 
     chosen = np.asarray(chosen_rewards, dtype=np.float64)
     rejected = np.asarray(rejected_rewards, dtype=np.float64)
     if chosen.shape != rejected.shape or chosen.ndim != 1 or chosen.size == 0:
-        raise ConfigError(f"chosen_rewards {chosen.shape} and rejected_rewards {rejected.shape} must be the same "
-                          f"non-empty 1-D shape [N].")
-    return {"rewards/chosen": float(chosen.mean()), "rewards/rejected": float(rejected.mean()),
-            # Strict: a tie is not a win, as in TRL.
-            "rewards/accuracies": float((chosen > rejected).mean()),
-            "rewards/margins": float((chosen - rejected).mean())}
+        raise ConfigError(
+            f"chosen_rewards {chosen.shape} and rejected_rewards {rejected.shape} must be the same "
+            f"non-empty 1-D shape [N]."
+        )
+    return {
+        "rewards/chosen": float(chosen.mean()),
+        "rewards/rejected": float(rejected.mean()),
+        # Strict: a tie is not a win, as in TRL.
+        "rewards/accuracies": float((chosen > rejected).mean()),
+        "rewards/margins": float((chosen - rejected).mean()),
+    }

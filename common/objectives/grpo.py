@@ -108,8 +108,7 @@ class GRPOConfig:
 # ---------------------------------------------------------------------------------------
 
 
-def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gradient_accumulation_steps: int
-                      ) -> None:
+def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gradient_accumulation_steps: int) -> None:
     """The rules that tie GRPO's knobs together; raises ``ConfigError`` naming the fields and the fix.
 
     The generation batch of one optimizer step is ``per_device_train_batch_size *
@@ -118,35 +117,50 @@ def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gra
     """
     g = grpo.num_generations
     if g < 2:
-        raise ConfigError(f"num_generations={g} is not valid: GRPO's advantage compares a completion with the "
-                          f"others of its group, so a group needs at least 2 completions (--num-generations 2 "
-                          f"or more; TRL's default is 8).")
+        raise ConfigError(
+            f"num_generations={g} is not valid: GRPO's advantage compares a completion with the "
+            f"others of its group, so a group needs at least 2 completions (--num-generations 2 "
+            f"or more; TRL's default is 8)."
+        )
     generation_batch = per_device_train_batch_size * gradient_accumulation_steps
     if generation_batch % g:
-        raise ConfigError(f"the generation batch per_device_train_batch_size x gradient_accumulation_steps = "
-                          f"{per_device_train_batch_size} x {gradient_accumulation_steps} = {generation_batch} "
-                          f"completions is not divisible by num_generations={g}: every prompt needs its whole "
-                          f"group in one step; make it a multiple of {g} (e.g. --per-device-train-batch-size {g}).")
+        raise ConfigError(
+            f"the generation batch per_device_train_batch_size x gradient_accumulation_steps = "
+            f"{per_device_train_batch_size} x {gradient_accumulation_steps} = {generation_batch} "
+            f"completions is not divisible by num_generations={g}: every prompt needs its whole "
+            f"group in one step; make it a multiple of {g} (e.g. --per-device-train-batch-size {g})."
+        )
     if grpo.use_vllm and grpo.vllm_mode != "colocate":
-        raise ConfigError(f"vllm_mode={grpo.vllm_mode!r} is not supported: twinseq runs vLLM in colocate mode (the "
-                          f"training process owns the engine); use --vllm-mode colocate, or TRL's `trl vllm-serve` "
-                          f"setup for a separate server.")
+        raise ConfigError(
+            f"vllm_mode={grpo.vllm_mode!r} is not supported: twinseq runs vLLM in colocate mode (the "
+            f"training process owns the engine); use --vllm-mode colocate, or TRL's `trl vllm-serve` "
+            f"setup for a separate server."
+        )
     if grpo.use_vllm and not grpo.ds3_gather_for_generation:
-        raise ConfigError("ds3_gather_for_generation=False cannot be used with use_vllm=True: vLLM needs the full "
-                          "weights to be pushed to its engine; drop --no-ds3-gather-for-generation or --use-vllm.")
+        raise ConfigError(
+            "ds3_gather_for_generation=False cannot be used with use_vllm=True: vLLM needs the full "
+            "weights to be pushed to its engine; drop --no-ds3-gather-for-generation or --use-vllm."
+        )
     if grpo.vllm_enable_sleep_mode and not grpo.use_vllm:
-        raise ConfigError("vllm_enable_sleep_mode=True (vllm_sleep_enabled) puts a vLLM engine to sleep, but "
-                          "use_vllm=False: there is none; add --use-vllm or drop --vllm-enable-sleep-mode.")
+        raise ConfigError(
+            "vllm_enable_sleep_mode=True (vllm_sleep_enabled) puts a vLLM engine to sleep, but "
+            "use_vllm=False: there is none; add --use-vllm or drop --vllm-enable-sleep-mode."
+        )
     if grpo.vllm_sleep_level not in (1, 2):
-        raise ConfigError(f"vllm_sleep_level={grpo.vllm_sleep_level!r} is not valid; choose 1 (weights to CPU, "
-                          f"KV cache dropped) or 2 (both dropped) (--vllm-sleep-level).")
+        raise ConfigError(
+            f"vllm_sleep_level={grpo.vllm_sleep_level!r} is not valid; choose 1 (weights to CPU, "
+            f"KV cache dropped) or 2 (both dropped) (--vllm-sleep-level)."
+        )
     if grpo.reward_weights is not None and len(grpo.reward_weights) != len(grpo.reward_funcs):
-        raise ConfigError(f"reward_weights={grpo.reward_weights!r} has {len(grpo.reward_weights)} entries but "
-                          f"reward_funcs={grpo.reward_funcs!r} has {len(grpo.reward_funcs)}; give one weight per "
-                          f"reward function, or none (all 1.0).")
+        raise ConfigError(
+            f"reward_weights={grpo.reward_weights!r} has {len(grpo.reward_weights)} entries but "
+            f"reward_funcs={grpo.reward_funcs!r} has {len(grpo.reward_funcs)}; give one weight per "
+            f"reward function, or none (all 1.0)."
+        )
     if not grpo.reward_funcs:
-        raise ConfigError("reward_funcs=[] is not valid: GRPO needs at least one reward function "
-                          "(--reward-funcs exact_match format).")
+        raise ConfigError(
+            "reward_funcs=[] is not valid: GRPO needs at least one reward function (--reward-funcs exact_match format)."
+        )
 
 
 DEFAULT_MAX_COMPLETION_LENGTH = 512
@@ -158,8 +172,11 @@ def completion_budget(max_completion_length: Optional[int]) -> int:
     """``max_completion_length``, or TRL's default (``DEFAULT_MAX_COMPLETION_LENGTH``) when unset (logged: the data
     section's None means "no truncation" for SFT/DPO, but generation needs a bound)."""
     if max_completion_length is None:
-        logger.info("max_completion_length is unset: GRPO generates up to %d tokens (TRL's default); set "
-                    "--max-completion-length to change it", DEFAULT_MAX_COMPLETION_LENGTH)
+        logger.info(
+            "max_completion_length is unset: GRPO generates up to %d tokens (TRL's default); set "
+            "--max-completion-length to change it",
+            DEFAULT_MAX_COMPLETION_LENGTH,
+        )
         return DEFAULT_MAX_COMPLETION_LENGTH
     return max_completion_length
 
@@ -211,38 +228,54 @@ def reward_func_name(func: Any) -> str:
     return getattr(func, "reward_name", None) or getattr(func, "__name__", None) or type(func).__name__
 
 
-def _call_reward_func(func: RewardFunc, prompts: Sequence[Any], completions: Sequence[Any],
-                      columns: Mapping[str, Sequence[Any]]) -> np.ndarray:
+def _call_reward_func(
+    func: RewardFunc, prompts: Sequence[Any], completions: Sequence[Any], columns: Mapping[str, Sequence[Any]]
+) -> np.ndarray:
     name = reward_func_name(func)
     try:
         out = func(prompts=list(prompts), completions=list(completions), **columns)
     except Exception as err:  # a user's function: report which one failed, and why
-        raise DataError(f"reward function {name!r} raised {type(err).__name__}: {err}; it is called as "
-                        f"{name}(prompts=..., completions=..., **columns) with columns {sorted(columns)} and "
-                        f"must return one float (or None) per completion.") from err
+        raise DataError(
+            f"reward function {name!r} raised {type(err).__name__}: {err}; it is called as "
+            f"{name}(prompts=..., completions=..., **columns) with columns {sorted(columns)} and "
+            f"must return one float (or None) per completion."
+        ) from err
     if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
-        raise DataError(f"reward function {name!r} returned {type(out).__name__}, not a list of "
-                        f"{len(completions)} floats (one per completion, None to abstain).")
+        raise DataError(
+            f"reward function {name!r} returned {type(out).__name__}, not a list of "
+            f"{len(completions)} floats (one per completion, None to abstain)."
+        )
     if len(out) != len(completions):
-        raise DataError(f"reward function {name!r} returned {len(out)} rewards for {len(completions)} completions; "
-                        f"return one float (or None) per completion.")
+        raise DataError(
+            f"reward function {name!r} returned {len(out)} rewards for {len(completions)} completions; "
+            f"return one float (or None) per completion."
+        )
     values = np.full(len(out), np.nan)
     for i, v in enumerate(out):
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-            raise DataError(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; "
-                            f"return a float or None.")
+            raise DataError(
+                f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; "
+                f"return a float or None."
+            )
         if np.isinf(v):  # NaN is an abstention, as TRL reads it; an infinite reward would make every advantage NaN
-            raise DataError(f"reward function {name!r} returned {float(v)} for completion {i}; rewards must be "
-                            f"finite: return a float, or None (or NaN) to abstain.")
+            raise DataError(
+                f"reward function {name!r} returned {float(v)} for completion {i}; rewards must be "
+                f"finite: return a float, or None (or NaN) to abstain."
+            )
         values[i] = float(v)
     return values
 
 
-def compute_rewards(funcs: Sequence[RewardFunc], prompts: Sequence[Any], completions: Sequence[Any], *,
-                    weights: Optional[Sequence[float]] = None,
-                    columns: Optional[Mapping[str, Sequence[Any]]] = None) -> tuple[np.ndarray, np.ndarray]:
+def compute_rewards(
+    funcs: Sequence[RewardFunc],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    *,
+    weights: Optional[Sequence[float]] = None,
+    columns: Optional[Mapping[str, Sequence[Any]]] = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """(total reward [N], per-function rewards [N, F]) float64; None -> NaN, and the total is the
     NaN-ignoring weighted sum (TRL's ``nansum``), so a function may abstain on some completions.
 
@@ -256,14 +289,15 @@ def compute_rewards(funcs: Sequence[RewardFunc], prompts: Sequence[Any], complet
         raise ConfigError("no reward functions: pass at least one (reward_funcs).")
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
-        raise ConfigError(f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions; give one "
-                          f"weight per function.")
+        raise ConfigError(
+            f"reward_weights has {len(weights)} entries for {len(funcs)} reward functions; give one "
+            f"weight per function."
+        )
     columns = dict(columns or {})
     per = np.stack([_call_reward_func(f, prompts, completions, columns) for f in funcs], axis=1)
     all_none = np.isnan(per).all(axis=1)
     if all_none.any():
-        logger.warning("%d completion(s) got None from every reward function; their reward is 0",
-                       int(all_none.sum()))
+        logger.warning("%d completion(s) got None from every reward function; their reward is 0", int(all_none.sum()))
     total = np.nansum(per * np.asarray(weights, np.float64)[None, :], axis=1)
     return total, per
 
@@ -308,10 +342,10 @@ class LossNorm:
     """What the reduction of one micro-batch divides by (see ``loss_normaliser``)."""
 
     loss_type: str
-    num_sequences_in_step: Optional[int] = None   # grpo
-    num_tokens_in_step: Optional[int] = None      # dapo
-    num_micro_batches: int = 1                    # bnpo
-    max_completion_length: Optional[int] = None   # dr_grpo
+    num_sequences_in_step: Optional[int] = None  # grpo
+    num_tokens_in_step: Optional[int] = None  # dapo
+    num_micro_batches: int = 1  # bnpo
+    max_completion_length: Optional[int] = None  # dr_grpo
 
 
 def per_token_loss_np(logps_NC, old_logps_NC, advantages_N, eps_low, eps_high, beta=0.0, ref_logps_NC=None):
@@ -357,17 +391,29 @@ def clip_metrics_np(ratio_NC, advantages_N, mask_NC, eps_low, eps_high) -> dict[
     low = (ratio_NC < 1 - eps_low) & (adv < 0)
     high = (ratio_NC > 1 + eps_high) & (adv > 0)
     count = max(int(m.sum()), 1)
-    return {"clip_ratio/low_mean": float((low & m).sum() / count),
-            "clip_ratio/high_mean": float((high & m).sum() / count),
-            "clip_ratio/region_mean": float(((low | high) & m).sum() / count)}
+    return {
+        "clip_ratio/low_mean": float((low & m).sum() / count),
+        "clip_ratio/high_mean": float((high & m).sum() / count),
+        "clip_ratio/region_mean": float(((low | high) & m).sum() / count),
+    }
 
 
-def grpo_loss(logps_NC: np.ndarray, advantages_N: np.ndarray, mask_NC: np.ndarray, *,
-              old_logps_NC: Optional[np.ndarray] = None, ref_logps_NC: Optional[np.ndarray] = None,
-              loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: Optional[float] = None,
-              beta: float = 0.0, max_completion_length: Optional[int] = None,
-              num_sequences_in_step: Optional[int] = None, num_tokens_in_step: Optional[int] = None,
-              num_micro_batches: int = 1) -> GRPOLossOutput:
+def grpo_loss(
+    logps_NC: np.ndarray,
+    advantages_N: np.ndarray,
+    mask_NC: np.ndarray,
+    *,
+    old_logps_NC: Optional[np.ndarray] = None,
+    ref_logps_NC: Optional[np.ndarray] = None,
+    loss_type: str = "dapo",
+    epsilon: float = 0.2,
+    epsilon_high: Optional[float] = None,
+    beta: float = 0.0,
+    max_completion_length: Optional[int] = None,
+    num_sequences_in_step: Optional[int] = None,
+    num_tokens_in_step: Optional[int] = None,
+    num_micro_batches: int = 1,
+) -> GRPOLossOutput:
     """The GRPO loss of completions ``[N, C]`` (padded right, ``mask_NC`` 1 on completion tokens).
 
     ``logps_NC``: the policy's log-prob of each completion token; ``old_logps_NC``: the sampling
@@ -381,8 +427,9 @@ def grpo_loss(logps_NC: np.ndarray, advantages_N: np.ndarray, mask_NC: np.ndarra
     """
     eps_high = epsilon if epsilon_high is None else epsilon_high
     mask = np.asarray(mask_NC, np.float64)
-    loss_NC, ratio_NC, kl_NC = per_token_loss_np(logps_NC, old_logps_NC, advantages_N, epsilon, eps_high, beta,
-                                                 ref_logps_NC)
+    loss_NC, ratio_NC, kl_NC = per_token_loss_np(
+        logps_NC, old_logps_NC, advantages_N, epsilon, eps_high, beta, ref_logps_NC
+    )
     norm = LossNorm(loss_type, num_sequences_in_step, num_tokens_in_step, num_micro_batches, max_completion_length)
     metrics = clip_metrics_np(ratio_NC, advantages_N, mask, epsilon, eps_high)
     if kl_NC is not None:
@@ -395,8 +442,9 @@ def grpo_loss(logps_NC: np.ndarray, advantages_N: np.ndarray, mask_NC: np.ndarra
 # ---------------------------------------------------------------------------------------
 
 
-def completion_mask(completion_ids_NC: np.ndarray, eos_token_id: Optional[int], pad_token_id: int,
-                    *, mask_truncated: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def completion_mask(
+    completion_ids_NC: np.ndarray, eos_token_id: Optional[int], pad_token_id: int, *, mask_truncated: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
     """(mask [N, C] int32: 1 up to and including the first EOS, truncated [N] bool: no EOS).
 
     Tokens after the first EOS are not the completion's (generation pads them). With
@@ -413,7 +461,7 @@ def completion_mask(completion_ids_NC: np.ndarray, eos_token_id: Optional[int], 
         is_eos = np.zeros_like(ids, bool)
     else:
         is_eos = ids == eos_token_id
-    has_eos = is_eos.any(axis=1)
+    has_eos = np.asarray(is_eos.any(axis=1))
     first_eos = np.where(has_eos, is_eos.argmax(axis=1), c)
     mask = np.arange(c)[None, :] <= first_eos[:, None]
     if eos_token_id is None:
@@ -429,17 +477,20 @@ def completion_lengths(mask_NC: np.ndarray) -> np.ndarray:
 
 def check_callable_reward(func: Any, index: int) -> None:
     if not callable(func):
-        raise ConfigTypeError(f"reward_funcs[{index}]={func!r} is not callable; pass a function "
-                              f"f(prompts, completions, **columns) -> list[float | None] or a built-in name.")
+        raise ConfigTypeError(
+            f"reward_funcs[{index}]={func!r} is not callable; pass a function "
+            f"f(prompts, completions, **columns) -> list[float | None] or a built-in name."
+        )
     try:
         inspect.signature(func).bind_partial(prompts=[], completions=[])  # dataset columns come as keywords too
     except TypeError:
-        raise ConfigTypeError(f"reward function {reward_func_name(func)!r} cannot be called as "
-                              f"f(prompts=..., completions=..., **columns); give it those keyword parameters "
-                              f"and **kwargs.") from None
+        raise ConfigTypeError(
+            f"reward function {reward_func_name(func)!r} cannot be called as "
+            f"f(prompts=..., completions=..., **columns); give it those keyword parameters "
+            f"and **kwargs."
+        ) from None
     except ValueError:  # builtins without a signature: let the call decide
         pass
-
 
 
 # ---------------------------------------------------------------------------------------
@@ -456,17 +507,23 @@ class CompletionBatch:
     ``[N, C]`` completion matrix, so a backend's per-token log-probs become ``logps[N, C]``.
     """
 
-    batch: Any                       # common.data.batching.Batch
-    target_doc_ids: np.ndarray       # int32 [B, T]: document of the target labels[t + 1]; -1: none
-    num_docs: int                    # N
-    token_row_n: np.ndarray          # int64 [n]
-    token_col_n: np.ndarray          # int64 [n]
-    num_columns: int                 # C
+    batch: Any  # common.data.batching.Batch
+    target_doc_ids: np.ndarray  # int32 [B, T]: document of the target labels[t + 1]; -1: none
+    num_docs: int  # N
+    token_row_n: np.ndarray  # int64 [n]
+    token_col_n: np.ndarray  # int64 [n]
+    num_columns: int  # C
 
 
-def collate_completions(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], *,
-                        padding_free: bool = False, pad_token_id: int = 0, num_columns: Optional[int] = None,
-                        pad_to_multiple_of: Optional[int] = None) -> CompletionBatch:
+def collate_completions(
+    prompt_ids: Sequence[Sequence[int] | np.ndarray],
+    completion_ids: Sequence[Sequence[int] | np.ndarray],
+    *,
+    padding_free: bool = False,
+    pad_token_id: int = 0,
+    num_columns: Optional[int] = None,
+    pad_to_multiple_of: Optional[int] = None,
+) -> CompletionBatch:
     """Prompt and (trimmed, non-empty) completion ids -> a ``CompletionBatch``.
 
     >>> cb = collate_completions([[1, 5], [1]], [[7, 2], [8]], padding_free=True)
@@ -474,18 +531,31 @@ def collate_completions(prompt_ids: Sequence[Sequence[int]], completion_ids: Seq
     ([[1, 5, 7, 2, 1, 8]], [0, 0, 1], [0, 1, 0])
     """
     if len(prompt_ids) != len(completion_ids) or not len(prompt_ids):
-        raise DataError(f"collate_completions needs one completion per prompt, got {len(prompt_ids)} prompts and "
-                        f"{len(completion_ids)} completions.")
+        raise DataError(
+            f"collate_completions needs one completion per prompt, got {len(prompt_ids)} prompts and "
+            f"{len(completion_ids)} completions."
+        )
     docs = []
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
         p, c = np.asarray(p, np.int64), np.asarray(c, np.int64)
         if p.size == 0 or c.size == 0:
-            raise DataError(f"document {i}: an empty {'prompt' if p.size == 0 else 'completion'}; a prompt needs at "
-                            f"least one token (a BOS) to predict the completion's first token from.")
-        docs.append({"input_ids": np.concatenate([p, c]),
-                     "completion_mask": np.concatenate([np.zeros(p.size, np.int64), np.ones(c.size, np.int64)])})
-    batch = collate(docs, padding_free=padding_free, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of,
-                    completion_only_loss=True)
+            raise DataError(
+                f"document {i}: an empty {'prompt' if p.size == 0 else 'completion'}; a prompt needs at "
+                f"least one token (a BOS) to predict the completion's first token from."
+            )
+        docs.append(
+            {
+                "input_ids": np.concatenate([p, c]),
+                "completion_mask": np.concatenate([np.zeros(p.size, np.int64), np.ones(c.size, np.int64)]),
+            }
+        )
+    batch = collate(
+        docs,
+        padding_free=padding_free,
+        pad_token_id=pad_token_id,
+        pad_to_multiple_of=pad_to_multiple_of,
+        completion_only_loss=True,
+    )
     target_doc_ids = _target_doc_ids(batch)
     doc_n = target_doc_ids[target_doc_ids >= 0].astype(np.int64)
     lengths = np.bincount(doc_n, minlength=len(docs))
@@ -504,8 +574,9 @@ def scatter_tokens(values_n: np.ndarray, cb: CompletionBatch) -> np.ndarray:
     return out
 
 
-def reward_metrics(total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str], num_generations: int
-                   ) -> dict[str, float]:
+def reward_metrics(
+    total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str], num_generations: int
+) -> dict[str, float]:
     """TRL's reward metrics of one generation: ``reward``, ``reward_std`` (mean of the groups' std),
     ``frac_reward_zero_std`` and each function's mean and std over the completions it scored (NaN: not scored).
 
@@ -514,8 +585,11 @@ def reward_metrics(total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str]
     (0.75, 0.5, 0.6666666666666666)
     """
     groups = total_N.reshape(-1, num_generations)
-    out = {"reward": float(total_N.mean()), "reward_std": float(groups.std(axis=1, ddof=1).mean()),
-           "frac_reward_zero_std": float((groups.std(axis=1) == 0).mean())}
+    out = {
+        "reward": float(total_N.mean()),
+        "reward_std": float(groups.std(axis=1, ddof=1).mean()),
+        "frac_reward_zero_std": float((groups.std(axis=1) == 0).mean()),
+    }
     for j, name in enumerate(names):
         ok = per_NF[:, j][~np.isnan(per_NF[:, j])]
         out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else float("nan")

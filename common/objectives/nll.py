@@ -35,8 +35,9 @@ def shift_labels(labels_BT: np.ndarray) -> np.ndarray:
     """
     labels_BT = np.asarray(labels_BT)
     if labels_BT.ndim != 2:
-        raise DataError(f"labels must have shape [B, T], got shape {labels_BT.shape}; "
-                        f"add a batch dimension with labels[None].")
+        raise DataError(
+            f"labels must have shape [B, T], got shape {labels_BT.shape}; add a batch dimension with labels[None]."
+        )
     targets_BT = np.full_like(labels_BT, IGNORE_INDEX)
     targets_BT[:, :-1] = labels_BT[:, 1:]
     return targets_BT
@@ -47,9 +48,11 @@ def check_targets(targets: np.ndarray, vocab_size: int) -> np.ndarray:
     valid = targets != IGNORE_INDEX
     bad = valid & ((targets < 0) | (targets >= vocab_size))
     if bad.any():
-        raise DataError(f"labels hold {np.asarray(targets[bad]).ravel()[:4].tolist()}, outside the vocabulary "
-                        f"[0, {vocab_size}) and not the ignore index {IGNORE_INDEX}; fix the tokenisation "
-                         f"or the model's vocab_size.")
+        raise DataError(
+            f"labels hold {np.asarray(targets[bad]).ravel()[:4].tolist()}, outside the vocabulary "
+            f"[0, {vocab_size}) and not the ignore index {IGNORE_INDEX}; fix the tokenisation "
+            f"or the model's vocab_size."
+        )
     return valid
 
 
@@ -68,8 +71,10 @@ def token_nll(logits_BTV: np.ndarray, targets_BT: np.ndarray) -> np.ndarray:
     logits_BTV = np.asarray(logits_BTV)
     targets_BT = np.asarray(targets_BT)
     if logits_BTV.shape[:-1] != targets_BT.shape:
-        raise DataError(f"logits shape {logits_BTV.shape} does not match targets shape {targets_BT.shape}; "
-                        f"logits must be [B, T, V] for targets [B, T].")
+        raise DataError(
+            f"logits shape {logits_BTV.shape} does not match targets shape {targets_BT.shape}; "
+            f"logits must be [B, T, V] for targets [B, T]."
+        )
     valid = check_targets(targets_BT, logits_BTV.shape[-1])
     logp = log_softmax(logits_BTV)
     safe = np.where(valid, targets_BT, 0)
@@ -81,15 +86,21 @@ def check_num_items(num_items_in_batch: int, num_valid: int) -> None:
     """Raise unless ``num_items_in_batch`` can be the label count of the step that holds a micro-batch
     of ``num_valid`` targets (every backend's loss checks it here, on the host)."""
     if num_items_in_batch is None or int(num_items_in_batch) != num_items_in_batch or num_items_in_batch < 0:
-        raise DataError(f"num_items_in_batch={num_items_in_batch!r} must be a non-negative integer: the count "
-                        f"of labels != -100 over the whole optimizer step.")
+        raise DataError(
+            f"num_items_in_batch={num_items_in_batch!r} must be a non-negative integer: the count "
+            f"of labels != -100 over the whole optimizer step."
+        )
     if num_items_in_batch < num_valid:
-        raise DataError(f"num_items_in_batch={num_items_in_batch} is smaller than the {num_valid} valid targets "
-                        f"of this micro-batch alone; it must count the labels != -100 of the whole optimizer "
-                        f"step (all micro-batches, all ranks), e.g. Batch.num_items_in_batch.")
+        raise DataError(
+            f"num_items_in_batch={num_items_in_batch} is smaller than the {num_valid} valid targets "
+            f"of this micro-batch alone; it must count the labels != -100 of the whole optimizer "
+            f"step (all micro-batches, all ranks), e.g. Batch.num_items_in_batch."
+        )
     if num_items_in_batch == 0:
-        logger.warning("num_items_in_batch=0: the whole optimizer step has no valid label; the loss is 0 "
-                       "and the gradients are zero.")
+        logger.warning(
+            "num_items_in_batch=0: the whole optimizer step has no valid label; the loss is 0 "
+            "and the gradients are zero."
+        )
 
 
 def nll_loss(logits_BTV: np.ndarray, labels_BT: np.ndarray, num_items_in_batch: int) -> float:
@@ -132,8 +143,12 @@ def per_document_loss(logits_BTV: np.ndarray, labels_BT: np.ndarray, segment_ids
             segs.append(int(s))
             sums.append(float(nll_BT[r][in_doc].sum()))
             counts.append(int(in_doc.sum()))
-    return {"row": np.array(rows, dtype=np.int64), "segment": np.array(segs, dtype=np.int64),
-            "nll_sum": np.array(sums, dtype=np.float64), "count": np.array(counts, dtype=np.int64)}
+    return {
+        "row": np.array(rows, dtype=np.int64),
+        "segment": np.array(segs, dtype=np.int64),
+        "nll_sum": np.array(sums, dtype=np.float64),
+        "count": np.array(counts, dtype=np.int64),
+    }
 
 
 def num_tokens(labels_BT: np.ndarray) -> int:
@@ -169,6 +184,8 @@ def entropy(logits_BTV: np.ndarray, labels_BT: np.ndarray) -> float:
 
 def metrics(logits_BTV: np.ndarray, labels_BT: np.ndarray) -> dict:
     """The logged loss metrics, in the same dict the backends return with ``return_metrics=True``."""
-    return {"mean_token_accuracy": mean_token_accuracy(logits_BTV, labels_BT),
-            "entropy": entropy(logits_BTV, labels_BT),
-            "num_tokens": num_tokens(labels_BT)}
+    return {
+        "mean_token_accuracy": mean_token_accuracy(logits_BTV, labels_BT),
+        "entropy": entropy(logits_BTV, labels_BT),
+        "num_tokens": num_tokens(labels_BT),
+    }

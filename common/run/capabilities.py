@@ -55,14 +55,27 @@ class Capabilities:
 
 BACKEND_CAPABILITIES = {
     "torch": Capabilities(
-        "torch", frozenset({"nll", "chunked", "fused_linear", "liger", "triton"}),
-        frozenset({"torch_compile", "fsdp", "deepspeed_zero_stage"}), "processes",
-        "launch {cp} or more processes (torchrun --nproc-per-node {cp})", multi_process=True,
-        checks_attention_packages=True, own_masked_attention=False, ring_attention_rules=True),
+        "torch",
+        frozenset({"nll", "chunked", "fused_linear", "liger", "triton"}),
+        frozenset({"torch_compile", "fsdp", "deepspeed_zero_stage"}),
+        "processes",
+        "launch {cp} or more processes (torchrun --nproc-per-node {cp})",
+        multi_process=True,
+        checks_attention_packages=True,
+        own_masked_attention=False,
+        ring_attention_rules=True,
+    ),
     "jax": Capabilities(
-        "jax", frozenset({"nll", "chunked", "fused_linear"}), frozenset(), "visible devices",
-        "expose more devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={cp})", multi_process=False,
-        checks_attention_packages=False, own_masked_attention=True, ring_attention_rules=False),
+        "jax",
+        frozenset({"nll", "chunked", "fused_linear"}),
+        frozenset(),
+        "visible devices",
+        "expose more devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={cp})",
+        multi_process=False,
+        checks_attention_packages=False,
+        own_masked_attention=True,
+        ring_attention_rules=False,
+    ),
 }
 """Each backend's capabilities, keyed by its ``--backend`` name."""
 
@@ -71,10 +84,10 @@ BACKEND_CAPABILITIES = {
 class Runtime:
     """The facts a backend knows about where it runs."""
 
-    backend: str                 # "torch" or "jax"
-    device_type: str             # "cpu", "cuda", "gpu", "tpu"
-    world_size: int = 1          # torch: processes; jax: visible devices
-    accelerator: bool = False    # device memory distinct from host memory (offloading has a meaning)
+    backend: str  # "torch" or "jax"
+    device_type: str  # "cpu", "cuda", "gpu", "tpu"
+    world_size: int = 1  # torch: processes; jax: visible devices
+    accelerator: bool = False  # device memory distinct from host memory (offloading has a meaning)
 
     @property
     def caps(self) -> Capabilities:
@@ -98,32 +111,44 @@ def check_runtime(cfg: TrainConfig, rt: Runtime) -> None:
 def _check_loss_kernel(cfg: TrainConfig, rt: Runtime) -> None:
     kernel = cfg.loss.loss_type
     if kernel == "triton" and kernel not in rt.caps.loss_kernels:
-        raise ConfigError(f"loss_type='triton' is twinseq's Triton kernel for the torch backend; on the {rt.backend} "
-                          f"backend use --loss-type fused_linear (the same loss, never materialising the logits).")
+        raise ConfigError(
+            f"loss_type='triton' is twinseq's Triton kernel for the torch backend; on the {rt.backend} "
+            f"backend use --loss-type fused_linear (the same loss, never materialising the logits)."
+        )
     if kernel != "liger":
         return
     if kernel not in rt.caps.loss_kernels or rt.device_type != "cuda":
         where = f"the {rt.backend} backend" if kernel not in rt.caps.loss_kernels else f"a {rt.device_type!r} device"
-        raise ConfigError(f"loss_type='liger' (or use_liger_kernel=True) is Liger's CUDA kernel for the torch "
-                          f"backend, and this run is on {where}; use --loss-type fused_linear, which never "
-                          f"materialises the logits either.")
+        raise ConfigError(
+            f"loss_type='liger' (or use_liger_kernel=True) is Liger's CUDA kernel for the torch "
+            f"backend, and this run is on {where}; use --loss-type fused_linear, which never "
+            f"materialises the logits either."
+        )
     if not _has_package("liger_kernel"):
-        raise MissingDependencyError(f"loss_type='liger' needs the liger-kernel package; install the gpu extra "
-                                     f"with `{GPU_EXTRA}`, or use --loss-type fused_linear.")
+        raise MissingDependencyError(
+            f"loss_type='liger' needs the liger-kernel package; install the gpu extra "
+            f"with `{GPU_EXTRA}`, or use --loss-type fused_linear."
+        )
 
 
 def _check_memory(cfg: TrainConfig, rt: Runtime) -> None:
     mem = cfg.memory
     if mem.activation_offloading and not rt.accelerator:
-        raise ConfigError("activation_offloading=True moves activations from accelerator to host memory and has no "
-                          "meaning on a CPU-only run; drop --activation-offloading or run on a GPU. "
-                          "--gradient-checkpointing saves activation memory on CPU.")
+        raise ConfigError(
+            "activation_offloading=True moves activations from accelerator to host memory and has no "
+            "meaning on a CPU-only run; drop --activation-offloading or run on a GPU. "
+            "--gradient-checkpointing saves activation memory on CPU."
+        )
     if mem.torch_compile and "torch_compile" not in rt.caps.options:
-        raise ConfigError(f"torch_compile=True is a torch option; the {rt.backend} backend compiles its own way "
-                          f"(jax.jit). Drop --torch-compile.")
+        raise ConfigError(
+            f"torch_compile=True is a torch option; the {rt.backend} backend compiles its own way "
+            f"(jax.jit). Drop --torch-compile."
+        )
     if mem.activation_offloading and rt.caps.multi_process and _distributed(cfg, rt):
-        raise ConfigError("activation_offloading=True is not supported with FSDP2/context parallelism yet; drop "
-                          "--activation-offloading or train in one process.")
+        raise ConfigError(
+            "activation_offloading=True is not supported with FSDP2/context parallelism yet; drop "
+            "--activation-offloading or train in one process."
+        )
 
 
 def _check_attention(cfg: TrainConfig, rt: Runtime) -> None:
@@ -132,19 +157,29 @@ def _check_attention(cfg: TrainConfig, rt: Runtime) -> None:
     if attn in _FLASH_MODULES:
         what = "packed/padding-free batches" if cfg.data.packing or cfg.data.padding_free else "this run"
         if rt.device_type not in ("cuda", "gpu"):
-            raise ConfigError(f"attn_implementation={attn!r} needs a CUDA device (got {rt.device_type!r}); refusing "
-                              f"{what} rather than attending across documents. Use attn_implementation='varlen' "
-                              f"(padding-free, document-masked) or 'sdpa'.")
+            raise ConfigError(
+                f"attn_implementation={attn!r} needs a CUDA device (got {rt.device_type!r}); refusing "
+                f"{what} rather than attending across documents. Use attn_implementation='varlen' "
+                f"(padding-free, document-masked) or 'sdpa'."
+            )
         if rt.caps.checks_attention_packages and not _has_package(_FLASH_MODULES[attn]):
-            raise ConfigError(f"attn_implementation={attn!r} needs the {_FLASH_MODULES[attn]!r} package, which is not "
-                              f"installed; refusing {what} rather than attending across documents. Install it with "
-                              f"`{GPU_EXTRA}` or use attn_implementation='varlen'.")
+            raise ConfigError(
+                f"attn_implementation={attn!r} needs the {_FLASH_MODULES[attn]!r} package, which is not "
+                f"installed; refusing {what} rather than attending across documents. Install it with "
+                f"`{GPU_EXTRA}` or use attn_implementation='varlen'."
+            )
     if attn == "flex_attention" and rt.device_type == "cpu":
-        raise ConfigError("attn_implementation='flex_attention' cannot train on CPU: torch has no FlexAttention "
-                          "backward on CPU. Use 'varlen' or 'sdpa' on CPU, or flex_attention on CUDA.")
+        raise ConfigError(
+            "attn_implementation='flex_attention' cannot train on CPU: torch has no FlexAttention "
+            "backward on CPU. Use 'varlen' or 'sdpa' on CPU, or flex_attention on CUDA."
+        )
     if rt.caps.own_masked_attention and attn not in ("sdpa", "eager"):
-        logger.info("attn_implementation=%r: the %s backend runs its masked attention (segment ids, float32 "
-                    "softmax) for every setting", attn, rt.backend)
+        logger.info(
+            "attn_implementation=%r: the %s backend runs its masked attention (segment ids, float32 "
+            "softmax) for every setting",
+            attn,
+            rt.backend,
+        )
 
 
 def _distributed(cfg: TrainConfig, rt: Runtime) -> bool:
@@ -155,49 +190,66 @@ def _check_parallel(cfg: TrainConfig, rt: Runtime) -> None:
     par, data = cfg.parallel, cfg.data
     cp, units = par.context_parallel_size, rt.caps.world_unit
     if par.fsdp and "fsdp" not in rt.caps.options:
-        raise ConfigError(f"fsdp=True is a torch option (FSDP2); the {rt.backend} backend shards over its device "
-                          f"mesh. Drop --fsdp.")
+        raise ConfigError(
+            f"fsdp=True is a torch option (FSDP2); the {rt.backend} backend shards over its device mesh. Drop --fsdp."
+        )
     if par.deepspeed_zero_stage and "deepspeed_zero_stage" not in rt.caps.options:
-        raise ConfigError(f"deepspeed_zero_stage={par.deepspeed_zero_stage} is a torch option (DeepSpeed); the "
-                          f"{rt.backend} backend shards over its device mesh. Drop --deepspeed-zero-stage.")
+        raise ConfigError(
+            f"deepspeed_zero_stage={par.deepspeed_zero_stage} is a torch option (DeepSpeed); the "
+            f"{rt.backend} backend shards over its device mesh. Drop --deepspeed-zero-stage."
+        )
     if cp == 1:
         return
     if cp > rt.world_size:
         launch = rt.caps.launch_hint.format(cp=cp)
-        raise ConfigError(f"context_parallel_size={cp} is larger than the {rt.world_size} {units}; {launch} or lower "
-                          f"--context-parallel-size.")
+        raise ConfigError(
+            f"context_parallel_size={cp} is larger than the {rt.world_size} {units}; {launch} or lower "
+            f"--context-parallel-size."
+        )
     if rt.world_size % cp:
         divisors = [d for d in range(1, rt.world_size + 1) if rt.world_size % d == 0]
-        raise ConfigError(f"context_parallel_size={cp} does not divide the {rt.world_size} {units}: the mesh is "
-                          f"data x cp over all of them. Use context_parallel_size in {divisors}.")
+        raise ConfigError(
+            f"context_parallel_size={cp} does not divide the {rt.world_size} {units}: the mesh is "
+            f"data x cp over all of them. Use context_parallel_size in {divisors}."
+        )
     multiple = 2 * cp
     if data.pad_to_multiple_of is not None and data.pad_to_multiple_of % multiple:
-        raise ConfigError(f"context_parallel_size={cp} splits every row into 2 * cp = {multiple} load-balanced "
-                          f"chunks, but pad_to_multiple_of={data.pad_to_multiple_of} is not a multiple of {multiple}; "
-                          f"use --pad-to-multiple-of {math.lcm(data.pad_to_multiple_of, multiple)}, or leave it unset.")
+        raise ConfigError(
+            f"context_parallel_size={cp} splits every row into 2 * cp = {multiple} load-balanced "
+            f"chunks, but pad_to_multiple_of={data.pad_to_multiple_of} is not a multiple of {multiple}; "
+            f"use --pad-to-multiple-of {math.lcm(data.pad_to_multiple_of, multiple)}, or leave it unset."
+        )
     if par.context_parallel_strategy == "ring" and rt.caps.ring_attention_rules:
         _check_torch_ring(cfg, rt)
 
 
 def _check_torch_ring(cfg: TrainConfig, rt: Runtime) -> None:
     if rt.device_type != "cuda":
-        raise ConfigError(f"context_parallel_strategy='ring' uses torch's ring attention, which needs CUDA SDPA "
-                          f"(flash or efficient kernels); this run is on {rt.device_type!r}. Use "
-                          f"--context-parallel-strategy allgather, which runs on CPU/gloo too.")
+        raise ConfigError(
+            f"context_parallel_strategy='ring' uses torch's ring attention, which needs CUDA SDPA "
+            f"(flash or efficient kernels); this run is on {rt.device_type!r}. Use "
+            f"--context-parallel-strategy allgather, which runs on CPU/gloo too."
+        )
     if cfg.data.packing or cfg.data.padding_free:
-        raise ConfigError(f"context_parallel_strategy='ring' cannot mask packed documents (packing={cfg.data.packing}, "
-                          f"padding_free={cfg.data.padding_free}): torch's ring attention only knows a causal mask "
-                          f"and would attend across documents. Use --context-parallel-strategy allgather, or train "
-                          f"unpacked.")
+        raise ConfigError(
+            f"context_parallel_strategy='ring' cannot mask packed documents (packing={cfg.data.packing}, "
+            f"padding_free={cfg.data.padding_free}): torch's ring attention only knows a causal mask "
+            f"and would attend across documents. Use --context-parallel-strategy allgather, or train "
+            f"unpacked."
+        )
     if cfg.data.padding_side != "right":
-        raise ConfigError("context_parallel_strategy='ring' needs --padding-side right (a causal mask lets real "
-                          "tokens see left padding); or use --context-parallel-strategy allgather.")
+        raise ConfigError(
+            "context_parallel_strategy='ring' needs --padding-side right (a causal mask lets real "
+            "tokens see left padding); or use --context-parallel-strategy allgather."
+        )
 
 
 def _check_dpo(cfg: TrainConfig, rt: Runtime) -> None:
     if cfg.memory.torch_compile:
         raise ConfigError("torch_compile=True is not supported with task='dpo' yet; drop --torch-compile.")
     if _distributed(cfg, rt):
-        raise ConfigError("task='dpo' runs in one process on one device: FSDP, context parallelism and multi-process "
-                          "launches are not implemented for DPO; drop --fsdp / --context-parallel-size and launch "
-                          "with python.")
+        raise ConfigError(
+            "task='dpo' runs in one process on one device: FSDP, context parallelism and multi-process "
+            "launches are not implemented for DPO; drop --fsdp / --context-parallel-size and launch "
+            "with python."
+        )

@@ -53,6 +53,7 @@ def flatten_state(tree: Any, prefix: str = "") -> tuple[dict[str, np.ndarray], A
     if isinstance(tree, np.ndarray) or isinstance(tree, np.generic):
         # np.ascontiguousarray would turn a 0-d array (an optimizer's step count) into shape [1]
         return {prefix: np.array(tree, order="C")}, {_ARRAY_KEY: prefix}
+    skeleton: Any
     if isinstance(tree, dict):
         arrays, skeleton = {}, {}
         for key, value in tree.items():
@@ -70,8 +71,10 @@ def flatten_state(tree: Any, prefix: str = "") -> tuple[dict[str, np.ndarray], A
         return arrays, skeleton
     if tree is None or isinstance(tree, (bool, int, float, str)):
         return {}, tree
-    raise TypeError(f"state leaf at {prefix or '<root>'} is a {type(tree).__name__}; a trainer's state_dict may "
-                    f"hold numpy arrays and JSON values only.")
+    raise TypeError(
+        f"state leaf at {prefix or '<root>'} is a {type(tree).__name__}; a trainer's state_dict may "
+        f"hold numpy arrays and JSON values only."
+    )
 
 
 def unflatten_state(skeleton: Any, arrays: dict[str, np.ndarray]) -> Any:
@@ -85,8 +88,9 @@ def unflatten_state(skeleton: Any, arrays: dict[str, np.ndarray]) -> Any:
     return skeleton
 
 
-def save_training_checkpoint(output_dir: str | os.PathLike, step: int, state: dict[str, Any],
-                             meta: dict[str, Any]) -> Path:
+def save_training_checkpoint(
+    output_dir: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any]
+) -> Path:
     """Write ``checkpoint-<step>`` atomically; ``meta`` (JSON: data position, config) goes beside the state."""
     from safetensors.numpy import save_file
 
@@ -107,7 +111,7 @@ def save_training_checkpoint(output_dir: str | os.PathLike, step: int, state: di
 
 
 def _fsync_dir(path: Path) -> None:
-    for file in (path.iterdir() if path.is_dir() else ()):
+    for file in path.iterdir() if path.is_dir() else ():
         if file.is_file():
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
@@ -123,21 +127,28 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     state_file = path / STATE_FILE
     if not path.is_dir():
-        raise CheckpointError(f"resume_from_checkpoint={str(path)!r} is not a directory; pass a 'checkpoint-N' "
-                              f"folder of a previous run, or 'latest'.")
+        raise CheckpointError(
+            f"resume_from_checkpoint={str(path)!r} is not a directory; pass a 'checkpoint-N' "
+            f"folder of a previous run, or 'latest'."
+        )
     if not state_file.is_file():
-        raise CheckpointError(f"resume_from_checkpoint={str(path)!r} holds no {STATE_FILE}; pass a 'checkpoint-N' "
-                              f"folder written by `twinseq train --save-steps N`, or 'latest'.")
+        raise CheckpointError(
+            f"resume_from_checkpoint={str(path)!r} holds no {STATE_FILE}; pass a 'checkpoint-N' "
+            f"folder written by `twinseq train --save-steps N`, or 'latest'."
+        )
     try:
         meta = json.loads(state_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{state_file} is corrupt ({err}); resume from another checkpoint.") from None
     if not isinstance(meta, dict) or meta.get("complete") is not True:
-        raise CheckpointError(f"{state_file} is incomplete (the save was interrupted); resume from another "
-                              f"checkpoint or 'latest'.")
+        raise CheckpointError(
+            f"{state_file} is incomplete (the save was interrupted); resume from another checkpoint or 'latest'."
+        )
     if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{state_file} has format_version={meta.get('format_version')!r}; this twinseq "
-                              f"reads version {FORMAT_VERSION}. Resume with the twinseq version that wrote it.")
+        raise CheckpointError(
+            f"{state_file} has format_version={meta.get('format_version')!r}; this twinseq "
+            f"reads version {FORMAT_VERSION}. Resume with the twinseq version that wrote it."
+        )
     return meta
 
 
@@ -151,8 +162,10 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], d
     try:
         arrays = load_file(str(path / ARRAYS_FILE))
     except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path / ARRAYS_FILE} cannot be read ({err}); the checkpoint is corrupt or "
-                              f"truncated: resume from another checkpoint.") from None
+        raise CheckpointError(
+            f"{path / ARRAYS_FILE} cannot be read ({err}); the checkpoint is corrupt or "
+            f"truncated: resume from another checkpoint."
+        ) from None
     try:
         state = unflatten_state(meta.pop("state"), arrays)
     except KeyError as err:

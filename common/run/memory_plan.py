@@ -57,8 +57,9 @@ Attention (``attention_path``: which path each backend takes for the configured 
     ``B x T x T`` (4 bytes), jax a boolean one (1 byte). Blocked (torch's ``twinseq_blocked`` on CPU from
     ``BLOCKED_MIN_SEQ_LEN``, jax's ``BlockedAttention`` past one block): no ``T x T`` tensor; each layer saves a
     float32 ``B x heads x T`` log-sum-exp (q, k, v and the output are in the layer's count), and one block
-    pair's backward holds ``BLOCKED_TILES`` float32 ``B x heads x block x block`` tiles. Padding-free rows make ``T`` the whole micro-batch,
-    which is why dense attention and padding-free do not mix (``varlen`` is the path for it on torch).
+    pair's backward holds ``BLOCKED_TILES`` float32 ``B x heads x block x block`` tiles. Padding-free rows make
+    ``T`` the whole micro-batch, which is why dense attention and padding-free do not mix (``varlen`` is the path
+    for it on torch).
 
 The loss kernel (the logits term)
     ``nll`` materialises ``[tokens, vocab]`` float32 logits; cross-entropy keeps their log-softmax and
@@ -117,8 +118,18 @@ from twinseq.common.errors import ConfigError
 from twinseq.common.models.configs import ModelConfig, parameter_shapes, resolve_model_config
 from twinseq.common.models.peft import LINEAR_MODULES, PeftConfig, adapter_shapes, lora_targets
 
-__all__ = ["MemoryPlan", "MemoryRow", "plan_memory", "parse_bytes", "format_bytes", "Advice", "advise",
-           "KNOBS", "DTYPE_BYTES", "attention_path"]
+__all__ = [
+    "MemoryPlan",
+    "MemoryRow",
+    "plan_memory",
+    "parse_bytes",
+    "format_bytes",
+    "Advice",
+    "advise",
+    "KNOBS",
+    "DTYPE_BYTES",
+    "attention_path",
+]
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NF4_BYTES = 0.5
@@ -176,8 +187,13 @@ Counted; a least-squares fit to ``compiled.memory_analysis()`` of jax ``tiny`` s
 in {4, 8, 1} x {1024, 2048, 4096} x {256, 512, 1024}, the held-out planner row's shape left out) gives 3.9."""
 
 
-def attention_path(backend: str, attn_implementation: str, row_length: int, device: str = "cpu",
-                   block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE) -> str:
+def attention_path(
+    backend: str,
+    attn_implementation: str,
+    row_length: int,
+    device: str = "cpu",
+    block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE,
+) -> str:
     """Which attention a step of rows of ``row_length`` tokens runs: ``"dense"`` (a ``T x T`` mask, and
     scores where the path keeps them), ``"blocked"`` (online softmax over ``block_size`` tiles, O(T x block))
     or ``"kernel"`` (torch's ``varlen``/flex/flash: no ``T x T`` tensor, nothing planned for attention).
@@ -207,7 +223,7 @@ def attention_path(backend: str, attn_implementation: str, row_length: int, devi
     return "kernel"
 
 
-RUNTIME_BYTES = {("torch", "cpu"): 20 * 2 ** 20}
+RUNTIME_BYTES = {("torch", "cpu"): 20 * 2**20}
 """Fitted constant: what a torch CPU step allocates besides tensors the model names (measured on a
 64-token step of ``tiny`` and ``small``)."""
 
@@ -252,18 +268,28 @@ class MemoryPlan:
         for r in self.rows:
             lines.append(f"{r.component:<{width}}  {format_bytes(r.bytes):>10}  {r.note}")
         lines.append("-" * (width + 14 + 30))
-        lines.append(f"{'total':<{width}}  {format_bytes(self.total):>10}  "
-                     f"({self.backend}, {self.device}, {self.dtype}, {self.devices} device(s), {self.tokens} tokens "
-                     f"per micro-batch = {self.rows_per_micro_batch} x {self.row_length})")
+        lines.append(
+            f"{'total':<{width}}  {format_bytes(self.total):>10}  "
+            f"({self.backend}, {self.device}, {self.dtype}, {self.devices} device(s), {self.tokens} tokens "
+            f"per micro-batch = {self.rows_per_micro_batch} x {self.row_length})"
+        )
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def to_dict(self) -> dict[str, Any]:
-        return {**{k: v for k, v in dataclasses.asdict(self).items() if k != "rows"},
-                "rows": [dataclasses.asdict(r) for r in self.rows], "total": self.total}
+        return {
+            **{k: v for k, v in dataclasses.asdict(self).items() if k != "rows"},
+            "rows": [dataclasses.asdict(r) for r in self.rows],
+            "total": self.total,
+        }
 
 
-ACTIVATION_ROWS = ("activations (decoder layers)", "attention scores", "attention mask", "LoRA activations",
-                   "logits (loss kernel)")
+ACTIVATION_ROWS = (
+    "activations (decoder layers)",
+    "attention scores",
+    "attention mask",
+    "LoRA activations",
+    "logits (loss kernel)",
+)
 """The rows that grow with the tokens of a micro-batch."""
 
 
@@ -271,8 +297,22 @@ ACTIVATION_ROWS = ("activations (decoder layers)", "attention scores", "attentio
 # Sizes
 # --------------------------------------------------------------------------------------
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: Any, field_name: str = "budget") -> int:
@@ -286,14 +326,16 @@ def parse_bytes(text: Any, field_name: str = "budget") -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ConfigError(f"{field_name}={text!r} is not a memory size; write a positive number with a unit, "
-                          f"e.g. 24GiB, 24GB, 512MiB (GiB/MiB are powers of 2, GB/MB powers of 10).")
+        raise ConfigError(
+            f"{field_name}={text!r} is not a memory size; write a positive number with a unit, "
+            f"e.g. 24GiB, 24GB, 512MiB (GiB/MiB are powers of 2, GB/MB powers of 10)."
+        )
     return int(float(match.group(1)) * _UNITS[unit])
 
 
 def format_bytes(n: float) -> str:
     """Binary units: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
@@ -313,8 +355,10 @@ def _micro_batch_shape(config, backend: str) -> tuple[int, int]:
     d = config.data
     length = d.max_length
     if length is None:
-        raise ConfigError("max_length=None leaves the micro-batch size unbounded, so there is nothing to plan "
-                          "from; set --max-length (the longest row the run will see).")
+        raise ConfigError(
+            "max_length=None leaves the micro-batch size unbounded, so there is nothing to plan "
+            "from; set --max-length (the longest row the run will see)."
+        )
     per_row = 2 if config.task == "dpo" else 1
     rows = d.per_device_train_batch_size * per_row
     if d.padding_free:
@@ -339,8 +383,15 @@ def _bnb_state_bytes(shapes: Sequence[tuple[int, ...]]) -> int:
     return total
 
 
-def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device: str = "cpu",
-                backend: Optional[str] = None, model: Optional[ModelConfig] = None) -> MemoryPlan:
+def plan_memory(
+    config,
+    *,
+    dtype: Optional[str] = None,
+    devices: int = 1,
+    device: str = "cpu",
+    backend: Optional[str] = None,
+    model: Optional[ModelConfig] = None,
+) -> MemoryPlan:
     """The ``MemoryPlan`` of one training step of ``config`` (a ``TrainConfig``) on one of ``devices``.
 
     ``dtype`` overrides ``config.model.dtype`` (the compute dtype), ``backend`` ``config.backend``;
@@ -365,8 +416,10 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     rows: list[MemoryRow] = []
     shard = devices if (config.parallel.fsdp or devices > 1) else 1
     if devices > 1 and not config.parallel.fsdp:
-        notes.append(f"devices={devices}: a multi-process torch launch always shards with FSDP2, so states are "
-                     f"divided by {devices}.")
+        notes.append(
+            f"devices={devices}: a multi-process torch launch always shards with FSDP2, so states are "
+            f"divided by {devices}."
+        )
 
     shapes = parameter_shapes(cfg)
     total_params = sum(_numel(s) for s in shapes.values())
@@ -381,16 +434,30 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     # --- parameters ------------------------------------------------------------------
     if quant_elems:
         stats = QUANT_STATS_BYTES[_quant_stats_key(backend)]
-        rows.append(MemoryRow("weights (NF4 + absmax)", int(quant_elems * (NF4_BYTES + stats) / shard),
-                              f"{quant_elems / 1e6:.1f}M decoder linear weights x ({NF4_BYTES} + {stats:.4f}) B"))
-    rows.append(MemoryRow("weights (float32)", int(dense_elems * 4 / shard),
-                          f"{dense_elems / 1e6:.2f}M numbers x 4 B" + ("" if not quant_elems else
-                                                                       " (embeddings, norms, lm_head)")))
+        rows.append(
+            MemoryRow(
+                "weights (NF4 + absmax)",
+                int(quant_elems * (NF4_BYTES + stats) / shard),
+                f"{quant_elems / 1e6:.1f}M decoder linear weights x ({NF4_BYTES} + {stats:.4f}) B",
+            )
+        )
+    rows.append(
+        MemoryRow(
+            "weights (float32)",
+            int(dense_elems * 4 / shard),
+            f"{dense_elems / 1e6:.2f}M numbers x 4 B" + ("" if not quant_elems else " (embeddings, norms, lm_head)"),
+        )
+    )
     if peft.use_peft:
         adapters = adapter_shapes(cfg, peft)
         trainable_shapes = list(adapters.values())
-        rows.append(MemoryRow("LoRA adapters (float32)", int(sum(map(_numel, trainable_shapes)) * 4 / shard),
-                              f"r={peft.lora_r} on {len(targets)} linear layers"))
+        rows.append(
+            MemoryRow(
+                "LoRA adapters (float32)",
+                int(sum(map(_numel, trainable_shapes)) * 4 / shard),
+                f"r={peft.lora_r} on {len(targets)} linear layers",
+            )
+        )
     else:
         trainable_shapes = list(shapes.values())
     trainable = int(sum(map(_numel, trainable_shapes)))
@@ -401,13 +468,21 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     copies_all = copies_layer = 0
     if dtype != "float32":
         copies_all = int(matmul_elems * act_bytes / shard)
-        layer_matmul = sum(_numel(s) for n, s in shapes.items()
-                           if n.startswith("model.layers.0.") and len(s) == 2 and n not in quantised)
+        layer_matmul = sum(
+            _numel(s)
+            for n, s in shapes.items()
+            if n.startswith("model.layers.0.") and len(s) == 2 and n not in quantised
+        )
         head = shapes.get("lm_head.weight", shapes["model.embed_tokens.weight"])
         copies_layer = int((layer_matmul + _numel(head)) * act_bytes)
-        rows.append(MemoryRow(f"{dtype} weight copies", copies_all,
-                              "compute-dtype casts of the matmul weights (torch: autocast's cache, or saved for "
-                              "backward; with checkpointing one layer's at a time in backward)"))
+        rows.append(
+            MemoryRow(
+                f"{dtype} weight copies",
+                copies_all,
+                "compute-dtype casts of the matmul weights (torch: autocast's cache, or saved for "
+                "backward; with checkpointing one layer's at a time in backward)",
+            )
+        )
     if quant_elems:
         # both backends dequantise one linear layer's weight right before its matmul and again for its
         # backward (jax: jax_backend.peft._nf4_matmul, whose dequantisations are tied to the layer's input so
@@ -415,24 +490,39 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
         # small and llama-100m: the QLoRA step is LoRA's less the float32-vs-NF4 storage plus exactly one
         # largest linear's float32 weight, 1.5 and 7.5 MiB)
         biggest = max(_numel(shapes[n]) for n in quantised)
-        rows.append(MemoryRow("dequantised weight (transient)", int(biggest * act_bytes),
-                              "one linear layer dequantised at a time"))
+        rows.append(
+            MemoryRow(
+                "dequantised weight (transient)", int(biggest * act_bytes), "one linear layer dequantised at a time"
+            )
+        )
 
     # --- gradients and optimizer --------------------------------------------------------
     rows.append(MemoryRow("gradients (float32)", int(trainable * 4 / shard), f"{trainable / 1e6:.2f}M trainable"))
     if config.optim.optimizer == "adamw_bnb_8bit":
         if backend != "torch":
-            raise ConfigError("optimizer='adamw_bnb_8bit' is bitsandbytes' (torch only); use --optimizer "
-                              "adamw_torch on the jax backend.")
-        rows.append(MemoryRow("optimizer state (AdamW 8-bit)", int(_bnb_state_bytes(trainable_shapes) / shard),
-                              f"2 x 1 B + float32 absmax per {BNB_8BIT_BLOCK}"))
+            raise ConfigError(
+                "optimizer='adamw_bnb_8bit' is bitsandbytes' (torch only); use --optimizer "
+                "adamw_torch on the jax backend."
+            )
+        rows.append(
+            MemoryRow(
+                "optimizer state (AdamW 8-bit)",
+                int(_bnb_state_bytes(trainable_shapes) / shard),
+                f"2 x 1 B + float32 absmax per {BNB_8BIT_BLOCK}",
+            )
+        )
     else:
         rows.append(MemoryRow("optimizer state (AdamW)", int(trainable * 8 / shard), "exp_avg + exp_avg_sq, float32"))
     if shard > 1:
         layer_elems = sum(_numel(s) for n, s in shapes.items() if n.startswith("model.layers.0."))
         per_elem = (NF4_BYTES + QUANT_STATS_BYTES[_quant_stats_key(backend)]) if quant_elems else 4
-        rows.append(MemoryRow("FSDP all-gather buffers", int(2 * layer_elems * per_elem),
-                              f"full weights of 2 decoder layers (sharded over {shard})"))
+        rows.append(
+            MemoryRow(
+                "FSDP all-gather buffers",
+                int(2 * layer_elems * per_elem),
+                f"full weights of 2 decoder layers (sharded over {shard})",
+            )
+        )
     if config.task == "dpo" and not config.dpo.precompute_ref_log_probs and not peft.use_peft:
         rows.append(MemoryRow("reference model (DPO)", int(total_params * 4 / shard), "frozen float32 copy"))
 
@@ -455,8 +545,7 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     if backend == "torch" and dtype != "float32":
         resid_bytes = 4
         casts = 2 * h + q + i
-        layer_bytes = (coef.norm * h * 4 + casts * act_bytes + (coef.attn * q + coef.mlp * i) * act_bytes
-                       + 2 * q * 4)
+        layer_bytes = coef.norm * h * 4 + casts * act_bytes + (coef.attn * q + coef.mlp * i) * act_bytes + 2 * q * 4
     ckpt = config.memory.gradient_checkpointing
     offload = config.memory.activation_offloading
     if offload and device == "cpu":
@@ -466,10 +555,14 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     if ckpt and backend == "jax" and device == "cpu":
         kept_per_token = layers * layer_bytes * coef.ckpt_cpu_kept
         recompute = 0.0
-        how = (f"{layers} layers x {per_layer:.0f} numbers per token, x {coef.ckpt_cpu_kept:g} with remat "
-               f"(XLA:CPU schedules the recompute early)")
-        notes.append("jax on CPU: jax.checkpoint barely lowers the compiled peak (XLA:CPU hoists the "
-                     "recomputation); on GPU the plan's checkpointing saving is the theoretical one.")
+        how = (
+            f"{layers} layers x {per_layer:.0f} numbers per token, x {coef.ckpt_cpu_kept:g} with remat "
+            f"(XLA:CPU schedules the recompute early)"
+        )
+        notes.append(
+            "jax on CPU: jax.checkpoint barely lowers the compiled peak (XLA:CPU hoists the "
+            "recomputation); on GPU the plan's checkpointing saving is the theoretical one."
+        )
     elif ckpt:
         kept_per_token = layers * coef.ckpt_keep * h * resid_bytes
         recompute = tokens * layer_bytes
@@ -496,9 +589,14 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
         one = coef.scores * b * heads * t * t * 4
         scores_recompute = one if recomputed else 0.0
         scores_kept = one * kept_layers
-        rows.append(MemoryRow("attention scores", int(scores_kept + scores_recompute),
-                              f"{'jax dense' if backend == 'jax' else 'eager'}: {coef.scores:g} x {b} x {heads} x "
-                              f"{t} x {t} float32 per layer{' (one layer, recomputed)' if scores_recompute else ''}"))
+        rows.append(
+            MemoryRow(
+                "attention scores",
+                int(scores_kept + scores_recompute),
+                f"{'jax dense' if backend == 'jax' else 'eager'}: {coef.scores:g} x {b} x {heads} x "
+                f"{t} x {t} float32 per layer{' (one layer, recomputed)' if scores_recompute else ''}",
+            )
+        )
     elif path == "blocked":
         block = config.memory.attention_block_size
         padded = -(-t // block) * block  # jax pads T to a multiple of the block; torch's last block is short
@@ -509,9 +607,15 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
         scores_kept = lse * kept_layers
         scores_recompute = lse if recomputed else 0.0
         blocked_work = BLOCKED_TILES * tile
-        rows.append(MemoryRow("attention scores", int(scores_kept + scores_recompute + blocked_work),
-                              f"blocked, T={t} in {block}-token blocks: {BLOCKED_TILES:g} x {b} x {heads} x {block} x {block} float32 (one block pair's "
-                              f"backward) + a float32 [{b}, {heads}, {padded}] log-sum-exp per layer"))
+        rows.append(
+            MemoryRow(
+                "attention scores",
+                int(scores_kept + scores_recompute + blocked_work),
+                f"blocked, T={t} in {block}-token blocks: {BLOCKED_TILES:g} x {b} x {heads} x {block} x {block} "
+                f"float32 (one block pair's "
+                f"backward) + a float32 [{b}, {heads}, {padded}] log-sum-exp per layer",
+            )
+        )
     mask = 0
     if path == "dense" and (backend == "jax" or attn in ("sdpa", "eager")):
         mask_bytes = 1 if backend == "jax" else 4
@@ -535,8 +639,13 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
             lora_recompute = tokens * per_token / layers
         else:  # (XLA:CPU keeps every layer's, remat or not, as for the layers above)
             lora_kept = tokens * per_token * (min(2, layers) / layers if offloaded else 1)
-        rows.append(MemoryRow("LoRA activations", int(lora_kept + lora_recompute),
-                              f"A x per adapted linear{', dropout(x) + its mask' if dropout else ''}"))
+        rows.append(
+            MemoryRow(
+                "LoRA activations",
+                int(lora_kept + lora_recompute),
+                f"A x per adapted linear{', dropout(x) + its mask' if dropout else ''}",
+            )
+        )
 
     loss_type = config.loss.loss_type
     head_grad = 0 if peft.use_peft else v * h * 4  # the lm_head/embedding gradient, made by the loss
@@ -559,8 +668,13 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
     largest = max(map(_numel, trainable_shapes)) * 4
     if backend == "torch":
         work = tokens * coef.work * layer_bytes
-        rows.append(MemoryRow("backward working set", int(work), f"one layer's activation gradients "
-                                                                 f"({coef.work:g} x a layer's activations)"))
+        rows.append(
+            MemoryRow(
+                "backward working set",
+                int(work),
+                f"one layer's activation gradients ({coef.work:g} x a layer's activations)",
+            )
+        )
         # torch frees as it goes: the peak is the largest of three moments, not the sum of every row
         alive = kept + mask + scores_kept + lora_kept
         # autocast caches the casts of trainable weights until the forward ends; frozen weights' casts are only
@@ -568,21 +682,48 @@ def plan_memory(config, *, dtype: Optional[str] = None, devices: int = 1, device
         copies_at_loss = copies_layer if (ckpt and peft.use_peft) else copies_all
         copies_in_backward = copies_layer if ckpt else copies_all
         at_loss = alive + logits + head_grad + copies_at_loss
-        in_backward = (alive + recompute + scores_recompute + blocked_work + lora_recompute + work + head_grad
-                       + tokens * h * 4 + copies_in_backward)
+        in_backward = (
+            alive
+            + recompute
+            + scores_recompute
+            + blocked_work
+            + lora_recompute
+            + work
+            + head_grad
+            + tokens * h * 4
+            + copies_in_backward
+        )
         # every gradient, and clip_grad_norm_fp64's float64 copy of one gradient at a time (vector_norm with
         # dtype=float64 casts the whole tensor first: 8 bytes per number of the largest)
         at_update = trainable * 4 + 2 * largest
         peak = max(at_loss, in_backward, at_update)
         moment = {at_loss: "the loss", in_backward: "the backward pass", at_update: "the optimizer step"}[peak]
-        listed = sum(r.bytes for r in rows if r.component in ACTIVATION_ROWS + ("backward working set",)) \
-            + trainable * 4 + copies_all
-        rows.append(MemoryRow("not alive at once", int(peak - listed),
-                              f"rows above freed before the peak, at {moment} (torch frees saved tensors as "
-                              f"backward consumes them; gradients appear as activations go)"))
-    return MemoryPlan(rows=rows, backend=backend, device=device, dtype=dtype, devices=devices, tokens=tokens,
-                      rows_per_micro_batch=b, row_length=t, trainable_parameters=trainable,
-                      total_parameters=total_params, notes=notes)
+        listed = (
+            sum(r.bytes for r in rows if r.component in ACTIVATION_ROWS + ("backward working set",))
+            + trainable * 4
+            + copies_all
+        )
+        rows.append(
+            MemoryRow(
+                "not alive at once",
+                int(peak - listed),
+                f"rows above freed before the peak, at {moment} (torch frees saved tensors as "
+                f"backward consumes them; gradients appear as activations go)",
+            )
+        )
+    return MemoryPlan(
+        rows=rows,
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        devices=devices,
+        tokens=tokens,
+        rows_per_micro_batch=b,
+        row_length=t,
+        trainable_parameters=trainable,
+        total_parameters=total_params,
+        notes=notes,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -633,8 +774,10 @@ class Advice:
     def text(self) -> str:
         if not self.changes:
             return f"fits as is: {format_bytes(self.plan.total)} <= budget {format_bytes(self.budget)}."
-        return (f"cheapest set that fits {format_bytes(self.budget)}: {', '.join(self.knobs)} -> "
-                f"{format_bytes(self.plan.total)}\nadd: {' '.join(self.flags)}")
+        return (
+            f"cheapest set that fits {format_bytes(self.budget)}: {', '.join(self.knobs)} -> "
+            f"{format_bytes(self.plan.total)}\nadd: {' '.join(self.flags)}"
+        )
 
 
 def _flags(changes: dict[str, Any]) -> list[str]:
@@ -678,8 +821,12 @@ def _candidates(config, backend: str, device: str, devices: int):
     micro = [(None, {})]
     k = 2
     while bs % k == 0:
-        micro.append((f"micro_batch={bs // k}x{ga * k}",
-                      {"per_device_train_batch_size": bs // k, "gradient_accumulation_steps": ga * k}))
+        micro.append(
+            (
+                f"micro_batch={bs // k}x{ga * k}",
+                {"per_device_train_batch_size": bs // k, "gradient_accumulation_steps": ga * k},
+            )
+        )
         k *= 2
     options.append(micro)
     costs = {kn.name: kn.cost for kn in KNOBS}
@@ -699,8 +846,15 @@ def _candidates(config, backend: str, device: str, devices: int):
         yield names, changes, cost
 
 
-def advise(config, budget: Any, *, dtype: Optional[str] = None, devices: int = 1, device: str = "cpu",
-           backend: Optional[str] = None) -> Advice:
+def advise(
+    config,
+    budget: Any,
+    *,
+    dtype: Optional[str] = None,
+    devices: int = 1,
+    device: str = "cpu",
+    backend: Optional[str] = None,
+) -> Advice:
     """The cheapest set of knobs (``KNOBS``' ordering) under which ``plan_memory`` fits ``budget`` (bytes or
     ``"24GiB"``). Raises ``ConfigError`` naming the minimum when nothing fits."""
     budget_bytes = parse_bytes(budget)
@@ -726,9 +880,11 @@ def advise(config, budget: Any, *, dtype: Optional[str] = None, devices: int = 1
                 best = (key, names, changes, plan)
     if best is None:
         minimum = smallest or base
-        raise ConfigError(f"budget={format_bytes(budget_bytes)} is below the smallest this run can plan to: "
-                          f"{format_bytes(minimum.total)} with every knob on (fused loss, padding-free, "
-                          f"checkpointing, QLoRA, micro-batch 1, ...); raise --budget to at least "
-                          f"{format_bytes(minimum.total)}, or shorten --max-length or pick a smaller model.")
+        raise ConfigError(
+            f"budget={format_bytes(budget_bytes)} is below the smallest this run can plan to: "
+            f"{format_bytes(minimum.total)} with every knob on (fused loss, padding-free, "
+            f"checkpointing, QLoRA, micro-batch 1, ...); raise --budget to at least "
+            f"{format_bytes(minimum.total)}, or shorten --max-length or pick a smaller model."
+        )
     (cost, _, _), names, changes, plan = best
     return Advice(True, plan, changes, names, cost, _flags(changes), budget_bytes)

@@ -84,25 +84,33 @@ def parse_report_to(report_to: ReportTo) -> tuple[str, ...]:
         return ()
     values = [report_to] if isinstance(report_to, str) else report_to
     if not isinstance(values, (list, tuple)) or not all(isinstance(v, str) for v in values):
-        raise ConfigTypeError(f"report_to={report_to!r} is not valid; it must be a string or a list of strings "
-                              f"from {', '.join(map(repr, REPORT_TO_CHOICES))}.")
+        raise ConfigTypeError(
+            f"report_to={report_to!r} is not valid; it must be a string or a list of strings "
+            f"from {', '.join(map(repr, REPORT_TO_CHOICES))}."
+        )
     for value in values:
         if value not in REPORT_TO_CHOICES:
             raise ConfigError(_unknown_report_to_message(report_to, value))
     if "none" in values and len(set(values)) > 1:
-        raise ConfigError(f"report_to={report_to!r} is not valid; 'none' means no sink besides metrics.jsonl "
-                          f"and cannot be combined with another value.")
+        raise ConfigError(
+            f"report_to={report_to!r} is not valid; 'none' means no sink besides metrics.jsonl "
+            f"and cannot be combined with another value."
+        )
     return tuple(dict.fromkeys(v for v in values if v != "none"))
 
 
 def _unknown_report_to_message(report_to: ReportTo, value: str) -> str:
-    head = f"report_to={report_to!r} is not valid: {value!r} is not supported; choose one of " \
-           f"{', '.join(map(repr, REPORT_TO_CHOICES))}."
+    head = (
+        f"report_to={report_to!r} is not valid: {value!r} is not supported; choose one of "
+        f"{', '.join(map(repr, REPORT_TO_CHOICES))}."
+    )
     if value == "all":
         return head + " twinseq does not look for installed integrations; name them: 'tensorboard' is its only one."
-    return head + (" twinseq always writes <output_dir>/metrics.jsonl and, with 'tensorboard', TensorBoard "
-                   "event files; Hugging Face's other integrations (wandb, mlflow, comet_ml, trackio, ...) "
-                   "are not supported.")
+    return head + (
+        " twinseq always writes <output_dir>/metrics.jsonl and, with 'tensorboard', TensorBoard "
+        "event files; Hugging Face's other integrations (wandb, mlflow, comet_ml, trackio, ...) "
+        "are not supported."
+    )
 
 
 class MetricSink(Protocol):
@@ -137,8 +145,11 @@ class JsonlSink:
         if resume_step <= 0:
             self.path.unlink()
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= resume_step]
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= resume_step
+        ]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log_step(self, metrics: Mapping[str, Any]) -> None:
@@ -171,8 +182,10 @@ class TensorBoardSink:
             from tensorboard.compat.proto import event_pb2, summary_pb2
             from tensorboard.summary.writer.record_writer import RecordWriter
         except ImportError as err:
-            raise ImportError("report_to='tensorboard' needs the tensorboard package, a twinseq dependency: "
-                              "pip install 'tensorboard>=2.17.1' (or pip install -e . again).") from err
+            raise ImportError(
+                "report_to='tensorboard' needs the tensorboard package, a twinseq dependency: "
+                "pip install 'tensorboard>=2.17.1' (or pip install -e . again)."
+            ) from err
 
         self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
         self.logging_dir = Path(logging_dir)
@@ -215,8 +228,11 @@ class TensorBoardSink:
                 values.append(self._summary_pb2.Summary.Value(tag=self.tag_prefix + name, simple_value=float(value)))
             elif name not in self._skipped:
                 self._skipped.add(name)
-                logger.warning("TensorBoard: metric %r is a %s, not a number; it is only in metrics.jsonl.",
-                               name, type(value).__name__)
+                logger.warning(
+                    "TensorBoard: metric %r is a %s, not a number; it is only in metrics.jsonl.",
+                    name,
+                    type(value).__name__,
+                )
         summary = self._summary_pb2.Summary(value=values)
         self._write(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
         self._writer.flush()
@@ -250,13 +266,13 @@ def _read_records(data: bytes) -> list[tuple[int, int, bytes]]:
 
     records, offset = [], 0
     while offset + 12 <= len(data):
-        header = data[offset:offset + 8]
+        header = data[offset : offset + 8]
         (length,) = struct.unpack("<Q", header)
-        (header_crc,) = struct.unpack("<I", data[offset + 8:offset + 12])
+        (header_crc,) = struct.unpack("<I", data[offset + 8 : offset + 12])
         end = offset + 12 + length + 4
         if header_crc != masked_crc32c(header) or end > len(data):
             break
-        records.append((offset, end, data[offset + 12:offset + 12 + length]))
+        records.append((offset, end, data[offset + 12 : offset + 12 + length]))
         offset = end
     return records
 
@@ -276,8 +292,9 @@ def _cut_event_file(path: Path, resume_step: int, event_cls: Any) -> None:
             kept.append(data[start:end])
     new = b"".join(kept)
     if new != data:
-        logger.info("TensorBoard: resuming at step %d, cut %s from %d to %d bytes", resume_step, path.name,
-                    len(data), len(new))
+        logger.info(
+            "TensorBoard: resuming at step %d, cut %s from %d to %d bytes", resume_step, path.name, len(data), len(new)
+        )
         # A name without "tfevents": TensorBoard must never read a half-written copy.
         tmp = path.with_name(f".twinseq-cut-{os.getpid()}.tmp")
         tmp.write_bytes(new)
@@ -310,8 +327,13 @@ def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> list[tuple[str, An
     return items
 
 
-def build_sinks(report_to: ReportTo, output_dir: str | os.PathLike, *, resume_step: int = 0,
-                logging_dir: Optional[str | os.PathLike] = None) -> list[MetricSink]:
+def build_sinks(
+    report_to: ReportTo,
+    output_dir: str | os.PathLike,
+    *,
+    resume_step: int = 0,
+    logging_dir: Optional[str | os.PathLike] = None,
+) -> list[MetricSink]:
     """The sinks ``report_to`` asks for besides ``metrics.jsonl`` (``[]`` for ``"none"``)."""
     sinks: list[MetricSink] = []
     if "tensorboard" in parse_report_to(report_to):
@@ -336,9 +358,17 @@ class RunLogger:
         log.close()
     """
 
-    def __init__(self, output_dir: str | os.PathLike, max_steps: int, *, disable_tqdm: bool = False,
-                 desc: str = "train", resume_step: int = 0, report_to: ReportTo = "none",
-                 logging_dir: Optional[str | os.PathLike] = None) -> None:
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        max_steps: int,
+        *,
+        disable_tqdm: bool = False,
+        desc: str = "train",
+        resume_step: int = 0,
+        report_to: ReportTo = "none",
+        logging_dir: Optional[str | os.PathLike] = None,
+    ) -> None:
         # A bad report_to or a missing package fails here, before metrics.jsonl is cut.
         extra = build_sinks(report_to, output_dir, resume_step=resume_step, logging_dir=logging_dir)
         jsonl = JsonlSink(output_dir, resume_step)
@@ -346,8 +376,9 @@ class RunLogger:
         self.sinks: list[MetricSink] = [jsonl, *extra]
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=max_steps, initial=resume_step, desc=desc, disable=disable_tqdm,
-                         dynamic_ncols=True, file=sys.stderr)
+        self._bar = tqdm(
+            total=max_steps, initial=resume_step, desc=desc, disable=disable_tqdm, dynamic_ncols=True, file=sys.stderr
+        )
 
     def log_step(self, metrics: dict[str, Any]) -> None:
         missing = [k for k in REQUIRED_FIELDS if k not in metrics]
@@ -358,8 +389,12 @@ class RunLogger:
         for sink in self.sinks:
             sink.log_step(metrics)
         self._bar.update(1)
-        self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{metrics['tokens_per_second']:.0f}",
-                              peak=_human_bytes(metrics["peak_memory_bytes"]), refresh=False)
+        self._bar.set_postfix(
+            loss=f"{loss:.4f}",
+            tok_s=f"{metrics['tokens_per_second']:.0f}",
+            peak=_human_bytes(metrics["peak_memory_bytes"]),
+            refresh=False,
+        )
 
     def log_config(self, config: Any) -> None:
         """The run config (a dataclass or a mapping) as a Markdown table, tag ``config``, for sinks that show text."""
@@ -390,13 +425,14 @@ def summarize_losses(records: list[dict[str, Any]], window: int = 5) -> Optional
     w = max(1, min(window, len(losses) // 2 or 1))
     first, last = sum(losses[:w]) / w, sum(losses[-w:]) / w
     ratio = lambda a, b: f"{a / b:.3f}" if b else "n/a"  # noqa: E731  (GRPO's on-policy loss can be exactly 0)
-    line = (f"loss: first step {losses[0]:.4f}, final step {losses[-1]:.4f} (final/first = "
-            f"{ratio(losses[-1], losses[0])}); mean of first/last {w} steps {first:.4f} -> {last:.4f} "
-            f"(ratio {ratio(last, first)}) over {len(losses)} steps")
+    line = (
+        f"loss: first step {losses[0]:.4f}, final step {losses[-1]:.4f} (final/first = "
+        f"{ratio(losses[-1], losses[0])}); mean of first/last {w} steps {first:.4f} -> {last:.4f} "
+        f"(ratio {ratio(last, first)}) over {len(losses)} steps"
+    )
     if all("reward" in r for r in records):  # GRPO: the reward is what should move
         rewards = [r["reward"] for r in records]
-        line += (f"\nreward: mean of first/last {w} steps {sum(rewards[:w]) / w:.4f} -> "
-                 f"{sum(rewards[-w:]) / w:.4f}")
+        line += f"\nreward: mean of first/last {w} steps {sum(rewards[:w]) / w:.4f} -> {sum(rewards[-w:]) / w:.4f}"
     return line
 
 
@@ -423,8 +459,7 @@ def plot_metrics(output_dir: str | os.PathLike, *, keys: tuple[str, ...] = ("los
     return path
 
 
-def finish_run(output_dir: str | os.PathLike,
-               keys: tuple[str, ...] = ("loss", "tokens_per_second")) -> Optional[str]:
+def finish_run(output_dir: str | os.PathLike, keys: tuple[str, ...] = ("loss", "tokens_per_second")) -> Optional[str]:
     """End-of-run report shared by every trainer: the loss summary line and ``metrics.png``."""
     records = read_metrics(output_dir)
     summary = summarize_losses(records)

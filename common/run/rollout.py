@@ -77,8 +77,14 @@ class GroupRollout:
         """[N, C] completion ids of ``prompt_ids`` (one completion per entry), right-padded with ``pad_token_id``."""
         raise NotImplementedError
 
-    def build_micro_batches(self, prompt_ids: list[list[int]], completions: list[np.ndarray],
-                            loss_mask_NC: np.ndarray, advantages_N: np.ndarray, num_columns: int) -> list[Any]:
+    def build_micro_batches(
+        self,
+        prompt_ids: list[list[int]],
+        completions: list[np.ndarray],
+        loss_mask_NC: np.ndarray,
+        advantages_N: np.ndarray,
+        num_columns: int,
+    ) -> list[Any]:
         """Consecutive slices of ``per_device_train_batch_size`` completions, collated for the backend, with the
         sampling policy's (``num_iterations > 1``) and the reference's (``grpo_beta > 0``) log-probs."""
         raise NotImplementedError
@@ -124,8 +130,9 @@ class GroupRollout:
         skip = {"prompt", "prompt_text", "prompt_input_ids"}
         columns = {k: [r.get(k) for r in expanded] for k in expanded[0] if k not in skip}
         t1 = time.perf_counter()
-        total, per = compute_rewards(self.reward_funcs, prompt_values, texts_for_rewards, weights=g.reward_weights,
-                                     columns=columns)
+        total, per = compute_rewards(
+            self.reward_funcs, prompt_values, texts_for_rewards, weights=g.reward_weights, columns=columns
+        )
         reward_seconds = time.perf_counter() - t1
         # every rank's rewards (one process: its own), in rank order; advantages over them all, then ours
         total, per, ours = self.gather_rewards(total, per)
@@ -133,11 +140,16 @@ class GroupRollout:
         micro = self.build_micro_batches(prompt_ids, completions, loss_mask, advantages, completion_ids.shape[1])
         lengths = self.gather_rows(length_mask.sum(axis=1))
         truncated = self.gather_rows(truncated)
-        metrics = {**reward_metrics(total, per, [reward_func_name(f) for f in self.reward_funcs], self.num_generations),
-                   "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-                   "completions/max_length": float(lengths.max()),
-                   "completions/clipped_ratio": float(truncated.mean()),
-                   "generation_seconds": gen_seconds, "reward_seconds": reward_seconds, **self.generation_metrics()}
+        metrics = {
+            **reward_metrics(total, per, [reward_func_name(f) for f in self.reward_funcs], self.num_generations),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(truncated.mean()),
+            "generation_seconds": gen_seconds,
+            "reward_seconds": reward_seconds,
+            **self.generation_metrics(),
+        }
         return Rollout(micro, metrics, int(loss_mask.sum()), len(completions))
 
     # -- TrainerTemplate's task hooks ------------------------------------------------------
@@ -158,9 +170,11 @@ class GroupRollout:
     def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
         """The loss, token counts, token means of the ``*_sum`` metrics, and the generation's metrics."""
         tokens = max(sum(r["num_loss_tokens"] for r in records), 1.0)
-        out: dict[str, Any] = {"loss": sum(r["loss"] for r in records),
-                               "num_tokens": int(sum(r["num_tokens"] for r in records)),
-                               "num_completion_tokens": int(sum(r["num_loss_tokens"] for r in records))}
+        out: dict[str, Any] = {
+            "loss": sum(r["loss"] for r in records),
+            "num_tokens": int(sum(r["num_tokens"] for r in records)),
+            "num_completion_tokens": int(sum(r["num_loss_tokens"] for r in records)),
+        }
         for key in sorted({k for r in records for k in r if k.endswith("_sum")}):
             out[key[:-4]] = sum(r.get(key, 0.0) for r in records) / tokens
         assert self._rollout is not None
@@ -170,8 +184,9 @@ class GroupRollout:
         return out
 
 
-def token_record(loss: float, num_loss_tokens: float, num_tokens: int, token_means: dict[str, float]
-                 ) -> dict[str, float]:
+def token_record(
+    loss: float, num_loss_tokens: float, num_tokens: int, token_means: dict[str, float]
+) -> dict[str, float]:
     """A micro-step's record: its loss and counts, and its token means as token sums (``*_sum``), so that the
     step's means weigh the micro-batches by their tokens."""
     record = {"loss": float(loss), "num_loss_tokens": float(num_loss_tokens), "num_tokens": num_tokens}

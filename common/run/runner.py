@@ -54,8 +54,9 @@ logger = logging.getLogger(__name__)
 class StepTrainer(Protocol):
     """What a backend implements per task (torch and jax, SFT and DPO, one process or many)."""
 
-    is_main: bool
-    """This process writes files and logs (rank 0)."""
+    @property
+    def is_main(self) -> bool:
+        """This process writes files and logs (rank 0)."""
 
     def step(self, micro_batches: list[Any]) -> dict[str, Any]:
         """One optimizer step; metrics with at least ``loss`` and ``num_tokens`` (over all ranks)."""
@@ -96,12 +97,15 @@ def check_output_dir(path: str | os.PathLike) -> None:
     """Raise unless ``path`` is (or can become) a writable folder: checked before data and model are built."""
     path = Path(path)
     if path.exists() and not path.is_dir():
-        raise ConfigError(f"output_dir={str(path)!r} is a file, not a folder; pass a folder for the run "
-                          f"(--output-dir runs/NAME).")
+        raise ConfigError(
+            f"output_dir={str(path)!r} is a file, not a folder; pass a folder for the run (--output-dir runs/NAME)."
+        )
     existing = path if path.is_dir() else next((p for p in path.parents if p.exists()), None)
     if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(f"output_dir={str(path)!r} cannot be written ({str(existing)!r} is not a writable "
-                          f"folder); pass a folder you can write to (--output-dir).")
+        raise ConfigError(
+            f"output_dir={str(path)!r} cannot be written ({str(existing)!r} is not a writable "
+            f"folder); pass a folder you can write to (--output-dir)."
+        )
 
 
 def preflight(cfg: TrainConfig, runtime: Any) -> None:
@@ -120,22 +124,39 @@ def preflight(cfg: TrainConfig, runtime: Any) -> None:
 
 # Fields a resumed run must share with the run that wrote the checkpoint: the model, and what
 # defines the data stream whose position the checkpoint holds.
-RESUME_INVARIANTS = ("backend", "task", "model_config", "dataset_name", "dataset_split", "tokenizer_name_or_path",
-                     "max_length", "truncation_mode", "packing", "packing_strategy", "padding_free",
-                     "per_device_train_batch_size", "gradient_accumulation_steps", "seed")
+RESUME_INVARIANTS = (
+    "backend",
+    "task",
+    "model_config",
+    "dataset_name",
+    "dataset_split",
+    "tokenizer_name_or_path",
+    "max_length",
+    "truncation_mode",
+    "packing",
+    "packing_strategy",
+    "padding_free",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "seed",
+)
 
 
 def _check_compatible(cfg: TrainConfig, meta: dict[str, Any], path: Path) -> None:
     try:
         saved = TrainConfig.from_dict(meta["config"]).to_flat_dict()
     except (KeyError, ValueError, TypeError) as err:
-        raise CheckpointError(f"{path}/trainer_state.json holds no readable run config ({err}); resume from a "
-                              f"checkpoint written by this twinseq.") from None
+        raise CheckpointError(
+            f"{path}/trainer_state.json holds no readable run config ({err}); resume from a "
+            f"checkpoint written by this twinseq."
+        ) from None
     now = cfg.to_flat_dict()
     changed = [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in RESUME_INVARIANTS if saved[k] != now[k]]
     if changed:
-        raise CheckpointError(f"{path} was written by another run ({'; '.join(changed)}); resume with the same "
-                              f"settings, or start a fresh run in another --output-dir.")
+        raise CheckpointError(
+            f"{path} was written by another run ({'; '.join(changed)}); resume with the same "
+            f"settings, or start a fresh run in another --output-dir."
+        )
 
 
 def resume(cfg: TrainConfig, trainer: StepTrainer, source: StepSource) -> int:
@@ -147,8 +168,10 @@ def resume(cfg: TrainConfig, trainer: StepTrainer, source: StepSource) -> int:
     _check_compatible(cfg, meta, path)
     step = int(meta["step"])
     if step > cfg.max_steps:
-        raise CheckpointError(f"{path} is at step {step}, past max_steps={cfg.max_steps}; raise --max-steps to "
-                              f"at least {step} to continue that run.")
+        raise CheckpointError(
+            f"{path} is at step {step}, past max_steps={cfg.max_steps}; raise --max-steps to "
+            f"at least {step} to continue that run."
+        )
     trainer.load_state_dict(state)
     source.load_state_dict(meta["data"])
     logger.info("resumed from %s at step %d", path, step)
@@ -198,8 +221,7 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         self.received = signum
         self._restore()
-        logger.warning("received %s: stopping after the current step, with a checkpoint",
-                       signal.Signals(signum).name)
+        logger.warning("received %s: stopping after the current step, with a checkpoint", signal.Signals(signum).name)
 
     def _restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -214,13 +236,20 @@ def _save(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, step: int)
     state = trainer.state_dict()  # a collective under FSDP: every rank calls it
     if not trainer.is_main:
         return
-    save_training_checkpoint(cfg.output_dir, step, state,
-                             {"data": source.state_dict(), "config": cfg.to_dict()})
+    save_training_checkpoint(cfg.output_dir, step, state, {"data": source.state_dict(), "config": cfg.to_dict()})
     rotate_checkpoints(cfg.output_dir, cfg.save_total_limit)
 
 
-def run(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, *, tokenizer: Any, desc: str,
-        announce: Sequence[str] = (), plot_keys: Sequence[str] = ("loss", "tokens_per_second")) -> Path:
+def run(
+    cfg: TrainConfig,
+    trainer: StepTrainer,
+    source: StepSource,
+    *,
+    tokenizer: Any,
+    desc: str,
+    announce: Sequence[str] = (),
+    plot_keys: Sequence[str] = ("loss", "tokens_per_second"),
+) -> Path:
     """Train ``cfg.max_steps`` optimizer steps; returns the path of ``<output_dir>/metrics.jsonl``.
 
     ``announce`` lines are printed (main rank) before the first step; ``plot_keys`` are the panels
@@ -229,8 +258,14 @@ def run(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, *, tokenizer
     start = resume(cfg, trainer, source)
     log: Optional[RunLogger] = None
     if trainer.is_main:
-        log = RunLogger(cfg.output_dir, cfg.max_steps, disable_tqdm=cfg.disable_tqdm, desc=desc, resume_step=start,
-                        report_to=cfg.report_to)
+        log = RunLogger(
+            cfg.output_dir,
+            cfg.max_steps,
+            disable_tqdm=cfg.disable_tqdm,
+            desc=desc,
+            resume_step=start,
+            report_to=cfg.report_to,
+        )
         log.log_config(cfg)
         for line in announce:
             log.write(line)
@@ -249,13 +284,14 @@ def run(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, *, tokenizer
         tokenizer.save_pretrained(final)
         finish_run(cfg.output_dir, keys=tuple(plot_keys))
         if skipped:
-            print(f"skipped {skipped} optimizer step(s) with a non-finite loss or gradient norm "
-                  f"(skip_nonfinite_steps=True); see num_skipped_steps in {metrics_path}")
+            print(
+                f"skipped {skipped} optimizer step(s) with a non-finite loss or gradient norm "
+                f"(skip_nonfinite_steps=True); see num_skipped_steps in {metrics_path}"
+            )
     return metrics_path
 
 
-def _loop(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, log: Any, start: int,
-          stop: StopSignal) -> int:
+def _loop(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, log: Any, start: int, stop: StopSignal) -> int:
     """Steps ``start + 1 .. max_steps``: log, checkpoint, and stop cleanly on a signal; returns the
     number of skipped steps."""
     window: list[dict[str, Any]] = []
@@ -266,13 +302,22 @@ def _loop(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, log: Any, 
             out = trainer.step(source.next_step())
         except NonFiniteError as err:
             kept = [p.name for p in list_checkpoints(cfg.output_dir)]
-            raise NonFiniteError(f"step {step}: {err}; the run stops here and the last checkpoint "
-                                 f"({kept[-1] if kept else 'none yet'}) holds the last good state. Lower the learning "
-                                 f"rate, check the data, or pass --skip-nonfinite-steps.") from None
+            raise NonFiniteError(
+                f"step {step}: {err}; the run stops here and the last checkpoint "
+                f"({kept[-1] if kept else 'none yet'}) holds the last good state. Lower the learning "
+                f"rate, check the data, or pass --skip-nonfinite-steps."
+            ) from None
         seconds = time.perf_counter() - t0
         skipped += int(out.get("num_skipped_steps", 0))
-        window.append({"step": step, **out, "tokens_per_second": out["num_tokens"] / seconds,
-                       "step_seconds": seconds, "peak_memory_bytes": trainer.peak_memory_bytes()})
+        window.append(
+            {
+                "step": step,
+                **out,
+                "tokens_per_second": out["num_tokens"] / seconds,
+                "step_seconds": seconds,
+                "peak_memory_bytes": trainer.peak_memory_bytes(),
+            }
+        )
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             if log is not None:
                 log.log_step(_merge_window(window))
@@ -284,7 +329,10 @@ def _loop(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, log: Any, 
             if log is not None and window:
                 log.log_step(_merge_window(window))
             name = signal.Signals(stop.received).name if stop.received else "a signal on another rank"
-            raise TrainingInterrupted(f"stopped by {name} after step {step} of {cfg.max_steps}: saved "
-                                      f"checkpoint-{step} in {cfg.output_dir}; resume with --resume-from-checkpoint "
-                                      f"latest", StopSignal.SIGNALS.get(stop.received, 143))
+            raise TrainingInterrupted(
+                f"stopped by {name} after step {step} of {cfg.max_steps}: saved "
+                f"checkpoint-{step} in {cfg.output_dir}; resume with --resume-from-checkpoint "
+                f"latest",
+                143 if stop.received is None else StopSignal.SIGNALS.get(stop.received, 143),  # type: ignore[call-overload]
+            )
     return skipped

@@ -36,21 +36,28 @@ def sft_step_sums(micro: Sequence[Mapping[str, Any]], *, num_tokens: int) -> dic
     ``micro[i]`` holds ``loss`` and the loss kernels' ``num_tokens`` (valid targets),
     ``num_correct_tokens`` and ``entropy_sum``; ``num_tokens`` is the step's non-padding tokens.
     """
-    return {"loss": sum(float(m["loss"]) for m in micro), "num_tokens": int(num_tokens),
-            "num_label_tokens": sum(int(m["num_tokens"]) for m in micro),
-            "num_correct_tokens": sum(int(round(float(m["num_correct_tokens"]))) for m in micro),
-            "entropy_sum": sum(float(m["entropy_sum"]) for m in micro)}
+    return {
+        "loss": sum(float(m["loss"]) for m in micro),
+        "num_tokens": int(num_tokens),
+        "num_label_tokens": sum(int(m["num_tokens"]) for m in micro),
+        "num_correct_tokens": sum(int(round(float(m["num_correct_tokens"]))) for m in micro),
+        "entropy_sum": sum(float(m["entropy_sum"]) for m in micro),
+    }
 
 
 def with_means(sums: dict[str, Any]) -> dict[str, Any]:
     """``sums`` plus ``mean_token_accuracy`` and ``entropy`` over the step's targets (0 without any)."""
     labels = sums["num_label_tokens"]
-    return {**sums, "mean_token_accuracy": sums["num_correct_tokens"] / labels if labels else 0.0,
-            "entropy": sums["entropy_sum"] / labels if labels else 0.0}
+    return {
+        **sums,
+        "mean_token_accuracy": sums["num_correct_tokens"] / labels if labels else 0.0,
+        "entropy": sums["entropy_sum"] / labels if labels else 0.0,
+    }
 
 
-def dpo_step_metrics(losses: Sequence[float], per_pair: Mapping[str, Sequence[np.ndarray]],
-                     *, num_tokens: int, num_label_tokens: int) -> dict[str, Any]:
+def dpo_step_metrics(
+    losses: Sequence[float], per_pair: Mapping[str, Sequence[np.ndarray]], *, num_tokens: int, num_label_tokens: int
+) -> dict[str, Any]:
     """TRL's DPO metrics of one step: the loss (sum of the micro-batch losses, each already divided
     by the step's pairs), reward means and the policy's mean sequence log-probs over every pair.
 
@@ -58,10 +65,15 @@ def dpo_step_metrics(losses: Sequence[float], per_pair: Mapping[str, Sequence[np
     and ``rejected_logps`` arrays [N].
     """
     cat = {k: np.concatenate([np.asarray(a, np.float64) for a in v]) for k, v in per_pair.items()}
-    return {"loss": float(sum(losses)), "num_tokens": int(num_tokens), "num_label_tokens": int(num_label_tokens),
-            "num_pairs": int(cat["chosen_rewards"].size),
-            **reward_metrics(cat["chosen_rewards"], cat["rejected_rewards"]),
-            "logps/chosen": float(cat["chosen_logps"].mean()), "logps/rejected": float(cat["rejected_logps"].mean())}
+    return {
+        "loss": float(sum(losses)),
+        "num_tokens": int(num_tokens),
+        "num_label_tokens": int(num_label_tokens),
+        "num_pairs": int(cat["chosen_rewards"].size),
+        **reward_metrics(cat["chosen_rewards"], cat["rejected_rewards"]),
+        "logps/chosen": float(cat["chosen_logps"].mean()),
+        "logps/rejected": float(cat["rejected_logps"].mean()),
+    }
 
 
 def first_nonfinite(losses: Sequence[float], grad_norm: Optional[float]) -> Optional[str]:

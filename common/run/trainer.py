@@ -46,10 +46,14 @@ class TrainerTemplate:
     ``TrainConfig``."""
 
     cfg: TrainConfig
-    is_main: bool = True
     update_in_micro_steps: bool = False
     """True when the framework applies the update inside the micro-steps (DeepSpeed steps at the accumulation
     boundary): a non-finite step can then only stop the run, never be skipped."""
+
+    @property
+    def is_main(self) -> bool:
+        """This process writes files and logs (rank 0; one process: always)."""
+        return True
 
     # -- task hooks ----------------------------------------------------------------------
 
@@ -111,8 +115,12 @@ class TrainerTemplate:
         if apply:
             grad_norm = self.apply_update(grad_norm)
         self.discard_gradients()
-        return {**self.summarize(records, micro), "lr": float(lr),
-                "grad_norm": float("nan") if grad_norm is None else float(grad_norm), "num_skipped_steps": int(not apply)}
+        return {
+            **self.summarize(records, micro),
+            "lr": float(lr),
+            "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
+            "num_skipped_steps": int(not apply),
+        }
 
 
 # --------------------------------------------------------------------------------------
@@ -129,36 +137,67 @@ def train_task(cfg: TrainConfig, builders: Mapping[str, Build], *, desc: str) ->
     if cfg.task not in builders:
         raise ConfigError(f"task={cfg.task!r} is not trained by this backend; choose one of {sorted(builders)}.")
     trainer, source, tokenizer, announce = builders[cfg.task]()
-    return run(cfg, trainer, source, tokenizer=tokenizer, desc=f"{cfg.task}[{desc}]", announce=announce,
-               plot_keys=PLOT_KEYS[cfg.task])
+    return run(
+        cfg,
+        trainer,
+        source,
+        tokenizer=tokenizer,
+        desc=f"{cfg.task}[{desc}]",
+        announce=announce,
+        plot_keys=PLOT_KEYS[cfg.task],
+    )
 
 
 def peft_summary(peft: PeftConfig, *, trainable: int, total: int, quantized: bool = False) -> str:
     """One line on the adapters: kind, rank, targets, and the trainable share of the parameters."""
-    kind = ("Q" if peft.load_in_4bit else "") + ("DoRA" if peft.use_dora else "LoRA") + \
-        (" rs" if peft.use_rslora else "")
+    kind = (
+        ("Q" if peft.load_in_4bit else "") + ("DoRA" if peft.use_dora else "LoRA") + (" rs" if peft.use_rslora else "")
+    )
     tokens = f" + {len(peft.trainable_token_indices)} trainable tokens" if peft.trainable_token_indices else ""
-    return (f"{kind} r={peft.lora_r} alpha={peft.lora_alpha} on {','.join(peft.lora_target_modules)}{tokens}"
-            f"{' (NF4 base)' if quantized else ''}: {trainable:,} trainable of {total:,} params "
-            f"({100 * trainable / max(total, 1):.2f}%)")
+    return (
+        f"{kind} r={peft.lora_r} alpha={peft.lora_alpha} on {','.join(peft.lora_target_modules)}{tokens}"
+        f"{' (NF4 base)' if quantized else ''}: {trainable:,} trainable of {total:,} params "
+        f"({100 * trainable / max(total, 1):.2f}%)"
+    )
 
 
-def describe_run(cfg: TrainConfig, *, backend: str, model_type: str, params: str, where: str,
-                 details: Sequence[str] = (), world_size: int = 1) -> str:
+def describe_run(
+    cfg: TrainConfig,
+    *,
+    backend: str,
+    model_type: str,
+    params: str,
+    where: str,
+    details: Sequence[str] = (),
+    world_size: int = 1,
+) -> str:
     """The run's first announce line: backend, task, model, parameters, device, the memory switches and the
     effective batch."""
     d = cfg.data
     effective = d.per_device_train_batch_size * world_size * d.gradient_accumulation_steps
-    switches = [*details, f"loss={cfg.loss.loss_type}", f"packing={d.packing}({d.packing_strategy})",
-                f"padding_free={d.padding_free}", f"dtype={cfg.model.dtype}"]
-    return (f"twinseq {backend} {cfg.task}: {model_type} {cfg.model.model_config!r}, {params} on {where}, "
-            f"{', '.join(switches)}; effective batch = {d.per_device_train_batch_size} per device x {world_size} "
-            f"devices x {d.gradient_accumulation_steps} accumulation steps = {effective} "
-            f"{'packed rows' if d.packing else 'examples'} per optimizer step")
+    switches = [
+        *details,
+        f"loss={cfg.loss.loss_type}",
+        f"packing={d.packing}({d.packing_strategy})",
+        f"padding_free={d.padding_free}",
+        f"dtype={cfg.model.dtype}",
+    ]
+    return (
+        f"twinseq {backend} {cfg.task}: {model_type} {cfg.model.model_config!r}, {params} on {where}, "
+        f"{', '.join(switches)}; effective batch = {d.per_device_train_batch_size} per device x {world_size} "
+        f"devices x {d.gradient_accumulation_steps} accumulation steps = {effective} "
+        f"{'packed rows' if d.packing else 'examples'} per optimizer step"
+    )
 
 
-def save_adapter_folder(path: Path, cfg: TrainConfig, model_config: Any, peft_config: PeftConfig,
-                        adapters: Mapping[str, Any], write_base: Callable[[Path], None]) -> None:
+def save_adapter_folder(
+    path: Path,
+    cfg: TrainConfig,
+    model_config: Any,
+    peft_config: PeftConfig,
+    adapters: Mapping[str, Any],
+    write_base: Callable[[Path], object],
+) -> None:
     """PEFT's folder (``adapter_config.json`` + ``adapter_model.safetensors``, which ``peft.PeftModel
     .from_pretrained`` loads). Its ``base_model_name_or_path`` is the model folder the run started from, or, for a
     preset (weights drawn by ``init_weights``), the base that ``write_base`` writes to ``path/base``."""
