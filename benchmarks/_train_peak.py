@@ -100,7 +100,7 @@ def _child_torch(argv: list[str]) -> dict[str, Any]:
             torch.cuda.reset_peak_memory_stats()
         return build(*args, **kwargs)
 
-    step = tt.Trainer.step
+    step = tt.TorchTrainer.step
 
     def step_hooked(self, micro_batches):
         if "build_hwm" not in rec:
@@ -126,12 +126,12 @@ def _child_torch(argv: list[str]) -> dict[str, Any]:
         rec.setdefault("num_tokens", []).append(int(out.get("num_tokens", 0)))
         return out
 
-    tt.build_causal_lm, tt.Trainer.step = build_hooked, step_hooked
+    tt.build_causal_lm, tt.TorchTrainer.step = build_hooked, step_hooked
     if os.environ.get(_NO_SAVE) == "1":  # the end-of-run checkpoint and final model come after every measured step
         from twinseq.common.run import runner
 
         runner._save = lambda *args, **kwargs: None
-        tt.Trainer.save_final = lambda self, path: None
+        tt.TorchTrainer.save_final = lambda self, path: None
     torch.set_num_threads(int(os.environ.get("TWINSEQ_MEASURE_THREADS", "2")))
     code = main(["train", *argv])
     if code != 0:
@@ -184,7 +184,7 @@ def _child_jax(argv: list[str]) -> dict[str, Any]:
         rec["update"].append(_analysis_bytes(compiled))
         return apply_updates(optimizer, params, opt_state, grads)
 
-    step = jt.Trainer.step
+    step = jt.JaxTrainer.step
 
     def step_hooked(self, micro_batches):
         rec["opt_state_bytes"] = _tree_bytes(self.opt_state)
@@ -196,7 +196,7 @@ def _child_jax(argv: list[str]) -> dict[str, Any]:
         rec.setdefault("num_tokens", []).append(int(out.get("num_tokens", 0)))
         return out
 
-    jt.grads_jit, jt.apply_updates, jt.Trainer.step = grads_hooked, update_hooked, step_hooked
+    jt.grads_jit, jt.apply_updates, jt.JaxTrainer.step = grads_hooked, update_hooked, step_hooked
     code = main(["train", *argv])
     if code != 0:
         raise SystemExit(code)
