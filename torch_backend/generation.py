@@ -113,9 +113,3 @@ def generate(
         )
     completion = out[:, input_ids.shape[1] :].cpu().numpy().astype(np.int64)
     return Generated(completion, time.perf_counter() - t0)
-
-
-def trim_completions(completion_ids_NC: np.ndarray, mask_NC: np.ndarray) -> list[np.ndarray]:
-    """Each completion's real tokens (up to and including its first EOS), as a list of arrays."""
-    lengths = np.asarray(mask_NC).sum(axis=1)
-    return [completion_ids_NC[i, :n] for i, n in enumerate(lengths)]
