@@ -52,7 +52,7 @@ from twinseq.common.models.init import check_weights, init_weights, parameter_sh
 from twinseq.common.run.report import peak_rss_bytes
 from twinseq.common.run.trainer import TrainerTemplate
 from twinseq.torch_backend.checkpoint import load_pretrained, rng_state, save_pretrained, set_rng_state, to_numpy_tree
-from twinseq.torch_backend.distributed import any_over_ranks, max_over_ranks
+from twinseq.torch_backend.distributed import any_over_ranks, main_process_first, max_over_ranks
 from twinseq.torch_backend.losses import CausalLMLoss
 from twinseq.torch_backend.model import build_model, make_rope_stateless_, model_config_of, to_hf_model_config
 from twinseq.torch_backend.trainer import autocast, build_optimizer, sft_summary
@@ -614,16 +614,6 @@ class Zero3SFTTrainer(Zero3Hooks):
         return sft_summary(records, micro_batches, self.device, distributed=True)
 
 
-@contextlib.contextmanager
-def rank_zero_first() -> Iterator[None]:
-    """Rank 0 runs the block first (it builds the caches: corpus, tokenizer), then the other ranks."""
-    if dist.get_rank() != 0:
-        dist.barrier()
-    yield
-    if dist.get_rank() == 0:
-        dist.barrier()
-
-
 def zero3_engine_for(cfg: TrainConfig, vocab_size: int) -> Zero3Engine:
     """The engine of ``cfg.model``: a model folder loaded whole on each rank and partitioned by
     ``deepspeed.initialize``, or a preset built under ``zero.Init``."""
@@ -639,7 +629,7 @@ def build_zero3_sft(cfg: TrainConfig):
     """(trainer, step source, tokenizer, announce lines) of SFT under ZeRO-3, on every rank of the launch (the
     process group is up: ``recipes.train_zero3``)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    with rank_zero_first():
+    with main_process_first():
         source, tokenizer, stats = build_step_iterator(cfg, world_size=world, rank=rank)
     engine = zero3_engine_for(cfg, tokenizer.vocab_size)
     d = cfg.data

@@ -231,12 +231,14 @@ def max_over_ranks(value: int, device: torch.device) -> int:
 
 
 @contextlib.contextmanager
-def main_process_first(runtime: Optional[Runtime]) -> Iterator[None]:
-    """Rank 0 runs the block first (it may build caches: corpus, tokenizer), the others after it."""
-    if runtime is not None and not runtime.is_main:
+def main_process_first() -> Iterator[None]:
+    """Rank 0 runs the block first (it may build caches: corpus, tokenizer), the others after it; a no-op without
+    a multi-rank process group (FSDP2's launch and DeepSpeed's alike)."""
+    ranked = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if ranked and dist.get_rank() != 0:
         dist.barrier()
     yield
-    if runtime is not None and runtime.is_main:
+    if ranked and dist.get_rank() == 0:
         dist.barrier()
 
 

@@ -426,7 +426,7 @@ def describe(cfg: TrainConfig, model: torch.nn.Module, device: Any, world_size: 
 def build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]):
     """(trainer, step source, tokenizer, announce lines) of an SFT run, one process or FSDP2 (+ CP)."""
     dp, dp_rank = (1, 0) if runtime is None else (runtime.mesh_cfg.dp, runtime.dp_rank)
-    with main_process_first(runtime):
+    with main_process_first():
         source, tokenizer, stats = build_step_iterator(cfg, world_size=dp, rank=dp_rank)
     causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device)
     if cfg.peft.use_peft:

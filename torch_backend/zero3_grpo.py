@@ -21,10 +21,10 @@ from twinseq.torch_backend.deepspeed import (
     check_zero3_config,
     ensure_process_group,
     gathered_for_generation,
-    rank_zero_first,
     require_deepspeed,
     zero3_engine_for,
 )
+from twinseq.torch_backend.distributed import main_process_first
 from twinseq.torch_backend.grpo import GRPOTrainer
 
 
@@ -118,7 +118,7 @@ def build_grpo_zero3(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = N
             "ZeRO-3 model (ds3_gather_for_generation); drop --use-vllm."
         )
     world = dist.get_world_size()
-    with rank_zero_first():
+    with main_process_first():
         tokenizer = run_tokenizer(cfg)
         rows = prepare_grpo_prompts(cfg, tokenizer)
     funcs = resolve_reward_funcs(g.reward_funcs if reward_funcs is None else reward_funcs)
