@@ -335,25 +335,23 @@ class DPOTrainer(TorchTrainer):
 
     def micro_step(self, pbatch: Any):
         c, loss = self.cfg, self.cfg.loss
-        with autocast(c, self.device):
-            ref_c = ref_r = None
-            if self.ref_model is not None and loss.loss_type != "liger":
+        # the live reference: a frozen copy (Liger's kernel runs it itself), or the policy with its adapters off
+        ref_c = ref_r = None
+        reference: Optional[torch.nn.Module] = None
+        context: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self.ref_model is not None and loss.loss_type != "liger":
+            reference = self.ref_model
+        elif self.adapter_reference:
+            reference, context = self.causal_lm, reference_mode(self.causal_lm)
+        if reference is not None:
+            with autocast(c, self.device), context:
                 ref_c, ref_r = reference_logps(
-                    self.ref_model,
+                    reference,
                     pbatch,
                     loss_type=loss.loss_type,
                     chunk_size=loss.loss_chunk_size,
                     attn_implementation=c.model.attn_implementation,
                 )
-            elif self.adapter_reference:
-                with reference_mode(self.causal_lm):
-                    ref_c, ref_r = reference_logps(
-                        self.causal_lm,
-                        pbatch,
-                        loss_type=loss.loss_type,
-                        chunk_size=loss.loss_chunk_size,
-                        attn_implementation=c.model.attn_implementation,
-                    )
         with offload_context(c, self.causal_lm):
             with autocast(c, self.device):
                 if loss.loss_type == "liger":
