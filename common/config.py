@@ -264,7 +264,10 @@ class TrainConfig:
     logging_steps: int = knob(1, ge=1)
     """Write a metrics line every N optimizer steps (averaged over them)."""
     save_steps: int = knob(0, ge=0)
-    """Write a resumable checkpoint every N optimizer steps (0: only at the end)."""
+    """Write a resumable checkpoint every N optimizer steps (0: no intermediate checkpoint)."""
+    save_final_checkpoint: bool = True
+    """Write a resumable ``checkpoint-<max_steps>`` at the end of the run as well as the ``final`` model folder
+    (``--no-save-final-checkpoint``: the model folder only, which cannot resume or extend the run)."""
     save_total_limit: Optional[int] = knob(None, ge=1)
     """Keep only the newest N checkpoints (None: keep all)."""
     resume_from_checkpoint: Optional[str] = None

@@ -17,7 +17,8 @@ import numpy as np
 from twinseq.common.backend import Model, PathLike
 from twinseq.common.errors import CheckpointError
 from twinseq.common.models.hf_folder import read_hf_checkpoint, write_hf_checkpoint
-from twinseq.jax_backend.model import build_model, export_weights
+from twinseq.common.models.safetensors_stream import LazyArray
+from twinseq.jax_backend.model import build_model, lazy_weights
 
 
 def load_pretrained(
@@ -35,13 +36,19 @@ def load_pretrained(
 
 
 def save_pretrained(model: Model, path: PathLike) -> Path:
-    """Write a JAX ``CausalLM`` as an HF checkpoint, in the model's own dtype; returns ``path``."""
-    return write_hf_checkpoint(model.config, export_weights(model), path, dtype=model.dtype)
+    """Write a JAX ``CausalLM`` as an HF checkpoint, in the model's own dtype, streamed (one tensor in memory at a
+    time); returns ``path``."""
+    return write_hf_checkpoint(model.config, lazy_weights(model), path, dtype=model.dtype)
 
 
 def to_numpy_tree(tree: Any) -> list[np.ndarray]:
     """The leaves of a pytree (an optax state) as numpy arrays, in ``jax.tree`` order."""
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def lazy_numpy_tree(tree: Any) -> list[LazyArray]:
+    """``to_numpy_tree``, streamed: each leaf produced (a zero-copy view on CPU) when the writer reaches it."""
+    return [LazyArray(tuple(x.shape), str(x.dtype), lambda x=x: np.asarray(x)) for x in jax.tree.leaves(tree)]
 
 
 def from_numpy_tree(leaves: list[np.ndarray], like: Any) -> Any:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import json
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +53,12 @@ from twinseq.common.models.configs import layer_norm_names
 from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
 from twinseq.common.models.peft import TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes
 from twinseq.common.models.rope import rope_inv_freq
+from twinseq.common.models.safetensors_stream import LazyArray
 from twinseq.jax_backend.attention import attention_for, document_causal_mask, dot_product_attention
 from twinseq.jax_backend.losses import LOSS_TYPES, causal_lm_loss, check_labels, logits_f32, token_nll
 from twinseq.jax_backend.memory import StepMemory, remat
+
+T = TypeVar("T")
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -456,7 +459,7 @@ def state_to_hf(state: nnx.State) -> dict[str, np.ndarray]:
     return out
 
 
-def in_hf_order(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def in_hf_order(cfg: ModelConfig, tensors: dict[str, T]) -> dict[str, T]:
     """``tensors`` reordered as ``parameter_shapes(cfg)`` (the order of ``init_weights``)."""
     order = parameter_shapes(cfg)
     assert set(order) == set(tensors), sorted(set(order) ^ set(tensors))
@@ -471,6 +474,25 @@ def export_weights(model: Model) -> dict[str, np.ndarray]:
     if has_adapters(model):
         return base_weights(model)
     return in_hf_order(model.config, state_to_hf(nnx.state(model, nnx.Param)))
+
+
+def lazy_weights(model: Model) -> dict[str, LazyArray]:
+    """``export_weights`` of a plain model, streamed: each tensor converted (float32, HF layout) only when a writer
+    asks for it, so a save holds one tensor beyond the live parameters."""
+    if has_adapters(model):
+        raise ValueError("lazy_weights takes a plain model; a model with adapters saves its adapters")
+    lazy: dict[str, LazyArray] = {}
+    for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        value = variable.get_value()
+        transpose = str(path[-1]) == "kernel"
+
+        def produce(value=value, transpose=transpose) -> np.ndarray:
+            array = np.asarray(jnp.asarray(value, dtype=jnp.float32))
+            return np.ascontiguousarray(array.T) if transpose else array
+
+        shape = tuple(value.shape)
+        lazy[hf_name(path)] = LazyArray(shape[::-1] if transpose else shape, "float32", produce)
+    return in_hf_order(model.config, lazy)
 
 
 def has_adapters(model: Model) -> bool:

@@ -57,7 +57,7 @@ from twinseq.common.run.trainer import (
     reference_description,
     save_adapter_folder,
 )
-from twinseq.jax_backend.checkpoint import from_numpy_tree, save_pretrained, to_numpy_tree
+from twinseq.jax_backend.checkpoint import from_numpy_tree, lazy_numpy_tree, save_pretrained
 from twinseq.jax_backend.dpo import (
     _ref_arrays,
     dpo_grads_jit,
@@ -74,6 +74,7 @@ from twinseq.jax_backend.model import (
     export_weights,
     grads_jit,
     has_adapters,
+    lazy_weights,
     merge_state,
     split_trainable,
 )
@@ -291,16 +292,16 @@ class JaxTrainer(TrainerTemplate):
 
     def state_dict(self) -> dict[str, Any]:
         """The trained parameters (a PEFT run: its adapters by PEFT key, the frozen base is rebuilt from the
-        config), the optimizer state and the step count."""
+        config), the optimizer state and the step count; weights and optimizer streamed (``LazyArray`` leaves)."""
         if self.peft:
             return {
                 "adapters": export_adapters(self.model()),
-                "optimizer": to_numpy_tree(self.opt_state),
+                "optimizer": lazy_numpy_tree(self.opt_state),
                 "steps_done": self.steps_done,
             }
         return {
-            "model": export_weights(self.model()),
-            "optimizer": to_numpy_tree(self.opt_state),
+            "model": lazy_weights(self.model()),
+            "optimizer": lazy_numpy_tree(self.opt_state),
             "steps_done": self.steps_done,
         }
 

@@ -1,8 +1,8 @@
 """Model folders on disk (Hugging Face layout) and the torch side of training checkpoints.
 
 - ``load_pretrained`` / ``save_pretrained``: a local HF folder (``config.json`` +
-  ``model.safetensors``) of any family of ``common.models.configs`` in and out, with transformers' own
-  reader and writer.
+  ``model.safetensors``) of any family of ``common.models.configs`` in and out: transformers' own reader, and a
+  streamed writer (one tensor in memory at a time) of the same files.
 - ``to_numpy_tree`` / ``from_numpy_tree``: a state dict of tensors as numpy arrays and back, so
   that ``common.run.checkpoint`` writes it as safetensors + JSON (nothing pickled, nothing that runs
   code on load) and a resumed run continues bitwise (fp32 on CPU).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
@@ -20,8 +20,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from twinseq.common.backend import Model, PathLike
 from twinseq.common.errors import CheckpointError
-from twinseq.common.models.hf_folder import inspect_model_folder
+from twinseq.common.models.configs import parameter_shapes
+from twinseq.common.models.hf_folder import WEIGHTS_FILE, inspect_model_folder
+from twinseq.common.models.safetensors_stream import LazyArray, write_safetensors
 from twinseq.torch_backend.attention import check_attention_supported, hf_attn_name, resolve_attn_implementation
+from twinseq.torch_backend.distributed import lazy_tensor
 from twinseq.torch_backend.model import _as_dtype, make_rope_stateless_, model_config_of
 
 
@@ -67,10 +70,31 @@ def load_pretrained(
 
 
 def save_pretrained(model: Model, path: PathLike) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (HF layout) to ``path``; returns ``path``."""
+    """Write ``config.json`` (+ ``generation_config.json``) + ``model.safetensors`` (HF layout) to ``path``, streamed
+    (``save_model_folder``); returns ``path``."""
+    return save_model_folder(model, path)
+
+
+def save_model_folder(model: Model, path: PathLike, weights: Optional[Mapping[str, LazyArray]] = None) -> Path:
+    """Write ``config.json`` (+ ``generation_config.json``) + ``model.safetensors`` (HF layout) to ``path``.
+
+    The weights are streamed (``common.models.safetensors_stream``), one tensor in memory at a time, where
+    transformers' own writer builds the whole file's bytes first: a second copy of the model. ``weights`` are the
+    tensors to write by HF name (FSDP: each gathered when its turn comes); None: the model's own parameters, in
+    their dtype, as zero-copy views. The config is transformers' own, with the dtype and architecture set as its
+    ``save_pretrained`` sets them. Returns ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
+    if weights is None:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        weights = {name: lazy_tensor(params[name]) for name in parameter_shapes(model_config_of(model))}
+    dtypes = {w.dtype for w in weights.values()}
+    model.config.dtype = dtypes.pop() if len(dtypes) == 1 else "float32"
+    model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
+    model.config.save_pretrained(str(path))
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(str(path))
+    write_safetensors(path / WEIGHTS_FILE, weights, metadata={"format": "pt"})
     return path
 
 

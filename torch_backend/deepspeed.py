@@ -49,9 +49,16 @@ from twinseq.common.data.sft_steps import build_step_iterator
 from twinseq.common.errors import CheckpointError, ConfigError, MissingDependencyError
 from twinseq.common.models.hf_folder import check_tokenizer_fits, resolve_model_source
 from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
+from twinseq.common.models.safetensors_stream import LazyArray
 from twinseq.common.run.report import peak_rss_bytes
 from twinseq.common.run.trainer import TrainerTemplate
-from twinseq.torch_backend.checkpoint import load_pretrained, rng_state, save_pretrained, set_rng_state, to_numpy_tree
+from twinseq.torch_backend.checkpoint import (
+    load_pretrained,
+    rng_state,
+    save_model_folder,
+    set_rng_state,
+    to_numpy_tree,
+)
 from twinseq.torch_backend.distributed import any_over_ranks, main_process_first, max_over_ranks
 from twinseq.torch_backend.losses import CausalLMLoss
 from twinseq.torch_backend.model import build_model, make_rope_stateless_, model_config_of, to_hf_model_config
@@ -538,19 +545,25 @@ class Zero3Hooks(TrainerTemplate):
             state["step"] = torch.tensor(step, dtype=torch.float32)
 
     def state_dict(self) -> dict[str, Any]:
+        """The same tree on every rank, streamed: each ``LazyArray`` gathers one parameter's (or moment's) fp32
+        partitions when the checkpoint writer reaches it (a collective), so a save holds one full tensor."""
         deepspeed = _import_deepspeed()
-        weights, moments = {}, {}
-        for name, param in self._named():
-            weights[name] = deepspeed.utils.safe_get_full_fp32_param(param).cpu().numpy()
-            moments[name] = {
-                k: deepspeed.utils.safe_get_full_optimizer_state(param, k).cpu().numpy()
-                for k in ("exp_avg", "exp_avg_sq")
-            }
-        if not self.is_main:
-            return {}
+
+        def lazy(param: torch.nn.Parameter, moment: Optional[str] = None) -> LazyArray:
+            def produce() -> np.ndarray:
+                if moment is None:
+                    return deepspeed.utils.safe_get_full_fp32_param(param).cpu().numpy()
+                return deepspeed.utils.safe_get_full_optimizer_state(param, moment).cpu().numpy()
+
+            return LazyArray(tuple(cast(Any, param).ds_shape), "float32", produce)
+
+        named = self._named()
         return {
-            "model": weights,
-            "optimizer": {"state": moments, "step": self._adam_step()},
+            "model": {name: lazy(param) for name, param in named},
+            "optimizer": {
+                "state": {name: {k: lazy(param, k) for k in ("exp_avg", "exp_avg_sq")} for name, param in named},
+                "step": self._adam_step(),
+            },
             "scheduler": to_numpy_tree(self.engine.scheduler.state_dict()),
             "rng": rng_state(),
         }
@@ -584,10 +597,15 @@ class Zero3Hooks(TrainerTemplate):
         set_rng_state(state["rng"])
 
     def save_final(self, path) -> None:
-        weights = self.engine.full_weights()
+        """The HF model folder in float32, streamed: one parameter gathered at a time (every rank takes part)."""
+        model_cfg = model_config_of(self.engine.causal_lm)
+        lazy = self.state_dict()["model"]
+        weights = {k: lazy[k] for k in parameter_shapes(model_cfg)}
         if self.is_main:
-            model_cfg = model_config_of(self.engine.causal_lm)
-            save_pretrained(build_model(model_cfg, {k: weights[k] for k in parameter_shapes(model_cfg)}), path)
+            save_model_folder(self.engine.causal_lm, path, weights)
+        else:
+            for tensor in weights.values():  # this rank's part of each gather
+                tensor.produce()
         dist.barrier()
 
     def peak_memory_bytes(self) -> int:

@@ -35,10 +35,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from twinseq.common.config import TrainConfig
 from twinseq.common.data.batching import Batch, pad_batch
 from twinseq.common.errors import ConfigError
+from twinseq.common.models.safetensors_stream import LazyArray
 from twinseq.common.run.capabilities import Runtime as CapabilityRuntime
 from twinseq.common.run.runner import preflight
 from twinseq.common.run.step_metrics import ADDITIVE, INTEGER
@@ -272,3 +274,63 @@ def full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 def load_full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
     set_optimizer_state_dict(module, optimizer, state, options=_full_options())
+
+
+# The same two states, streamed: each tensor is a ``LazyArray`` that gathers (a collective under FSDP2: every
+# rank produces every tensor, in the same order) and converts that one tensor only when the writer asks for it.
+# What ``full_model_state`` / ``full_optimizer_state`` gather at once, a save then holds one tensor at a time.
+
+
+def lazy_tensor(tensor: torch.Tensor, *, float32: bool = False) -> LazyArray:
+    """``tensor`` (plain or a sharded ``DTensor``) as a numpy array on the host when produced: a zero-copy view
+    of a CPU float32 tensor; bfloat16 as float32 (``float32``) or as its raw 16-bit words."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    as_float32 = float32 and tensor.dtype in (torch.bfloat16, torch.float16)
+
+    def produce() -> np.ndarray:
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        full = full.detach().cpu()
+        if as_float32:
+            return full.float().numpy()
+        if full.dtype == torch.bfloat16:
+            return full.contiguous().view(torch.int16).numpy()
+        return full.numpy()
+
+    return LazyArray(tuple(tensor.shape), "float32" if as_float32 else dtype, produce)
+
+
+def lazy_model_state(
+    module: torch.nn.Module, names: list[str], prefix: str = "", *, float32: bool = False
+) -> dict[str, LazyArray]:
+    """``full_model_state`` restricted to ``names`` (``prefix`` stripped), streamed."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    return {name: lazy_tensor(params[prefix + name], float32=float32) for name in names}
+
+
+def lazy_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``full_optimizer_state`` as ``to_numpy_tree`` writes it (tuples as lists, bfloat16 as float32), streamed.
+
+    Keyed as torch's own full optimizer state dict is: a tied parameter by its first name, a parameter the
+    optimizer has no state for yet left out of ``state`` but named in its group (``tests`` compare the two)."""
+    fqn = {param: name for name, param in module.named_parameters()}
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return lazy_tensor(value, float32=True)
+        if isinstance(value, (list, tuple)):
+            return [leaf(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): leaf(v) for k, v in value.items()}
+        return value
+
+    groups = [
+        {**{k: leaf(v) for k, v in group.items() if k != "params"}, "params": [fqn[p] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    state = {
+        fqn[p]: leaf(optimizer.state[p])
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if optimizer.state.get(p)
+    }
+    return {"state": state, "param_groups": groups}

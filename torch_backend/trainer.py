@@ -43,6 +43,7 @@ from twinseq.torch_backend.checkpoint import (
     from_numpy_tree,
     load_pretrained,
     rng_state,
+    save_model_folder,
     save_pretrained,
     set_rng_state,
     to_numpy_tree,
@@ -50,8 +51,8 @@ from twinseq.torch_backend.checkpoint import (
 from twinseq.torch_backend.distributed import (
     Runtime,
     any_over_ranks,
-    full_model_state,
-    full_optimizer_state,
+    lazy_model_state,
+    lazy_optimizer_state,
     load_full_model_state,
     load_full_optimizer_state,
     main_process_first,
@@ -223,13 +224,11 @@ class TorchTrainer(TrainerTemplate):
         return list(parameter_shapes(model_config_of(self.causal_lm)))
 
     def state_dict(self) -> dict[str, Any]:
-        weights = full_model_state(self.module, _PREFIX)  # collectives under FSDP2: every rank calls them
-        optimizer = full_optimizer_state(self.module, self.optimizer)
-        if not self.is_main:
-            return {}
+        """Streamed (``LazyArray`` leaves, each gathered under FSDP2 when the checkpoint writer reaches it), the
+        same tree on every rank; the weights and optimizer state in float32, as a resume loads them."""
         return {
-            "model": {k: to_numpy_tree(weights[k]) for k in self._weight_names()},
-            "optimizer": to_numpy_tree(optimizer),
+            "model": lazy_model_state(self.module, self._weight_names(), _PREFIX, float32=True),
+            "optimizer": lazy_optimizer_state(self.module, self.optimizer),
             "scheduler": to_numpy_tree(self.scheduler.state_dict()),
             "rng": rng_state(),
         }
@@ -255,15 +254,13 @@ class TorchTrainer(TrainerTemplate):
         set_rng_state(state["rng"])
 
     def save_final(self, path: Path) -> None:
-        """An HF model folder, or with PEFT the adapter folder (``common.run.trainer.save_adapter_folder``)."""
-        if self.runtime is None and not self.is_peft:
-            save_pretrained(self.causal_lm, path)
-            return
-        weights = full_model_state(self.module, _PREFIX)  # a collective under FSDP2: every rank calls it
-        if self.is_main:
-            model_cfg = model_config_of(self.causal_lm)
-            if self.is_peft:
-                adapters = {saved_key(k): weights[k].float().numpy() for k in self._weight_names()}
+        """An HF model folder, or with PEFT the adapter folder (``common.run.trainer.save_adapter_folder``), streamed:
+        one tensor in memory at a time (under FSDP2 each is gathered in turn, so every rank takes part)."""
+        if self.is_peft:
+            lazy = lazy_model_state(self.module, self._weight_names(), _PREFIX, float32=True)
+            adapters = {saved_key(k): v.produce() for k, v in lazy.items()}  # small: the adapters only
+            if self.is_main:
+                model_cfg = model_config_of(self.causal_lm)
                 save_adapter_folder(
                     path,
                     self.cfg,
@@ -274,10 +271,13 @@ class TorchTrainer(TrainerTemplate):
                         build_model(model_cfg, init_weights(model_cfg, seed=self.cfg.seed)), base
                     ),
                 )
+        else:
+            weights = lazy_model_state(self.module, self._weight_names(), _PREFIX)
+            if self.is_main:
+                save_model_folder(self.causal_lm, path, weights)
             else:
-                save_pretrained(
-                    build_model(model_cfg, {k: weights[k].float().numpy() for k in self._weight_names()}), path
-                )
+                for tensor in weights.values():  # this rank's part of each gather
+                    tensor.produce()
         if self.runtime is not None:
             dist.barrier()
 

@@ -13,7 +13,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from twinseq.common.models.configs import (
     to_hf_config,
 )
 from twinseq.common.models.init import check_weights
+from twinseq.common.models.safetensors_stream import LazyArray, Tensor, as_lazy, write_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -261,30 +262,31 @@ def read_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndar
 
 
 def write_hf_checkpoint(
-    cfg: ModelConfig, weights: dict[str, np.ndarray], path: str | Path, dtype: Optional[str] = None
+    cfg: ModelConfig, weights: Mapping[str, Tensor], path: str | Path, dtype: Optional[str] = None
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` loadable by ``AutoModelForCausalLM.from_pretrained``.
 
-    ``dtype`` (``float32``/``bfloat16``/``float16``) casts every tensor; None keeps each as given.
+    ``weights`` are numpy arrays or ``LazyArray``s (``safetensors_stream``): the file is streamed, one tensor
+    in memory at a time, each cast on its own. ``dtype`` (``float32``/``bfloat16``/``float16``) casts every
+    tensor; None keeps each as given.
     """
-    from safetensors.numpy import save_file
-
     check_weights(cfg, weights)
     if dtype is not None and dtype not in CHECKPOINT_DTYPES:
         raise CheckpointError(f"dtype={dtype!r} is not valid; choose one of {tuple(CHECKPOINT_DTYPES)} or None.")
-    tensors = {}
-    for name in parameter_shapes(cfg):
-        array = np.asarray(weights[name])
-        if dtype is not None:
-            array = array.astype(_np_dtype(dtype))
-        tensors[name] = np.ascontiguousarray(array)
-    stored = {str(a.dtype) for a in tensors.values()}
+    tensors = {name: _cast(as_lazy(weights[name]), dtype) for name in parameter_shapes(cfg)}
+    stored = {t.dtype for t in tensors.values()}
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    write_safetensors(directory / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
     config = to_hf_config(cfg, stored.pop() if len(stored) == 1 else "float32")
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return directory
+
+
+def _cast(tensor: LazyArray, dtype: Optional[str]) -> LazyArray:
+    if dtype is None or dtype == tensor.dtype:
+        return tensor
+    return LazyArray(tensor.shape, dtype, lambda: tensor.values().astype(_np_dtype(dtype)))
 
 
 def _np_dtype(name: str):

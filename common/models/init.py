@@ -7,7 +7,7 @@ shape ``[out_features, in_features]``; ``common.models.configs.parameter_shapes`
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -42,8 +42,9 @@ def init_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def check_weights(cfg: ModelConfig, weights: Mapping[str, np.ndarray]) -> None:
-    """Raise ``ConfigError`` naming every missing, unexpected or mis-shaped tensor."""
+def check_weights(cfg: ModelConfig, weights: Mapping[str, Any]) -> None:
+    """Raise ``ConfigError`` naming every missing, unexpected or mis-shaped tensor (arrays or ``LazyArray``s: anything
+    with a ``shape``)."""
     expected = parameter_shapes(cfg)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))

@@ -4,7 +4,9 @@ A trainer's ``state_dict()`` is a nested dict whose leaves are numpy arrays or J
 (numbers, strings, lists, None). ``save_training_checkpoint`` splits it: every array goes into
 ``training_state.safetensors`` under its path (``optimizer/state/0/exp_avg``), everything else
 into ``trainer_state.json`` beside the step, the data position and the run config. Nothing is
-pickled, so loading a checkpoint never runs code.
+pickled, so loading a checkpoint never runs code. An array leaf may be a ``LazyArray``
+(``common.models.safetensors_stream``): the file is written one tensor at a time, so a save needs no
+second copy of the model and optimizer state in memory.
 
 A checkpoint is written into a hidden temporary folder and renamed to ``checkpoint-N`` only
 when complete; ``trainer_state.json`` carries ``"complete": true`` and is written last. A kill
@@ -33,6 +35,7 @@ from typing import Any, Optional
 import numpy as np
 
 from twinseq.common.errors import CheckpointError
+from twinseq.common.models.safetensors_stream import LazyArray, Tensor, write_safetensors
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +51,12 @@ def checkpoint_dir(output_dir: str | os.PathLike, step: int) -> Path:
     return Path(output_dir) / f"{PREFIX}{step}"
 
 
-def flatten_state(tree: Any, prefix: str = "") -> tuple[dict[str, np.ndarray], Any]:
+def flatten_state(tree: Any, prefix: str = "") -> tuple[dict[str, Tensor], Any]:
     """(arrays by path, a JSON skeleton with ``{"__array__": path}`` where each array was)."""
-    if isinstance(tree, np.ndarray) or isinstance(tree, np.generic):
-        # np.ascontiguousarray would turn a 0-d array (an optimizer's step count) into shape [1]
-        return {prefix: np.array(tree, order="C")}, {_ARRAY_KEY: prefix}
+    if isinstance(tree, (np.ndarray, LazyArray)):
+        return {prefix: tree}, {_ARRAY_KEY: prefix}  # as given: the writer streams it, nothing is copied here
+    if isinstance(tree, np.generic):
+        return {prefix: np.asarray(tree)}, {_ARRAY_KEY: prefix}  # a 0-d array keeps its shape ()
     skeleton: Any
     if isinstance(tree, dict):
         arrays, skeleton = {}, {}
@@ -89,17 +93,26 @@ def unflatten_state(skeleton: Any, arrays: dict[str, np.ndarray]) -> Any:
 
 
 def save_training_checkpoint(
-    output_dir: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any]
-) -> Path:
-    """Write ``checkpoint-<step>`` atomically; ``meta`` (JSON: data position, config) goes beside the state."""
-    from safetensors.numpy import save_file
+    output_dir: str | os.PathLike, step: int, state: dict[str, Any], meta: dict[str, Any], *, write: bool = True
+) -> Optional[Path]:
+    """Write ``checkpoint-<step>`` atomically; ``meta`` (JSON: data position, config) goes beside the state.
 
+    The arrays are streamed (``safetensors_stream``): a ``LazyArray`` leaf is produced when its turn comes and
+    dropped after, so a save holds one tensor beyond the live training state. ``write=False`` is a rank that
+    does not write: it produces every ``LazyArray`` in the same order (each may be a collective, such as
+    gathering one FSDP shard) and returns None.
+    """
+    arrays, skeleton = flatten_state(state)
+    if not write:
+        for value in arrays.values():
+            if isinstance(value, LazyArray):
+                value.produce()
+        return None
     final = checkpoint_dir(output_dir, step)
     tmp = final.with_name(f"{_TMP_PREFIX}{final.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    arrays, skeleton = flatten_state(state)
-    save_file(arrays, str(tmp / ARRAYS_FILE))
+    write_safetensors(tmp / ARRAYS_FILE, arrays)
     record = {"format_version": FORMAT_VERSION, "step": int(step), **meta, "state": skeleton, "complete": True}
     (tmp / STATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
     _fsync_dir(tmp)

@@ -62,7 +62,9 @@ class StepTrainer(Protocol):
         """One optimizer step; metrics with at least ``loss`` and ``num_tokens`` (over all ranks)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs, as nested dicts of numpy arrays and JSON values."""
+        """Everything a resume needs, as nested dicts of numpy arrays (or ``LazyArray``s, produced one at a time
+        while the checkpoint is written) and JSON values. Under FSDP every rank returns the same tree of
+        ``LazyArray``s; the main rank writes, the others take part in each tensor's gather."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned (on every rank)."""
@@ -233,11 +235,11 @@ class StopSignal:
 
 
 def _save(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, step: int) -> None:
-    state = trainer.state_dict()  # a collective under FSDP: every rank calls it
-    if not trainer.is_main:
-        return
-    save_training_checkpoint(cfg.output_dir, step, state, {"data": source.state_dict(), "config": cfg.to_dict()})
-    rotate_checkpoints(cfg.output_dir, cfg.save_total_limit)
+    state = trainer.state_dict()  # collectives under FSDP (each tensor's gather): every rank writes or takes part
+    meta = {"data": source.state_dict(), "config": cfg.to_dict()}
+    save_training_checkpoint(cfg.output_dir, step, state, meta, write=trainer.is_main)
+    if trainer.is_main:
+        rotate_checkpoints(cfg.output_dir, cfg.save_total_limit)
 
 
 def run(
@@ -273,7 +275,7 @@ def run(
     try:
         with StopSignal() as stop:  # a signal during the last saves lets them finish
             skipped = _loop(cfg, trainer, source, log, start, stop)
-            if start < cfg.max_steps:
+            if start < cfg.max_steps and cfg.save_final_checkpoint:
                 _save(cfg, trainer, source, cfg.max_steps)
             trainer.save_final(final)
     finally:
