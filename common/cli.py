@@ -6,8 +6,9 @@
 - ``twinseq lengths [DATASET]``: the sequence-length profiler that helps choose max_length.
 - ``twinseq data``: build (or show) the embedded offline datasets and tokenizer.
 - ``twinseq memory [--config FILE] [train flags] [--devices N] [--device cpu|cuda] [--budget 24GiB]``:
-  the planned memory of that run per component (``common.run.memory_plan``), and with ``--budget`` the
-  cheapest set of knobs that fits, as the flags to add.
+  the planned memory of that run per component (``common.run.memory_plan``), the process baseline (a
+  python with the backend imported, ``common.run.process_baseline``) and the grand total a user measures,
+  and with ``--budget`` the cheapest set of knobs that fits, as the flags to add.
 
 Errors. Every error caused by the user's input is one of twinseq's own exceptions
 (``common.errors``); the CLI prints it as one line, ``twinseq <command>: error: ...``, and exits
@@ -32,6 +33,7 @@ from twinseq.common.data.lengths import main as lengths_main
 from twinseq.common.data.tokenizer import load_tokenizer
 from twinseq.common.errors import ConfigError, TrainingInterrupted, TwinseqError
 from twinseq.common.run.memory_plan import advise, format_bytes, parse_bytes, plan_memory
+from twinseq.common.run.process_baseline import grand_total_lines, process_baseline
 
 USAGE = """usage: twinseq {train,lengths,data,memory} [--debug] ...
 
@@ -162,7 +164,15 @@ MEMORY_HELP = """usage: twinseq memory [--config FILE] [any twinseq train flag] 
 Plan the memory of one training step of that run, per component (twinseq.common.run.memory_plan), without
 building anything. --dtype (a train flag) sets the compute dtype; --devices N plans an FSDP run over N
 devices; --device cuda plans for a GPU (activation offloading saves memory there only). --budget SIZE
-(24GiB, 500MB, ...) also prints the cheapest set of knobs under which the run fits, as flags to add.
+(24GiB, 500MB, ...) also prints the cheapest set of knobs under which the run fits, as flags to add; it is
+compared with the plan's total.
+
+Under the table: the process baseline, the memory a python with the backend imported holds before any model
+is built (twinseq.common.run.process_baseline). On CPU it is measured once per machine by a fresh python that
+imports what a training run imports, and cached in $TWINSEQ_CACHE/process_baseline (default ~/.cache/twinseq);
+it is estimated where that cannot run. On CUDA it is the CUDA context, an estimated constant. Then the grand total
+(plan + baseline) and what it is comparable with: the peak RSS of the twinseq train process on CPU,
+torch.cuda.max_memory_allocated() plus the CUDA context on a GPU.
 """
 
 
@@ -190,6 +200,8 @@ def memory_main(argv: Sequence[str]) -> int:
     cfg = parse_train_args(rest)
     plan = plan_memory(cfg, devices=devices, device=known.device)
     print(plan.table())
+    baseline = process_baseline(cfg.backend, device=known.device, peft=cfg.peft.use_peft)
+    print("\n".join(grand_total_lines(plan.total, baseline, max(len(r.component) for r in plan.rows))))
     if budget is None:
         return 0
     advice = advise(cfg, budget, devices=devices, device=known.device)
