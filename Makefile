@@ -63,7 +63,7 @@ docs: setup
 # Main job: profile the embedded data, then train the `small` model on it (packing + padding-free, CPU).
 demo: setup
 	$(BIN)/twinseq lengths embedded --output runs/demo/lengths.png
-	$(BIN)/twinseq train --config configs/demo.yaml
+	$(BIN)/twinseq train --config configs/demo.yaml --overwrite-output-dir
 
 # The fast tier (the README's test command, about 9 minutes on 2 cores): every test but those marked `slow`.
 test: setup
@@ -131,6 +131,7 @@ bench: setup
 	$(BIN)/python benchmarks/max_length.py
 	$(BIN)/python benchmarks/cp_memory.py
 	$(BIN)/python benchmarks/grpo_memory.py
+	$(BIN)/python benchmarks/save_memory.py
 	$(BIN)/python benchmarks/readme_table.py
 
 # The GPU lane (README, "GPU lane"): the wheels the GPU machine lacks (benchmarks/gpu/wheels.txt), for Python

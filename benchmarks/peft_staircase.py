@@ -1,7 +1,9 @@
 """The memory staircase (torchtune's "memory optimizations" table, on CPU): each technique added to the previous.
 
 Steps, cumulative: baseline (padded batches, ``nll``, ``sdpa``) -> + packing/padding-free -> + fused loss ->
-+ gradient checkpointing -> + LoRA -> + QLoRA. Each step is a real ``twinseq train`` run of a few steps in a
++ gradient checkpointing -> + LoRA -> + bf16 base (``--dtype bfloat16``: the frozen base stored in bfloat16, the
+adapters float32, bfloat16 compute) -> + QLoRA (an NF4 base, which computes in float32: this step goes back to
+``--dtype float32``, so it follows "+ LoRA"). Each step is a real ``twinseq train`` run of a few steps in a
 fresh subprocess, on both backends, for ``small`` and a ~100M-parameter Llama written by this script as a
 ``config.json`` (random init, the embedded 8192-token vocabulary). Peak memory as
 ``benchmarks/memory_planner_check.py`` measures it (torch: peak RSS over the steps above the RSS before the
@@ -37,7 +39,7 @@ LLAMA_100M = dict(model_type="llama", vocab_size=8192, hidden_size=768, intermed
 """~96M parameters: a GPT-2-small-sized Llama with grouped-query attention and the embedded vocabulary."""
 SHAPES = {"small": dict(per_device_train_batch_size=4, max_length=512),
           "llama-100m": dict(per_device_train_batch_size=2, max_length=512)}
-STEPS = ("baseline", "+ packing/padding-free", "+ fused loss", "+ checkpointing", "+ LoRA", "+ QLoRA")
+STEPS = ("baseline", "+ packing/padding-free", "+ fused loss", "+ checkpointing", "+ LoRA", "+ bf16 base", "+ QLoRA")
 
 
 def step_configs(backend: str) -> dict[str, dict[str, Any]]:
@@ -46,7 +48,7 @@ def step_configs(backend: str) -> dict[str, dict[str, Any]]:
     if backend == "torch":
         pack.update(padding_free=True, attn_implementation="varlen")
     changes = [dict(loss_type="nll"), pack, dict(loss_type="fused_linear"), dict(gradient_checkpointing=True),
-               dict(use_peft=True), dict(load_in_4bit=True)]
+               dict(use_peft=True), dict(dtype="bfloat16"), dict(load_in_4bit=True, dtype="float32")]
     out, acc = {}, {}
     for name, change in zip(STEPS, changes):
         acc = {**acc, **change}
@@ -141,7 +143,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "the RSS before the model is built; jax, the compiled step's `memory_analysis()` (argument + output + "
             "temp - alias) + optimizer state. tokens/s: the last step (timings are noisy: 2 shared cores). "
             "jax's packing step packs rows but stays padded (its dense attention would pay a (B T)^2 mask for "
-            "padding-free)." + (f" Cells measured by an earlier run ({args.reuse.name}, `--reuse`; note \"earlier run\") "
+            "padding-free). \"+ bf16 base\" is `--dtype bfloat16` on the LoRA run: its frozen base is stored in "
+            "bfloat16 (adapters float32) and it computes in bfloat16 (on CPU, where bf16 matmuls are emulated); the "
+            "planner's column still counts a float32 base plus bf16 copies there. \"+ QLoRA\" follows \"+ LoRA\" "
+            "(float32: the NF4 layers compute in float32)." + (f" Cells measured by an earlier run ({args.reuse.name}, `--reuse`; note \"earlier run\") "
                                 "are re-planned with the current formula." if args.reuse else ""), "",
             *markdown_table(["model", "backend", "step", "peak MiB", "vs baseline", "planned MiB", "tokens/s",
                              "note"], table, "lllrrrrl")]

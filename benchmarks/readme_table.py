@@ -233,6 +233,17 @@ def sft_gpu_row(d: dict) -> tuple[str, str, str]:
     return f"`{d['model']}`, {d['rows']} × {d['max_length']:,} packed tokens per step", baseline, text
 
 
+def save_memory_row(d: dict) -> tuple[str, str, str]:
+    rows = d["rows"]
+    eager = next((r for r in rows if r["mode"] == "eager"), None)
+    ours = [r for r in rows if r["mode"] == "streamed"]
+    model = f"{rows[0]['parameters'] / 1e6:.0f}M"
+    return (f"whole-run peak RSS / training peak, full fine-tune of a {model}-parameter Llama with checkpoints and "
+            f"the final model",
+            "—" if eager is None else f"previous writer: {_x(eager['whole_over_training'])}×",
+            ", ".join(f"{r['backend']}: {_x(r['whole_over_training'])}×" for r in ours))
+
+
 # The README's rows, in its order; every benchmark script in benchmarks/ and benchmarks/gpu/ has one (a test checks).
 ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "packing": packing_row, "loss_memory": loss_memory_row, "jax_loss_memory": jax_loss_memory_row,
@@ -240,7 +251,7 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "dpo_memory": dpo_memory_row, "ring_attention": ring_attention_row,
     "memory_planner_check": memory_planner_check_row, "peft_staircase": peft_staircase_row,
     "max_length": max_length_row, "cp_memory": cp_memory_row, "grpo_memory": grpo_memory_row,
-    "loss_kernels": loss_kernels_row, "sft_gpu": sft_gpu_row,
+    "loss_kernels": loss_kernels_row, "sft_gpu": sft_gpu_row, "save_memory": save_memory_row,
 }
 # Scripts of benchmarks/gpu/: measured on a GPU only (their CPU smoke runs are tests, never README figures).
 GPU_ONLY: dict[str, str] = {

@@ -17,7 +17,7 @@ import importlib.util
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Optional, Protocol, Sequence, Union
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from twinseq.common.data.preference_batching import PreferenceBatch
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.models.peft import PeftConfig
 from twinseq.common.objectives.dpo import DPOLossConfig
+from twinseq.common.run.inputs import RunInputs
 
 _EXTRA_FOR = {"torch": ("torch", "transformers"), "jax": ("jax", "flax", "optax")}
 
@@ -61,8 +62,9 @@ class Backend(Protocol):
     ) -> tuple[float, dict[str, np.ndarray]]:
         """(loss normalised by ``batch.num_items_in_batch``, float32 gradients by HF name)."""
 
-    def train(self, config: TrainConfig) -> Path:
-        """Run a training job; returns the path of ``metrics.jsonl``."""
+    def train(self, config: TrainConfig, inputs: Optional[RunInputs] = None) -> Path:
+        """Run a training job; returns the path of ``metrics.jsonl``. ``inputs``: objects beside the config
+        (datasets, tokenizer, model, reward callables, callbacks; ``common.run.inputs``)."""
 
     def load_pretrained(
         self, path: PathLike, *, dtype: Optional[str] = None, attn_implementation: str = "sdpa", device: Any = None
@@ -110,6 +112,21 @@ class Backend(Protocol):
     def merge_adapters(self, model: Model) -> Model:
         """A plain model, without adapters, whose weights have the adapters folded in (for export)."""
 
+    def complete_prompts(
+        self,
+        model: Model,
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        eos_token_id: Optional[int] = None,
+        pad_token_id: int = 0,
+    ) -> np.ndarray:
+        """int [N, C] completions of the token-id prompts (KV cache, eval mode), right-padded with ``pad_token_id``
+        after each row's first EOS: greedy at ``temperature`` 0, else drawn from ``softmax(logits / temperature)``
+        with ``seed``. At least one token each (EOS is not allowed first), at most ``max_new_tokens``."""
+
 
 PROTOCOL = tuple(name for name in vars(Backend) if not name.startswith("_"))
 
@@ -123,7 +140,7 @@ def require(backend: str) -> None:
     for module in _EXTRA_FOR[backend]:
         if importlib.util.find_spec(module) is None:
             raise MissingDependencyError(
-                f"the {backend} backend needs the '{module}' package; install it with "
+                f"backend={backend!r} needs the '{module}' package; install it with "
                 f"`pip install -e '.[{backend}]'` (or '.[all]')."
             )
 

@@ -9,6 +9,9 @@
   the planned memory of that run per component (``common.run.memory_plan``), the process baseline (a
   python with the backend imported, ``common.run.process_baseline``) and the grand total a user measures,
   and with ``--budget`` the cheapest set of knobs that fits, as the flags to add.
+- ``twinseq generate --model FOLDER --prompt TEXT [--backend torch|jax] [--max-new-tokens N] [--temperature T]``
+  and ``twinseq chat --model FOLDER`` (one reply per stdin line): completions from a model or adapter folder
+  (``common.run.generate``).
 
 Errors. Every error caused by the user's input is one of twinseq's own exceptions
 (``common.errors``); the CLI prints it as one line, ``twinseq <command>: error: ...``, and exits
@@ -20,25 +23,30 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import logging
 import os
 import sys
+import warnings
 from typing import Iterator, Optional, Sequence
 
-from twinseq.common.backend import load_backend
-from twinseq.common.config import TrainConfig, deferred_checks, flag_names
+from twinseq.common.api import TRAINERS
+from twinseq.common.config import TrainConfig, aliases_of, deferred_checks, flag_names
 from twinseq.common.data import corpus
 from twinseq.common.data.lengths import main as lengths_main
 from twinseq.common.data.tokenizer import load_tokenizer
 from twinseq.common.errors import ConfigError, TrainingInterrupted, TwinseqError
+from twinseq.common.run.generate import chat_main, generate_main
 from twinseq.common.run.memory_plan import advise, format_bytes, parse_bytes, plan_memory
 from twinseq.common.run.process_baseline import grand_total_lines, process_baseline
 
-USAGE = """usage: twinseq {train,lengths,data,memory} [--debug] ...
+USAGE = """usage: twinseq {train,generate,chat,lengths,data,memory} [--debug] ...
 
   train     train a model (twinseq train --help)
   memory    plan a run's memory per component; --budget 24GiB: what to turn on to fit
+  generate  complete prompts with a trained model or adapter folder (twinseq generate --help)
+  chat      chat with it: one reply per line read from stdin (twinseq chat --help)
   lengths   profile sequence lengths and choose max_length (twinseq lengths --help)
   data      build the embedded offline datasets and tokenizer (twinseq data --help)
 
@@ -111,6 +119,8 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(list(argv))
     default = TrainConfig.from_yaml(known.config) if known.config else TrainConfig()
+    for name in default.task_defaults():  # resolved again for the task the flags give (--task dpo: DPO's rate)
+        setattr(default.optim, name, None)
     with deferred_checks(), _one_line_parse_errors():
         cfg = tyro.cli(
             TrainConfig,
@@ -119,19 +129,81 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
             prog="twinseq train",
             config=(tyro.conf.OmitArgPrefixes,),
             description="Train a model. YAML: --config FILE (flags override it).",
+            registry=_alias_flags(),
         )
     return cfg.validate()
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+def _alias_flags():
+    """A tyro registry that gives each field of ``common.config.FIELD_ALIASES`` its other spellings as flags
+    (``--model-name-or-path`` beside ``--model-config``), listed by ``--help``."""
+    from typing import Annotated
+
+    import tyro
+    from tyro.constructors import ConstructorRegistry
+
+    registry, busy = ConstructorRegistry(), []
+
+    @registry.struct_rule
+    def with_aliases(info):
+        names = {f.name for f in dataclasses.fields(info.type)} if dataclasses.is_dataclass(info.type) else set()
+        if busy or not any(aliases_of(n) for n in names):
+            return None
+        busy.append(info)
+        try:  # the default rule's spec of this dataclass, then the alias flags on its fields
+            spec = ConstructorRegistry.get_struct_spec(info)
+        finally:
+            busy.pop()
+        if not isinstance(spec, tyro.constructors.StructConstructorSpec):
+            return spec
+        fields = tuple(
+            dataclasses.replace(f, type=Annotated[f.type, tyro.conf.arg(aliases=tuple(map(_flag, aliases_of(f.name))))])
+            if aliases_of(f.name)
+            else f
+            for f in spec.fields
+        )
+        return dataclasses.replace(spec, fields=fields)
+
+    return registry
+
+
+# Deprecation notices that a dependency raises about its own or another dependency's API: nothing a user of
+# twinseq can act on (transformers' FutureWarning when PEFT reads ``is_gradient_checkpointing``, for one).
+DEPENDENCY_NOTICES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
+
+
+def _without_trailing_newline(record: logging.LogRecord) -> bool:
+    """``warnings.formatwarning`` ends its text with a newline and the handler adds one: no blank line after it."""
+    if isinstance(record.args, tuple):
+        record.args = tuple(a.rstrip("\n") if isinstance(a, str) else a for a in record.args)
+    return True
+
+
+def _setup_logging(debug: bool = False) -> None:
+    """The console's log lines: twinseq's from INFO up on the main process (``RANK`` 0, or no launcher), from
+    WARNING up on the other ranks (their lines say ``[rank N]``); every dependency's from WARNING up.
+
+    Python warnings go through logging too, so that one raised while the progress bar is up is written above
+    it (``common.run.report.RunLogger``); dependencies' deprecation notices are dropped. ``debug``: INFO from
+    every library and every rank, and every warning.
+    """
+    rank = os.environ.get("RANK", "0")
+    where = f" [rank {rank}]" if rank != "0" else ""
+    logging.basicConfig(format=f"%(levelname)s{where} %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger().setLevel(logging.INFO if debug else logging.WARNING)
+    logging.getLogger("twinseq").setLevel(logging.INFO if debug or rank == "0" else logging.WARNING)
+    logging.captureWarnings(True)
+    logging.getLogger("py.warnings").addFilter(_without_trailing_newline)
+    if not debug:
+        for category in DEPENDENCY_NOTICES:
+            warnings.filterwarnings("ignore", category=category, module=r"(?!twinseq\b)")
 
 
 def train_main(argv: Sequence[str]) -> int:
     cfg = parse_train_args(argv)
-
-    backend = load_backend(cfg.backend)
-    metrics_path = backend.train(cfg)
+    trainer = TRAINERS[cfg.task](args=cfg)  # the Python API's classes: one path, the same pre-run checks
+    trainer.train()
+    metrics_path = trainer.metrics_path
     if os.environ.get("RANK", "0") == "0":  # torchrun/accelerate: one line, from rank 0
         print(f"metrics: {metrics_path}")
     return 0
@@ -217,7 +289,7 @@ def memory_main(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = ("train", "lengths", "data", "memory")
+COMMANDS = ("train", "lengths", "data", "memory", "generate", "chat")
 
 
 def _dispatch(command: str, rest: list[str]) -> int:
@@ -227,6 +299,10 @@ def _dispatch(command: str, rest: list[str]) -> int:
         return memory_main(rest)
     if command == "lengths":
         return lengths_main(rest)
+    if command == "generate":
+        return generate_main(rest)
+    if command == "chat":
+        return chat_main(rest)
     return data_main(rest)
 
 
@@ -245,7 +321,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
         return 2
-    _setup_logging()
+    _setup_logging(debug)
     try:
         return _dispatch(command, rest)
     except TrainingInterrupted as stop:

@@ -64,9 +64,10 @@ TritonGradients = Literal["exact", "cce"]
 PaddingSide = Literal["right", "left"]
 LRScheduler = Literal["constant", "linear", "cosine"]
 ContextParallelStrategy = Literal["allgather", "ring"]
-ReportTo = Literal["none", "tensorboard"]
+ReportTo = Literal["none", "tensorboard", "wandb"]
 Optimizer = Literal["adamw_torch", "adamw_bnb_8bit"]
 DeepSpeedZeroStage = Literal[0, 3]
+EvalStrategy = Literal["no", "steps", "epoch"]
 
 BACKENDS = typing.get_args(Backend)
 TASKS = typing.get_args(Task)
@@ -80,6 +81,7 @@ LR_SCHEDULERS = typing.get_args(LRScheduler)
 CONTEXT_PARALLEL_STRATEGIES = typing.get_args(ContextParallelStrategy)
 REPORT_TO = typing.get_args(ReportTo)
 OPTIMIZERS = typing.get_args(Optimizer)
+EVAL_STRATEGIES = typing.get_args(EvalStrategy)
 
 # Which attention path runs, shared by the backends and the memory planner (``common.run.memory_plan``):
 DEFAULT_ATTENTION_BLOCK_SIZE = 512
@@ -93,6 +95,18 @@ JAX_DENSE_ATTN_IMPLEMENTATIONS = ("eager",)
 rows longer than one block (rows that fit one block take the dense path: ``jax_backend.attention``)."""
 DEFAULT_CHUNK_SIZE = 256
 """Tokens per chunk of the chunked and fused losses and log-probs, on both backends."""
+DEFAULT_LEARNING_RATES: dict[tuple[str, bool], float] = {
+    ("sft", False): 2e-5,
+    ("dpo", False): 1e-6,
+    ("grpo", False): 1e-6,
+    ("sft", True): 1e-4,
+    ("dpo", True): 1e-5,
+    ("grpo", True): 1e-5,
+}
+"""``learning_rate`` when none is given, by (task, use_peft): TRL's defaults for full fine-tuning (``SFTConfig``
+2e-5, ``DPOConfig`` and ``GRPOConfig`` 1e-6), and with LoRA about ten times those, as TRL's PEFT guides train
+adapters (SFT with LoRA: 1e-4). Tuned for pretrained checkpoints; a freshly initialised model wants far more (the
+configs under ``configs/`` use 1e-3 to 3e-2)."""
 TRITON_DW_SLICE_BYTES = 64 * 2**20
 """loss_type='triton': the float32 lm_head gradient is accumulated a vocabulary slice of at most this size at a time
 (1/30 of a 248k x 2048 head), each slice cast to the weight's dtype when done."""
@@ -116,7 +130,7 @@ class ModelArgs(_Section):
     model_config: str = "tiny"
     """A preset (tiny, small, tiny-llama3, tiny-qwen2, tiny-qwen3, tiny-mistral, tiny-gemma2), a local Hugging Face
     checkpoint folder (Llama, Qwen2, Qwen3, Mistral, Gemma 2), or a folder with a config.json alone (with
-    ``init_weights='random'``)."""
+    ``init_weights='random'``). TRL's ``model_name_or_path`` (``--model-name-or-path``) is an alias."""
     init_weights: InitWeights = "pretrained"
     """``pretrained``: a model folder's own weights; a folder with a config.json and no weights is refused, naming
     the missing files. ``random``: weights drawn from the run's seed, for that folder's architecture (its weights,
@@ -151,13 +165,28 @@ class DataConfig(_Section):
     padding_side: PaddingSide = "right"
     per_device_train_batch_size: int = knob(8, ge=1)
     gradient_accumulation_steps: int = knob(1, ge=1)
+    per_device_eval_batch_size: int = knob(8, ge=1)
+    """Examples (SFT rows, packed rows with ``packing``, DPO pairs, GRPO prompts) per evaluation micro-batch."""
+    eval_dataset_name: Optional[str] = None
+    """The eval set, as ``dataset_name`` takes it (a file, a folder, a hub name, ``embedded``), read at
+    ``eval_split``. None: ``dataset_name`` when ``eval_split`` is given. See also ``eval_fraction``."""
+    eval_split: Optional[str] = None
+    """The split (or slice: ``train[90%:]``) of the eval set (None: ``train`` for ``eval_dataset_name``). A single
+    file or an embedded dataset has the split ``train`` only: hold out a part of it with ``eval_fraction``."""
+    eval_fraction: Optional[float] = knob(None, gt=0, lt=1)
+    """Hold out this fraction of the training rows (``dataset_name`` at ``dataset_split``, or ``train_dataset``) as
+    the eval set, drawn from ``seed`` (``ceil(fraction x rows)`` rows, as ``datasets``' ``train_test_split``); the
+    run trains on the rest only."""
 
 
 @dataclass
 class OptimConfig(_Section):
     """AdamW with a warmup schedule and gradient clipping (the same rule on both backends)."""
 
-    learning_rate: float = knob(1e-3, ge=0)
+    learning_rate: Optional[float] = knob(None, ge=0)
+    """None: the task's default for a pretrained checkpoint, TRL's (``DEFAULT_LEARNING_RATES``: SFT 2e-5, DPO and
+    GRPO 1e-6; with ``use_peft`` 1e-4, 1e-5 and 1e-5), resolved when the config is checked, so ``to_dict()`` and
+    every checkpoint hold the number. twinseq's presets train random tiny models: their YAML files set their own."""
     lr_scheduler_type: LRScheduler = "cosine"
     warmup_steps: int = knob(0, ge=0)
     warmup_ratio: float = knob(0.0, ge=0, lt=1)
@@ -259,8 +288,16 @@ class TrainConfig:
     """Which backend runs the job; ``TWINSEQ_BACKEND`` sets the default."""
     task: Task = "sft"
     output_dir: str = "runs/latest"
+    overwrite_output_dir: bool = False
+    """Train into an ``output_dir`` that already holds a run (its ``metrics.jsonl``, ``checkpoint-N`` or ``final/``);
+    without it (or ``resume_from_checkpoint``) such a folder is refused (HF's ``overwrite_output_dir``)."""
     seed: int = 0
-    max_steps: int = knob(100, ge=1)
+    max_steps: int = knob(100, ge=-1)
+    """Optimizer steps to run; -1: as many as ``num_train_epochs`` passes over the data take (Hugging Face's rule:
+    a positive ``max_steps`` wins over ``num_train_epochs``)."""
+    num_train_epochs: float = knob(3.0, gt=0)
+    """Passes over the training data when ``max_steps=-1`` (fractions allowed: 0.5 is half a pass): the run takes
+    ceil(num_train_epochs x steps per epoch) optimizer steps, the last step of each epoch taking the rows left."""
     logging_steps: int = knob(1, ge=1)
     """Write a metrics line every N optimizer steps (averaged over them)."""
     save_steps: int = knob(0, ge=0)
@@ -269,12 +306,45 @@ class TrainConfig:
     """Write a resumable ``checkpoint-<max_steps>`` at the end of the run as well as the ``final`` model folder
     (``--no-save-final-checkpoint``: the model folder only, which cannot resume or extend the run)."""
     save_total_limit: Optional[int] = knob(None, ge=1)
-    """Keep only the newest N checkpoints (None: keep all)."""
+    """Keep only the newest N checkpoints (None: keep all); with ``load_best_model_at_end`` the best one is kept
+    too (HF's rule)."""
+    eval_strategy: EvalStrategy = "no"
+    """When to evaluate on the eval set (HF's name): ``no``; ``steps``: every ``eval_steps`` optimizer steps;
+    ``epoch``: at the end of every pass over the training data (and at the last step). Needs an eval set:
+    ``eval_dataset_name`` / ``eval_split``, ``eval_fraction``, or ``eval_dataset=`` from Python."""
+    eval_steps: Optional[int] = knob(None, ge=1)
+    """Evaluate every N optimizer steps with ``eval_strategy='steps'`` (None: ``logging_steps``, as HF)."""
+    eval_on_start: bool = False
+    """Evaluate once before the first optimizer step (HF's ``eval_on_start``): the starting point of the curve."""
+    load_best_model_at_end: bool = False
+    """Keep the checkpoint of the best evaluation (``metric_for_best_model``) and end the run with its weights: the
+    ``final`` folder holds them (the last ``checkpoint-N`` stays the last state, to resume from). A checkpoint is
+    written at every evaluation (``save_steps`` 0), or ``save_steps`` must be a multiple of ``eval_steps``."""
+    metric_for_best_model: Optional[str] = None
+    """The evaluation metric ``load_best_model_at_end`` and early stopping compare, with or without its ``eval_``
+    prefix (None: ``eval_loss``; GRPO, which has no loss on held-out prompts: ``eval_reward``)."""
+    greater_is_better: Optional[bool] = None
+    """Whether a larger ``metric_for_best_model`` is better (None: True unless the metric's name ends in
+    ``loss``, as HF)."""
+    early_stopping_patience: Optional[int] = knob(None, ge=1)
+    """Stop the run when ``metric_for_best_model`` has not improved for N evaluations in a row (the run adds
+    ``common.run.callbacks.EarlyStoppingCallback``, transformers' own rule). None: never."""
+    early_stopping_threshold: float = knob(0.0, ge=0)
+    """The smallest change of ``metric_for_best_model`` that counts as an improvement (with
+    ``early_stopping_patience``)."""
+    eval_generate_samples: int = knob(0, ge=0)
+    """SFT: at every evaluation, greedily complete the prompts of the first N eval rows and write them beside their
+    reference (``<output_dir>/samples/step_N.jsonl`` and ``.md``). 0: none."""
     resume_from_checkpoint: Optional[str] = None
     """A ``checkpoint-N`` directory, or ``latest`` for the newest complete one in output_dir."""
     disable_tqdm: bool = False
     report_to: list[ReportTo] = field(default_factory=lambda: ["none"])
-    """Extra metric sinks besides metrics.jsonl: ``tensorboard`` (event files in output_dir/runs)."""
+    """Extra metric sinks besides metrics.jsonl: ``tensorboard`` (event files in output_dir/runs), ``wandb`` (a
+    Weights & Biases run, extra ``twinseq[wandb]``; project ``WANDB_PROJECT``, default ``twinseq``;
+    ``WANDB_MODE=offline`` needs no account)."""
+    run_name: Optional[str] = None
+    """The run's name in a tracker of ``report_to`` (wandb); None: the tracker's own (``WANDB_NAME``, or a random
+    name)."""
 
     model: ModelArgs = field(default_factory=ModelArgs)
     data: DataConfig = field(default_factory=DataConfig)
@@ -302,13 +372,33 @@ class TrainConfig:
                 )
             _check_fields(getattr(self, name))
         self._check_combinations()
+        self._resolve_task_defaults()
         return self
+
+    def _resolve_task_defaults(self) -> None:
+        """``learning_rate`` None becomes the number of ``DEFAULT_LEARNING_RATES`` for this task (and ``use_peft``);
+        ``task_defaults()`` then names it, so that a copy for another task (``replace``, the CLI's flags over a
+        YAML file) resolves it again rather than inheriting this task's number."""
+        if self.optim.learning_rate is None:
+            self.optim.learning_rate = DEFAULT_LEARNING_RATES[(self.task, self.peft.use_peft)]
+            object.__setattr__(self.optim, _TASK_DEFAULT, self.optim.learning_rate)
+
+    def task_defaults(self) -> list[str]:
+        """The fields that hold a task default set by the last ``validate`` (``["learning_rate"]``), not a given
+        value."""
+        resolved = getattr(self.optim, _TASK_DEFAULT, None)
+        return ["learning_rate"] if resolved is not None and self.optim.learning_rate == resolved else []
 
     def _check_combinations(self) -> None:
         """Rules that tie fields of different sections together."""
         d, loss = self.data, self.loss
         if d.packing and d.max_length is None:
             raise ConfigError("packing=True needs max_length (the packed row length); set --max-length.")
+        if self.max_steps == 0:
+            raise ConfigError(
+                "max_steps=0 is not valid: pass a positive number of optimizer steps (--max-steps 100), or -1 to "
+                "train for num_train_epochs passes over the data (--max-steps -1 --num-train-epochs 2)."
+            )
         for task, section in TASK_SECTIONS.items():
             if self.task != task:
                 changed = _changed_fields(getattr(self, section))
@@ -343,6 +433,7 @@ class TrainConfig:
             )
 
         check_peft_config(self.peft)
+        self._check_evaluation()
         if loss.use_liger_kernel and loss.loss_type not in ("nll", "liger"):
             raise ConfigError(
                 f"use_liger_kernel=True selects Liger's fused cross-entropy, but loss_type="
@@ -359,11 +450,84 @@ class TrainConfig:
             # TRL's use_liger_kernel switches the loss to Liger's fused linear cross-entropy.
             loss.loss_type = "liger"
         if len(set(self.report_to)) != len(self.report_to) or ("none" in self.report_to and len(self.report_to) > 1):
-            raise ConfigError(f"report_to={self.report_to!r} is not valid: give 'none' alone, or 'tensorboard'.")
+            raise ConfigError(
+                f"report_to={self.report_to!r} is not valid: give 'none' alone, or any of 'tensorboard', 'wandb' once."
+            )
+
+    def _check_evaluation(self) -> None:
+        """The evaluation fields together (HF's rules where HF has them)."""
+        d, evaluates = self.data, self.eval_strategy != "no"
+        if d.eval_fraction is not None and (d.eval_dataset_name is not None or d.eval_split is not None):
+            raise ConfigError(
+                f"eval_fraction={d.eval_fraction} holds out part of the training data as the eval set, and "
+                f"eval_dataset_name/eval_split name another one; give one of them."
+            )
+        if self.load_best_model_at_end:
+            if not evaluates:
+                raise ConfigError(
+                    "load_best_model_at_end=True needs evaluations to compare: set --eval-strategy steps (or epoch)."
+                )
+            if self.save_steps and (self.eval_strategy == "epoch" or self.save_steps % self.effective_eval_steps):
+                raise ConfigError(
+                    f"load_best_model_at_end=True with save_steps={self.save_steps} and eval_strategy="
+                    f"{self.eval_strategy!r} (eval_steps={self.effective_eval_steps}): the checkpoints must be "
+                    f"written at evaluations (HF's rule: save_steps a multiple of eval_steps); set --save-steps to a "
+                    f"multiple of {self.effective_eval_steps}, or 0 (a checkpoint at every evaluation)."
+                )
+        if self.early_stopping_patience is not None and not evaluates:
+            raise ConfigError(
+                f"early_stopping_patience={self.early_stopping_patience} counts evaluations, and eval_strategy='no' "
+                f"runs none: set --eval-strategy steps (or epoch)."
+            )
+        if self.early_stopping_threshold and self.early_stopping_patience is None:
+            raise ConfigError(
+                f"early_stopping_threshold={self.early_stopping_threshold} is read with early_stopping_patience "
+                f"only; add --early-stopping-patience N or drop --early-stopping-threshold."
+            )
+        if self.eval_generate_samples and self.task != "sft":
+            raise ConfigError(
+                f"eval_generate_samples={self.eval_generate_samples} is SFT's (GRPO logs its evaluation completions "
+                f"with --log-completions); drop --eval-generate-samples with task={self.task!r}."
+            )
+        if (evaluates or self.eval_on_start) and self.parallel.deepspeed_zero_stage:
+            raise ConfigError(
+                "evaluation during training is not wired under deepspeed_zero_stage=3; drop --eval-strategy / "
+                "--eval-on-start, or train with FSDP2 (--fsdp) instead."
+            )
+
+    @property
+    def effective_eval_steps(self) -> int:
+        """``eval_steps``, else ``logging_steps`` (HF's default)."""
+        return self.eval_steps or self.logging_steps
+
+    @property
+    def effective_metric_for_best_model(self) -> str:
+        """``metric_for_best_model`` with its ``eval_`` prefix; None: ``eval_loss`` (GRPO: ``eval_reward``)."""
+        name = self.metric_for_best_model or ("reward" if self.task == "grpo" else "loss")
+        return name if name.startswith("eval_") else f"eval_{name}"
+
+    @property
+    def effective_greater_is_better(self) -> bool:
+        """``greater_is_better``, else True unless the metric's name ends in ``loss`` (HF's rule)."""
+        if self.greater_is_better is not None:
+            return self.greater_is_better
+        return not self.effective_metric_for_best_model.endswith("loss")
+
+    @property
+    def effective_learning_rate(self) -> float:
+        """``optim.learning_rate``: the given one, or the task's default (``DEFAULT_LEARNING_RATES``; ``validate``
+        stores it in the field)."""
+        lr = self.optim.learning_rate
+        return DEFAULT_LEARNING_RATES[(self.task, self.peft.use_peft)] if lr is None else lr
 
     @property
     def effective_warmup_steps(self) -> int:
-        return self.optim.warmup_steps or int(self.optim.warmup_ratio * self.max_steps)
+        """``warmup_steps``, else ``warmup_ratio`` of ``max_steps`` (with ``max_steps=-1``, of the resolved config:
+        ``common.run.schedule.with_resolved_max_steps``)."""
+        if self.optim.warmup_steps:
+            return self.optim.warmup_steps
+        assert self.max_steps > 0, "max_steps=-1: resolve it from the data first (with_resolved_max_steps)"
+        return int(self.optim.warmup_ratio * self.max_steps)
 
     # -- construction from flat (TRL-style) or nested values ----------------------------
 
@@ -434,8 +598,13 @@ class TrainConfig:
         return flat
 
     def replace(self, **flat: Any) -> "TrainConfig":
-        """A copy with some fields changed, by their flat names."""
-        return self.from_dict({**self.to_flat_dict(), **flat}, source="replace()")
+        """A copy with some fields changed, by their flat names (a task default is resolved again for the copy)."""
+        unset = dict.fromkeys(self.task_defaults())
+        return self.from_dict({**self.to_flat_dict(), **unset, **flat}, source="replace()")
+
+
+_TASK_DEFAULT = "_twinseq_task_default"
+"""The attribute (no field: never in ``to_dict`` or the CLI) where ``OptimConfig`` keeps a resolved task default."""
 
 
 def _fields_of(section: str) -> list[str]:
@@ -458,8 +627,10 @@ def _flat_index() -> dict[str, Optional[str]]:
 
 
 _FLAT_INDEX = _flat_index()
-FIELD_ALIASES = {"vllm_sleep_enabled": "vllm_enable_sleep_mode"}
-"""Other spellings accepted in YAML files and Python (the TRL guide writes ``vllm_sleep_enabled``)."""
+FIELD_ALIASES = {"vllm_sleep_enabled": "vllm_enable_sleep_mode", "model_name_or_path": "model_config"}
+"""Other spellings accepted in YAML files, Python and on the command line (``--model-name-or-path`` is listed by
+``twinseq train --help`` beside ``--model-config``): TRL's ``model_name_or_path`` (its ``ModelConfig``), and the TRL
+guide's ``vllm_sleep_enabled``."""
 
 
 def _accepting_flat_names(dataclass_init):
@@ -486,8 +657,14 @@ TrainConfig.__init__ = _accepting_flat_names(TrainConfig.__init__)  # type: igno
 
 
 def flag_names() -> list[str]:
-    """Every ``twinseq train`` flag (``--max-length``, ...), for suggestions."""
-    return ["--" + name.replace("_", "-") for name in _FLAT_INDEX]
+    """Every ``twinseq train`` flag (``--max-length``, ...) and alias flag (``--model-name-or-path``), for
+    suggestions."""
+    return ["--" + name.replace("_", "-") for name in [*_FLAT_INDEX, *FIELD_ALIASES]]
+
+
+def aliases_of(name: str) -> list[str]:
+    """The other spellings of field ``name`` (``aliases_of("model_config") == ["model_name_or_path"]``)."""
+    return [alias for alias, target in FIELD_ALIASES.items() if target == name]
 
 
 def load_yaml(path: str | Path) -> dict:

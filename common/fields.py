@@ -67,7 +67,7 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
                 return _coerce(name, value, alternative)
             except (ConfigError, ConfigTypeError):
                 continue
-        raise ConfigTypeError(f"{name}={value!r} is not valid: it must be {_type_name(hint)} ({_flag(name)}).")
+        raise ConfigTypeError(f"{name}={value!r} is not valid: pass {_type_name(hint)} ({_flag(name)}).")
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
@@ -80,12 +80,12 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
         if isinstance(value, str) and (args[0] is str or typing.get_origin(args[0]) is Literal):
             value = [value]
         if not isinstance(value, (list, tuple)):
-            raise ConfigTypeError(f"{name}={value!r} is not valid: it must be {_type_name(hint)}.")
+            raise ConfigTypeError(f"{name}={value!r} is not valid: pass {_type_name(hint)} ({_flag(name)}).")
         return [_coerce(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigTypeError(
-                f"{name}={value!r} is not valid: it must be true or false (a boolean, not "
+                f"{name}={value!r} is not valid: pass true or false (a boolean, not "
                 f"{type(value).__name__}); on the command line use {_flag(name)} or "
                 f"--no-{_flag(name)[2:]}."
             )
@@ -93,21 +93,21 @@ def _coerce(name: str, value: Any, hint: Any) -> Any:
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigTypeError(
-                f"{name}={value!r} is not valid: it must be an integer, not {type(value).__name__} ({_flag(name)})."
+                f"{name}={value!r} is not valid: pass an integer, not {type(value).__name__} ({_flag(name)})."
             )
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigTypeError(
-                f"{name}={value!r} is not valid: it must be a number, not {type(value).__name__} ({_flag(name)})."
+                f"{name}={value!r} is not valid: pass a number, not {type(value).__name__} ({_flag(name)})."
             )
         if not math.isfinite(value):
-            raise ConfigError(f"{name}={value!r} is not valid: it must be a finite number ({_flag(name)}).")
+            raise ConfigError(f"{name}={value!r} is not valid: pass a finite number ({_flag(name)}).")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
             raise ConfigTypeError(
-                f"{name}={value!r} is not valid: it must be a string, not {type(value).__name__} ({_flag(name)})."
+                f"{name}={value!r} is not valid: pass a string, not {type(value).__name__} ({_flag(name)})."
             )
         return value
     raise AssertionError(f"unsupported config annotation {hint!r} for {name}")
@@ -124,7 +124,7 @@ def _check_range(name: str, value: Any, bounds: Mapping[str, float]) -> None:
     for v in values:
         if not all(_RANGE_OK[k](v, b) for k, b in bounds.items()):
             allowed = " and ".join(f"{_RANGE_TEXT[k]} {b:g}" for k, b in bounds.items())
-            raise ConfigError(f"{name}={value!r} is not valid: it must be {allowed} ({_flag(name)}).")
+            raise ConfigError(f"{name}={value!r} is not valid: pass a value {allowed} ({_flag(name)}).")
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,7 @@ public names. Importing it imports jax.
 
 from twinseq.jax_backend.checkpoint import load_pretrained, save_pretrained
 from twinseq.jax_backend.dpo import compute_sequence_logps, dpo_loss_and_grads
-from twinseq.jax_backend.generation import generate
+from twinseq.jax_backend.generation import complete_prompts, generate
 from twinseq.jax_backend.model import (
     CausalLM,
     batch_inputs,
@@ -42,6 +42,7 @@ __all__ = [
     "add_adapters",
     "export_adapters",
     "merge_adapters",
+    "complete_prompts",
     "CausalLM",
     "batch_inputs",
     "grads_jit",

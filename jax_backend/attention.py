@@ -154,8 +154,8 @@ def blocked_document_attention(
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConfigError(
-            f"attention_block_size={block_size!r} must be a positive integer (tokens per query/key "
-            f"tile of the blocked attention)."
+            f"attention_block_size={block_size!r} is not valid; pass a positive integer (tokens per query/key "
+            f"tile of the blocked attention), e.g. 512."
         )
     t = q_BNTD.shape[2]
     block = min(block_size, t)
@@ -240,8 +240,8 @@ def attention_for(
         return None
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConfigError(
-            f"attention_block_size={block_size!r} must be a positive integer (tokens per query/key "
-            f"tile of the blocked attention)."
+            f"attention_block_size={block_size!r} is not valid; pass a positive integer (tokens per query/key "
+            f"tile of the blocked attention), e.g. 512."
         )
     if attn_implementation != "sdpa":
         logger.info(

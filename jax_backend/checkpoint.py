@@ -65,6 +65,6 @@ def from_numpy_tree(leaves: list[np.ndarray], like: Any) -> Any:
             raise CheckpointError(
                 f"optimizer array {i} has shape {np.shape(got)} and dtype {np.asarray(got).dtype}, but "
                 f"this optimizer expects {np.shape(want)} {want.dtype}; the checkpoint is from another "
-                f"model or optimizer configuration."
+                f"model or optimizer configuration: resume with the settings it was written with."
             )
     return jax.tree.unflatten(treedef, [jax.numpy.asarray(x) for x in leaves])

@@ -269,13 +269,24 @@ def _default_block(length: int) -> int:
 
 def _check_shapes(q, k, v, seg, pos) -> None:
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
-        raise ConfigError(f"q {q.shape}, k {k.shape}, v {v.shape} must be [B, T, H, D] with k.shape == v.shape.")
+        raise ConfigError(
+            f"q {q.shape}, k {k.shape}, v {v.shape} must be [B, T, H, D] with k.shape == v.shape; pass arrays "
+            "in that layout."
+        )
     if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
-        raise ConfigError(f"q {q.shape} and k {k.shape} must share B, T and D (layout [B, T, H, D]).")
+        raise ConfigError(
+            f"q {q.shape} and k {k.shape} must share B, T and D (layout [B, T, H, D]); pass arrays in that layout."
+        )
     if q.shape[2] % k.shape[2]:
-        raise ConfigError(f"num_heads={q.shape[2]} must be a multiple of num_kv_heads={k.shape[2]} (GQA).")
+        raise ConfigError(
+            f"num_heads={q.shape[2]} must be a multiple of num_kv_heads={k.shape[2]} (GQA); pass k and v with a "
+            f"divisor of {q.shape[2]} heads."
+        )
     if seg.shape != q.shape[:2] or pos.shape != q.shape[:2]:
-        raise ConfigError(f"segment_ids {seg.shape} and position_ids {pos.shape} must be [B, T] = {q.shape[:2]}.")
+        raise ConfigError(
+            f"segment_ids {seg.shape} and position_ids {pos.shape} must be [B, T] = {q.shape[:2]}; pass the "
+            "arrays of the same batch."
+        )
 
 
 def _to_internal(q_BTND, k_BTKD, v_BTKD):
@@ -295,13 +306,15 @@ def _check_options(sliding_window, softcap) -> None:
         isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
     ):
         raise ConfigError(
-            f"sliding_window={sliding_window!r} must be a positive integer (positions a query "
+            f"sliding_window={sliding_window!r} is not valid; pass a positive integer (positions a query "
             f"attends to) or None for full attention."
         )
     if softcap is not None and not (
         isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and softcap > 0
     ):
-        raise ConfigError(f"softcap={softcap!r} must be a positive number (the attention logit soft-cap) or None.")
+        raise ConfigError(
+            f"softcap={softcap!r} is not valid; pass a positive number (the attention logit soft-cap) or None."
+        )
 
 
 def _cfg(axis_name, num_shards, q_BTND, k_len, scale, block_q, block_k, sliding_window=None, softcap=None) -> _Cfg:
@@ -374,7 +387,9 @@ def blocked_attention_heads_first(
     b, n, t, d = q_BNTD.shape
     kv = k_BKTD.shape[1]
     if n % kv:
-        raise ConfigError(f"num_heads={n} must be a multiple of num_kv_heads={kv} (GQA).")
+        raise ConfigError(
+            f"num_heads={n} must be a multiple of num_kv_heads={kv} (GQA); pass k and v with a divisor of {n} heads."
+        )
     if t % block_size:
         raise ConfigError(f"block_size={block_size} must divide the sequence length {t}; pad T first.")
     _check_options(sliding_window, softcap)
@@ -492,7 +507,7 @@ def sharded_attention(
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is not valid; choose one of {STRATEGIES}.")
     if axis_name not in mesh.axis_names:
-        raise ConfigError(f"axis_name={axis_name!r} is not a mesh axis; the mesh has {mesh.axis_names}.")
+        raise ConfigError(f"axis_name={axis_name!r} is not a mesh axis; choose one of {mesh.axis_names}.")
     _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
     cp = mesh.shape[axis_name]
     if q_BTND.shape[1] % cp:

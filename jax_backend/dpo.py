@@ -28,7 +28,15 @@ from twinseq.common.errors import ConfigError
 from twinseq.common.objectives.dpo import ArrayOps, DPOLossConfig, dpo_family
 from twinseq.jax_backend.logprobs import sequence_logps
 from twinseq.jax_backend.losses import check_labels
-from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, grads_by_name, merge_state, split_trainable
+from twinseq.jax_backend.model import (
+    CausalLM,
+    batch_inputs,
+    cast_floating,
+    grads_by_name,
+    lora_dropout,
+    merge_state,
+    split_trainable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -129,22 +137,25 @@ def dpo_grads_jit(
     chunk_size: int,
     compute_dtype: Optional[str] = None,
     frozen=None,
+    dropout_key=None,
 ):
     """((loss, per-pair dict), grads as an NNX state) of one micro-batch; ``frozen``: the state that gets no
-    gradient (``model.split_trainable``: adapters train, their base does not)."""
+    gradient (``model.split_trainable``: adapters train, their base does not); ``dropout_key``: LoRA dropout of
+    the policy pass (``model.lora_dropout``; None: none)."""
 
     def scalar_loss(s):
         model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
-        return dpo_loss_fn(
-            model,
-            inputs,
-            ref_chosen_logps,
-            ref_rejected_logps,
-            num_examples_in_step,
-            config=config,
-            loss_type=loss_type,
-            chunk_size=chunk_size,
-        )
+        with lora_dropout(dropout_key):
+            return dpo_loss_fn(
+                model,
+                inputs,
+                ref_chosen_logps,
+                ref_rejected_logps,
+                num_examples_in_step,
+                config=config,
+                loss_type=loss_type,
+                chunk_size=chunk_size,
+            )
 
     return jax.value_and_grad(scalar_loss, has_aux=True)(state)
 
@@ -217,7 +228,7 @@ def dpo_loss_and_grads(
     if denom < pbatch.num_examples:
         raise ConfigError(
             f"num_examples_in_step={denom} is smaller than this micro-batch's {pbatch.num_examples} "
-            f"pairs; it must count the pairs of the whole optimizer step."
+            f"pairs; pass the count of pairs of the whole optimizer step."
         )
     graphdef, state, frozen = split_trainable(model)
     (loss, per_pair), grads = dpo_grads_jit(

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from twinseq.common.backend import Model
 from twinseq.common.errors import ConfigError
 from twinseq.jax_backend.attention import dot_product_attention
 from twinseq.jax_backend.losses import logits_f32
@@ -57,9 +58,9 @@ class SamplingParams:
         if not self.temperature > 0:
             raise ConfigError(f"temperature={self.temperature!r} must be > 0; use do_sample=False for greedy decoding.")
         if int(self.top_k) < 0:
-            raise ConfigError(f"top_k={self.top_k!r} must be >= 0 (0 disables the top-k filter).")
+            raise ConfigError(f"top_k={self.top_k!r} must be >= 0; pass 0 to disable the top-k filter.")
         if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1] (1.0 disables nucleus sampling).")
+            raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1]; pass 1.0 to disable nucleus sampling.")
 
 
 @dataclasses.dataclass
@@ -88,8 +89,8 @@ def left_pad(
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError(
-            "prompts must be a non-empty list of non-empty token lists (an empty prompt has no "
-            "token to condition on); drop empty prompts or prepend a BOS token."
+            f"prompts must be a non-empty list of non-empty token lists, got lengths {[len(p) for p in prompts][:8]} "
+            "(an empty prompt has no token to condition on); drop empty prompts or prepend a BOS token."
         )
     length = max(len(p) for p in prompts)
     if pad_to_multiple_of:
@@ -335,7 +336,9 @@ def generate(
     """
     cfg = model.config
     if int(max_completion_length) < 1:
-        raise ConfigError(f"max_completion_length={max_completion_length!r} must be >= 1.")
+        raise ConfigError(
+            f"max_completion_length={max_completion_length!r} must be >= 1; pass the number of tokens to generate."
+        )
     params = SamplingParams(bool(do_sample), float(temperature), int(top_k), float(top_p))
     if do_sample and key is None:
         raise ConfigError(
@@ -369,6 +372,33 @@ def generate(
     return Completions(ids_BP, mask_BP, tokens_BC, completion_mask(tokens_BC, eos_ids))
 
 
+def complete_prompts(
+    model: Model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_token_id: Optional[int] = None,
+    pad_token_id: int = 0,
+) -> np.ndarray:
+    """int32 [N, C] completions (``common.backend.Backend.complete_prompts``): ``generate`` with the KV cache,
+    greedy at ``temperature`` 0, else sampled with ``jax.random.key(seed)``; EOS is not allowed first, as torch's
+    ``generate`` (``min_new_tokens=1``)."""
+    sample = temperature > 0
+    return generate(
+        model,
+        prompts,
+        max_completion_length=max_new_tokens,
+        key=jax.random.key(seed),
+        do_sample=sample,
+        temperature=float(temperature) if sample else 1.0,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        min_new_tokens=1,
+    ).completion_ids
+
+
 def _check_left_padded(mask_BP: np.ndarray) -> None:
     """Every row's real tokens must be contiguous and end at the last column (left padding)."""
     ends_real = mask_BP[:, -1] == 1
@@ -376,5 +406,6 @@ def _check_left_padded(mask_BP: np.ndarray) -> None:
     if not (ends_real.all() and contiguous.all()):
         raise ConfigError(
             "prompt_mask must describe left-padded prompts (0s then 1s in every row, a real token in "
-            "the last column); build them with generation.left_pad."
+            f"the last column); rows {np.flatnonzero(~(ends_real & contiguous))[:8].tolist()} are not: build them "
+            "with generation.left_pad."
         )

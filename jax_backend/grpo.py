@@ -39,15 +39,25 @@ from twinseq.common.data.prepare import run_tokenizer
 from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError
 from twinseq.common.objectives.grpo import CompletionBatch, LossSpec, collate_completions, reward_func_name
+from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.rollout import GroupRollout, token_record
+from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import reference_description
 from twinseq.jax_backend.generation import generate
 from twinseq.jax_backend.logprobs import token_logps
 from twinseq.jax_backend.losses import check_labels, logits_f32
-from twinseq.jax_backend.model import CausalLM, batch_inputs, cast_floating, grads_by_name, merge_state, split_trainable
+from twinseq.jax_backend.model import (
+    CausalLM,
+    batch_inputs,
+    cast_floating,
+    grads_by_name,
+    lora_dropout,
+    merge_state,
+    split_trainable,
+)
 from twinseq.jax_backend.parallel import parallelize
 from twinseq.jax_backend.peft import adapters_disabled
-from twinseq.jax_backend.trainer import JaxTrainer, build_causal_lm, compute_dtype, describe
+from twinseq.jax_backend.trainer import JaxTrainer, build_causal_lm, compute_dtype, describe, refuse_built_model
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +97,10 @@ def grpo_loss_jax(
     metrics: dict[str, jax.Array] = {}
     if spec.beta > 0:
         if ref_logps_NC is None:
-            raise ConfigError("grpo_beta > 0 needs the reference model's log-probs (ref_logps).")
+            raise ConfigError(
+                f"grpo_beta={spec.beta} > 0 needs the reference model's log-probs: pass ref_logps_NC, or set "
+                f"grpo_beta=0."
+            )
         delta = ref_logps_NC.astype(logps_NC.dtype) - logps_NC
         kl = jnp.exp(delta) - delta - 1
         per_token = per_token + spec.beta * kl
@@ -226,14 +239,17 @@ def grpo_grads_jit(
     temperature: float,
     compute_dtype: Optional[str] = None,
     frozen=None,
+    dropout_key=None,
 ):
-    """((loss, metrics), grads as an NNX state) of one micro-batch; ``frozen`` as ``model.grads_jit``."""
+    """((loss, metrics), grads as an NNX state) of one micro-batch; ``frozen`` and ``dropout_key`` as
+    ``model.grads_jit``."""
 
     def scalar_loss(s):
         model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
-        logps_NC, entropy_NC = completion_logps(
-            model, ci, loss_type=loss_type, chunk_size=chunk_size, temperature=temperature, with_entropy=True
-        )
+        with lora_dropout(dropout_key):
+            logps_NC, entropy_NC = completion_logps(
+                model, ci, loss_type=loss_type, chunk_size=chunk_size, temperature=temperature, with_entropy=True
+            )
         loss, metrics = grpo_loss_jax(
             logps_NC.astype(jnp.float32),
             advantages_N,
@@ -260,12 +276,14 @@ def completion_logps_jit(
     temperature: float,
     compute_dtype: Optional[str] = None,
     frozen=None,
+    dropout_key=None,
 ) -> jax.Array:
-    """float32 [N, C] log-probs, no gradient: the sampling policy's and the reference's passes."""
+    """float32 [N, C] log-probs, no gradient: the sampling policy's (``dropout_key``: in train mode, as torch's) and
+    the reference's passes."""
     model = merge_state(graphdef, cast_floating(state, compute_dtype), cast_floating(frozen, compute_dtype))
-    return completion_logps(model, ci, loss_type=loss_type, chunk_size=chunk_size, temperature=temperature)[0].astype(
-        jnp.float32
-    )
+    with lora_dropout(dropout_key):
+        logps_NC = completion_logps(model, ci, loss_type=loss_type, chunk_size=chunk_size, temperature=temperature)[0]
+    return logps_NC.astype(jnp.float32)
 
 
 def grpo_loss_and_grads(
@@ -437,7 +455,12 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
             )
             if g.num_iterations > 1:
                 mb.old_logps_NC = completion_logps_jit(
-                    self.graphdef, self.params, ci, frozen=self.frozen, **self._logps_kwargs()
+                    self.graphdef,
+                    self.params,
+                    ci,
+                    frozen=self.frozen,
+                    dropout_key=self.next_dropout_key(),
+                    **self._logps_kwargs(),
                 )
             if g.grpo_beta > 0:
                 graphdef, state, frozen = (
@@ -468,6 +491,7 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
             mb.ref_logps_NC,
             spec=self.loss_spec,
             frozen=self.frozen,
+            dropout_key=self.next_dropout_key(),
             **self._logps_kwargs(),
         )
         entropy_sum = float(metrics.pop("entropy_sum"))
@@ -481,7 +505,7 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
 # --------------------------------------------------------------------------------------
 
 
-def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None):
+def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None, inputs: RunInputs = NO_INPUTS):
     """(trainer, source, tokenizer, announce lines) of a GRPO run; ``reward_funcs`` (names or callables)
     overrides ``cfg.grpo.reward_funcs``."""
     g = cfg.grpo
@@ -499,13 +523,15 @@ def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None):
         raise ConfigError(
             "task=grpo runs on one device on the jax backend (generation is not sharded); drop --context-parallel-size."
         )
-    tokenizer = run_tokenizer(cfg)
-    funcs = resolve_reward_funcs(g.reward_funcs if reward_funcs is None else reward_funcs)
-    rows = prepare_grpo_prompts(cfg, tokenizer)
+    refuse_built_model(inputs)
+    tokenizer = run_tokenizer(cfg, inputs.tokenizer)
+    funcs = resolve_reward_funcs(reward_funcs or inputs.reward_funcs or g.reward_funcs)
+    rows = prepare_grpo_prompts(cfg, tokenizer, inputs.train_dataset)
     model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), None, cfg)
     generation_batch = cfg.data.per_device_train_batch_size * cfg.data.gradient_accumulation_steps
     prompts_per_step = generation_batch // g.num_generations
     source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
+    cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
     trainer = GRPOTrainer(model, cfg, tokenizer=tokenizer, reward_funcs=funcs)
     announce = [
         describe(cfg, trainer),

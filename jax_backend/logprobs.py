@@ -99,7 +99,7 @@ def token_logps(
             f"loss_type={loss_type!r} is not supported by the JAX DPO log-probs; choose one of {LOGPS_LOSS_TYPES}."
         )
     if int(chunk_size) <= 0:
-        raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+        raise ConfigError(f"chunk_size={chunk_size!r} is not valid; pass a positive integer (tokens per chunk).")
     softcap = check_softcap(logit_softcap)
     hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
     targets_N = shift_labels(labels_BT).reshape(-1)

@@ -240,7 +240,7 @@ def check_softcap(logit_softcap: Optional[float]) -> Optional[float]:
     ):
         raise ConfigError(
             f"logit_softcap={logit_softcap!r} must be a positive number (the model's "
-            f"final_logit_softcapping) or None for no cap."
+            f"final_logit_softcapping) or None for no cap: pass one of those."
         )
     return float(logit_softcap)
 
@@ -290,7 +290,7 @@ def causal_lm_loss(
     if loss_type not in LOSS_TYPES:
         raise ConfigError(f"loss_type={loss_type!r} is not supported by the JAX backend; choose one of {LOSS_TYPES}.")
     if int(chunk_size) <= 0:
-        raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+        raise ConfigError(f"chunk_size={chunk_size!r} is not valid; pass a positive integer (tokens per chunk).")
     softcap = check_softcap(logit_softcap)
     h = hidden_BTH.shape[-1]
     hidden_NH = hidden_BTH.reshape(-1, h)

@@ -36,9 +36,11 @@ HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 from functools import partial
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +81,26 @@ class AdapterParam(nnx.Param):
     """A PEFT adapter tensor (``lora_A``, ``lora_B``, DoRA's magnitude, trainable-token rows): on a model with
     adapters (``peft.add_adapters``) these are the only parameters that train; every other ``nnx.Param`` is
     frozen (``split_trainable``)."""
+
+
+_LORA_DROPOUT_KEY: contextvars.ContextVar[Optional[jax.Array]] = contextvars.ContextVar("lora_dropout", default=None)
+
+
+@contextlib.contextmanager
+def lora_dropout(key: Optional[jax.Array]) -> Iterator[None]:
+    """While a step is traced inside this block, every adapted layer with ``lora_dropout > 0`` drops its LoRA input
+    as PEFT's ``nn.Dropout`` in train mode (``peft.PeftLinear.dropped``: the mask of ``fold_in(key, layer)``);
+    ``key`` None (and outside any block): no dropout, PEFT's eval mode."""
+    token = _LORA_DROPOUT_KEY.set(key)
+    try:
+        yield
+    finally:
+        _LORA_DROPOUT_KEY.reset(token)
+
+
+def active_dropout_key() -> Optional[jax.Array]:
+    """The key of the enclosing ``lora_dropout`` block (None: no dropout)."""
+    return _LORA_DROPOUT_KEY.get()
 
 
 def _param(array: np.ndarray, dtype: str) -> nnx.Param:
@@ -436,7 +458,7 @@ def set_tiled_mlp(model: CausalLM, chunk_size: Optional[int]) -> None:
     """Run every decoder MLP of ``model`` over tiles of ``chunk_size`` tokens (None: untiled); see ``tiled_mlp``."""
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ConfigError(
-            f"tiled_mlp_chunk_size={chunk_size!r} must be a positive integer (tokens per MLP tile) "
+            f"tiled_mlp_chunk_size={chunk_size!r} is not valid; pass a positive integer (tokens per MLP tile) "
             f"or None to run the MLP untiled."
         )
     for layer in model.model.layers:
@@ -503,7 +525,9 @@ def has_adapters(model: Model) -> bool:
 def peft_config(model: Model) -> PeftConfig:
     """The ``PeftConfig`` ``peft.add_adapters`` gave ``model`` (``ConfigError`` on a plain model)."""
     if not has_adapters(model):
-        raise ConfigError("this model has no adapters; add them with add_adapters(model, cfg, peft) first.")
+        raise ConfigError(
+            f"this {type(model).__name__} has no adapters; add them with add_adapters(model, cfg, peft) first."
+        )
     return PeftConfig(**json.loads(model.peft_json))
 
 
@@ -700,6 +724,7 @@ def grads_jit(
     attend=None,
     targets_are_shifted: bool = False,
     frozen=None,
+    dropout_key=None,
 ):
     """((loss, metrics), grads as an NNX state) of one micro-batch; ``inputs`` as ``batch_inputs`` returns.
 
@@ -710,15 +735,42 @@ def grads_jit(
     (mixed precision, like torch autocast); the gradients stay float32, w.r.t. ``state``.
 
     ``frozen``: the state that gets no gradient (``split_trainable``: a model with adapters trains only them).
+    ``dropout_key``: LoRA dropout in train mode (``lora_dropout``; None: none, PEFT's eval mode).
     """
 
     def scalar_loss(s):
         model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
-        return loss_fn(
-            model, *inputs, num_items, loss_type, chunk_size, attend=attend, targets_are_shifted=targets_are_shifted
-        )
+        with lora_dropout(dropout_key):
+            return loss_fn(
+                model, *inputs, num_items, loss_type, chunk_size, attend=attend, targets_are_shifted=targets_are_shifted
+            )
 
     return jax.value_and_grad(scalar_loss, has_aux=True)(state)
+
+
+@partial(
+    jax.jit,
+    static_argnums=(0,),
+    static_argnames=("loss_type", "chunk_size", "compute_dtype", "attend", "targets_are_shifted"),
+)
+def loss_jit(
+    graphdef,
+    state,
+    inputs,
+    num_items,
+    *,
+    loss_type: str,
+    chunk_size: int,
+    compute_dtype: Optional[str] = None,
+    attend=None,
+    targets_are_shifted: bool = False,
+    frozen=None,
+):
+    """(loss, metrics) of one micro-batch without gradients: ``grads_jit``'s forward, same arguments (evaluation)."""
+    model = merge_state(graphdef, cast_floating(state, compute_dtype), cast_floating(frozen, compute_dtype))
+    return loss_fn(
+        model, *inputs, num_items, loss_type, chunk_size, attend=attend, targets_are_shifted=targets_are_shifted
+    )
 
 
 def loss_grads_and_metrics(

@@ -56,7 +56,7 @@ CP_AXIS = "cp"
 
 def _check_axis_size(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ConfigError(f"mesh axis {name}={value!r} must be a positive integer.")
+        raise ConfigError(f"mesh axis {name}={value!r} must be a positive integer; pass 1 or more devices.")
     return int(value)
 
 
@@ -328,6 +328,10 @@ class DataParallelSteps:
         # A padding-free micro-batch is one row however many examples it holds.
         self.rows_per_replica = 1 if cfg.data.padding_free else cfg.data.per_device_train_batch_size
         self.multiple = multiple
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.iterators[0].steps_per_epoch
 
     def next_step(self) -> list[Batch]:
         per_replica = [it.next_step() for it in self.iterators]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import jax
 
 from twinseq.common.config import TrainConfig
 from twinseq.common.run.capabilities import Runtime
+from twinseq.common.run.inputs import RunInputs
 from twinseq.common.run.runner import preflight
 from twinseq.common.run.trainer import Build, train_task
 from twinseq.jax_backend.grpo import build_grpo
@@ -25,10 +27,10 @@ def builders(cfg: TrainConfig) -> dict[str, Build]:
     return {"sft": partial(build_sft, cfg), "dpo": partial(build_dpo, cfg), "grpo": partial(build_grpo, cfg)}
 
 
-def train(config: TrainConfig) -> Path:
+def train(config: TrainConfig, inputs: Optional[RunInputs] = None) -> Path:
     """Run ``config.max_steps`` optimizer steps of ``config.task``; returns the path of ``metrics.jsonl``."""
     cfg = config
     check_optimizer(cfg)
     platform = jax.devices()[0].platform
     preflight(cfg, Runtime("jax", platform, jax.device_count(), accelerator=platform != "cpu"))
-    return train_task(cfg, builders(cfg), desc="jax")
+    return train_task(cfg, builders(cfg), desc="jax", inputs=inputs)

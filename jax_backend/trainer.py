@@ -45,10 +45,11 @@ from twinseq.common.data.sft_steps import build_step_iterator
 from twinseq.common.errors import CheckpointError, ConfigError
 from twinseq.common.models.hf_folder import check_tokenizer_fits, read_hf_checkpoint, resolve_model_source
 from twinseq.common.models.init import check_weights, init_weights
-from twinseq.common.models.peft import init_adapters
+from twinseq.common.models.peft import base_dtype, init_adapters
 from twinseq.common.objectives.dpo import validate_dpo_config
+from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.report import peak_rss_bytes
-from twinseq.common.run.schedule import lr_multiplier
+from twinseq.common.run.schedule import lr_multiplier, with_resolved_max_steps
 from twinseq.common.run.step_metrics import dpo_step_metrics, sft_step_sums, with_means
 from twinseq.common.run.trainer import (
     TrainerTemplate,
@@ -66,15 +67,18 @@ from twinseq.jax_backend.dpo import (
     preference_inputs,
     sequence_logps_jit,
 )
+from twinseq.jax_backend.generation import generate
 from twinseq.jax_backend.losses import check_labels
 from twinseq.jax_backend.model import (
     CausalLM,
     batch_inputs,
     build_model,
+    cast_floating,
     export_weights,
     grads_jit,
     has_adapters,
     lazy_weights,
+    loss_jit,
     merge_state,
     split_trainable,
 )
@@ -91,6 +95,7 @@ from twinseq.jax_backend.parallel import (
 from twinseq.jax_backend.peft import (
     adapters_disabled,
     add_adapters,
+    dropout_key,
     export_adapters,
     load_adapter_values,
     set_adapters_enabled,
@@ -122,7 +127,7 @@ def lr_schedule(cfg: TrainConfig):
     opt = cfg.optim
     table = np.array(
         [
-            opt.learning_rate
+            cfg.effective_learning_rate
             * lr_multiplier(
                 k, warmup_steps=cfg.effective_warmup_steps, max_steps=cfg.max_steps, scheduler=opt.lr_scheduler_type
             )
@@ -185,7 +190,8 @@ _global_norm = jax.jit(optax.global_norm)
 
 def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> CausalLM:
     """The model of ``cfg.model.model_config`` (a local folder, or a preset with ``common``'s initial
-    weights) with float32 master weights (``dtype`` only changes the compute dtype, like torch autocast),
+    weights) with float32 master weights (``dtype`` only changes the compute dtype, like torch autocast; a PEFT run
+    stores its frozen base in ``common.models.peft.base_dtype``, bfloat16 under ``--dtype bfloat16``),
     attending with ``cfg.model.attn_implementation`` (``eager``: dense; else blocked, in tiles of
     ``memory.attention_block_size``) and with ``memory.tiled_mlp`` MLPs tiled by ``tiled_mlp_chunk_size``."""
     spec = cfg.model.model_config
@@ -200,7 +206,7 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int) -> CausalLM:
     model = CausalLM(
         source.config,
         weights,
-        dtype="float32",
+        dtype=base_dtype(cfg.peft, cfg.model.dtype),
         attn_implementation=cfg.model.attn_implementation,
         attention_block_size=mem.attention_block_size,
         tiled_mlp_chunk_size=mem.tiled_mlp_chunk_size if mem.tiled_mlp else None,
@@ -213,12 +219,6 @@ def with_adapters(model: CausalLM, cfg: TrainConfig) -> CausalLM:
     if not cfg.peft.use_peft:
         return model
 
-    if cfg.peft.lora_dropout > 0:
-        logger.warning(
-            "lora_dropout=%s is not applied by the jax trainer (its adapters train without dropout, "
-            "as PEFT with lora_dropout=0); set --lora-dropout 0 to silence this.",
-            cfg.peft.lora_dropout,
-        )
     adapters = init_adapters(model.config, cfg.peft, seed=cfg.seed, base_weights=export_weights(model))
     return add_adapters(model, model.config, cfg.peft, adapters)
 
@@ -255,6 +255,7 @@ class JaxTrainer(TrainerTemplate):
         self.rows = replicas * (1 if d.padding_free else d.per_device_train_batch_size)
         self._lr = lr_schedule(cfg)
         self._grads: Any = None
+        self._dropout_step, self._dropout_passes = -1, 0
         if d.pad_to_multiple_of is None:
             logger.info(
                 "pad_to_multiple_of is unset: padding every micro-batch to a multiple of %d tokens so "
@@ -285,10 +286,43 @@ class JaxTrainer(TrainerTemplate):
     def discard_gradients(self) -> None:
         self._grads = None
 
+    # -- evaluation's backend hooks ------------------------------------------------------------
+
+    def eval_generate(
+        self, prompt_ids: list[list[int]], *, max_new_tokens: int, eos_token_id: Optional[int], pad_token_id: int
+    ) -> Any:
+        """The KV-cache sampler, greedy, on the compute-dtype copy of the parameters (as GRPO samples)."""
+        dtype = compute_dtype(self.cfg)
+        policy = merge_state(self.graphdef, cast_floating(self.params, dtype), cast_floating(self.frozen, dtype))
+        return generate(
+            policy,
+            prompt_ids,
+            max_completion_length=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            pad_to_multiple_of=self.cfg.data.pad_to_multiple_of or 16,
+            min_new_tokens=1,  # as torch's generate: a completion is never a bare EOS
+        ).completion_ids
+
+    def next_dropout_key(self) -> Optional[jax.Array]:
+        """The LoRA dropout key of the next policy pass of this step (``peft.dropout_key``: the seed, the step, the
+        pass), None without adapters or with ``lora_dropout=0``: the torch trainer's PEFT dropout in train mode."""
+        if not (self.peft and self.cfg.peft.lora_dropout > 0):
+            return None
+        if self._dropout_step != self.steps_done:
+            self._dropout_step, self._dropout_passes = self.steps_done, 0
+        self._dropout_passes += 1
+        return dropout_key(self.cfg.seed, self.steps_done, self._dropout_passes - 1)
+
     # -- state and export --------------------------------------------------------------------
 
     def model(self) -> CausalLM:
         return merge_state(self.graphdef, self.params, self.frozen)
+
+    def trained_model(self) -> CausalLM:
+        """twinseq's ``CausalLM`` with the current parameters (adapters included under PEFT)."""
+        return self.model()
 
     def state_dict(self) -> dict[str, Any]:
         """The trained parameters (a PEFT run: its adapters by PEFT key, the frozen base is rebuilt from the
@@ -375,37 +409,43 @@ class JaxTrainer(TrainerTemplate):
 class SFTTrainer(JaxTrainer):
     """Next-token loss of each micro-batch, on one device or sharded over the mesh."""
 
-    def micro_step(self, batch: Batch):
+    def _inputs(self, batch: Batch) -> tuple[tuple, Any, dict[str, Any]]:
+        """(inputs, num_items, keywords) of ``grads_jit`` / ``loss_jit`` for one micro-batch: padded to the bucket,
+        and on a mesh sharded (reordered for CP, targets shifted before the reorder)."""
         check_labels(batch.labels, self.vocab_size, batch.num_items_in_batch)
-        batch = pad_batch(batch, max(self.rows, batch.shape[0]), self.bucket)
-        kwargs = dict(
+        rows = max(self.rows, batch.shape[0])
+        if self.mesh is not None:  # an eval batch may hold more rows than a training one: whole rows per replica
+            replicas = self.mesh.size // self.mesh.shape[CP_AXIS]
+            rows = -(-rows // replicas) * replicas
+        batch = pad_batch(batch, rows, self.bucket)
+        kwargs: dict[str, Any] = dict(
             loss_type=self.cfg.loss.loss_type,
             chunk_size=self.cfg.loss.loss_chunk_size,
             compute_dtype=compute_dtype(self.cfg),
+            frozen=self.frozen,
         )
         inputs = batch_inputs(batch, self.vocab_size)  # also range-checks the token ids
         num_items = jnp.asarray(batch.num_items_in_batch, jnp.int32)
-        if self.mesh is None:
-            (loss, metrics), grads = grads_jit(
-                self.graphdef, self.params, inputs, num_items, frozen=self.frozen, **kwargs
-            )
-        else:
-            arrays = shard_batch(batch, self.mesh)  # reordered for CP, targets shifted before the reorder
+        if self.mesh is not None:
+            arrays = shard_batch(batch, self.mesh)
             inputs = tuple(arrays[k] for k in ("input_ids", "position_ids", "segment_ids", "targets"))
-            (loss, metrics), grads = grads_jit(
-                self.graphdef,
-                self.params,
-                inputs,
-                num_items,
-                attend=self.attend,
-                targets_are_shifted=True,
-                frozen=self.frozen,
-                **kwargs,
-            )
+            kwargs.update(attend=self.attend, targets_are_shifted=True)
+        return inputs, num_items, kwargs
+
+    def micro_step(self, batch: Batch):
+        dropout = self.next_dropout_key()
+        inputs, num_items, kwargs = self._inputs(batch)
+        (loss, metrics), grads = grads_jit(self.graphdef, self.params, inputs, num_items, dropout_key=dropout, **kwargs)
         return {
             "loss": float(loss),
             **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum")},
         }, grads
+
+    def eval_micro_step(self, batch: Batch) -> dict[str, float]:
+        inputs, num_items, kwargs = self._inputs(batch)  # no dropout key: PEFT's eval mode
+        loss, metrics = loss_jit(self.graphdef, self.params, inputs, num_items, **kwargs)
+        sums = {k: float(metrics[k]) for k in ("num_tokens", "num_correct_tokens", "entropy_sum")}
+        return {"loss": float(loss), **sums}
 
     def summarize(self, records: list[dict[str, Any]], micro_batches: list[Batch]) -> dict[str, Any]:
         return with_means(sft_step_sums(records, num_tokens=sum(b.num_tokens for b in micro_batches)))
@@ -460,17 +500,37 @@ class DPOTrainer(JaxTrainer):
             inputs,
             ref_c,
             ref_r,
-            jnp.asarray(self.examples_per_step, jnp.float32),
+            jnp.asarray(pbatch.num_examples_in_step or self.examples_per_step, jnp.float32),  # an epoch's last step
             config=self.config,
             frozen=self.frozen,
             loss_type=loss.loss_type,
             chunk_size=loss.loss_chunk_size,
             compute_dtype=compute_dtype(self.cfg),
+            dropout_key=self.next_dropout_key(),
         )
         return (float(value), pairs), grads
 
     def micro_losses(self, records: list[Any]) -> list[float]:
         return [value for value, _ in records]
+
+    def eval_micro_step(self, pbatch: Any) -> dict[str, Any]:
+        pbatch = pad_preference_batch(pbatch, self.bucket)
+        inputs = preference_inputs(pbatch, self.vocab_size)
+        loss = self.cfg.loss
+        logps_D = sequence_logps_jit(
+            self.graphdef,
+            self.params,
+            inputs,
+            loss_type=loss.loss_type,
+            chunk_size=loss.loss_chunk_size,
+            compute_dtype=compute_dtype(self.cfg),
+            frozen=self.frozen,
+        )
+        n = pbatch.num_examples
+        out = {"chosen_logps": logps_D[:n], "rejected_logps": logps_D[n:]}
+        if self.live_reference:
+            out["ref_chosen_logps"], out["ref_rejected_logps"] = self._reference(pbatch, inputs)
+        return {k: np.asarray(v, np.float64) for k, v in out.items()}
 
     def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
         per_pair = {
@@ -513,28 +573,40 @@ def describe(cfg: TrainConfig, trainer: JaxTrainer) -> str:
     )
 
 
-def build_step_source(cfg: TrainConfig, mesh: Optional[Mesh]):
+def build_step_source(cfg: TrainConfig, mesh: Optional[Mesh], inputs: RunInputs = NO_INPUTS):
     """(step source, tokenizer, stats): ``common.data.sft_steps``'s iterator, or on a mesh one per data replica."""
     if mesh is None:
-        return build_step_iterator(cfg)
-    rows, tokenizer, stats = prepare_sft_dataset(cfg)
+        return build_step_iterator(cfg, dataset=inputs.train_dataset, tokenizer=inputs.tokenizer)
+    rows, tokenizer, stats = prepare_sft_dataset(cfg, inputs.train_dataset, inputs.tokenizer)
     cp = mesh.shape[CP_AXIS]
     multiple = sequence_multiple(cfg.data.pad_to_multiple_of or DEFAULT_BUCKET, cp)
     return DataParallelSteps(rows, cfg, tokenizer.pad_token_id, mesh.size // cp, multiple), tokenizer, stats
 
 
-def build_sft(cfg: TrainConfig):
+def refuse_built_model(inputs: RunInputs) -> None:
+    """The jax backend builds its model from a folder or a preset; a built (torch) model object is not one."""
+    if inputs.model is not None:
+        raise ConfigError(
+            f"model={type(inputs.model).__name__} (a built model object) is for backend='torch'; on the jax backend "
+            f"pass the model's folder, a Hub id in the local cache, or a preset name."
+        )
+
+
+def build_sft(cfg: TrainConfig, inputs: RunInputs = NO_INPUTS):
     """(trainer, step source, tokenizer, announce lines) of an SFT run, on one device or a (data, cp) mesh."""
+    refuse_built_model(inputs)
     mesh = mesh_from_config(cfg)  # None unless context_parallel_size > 1
-    source, tokenizer, stats = build_step_source(cfg, mesh)
+    source, tokenizer, stats = build_step_source(cfg, mesh, inputs)
+    cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
     trainer = SFTTrainer(parallelize(build_causal_lm(cfg, tokenizer.vocab_size), mesh, cfg), cfg, mesh)
     return trainer, source, tokenizer, [describe(cfg, trainer), f"data: {stats}"]
 
 
-def build_dpo(cfg: TrainConfig):
+def build_dpo(cfg: TrainConfig, inputs: RunInputs = NO_INPUTS):
     """(trainer, step source, tokenizer, announce lines) of a DPO run, on one device."""
+    refuse_built_model(inputs)
     config = validate_dpo_config(cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing)
-    rows, tokenizer, stats = prepare_dpo_dataset(cfg)
+    rows, tokenizer, stats = prepare_dpo_dataset(cfg, inputs.train_dataset, inputs.tokenizer)
     model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), None, cfg)
     if cfg.dpo.precompute_ref_log_probs:  # the initial model, before any checkpoint is loaded
         t0 = time.perf_counter()
@@ -547,6 +619,7 @@ def build_dpo(cfg: TrainConfig):
         )
         logger.info("precomputed reference log-probs of %d pairs in %.1fs", len(rows), time.perf_counter() - t0)
     source = build_preference_iterator(cfg, rows, tokenizer.pad_token_id)
+    cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
     trainer = DPOTrainer(
         model,
         cfg,

@@ -77,7 +77,7 @@ CONFIG_CASES = {
     "packing with dpo": (["--task", "dpo", "--packing"], "packing=True does not apply to DPO"),
     "packing without max_length": (["--packing", "--max-length", "None"], "packing=True needs max_length"),
     "liger flag with another kernel": (["--use-liger-kernel", "--loss-type", "fused_linear"], "use_liger_kernel=True"),
-    "report_to unsupported": (["--report-to", "wandb"], "report_to"),
+    "report_to unsupported": (["--report-to", "mlflow"], "report_to"),
     "dpo loss unknown": (["--task", "dpo", "--dpo-loss-type", "foo"], "loss_type='foo'"),
     "label smoothing > 0.5": (["--task", "dpo", "--label-smoothing", "0.7"], "label_smoothing=0.7"),
     "exo without smoothing": (["--task", "dpo", "--dpo-loss-type", "exo_pair"], "label_smoothing=0.0 is not valid"),

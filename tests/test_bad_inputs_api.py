@@ -23,7 +23,7 @@ CONFIG_CASES = {  # flat values (the Python API's from_flat and constructor, and
     "yaml: float16 dtype": (dict(dtype="float16"), "dtype='float16'", "did you mean 'bfloat16'"),
     "yaml: warmup ratio above 1": (dict(warmup_ratio=2.0), "warmup_ratio=2.0", "< 1"),
     "yaml: a negative clip norm": (dict(max_grad_norm=-1.0), "max_grad_norm=-1.0", "> 0"),
-    "yaml: an unknown metric sink": (dict(report_to=["wandb"]), "'wandb'", "tensorboard"),
+    "yaml: an unknown metric sink": (dict(report_to=["mlflow"]), "'mlflow'", "tensorboard"),
     "peft: rank 0": (dict(use_peft=True, lora_r=0), "lora_r=0", ">= 1"),
     "peft: dropout 1.5": (dict(use_peft=True, lora_dropout=1.5), "lora_dropout=1.5", "< 1"),
     "peft: a negative alpha": (dict(use_peft=True, lora_alpha=-4), "lora_alpha=-4", "> 0"),

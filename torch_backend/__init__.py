@@ -7,7 +7,7 @@ public names. Importing it imports torch and transformers.
 from twinseq.torch_backend.attention import check_attention_supported, forward_hidden
 from twinseq.torch_backend.checkpoint import load_pretrained, save_pretrained
 from twinseq.torch_backend.dpo import compute_sequence_logps, dpo_loss_and_grads
-from twinseq.torch_backend.generation import generate
+from twinseq.torch_backend.generation import complete_prompts, generate
 from twinseq.torch_backend.grpo import completion_logps, grpo_loss_torch
 from twinseq.torch_backend.memory import ActivationOffloader, offload_activations
 from twinseq.torch_backend.model import build_model, compute_loss, export_weights, logits, loss_and_grads
@@ -27,6 +27,7 @@ __all__ = [
     "add_adapters",
     "export_adapters",
     "merge_adapters",
+    "complete_prompts",
     "compute_loss",
     "forward_hidden",
     "check_attention_supported",

@@ -185,8 +185,8 @@ def mask_layout(config: Any) -> MaskLayout:
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_TYPES:
         raise ConfigError(
-            f"model_type={model_type!r} is not supported; twinseq builds {', '.join(MODEL_TYPES)} "
-            f"(model_type in config.json)."
+            f"model_type={model_type!r} is not supported; twinseq builds {', '.join(MODEL_TYPES)}: use a "
+            f"checkpoint of one of those (model_type in config.json)."
         )
     window = getattr(config, "sliding_window", None)
     cap = getattr(config, "attn_logit_softcapping", None)

@@ -74,8 +74,8 @@ class BlockedPlan:
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ConfigError(
-                f"attention_block_size={self.block_size!r} must be a positive integer (tokens per "
-                f"query and key block of the blocked attention); the default is 512."
+                f"attention_block_size={self.block_size!r} is not valid; pass a positive integer (tokens per "
+                f"query and key block of the blocked attention), e.g. the default 512."
             )
 
     def pairs(self, sliding_window: Optional[int]) -> list[list[tuple[int, bool]]]:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -26,6 +27,8 @@ from twinseq.common.models.safetensors_stream import LazyArray, write_safetensor
 from twinseq.torch_backend.attention import check_attention_supported, hf_attn_name, resolve_attn_implementation
 from twinseq.torch_backend.distributed import lazy_tensor
 from twinseq.torch_backend.model import _as_dtype, make_rope_stateless_, model_config_of
+
+logger = logging.getLogger(__name__)
 
 
 def load_pretrained(
@@ -67,6 +70,34 @@ def load_pretrained(
     model.config.use_cache = False
     make_rope_stateless_(model)
     return model.to(device).train()
+
+
+def adopt_model(model: Any, *, attn_implementation: str = "sdpa") -> Model:
+    """A ``transformers`` model a Python caller built, made ready to train as ``load_pretrained`` makes a loaded
+    one: a family twinseq trains (``model_config_of`` refuses another, naming them), finite weights, float32 master
+    weights (a bfloat16 or float16 model is converted, and the log says so), twinseq's document-masked attention,
+    no KV cache, stateless RoPE. The model is changed in place and returned."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise CheckpointError(
+            f"model={type(model).__name__} is not a transformers model; pass a PreTrainedModel (e.g. "
+            f"AutoModelForCausalLM.from_pretrained(...)), a model folder, a Hub id in the local cache, or a preset "
+            f"name."
+        )
+    model_config_of(model)  # the family and its config, checked
+    if model.dtype != torch.float32:
+        logger.info("model: converting the %s weights to float32 master weights (compute dtype: --dtype)", model.dtype)
+        model = model.float()
+    for name, param in model.named_parameters():
+        if not bool(torch.isfinite(param).all()):
+            raise CheckpointError(
+                f"model: tensor {name} holds NaN or Inf values; pass a model with finite weights (an earlier "
+                f"checkpoint, or a fresh load)."
+            )
+    attn = hf_attn_name(resolve_attn_implementation(attn_implementation, model.config))
+    model.set_attn_implementation(attn)
+    model.config.use_cache = False
+    make_rope_stateless_(model)
+    return model
 
 
 def save_pretrained(model: Model, path: PathLike) -> Path:

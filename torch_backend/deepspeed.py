@@ -50,7 +50,9 @@ from twinseq.common.errors import CheckpointError, ConfigError, MissingDependenc
 from twinseq.common.models.hf_folder import check_tokenizer_fits, resolve_model_source
 from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
 from twinseq.common.models.safetensors_stream import LazyArray
+from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.report import peak_rss_bytes
+from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import TrainerTemplate
 from twinseq.torch_backend.checkpoint import (
     load_pretrained,
@@ -336,8 +338,8 @@ def build_zero3_engine(
     if model is None:
         if model_config is None:
             raise ConfigError(
-                "build_zero3_engine needs model= (a built twinseq model) or model_config= (a "
-                "ModelConfig to build under zero.Init)."
+                "build_zero3_engine got model=None and model_config=None; pass model= (a built twinseq model) or "
+                "model_config= (a ModelConfig to build under zero.Init)."
             )
         weights = init_weights(model_config, seed=cfg.seed) if weights is None else weights
         if zero_init:
@@ -371,7 +373,10 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch
     ([[5, 6, 7], [0, 0, 8]], [[1, 1, 1], [0, 0, 1]])
     """
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ConfigError("generate needs at least one prompt and no empty prompt (each a list of token ids).")
+        raise ConfigError(
+            f"prompts must be a non-empty list of non-empty token lists, got lengths {[len(p) for p in prompts][:8]}; "
+            "drop empty prompts or prepend a BOS token."
+        )
     T = max(len(p) for p in prompts)
     ids_BT = torch.full((len(prompts), T), pad_token_id, dtype=torch.long)
     mask_BT = torch.zeros((len(prompts), T), dtype=torch.long)
@@ -425,7 +430,7 @@ def generate(
     ``synced_gpus``, so every rank must call this). A plain model runs as it is.
     """
     if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1 (max_completion_length).")
+        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1; pass max_completion_length >= 1.")
     if do_sample and temperature <= 0:
         raise ConfigError(f"temperature={temperature} must be > 0 when sampling; use do_sample=False for greedy.")
     device = next(model.parameters()).device
@@ -499,7 +504,7 @@ class Zero3Hooks(TrainerTemplate):
         if len(micro_batches) != steps:
             raise ConfigError(
                 f"this rank's step has {len(micro_batches)} micro-batches, but DeepSpeed steps after "
-                f"gradient_accumulation_steps={steps}"
+                f"gradient_accumulation_steps={steps}; pass {steps} micro-batches per step."
             )
 
     # -- the step's backend hooks ----------------------------------------------------------
@@ -525,6 +530,11 @@ class Zero3Hooks(TrainerTemplate):
         return any_over_ranks(flag, self.engine.device)
 
     # -- state and export --------------------------------------------------------------------
+
+    def trained_model(self) -> torch.nn.Module:
+        """The ZeRO-3 partitioned ``transformers`` model (gather a parameter with ``deepspeed.zero.GatheredParameters``
+        to read it)."""
+        return self.engine.causal_lm
 
     def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
         return list(self.engine.causal_lm.named_parameters())  # a tied weight once, under its first name
@@ -643,12 +653,25 @@ def zero3_engine_for(cfg: TrainConfig, vocab_size: int) -> Zero3Engine:
     return build_zero3_engine(cfg, model_config=spec.config, model=model)
 
 
-def build_zero3_sft(cfg: TrainConfig):
+def refuse_built_model(inputs: RunInputs) -> None:
+    """ZeRO-3 builds the model partitioned (``zero.Init``); a model a Python caller built is whole already."""
+    if inputs.model is not None:
+        raise ConfigError(
+            f"model={type(inputs.model).__name__} (a built model) cannot train under deepspeed_zero_stage=3, which "
+            f'builds the model partitioned across ranks; pass the model\'s folder (model="path/to/model") instead.'
+        )
+
+
+def build_zero3_sft(cfg: TrainConfig, inputs: RunInputs = NO_INPUTS):
     """(trainer, step source, tokenizer, announce lines) of SFT under ZeRO-3, on every rank of the launch (the
     process group is up: ``recipes.train_zero3``)."""
+    refuse_built_model(inputs)
     world, rank = dist.get_world_size(), dist.get_rank()
     with main_process_first():
-        source, tokenizer, stats = build_step_iterator(cfg, world_size=world, rank=rank)
+        source, tokenizer, stats = build_step_iterator(
+            cfg, world_size=world, rank=rank, dataset=inputs.train_dataset, tokenizer=inputs.tokenizer
+        )
+    cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
     engine = zero3_engine_for(cfg, tokenizer.vocab_size)
     d = cfg.data
     announce = [

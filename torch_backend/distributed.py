@@ -172,7 +172,10 @@ def init_runtime(cfg: TrainConfig, env: Optional[Mapping[str, str]] = None) -> R
         else:
             dist.init_process_group(backend, rank=rank, world_size=world_size)
     if dist.get_world_size() != world_size:
-        raise ConfigError(f"WORLD_SIZE={world_size} but the process group has {dist.get_world_size()} ranks.")
+        raise ConfigError(
+            f"WORLD_SIZE={world_size} but the process group has {dist.get_world_size()} ranks; launch with "
+            f"torchrun/accelerate so that they agree, or unset WORLD_SIZE."
+        )
     mesh = init_device_mesh(device.type, (mesh_cfg.dp, mesh_cfg.cp), mesh_dim_names=MESH_DIMS)
     # DeviceMesh has no public flatten yet; torchtitan uses the same private call.
     fsdp_mesh = mesh[MESH_DIMS]._flatten(FSDP_DIM)

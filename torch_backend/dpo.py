@@ -107,8 +107,8 @@ def dpo_from_logps(
     denom = n if num_examples_in_step is None else int(num_examples_in_step)
     if denom < n:
         raise ConfigError(
-            f"num_examples_in_step={denom} is smaller than this micro-batch's {n} pairs; it must "
-            f"count the pairs of the whole optimizer step."
+            f"num_examples_in_step={denom} is smaller than this micro-batch's {n} pairs; pass the "
+            f"count of pairs of the whole optimizer step."
         )
     return DPOOutput(losses.sum() / denom, losses, chosen, rejected, rc, rr)
 

@@ -20,6 +20,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 
+from twinseq.common.backend import Model
 from twinseq.common.errors import ConfigError
 
 
@@ -51,7 +52,10 @@ def left_pad(
     ([[5, 6], [0, 7]], [[1, 1], [0, 1]])
     """
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ConfigError("generation needs at least one prompt and no empty prompt (a prompt gives at least a BOS).")
+        raise ConfigError(
+            f"prompts must be a non-empty list of non-empty token lists, got lengths {[len(p) for p in prompts][:8]}; "
+            "drop empty prompts or prepend a BOS token."
+        )
     width = max(len(p) for p in prompts)
     ids = np.full((len(prompts), width), pad_token_id, np.int64)
     mask = np.zeros((len(prompts), width), np.int64)
@@ -113,3 +117,28 @@ def generate(
         )
     completion = out[:, input_ids.shape[1] :].cpu().numpy().astype(np.int64)
     return Generated(completion, time.perf_counter() - t0)
+
+
+def complete_prompts(
+    model: Model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    eos_token_id: Optional[int] = None,
+    pad_token_id: int = 0,
+) -> np.ndarray:
+    """int64 [N, C] completions (``common.backend.Backend.complete_prompts``): ``generate``, greedy at
+    ``temperature`` 0, else sampled with torch's generator seeded by ``seed``."""
+    greedy = not temperature > 0
+    return generate(
+        model,
+        prompts,
+        max_completion_length=max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        temperature=1.0 if greedy else float(temperature),
+        greedy=greedy,
+        seed=seed,
+    ).completion_ids

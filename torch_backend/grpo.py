@@ -36,7 +36,9 @@ from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, reso
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.objectives.grpo import CompletionBatch, LossSpec, StepShare, collate_completions, reward_func_name
 from twinseq.common.run.capabilities import GPU_EXTRA
+from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.rollout import GroupRollout, token_record
+from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import reference_description
 from twinseq.torch_backend import triton_ce
 from twinseq.torch_backend.attention import forward_hidden
@@ -158,7 +160,10 @@ def grpo_loss_torch(
     metrics: dict[str, float] = {}
     if spec.beta > 0:
         if ref_logps_NC is None:
-            raise ConfigError("grpo_beta > 0 needs the reference model's log-probs (ref_logps).")
+            raise ConfigError(
+                f"grpo_beta={spec.beta} > 0 needs the reference model's log-probs: pass ref_logps_NC, or set "
+                f"grpo_beta=0."
+            )
         delta = ref_logps_NC.to(logps_NC.dtype) - logps_NC
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + spec.beta * kl
@@ -497,9 +502,15 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
 # --------------------------------------------------------------------------------------
 
 
-def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_funcs: Optional[Sequence[Any]] = None):
-    """(trainer, source, tokenizer, announce lines) of a GRPO run; ``reward_funcs`` (names or callables)
-    overrides ``cfg.grpo.reward_funcs`` (the Python API passes callables)."""
+def build_grpo(
+    cfg: TrainConfig,
+    device: torch.device,
+    runtime: Any,
+    reward_funcs: Optional[Sequence[Any]] = None,
+    inputs: RunInputs = NO_INPUTS,
+):
+    """(trainer, source, tokenizer, announce lines) of a GRPO run; ``reward_funcs`` (names or callables; else
+    ``inputs.reward_funcs``) overrides ``cfg.grpo.reward_funcs``."""
     if runtime is not None:
         raise ConfigError(
             "task=grpo runs in one process on the torch backend here (generation is not sharded); "
@@ -520,10 +531,10 @@ def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_func
         )
     if cfg.loss.loss_type == "liger":
         check_liger_grpo(device)
-    tokenizer = run_tokenizer(cfg)
-    funcs = resolve_reward_funcs(g.reward_funcs if reward_funcs is None else reward_funcs)
-    rows = prepare_grpo_prompts(cfg, tokenizer)
-    causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device)
+    tokenizer = run_tokenizer(cfg, inputs.tokenizer)
+    funcs = resolve_reward_funcs(reward_funcs or inputs.reward_funcs or g.reward_funcs)
+    rows = prepare_grpo_prompts(cfg, tokenizer, inputs.train_dataset)
+    causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device, inputs.model)
     ref_model = None
     if cfg.peft.use_peft:
         causal_lm = add_peft(cfg, causal_lm)  # the reference is the base: adapters disabled
@@ -533,6 +544,7 @@ def build_grpo(cfg: TrainConfig, device: torch.device, runtime: Any, reward_func
     generation_batch = cfg.data.per_device_train_batch_size * cfg.data.gradient_accumulation_steps
     prompts_per_step = generation_batch // g.num_generations
     source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
+    cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
     engine = None
     if g.use_vllm:
         engine = engine_for_grpo(cfg, causal_lm, max(len(r["prompt_input_ids"]) for r in rows), generation_batch)

@@ -191,7 +191,7 @@ def token_logps(
             f"('liger' is the separate liger_dpo_loss path)."
         )
     if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+        raise ConfigError(f"chunk_size={chunk_size!r} is not valid; pass a positive integer (tokens per chunk).")
     check_logit_softcap(logit_softcap)
     hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
     if loss_type == "nll":

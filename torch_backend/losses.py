@@ -62,7 +62,7 @@ def _check_inputs(hidden_BTH, weight_VH, labels_BT, bias_V) -> None:
     if hidden_BTH.dim() != 3 or labels_BT.shape != hidden_BTH.shape[:2]:
         raise ConfigError(
             f"hidden must be [B, T, H] and labels [B, T]; got hidden {tuple(hidden_BTH.shape)} "
-            f"and labels {tuple(labels_BT.shape)}."
+            f"and labels {tuple(labels_BT.shape)}; pass the final hidden states and the labels of one batch."
         )
     if weight_VH.dim() != 2 or weight_VH.shape[1] != hidden_BTH.shape[2]:
         raise ConfigError(
@@ -70,9 +70,11 @@ def _check_inputs(hidden_BTH, weight_VH, labels_BT, bias_V) -> None:
             f"{tuple(weight_VH.shape)} (pass lm_head.weight, not its transpose)."
         )
     if bias_V is not None and bias_V.shape != weight_VH.shape[:1]:
-        raise ConfigError(f"lm_head_bias must be [V]={weight_VH.shape[0]}, got {tuple(bias_V.shape)}.")
+        raise ConfigError(
+            f"lm_head_bias must be [V]={weight_VH.shape[0]}, got {tuple(bias_V.shape)}; pass lm_head.bias or None."
+        )
     if labels_BT.dtype.is_floating_point:
-        raise ConfigTypeError(f"labels must be an integer tensor, got {labels_BT.dtype}.")
+        raise ConfigTypeError(f"labels must be an integer tensor, got {labels_BT.dtype}; pass token ids (torch.long).")
 
 
 def _num_valid_checked(targets_N: torch.Tensor, vocab_size: int, num_items_in_batch) -> tuple[int, int]:
@@ -351,7 +353,7 @@ def check_logit_softcap(logit_softcap) -> None:
     if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, numbers.Real) or not logit_softcap > 0:
         raise ConfigError(
             f"logit_softcap={logit_softcap!r} must be a positive number (the model's "
-            f"final_logit_softcapping) or None for no cap."
+            f"final_logit_softcapping) or None for no cap: pass one of those."
         )
 
 
@@ -392,7 +394,7 @@ def causal_lm_loss(
     if loss_type not in LOSS_TYPES:
         raise ConfigError(f"loss_type={loss_type!r} is not valid; choose one of {LOSS_TYPES}.")
     if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ConfigError(f"chunk_size={chunk_size!r} must be a positive integer (tokens per chunk).")
+        raise ConfigError(f"chunk_size={chunk_size!r} is not valid; pass a positive integer (tokens per chunk).")
     check_logit_softcap(logit_softcap)
     _check_inputs(hidden_BTH, lm_head_weight_VH, labels_BT, lm_head_bias)
     hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])

@@ -135,7 +135,9 @@ class ActivationOffloader:
     ) -> None:
         if device is None:
             if model is None:
-                raise ConfigError("ActivationOffloader needs the model or an explicit device=.")
+                raise ConfigError(
+                    "ActivationOffloader got model=None and device=None; pass the model or an explicit device=."
+                )
             device = next(model.parameters()).device
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -430,7 +432,9 @@ def apply_tiled_mlp(model: torch.nn.Module, chunk_size: int = 4096) -> None:
     FSDP units are unchanged; calling it again only updates the chunk size.
     """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ConfigError(f"tiled_mlp_chunk_size={chunk_size!r} must be a positive integer (tokens per MLP tile).")
+        raise ConfigError(
+            f"tiled_mlp_chunk_size={chunk_size!r} is not valid; pass a positive integer (tokens per MLP tile)."
+        )
     for mlp in decoder_mlps(model):
         mlp._twinseq_tiled_mlp_chunk_size = chunk_size
         mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)

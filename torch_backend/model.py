@@ -133,6 +133,12 @@ def build_model(
     return model.train()
 
 
+def cast_parameters_(model: torch.nn.Module, dtype: Union[str, torch.dtype]) -> torch.nn.Module:
+    """``model`` with every parameter in ``dtype`` (``"bfloat16"``, ...), in place; buffers stay float32."""
+    _cast_parameters(model, _as_dtype(dtype))
+    return model
+
+
 def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Parameters to ``dtype``; buffers (RoPE ``inv_freq``) stay float32, as HF's from_pretrained keeps them."""
     for param in model.parameters():  # a tied weight is listed once

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import sys
 from typing import Iterator, Optional
 
 import numpy as np
@@ -77,6 +78,27 @@ def bitsandbytes_available() -> bool:
     return importlib.util.find_spec("bitsandbytes") is not None
 
 
+@contextlib.contextmanager
+def bitsandbytes_hidden(hide: bool = True) -> Iterator[None]:
+    """While active (``hide``), ``import bitsandbytes`` raises ImportError and ``importlib.util.find_spec`` finds
+    nothing, unless bitsandbytes is already imported; afterwards it is importable again.
+
+    PEFT imports bitsandbytes whenever it is installed: ``import peft`` (``peft.helpers``) and each LoRA layer's
+    dispatch (``is_bnb_available``). On a run that quantizes nothing that costs about two seconds and prints
+    bitsandbytes' warning about its missing CPU kernels. PEFT reads the absence at call time, so a later QLoRA run
+    in the same process still finds bitsandbytes.
+    """
+    if not hide or "bitsandbytes" in sys.modules:
+        yield
+        return
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]  # Python's own "import blocked" marker
+    try:
+        yield
+    finally:
+        if "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
+            del sys.modules["bitsandbytes"]
+
+
 def require_peft() -> None:
     if not peft_available():
         raise MissingDependencyError(f"use_peft=True needs the 'peft' package; install it with `{PEFT_EXTRA}`.")
@@ -105,7 +127,10 @@ def peft_config_of(model: Model) -> PeftConfig:
 def adapters_disabled(model: Model) -> Iterator[Model]:
     """The base model inside this block: PEFT's ``disable_adapter`` (DPO's reference, as TRL does)."""
     if not is_adapter_model(model):
-        raise ConfigError("adapters_disabled needs an adapter model (add_adapters); a plain model has none to disable.")
+        raise ConfigError(
+            f"adapters_disabled needs an adapter model, but this {type(model).__name__} has none to disable; "
+            "add them with add_adapters first."
+        )
     with model.disable_adapter():
         yield model
 
@@ -133,13 +158,13 @@ def check_peft_model(model: torch.nn.Module, cfg: ModelConfig, peft: PeftConfig)
         raise ConfigError("add_adapters was given use_peft=False; set use_peft=True (--use-peft) to add adapters.")
     if is_adapter_model(model):
         raise ConfigError(
-            "this model already has adapters (add_adapters was called on it); merge_adapters or "
+            f"this {type(model).__name__} already has adapters (add_adapters was called on it); merge_adapters or "
             "build a new base model first."
         )
     lora_targets(cfg, peft)  # ConfigError for unknown target modules, empty lists, repeated token ids
     check_token_indices(cfg, peft)
     if peft.lora_r <= 0:  # PeftConfig checks this on construction; a config built with checks off still must not
-        raise ConfigError(f"lora_r={peft.lora_r} is not valid: the adapter rank must be an integer >= 1 (--lora-r).")
+        raise ConfigError(f"lora_r={peft.lora_r} is not valid: pass an adapter rank >= 1 (--lora-r).")
     dtypes = {p.dtype for p in model.parameters()}
     if peft.load_in_4bit and dtypes != {torch.float32}:
         raise ConfigError(
@@ -167,7 +192,8 @@ def add_adapters_seeded(
     """``add_adapters`` whose fresh adapters are drawn with ``seed`` (the trainer's ``TrainConfig.seed``)."""
     require_peft()
     check_peft_model(model, cfg, peft)
-    from peft import LoraConfig, get_peft_model  # optional dependency
+    with bitsandbytes_hidden(not peft.load_in_4bit):
+        from peft import LoraConfig, get_peft_model  # optional dependency
 
     if peft.load_in_4bit:
         require_bitsandbytes("load_in_4bit=True (QLoRA)")
@@ -194,7 +220,8 @@ def add_adapters_seeded(
             {"embed_tokens": list(peft.trainable_token_indices)} if peft.trainable_token_indices else None
         ),
     )
-    wrapped = get_peft_model(model, config)
+    with bitsandbytes_hidden(not peft.load_in_4bit):
+        wrapped = get_peft_model(model, config)
     wrapped.__dict__[PEFT_CONFIG_ATTR] = peft
     params = adapter_parameters(wrapped)
     expected = adapter_shapes(cfg, peft)
@@ -218,13 +245,16 @@ def load_adapters_(model: Model, adapters: dict[str, np.ndarray]) -> None:
     missing, unexpected = sorted(set(params) - set(adapters)), sorted(set(adapters) - set(params))
     if missing or unexpected:
         raise ConfigError(
-            f"the adapters do not fit this adapter model: missing {missing[:3]}, unexpected "
+            f"the adapters do not fit this adapter model: missing keys {missing[:3]}, unexpected keys "
             f"{unexpected[:3]}; pass the tensors of the same PeftConfig."
         )
     for key, param in params.items():
         value = torch.as_tensor(np.asarray(adapters[key]), device=param.device, dtype=param.dtype)
         if tuple(value.shape) != tuple(param.shape):
-            raise ConfigError(f"adapter {key}: shape {tuple(value.shape)} != {tuple(param.shape)} of this model.")
+            raise ConfigError(
+                f"adapter {key}: shape {tuple(value.shape)} != {tuple(param.shape)} of this model; pass the tensors "
+                "of the same PeftConfig (lora_r, targets)."
+            )
         param.copy_(value)
 
 

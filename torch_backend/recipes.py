@@ -19,6 +19,7 @@ import torch.distributed as dist
 from twinseq.common.config import TrainConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.run.capabilities import Runtime as CapabilityRuntime
+from twinseq.common.run.inputs import RunInputs
 from twinseq.common.run.runner import preflight
 from twinseq.common.run.trainer import Build, train_task
 from twinseq.torch_backend.deepspeed import build_zero3_sft, check_zero3_config, ensure_process_group, require_deepspeed
@@ -37,28 +38,29 @@ def builders(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime])
     }
 
 
-def train(config: TrainConfig) -> Path:
+def train(config: TrainConfig, inputs: Optional[RunInputs] = None) -> Path:
     """Run ``config.max_steps`` optimizer steps of ``config.task``; returns the path of ``metrics.jsonl``.
 
     One process, or every rank of a ``torchrun``/``accelerate launch`` (FSDP2, context parallelism); with
-    ``deepspeed_zero_stage=3``, ``train_zero3``.
+    ``deepspeed_zero_stage=3``, ``train_zero3``. ``inputs``: objects beside the config (``common.run.inputs``).
     """
     cfg = config
     if cfg.parallel.deepspeed_zero_stage:  # DeepSpeed owns the process group, the model and the optimizer
-        return train_zero3(cfg)
+        return train_zero3(cfg, inputs)
     runtime = init_runtime(cfg) if wants_distributed(cfg) else None
     try:
         device = pick_device() if runtime is None else runtime.device
         if runtime is None:
             preflight(cfg, CapabilityRuntime("torch", device.type, 1, accelerator=device.type == "cuda"))
         torch.manual_seed(cfg.seed)
-        return train_task(cfg, builders(cfg, device, runtime), desc="torch" if runtime is None else "torch-fsdp2")
+        desc = "torch" if runtime is None else "torch-fsdp2"
+        return train_task(cfg, builders(cfg, device, runtime), desc=desc, inputs=inputs)
     finally:
         if runtime is not None and runtime.owns_group:
             dist.destroy_process_group()
 
 
-def train_zero3(cfg: TrainConfig) -> Path:
+def train_zero3(cfg: TrainConfig, inputs: Optional[RunInputs] = None) -> Path:
     """``twinseq train`` with ``deepspeed_zero_stage=3``: SFT or GRPO on every rank of a torchrun launch (or one
     process); returns the path of ``metrics.jsonl``."""
     check_zero3_config(cfg)
@@ -79,7 +81,10 @@ def train_zero3(cfg: TrainConfig) -> Path:
         )
         torch.manual_seed(cfg.seed)
         return train_task(
-            cfg, {"sft": partial(build_zero3_sft, cfg), "grpo": partial(build_grpo_zero3, cfg)}, desc="torch-zero3"
+            cfg,
+            {"sft": partial(build_zero3_sft, cfg), "grpo": partial(build_grpo_zero3, cfg)},
+            desc="torch-zero3",
+            inputs=inputs,
         )
     finally:
         if owns_group:

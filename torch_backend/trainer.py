@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from twinseq.common.config import TrainConfig
 from twinseq.common.data.preference_steps import build_preference_iterator
@@ -27,10 +28,12 @@ from twinseq.common.data.sft_steps import build_step_iterator
 from twinseq.common.errors import CheckpointError, ConfigError
 from twinseq.common.models.hf_folder import check_tokenizer_fits, resolve_model_source
 from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
+from twinseq.common.models.peft import base_dtype
 from twinseq.common.objectives.dpo import validate_dpo_config
+from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.report import peak_rss_bytes
-from twinseq.common.run.schedule import lr_multiplier
-from twinseq.common.run.step_metrics import dpo_step_metrics, sft_step_sums, with_means
+from twinseq.common.run.schedule import lr_multiplier, with_resolved_max_steps
+from twinseq.common.run.step_metrics import ADDITIVE, dpo_step_metrics, sft_step_sums, with_means
 from twinseq.common.run.trainer import (
     TrainerTemplate,
     describe_run,
@@ -40,6 +43,7 @@ from twinseq.common.run.trainer import (
 )
 from twinseq.torch_backend.attention import twinseq_attn_name
 from twinseq.torch_backend.checkpoint import (
+    adopt_model,
     from_numpy_tree,
     load_pretrained,
     rng_state,
@@ -68,8 +72,9 @@ from twinseq.torch_backend.dpo import (
     precompute_ref_logps,
     reference_logps,
 )
+from twinseq.torch_backend.generation import eval_mode, generate
 from twinseq.torch_backend.memory import offload_activations
-from twinseq.torch_backend.model import build_model, model_config_of
+from twinseq.torch_backend.model import build_model, cast_parameters_, model_config_of
 from twinseq.torch_backend.parallel import parallelize
 from twinseq.torch_backend.peft import (
     add_adapters_seeded,
@@ -89,10 +94,17 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def build_causal_lm(cfg: TrainConfig, vocab_size: int, device: torch.device) -> torch.nn.Module:
+def build_causal_lm(
+    cfg: TrainConfig, vocab_size: int, device: torch.device, model: Optional[torch.nn.Module] = None
+) -> torch.nn.Module:
     """The plain HF model of ``cfg.model.model_config`` (a local folder, or a preset with ``common``'s
-    initial weights), on ``device``, in train mode."""
+    initial weights), or the built ``model`` a Python caller passed (``checkpoint.adopt_model``), on ``device``,
+    in train mode."""
     spec, attn = cfg.model.model_config, cfg.model.attn_implementation
+    if model is not None:
+        model = adopt_model(model, attn_implementation=attn)
+        check_tokenizer_fits(model_config_of(model), vocab_size, "model")
+        return model.to(device).train()
     source = resolve_model_source(spec, cfg.model.init_weights)
     check_tokenizer_fits(source.config, vocab_size, spec)
     if source.weights_folder is not None:
@@ -103,7 +115,11 @@ def build_causal_lm(cfg: TrainConfig, vocab_size: int, device: torch.device) -> 
 
 
 def add_peft(cfg: TrainConfig, causal_lm: torch.nn.Module) -> torch.nn.Module:
-    """The plain model with ``cfg.peft``'s adapters (``peft.add_adapters``, drawn with ``cfg.seed``)."""
+    """The plain model with ``cfg.peft``'s adapters (``peft.add_adapters``, drawn with ``cfg.seed``), its frozen base
+    first cast to ``common.models.peft.base_dtype`` (bfloat16 under ``--dtype bfloat16``; the adapters float32)."""
+    dtype = base_dtype(cfg.peft, cfg.model.dtype)
+    if dtype != "float32":
+        cast_parameters_(causal_lm, dtype)
     return add_adapters_seeded(causal_lm, model_config_of(causal_lm), cfg.peft, seed=cfg.seed)
 
 
@@ -122,11 +138,15 @@ def build_optimizer(
         import bitsandbytes as bnb  # optional dependency
 
         optimizer = bnb.optim.AdamW8bit(
-            groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon
+            groups, lr=cfg.effective_learning_rate, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon
         )
     else:
         optimizer = torch.optim.AdamW(
-            groups, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon, foreach=False
+            groups,
+            lr=cfg.effective_learning_rate,
+            betas=(opt.adam_beta1, opt.adam_beta2),
+            eps=opt.adam_epsilon,
+            foreach=False,
         )
     warmup, total, kind = cfg.effective_warmup_steps, cfg.max_steps, opt.lr_scheduler_type
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -211,7 +231,51 @@ class TorchTrainer(TrainerTemplate):
     def any_rank(self, flag: bool) -> bool:
         return flag if self.runtime is None else any_over_ranks(flag, self.device)
 
+    # -- evaluation's backend hooks ------------------------------------------------------------
+
+    def reduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        if self.runtime is None:
+            return sums
+        assert set(sums) <= set(ADDITIVE), f"reduce_step_metrics sums {ADDITIVE} only, got {sorted(sums)}"
+        return reduce_step_metrics(sums, self.device)
+
+    def data_parallel(self) -> tuple[int, int]:
+        return (1, 0) if self.runtime is None else (self.runtime.mesh_cfg.dp, self.runtime.dp_rank)
+
+    def eval_generate(
+        self, prompt_ids: list[list[int]], *, max_new_tokens: int, eos_token_id: Optional[int], pad_token_id: int
+    ) -> Any:
+        """HF ``generate`` (greedy, KV cache) run inside the root module's forward, so that FSDP2 gathers the root
+        parameters around it; every rank steps until all are done (``synced_gpus``)."""
+
+        def greedy(causal_lm: torch.nn.Module) -> Any:
+            with autocast(self.cfg, self.device):
+                return generate(
+                    causal_lm,
+                    prompt_ids,
+                    max_completion_length=max_new_tokens,
+                    eos_token_id=eos_token_id,
+                    pad_token_id=pad_token_id,
+                    greedy=True,
+                    synced_gpus=self.runtime is not None,
+                ).completion_ids
+
+        try:
+            return self.module(greedy)
+        finally:
+            self.reshard()
+
+    def reshard(self) -> None:
+        """Free FSDP2's gathered root parameters after a forward without backward (an evaluation): the root keeps
+        them gathered for the backward that would follow, and the optimizer and the state hold the shards."""
+        if isinstance(self.module, FSDPModule):
+            self.module.reshard()
+
     # -- state and export --------------------------------------------------------------------
+
+    def trained_model(self) -> torch.nn.Module:
+        """The ``transformers`` model (a ``PeftModel`` under PEFT; FSDP2's sharded module under a launch)."""
+        return self.causal_lm
 
     @property
     def is_peft(self) -> bool:
@@ -311,6 +375,15 @@ class SFTTrainer(TorchTrainer):
     def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
         return sft_summary(records, micro_batches, self.device, self.runtime is not None)
 
+    @torch.no_grad()
+    def eval_micro_step(self, micro: Any) -> dict[str, float]:
+        (prepared,) = self.prepare([micro])
+        with eval_mode(self.causal_lm), micro_batch_context(prepared, self.runtime) as inputs:
+            with autocast(self.cfg, self.device):
+                loss, metrics = self.module(inputs)
+        self.reshard()
+        return {"loss": float(loss), **{k: float(v) for k, v in metrics.items()}}
+
 
 class DPOTrainer(TorchTrainer):
     """DPO of the policy (``module.causal_lm``) against a frozen reference copy, or precomputed log-probs."""
@@ -335,6 +408,7 @@ class DPOTrainer(TorchTrainer):
 
     def micro_step(self, pbatch: Any):
         c, loss = self.cfg, self.cfg.loss
+        pairs_in_step = pbatch.num_examples_in_step or self.examples_per_step  # an epoch's last step may be short
         # the live reference: a frozen copy (Liger's kernel runs it itself), or the policy with its adapters off
         ref_c = ref_r = None
         reference: Optional[torch.nn.Module] = None
@@ -360,7 +434,7 @@ class DPOTrainer(TorchTrainer):
                         self.ref_model,
                         pbatch,
                         self.config,
-                        self.examples_per_step,
+                        pairs_in_step,
                         chunk_size=loss.loss_chunk_size,
                         attn_implementation=c.model.attn_implementation,
                     )
@@ -373,11 +447,29 @@ class DPOTrainer(TorchTrainer):
                         ref_rejected_logps=ref_r,
                         loss_type=loss.loss_type,
                         chunk_size=loss.loss_chunk_size,
-                        num_examples_in_step=self.examples_per_step,
+                        num_examples_in_step=pairs_in_step,
                         attn_implementation=c.model.attn_implementation,
                     )
             out.loss.backward()
         return out
+
+    @torch.no_grad()
+    def eval_micro_step(self, pbatch: Any) -> dict[str, Any]:
+        c = self.cfg
+        kw: dict[str, Any] = dict(
+            loss_type=c.loss.loss_type,
+            chunk_size=c.loss.loss_chunk_size,
+            attn_implementation=c.model.attn_implementation,
+        )
+        out: dict[str, Any] = {}
+        with eval_mode(self.causal_lm), autocast(c, self.device):
+            out["chosen_logps"], out["rejected_logps"] = reference_logps(self.causal_lm, pbatch, **kw)
+            if self.ref_model is not None:
+                out["ref_chosen_logps"], out["ref_rejected_logps"] = reference_logps(self.ref_model, pbatch, **kw)
+            elif self.adapter_reference:
+                with reference_mode(self.causal_lm):
+                    out["ref_chosen_logps"], out["ref_rejected_logps"] = reference_logps(self.causal_lm, pbatch, **kw)
+        return {k: v.double().cpu().numpy() for k, v in out.items()}
 
     def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
         per_pair = {
@@ -421,12 +513,15 @@ def describe(cfg: TrainConfig, model: torch.nn.Module, device: Any, world_size: 
     )
 
 
-def build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]):
+def build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime], inputs: RunInputs = NO_INPUTS):
     """(trainer, step source, tokenizer, announce lines) of an SFT run, one process or FSDP2 (+ CP)."""
     dp, dp_rank = (1, 0) if runtime is None else (runtime.mesh_cfg.dp, runtime.dp_rank)
     with main_process_first():
-        source, tokenizer, stats = build_step_iterator(cfg, world_size=dp, rank=dp_rank)
-    causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device)
+        source, tokenizer, stats = build_step_iterator(
+            cfg, world_size=dp, rank=dp_rank, dataset=inputs.train_dataset, tokenizer=inputs.tokenizer
+        )
+    cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
+    causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device, inputs.model)
     if cfg.peft.use_peft:
         if runtime is not None and cfg.peft.load_in_4bit:
             raise ConfigError(
@@ -445,12 +540,12 @@ def build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]
     return SFTTrainer(cfg, module, device, runtime), source, tokenizer, announce
 
 
-def build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]):
+def build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime], inputs: RunInputs = NO_INPUTS):
     """(trainer, step source, tokenizer, announce lines) of a DPO run (one process)."""
     assert runtime is None, "check_runtime refuses a distributed DPO run"
     config = validate_dpo_config(cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing)
-    rows, tokenizer, stats = prepare_dpo_dataset(cfg)
-    causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device)
+    rows, tokenizer, stats = prepare_dpo_dataset(cfg, inputs.train_dataset, inputs.tokenizer)
+    causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device, inputs.model)
     if cfg.peft.use_peft:
         if cfg.loss.loss_type == "liger":
             raise ConfigError(
@@ -477,6 +572,7 @@ def build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]
         )
         ref_model = None
     source = build_preference_iterator(cfg, rows, tokenizer.pad_token_id)
+    cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
     module = parallelize(causal_lm, None, cfg)
     announce = [
         describe(cfg, causal_lm, device),

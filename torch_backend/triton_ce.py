@@ -423,7 +423,7 @@ def resolve_filter_eps(filter_eps, dtype: torch.dtype) -> Optional[float]:
         raise ConfigError(
             f"filter_eps={filter_eps!r} must be None (exact gradients), 'auto' (the dtype's eps / 32) "
             f"or a float in (0, 1): the softmax probability below which a target-free tile of logit "
-            f"gradients is skipped."
+            f"gradients is skipped; pass one of those."
         )
     return filter_eps
 

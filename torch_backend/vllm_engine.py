@@ -82,7 +82,7 @@ def check_vllm(
     """
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ConfigError(
-            f"vllm_gpu_memory_utilization={gpu_memory_utilization!r} is not valid: it must be in "
+            f"vllm_gpu_memory_utilization={gpu_memory_utilization!r} is not valid: pass a value in "
             f"(0, 1], the share of the GPU vLLM may take (0.3 leaves the rest to training)."
         )
     if sleep_level not in SLEEP_LEVELS:

@@ -15,12 +15,15 @@ from twinseq.common.data.prepare import run_tokenizer
 from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError
 from twinseq.common.objectives.grpo import reward_func_name
+from twinseq.common.run.inputs import NO_INPUTS, RunInputs
+from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.torch_backend.deepspeed import (
     Zero3Engine,
     Zero3Hooks,
     check_zero3_config,
     ensure_process_group,
     gathered_for_generation,
+    refuse_built_model,
     require_deepspeed,
     zero3_engine_for,
 )
@@ -105,10 +108,11 @@ class Zero3GRPOTrainer(Zero3Hooks, GRPOTrainer):
         return super().summarize([dict(zip(keys, sums.tolist()))], micro_batches)
 
 
-def build_grpo_zero3(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None):
+def build_grpo_zero3(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None, inputs: RunInputs = NO_INPUTS):
     """(trainer, source, tokenizer, announce lines) of a GRPO run under ZeRO-3, on every rank of the launch
     (``recipes.train_zero3`` calls it with the process group up)."""
     check_zero3_config(cfg)
+    refuse_built_model(inputs)
     require_deepspeed()
     ensure_process_group()
     g = cfg.grpo
@@ -119,13 +123,14 @@ def build_grpo_zero3(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = N
         )
     world = dist.get_world_size()
     with main_process_first():
-        tokenizer = run_tokenizer(cfg)
-        rows = prepare_grpo_prompts(cfg, tokenizer)
-    funcs = resolve_reward_funcs(g.reward_funcs if reward_funcs is None else reward_funcs)
-    engine = zero3_engine_for(cfg, tokenizer.vocab_size)
+        tokenizer = run_tokenizer(cfg, inputs.tokenizer)
+        rows = prepare_grpo_prompts(cfg, tokenizer, inputs.train_dataset)
+    funcs = resolve_reward_funcs(reward_funcs or inputs.reward_funcs or g.reward_funcs)
     per_rank = cfg.data.per_device_train_batch_size * cfg.data.gradient_accumulation_steps
     prompts_per_step = world * per_rank // g.num_generations
     source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
+    cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
+    engine = zero3_engine_for(cfg, tokenizer.vocab_size)  # its schedule reads the resolved max_steps
     trainer = Zero3GRPOTrainer(cfg, engine, tokenizer=tokenizer, reward_funcs=funcs)
     announce = [
         f"twinseq torch grpo: DeepSpeed ZeRO-3 over {world} rank(s) ({dist.get_backend()}), "

@@ -2,11 +2,19 @@
 
 The public surface. ``import twinseq`` imports neither torch nor jax; a backend is imported when it is loaded::
 
-    import twinseq
+    from twinseq import SFTConfig, SFTTrainer   # and DPOTrainer / GRPOTrainer, in TRL's shape
 
+    trainer = SFTTrainer(model="tiny", args=SFTConfig(max_steps=10, max_length=512), train_dataset=rows,
+                         backend="jax")
+    trainer.train()
+
+    import twinseq
     cfg = twinseq.TrainConfig(task="sft", max_steps=10, max_length=512, per_device_train_batch_size=2)
     metrics_path = twinseq.train(cfg)           # the backend of cfg.backend (default "torch", TWINSEQ_BACKEND)
     be = twinseq.load_backend("jax")            # the mirrored backend protocol: build_model, logits, ...
+
+The config sections (``DataConfig``, the DPO and GRPO sections, ...) are in ``twinseq.common.config``; at the top,
+``DPOConfig`` and ``GRPOConfig`` are the trainers' argument classes, as in TRL.
 
 The three code folders are the subpackages ``twinseq.common`` (backend-neutral: numpy, pyarrow),
 ``twinseq.torch_backend`` and ``twinseq.jax_backend``; in the repository they sit at the root and this folder links
@@ -18,10 +26,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from twinseq.common.api import (
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    SFTConfig,
+    SFTTrainer,
+    TrainOutput,
+)
 from twinseq.common.backend import load_backend
 from twinseq.common.config import (
     DataConfig,
-    DPOConfig,
     LossConfig,
     MemoryConfig,
     ModelArgs,
@@ -32,7 +48,7 @@ from twinseq.common.config import (
 from twinseq.common.errors import TwinseqError
 from twinseq.common.models.configs import ModelConfig
 from twinseq.common.models.peft import PeftConfig
-from twinseq.common.objectives.grpo import GRPOConfig
+from twinseq.common.run.callbacks import EarlyStoppingCallback, TrainerCallback
 
 __version__ = "0.1.0"
 
@@ -43,6 +59,15 @@ def train(config: TrainConfig) -> Path:
 
 
 __all__ = [
+    "SFTTrainer",
+    "DPOTrainer",
+    "GRPOTrainer",
+    "SFTConfig",
+    "DPOConfig",
+    "GRPOConfig",
+    "TrainOutput",
+    "TrainerCallback",
+    "EarlyStoppingCallback",
     "train",
     "load_backend",
     "TrainConfig",
@@ -52,8 +77,6 @@ __all__ = [
     "LossConfig",
     "MemoryConfig",
     "ParallelConfig",
-    "DPOConfig",
-    "GRPOConfig",
     "PeftConfig",
     "ModelConfig",
     "TwinseqError",

@@ -97,7 +97,7 @@ def _example_labels(
     if len(labels) != len(ids):
         raise DataError(
             f"example {index}: 'labels' has length {len(labels)} but 'input_ids' has "
-            f"{len(ids)}; they must be aligned (unshifted), same length."
+            f"{len(ids)}; give labels aligned with input_ids (unshifted, the same length), or leave them out."
         )
     use_completion = completion_only_loss if completion_only_loss is not None else "completion_mask" in ex
     if use_completion:
@@ -110,7 +110,7 @@ def _example_labels(
         if len(mask) != len(ids):
             raise DataError(
                 f"example {index}: 'completion_mask' has length {len(mask)} but 'input_ids' "
-                f"has {len(ids)}; they must be the same length."
+                f"has {len(ids)}; give one mask value per token (re-tokenise the example)."
             )
         labels[mask == 0] = IGNORE_INDEX
     if assistant_only_loss:
@@ -123,7 +123,7 @@ def _example_labels(
         if len(mask) != len(ids):
             raise DataError(
                 f"example {index}: 'assistant_masks' has length {len(mask)} but 'input_ids' "
-                f"has {len(ids)}; they must be the same length."
+                f"has {len(ids)}; give one mask value per token (re-tokenise the example)."
             )
         labels[mask == 0] = IGNORE_INDEX
     return labels
@@ -136,7 +136,7 @@ def _doc_lengths(ex: Mapping[str, Any], n: int, index: int) -> np.ndarray:
     if (lengths < 0).any() or int(lengths.sum()) != n:
         raise DataError(
             f"example {index}: 'seq_lengths' {lengths.tolist()[:8]} must be non-negative and sum "
-            f"to len(input_ids)={n}; re-run pack_dataset instead of editing packed rows."
+            f"to len(input_ids)={n}; run pack_dataset again instead of editing packed rows."
         )
     return lengths[lengths > 0]
 
@@ -177,12 +177,15 @@ def collate(
     if isinstance(examples, Mapping) or not len(examples):
         raise DataError(
             "collate() needs a non-empty list of examples (dicts with 'input_ids'); "
-            f"got {type(examples).__name__} of length {len(examples) if hasattr(examples, '__len__') else '?'}."
+            f"got {type(examples).__name__} of length {len(examples) if hasattr(examples, '__len__') else '?'}; "
+            "pass a list such as [{'input_ids': [5, 6, 7]}]."
         )
     if padding_side not in ("right", "left"):
         raise DataError(f"padding_side={padding_side!r} is not valid; choose 'right' or 'left'.")
     if pad_to_multiple_of is not None and pad_to_multiple_of <= 0:
-        raise DataError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive integer or None.")
+        raise DataError(
+            f"pad_to_multiple_of={pad_to_multiple_of!r} is not valid; pass a positive integer, or None for no padding."
+        )
 
     ids_rows, label_rows, doc_rows = [], [], []
     for i, ex in enumerate(examples):
@@ -280,7 +283,8 @@ def pad_batch(batch: Batch, rows: int, multiple: int) -> Batch:
     width = _round_up(t, multiple)
     if rows < b:
         raise DataError(
-            f"a micro-batch of {b} rows does not fit in {rows} rows; per_device_train_batch_size is too small for it."
+            f"a micro-batch of {b} rows does not fit in rows={rows}; raise rows (per_device_train_batch_size) "
+            f"to at least {b}."
         )
     if (b, t) == (rows, width):
         return batch

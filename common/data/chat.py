@@ -80,11 +80,15 @@ def validate_messages(
     if not isinstance(messages, (list, tuple)) or not messages:
         raise DataTypeError(
             f"{where}{field!r} must be a non-empty list of {{'role', 'content'}} dicts, got "
-            f"{type(messages).__name__} {str(messages)[:80]!r}."
+            f"{type(messages).__name__} {str(messages)[:80]!r}; write the conversation as "
+            f"[{{'role': 'user', 'content': '...'}}, ...]."
         )
     for j, msg in enumerate(messages):
         if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
-            raise DataTypeError(f"{where}{field}[{j}] must be a dict with 'role' and 'content', got {str(msg)[:80]!r}.")
+            raise DataTypeError(
+                f"{where}{field}[{j}] must be a dict with 'role' and 'content', got {str(msg)[:80]!r}; "
+                f"write each message as {{'role': 'user', 'content': '...'}}."
+            )
         if not isinstance(msg["role"], str) or msg["role"] not in roles:
             raise DataError(
                 f"{where}{field}[{j}]['role']={msg['role']!r} is not a role this chat template "
@@ -157,8 +161,9 @@ def _compile(template: str):
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as err:
         raise DataError(
-            f"the chat template does not compile: {err.message} (template line {err.lineno}); "
-            f"fix the template in the tokenizer folder."
+            f"the chat template does not compile: {err.message} (template line {err.lineno}: "
+            f"{(template.splitlines() or [''])[(err.lineno or 1) - 1][:80]!r}); fix the template in the tokenizer "
+            f"folder."
         ) from None
 
 
@@ -236,7 +241,10 @@ def render_text(
     """The rendered conversation as one string (``tokenize=False`` in transformers)."""
     if continue_final_message:
         if add_generation_prompt:
-            raise DataError("continue_final_message and add_generation_prompt exclude each other.")
+            raise DataError(
+                "continue_final_message=True and add_generation_prompt=True exclude each other; "
+                "set one of them to False."
+            )
         return _continue_final(template, messages, index, field, special)
     text, _ = _strip_markers(_render_raw(template, messages, add_generation_prompt, index, field, special))
     return text

@@ -39,7 +39,9 @@ from twinseq.common.objectives.nll import shift_labels
 def required_multiple(cp: int, load_balance: bool = True) -> int:
     """The multiple ``T`` must be padded to: ``2 * cp`` with load balancing, else ``cp``."""
     if not isinstance(cp, (int, np.integer)) or isinstance(cp, bool) or cp < 1:
-        raise ConfigError(f"cp={cp!r} must be a positive integer (the size of the context-parallel mesh axis).")
+        raise ConfigError(
+            f"cp={cp!r} must be a positive integer (the size of the context-parallel mesh axis): pass e.g. cp=2."
+        )
     return 2 * int(cp) if load_balance else int(cp)
 
 
@@ -61,7 +63,7 @@ def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
     [(0, 7), (1, 6), (2, 5), (3, 4)]
     """
     if not 0 <= rank < cp:
-        raise ConfigError(f"rank={rank} is outside [0, cp={cp}).")
+        raise ConfigError(f"rank={rank} is outside [0, cp={cp}); pass a rank from 0 to {cp - 1}.")
     return rank, 2 * cp - 1 - rank
 
 
@@ -105,7 +107,10 @@ def split_shards(x_reordered: np.ndarray, cp: int, axis: int = -1) -> list[np.nd
     """The ``cp`` per-rank shards of a reordered array (``shard_sequence`` output)."""
     x_reordered = np.asarray(x_reordered)
     if x_reordered.shape[axis] % cp:
-        raise ConfigError(f"axis {axis} has length {x_reordered.shape[axis]}, not divisible by cp={cp}.")
+        raise ConfigError(
+            f"axis {axis} has length {x_reordered.shape[axis]}, not divisible by cp={cp}; pad that axis to a "
+            f"multiple of {cp} (shard_sequence's output is)."
+        )
     return np.split(x_reordered, cp, axis=axis)
 
 
@@ -154,7 +159,7 @@ class CPBatch:
     def rank(self, rank: int) -> dict[str, np.ndarray]:
         """The [B, T / cp] shard of every array held by ``rank``."""
         if not 0 <= rank < self.cp:
-            raise ConfigError(f"rank={rank} is outside [0, cp={self.cp}).")
+            raise ConfigError(f"rank={rank} is outside [0, cp={self.cp}); pass a rank from 0 to {self.cp - 1}.")
         return {k: split_shards(v, self.cp)[rank] for k, v in self.arrays().items()}
 
     def unshard(self, x_reordered: np.ndarray, axis: int = 1) -> np.ndarray:
@@ -244,11 +249,16 @@ def count_attention_blocks(
     seg_BT = np.atleast_2d(np.asarray(segment_ids))
     pos_BT = np.atleast_2d(np.asarray(position_ids))
     if seg_BT.shape != pos_BT.shape or seg_BT.ndim != 2:
-        raise ConfigError(f"segment_ids {seg_BT.shape} and position_ids {pos_BT.shape} must both be [T] or [B, T].")
+        raise ConfigError(
+            f"segment_ids {seg_BT.shape} and position_ids {pos_BT.shape} must both be [T] or [B, T]; "
+            "pass arrays of the same shape."
+        )
     local_len = seg_BT.shape[1] // required_multiple(cp, False)
     check_seq_len(seg_BT.shape[1], cp, load_balance)
     if block_size < 1 or local_len % block_size:
-        raise ConfigError(f"block_size={block_size} must divide the per-rank length T/cp={local_len}.")
+        raise ConfigError(
+            f"block_size={block_size} must divide the per-rank length T/cp={local_len}; pick a divisor of {local_len}."
+        )
     perm = cp_permutation(seg_BT.shape[1], cp, load_balance)
     pairs = np.zeros((seg_BT.shape[1] // block_size,) * 2, dtype=bool)
     for seg_T, pos_T in zip(seg_BT, pos_BT):

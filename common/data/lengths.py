@@ -3,7 +3,9 @@
 ``twinseq lengths DATASET`` tokenises the dataset (no truncation), prints the length
 percentiles and, for each candidate ``max_length`` L, what truncating to L costs and what
 padding or packing at L wastes; it recommends the smallest L that keeps >= 99 % of the
-tokens and writes a histogram PNG with the candidates marked.
+tokens and writes a histogram PNG with the candidates marked. The tokens are the run's: its tokenizer
+is picked as ``twinseq train`` picks it (``--tokenizer``, else the ``--model-config``/``--model-name-or-path``
+folder's own, else the embedded one), and ``--config RUN.yaml`` reads all of that from the run's YAML.
 
 How each column is computed (``profile_lengths``), with ``kept_i = min(len_i, L)``:
 
@@ -30,9 +32,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from twinseq.common.config import TrainConfig
 from twinseq.common.data.packing import plan_packing
-from twinseq.common.data.prepare import load_dataset_any, tokenize_dpo, tokenize_sft
-from twinseq.common.data.tokenizer import load_tokenizer
+from twinseq.common.data.prepare import load_dataset_any, run_tokenizer, tokenize_dpo, tokenize_sft
 from twinseq.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -134,13 +136,14 @@ def profile_lengths(
     if lengths.ndim != 1 or lengths.size == 0 or (lengths <= 0).any():
         raise ConfigError(
             f"lengths must be a non-empty 1-D array of positive token counts, got shape "
-            f"{lengths.shape} with min {lengths.min() if lengths.size else None}."
+            f"{lengths.shape} with min {lengths.min() if lengths.size else None}; drop empty examples and pass "
+            f"one length per example."
         )
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
-        raise ConfigError(f"batch_size={batch_size!r} must be a positive integer (per-device batch size).")
+        raise ConfigError(f"batch_size={batch_size!r} is not valid; pass a positive integer (per-device batch size).")
     candidates = sorted(set(int(c) for c in (candidates or default_candidates(lengths))))
     if candidates[0] <= 0:
-        raise ConfigError(f"candidates={candidates} must all be positive max_length values.")
+        raise ConfigError(f"candidates={candidates} must all be positive; pass max_length values such as [128, 256].")
     profile = LengthProfile(
         count=int(lengths.size),
         total_tokens=int(lengths.sum()),
@@ -266,9 +269,11 @@ def _parse_candidates(text: Optional[str]) -> Optional[list[int]]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise ConfigError(f"--candidates={text!r} must be comma-separated integers, e.g. 128,256,512.") from None
+        raise ConfigError(
+            f"--candidates={text!r} is not valid; pass comma-separated integers, e.g. 128,256,512."
+        ) from None
     if not values or min(values) <= 0:
-        raise ConfigError(f"--candidates={text!r} must list positive max_length values, e.g. 128,256,512.")
+        raise ConfigError(f"--candidates={text!r} is not valid; pass positive max_length values, e.g. 128,256,512.")
     return values
 
 
@@ -277,39 +282,80 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "dataset",
         nargs="?",
-        default="embedded",
-        help="embedded name, local JSONL/Parquet/CSV file or folder (default: embedded)",
+        default=None,
+        help="embedded name, local JSONL/Parquet/CSV file or folder (default: the run's dataset_name, embedded)",
     )
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--tokenizer", default="embedded", help="'embedded' or a local tokenizer folder")
+    parser.add_argument("--split", default=None, help="dataset split (default: the run's dataset_split, train)")
+    parser.add_argument(
+        "--config", default=None, help="a `twinseq train` YAML: its dataset, tokenizer, model and batch size"
+    )
+    parser.add_argument(
+        "--model-config",
+        "--model-name-or-path",
+        dest="model_config",
+        default=None,
+        help="the run's model: a folder holding a tokenizer.json tokenises as the run will",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        "--tokenizer-name-or-path",
+        dest="tokenizer",
+        default=None,
+        help="'embedded' or a local tokenizer folder (default: the run's, as `twinseq train` picks it: "
+        "tokenizer_name_or_path, else the model folder's own, else embedded)",
+    )
     parser.add_argument(
         "--candidates",
         default=None,
         help="comma-separated max_length values (default: powers of two around the lengths)",
     )
-    parser.add_argument("--batch-size", type=int, default=8, help="per-device batch size for the padding columns")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="per-device batch size for the padding columns (default: the run's per_device_train_batch_size)",
+    )
     parser.add_argument("--output", default=None, help="histogram PNG path (default: OUTPUT_DIR/lengths.png)")
     parser.add_argument("--output-dir", default=".", help="folder of the default PNG (default: cwd)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return parser
 
 
+def _run_config(args: argparse.Namespace) -> TrainConfig:
+    """The run whose lengths are profiled: ``--config``'s YAML (or the defaults), with ``--model-config`` and
+    ``--tokenizer`` over it, so the tokenizer is the one ``twinseq train`` would take (``prepare.run_tokenizer``)."""
+    over = {
+        k: v
+        for k, v in (("model_config", args.model_config), ("tokenizer_name_or_path", args.tokenizer))
+        if v is not None
+    }
+    return TrainConfig.from_yaml(args.config, **over) if args.config else TrainConfig.from_flat(**over)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """``twinseq lengths [DATASET] [--tokenizer T] [--candidates 128,256] [--batch-size B] [--output PNG]``."""
+    """``twinseq lengths [DATASET] [--config RUN.yaml] [--model-config DIR] [--tokenizer T] [--candidates 128,256]
+    [--batch-size B] [--output PNG]``: the lengths in the run's own tokens (its tokenizer, as ``twinseq train``
+    picks it)."""
     args = _parser().parse_args(argv)
     candidates = _parse_candidates(args.candidates)
+    cfg = _run_config(args)
+    args.batch_size = cfg.data.per_device_train_batch_size if args.batch_size is None else args.batch_size
     if args.batch_size <= 0:
-        raise ConfigError(f"--batch-size={args.batch_size} must be a positive integer.")
+        raise ConfigError(f"--batch-size={args.batch_size} is not valid; pass a positive integer, e.g. --batch-size 8.")
     plot_path = Path(args.output) if args.output else Path(args.output_dir) / "lengths.png"
     if not args.no_plot:  # before the tokenising, which can take minutes
         check_output_file(plot_path, "--output" if args.output else "--output-dir")
-    tokenizer = load_tokenizer(args.tokenizer)
-    dataset = load_dataset_any(args.dataset, split=args.split)
+    tokenizer = run_tokenizer(cfg)
+    dataset_name = args.dataset or cfg.data.dataset_name
+    if dataset_name == "embedded" and cfg.task == "dpo":
+        dataset_name = "embedded-preference"
+    split = args.split or cfg.data.dataset_split
+    dataset = load_dataset_any(dataset_name, split=split)
     lengths = sequence_lengths(dataset, tokenizer)
     profile = profile_lengths(lengths, candidates, args.batch_size)
-    print(f"dataset {args.dataset!r} ({args.split}), tokenizer {args.tokenizer!r}")
+    print(f"dataset {dataset_name!r} ({split}), tokenizer {tokenizer.name_or_path!r}")
     print(format_profile(profile))
     if not args.no_plot:
-        out = plot_lengths(lengths, profile, plot_path, title=f"{args.dataset}: token lengths")
+        out = plot_lengths(lengths, profile, plot_path, title=f"{dataset_name}: token lengths")
         print(f"histogram: {out}")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import urllib.error
@@ -49,9 +50,11 @@ def _parse_split(split: str) -> tuple[str, Optional[str]]:
 
 
 def _apply_slice(ds, spec: Optional[str]):
-    if spec is None:
-        return ds
-    n = len(ds)
+    return ds if spec is None else ds.select(_slice_range(len(ds), spec))
+
+
+def _slice_range(n: int, spec: str) -> range:
+    """The rows ``[spec]`` of ``n`` rows selects (``":100"``, ``"10%:"``)."""
 
     def bound(text: str, default: int) -> int:
         if not text:
@@ -59,7 +62,7 @@ def _apply_slice(ds, spec: Optional[str]):
         return int(text[:-1]) * n // 100 if text.endswith("%") else int(text)
 
     start, stop = spec.split(":")
-    return ds.select(range(*slice(bound(start, 0), bound(stop, n)).indices(n)))
+    return range(*slice(bound(start, 0), bound(stop, n)).indices(n))
 
 
 def from_table(table):
@@ -102,7 +105,10 @@ def _load_file(path: Path):
     except TwinseqError:
         raise
     except (pa.ArrowException, json.JSONDecodeError, TypeError, ValueError, UnicodeDecodeError) as err:
-        raise DataError(f"could not read dataset file {str(path)!r} as {fmt}: {one_line_of(err)}") from None
+        raise DataError(
+            f"could not read dataset file {str(path)!r} as {fmt}: {one_line_of(err)}; fix the file, or convert it "
+            f"to JSONL (one object per line)."
+        ) from None
 
 
 def _read_json_rows(path: Path):
@@ -125,7 +131,7 @@ def _read_json_rows(path: Path):
     )
     raise DataTypeError(
         f"{path}: the top level is a {kind}; a dataset file holds rows: a list of objects "
-        f'([{{"prompt": ..., "completion": ...}}, ...]) or an object of columns.'
+        f'([{{"prompt": ..., "completion": ...}}, ...]) or an object of columns; write it in one of those shapes.'
     )
 
 
@@ -148,7 +154,7 @@ def _check_jsonl_lines(path: Path) -> int:
             if not isinstance(row, dict):
                 raise DataTypeError(
                     f"{path}:{number}: the line holds a {type(row).__name__}, not an object; a JSONL "
-                    f'dataset has one {{"field": value}} object per line.'
+                    f'dataset has one {{"field": value}} object per line: write that line as one.'
                 )
     return longest
 
@@ -160,7 +166,10 @@ def _load_folder(path: Path, split: str):
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise DataError(f"dataset_split={split!r} is not in {str(path)!r}; available splits: {sorted(loaded)}.")
+                raise DataError(
+                    f"dataset_split={split!r} is not in {str(path)!r}; choose one of {sorted(loaded)} "
+                    f"(--dataset-split)."
+                )
             return loaded[split]
         return loaded
     logger.info("%s is not a save_to_disk folder; reading its data files with datasets.load_dataset", path)
@@ -219,14 +228,18 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or Path(name).suffix.lower() in _PATH_LIKE_SUFFIXES
 
 
-def load_dataset_any(name_or_path: str, split: str = "train"):
+def load_dataset_any(name_or_path: str, split: str = "train", *, field: str = "dataset_split"):
     """A ``datasets.Dataset`` from an embedded name, a local file or folder, or a Hub name.
 
     ``split`` may be sliced like in ``datasets``: ``"train[:1000]"``, ``"train[:10%]"``.
-    A single file or an embedded dataset only has the split ``train``.
+    A single file or an embedded dataset only has the split ``train``. ``field``: the config field that gave
+    ``split``, for the messages (``eval_split`` for an eval set).
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
-        raise DataTypeError(f"dataset_name must be a string, got {type(name_or_path).__name__} ({name_or_path!r}).")
+        raise DataTypeError(
+            f"dataset_name must be a string, got {type(name_or_path).__name__} ({name_or_path!r}); pass a file, "
+            f"folder or dataset name."
+        )
     name_or_path = str(name_or_path)
     if not name_or_path.strip():  # Path('') is '.', which would be read as a dataset folder
         raise DataError(
@@ -237,10 +250,7 @@ def load_dataset_any(name_or_path: str, split: str = "train"):
     path = Path(name_or_path).expanduser()
     if name_or_path in corpus.EMBEDDED_NAMES or path.is_file():
         if split_name != "train":
-            raise DataError(
-                f"dataset_split={split!r}: {name_or_path!r} has a single split, 'train'; "
-                f"select a part of it with e.g. 'train[:90%]'."
-            )
+            raise _single_split_error(name_or_path, split, field)
         ds = corpus.load_embedded(name_or_path) if name_or_path in corpus.EMBEDDED_NAMES else _load_file(path)
     elif path.is_dir():
         ds = _load_folder(path, split_name)
@@ -252,6 +262,63 @@ def load_dataset_any(name_or_path: str, split: str = "train"):
     else:
         ds = _load_hub(name_or_path, split_name)
     return _apply_slice(ds, spec)
+
+
+def _single_split_error(name: str, split: str, field: str) -> DataError:
+    return DataError(
+        f"{field}={split!r}: {name!r} has a single split, 'train'; select a part of it with e.g. 'train[:90%]', or "
+        f"hold out an eval set from the training rows with --eval-fraction 0.1."
+    )
+
+
+def select_split(rows: list, split: str, name: str, *, field: str = "dataset_split") -> list:
+    """The rows of a single-split dataset held as a list (GRPO's embedded task) at ``split``: ``train`` or a slice of
+    it, as ``load_dataset_any`` reads a file.
+
+    >>> select_split(list(range(10)), "train[:20%]", "embedded")
+    [0, 1]
+    """
+    split_name, spec = _parse_split(split)
+    if split_name != "train":
+        raise _single_split_error(name, split, field)
+    return [rows[i] for i in _slice_range(len(rows), spec)] if spec else list(rows)
+
+
+def held_out_indices(num_rows: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(training row indices, eval row indices), each ascending: ``eval_fraction``'s split of ``num_rows`` rows.
+
+    ``ceil(fraction x num_rows)`` rows (``datasets``' ``train_test_split`` count) are drawn for evaluation from a
+    numpy generator seeded with ``seed``, so a run, its resume and its ``evaluate()`` hold out the same rows.
+
+    >>> held_out_indices(10, 0.2, seed=0)
+    ([1, 3, 4, 5, 6, 7, 8, 9], [0, 2])
+    """
+    import numpy as np
+
+    num_eval = math.ceil(round(fraction * num_rows, 9))
+    if not 0 < num_eval < num_rows:
+        raise DataError(
+            f"eval_fraction={fraction} of {num_rows} rows leaves {num_rows - num_eval} to train on and {num_eval} to "
+            f"evaluate; both need at least one row: use more data or another eval_fraction."
+        )
+    order = np.random.default_rng([seed, _HELD_OUT_STREAM]).permutation(num_rows)
+    return sorted(order[num_eval:].tolist()), sorted(order[:num_eval].tolist())
+
+
+_HELD_OUT_STREAM = 0xE7A1
+"""Mixed into the seed of ``held_out_indices``, so the held-out draw is not the first epoch's shuffle."""
+
+
+def split_off_eval(ds: Any, fraction: Optional[float], seed: int, part: str) -> Any:
+    """``part`` (``train`` or ``eval``) of ``eval_fraction``'s split of a ``datasets.Dataset`` or a list of rows;
+    ``ds`` itself when ``fraction`` is None."""
+    if fraction is None:
+        return ds
+    train, held_out = held_out_indices(len(ds), fraction, seed)
+    idx = train if part == "train" else held_out
+    if hasattr(ds, "select"):
+        return ds.select(idx)
+    return [ds[i] for i in idx]
 
 
 def as_dataset(data: Any, source: str = "the data"):
@@ -269,9 +336,46 @@ def as_dataset(data: Any, source: str = "the data"):
     except (pa.ArrowException, ValueError, TypeError) as err:
         raise DataTypeError(
             f"{source} cannot be made into a table ({one_line_of(err)}); every value of a column must "
-            f"have the same type (e.g. all prompts strings) and every column the same length."
+            f"have the same type (e.g. all prompts strings) and every column the same length: fix the rows that differ."
         ) from None
-    raise DataTypeError(f"expected a datasets.Dataset, a dict of lists or a list of dicts, got {type(data).__name__}.")
+    raise DataTypeError(
+        f"{source} has type {type(data).__name__}; pass a datasets.Dataset, a dict of lists or a list of dicts."
+    )
 
 
-__all__ = ["load_dataset_any", "as_dataset", "from_table", "one_line_of", "FILE_FORMATS"]
+def resolve_dataset(data: Any, field: str, split: str = "train"):
+    """What a Python caller passed as ``field`` (``train_dataset``, ``eval_dataset``) -> ``datasets.Dataset``.
+
+    A ``Dataset`` as is; an ``IterableDataset`` read once into memory (it must end; the log says how many rows);
+    a list of row dicts or a dict of columns; a string: a file, folder or Hub name as ``dataset_name`` takes it. A
+    ``DatasetDict`` is refused, naming its splits: pass one of them.
+    """
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+
+    if isinstance(data, (str, os.PathLike)):
+        return load_dataset_any(str(data), split=split)
+    if isinstance(data, (DatasetDict, IterableDatasetDict)):
+        raise DataTypeError(
+            f"{field} is a {type(data).__name__} with splits {sorted(data)}; pass one split, e.g. "
+            f"{field}=dataset[{sorted(data)[0]!r}]."
+        )
+    if isinstance(data, IterableDataset):
+        rows = list(data)
+        logger.info("%s: an IterableDataset, read into memory (%d rows)", field, len(rows))
+        data = rows
+    if isinstance(data, Dataset):
+        return data
+    return as_dataset(data, source=field)
+
+
+__all__ = [
+    "load_dataset_any",
+    "as_dataset",
+    "resolve_dataset",
+    "from_table",
+    "one_line_of",
+    "select_split",
+    "held_out_indices",
+    "split_off_eval",
+    "FILE_FORMATS",
+]

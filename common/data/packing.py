@@ -125,10 +125,10 @@ def pack_dataset(
     check_strategy(strategy)
     window = check_window(window)
     if map_kwargs is not None and not isinstance(map_kwargs, Mapping):
-        raise DataTypeError(f"map_kwargs={map_kwargs!r} must be a dict of datasets.map arguments or None.")
+        raise DataTypeError(f"map_kwargs={map_kwargs!r} must be a dict of datasets.map arguments or None: pass one.")
     for name, flag in (("completion_only_loss", completion_only_loss), ("assistant_only_loss", assistant_only_loss)):
         if flag is not None and not isinstance(flag, (bool, np.bool_)):
-            raise DataTypeError(f"{name}={flag!r} must be True, False or None, as in collate().")
+            raise DataTypeError(f"{name}={flag!r} must be True, False or None, as in collate(); pass one of those.")
     options = dict(
         seq_length=seq_length,
         strategy=strategy,
@@ -160,7 +160,7 @@ def pack_dataset(
     else:
         raise DataTypeError(
             f"dataset has type {type(dataset).__name__}; pack_dataset takes a datasets.Dataset, "
-            f"DatasetDict, IterableDataset or a dict of lists such as {{'input_ids': [[1, 2], [3]]}}."
+            f"DatasetDict, IterableDataset or a dict of lists: pass one, e.g. {{'input_ids': [[1, 2], [3]]}}."
         )
     _log_stats(stats)
     return (packed, stats) if return_stats else packed
@@ -250,7 +250,7 @@ def gather_rows(plan: PackingPlan, source, rows) -> list[dict[str, np.ndarray]]:
 
 def _dict_to_table(data: Mapping[str, Any]) -> pa.Table:
     if not len(data):
-        raise DataError("dataset is an empty dict: there are no columns to pack; pass {'input_ids': [[...], ...]}.")
+        raise DataError("dataset={} is an empty dict: there are no columns to pack; pass {'input_ids': [[...], ...]}.")
     arrays = {}
     for name, column in data.items():
         if not isinstance(column, (list, tuple, np.ndarray, pa.Array, pa.ChunkedArray)):
@@ -263,13 +263,11 @@ def _dict_to_table(data: Mapping[str, Any]) -> pa.Table:
         except (pa.ArrowInvalid, pa.ArrowTypeError) as err:
             raise DataTypeError(
                 f"column {name!r} cannot be read as one list of values per example ({err}); every "
-                f"entry must be a list of numbers, e.g. [[1, 2], [3]]."
+                f"entry must be a list of numbers: pass e.g. [[1, 2], [3]]."
             ) from err
     sizes = {name: len(a) for name, a in arrays.items()}
     if len(set(sizes.values())) > 1:
-        raise DataError(
-            f"columns have different numbers of examples {sizes}; every column needs one entry per example."
-        )
+        raise DataError(f"columns have different numbers of examples {sizes}; give every column one entry per example.")
     return pa.table(arrays)
 
 
@@ -282,7 +280,7 @@ def _validate_table(table: pa.Table, row_ids: Optional[np.ndarray]) -> np.ndarra
     num_examples = table.num_rows if row_ids is None else len(row_ids)
     if num_examples == 0:
         raise DataError(
-            "the dataset has 0 examples: there is nothing to pack; check the filtering and "
+            f"the dataset has {num_examples} examples: there is nothing to pack; check the filtering and "
             "tokenisation steps before pack_dataset."
         )
     if INPUT_COLUMN not in table.column_names:
@@ -317,7 +315,11 @@ def _validate_table(table: pa.Table, row_ids: Optional[np.ndarray]) -> np.ndarra
     lengths = _column_lengths(table, INPUT_COLUMN, row_ids)
     ids_values = table.column(INPUT_COLUMN)
     if ids_values.num_chunks and any(c.flatten().null_count for c in ids_values.chunks):
-        raise DataError(f"column {INPUT_COLUMN!r} holds null token ids; every token must be an integer id.")
+        nulls = sum(c.flatten().null_count for c in ids_values.chunks)
+        raise DataError(
+            f"column {INPUT_COLUMN!r} holds null token ids ({nulls} of them); every token must be an integer id: "
+            "drop or re-tokenise those examples."
+        )
     for name in table.column_names:
         if name != INPUT_COLUMN:
             other = _column_lengths(table, name, row_ids)

@@ -82,11 +82,11 @@ def check_window(window) -> Optional[int]:
     if isinstance(window, (bool, np.bool_)) or not isinstance(window, numbers.Integral):
         raise DataTypeError(
             f"window={window!r} ({type(window).__name__}) must be a positive int (examples per "
-            f"packing window) or None for one global window."
+            f"packing window) or None for one global window; pass one of those."
         )
     if int(window) <= 0:
         raise DataError(
-            f"window={window!r} must be a positive number of examples per packing window, "
+            f"window={window!r} must be a positive number of examples per packing window: pass one, "
             f"or None to pack the whole dataset at once."
         )
     return int(window)
@@ -101,7 +101,9 @@ def check_lengths(lengths) -> np.ndarray:
             f"pass one length per example."
         )
     if lengths.size == 0:
-        raise DataError("lengths is empty: there are no examples to pack; check the dataset is not empty.")
+        raise DataError(
+            f"lengths is empty (shape {lengths.shape}): there are no examples to pack; check the dataset is not empty."
+        )
     if lengths.dtype == np.bool_ or not np.issubdtype(lengths.dtype, np.integer):
         raise DataTypeError(
             f"lengths must hold integers, got dtype {lengths.dtype} (first value {lengths[0]!r}); "
@@ -109,7 +111,7 @@ def check_lengths(lengths) -> np.ndarray:
         )
     if lengths.min() < 0:
         i = int(np.argmin(lengths))
-        raise DataError(f"lengths[{i}]={int(lengths[i])} is negative; example lengths are token counts >= 0.")
+        raise DataError(f"lengths[{i}]={int(lengths[i])} is negative; pass token counts >= 0.")
     return lengths.astype(np.int64, copy=False)
 
 
@@ -256,7 +258,10 @@ class PackingPlan:
         """The plan of ``rows`` only (in the given order); sources keep their indices."""
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         if rows.size and (rows.min() < -self.num_rows or rows.max() >= self.num_rows):
-            raise DataError(f"rows {rows.tolist()[:8]} out of range for a plan of {self.num_rows} rows.")
+            raise DataError(
+                f"rows {rows.tolist()[:8]} out of range for a plan of {self.num_rows} rows; select rows in "
+                f"[0, {self.num_rows})."
+            )
         rows = rows % max(self.num_rows, 1)
         starts, ends = self.row_offsets[rows], self.row_offsets[rows + 1]
         counts = ends - starts
@@ -276,7 +281,8 @@ class PackingPlan:
         example_offsets = np.asarray(example_offsets, dtype=np.int64)
         if example_offsets.ndim != 1 or len(example_offsets) < 2:
             raise DataError(
-                f"example_offsets must be a 1-D [num_examples + 1] offsets array, got shape {example_offsets.shape}."
+                f"example_offsets must be a 1-D [num_examples + 1] offsets array, got shape {example_offsets.shape}; "
+                "pass np.concatenate([[0], np.cumsum(lengths)])."
             )
         num_examples = len(example_offsets) - 1
         if self.num_fragments and int(self.source_indices.max()) >= num_examples:
@@ -292,7 +298,7 @@ class PackingPlan:
                 f"fragment {f} needs tokens {int(self.source_offsets[f])}.."
                 f"{int(self.source_offsets[f] + self.fragment_lengths[f])} of example "
                 f"{int(self.source_indices[f])}, which has {int(example_len[f])}; the arrays do not "
-                f"match the lengths this plan was made from."
+                f"match the lengths this plan was made from: pass those arrays."
             )
         return example_offsets[self.source_indices] + self.source_offsets
 

@@ -43,6 +43,9 @@ class PreferenceBatch:
     num_target_tokens: np.ndarray  # int32 [2N]: scored completion tokens of each document
     ref_chosen_logps: Optional[np.ndarray] = None  # float64 [N], when the examples carry them (precomputed)
     ref_rejected_logps: Optional[np.ndarray] = None
+    num_examples_in_step: Optional[int] = None
+    """Pairs of the whole optimizer step (every micro-batch, every rank), the DPO loss's denominator; set by
+    ``PreferenceStepIterator`` (an epoch's last step may be short). None: the trainer's full-step count."""
 
     @property
     def num_docs(self) -> int:
@@ -133,7 +136,7 @@ def collate_preference(
     if isinstance(examples, Mapping) or not len(examples):
         raise DataError(
             "collate_preference() needs a non-empty list of preference rows (dicts with "
-            f"{', '.join(PREFERENCE_FIELDS)}); got {type(examples).__name__}."
+            f"{', '.join(PREFERENCE_FIELDS)}); got {type(examples).__name__}: pass the tokenised rows as a list."
         )
     batch = collate(
         _document_examples(examples),
@@ -176,7 +179,8 @@ def sequence_logps_from_tokens(token_logps_BT: np.ndarray, pbatch: PreferenceBat
     if token_logps_BT.shape != pbatch.target_doc_ids.shape:
         raise DataError(
             f"token_logps shape {token_logps_BT.shape} must equal the batch shape "
-            f"{pbatch.target_doc_ids.shape} ([B, T], position t scoring input_ids[t + 1])."
+            f"{pbatch.target_doc_ids.shape} ([B, T], position t scoring input_ids[t + 1]); pass the log-probs "
+            f"of this batch."
         )
     has_target = pbatch.target_doc_ids >= 0
     sums = np.bincount(pbatch.target_doc_ids[has_target], weights=token_logps_BT[has_target], minlength=pbatch.num_docs)
@@ -188,7 +192,8 @@ def token_logps_from_logits(logits_BTV: np.ndarray, pbatch: PreferenceBatch) -> 
     logits_BTV = np.asarray(logits_BTV)
     if logits_BTV.shape[:-1] != pbatch.target_doc_ids.shape:
         raise DataError(
-            f"logits shape {logits_BTV.shape} must be [B, T, V] with [B, T] = {pbatch.target_doc_ids.shape}."
+            f"logits shape {logits_BTV.shape} must be [B, T, V] with [B, T] = {pbatch.target_doc_ids.shape}; "
+            "pass the logits of this batch."
         )
     return -token_nll(logits_BTV, shift_labels(pbatch.batch.labels))
 

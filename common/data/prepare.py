@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterator, Optional, Union
 from twinseq.common.data import formats
 from twinseq.common.data.chat import row_name
 from twinseq.common.data.formats import detect_dpo_format, detect_sft_format
-from twinseq.common.data.loading import as_dataset, from_table, load_dataset_any
-from twinseq.common.data.tokenizer import TwinseqTokenizer, load_tokenizer
+from twinseq.common.data.loading import as_dataset, from_table, load_dataset_any, resolve_dataset, split_off_eval
+from twinseq.common.data.tokenizer import TwinseqTokenizer, load_tokenizer, tokenizer_from
 from twinseq.common.data.truncation import (
     DROP_EMPTY_CHOSEN,
     DROP_EMPTY_COMPLETION,
@@ -86,11 +86,20 @@ def _columns_table(columns: dict[str, list]):
 
 
 def _special(tok: TwinseqTokenizer) -> tuple[list[int], list[int]]:
-    """``([bos], [eos])`` for plain text (empty lists where the tokenizer has none)."""
-    return (
-        [tok.bos_token_id] if tok.bos_token_id is not None else [],
-        [tok.eos_token_id] if tok.eos_token_id is not None else [],
-    )
+    """(ids before, ids after) a plain text: what ``tokenizer(text)`` adds around it (``text_affixes``: Llama's
+    bos, nothing for Qwen), with eos after the text as TRL appends it (once: not again when the tokenizer's own
+    suffix holds it)."""
+    before, after = tok.text_affixes
+    eos = tok.eos_token_id
+    return before, after if eos is None or eos in after else [eos] + after
+
+
+def _ending(ids: list[int], after: list[int], eos: Optional[int]) -> list[int]:
+    """``ids + after``, less the eos ``after`` starts with when the text already ends with it (TRL appends
+    ``eos_token`` to a text that does not end with it)."""
+    if eos is not None and ids[-1:] == [eos] and after[:1] == [eos]:
+        after = after[1:]
+    return ids + after
 
 
 def _log_format(task: str, fmt: str, tok: TwinseqTokenizer) -> None:
@@ -122,7 +131,7 @@ def _encode_prompt_completion(batch: dict, offset: int, tok: TwinseqTokenizer, _
         if not comp.strip():
             out.append(DROP_EMPTY_COMPLETION)
             continue
-        head, tail = bos + p, c + eos
+        head, tail = bos + p, _ending(c, eos, tok.eos_token_id)
         out.append({"input_ids": head + tail, "completion_mask": [0] * len(head) + [1] * len(tail)})
     return out
 
@@ -159,7 +168,7 @@ def _encode_text(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) -> En
     _check_strings(batch["text"], "text", offset, "tokenise plain text only.")
     bos, eos = _special(tok)
     return [
-        {"input_ids": bos + ids + eos} if text.strip() else DROP_EMPTY_TEXT
+        {"input_ids": bos + _ending(ids, eos, tok.eos_token_id)} if text.strip() else DROP_EMPTY_TEXT
         for ids, text in zip(tok.encode_batch(batch["text"]), batch["text"])
     ]
 
@@ -170,7 +179,10 @@ def _encode_tokenized(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) 
     for i, ids in enumerate(batch["input_ids"]):
         where = row_name(offset + i)
         if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise DataTypeError(f"{where}: input_ids must be a list of integers, got {str(ids)[:80]!r}.")
+            raise DataTypeError(
+                f"{where}: input_ids must be a list of integers, got {str(ids)[:80]!r}; tokenise the text, or "
+                "give a 'text' column instead."
+            )
         bad = [t for t in ids if not 0 <= t < tok.vocab_size]
         if bad:
             raise DataError(
@@ -183,7 +195,7 @@ def _encode_tokenized(batch: dict, offset: int, tok: TwinseqTokenizer, _: bool) 
             if not isinstance(mask, (list, tuple)) or len(mask) != len(ids):
                 raise DataError(
                     f"{where}: completion_mask must be a list as long as input_ids ({len(ids)}), got "
-                    f"{str(mask)[:80]!r}."
+                    f"{str(mask)[:80]!r}; give one 0/1 per token, or drop the column."
                 )
             row["completion_mask"] = list(mask)
         out.append(row if ids else DROP_EMPTY_TEXT)
@@ -257,7 +269,8 @@ def tokenize_sft(
 
     Formats (``twinseq.common.data.formats``): standard prompt/completion gives
     ``[bos] + prompt + completion + [eos]`` with ``completion_mask`` 1 on completion and
-    eos; ``text`` gives ``[bos] + text + [eos]``; ``messages`` the chat template with
+    eos; ``text`` gives ``[bos] + text + [eos]`` (``[bos]``: the special ids ``tokenizer(text)`` adds,
+    ``TwinseqTokenizer.text_affixes``, none for a tokenizer that adds none); ``messages`` the chat template with
     ``assistant_masks``; conversational prompt/completion the chat template with
     ``completion_mask`` 1 on the completion (and ``assistant_masks`` when
     ``assistant_only_loss``). Rows with no loss target left are dropped and counted (an
@@ -412,10 +425,12 @@ def tokenize_dpo(
 # --------------------------------------------------------------------------------------
 
 
-def _dataset_name(cfg, task: str) -> str:
-    if cfg.data.dataset_name == "embedded":
+def _dataset_name(cfg, task: str, name: Optional[str] = None) -> str:
+    """``name`` (None: ``dataset_name``), with ``embedded`` read as the task's embedded dataset."""
+    name = cfg.data.dataset_name if name is None else name
+    if name == "embedded":
         return "embedded-preference" if task == "dpo" else "embedded-sft"
-    return cfg.data.dataset_name
+    return name
 
 
 def _raise_if_empty(rows, stats: TruncationStats, cfg) -> None:
@@ -426,8 +441,14 @@ def _raise_if_empty(rows, stats: TruncationStats, cfg) -> None:
         )
 
 
-def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
+def prepare_sft_dataset(
+    cfg, dataset: Any = None, tokenizer: Any = None, *, held_out: bool = False
+) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     """``TrainConfig`` -> (rows with ``input_ids`` + mask columns, tokenizer, stats). No packing.
+
+    ``dataset`` / ``tokenizer``: objects a Python caller passed (``common.run.inputs.RunInputs``) instead of
+    ``dataset_name`` / the model folder's tokenizer. ``held_out=True``: ``dataset`` is the eval set
+    (``eval_dataset``), tokenised as it is (no ``eval_fraction`` split).
 
     With ``packing`` and a strategy that keeps every token (``bfd_split``, ``wrapped``) the
     rows are not truncated: the packer splits them, which still loses the target at each cut
@@ -443,8 +464,8 @@ def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
             d.packing_strategy,
         )
         max_length = None
-    tokenizer = run_tokenizer(cfg)
-    dataset = load_dataset_any(_dataset_name(cfg, "sft"), split=d.dataset_split)
+    tokenizer = run_tokenizer(cfg, tokenizer)
+    dataset = as_dataset(dataset, "eval_dataset") if held_out else _run_dataset(cfg, "sft", dataset)
     rows, stats = tokenize_sft(
         dataset,
         tokenizer,
@@ -459,10 +480,44 @@ def prepare_sft_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     return rows, tokenizer, stats
 
 
-def run_tokenizer(cfg) -> TwinseqTokenizer:
-    """The tokenizer of a run: ``tokenizer_name_or_path`` when given, else the model folder's own (a
-    ``--model-config`` folder holding a ``tokenizer.json``, as a Hugging Face checkpoint does), else the
-    embedded one. The log says which."""
+def _run_dataset(cfg, task: str, given: Any = None, part: str = "train"):
+    """The training rows: the object a Python caller passed (``train_dataset``), else ``dataset_name``, less the
+    rows ``eval_fraction`` holds out; ``part='eval'``: those held-out rows."""
+    if given is not None:
+        ds = resolve_dataset(given, "train_dataset", split=cfg.data.dataset_split)
+    else:
+        ds = load_dataset_any(_dataset_name(cfg, task), split=cfg.data.dataset_split)
+    return split_off_eval(ds, cfg.data.eval_fraction, cfg.seed, part)
+
+
+def eval_dataset(cfg, task: str, given: Any = None, train_dataset: Any = None) -> Any:
+    """The untokenised eval set of a run, or None when it has none: the object a Python caller passed
+    (``eval_dataset``), else the rows ``eval_fraction`` holds out of the training data (``train_dataset`` or
+    ``dataset_name``), else ``eval_dataset_name`` (None: ``dataset_name``) at ``eval_split`` (None: ``train``).
+
+    A Python ``eval_dataset`` beside ``eval_fraction`` is refused: the run would hold rows out for nothing."""
+    d = cfg.data
+    if given is not None:
+        if d.eval_fraction is not None:
+            raise DataError(
+                f"eval_dataset= was passed and eval_fraction={d.eval_fraction} holds out training rows as an eval "
+                f"set too; drop one of them."
+            )
+        return resolve_dataset(given, "eval_dataset", split=d.eval_split or "train")
+    if d.eval_fraction is not None:
+        return _run_dataset(cfg, task, train_dataset, part="eval")
+    if d.eval_dataset_name is None and d.eval_split is None:
+        return None
+    name = _dataset_name(cfg, task, d.eval_dataset_name)
+    return load_dataset_any(name, split=d.eval_split or "train", field="eval_split")
+
+
+def run_tokenizer(cfg, given: Any = None) -> TwinseqTokenizer:
+    """The tokenizer of a run: the one a Python caller passed (``processing_class``), else
+    ``tokenizer_name_or_path`` when given, else the model folder's own (a ``--model-config`` folder holding a
+    ``tokenizer.json``, as a Hugging Face checkpoint does), else the embedded one. The log says which."""
+    if given is not None:
+        return tokenizer_from(given)
     name = cfg.data.tokenizer_name_or_path
     if name is None:
         folder = Path(cfg.model.model_config)
@@ -477,11 +532,14 @@ def run_tokenizer(cfg) -> TwinseqTokenizer:
     return load_tokenizer(name)
 
 
-def prepare_dpo_dataset(cfg) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
-    """``TrainConfig`` -> (rows with prompt/chosen/rejected ``*_input_ids``, tokenizer, stats)."""
+def prepare_dpo_dataset(
+    cfg, dataset: Any = None, tokenizer: Any = None, *, held_out: bool = False
+) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
+    """``TrainConfig`` -> (rows with prompt/chosen/rejected ``*_input_ids``, tokenizer, stats); ``dataset`` /
+    ``tokenizer`` / ``held_out`` as in ``prepare_sft_dataset``."""
     d = cfg.data
-    tokenizer = run_tokenizer(cfg)
-    dataset = load_dataset_any(_dataset_name(cfg, "dpo"), split=d.dataset_split)
+    tokenizer = run_tokenizer(cfg, tokenizer)
+    dataset = as_dataset(dataset, "eval_dataset") if held_out else _run_dataset(cfg, "dpo", dataset)
     rows, stats = tokenize_dpo(
         dataset,
         tokenizer,
@@ -502,6 +560,7 @@ __all__ = [
     "tokenize_dpo",
     "prepare_sft_dataset",
     "prepare_dpo_dataset",
+    "eval_dataset",
     "detect_sft_format",
     "detect_dpo_format",
 ]

@@ -25,7 +25,7 @@ import random
 import re
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from twinseq.common.data.loading import load_dataset_any
+from twinseq.common.data.loading import load_dataset_any, resolve_dataset, select_split, split_off_eval
 from twinseq.common.errors import ConfigError, DataError
 from twinseq.common.objectives.grpo import check_callable_reward
 
@@ -91,7 +91,10 @@ def _text(completion: Any) -> str:
         return completion
     if isinstance(completion, Sequence) and completion and isinstance(completion[-1], Mapping):
         return str(completion[-1].get("content", ""))
-    raise DataError(f"a completion must be text or a list of messages, got {type(completion).__name__}.")
+    raise DataError(
+        f"a completion must be text or a list of messages, got {type(completion).__name__} {str(completion)[:80]!r}; "
+        "pass completions as strings or lists of {'role', 'content'} messages."
+    )
 
 
 def exact_match_reward(
@@ -163,12 +166,16 @@ def resolve_reward_funcs(funcs: Sequence[Any]) -> list[Callable[..., list]]:
 def _prompt_text(prompt: Any, tokenizer: Any, index: int) -> str:
     if isinstance(prompt, str):
         if not prompt:
-            raise DataError(f"row {index}: 'prompt' is empty; every GRPO row needs a prompt to complete.")
+            raise DataError(
+                f"row {index}: 'prompt' is empty ({prompt!r}); every GRPO row needs a prompt to complete: "
+                "fill it in or drop the row."
+            )
         return prompt
     if isinstance(prompt, (list, tuple)) and all(isinstance(m, Mapping) for m in prompt):
         return tokenizer.render_prompt(list(prompt), index)
     raise DataError(
-        f"row {index}: 'prompt' must be text or a list of {{'role', 'content'}} messages, got {type(prompt).__name__}."
+        f"row {index}: 'prompt' must be text or a list of {{'role', 'content'}} messages, got {type(prompt).__name__} "
+        f"{str(prompt)[:80]!r}; write it as one of those."
     )
 
 
@@ -178,50 +185,93 @@ def tokenize_prompts(
     """Prompt rows -> ``{"prompt", "prompt_text", "prompt_input_ids", **other columns}``.
 
     A prompt longer than ``max_prompt_length`` tokens keeps its end (TRL truncates prompts on
-    the left: the end is what the completion continues). A text prompt gets the tokenizer's BOS
-    in front when it has one, as the chat template gives a conversation.
+    the left: the end is what the completion continues). A text prompt gets the special ids
+    ``tokenizer(prompt)`` puts in front (``text_affixes``: Llama's BOS, nothing for Qwen; not twice when the
+    text starts with them); a conversation is rendered by the chat template with its generation prompt, which
+    writes its own (``apply_chat_template(prompt, add_generation_prompt=True)``).
     """
     out = []
-    bos = tokenizer.bos_token_id
+    before = tokenizer.text_affixes[0] if hasattr(tokenizer, "text_affixes") else [tokenizer.bos_token_id]
+    before = [t for t in before if t is not None]
     for i, row in enumerate(rows):
         if "prompt" not in row:
             raise DataError(
                 f"row {i} has no 'prompt' column (columns: {sorted(row)}); GRPO reads prompt-only "
-                f"data: a 'prompt' column of text or messages, plus any columns the rewards read."
+                f"data: add a 'prompt' column of text or messages, plus any columns the rewards read."
             )
         text = _prompt_text(row["prompt"], tokenizer, i)
         ids = tokenizer.encode(text)
-        if isinstance(row["prompt"], str) and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos] + ids
+        if isinstance(row["prompt"], str) and ids[: len(before)] != before:
+            ids = before + ids
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             ids = ids[-max_prompt_length:]
         out.append({**row, "prompt_text": text, "prompt_input_ids": ids})
     return out
 
 
-def load_prompt_rows(dataset_name: str, split: str = "train") -> list[dict[str, Any]]:
-    """The embedded task, or the rows of a local prompt-only dataset, as a list of dicts."""
+def load_prompt_rows(dataset_name: str, split: str = "train", *, field: str = "dataset_split") -> list[dict[str, Any]]:
+    """The embedded task (a single split, ``train``, which may be sliced: ``train[:90%]``), or the rows of a local
+    prompt-only dataset at ``split``, as a list of dicts; ``field`` names the config field of ``split``."""
     if dataset_name in EMBEDDED_GRPO_NAMES:
-        return build_last_word_task()
+        return select_split(build_last_word_task(), split, dataset_name, field=field)
+    return prompt_rows_of(load_dataset_any(dataset_name, split=split, field=field), repr(dataset_name))
 
-    ds = load_dataset_any(dataset_name, split=split)
+
+def prompt_rows_of(ds: Any, name: str) -> list[dict[str, Any]]:
+    """The rows of a prompt-only ``datasets.Dataset`` as dicts (a ``prompt`` column, plus any extra columns the
+    reward functions read)."""
     if "prompt" not in ds.column_names:
         raise DataError(
-            f"dataset {dataset_name!r} has no 'prompt' column (columns: {ds.column_names}); GRPO "
-            f'needs prompt-only rows: {{"prompt": "..."}} or {{"prompt": [messages]}}.'
+            f"dataset {name} has no 'prompt' column (columns: {ds.column_names}); GRPO "
+            f'needs prompt-only rows: add a column as in {{"prompt": "..."}} or {{"prompt": [messages]}}.'
         )
     return [dict(r) for r in ds]
 
 
-def prepare_grpo_prompts(cfg: Any, tokenizer: Any) -> list[dict[str, Any]]:
-    """``TrainConfig`` -> tokenised prompt rows (see ``tokenize_prompts``)."""
+def prepare_grpo_prompts(cfg: Any, tokenizer: Any, dataset: Any = None) -> list[dict[str, Any]]:
+    """``TrainConfig`` -> tokenised prompt rows (see ``tokenize_prompts``); ``dataset``: the rows a Python caller
+    passed (``train_dataset``) instead of ``dataset_name``."""
     d = cfg.data
-    rows = tokenize_prompts(
-        load_prompt_rows(d.dataset_name, d.dataset_split), tokenizer, max_prompt_length=d.max_prompt_length
-    )
+    prompt_rows = split_off_eval(_all_prompt_rows(cfg, dataset), d.eval_fraction, cfg.seed, "train")
+    rows = tokenize_prompts(prompt_rows, tokenizer, max_prompt_length=d.max_prompt_length)
     if not rows:
         raise DataError(f"dataset {d.dataset_name!r} holds no prompts; give at least one row.")
     return rows
+
+
+def _all_prompt_rows(cfg: Any, dataset: Any = None) -> list[dict[str, Any]]:
+    """The training prompts before ``eval_fraction`` holds some out: ``dataset`` (``train_dataset``), else
+    ``dataset_name`` at ``dataset_split``."""
+    d = cfg.data
+    if dataset is None:
+        return load_prompt_rows(d.dataset_name, d.dataset_split)
+    return prompt_rows_of(resolve_dataset(dataset, "train_dataset", split=d.dataset_split), "train_dataset")
+
+
+def prepare_grpo_eval_prompts(
+    cfg: Any, tokenizer: Any, dataset: Any = None, train_dataset: Any = None
+) -> Optional[list[dict[str, Any]]]:
+    """The held-out prompts of a GRPO run, tokenised as ``prepare_grpo_prompts`` does, or None without an eval set:
+    ``dataset`` (a Python ``eval_dataset``), else the prompts ``eval_fraction`` holds out of the training ones, else
+    ``eval_dataset_name`` (None: ``dataset_name``) at ``eval_split`` (None: ``train``)."""
+    d = cfg.data
+    if dataset is not None:
+        if d.eval_fraction is not None:
+            raise DataError(
+                f"eval_dataset= was passed and eval_fraction={d.eval_fraction} holds out training prompts as an eval "
+                f"set too; drop one of them."
+            )
+        rows = prompt_rows_of(resolve_dataset(dataset, "eval_dataset", split=d.eval_split or "train"), "eval_dataset")
+    elif d.eval_fraction is not None:
+        rows = split_off_eval(_all_prompt_rows(cfg, train_dataset), d.eval_fraction, cfg.seed, "eval")
+    elif d.eval_dataset_name is not None or d.eval_split is not None:
+        name = d.dataset_name if d.eval_dataset_name is None else d.eval_dataset_name
+        rows = load_prompt_rows(name, d.eval_split or "train", field="eval_split")
+    else:
+        return None
+    if not rows:
+        raise DataError("the eval set holds no prompts; give at least one row (eval_dataset_name / eval_split).")
+    return tokenize_prompts(rows, tokenizer, max_prompt_length=d.max_prompt_length)
 
 
 class PromptSource:
@@ -230,6 +280,11 @@ class PromptSource:
     A generated batch serves ``num_iterations`` optimizer steps, so a new set of
     ``prompts_per_step`` prompts is drawn every ``num_iterations`` steps (the trainer keeps the
     completions meanwhile); the stream is shuffled per epoch with ``seed`` and resumable.
+
+    An epoch is ``len(rows) // prompts_per_step`` generations of distinct prompts, in the order of the epoch's
+    permutation; the prompts left over (fewer than a generation's groups need) sit that epoch out, as TRL's
+    ``RepeatSampler`` drops an incomplete batch, and the next epoch's permutation draws from every prompt again. So
+    ``steps_per_epoch`` is that many generations times ``num_iterations``.
     """
 
     def __init__(
@@ -241,8 +296,19 @@ class PromptSource:
             num_iterations,
             seed,
         )
+        if len(self.rows) < prompts_per_step:
+            raise DataError(
+                f"GRPO draws {prompts_per_step} prompts per generation (per_device_train_batch_size x "
+                f"gradient_accumulation_steps x ranks / num_generations), but the data has {len(self.rows)}; add "
+                f"prompts, or lower per_device_train_batch_size or gradient_accumulation_steps."
+            )
         self.epoch, self.position, self.steps_done = 0, 0, 0
         self._order = self._shuffled(0)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of one pass: every full generation of the epoch's prompts, ``num_iterations`` steps each."""
+        return len(self.rows) // self.prompts_per_step * self.num_iterations
 
     def _shuffled(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -250,24 +316,24 @@ class PromptSource:
         return order
 
     def _take(self) -> list[Mapping[str, Any]]:
-        picked: list[Mapping[str, Any]] = []
-        while len(picked) < self.prompts_per_step:
-            if self.position >= len(self._order):
-                self.epoch, self.position = self.epoch + 1, 0
-                self._order = self._shuffled(self.epoch)
-            picked.append(self.rows[self._order[self.position]])
-            self.position += 1
+        """The next generation's prompts, all from one epoch's order (the next epoch's when this one has too few)."""
+        if self.position + self.prompts_per_step > len(self._order):
+            self.epoch, self.position = self.epoch + 1, 0
+            self._order = self._shuffled(self.epoch)
+        picked = [self.rows[i] for i in self._order[self.position : self.position + self.prompts_per_step]]
+        self.position += self.prompts_per_step
         return picked
 
     def next_step(self) -> list[Any]:
-        """``[{"prompts": rows, "new_generation": bool}]``: one entry; ``new_generation`` False means
-        the trainer reuses its last generated batch (iteration 2..μ)."""
+        """``[{"prompts": rows, "new_generation": bool, "step": n}]``: one entry; ``new_generation`` False means
+        the trainer reuses its last generated batch (iteration 2..μ); ``step`` is the optimizer step it feeds
+        (1-based; what ``log_completions`` records)."""
         new = self.steps_done % self.num_iterations == 0
         if new:
             self._generation_start = (self.epoch, self.position)
             self._last = self._take()
         self.steps_done += 1
-        return [{"prompts": self._last, "new_generation": new}]
+        return [{"prompts": self._last, "new_generation": new, "step": self.steps_done}]
 
     def state_dict(self) -> dict[str, Any]:
         # A resume restarts at a generation boundary: the completions are not checkpointed.

@@ -24,10 +24,12 @@ at inference:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
+import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -146,6 +148,8 @@ def _token_text(value: Any) -> Optional[str]:
     return value
 
 
+_PROBE = "Hello world"  # any text: the post-processor's template is the same around every one
+
 # The special tokens transformers hands to a chat template (its ``special_tokens_map``).
 _TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -231,6 +235,23 @@ class TwinseqTokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+    @functools.cached_property
+    def text_affixes(self) -> tuple[list[int], list[int]]:
+        """``(before, after)``: the special ids ``tokenizer(text)`` puts around a text, as transformers (5.x) reads a
+        ``tokenizer.json`` folder: what its post-processor adds (Llama 3's ``<|begin_of_text|>`` in front, nothing
+        for Qwen's or GPT-2's, whatever ``bos_token`` the config names), none without one. A chat template writes
+        its own instead."""
+        plain = self._tok.encode(_PROBE, add_special_tokens=False).ids
+        full = self._tok.encode(_PROBE, add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start], full[start + len(plain) :]
+        raise DataError(
+            f"tokenizer {self.name_or_path!r}: its post-processor changes the text's own ids ({plain} -> {full}), so "
+            f"the special tokens it adds cannot be told apart; use a tokenizer.json whose post-processor only adds "
+            f"tokens around the text (TemplateProcessing)."
+        )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """``"def"`` -> ``[ids]``; special tokens written in the text are recognised."""
@@ -443,7 +464,8 @@ def _named_templates(value: Any, folder: Path) -> dict[str, str]:
         return {t["name"]: t["template"] for t in value}
     raise DataTypeError(
         f"{folder / 'tokenizer_config.json'}: chat_template must be a string or a list of "
-        f"{{'name': ..., 'template': ...}} objects, got {str(value)[:80]!r}."
+        f"{{'name': ..., 'template': ...}} objects, got {str(value)[:80]!r}; restore the file from the model's "
+        f"repository."
     )
 
 
@@ -573,9 +595,37 @@ def load_tokenizer(name_or_path: str = "embedded") -> TwinseqTokenizer:
     return tok
 
 
+def tokenizer_from(obj: Any) -> TwinseqTokenizer:
+    """A tokenizer object a Python caller passed (``processing_class``) -> ``TwinseqTokenizer``.
+
+    A ``TwinseqTokenizer`` as is; a ``transformers`` fast tokenizer through its own files (``save_pretrained`` into
+    a temporary folder, then ``load_tokenizer``): the same vocabulary, special tokens, post-processor and chat
+    template, so ``tokenizer(text)`` and the run tokenise alike. A slow (Python) tokenizer has no
+    ``tokenizer.json`` and is refused."""
+    if isinstance(obj, TwinseqTokenizer):
+        return obj
+    if isinstance(obj, (str, os.PathLike)):
+        return load_tokenizer(obj)
+    if not callable(getattr(obj, "save_pretrained", None)) or not getattr(obj, "is_fast", False):
+        raise DataTypeError(
+            f"processing_class={type(obj).__name__} is not a tokenizer twinseq can read; pass a transformers fast "
+            f"tokenizer (AutoTokenizer.from_pretrained(..., use_fast=True)), a tokenizer folder, or None for the "
+            f"model folder's own."
+        )
+    folder = Path(tempfile.mkdtemp(prefix="twinseq-tokenizer-"))
+    try:
+        obj.save_pretrained(str(folder))
+        tok = load_tokenizer(str(folder))  # everything is read into memory: the folder can go
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    tok.name_or_path = getattr(obj, "name_or_path", "") or "processing_class"
+    return tok
+
+
 __all__ = [
     "TwinseqTokenizer",
     "load_tokenizer",
+    "tokenizer_from",
     "train_bpe",
     "embedded_tokenizer_dir",
     "SPECIAL_TOKENS",

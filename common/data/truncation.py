@@ -51,9 +51,11 @@ def check_length(name: str, value: Optional[int]) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise DataTypeError(f"{name}={value!r} must be an int or None, got {type(value).__name__}.")
+        raise DataTypeError(
+            f"{name}={value!r} must be an int or None, got {type(value).__name__}; pass a number of tokens or None."
+        )
     if value <= 0:
-        raise DataError(f"{name}={value!r} is not valid; it must be a positive number of tokens, or None for no limit.")
+        raise DataError(f"{name}={value!r} is not valid; pass a positive number of tokens, or None for no limit.")
 
 
 @dataclass

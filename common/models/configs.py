@@ -108,7 +108,8 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"ModelConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)."
+                f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention); set num_key_value_heads "
+                f"to a divisor of {self.num_attention_heads}."
             )
         if self.model_type == "gemma2" and self.layer_types is None:  # HF's default: sliding, global, sliding, ...
             self.layer_types = [
@@ -116,8 +117,9 @@ class ModelConfig:
             ]
         if self.model_type == "mistral" and self.layer_types is not None:
             raise ConfigError(
-                "ModelConfig.layer_types is not used by model_type 'mistral' (every layer slides within "
-                "sliding_window); drop layer_types, or use model_type 'qwen2' for per-layer windows."
+                f"ModelConfig.layer_types (got {len(self.layer_types)} entries) is not used by model_type 'mistral' "
+                "(every layer slides within sliding_window); drop layer_types, or use model_type 'qwen2' for per-layer "
+                "windows."
             )
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
@@ -126,13 +128,14 @@ class ModelConfig:
             )
         if any(self.layer_is_sliding(i) for i in range(self.num_hidden_layers)) and self.sliding_window is None:
             raise ConfigError(
-                "ModelConfig.layer_types has 'sliding_attention' layers but sliding_window is None; "
-                "set sliding_window (the number of positions a query attends to)."
+                f"ModelConfig.layer_types has {sum(map(self.layer_is_sliding, range(self.num_hidden_layers)))} "
+                "'sliding_attention' layers but sliding_window is None; set sliding_window (the number of positions "
+                "a query attends to)."
             )
         if self.rope_type == "llama3" and self.rope_original_max_position_embeddings is None:
             raise ConfigError(
-                "ModelConfig.rope_type='llama3' needs rope_original_max_position_embeddings (the "
-                "context length before scaling, 8192 for Llama 3.1/3.2)."
+                "ModelConfig.rope_type='llama3' needs rope_original_max_position_embeddings: set it to the "
+                "context length before scaling (8192 for Llama 3.1/3.2)."
             )
 
     # -- what the family has ---------------------------------------------------------------
@@ -446,22 +449,32 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
     model_type = values.get("model_type")
     if model_type not in MODEL_TYPES:
         _refuse(
-            source, "model_type", model_type, f"twinseq builds {', '.join(MODEL_TYPES)} (model_type in config.json)."
+            source,
+            "model_type",
+            model_type,
+            f"twinseq builds {', '.join(MODEL_TYPES)}: use a checkpoint of one of those (model_type in config.json).",
         )
     act_key = "hidden_activation" if model_type == "gemma2" else "hidden_act"
     act = values.get(act_key) or values.get("hidden_act") or ("gelu_pytorch_tanh" if model_type == "gemma2" else "silu")
     if act not in typing.get_args(Activation):
-        _refuse(source, act_key, act, f"twinseq builds {', '.join(typing.get_args(Activation))} MLPs.")
+        _refuse(
+            source, act_key, act, f"twinseq builds {', '.join(typing.get_args(Activation))} MLPs: use one of those."
+        )
     rope = dict(values.get("rope_parameters") or values.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in typing.get_args(RopeType):
-        _refuse(source, "rope_type", rope_type, f"twinseq builds {', '.join(typing.get_args(RopeType))} RoPE.")
+        _refuse(
+            source,
+            "rope_type",
+            rope_type,
+            f"twinseq builds {', '.join(typing.get_args(RopeType))} RoPE: use one of those.",
+        )
     if float(rope.get("partial_rotary_factor", values.get("partial_rotary_factor", 1.0))) != 1.0:
         _refuse(
             source,
             "partial_rotary_factor",
             rope.get("partial_rotary_factor", values.get("partial_rotary_factor")),
-            "twinseq rotates whole heads.",
+            "twinseq rotates whole heads: use a model with partial_rotary_factor 1.0.",
         )
     defaults = {**_COMMON_DEFAULTS, **_HF_DEFAULTS[model_type]}
     out = {
@@ -540,7 +553,9 @@ def resolve_model_config(name_or_path: str) -> ModelConfig:
         try:
             values = json.loads(config_json.read_text())
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{config_json}:{err.lineno}: not valid JSON ({err.msg}).") from None
+            raise ConfigError(
+                f"{config_json}:{err.lineno}: not valid JSON ({err.msg}); fix the file, or save the model again."
+            ) from None
         return from_hf_config(values, str(config_json))
     raise ConfigError(
         f"model_config={name_or_path!r} is neither a preset ({sorted(MODEL_PRESETS)}) nor a "

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
 import numpy as np
 
-from twinseq.common.errors import CheckpointError, ConfigError
+from twinseq.common.errors import CheckpointError, ConfigError, ConfigTypeError
 from twinseq.common.models.configs import (
     MODEL_PRESETS,
     ModelConfig,
@@ -50,7 +51,7 @@ def read_model_config(path: str | Path) -> ModelConfig:
         )
     try:
         return from_hf_config(read_json(config_path), str(config_path))
-    except (ValueError, TypeError) as err:
+    except (ConfigError, ConfigTypeError) as err:  # ModelConfig's own refusal (field, value, fix), with the path
         if isinstance(err, CheckpointError):
             raise
         raise CheckpointError(str(err) if str(err).startswith(str(config_path)) else f"{config_path}: {err}") from None
@@ -73,7 +74,10 @@ def read_json(path: Path) -> dict:
     except (OSError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{path} cannot be read ({err}); check the file and its permissions.") from None
     if not isinstance(values, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, not a {type(values).__name__}.")
+        raise CheckpointError(
+            f"{path} must hold a JSON object, not a {type(values).__name__}; restore the file from the model's "
+            f"repository."
+        )
     return values
 
 
@@ -160,7 +164,8 @@ def inspect_model_folder(path: str | Path) -> tuple[ModelConfig, dict[str, tuple
     if problems:
         raise CheckpointError(
             f"{directory}: the weights do not match {CONFIG_FILE}: {'; '.join(problems)}; the "
-            f"folder mixes files of two models, or config.json was edited."
+            f"folder mixes files of two models, or config.json was edited: copy the model folder again, or restore its "
+            f"config.json."
         )
     return cfg, shapes
 
@@ -173,6 +178,28 @@ class ModelSource:
     config: ModelConfig
     weights_folder: Optional[Path]
     description: str
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""A Hugging Face Hub model id (``org/name``), as ``model_config`` / ``model_name_or_path`` may give one."""
+
+
+def hub_cache_folder(repo_id: str) -> Path:
+    """The snapshot folder of ``repo_id`` in the local Hugging Face cache (``HF_HUB_CACHE``/``HF_HOME``), offline:
+    twinseq never downloads a model. A model that is not there is refused, naming the cache and the fix."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise CheckpointError(
+            f"model_config={repo_id!r} is not a preset or a local folder, and not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); download it where there is network (`hf download {repo_id}`), or pass the "
+            f"model's folder."
+        ) from None
+    logger.info("model %s: the local Hugging Face cache's snapshot %s", repo_id, folder)
+    return folder
 
 
 def resolve_model_source(spec: str, init_weights: str = "pretrained") -> ModelSource:
@@ -215,6 +242,8 @@ def resolve_model_source(spec: str, init_weights: str = "pretrained") -> ModelSo
             f"{spec} ({cfg.model_type}, {cfg.num_parameters() / 1e6:.2f}M parameters), "
             f"random initial weights (--init-weights random)",
         )
+    if spec not in MODEL_PRESETS and not path.exists() and HUB_ID.fullmatch(spec):
+        return resolve_model_source(str(hub_cache_folder(spec)), init_weights)
     cfg = resolve_model_config(spec)
     return ModelSource(
         cfg,

@@ -56,6 +56,7 @@ __all__ = [
     "check_token_indices",
     "init_adapters",
     "lora_scaling",
+    "base_dtype",
     "lora_targets",
     "merge_adapters",
     "read_adapters",
@@ -104,6 +105,18 @@ class PeftConfig:
     @property
     def scaling(self) -> float:
         return lora_scaling(self.lora_alpha, self.lora_r, self.use_rslora)
+
+
+def base_dtype(peft: PeftConfig, compute_dtype: str) -> str:
+    """The storage dtype of the frozen base of an adapter run, on both backends: the compute dtype (bfloat16 under
+    ``--dtype bfloat16``, half the bytes of a float32 base, as a bf16 checkpoint under TRL + PEFT), with the adapters
+    in float32. float32 without adapters (the master weights train) and with ``load_in_4bit`` (the NF4 layers compute
+    in float32; their embeddings, norms and lm_head stay so too).
+
+    >>> base_dtype(PeftConfig(use_peft=True), "bfloat16"), base_dtype(PeftConfig(), "bfloat16")
+    ('bfloat16', 'float32')
+    """
+    return compute_dtype if peft.use_peft and not peft.load_in_4bit else "float32"
 
 
 def lora_scaling(alpha: float, r: int, use_rslora: bool = False) -> float:
@@ -325,25 +338,31 @@ def peft_config_from_json(values: Mapping[str, Any], source: str) -> PeftConfig:
     """A ``PeftConfig`` from PEFT's ``adapter_config.json``; what twinseq cannot reproduce is refused."""
     if values.get("peft_type") != "LORA":
         raise CheckpointError(
-            f"{source}: peft_type={values.get('peft_type')!r}; twinseq loads LoRA adapters (peft_type 'LORA') only."
+            f"{source}: peft_type={values.get('peft_type')!r}; twinseq loads LoRA adapters (peft_type 'LORA') only: "
+            "train the adapters with LoRA."
         )
     for key, supported in (("bias", "none"), ("fan_in_fan_out", False)):
         if values.get(key, supported) != supported:
-            raise CheckpointError(f"{source}: {key}={values[key]!r} is not supported (twinseq needs {supported!r}).")
+            raise CheckpointError(
+                f"{source}: {key}={values[key]!r} is not supported; train the adapters with {key}={supported!r}."
+            )
     if values.get("modules_to_save"):
         raise CheckpointError(
             f"{source}: modules_to_save={values['modules_to_save']!r} is not supported; twinseq "
-            f"trains adapters and trainable tokens only."
+            f"trains adapters and trainable tokens only: save the adapters without modules_to_save."
         )
     for key in ("alpha_pattern", "rank_pattern"):
         if values.get(key):
-            raise CheckpointError(f"{source}: {key}={values[key]!r} (per-module ranks) is not supported.")
+            raise CheckpointError(
+                f"{source}: {key}={values[key]!r} (per-module ranks) is not supported; train the adapters with one "
+                "lora_r and lora_alpha."
+            )
     targets = values.get("target_modules") or []
     if isinstance(targets, str):
         if targets != "all-linear":
             raise CheckpointError(
-                f"{source}: target_modules={targets!r} is a regular expression; twinseq reads a "
-                f"list of layer names or 'all-linear'."
+                f"{source}: target_modules={targets!r} is a regular expression; write a "
+                f"list of layer names or 'all-linear' there."
             )
         targets = ["all-linear"]
     # peft >= 0.1x saves "all-linear" (and any target it matched by suffix) as the full module paths it adapted,
@@ -354,7 +373,8 @@ def peft_config_from_json(values: Mapping[str, Any], source: str) -> PeftConfig:
     if isinstance(tokens, dict):
         if set(tokens) - {"embed_tokens"}:
             raise CheckpointError(
-                f"{source}: trainable_token_indices for {sorted(tokens)}; twinseq adapts embed_tokens only."
+                f"{source}: trainable_token_indices for {sorted(tokens)}; twinseq adapts embed_tokens only: "
+                "keep only its entry."
             )
         tokens = tokens.get("embed_tokens")
     return PeftConfig(
@@ -400,12 +420,14 @@ def read_adapters(path: str | Path, cfg: Optional[ModelConfig] = None) -> tuple[
         if not file.is_file():
             raise CheckpointError(
                 f"{directory}: {file.name} is missing; an adapter folder holds "
-                f"{ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE} (PEFT's save_pretrained)."
+                f"{ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE}: copy the whole folder PEFT's save_pretrained wrote."
             )
     try:
         values = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
-        raise CheckpointError(f"{config_file}: not valid JSON ({err.msg} at line {err.lineno}).") from None
+        raise CheckpointError(
+            f"{config_file}: not valid JSON ({err.msg} at line {err.lineno}); fix the file, or save the adapters again."
+        ) from None
     peft = peft_config_from_json(values, str(config_file))
     tensors = {k: np.asarray(v, np.float32) for k, v in load_file(str(weights_file)).items()}
     if cfg is not None:

@@ -65,9 +65,9 @@ class DPOLossConfig:
 
 def _check_real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ConfigTypeError(f"{name}={value!r} must be a real number, got {type(value).__name__}.")
+        raise ConfigTypeError(f"{name}={value!r} must be a real number, got {type(value).__name__}; pass a number.")
     if not math.isfinite(float(value)):
-        raise ConfigError(f"{name}={value!r} must be finite.")
+        raise ConfigError(f"{name}={value!r} must be finite; pass a finite number.")
     return float(value)
 
 
@@ -81,7 +81,8 @@ def _check_loss_types(loss_type: Union[str, Sequence[str]]) -> tuple[str, ...]:
     for t in types:
         if not isinstance(t, str):
             raise ConfigTypeError(
-                f"loss_type entries must be strings, got {t!r} ({type(t).__name__}) in {loss_type!r}."
+                f"loss_type entries must be strings, got {t!r} ({type(t).__name__}) in {loss_type!r}; pass names "
+                f"such as 'sigmoid'."
             )
         if t in TRL_LOSS_TYPES_NOT_IMPLEMENTED:
             raise ConfigError(
@@ -97,7 +98,9 @@ def _check_loss_weights(loss_weights: Optional[Sequence[float]], types: tuple[st
     if loss_weights is None:
         return (1.0,) * len(types)
     if isinstance(loss_weights, (str, bytes)) or not hasattr(loss_weights, "__len__"):
-        raise ConfigTypeError(f"loss_weights={loss_weights!r} must be a list of numbers, one per loss_type, or None.")
+        raise ConfigTypeError(
+            f"loss_weights={loss_weights!r} is not valid; pass a list of numbers, one per loss_type, or None."
+        )
     if len(loss_weights) != len(types):
         raise ConfigError(
             f"loss_weights={list(loss_weights)!r} has {len(loss_weights)} entries but loss_type="
@@ -152,7 +155,9 @@ def validate_dpo_config(
     weights = _check_loss_weights(loss_weights, types)
     beta = _check_real("beta", beta)
     if beta <= 0.0:
-        raise ConfigError(f"beta={beta!r} is not valid; it must be > 0 (TRL's default is 0.1; for 'ipo' it is τ).")
+        raise ConfigError(
+            f"beta={beta!r} is not valid; it must be > 0: pass e.g. 0.1 (TRL's default; for 'ipo' it is τ)."
+        )
     eps = _check_real("label_smoothing", label_smoothing)
     _check_label_smoothing(eps, types)
     return DPOLossConfig(loss_type=types, loss_weights=weights, beta=beta, label_smoothing=eps)
@@ -163,7 +168,7 @@ def check_liger_dpo_config(loss_type: Sequence[str], *, padding_free: bool, prec
     if tuple(loss_type) != ("sigmoid",):
         raise ConfigError(
             f"loss_type='liger' computes the 'sigmoid' DPO loss only; dpo_loss_type="
-            f"{list(loss_type)} needs --loss-type fused_linear."
+            f"{list(loss_type)} needs --loss-type fused_linear: use it, or drop --dpo-loss-type."
         )
     if padding_free:
         raise ConfigError(
@@ -324,8 +329,8 @@ def dpo_family(
     """
     if "ipo" in config.loss_type and (chosen_num_tokens is None or rejected_num_tokens is None):
         raise ConfigError(
-            "loss_type 'ipo' normalises by completion length and needs chosen_num_tokens and "
-            "rejected_num_tokens (PreferenceBatch.chosen_num_tokens / rejected_num_tokens)."
+            f"loss_type={list(config.loss_type)!r} includes 'ipo', which normalises by completion length and needs "
+            "chosen_num_tokens and rejected_num_tokens: pass PreferenceBatch.chosen_num_tokens / rejected_num_tokens."
         )
     pair = _Pair(
         c=chosen_logratios,
@@ -360,7 +365,10 @@ class DPOLossOutput:
 def _as_logps(name: str, value: np.ndarray) -> np.ndarray:
     arr = np.asarray(value, dtype=np.float64)
     if arr.ndim != 1 or arr.size == 0:
-        raise ConfigError(f"{name} must be a non-empty 1-D array [N] of sequence log-probs, got shape {arr.shape}.")
+        raise ConfigError(
+            f"{name} must be a non-empty 1-D array [N] of sequence log-probs, got shape {arr.shape}; pass one "
+            "log-prob per pair."
+        )
     if not np.isfinite(arr).all():
         raise ConfigError(
             f"{name} holds non-finite values (e.g. {arr[~np.isfinite(arr)][:3].tolist()}); a "
@@ -373,13 +381,13 @@ def _as_counts(name: str, value: Optional[np.ndarray], n: int) -> np.ndarray:
     if value is None:
         raise ConfigError(
             f"loss_type 'ipo' normalises the log-ratios by completion length (TRL 1.16) and needs "
-            f"{name}; pass PreferenceBatch.{name} from twinseq.common.data.preference_batching."
+            f"{name}, but {name}=None; pass PreferenceBatch.{name} from twinseq.common.data.preference_batching."
         )
     arr = np.asarray(value, dtype=np.float64)
     if arr.shape != (n,) or (arr < 1).any():
         raise ConfigError(
             f"{name} must be [N={n}] counts >= 1 of scored completion tokens, got shape {arr.shape} "
-            f"and min {arr.min(initial=np.inf)}."
+            f"and min {arr.min(initial=np.inf)}; pass PreferenceBatch.{name}."
         )
     return arr
 
@@ -414,7 +422,8 @@ def dpo_loss(
     if not pc.shape == pr.shape == rc.shape == rr.shape:
         raise ConfigError(
             f"the four log-prob arrays must have the same shape [N]; got policy_chosen {pc.shape}, "
-            f"policy_rejected {pr.shape}, ref_chosen {rc.shape}, ref_rejected {rr.shape}."
+            f"policy_rejected {pr.shape}, ref_chosen {rc.shape}, ref_rejected {rr.shape}; pass one value per pair "
+            f"in each."
         )
     n_c = n_r = None
     if "ipo" in cfg.loss_type:
@@ -440,7 +449,7 @@ def reward_metrics(chosen_rewards: np.ndarray, rejected_rewards: np.ndarray) -> 
     if chosen.shape != rejected.shape or chosen.ndim != 1 or chosen.size == 0:
         raise ConfigError(
             f"chosen_rewards {chosen.shape} and rejected_rewards {rejected.shape} must be the same "
-            f"non-empty 1-D shape [N]."
+            f"non-empty 1-D shape [N]; pass one reward per pair in each."
         )
     return {
         "rewards/chosen": float(chosen.mean()),

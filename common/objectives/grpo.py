@@ -88,6 +88,10 @@ class GRPOConfig:
     """Completions cut by max_completion_length (no EOS) get no loss."""
     generation_greedy: bool = False
     """Decode greedily instead of sampling (evaluation, tests); a group is then num_generations copies."""
+    log_completions: bool = False
+    """Write the completions (TRL's name): every generation's prompts, completions, rewards and advantages to
+    ``<output_dir>/completions.jsonl``, and at each evaluation the held-out prompts' greedy completions with their
+    rewards to ``<output_dir>/samples/step_N.jsonl`` and ``.md``."""
     ds3_gather_for_generation: bool = True
     """Under ZeRO-3, gather the full weights for generation (False: generate sharded, slow; HF only)."""
     use_vllm: bool = False
@@ -119,8 +123,8 @@ def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gra
     if g < 2:
         raise ConfigError(
             f"num_generations={g} is not valid: GRPO's advantage compares a completion with the "
-            f"others of its group, so a group needs at least 2 completions (--num-generations 2 "
-            f"or more; TRL's default is 8)."
+            f"others of its group, so a group needs at least 2 completions: pass --num-generations 2 "
+            f"or more (TRL's default is 8)."
         )
     generation_batch = per_device_train_batch_size * gradient_accumulation_steps
     if generation_batch % g:
@@ -159,7 +163,8 @@ def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gra
         )
     if not grpo.reward_funcs:
         raise ConfigError(
-            "reward_funcs=[] is not valid: GRPO needs at least one reward function (--reward-funcs exact_match format)."
+            "reward_funcs=[] is not valid: GRPO needs at least one reward function; pass e.g. "
+            "--reward-funcs exact_match format."
         )
 
 
@@ -201,7 +206,9 @@ class LossSpec:
         if self.loss_type not in GRPO_LOSS_TYPES:
             raise ConfigError(f"grpo_loss_type={self.loss_type!r} is not valid; choose one of {GRPO_LOSS_TYPES}.")
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
-            raise ConfigError("grpo_loss_type='dr_grpo' needs max_completion_length.")
+            raise ConfigError(
+                "grpo_loss_type='dr_grpo' needs max_completion_length (got None); set --max-completion-length."
+            )
 
     @classmethod
     def of(cls, grpo: GRPOConfig, max_completion_length: int) -> "LossSpec":
@@ -238,12 +245,12 @@ def _call_reward_func(
         raise DataError(
             f"reward function {name!r} raised {type(err).__name__}: {err}; it is called as "
             f"{name}(prompts=..., completions=..., **columns) with columns {sorted(columns)} and "
-            f"must return one float (or None) per completion."
+            f"must return one float (or None) per completion: fix the function."
         ) from err
     if isinstance(out, (str, bytes)) or not hasattr(out, "__len__"):
         raise DataError(
             f"reward function {name!r} returned {type(out).__name__}, not a list of "
-            f"{len(completions)} floats (one per completion, None to abstain)."
+            f"{len(completions)} floats: return one float per completion (None to abstain)."
         )
     if len(out) != len(completions):
         raise DataError(
@@ -286,7 +293,7 @@ def compute_rewards(
     ([2.0, 1.0], [False, True])
     """
     if not funcs:
-        raise ConfigError("no reward functions: pass at least one (reward_funcs).")
+        raise ConfigError(f"funcs={list(funcs)!r} holds no reward functions: pass at least one (reward_funcs).")
     weights = [1.0] * len(funcs) if weights is None else list(weights)
     if len(weights) != len(funcs):
         raise ConfigError(
@@ -310,7 +317,10 @@ def group_advantages(rewards_N: np.ndarray, num_generations: int, scale_rewards:
     """
     r = np.asarray(rewards_N, np.float64)
     if r.ndim != 1 or r.size % num_generations:
-        raise DataError(f"rewards of shape {r.shape} do not hold whole groups of num_generations={num_generations}.")
+        raise DataError(
+            f"rewards of shape {r.shape} do not hold whole groups of num_generations={num_generations}; pass "
+            f"num_generations completions' rewards per prompt, as a 1-D array."
+        )
     if scale_rewards not in SCALE_REWARDS:
         raise ConfigError(f"scale_rewards={scale_rewards!r} is not valid; choose one of {SCALE_REWARDS}.")
     groups = r.reshape(-1, num_generations)
@@ -358,7 +368,9 @@ def per_token_loss_np(logps_NC, old_logps_NC, advantages_N, eps_low, eps_high, b
     kl = None
     if beta > 0:
         if ref_logps_NC is None:
-            raise ConfigError("grpo_beta > 0 needs the reference model's log-probs (ref_logps).")
+            raise ConfigError(
+                f"grpo_beta={beta} > 0 needs the reference model's log-probs: pass ref_logps_NC, or set grpo_beta=0."
+            )
         delta = np.asarray(ref_logps_NC, np.float64) - logps
         kl = np.exp(delta) - delta - 1
         loss = loss + beta * kl
@@ -377,7 +389,9 @@ def reduce_loss_np(loss_NC: np.ndarray, mask_NC: np.ndarray, norm: LossNorm) -> 
         return float(summed.sum() / max(m.sum(), 1.0) / norm.num_micro_batches)
     if norm.loss_type == "dr_grpo":
         if norm.max_completion_length is None:
-            raise ConfigError("grpo_loss_type='dr_grpo' needs max_completion_length.")
+            raise ConfigError(
+                "grpo_loss_type='dr_grpo' needs max_completion_length (got None); set --max-completion-length."
+            )
         return float(summed.sum() / ((norm.num_sequences_in_step or n) * norm.max_completion_length))
     if norm.loss_type == "dapo":
         return float(summed.sum() / max(norm.num_tokens_in_step or m.sum(), 1.0))
@@ -533,15 +547,16 @@ def collate_completions(
     if len(prompt_ids) != len(completion_ids) or not len(prompt_ids):
         raise DataError(
             f"collate_completions needs one completion per prompt, got {len(prompt_ids)} prompts and "
-            f"{len(completion_ids)} completions."
+            f"{len(completion_ids)} completions; pass one completion per prompt (at least one of each)."
         )
     docs = []
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
         p, c = np.asarray(p, np.int64), np.asarray(c, np.int64)
         if p.size == 0 or c.size == 0:
             raise DataError(
-                f"document {i}: an empty {'prompt' if p.size == 0 else 'completion'}; a prompt needs at "
-                f"least one token (a BOS) to predict the completion's first token from."
+                f"document {i}: the {'prompt' if p.size == 0 else 'completion'} is empty "
+                f"({(p if p.size == 0 else c).tolist()}); a prompt needs at "
+                f"least one token (a BOS) to predict the completion's first token from: prepend a BOS token."
             )
         docs.append(
             {

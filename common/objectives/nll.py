@@ -73,7 +73,7 @@ def token_nll(logits_BTV: np.ndarray, targets_BT: np.ndarray) -> np.ndarray:
     if logits_BTV.shape[:-1] != targets_BT.shape:
         raise DataError(
             f"logits shape {logits_BTV.shape} does not match targets shape {targets_BT.shape}; "
-            f"logits must be [B, T, V] for targets [B, T]."
+            f"pass logits [B, T, V] for targets [B, T]."
         )
     valid = check_targets(targets_BT, logits_BTV.shape[-1])
     logp = log_softmax(logits_BTV)
@@ -87,14 +87,14 @@ def check_num_items(num_items_in_batch: int, num_valid: int) -> None:
     of ``num_valid`` targets (every backend's loss checks it here, on the host)."""
     if num_items_in_batch is None or int(num_items_in_batch) != num_items_in_batch or num_items_in_batch < 0:
         raise DataError(
-            f"num_items_in_batch={num_items_in_batch!r} must be a non-negative integer: the count "
+            f"num_items_in_batch={num_items_in_batch!r} must be a non-negative integer: pass the count "
             f"of labels != -100 over the whole optimizer step."
         )
     if num_items_in_batch < num_valid:
         raise DataError(
             f"num_items_in_batch={num_items_in_batch} is smaller than the {num_valid} valid targets "
             f"of this micro-batch alone; it must count the labels != -100 of the whole optimizer "
-            f"step (all micro-batches, all ranks), e.g. Batch.num_items_in_batch."
+            f"step (all micro-batches, all ranks): pass e.g. Batch.num_items_in_batch."
         )
     if num_items_in_batch == 0:
         logger.warning(
@@ -131,7 +131,10 @@ def per_document_loss(logits_BTV: np.ndarray, labels_BT: np.ndarray, segment_ids
     nll_BT = token_nll(logits_BTV, targets_BT)
     segment_ids_BT = np.asarray(segment_ids_BT)
     if segment_ids_BT.shape != targets_BT.shape:
-        raise DataError(f"segment_ids shape {segment_ids_BT.shape} must equal labels shape {targets_BT.shape}.")
+        raise DataError(
+            f"segment_ids shape {segment_ids_BT.shape} must equal labels shape {targets_BT.shape}; pass the "
+            "segment_ids of the same batch."
+        )
     target_seg_BT = np.zeros_like(segment_ids_BT)
     target_seg_BT[:, :-1] = segment_ids_BT[:, 1:]
     valid_BT = targets_BT != IGNORE_INDEX

@@ -182,7 +182,9 @@ def load_training_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], d
     try:
         state = unflatten_state(meta.pop("state"), arrays)
     except KeyError as err:
-        raise CheckpointError(f"{path / ARRAYS_FILE} lacks the array {err}; the checkpoint is corrupt.") from None
+        raise CheckpointError(
+            f"{path / ARRAYS_FILE} lacks the array {err}; the checkpoint is corrupt: resume from another checkpoint."
+        ) from None
     return meta, state
 
 

@@ -407,7 +407,9 @@ def plan_memory(
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"device={device!r} is not planned; use cpu or cuda.")
     if not isinstance(devices, int) or devices < 1:
-        raise ConfigError(f"devices={devices!r} must be a positive integer (the FSDP world size).")
+        raise ConfigError(
+            f"devices={devices!r} is not valid; pass a positive integer (the FSDP world size), e.g. --devices 8."
+        )
     cfg = model or resolve_model_config(config.model.model_config)
     peft: PeftConfig = config.peft
     coef = LAYER_SAVED[backend]

@@ -1,4 +1,4 @@
-"""Run logging shared by both trainers: ``metrics.jsonl``, TensorBoard event files, a tqdm bar.
+"""Run logging shared by both trainers: ``metrics.jsonl``, TensorBoard event files, Weights & Biases, a tqdm bar.
 
 Every run writes ``<output_dir>/metrics.jsonl``, one JSON object per optimizer step with at
 least ``step``, ``loss``, ``num_tokens``, ``tokens_per_second`` and ``peak_memory_bytes``.
@@ -11,6 +11,23 @@ least ``step``, ``loss``, ``num_tokens``, ``tokens_per_second`` and ``peak_memor
   subfolder so that the path is deterministic). Every numeric metric of a step becomes a
   scalar ``train/<name>`` at that step, as Hugging Face's TensorBoard callback names them:
   ``tensorboard --logdir <output_dir>``.
+- ``"wandb"``: a Weights & Biases run (extra ``twinseq[wandb]``, imported only when asked), with the run
+  config, each step's numeric metrics as ``train/<name>`` at that step and the summary at the end. Its project
+  is ``WANDB_PROJECT`` (default ``twinseq``), its name ``run_name`` (None: ``WANDB_NAME``, or wandb's own), its
+  folder ``WANDB_DIR`` (default ``<output_dir>``, so the run lands in ``<output_dir>/wandb/``).
+  ``WANDB_MODE=offline`` needs no account and no network: ``wandb sync <output_dir>/wandb/offline-run-*``
+  uploads it later. A resumed run is a new wandb run from step ``resume_step + 1``, unless wandb's own
+  ``WANDB_RUN_ID`` and ``WANDB_RESUME`` say otherwise.
+
+Evaluation (``common.run.evaluation``) writes its metrics as lines of their own, as Hugging Face logs them: ``step``,
+``epoch`` and the ``eval_*`` values (``RunLogger.log_eval``); TensorBoard shows ``eval_loss`` as ``eval/loss``
+(Hugging Face's ``rewrite_logs``). ``read_metrics`` returns the training lines unless asked for the others, and
+``metrics.png`` draws each ``eval_<key>`` on the panel of ``<key>``.
+
+The console. The bar shows, next to the step count, the values of the step it counts (``bar_postfix``: the
+epoch, the loss, GRPO's reward and KL, DPO's reward accuracy and margin, tokens/s, peak memory); while it is up, every
+console log line is written above it (``ConsoleAboveBar``). At the end ``finish_run`` prints one summary line
+that fits the task (``summarize_run``) and writes ``metrics.png``.
 
 Resumed runs and TensorBoard. The two TensorBoard readers handle a step written twice
 differently:
@@ -47,10 +64,10 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
-from twinseq.common.errors import ConfigError, ConfigTypeError
+from twinseq.common.errors import ConfigError, ConfigTypeError, MissingDependencyError
 
 REQUIRED_FIELDS = ("step", "loss", "num_tokens", "tokens_per_second", "peak_memory_bytes")
-REPORT_TO_CHOICES = ("tensorboard", "none")
+REPORT_TO_CHOICES = ("tensorboard", "wandb", "none")
 TENSORBOARD_DIRNAME = "runs"
 CONFIG_TEXT_TAG = "config"
 logger = logging.getLogger(__name__)
@@ -105,10 +122,10 @@ def _unknown_report_to_message(report_to: ReportTo, value: str) -> str:
         f"{', '.join(map(repr, REPORT_TO_CHOICES))}."
     )
     if value == "all":
-        return head + " twinseq does not look for installed integrations; name them: 'tensorboard' is its only one."
+        return head + " twinseq does not look for installed integrations; name the ones you want."
     return head + (
-        " twinseq always writes <output_dir>/metrics.jsonl and, with 'tensorboard', TensorBoard "
-        "event files; Hugging Face's other integrations (wandb, mlflow, comet_ml, trackio, ...) "
+        " twinseq always writes <output_dir>/metrics.jsonl, with 'tensorboard' TensorBoard event files, with "
+        "'wandb' a Weights & Biases run; Hugging Face's other integrations (mlflow, comet_ml, trackio, ...) "
         "are not supported."
     )
 
@@ -121,6 +138,10 @@ class MetricSink(Protocol):
 
     def log_text(self, tag: str, text: str) -> None:
         """Markdown text (the run config); a sink with no place for it ignores it."""
+
+    def log_config(self, values: Mapping[str, Any]) -> None:
+        """The run config as a nested mapping of JSON values, for a sink that stores it as data (wandb's config);
+        a sink with no place for it ignores it."""
 
     def close(self) -> None:
         """Flush and close; the sink is unusable afterwards."""
@@ -158,6 +179,9 @@ class JsonlSink:
 
     def log_text(self, tag: str, text: str) -> None:
         pass  # every line is one step's record; readers of metrics.jsonl expect nothing else
+
+    def log_config(self, values: Mapping[str, Any]) -> None:
+        pass  # the same: the config is in each checkpoint's trainer_state.json
 
     def close(self) -> None:
         self._file.close()
@@ -225,7 +249,7 @@ class TensorBoardSink:
             if name == "step":
                 continue
             if isinstance(value, numbers.Real):
-                values.append(self._summary_pb2.Summary.Value(tag=self.tag_prefix + name, simple_value=float(value)))
+                values.append(self._summary_pb2.Summary.Value(tag=self._tag(name), simple_value=float(value)))
             elif name not in self._skipped:
                 self._skipped.add(name)
                 logger.warning(
@@ -238,6 +262,10 @@ class TensorBoardSink:
         self._writer.flush()
         self._last_step = step
 
+    def _tag(self, name: str) -> str:
+        """``eval_loss`` -> ``eval/loss`` (Hugging Face's ``rewrite_logs``); another name -> ``<tag_prefix><name>``."""
+        return "eval/" + name.removeprefix("eval_") if name.startswith("eval_") else self.tag_prefix + name
+
     def log_text(self, tag: str, text: str) -> None:
         """Markdown for TensorBoard's Text tab, at the step the next optimizer step will have.
 
@@ -249,9 +277,85 @@ class TensorBoardSink:
         self._write(self._event_pb2.Event(wall_time=time.time(), step=self._last_step + 1, summary=text_pb(tag, text)))
         self._writer.flush()
 
+    def log_config(self, values: Mapping[str, Any]) -> None:
+        pass  # shown as text: log_text
+
     def close(self) -> None:
         if not self._writer.closed:
             self._writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run: the config, each step's numeric metrics as ``<tag_prefix><name>`` at its step
+    (``eval_loss`` as ``eval/loss``, as Hugging Face's callback names them), ``finish`` at the end.
+
+    ``wandb`` is imported when the sink is built, never when this module is, and the run starts then, so a missing
+    package or a refused login fails before the first step. ``project`` None: ``WANDB_PROJECT``, else ``twinseq``;
+    ``directory`` None: ``WANDB_DIR``, else ``output_dir``. The config and ``run_name`` come with ``log_config``.
+    A metric that is not a number is skipped, with one warning per name.
+
+    Example: ``WandbSink("out").log_step({"step": 1, "loss": 2.5})`` logs ``{"train/loss": 2.5}`` at step 1.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        *,
+        project: Optional[str] = None,
+        directory: Optional[str | os.PathLike] = None,
+        tag_prefix: str = "train/",
+    ) -> None:
+        try:
+            import wandb
+        except ImportError as err:
+            raise MissingDependencyError(
+                "report_to='wandb' needs the wandb package; install it with `pip install -e '.[wandb]'` "
+                "(or '.[all]'), or drop 'wandb' from report_to."
+            ) from err
+        self.tag_prefix = tag_prefix
+        self._skipped: set[str] = set()
+        where = directory if directory is not None else os.environ.get("WANDB_DIR") or output_dir
+        Path(where).mkdir(parents=True, exist_ok=True)
+        try:
+            self._run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "twinseq", dir=str(where))
+        except wandb.Error as err:
+            raise ConfigError(
+                f"report_to='wandb': wandb could not start a run ({' '.join(str(err).split())[:300]}); log in with "
+                "`wandb login`, or set WANDB_MODE=offline to write the run locally and `wandb sync` it later."
+            ) from None
+
+    @property
+    def run_dir(self) -> Path:
+        """The folder of this run's files (``.../wandb/offline-run-<time>-<id>`` offline)."""
+        return Path(self._run.dir).parent
+
+    def _key(self, name: str) -> str:
+        return "eval/" + name.removeprefix("eval_") if name.startswith("eval_") else self.tag_prefix + name
+
+    def log_step(self, metrics: Mapping[str, Any]) -> None:
+        values = {}
+        for name, value in metrics.items():
+            if name == "step":
+                continue
+            if isinstance(value, numbers.Real):
+                values[self._key(name)] = value
+            elif name not in self._skipped:
+                self._skipped.add(name)
+                logger.warning(
+                    "wandb: metric %r is a %s, not a number; it is only in metrics.jsonl.", name, type(value).__name__
+                )
+        self._run.log(values, step=int(metrics["step"]))
+
+    def log_text(self, tag: str, text: str) -> None:
+        pass  # the config goes in as data: log_config
+
+    def log_config(self, values: Mapping[str, Any]) -> None:
+        self._run.config.update(dict(values), allow_val_change=True)
+        if values.get("run_name"):
+            self._run.name = str(values["run_name"])
+
+    def close(self) -> None:
+        self._run.finish()
 
 
 def _read_records(data: bytes) -> list[tuple[int, int, bytes]]:
@@ -317,6 +421,19 @@ def config_markdown(config: Any) -> str:
     return "\n".join(rows)
 
 
+def config_values(config: Any) -> dict[str, Any]:
+    """A config dataclass (nested ones too) or a mapping -> a nested dict of JSON values (a path becomes its
+    string).
+
+    ``Config(optim=Optim(lr=0.001), output_dir=Path("out"))`` -> ``{"optim": {"lr": 0.001}, "output_dir": "out"}``.
+    """
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    if not isinstance(config, Mapping):
+        raise ConfigTypeError(f"config={type(config).__name__} is not valid; pass a dataclass instance or a mapping.")
+    return json.loads(json.dumps(dict(config), default=str))
+
+
 def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     items = []
     for name, value in mapping.items():
@@ -336,9 +453,12 @@ def build_sinks(
 ) -> list[MetricSink]:
     """The sinks ``report_to`` asks for besides ``metrics.jsonl`` (``[]`` for ``"none"``)."""
     sinks: list[MetricSink] = []
-    if "tensorboard" in parse_report_to(report_to):
+    wanted = parse_report_to(report_to)
+    if "tensorboard" in wanted:
         where = Path(logging_dir) if logging_dir is not None else Path(output_dir) / TENSORBOARD_DIRNAME
         sinks.append(TensorBoardSink(where, resume_step))
+    if "wandb" in wanted:
+        sinks.append(WandbSink(output_dir))
     return sinks
 
 
@@ -346,9 +466,9 @@ class RunLogger:
     """Validate per-step metrics, hand them to the sinks and show them on a progress bar.
 
     ``metrics.jsonl`` is always written; ``report_to`` adds sinks (``"tensorboard"``: event
-    files in ``logging_dir``, default ``<output_dir>/runs/``). ``resume_step`` keeps the steps
-    ``<= resume_step`` of every sink and drops later ones, so a resumed run continues without
-    duplicated steps.
+    files in ``logging_dir``, default ``<output_dir>/runs/``; ``"wandb"``: a Weights & Biases run).
+    ``resume_step`` keeps the steps ``<= resume_step`` of every sink and drops later ones, so a
+    resumed run continues without duplicated steps.
 
     Example (writes ``out/metrics.jsonl`` and ``out/runs/events.out.tfevents.*``)::
 
@@ -379,8 +499,11 @@ class RunLogger:
         self._bar = tqdm(
             total=max_steps, initial=resume_step, desc=desc, disable=disable_tqdm, dynamic_ncols=True, file=sys.stderr
         )
+        self._console = ConsoleAboveBar(type(self._bar)) if not disable_tqdm else None
 
     def log_step(self, metrics: dict[str, Any]) -> None:
+        """One logged step (or window of ``logging_steps`` steps): to every sink, then onto the bar, which moves to
+        ``metrics["step"]`` showing that step's values (``bar_postfix``)."""
         missing = [k for k in REQUIRED_FIELDS if k not in metrics]
         assert not missing, f"metrics for step {metrics.get('step')} lack {missing}"
         loss = float(metrics["loss"])
@@ -388,19 +511,28 @@ class RunLogger:
             logger.warning("step %s: loss is %s", metrics["step"], loss)
         for sink in self.sinks:
             sink.log_step(metrics)
-        self._bar.update(1)
-        self._bar.set_postfix(
-            loss=f"{loss:.4f}",
-            tok_s=f"{metrics['tokens_per_second']:.0f}",
-            peak=_human_bytes(metrics["peak_memory_bytes"]),
-            refresh=False,
+        # the postfix first: update() draws the bar, and it must draw this step's values, not the last step's
+        self._bar.set_postfix(bar_postfix(metrics), refresh=False)
+        self._bar.update(max(0, int(metrics["step"]) - self._bar.n))
+
+    def log_eval(self, metrics: dict[str, Any]) -> None:
+        """One evaluation: ``step`` (and ``epoch``) with the ``eval_*`` metrics, to every sink as a line of its own,
+        and one line on the console."""
+        assert "step" in metrics and any(k.startswith("eval_") for k in metrics), metrics
+        for sink in self.sinks:
+            sink.log_step(metrics)
+        shown = ", ".join(
+            f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith("eval_") and isinstance(v, numbers.Real)
         )
+        self.write(f"eval at step {metrics['step']}: {shown}")
 
     def log_config(self, config: Any) -> None:
-        """The run config (a dataclass or a mapping) as a Markdown table, tag ``config``, for sinks that show text."""
-        text = config_markdown(config)
+        """The run config (a dataclass or a mapping) as a Markdown table, tag ``config``, for sinks that show text,
+        and as a mapping for sinks that store it (wandb)."""
+        text, values = config_markdown(config), config_values(config)
         for sink in self.sinks:
             sink.log_text(CONFIG_TEXT_TAG, text)
+            sink.log_config(values)
 
     def write(self, message: str) -> None:
         """A line for the console, above the progress bar (not recorded by the sinks)."""
@@ -408,32 +540,214 @@ class RunLogger:
 
     def close(self) -> None:
         self._bar.close()
+        if self._console is not None:
+            self._console.restore()
         for sink in self.sinks:
             sink.close()
 
 
-def read_metrics(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
+# The bar's fields after the step count, in this order, for those a step's metrics hold: (metric, label, format).
+# The epoch first (the runner logs it: 1.50 is halfway through the second pass). GRPO's loss is about 0 on-policy
+# by construction, so its reward and KL come next; DPO adds the share of pairs whose chosen reward wins and the mean
+# margin.
+BAR_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("epoch", "epoch", "{:.2f}"),
+    ("reward", "reward", "{:.4f}"),
+    ("kl", "kl", "{:.3g}"),  # 1e-7 after a step at GRPO's default learning rate: a fixed point would show 0
+    ("loss", "loss", "{:.4f}"),
+    ("rewards/accuracies", "acc", "{:.3f}"),
+    ("rewards/margins", "margin", "{:.4f}"),
+    ("tokens_per_second", "tok/s", "{:.0f}"),
+)
+
+
+def bar_postfix(metrics: Mapping[str, Any]) -> dict[str, str]:
+    """A step's metrics -> the progress bar's ``name=value`` fields, in ``BAR_FIELDS`` order, then the peak memory.
+
+    ``{"loss": 2.5, "tokens_per_second": 1e4, "peak_memory_bytes": 2**30, ...}`` ->
+    ``{"loss": "2.5000", "tok/s": "10000", "peak": "1.0GiB"}``; a logged ``epoch`` comes first, a GRPO step adds
+    ``reward`` (and ``kl``) before the loss, a DPO step ``acc`` and ``margin`` after it.
+    """
+    out = {label: _number(metrics[key], fmt) for key, label, fmt in BAR_FIELDS if key in metrics}
+    out["peak"] = _human_bytes(metrics["peak_memory_bytes"])
+    return out
+
+
+def _number(value: Any, fmt: str) -> str:
+    """``fmt.format(value)``, without the sign of a value that rounds to zero (GRPO's loss: ``-0.0000``)."""
+    text = fmt.format(value)
+    return text[1:] if text.startswith("-") and not text.strip("-0.") else text
+
+
+class _AboveBarStream:
+    """A console stream whose writes go through ``tqdm.write``: the bars are cleared, the text written, the bars
+    drawn again below it."""
+
+    def __init__(self, stream: Any, tqdm_class: Any) -> None:
+        self.stream, self._tqdm = stream, tqdm_class
+
+    def write(self, text: str) -> int:
+        self._tqdm.write(text, file=self.stream, end="")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, encoding, ...: a formatter may ask the stream
+        return getattr(self.stream, name)
+
+
+class ConsoleAboveBar:
+    """While a progress bar is up, the log lines of every console handler (twinseq's, a dependency's own, and
+    Python warnings through ``logging.captureWarnings``) are written above the bar instead of onto it.
+
+    Each ``StreamHandler`` writing to stdout or stderr gets an ``_AboveBarStream`` over its stream; its level,
+    filters and format are kept. ``restore`` gives the handlers their streams back. A handler created later (a
+    library imported while the bar is up) writes directly.
+    """
+
+    def __init__(self, tqdm_class: Any) -> None:
+        consoles = {id(s) for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__) if s is not None}
+        loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+        self._swapped: list[tuple[logging.StreamHandler, Any]] = []
+        for log in loggers:
+            for handler in getattr(log, "handlers", ()):
+                if (
+                    isinstance(handler, logging.StreamHandler)
+                    and not isinstance(getattr(type(handler), "stream", None), property)  # logging.lastResort
+                    and not isinstance(handler, logging.FileHandler)
+                    and id(handler.stream) in consoles
+                ):
+                    self._swapped.append((handler, handler.stream))
+                    handler.setStream(_AboveBarStream(handler.stream, tqdm_class))
+
+    def restore(self) -> None:
+        for handler, stream in self._swapped:
+            if isinstance(handler.stream, _AboveBarStream):
+                handler.setStream(stream)
+        self._swapped = []
+
+
+def is_eval_record(record: Mapping[str, Any]) -> bool:
+    """A ``metrics.jsonl`` line of an evaluation (``eval_*`` keys), not of a training step."""
+    return any(k.startswith("eval_") for k in record)
+
+
+def read_metrics(output_dir: str | os.PathLike, kind: str = "train") -> list[dict[str, Any]]:
+    """The lines of ``<output_dir>/metrics.jsonl``: the training steps' (``kind='train'``), the evaluations'
+    (``'eval'``) or all of them in file order (``'all'``)."""
     path = Path(output_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if kind == "all":
+        return records
+    if kind not in ("train", "eval"):
+        raise ConfigError(f"kind={kind!r} is not valid; choose 'train', 'eval' or 'all'.")
+    return [r for r in records if is_eval_record(r) == (kind == "eval")]
 
 
-def summarize_losses(records: list[dict[str, Any]], window: int = 5) -> Optional[str]:
-    """One line: first and last (windowed mean) loss and their ratio."""
+def append_jsonl(path: str | os.PathLike, rows: Sequence[Mapping[str, Any]]) -> Path:
+    """Append ``rows`` to a JSONL file, one object per line (created with its folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(dict(row)) + "\n")
+    return path
+
+
+def cut_jsonl(path: str | os.PathLike, before_step: int) -> None:
+    """Keep the lines of a JSONL file whose ``step`` is below ``before_step`` (a fresh run: none; a resumed one: those
+    of the steps it does not redo)."""
+    path = Path(path)
+    if path.is_file():
+        kept = [
+            line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < before_step
+        ]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Rows of equal keys -> a Markdown table (``|`` escaped, newlines shown as ``\\n``).
+
+    >>> print(markdown_table([{"prompt": "a|b", "completion": "c\\nd"}]))
+    | prompt | completion |
+    |---|---|
+    | a\\|b | c\\nd |
+    """
+
+    def cell(value: Any) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", "\\n")
+
+    keys = list(rows[0]) if rows else []
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(cell(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_samples(output_dir: str | os.PathLike, step: int, rows: Sequence[Mapping[str, Any]]) -> Path:
+    """An evaluation's generated samples: ``<output_dir>/samples/step_<step>.jsonl`` and the same rows as a Markdown
+    table in ``step_<step>.md``; returns the JSONL path."""
+    folder = Path(output_dir) / "samples"
+    path = folder / f"step_{step}.jsonl"
+    path.unlink(missing_ok=True)  # a resumed run evaluates this step again
+    append_jsonl(path, rows)
+    (folder / f"step_{step}.md").write_text(f"# samples at step {step}\n\n{markdown_table(rows)}\n")
+    return path
+
+
+SUMMARY_FORMAT = {"kl": "{:.3g}"}  # the format of a metric in ``summarize_run`` when it is not ``.4f``
+
+
+def summarize_run(records: list[dict[str, Any]], window: int = 5) -> Optional[str]:
+    """A run's ``metrics.jsonl`` records -> one line on what should have moved, for the task they come from.
+
+    - GRPO (records with ``reward``): the reward at the first and final step, then the mean of the first and of
+      the last ``w`` steps of the reward, the KL (with ``grpo_beta`` > 0) and the loss. A GRPO loss is about 0
+      on-policy and changes sign, so no ratio of it is printed.
+    - DPO (records with ``rewards/accuracies``): the loss at the first and final step, then the means of the loss,
+      the reward accuracy and the reward margin (0, 0 at the first step: the policy starts as the reference).
+    - SFT (anything else): the loss at the first and final step and final/first, the means and their ratio.
+
+    ``w`` is ``window``, or half the steps for a short run. Example (SFT)::
+
+        loss: first step 9.0981, final step 5.9190 (final/first = 0.651); mean of first/last 5 steps
+        9.0412 -> 5.9533 (ratio 0.658) over 200 steps
+    """
     if not records:
         return None
-    losses = [r["loss"] for r in records]
-    w = max(1, min(window, len(losses) // 2 or 1))
-    first, last = sum(losses[:w]) / w, sum(losses[-w:]) / w
-    ratio = lambda a, b: f"{a / b:.3f}" if b else "n/a"  # noqa: E731  (GRPO's on-policy loss can be exactly 0)
-    line = (
-        f"loss: first step {losses[0]:.4f}, final step {losses[-1]:.4f} (final/first = "
-        f"{ratio(losses[-1], losses[0])}); mean of first/last {w} steps {first:.4f} -> {last:.4f} "
-        f"(ratio {ratio(last, first)}) over {len(losses)} steps"
+    w = max(1, min(window, len(records) // 2 or 1))
+    n = f"over {len(records)} steps"
+
+    def ends(key: str) -> tuple[float, float]:
+        values = [float(r[key]) for r in records]
+        return sum(values[:w]) / w, sum(values[-w:]) / w
+
+    def means(names: Sequence[tuple[str, str]]) -> str:
+        moves = []
+        for key, label in names:
+            (a, b), fmt = ends(key), SUMMARY_FORMAT.get(key, "{:.4f}")
+            moves.append(f"{label} {_number(a, fmt)} -> {_number(b, fmt)}")
+        return f"mean of first/last {w} steps: {', '.join(moves)}"
+
+    def first_final(key: str) -> str:
+        return f"first step {_number(records[0][key], '{:.4f}')}, final step {_number(records[-1][key], '{:.4f}')}"
+
+    present = set.intersection(*(set(r) for r in records))
+    if "reward" in present:
+        names = [(k, label) for k, label in (("reward", "reward"), ("kl", "kl"), ("loss", "loss")) if k in present]
+        return f"reward: {first_final('reward')}; {means(names)} {n}"
+    if "rewards/accuracies" in present:
+        names = [("loss", "loss"), ("rewards/accuracies", "reward accuracy")]
+        names += [("rewards/margins", "reward margin")] if "rewards/margins" in present else []
+        return f"loss: {first_final('loss')}; {means(names)} {n}"
+    losses = [float(r["loss"]) for r in records]
+    first, last = ends("loss")
+    ratio = lambda a, b: f"{a / b:.3f}" if b else "n/a"  # noqa: E731
+    return (
+        f"loss: {first_final('loss')} (final/first = {ratio(losses[-1], losses[0])}); mean of first/last {w} "
+        f"steps {first:.4f} -> {last:.4f} (ratio {ratio(last, first)}) {n}"
     )
-    if all("reward" in r for r in records):  # GRPO: the reward is what should move
-        rewards = [r["reward"] for r in records]
-        line += f"\nreward: mean of first/last {w} steps {sum(rewards[:w]) / w:.4f} -> {sum(rewards[-w:]) / w:.4f}"
-    return line
 
 
 def plot_metrics(output_dir: str | os.PathLike, *, keys: tuple[str, ...] = ("loss", "tokens_per_second")) -> Path:
@@ -443,12 +757,16 @@ def plot_metrics(output_dir: str | os.PathLike, *, keys: tuple[str, ...] = ("los
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(output_dir)
+    records, evals = read_metrics(output_dir), read_metrics(output_dir, "eval")
     keys = tuple(k for k in keys if records and k in records[0])
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.2), squeeze=False)
     steps = [r["step"] for r in records]
     for ax, key in zip(axes[0], keys):
-        ax.plot(steps, [r[key] for r in records], marker=".", lw=1)
+        ax.plot(steps, [r[key] for r in records], marker=".", lw=1, label="train")
+        evaluated = [r for r in evals if f"eval_{key}" in r]
+        if evaluated:  # the eval curve of the same quantity, on its panel
+            ax.plot([r["step"] for r in evaluated], [r[f"eval_{key}"] for r in evaluated], marker="o", lw=1.5)
+            ax.legend(["train", "eval"], fontsize="small")
         ax.set_xlabel("optimizer step")
         ax.set_title(key)
         ax.grid(alpha=0.3)
@@ -460,10 +778,31 @@ def plot_metrics(output_dir: str | os.PathLike, *, keys: tuple[str, ...] = ("los
 
 
 def finish_run(output_dir: str | os.PathLike, keys: tuple[str, ...] = ("loss", "tokens_per_second")) -> Optional[str]:
-    """End-of-run report shared by every trainer: the loss summary line and ``metrics.png``."""
+    """End-of-run report shared by every trainer: the summary line of the task (``summarize_run``) and
+    ``metrics.png``."""
     records = read_metrics(output_dir)
-    summary = summarize_losses(records)
+    summary = summarize_run(records)
     if summary:
+        evals = summarize_eval(read_metrics(output_dir, "eval"))
+        summary = summary if evals is None else f"{summary}\n{evals}"
         plot = plot_metrics(output_dir, keys=keys)
         print(f"{summary}\nplot: {plot}")
     return summary
+
+
+def summarize_eval(records: list[dict[str, Any]]) -> Optional[str]:
+    """The evaluations of a run -> one line: the first and last value of its main metric (``eval_loss``, GRPO's
+    ``eval_reward``) and the best one, or None without evaluations.
+
+    >>> summarize_eval([{"step": 0, "eval_loss": 3.0}, {"step": 5, "eval_loss": 2.0}, {"step": 10, "eval_loss": 2.5}])
+    'eval_loss: step 0 3.0000 -> step 10 2.5000; best 2.0000 at step 5 (3 evaluations)'
+    """
+    key = next((k for k in ("eval_loss", "eval_reward") if any(k in r for r in records)), None)
+    if key is None:
+        return None
+    points = [(r["step"], float(r[key])) for r in records if key in r]
+    best = (max if key == "eval_reward" else min)(points, key=lambda p: p[1])
+    return (
+        f"{key}: step {points[0][0]} {points[0][1]:.4f} -> step {points[-1][0]} {points[-1][1]:.4f}; best "
+        f"{best[1]:.4f} at step {best[0]} ({len(points)} evaluations)"
+    )

@@ -11,7 +11,9 @@ completions, split into micro-batches, and the step's metrics.
 - regeneration every ``num_iterations`` steps (``PromptSource`` marks the steps that generate), and the
   step's loss normalisers over every rank (``StepShare``);
 - the step's metrics (``summarize``): token means of the micro-batches' sums, the generation's metrics,
-  and the time spent generating and training.
+  and the time spent generating and training;
+- with ``log_completions`` (TRL's name), each generation's prompts, completions, rewards and advantages,
+  appended to ``<output_dir>/completions.jsonl``.
 
 A backend supplies ``sample`` (generate completions of these prompt ids) and ``build_micro_batches``
 (collate them, with the per-token log-probs of the sampling policy and the reference where the loss needs
@@ -21,7 +23,8 @@ them). A multi-rank engine (ZeRO-3) overrides ``gather_rewards``, ``gather_rows`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -37,6 +40,7 @@ from twinseq.common.objectives.grpo import (
     reward_func_name,
     reward_metrics,
 )
+from twinseq.common.run.report import append_jsonl, cut_jsonl
 
 
 @dataclass
@@ -47,6 +51,8 @@ class Rollout:
     metrics: dict[str, float]
     num_loss_tokens: int
     num_sequences: int
+    completions: list[dict[str, Any]] = field(default_factory=list)
+    """With ``log_completions``: this rank's prompts, completions, rewards and advantages (TRL's table)."""
 
 
 def trim_completions(completion_ids_NC: np.ndarray, length_mask_NC: np.ndarray) -> list[np.ndarray]:
@@ -69,6 +75,7 @@ class GroupRollout:
         self.num_generations_done = 0
         self._rollout: Optional[Rollout] = None
         self._generated_now = False
+        self._completions_logged = False
         self._step_started = 0.0
 
     # -- backend hooks -------------------------------------------------------------------
@@ -150,7 +157,15 @@ class GroupRollout:
             "reward_seconds": reward_seconds,
             **self.generation_metrics(),
         }
-        return Rollout(micro, metrics, int(loss_mask.sum()), len(completions))
+        table = []
+        if g.log_completions:
+            names = [reward_func_name(f) for f in self.reward_funcs]
+            table = [
+                {"prompt": r["prompt_text"], "completion": text, "reward": float(tot), "advantage": float(adv)}
+                | {name: float(v) for name, v in zip(names, p)}
+                for r, text, tot, p, adv in zip(expanded, texts, total[ours], per[ours], advantages)
+            ]
+        return Rollout(micro, metrics, int(loss_mask.sum()), len(completions), table)
 
     # -- TrainerTemplate's task hooks ------------------------------------------------------
 
@@ -161,11 +176,22 @@ class GroupRollout:
         self._generated_now = bool(entry["new_generation"] or self._rollout is None)
         if self._generated_now:
             self._rollout = self.rollout(entry["prompts"])
+            if self._rollout.completions and getattr(self, "is_main", True):
+                self._log_completions(entry.get("step", self.num_generations_done), self._rollout.completions)
         rec = self._rollout
         assert rec is not None
         self.share = StepShare(*self.step_totals(rec.num_sequences, rec.num_loss_tokens, len(rec.micro_batches)))
         self._step_started = time.perf_counter()
         return rec.micro_batches
+
+    def _log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """``log_completions``: a generation's table, appended to ``<output_dir>/completions.jsonl`` (the run's first
+        generation first drops the lines a previous or resumed run wrote from this step on)."""
+        path = Path(self.cfg.output_dir) / "completions.jsonl"
+        if not self._completions_logged:
+            cut_jsonl(path, step)
+            self._completions_logged = True
+        append_jsonl(path, [{"step": step, **row} for row in rows])
 
     def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
         """The loss, token counts, token means of the ``*_sum`` metrics, and the generation's metrics."""

@@ -3,7 +3,8 @@
 A backend supplies a *step trainer* (``StepTrainer``: one optimizer step per call, its state as
 numpy arrays and JSON values, a final export) and a *step source* (``StepSource``: the
 micro-batches of each optimizer step, with a resumable position). ``run`` owns everything
-around them, once: resume, step timing, logging every ``logging_steps`` steps, checkpoint
+around them, once: resume, step timing, logging every ``logging_steps`` steps, evaluation when
+``eval_strategy`` says (``common.run.evaluation``, with the best model kept and restored), checkpoint
 cadence and rotation, the final save and the end-of-run report. This is Keras 3's split,
 where a backend's ``TorchTrainer`` overrides ``train_step`` and inherits ``fit``.
 
@@ -27,17 +28,22 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
-from twinseq.common.config import TrainConfig
+from twinseq.common.config import MODEL_PRESETS, TrainConfig
 from twinseq.common.errors import CheckpointError, ConfigError, NonFiniteError, TrainingInterrupted
 from twinseq.common.models.hf_folder import resolve_model_source
+from twinseq.common.run.callbacks import CallbackList, TrainerControl, TrainerState
 from twinseq.common.run.capabilities import check_runtime
 from twinseq.common.run.checkpoint import (
+    PREFIX,
+    checkpoint_dir,
     list_checkpoints,
     load_training_checkpoint,
     read_meta,
@@ -45,7 +51,9 @@ from twinseq.common.run.checkpoint import (
     rotate_checkpoints,
     save_training_checkpoint,
 )
+from twinseq.common.run.evaluation import Evaluator, best_state, evaluate, restore_best, track_best
 from twinseq.common.run.report import RunLogger, finish_run
+from twinseq.common.run.schedule import describe_run_length, with_resolved_max_steps
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +90,10 @@ class StepTrainer(Protocol):
 class StepSource(Protocol):
     """The data side: ``common.data.sft_steps.StepIterator`` and its kin."""
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of one pass over the data: what ``num_train_epochs`` and the ``epoch`` metric count."""
+
     def next_step(self) -> list[Any]:
         """The micro-batches of the next optimizer step, for this rank."""
 
@@ -110,11 +122,61 @@ def check_output_dir(path: str | os.PathLike) -> None:
         )
 
 
+def previous_run(path: str | os.PathLike) -> list[str]:
+    """What of an earlier run ``path`` holds: ``metrics.jsonl``, ``checkpoint-N`` folders, ``final/`` (empty: none)."""
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    found = ["metrics.jsonl"] if (path / "metrics.jsonl").is_file() else []
+    found += [p.name for p in list_checkpoints(path)]
+    return found + (["final/"] if (path / "final").is_dir() else [])
+
+
+def check_previous_run(cfg: TrainConfig) -> None:
+    """Refuse an ``output_dir`` that holds a run, unless this run overwrites it (``overwrite_output_dir``, HF's
+    name) or continues it (``resume_from_checkpoint``): a second run into the same folder would otherwise
+    truncate the first one's metrics and mix its checkpoints with the new ones."""
+    found = previous_run(cfg.output_dir)
+    if not found or cfg.resume_from_checkpoint is not None:
+        return
+    shown = found if len(found) <= 4 else [*found[:3], f"... ({len(found) - 3} more)"]
+    if not cfg.overwrite_output_dir:
+        raise ConfigError(
+            f"output_dir={str(cfg.output_dir)!r} already holds a run ({', '.join(shown)}); pass "
+            f"--overwrite-output-dir to train over it, or --resume-from-checkpoint latest to continue it "
+            f"(or choose another --output-dir)."
+        )
+    logger.warning(
+        "overwrite_output_dir: training over the run in %s (%s); metrics.jsonl and final/ are rewritten, older "
+        "checkpoint folders stay until rotated",
+        cfg.output_dir,
+        ", ".join(shown),
+    )
+
+
+def _note_task_defaults(cfg: TrainConfig) -> None:
+    """Log the learning rate a run took from its task (``DEFAULT_LEARNING_RATES``), with a hint when it trains a
+    freshly initialised model, for which a pretrained checkpoint's rate barely moves the loss."""
+    if "learning_rate" not in cfg.task_defaults():
+        return
+    fresh = cfg.model.model_config in MODEL_PRESETS or cfg.model.init_weights == "random"
+    logger.info(
+        "learning_rate=%g: the default of task=%r%s for a pretrained checkpoint (TRL's)%s",
+        cfg.optim.learning_rate,
+        cfg.task,
+        " with use_peft" if cfg.peft.use_peft else "",
+        "; this model starts from random weights, which want ~1e-3 (--learning-rate)" if fresh else "",
+    )
+
+
 def preflight(cfg: TrainConfig, runtime: Any) -> None:
     """Every check that needs no data and no model, in the order a user would fix them: what this
-    machine can run (``common.run.capabilities``), the output folder, the model folder, the checkpoint."""
+    machine can run (``common.run.capabilities``), the output folder (writable, and not holding another run
+    unless ``overwrite_output_dir`` or a resume), the model folder, the checkpoint."""
     check_runtime(cfg, runtime)
     check_output_dir(cfg.output_dir)
+    check_previous_run(cfg)
+    _note_task_defaults(cfg)
     resolve_model_source(cfg.model.model_config, cfg.model.init_weights)
     if cfg.resume_from_checkpoint not in (None, "latest", "auto"):
         read_meta(cfg.resume_from_checkpoint)
@@ -132,6 +194,7 @@ RESUME_INVARIANTS = (
     "model_config",
     "dataset_name",
     "dataset_split",
+    "eval_fraction",  # the rows it holds out are not trained on
     "tokenizer_name_or_path",
     "max_length",
     "truncation_mode",
@@ -172,7 +235,7 @@ def resume(cfg: TrainConfig, trainer: StepTrainer, source: StepSource) -> int:
     if step > cfg.max_steps:
         raise CheckpointError(
             f"{path} is at step {step}, past max_steps={cfg.max_steps}; raise --max-steps to "
-            f"at least {step} to continue that run."
+            f"at least {step} (or --num-train-epochs, with --max-steps -1) to continue that run."
         )
     trainer.load_state_dict(state)
     source.load_state_dict(meta["data"])
@@ -188,7 +251,7 @@ def _merge_window(records: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in records[-1]:
         values = [r[key] for r in records if key in r]
-        if key in ("step", "lr"):
+        if key in ("step", "lr", "epoch"):
             out[key] = values[-1]
         elif key.startswith("num_") or key.endswith("_sum"):
             out[key] = sum(values)
@@ -234,12 +297,50 @@ class StopSignal:
         self._restore()
 
 
-def _save(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, step: int) -> None:
+@dataclass
+class RunHooks:
+    """The callbacks of a run with the state and control they share (``common.run.callbacks``)."""
+
+    cfg: TrainConfig
+    callbacks: CallbackList
+    state: TrainerState
+    control: TrainerControl = field(default_factory=TrainerControl)
+    evaluator: Optional[Evaluator] = None
+    """The run's evaluation (``common.run.evaluation``), None without an eval set."""
+
+    def call(self, hook: str, **kwargs: Any) -> None:
+        if self.callbacks:
+            self.callbacks.call(hook, self.cfg, self.state, self.control, **kwargs)
+
+
+def _save(
+    cfg: TrainConfig, trainer: StepTrainer, source: StepSource, step: int, hooks: Optional[RunHooks] = None
+) -> None:
     state = trainer.state_dict()  # collectives under FSDP (each tensor's gather): every rank writes or takes part
     meta = {"data": source.state_dict(), "config": cfg.to_dict()}
+    if hooks is not None and hooks.evaluator is not None:
+        if hooks.state.best_global_step == step:  # HF's rule: the best model's checkpoint is the one written now
+            hooks.state.best_model_checkpoint = str(checkpoint_dir(cfg.output_dir, step))
+        meta["best"] = best_state(hooks.state)
     save_training_checkpoint(cfg.output_dir, step, state, meta, write=trainer.is_main)
     if trainer.is_main:
+        best = hooks.state.best_model_checkpoint if hooks is not None and cfg.load_best_model_at_end else None
+        _rotate(cfg, best)
+
+
+def _rotate(cfg: TrainConfig, best: Optional[str]) -> None:
+    """``rotate_checkpoints``, except that the best checkpoint (``load_best_model_at_end``) is never deleted: it
+    counts as the newest, as HF's rotation does (with ``save_total_limit=1`` the newest is kept beside it)."""
+    saved = list_checkpoints(cfg.output_dir)
+    if best is None or cfg.save_total_limit is None or (saved and saved[-1].name == Path(best).name):
         rotate_checkpoints(cfg.output_dir, cfg.save_total_limit)
+        return
+    rotate_checkpoints(cfg.output_dir, None)  # leftovers of interrupted saves only
+    others = [p for p in saved if p.name != Path(best).name]
+    keep = max(cfg.save_total_limit - 1, 1)
+    for path in others[:-keep]:
+        assert path.name.startswith(PREFIX), path
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def run(
@@ -251,13 +352,31 @@ def run(
     desc: str,
     announce: Sequence[str] = (),
     plot_keys: Sequence[str] = ("loss", "tokens_per_second"),
+    callbacks: Sequence[Any] = (),
+    evaluator: Optional[Evaluator] = None,
 ) -> Path:
-    """Train ``cfg.max_steps`` optimizer steps; returns the path of ``<output_dir>/metrics.jsonl``.
+    """Train ``cfg.max_steps`` optimizer steps (``max_steps=-1``: ``num_train_epochs`` passes over ``source``,
+    ``common.run.schedule.resolve_max_steps``); returns the path of ``<output_dir>/metrics.jsonl``. Every metrics
+    line carries ``epoch``, the passes over the data done (fractional: 1.5 is halfway through the second).
 
     ``announce`` lines are printed (main rank) before the first step; ``plot_keys`` are the panels
-    of the end-of-run ``metrics.png``.
+    of the end-of-run ``metrics.png``; ``callbacks`` (``common.run.callbacks``) are called at each step, log,
+    save and evaluation, and may stop the run early (it then ends as at ``max_steps``: saves, final model).
+    ``evaluator`` (``common.run.evaluation.build_evaluator``) evaluates when ``eval_strategy`` says (and before step 1
+    with ``eval_on_start``); with ``load_best_model_at_end`` the final model is the best evaluation's.
     """
+    announce = [*announce, describe_run_length(cfg, source.steps_per_epoch)]
+    cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: the epochs decide, as in the builder's trainer
     start = resume(cfg, trainer, source)
+    hooks = RunHooks(
+        cfg,
+        CallbackList(callbacks),
+        TrainerState(start, cfg.max_steps, is_world_process_zero=trainer.is_main),
+        evaluator=evaluator,
+    )
+    if start and evaluator is not None:  # keep comparing with the best evaluation of the resumed run
+        resumed = resolve_resume(cfg.resume_from_checkpoint, cfg.output_dir)
+        restore_best(hooks.state, read_meta(resumed).get("best") if resumed is not None else None)
     log: Optional[RunLogger] = None
     if trainer.is_main:
         log = RunLogger(
@@ -274,10 +393,19 @@ def run(
     final = Path(cfg.output_dir) / "final"
     try:
         with StopSignal() as stop:  # a signal during the last saves lets them finish
-            skipped = _loop(cfg, trainer, source, log, start, stop)
-            if start < cfg.max_steps and cfg.save_final_checkpoint:
-                _save(cfg, trainer, source, cfg.max_steps)
+            hooks.call("on_train_begin")
+            if evaluator is not None and cfg.eval_on_start:
+                _evaluate(trainer, log, hooks, start)
+                if cfg.load_best_model_at_end and start == 0:  # the starting weights may stay the best
+                    _save(cfg, trainer, source, 0, hooks)
+            skipped, last = _loop(cfg, trainer, source, log, start, stop, hooks)
+            if start < last and cfg.save_final_checkpoint:
+                _save(cfg, trainer, source, last, hooks)
+                hooks.call("on_save", checkpoint=str(checkpoint_dir(cfg.output_dir, last)))
+            if evaluator is not None and cfg.load_best_model_at_end:
+                _load_best(trainer, log, hooks.state, last)
             trainer.save_final(final)
+            hooks.call("on_train_end")
     finally:
         if log is not None:
             log.close()
@@ -293,9 +421,45 @@ def run(
     return metrics_path
 
 
-def _loop(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, log: Any, start: int, stop: StopSignal) -> int:
-    """Steps ``start + 1 .. max_steps``: log, checkpoint, and stop cleanly on a signal; returns the
-    number of skipped steps."""
+def _evaluate(trainer: StepTrainer, log: Any, hooks: RunHooks, step: int) -> None:
+    """Evaluate after ``step`` (0: before the first): log the metrics as their own line, keep them in the log
+    history, track the best, and call the callbacks' ``on_evaluate``."""
+    assert hooks.evaluator is not None
+    metrics = evaluate(trainer, hooks.evaluator, step=step)
+    epoch = {} if hooks.state.epoch is None else {"epoch": hooks.state.epoch}
+    record = {"step": step, **epoch, **metrics}
+    if log is not None:
+        log.log_eval(record)
+    hooks.state.log_history.append(record)
+    track_best(hooks.state, hooks.cfg, metrics, step)
+    hooks.call("on_evaluate", metrics=metrics)
+
+
+def _load_best(trainer: StepTrainer, log: Any, state: TrainerState, last: int) -> None:
+    """``load_best_model_at_end``: the weights of the best evaluation's checkpoint (every rank loads them), unless
+    the weights at hand, those of step ``last``, are the best."""
+    if state.best_global_step is None or state.best_global_step == last:
+        return
+    if state.best_model_checkpoint is None or not Path(state.best_model_checkpoint).is_dir():
+        logger.warning(
+            "load_best_model_at_end: the best evaluation (step %s) has no checkpoint; the final model is step %d's",
+            state.best_global_step,
+            last,
+        )
+        return
+    trainer.load_state_dict(load_training_checkpoint(state.best_model_checkpoint)[1])
+    if log is not None:
+        log.write(
+            f"load_best_model_at_end: the final model is {Path(state.best_model_checkpoint).name} "
+            f"(best {state.best_metric:.6g} at step {state.best_global_step})"
+        )
+
+
+def _loop(
+    cfg: TrainConfig, trainer: StepTrainer, source: StepSource, log: Any, start: int, stop: StopSignal, hooks: RunHooks
+) -> tuple[int, int]:
+    """Steps ``start + 1 .. max_steps``: log, checkpoint, call the callbacks, and stop cleanly on a signal or when a
+    callback asks; returns (the number of skipped steps, the last step run)."""
     window: list[dict[str, Any]] = []
     skipped = 0
     for step in range(start + 1, cfg.max_steps + 1):
@@ -314,19 +478,35 @@ def _loop(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, log: Any, 
         window.append(
             {
                 "step": step,
+                "epoch": step / source.steps_per_epoch,  # HF's fractional epoch: 1.5 = halfway through the second
                 **out,
                 "tokens_per_second": out["num_tokens"] / seconds,
                 "step_seconds": seconds,
                 "peak_memory_bytes": trainer.peak_memory_bytes(),
             }
         )
+        hooks.state.global_step, hooks.state.epoch = step, step / source.steps_per_epoch
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+            record = _merge_window(window)
             if log is not None:
-                log.log_step(_merge_window(window))
+                log.log_step(record)
+            hooks.state.log_history.append(record)
+            hooks.call("on_log", logs=record)
             window = []
+        hooks.call("on_step_end")
+        evaluated = hooks.evaluator is not None and hooks.evaluator.due(step, cfg.max_steps)
+        if evaluated:
+            _evaluate(trainer, log, hooks, step)
         stopping = trainer.any_rank(stop.received is not None)
-        if (cfg.save_steps and step % cfg.save_steps == 0 or stopping) and step < cfg.max_steps:
-            _save(cfg, trainer, source, step)
+        at_best = evaluated and cfg.load_best_model_at_end  # HF saves at every evaluation then
+        if (cfg.save_steps and step % cfg.save_steps == 0 or stopping or at_best) and step < cfg.max_steps:
+            _save(cfg, trainer, source, step, hooks)
+            hooks.call("on_save", checkpoint=str(checkpoint_dir(cfg.output_dir, step)))
+        if not stopping and step < cfg.max_steps and trainer.any_rank(hooks.control.should_training_stop):
+            if log is not None and window:
+                log.log_step(_merge_window(window))
+            logger.info("a callback stopped the run after step %d of %d", step, cfg.max_steps)
+            return skipped, step
         if stopping and step < cfg.max_steps:
             if log is not None and window:
                 log.log_step(_merge_window(window))
@@ -337,4 +517,4 @@ def _loop(cfg: TrainConfig, trainer: StepTrainer, source: StepSource, log: Any, 
                 f"latest",
                 143 if stop.received is None else StopSignal.SIGNALS.get(stop.received, 143),  # type: ignore[call-overload]
             )
-    return skipped
+    return skipped, cfg.max_steps

@@ -28,6 +28,9 @@ from twinseq.common.config import TrainConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.models.hf_folder import resolve_model_source
 from twinseq.common.models.peft import PeftConfig, save_adapters
+from twinseq.common.run.callbacks import EarlyStoppingCallback
+from twinseq.common.run.eval_set import build_evaluator
+from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.runner import run
 from twinseq.common.run.step_metrics import apply_or_skip, first_nonfinite
 
@@ -74,6 +77,12 @@ class TrainerTemplate:
         """The step's metrics (over every rank), with at least ``loss`` and ``num_tokens``."""
         raise NotImplementedError
 
+    def eval_micro_step(self, micro: Any) -> dict[str, Any]:
+        """Forward only, no gradient, the model in eval mode and back in train mode: one eval micro-batch's results
+        (``common.run.evaluation``: SFT, its sums ``loss``, ``num_tokens``, ``num_correct_tokens``, ``entropy_sum``;
+        DPO, its pairs' sequence log-probs under the policy and the live reference)."""
+        raise NotImplementedError(f"{type(self).__name__} has no evaluation micro-step")
+
     # -- backend hooks -------------------------------------------------------------------
 
     def accumulate(self, out: Any) -> Any:
@@ -99,6 +108,25 @@ class TrainerTemplate:
     def any_rank(self, flag: bool) -> bool:
         """``flag`` OR-ed over every rank (one process: ``flag``)."""
         return flag
+
+    def reduce_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        """An evaluation's sums added up over every rank (one process: ``sums``)."""
+        return sums
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(ranks that split the data, this rank's index): how an eval set is divided (one process: ``(1, 0)``)."""
+        return 1, 0
+
+    def eval_generate(
+        self, prompt_ids: list[list[int]], *, max_new_tokens: int, eos_token_id: Optional[int], pad_token_id: int
+    ) -> Any:
+        """[N, C] greedy completions of ``prompt_ids``, right-padded with ``pad_token_id`` after the first EOS (the
+        model in eval mode; every rank calls it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no greedy generation for evaluation")
+
+    def trained_model(self) -> Any:
+        """The model being trained, as the backend holds it (what ``SFTTrainer(...).model`` returns)."""
+        raise NotImplementedError
 
     # -- the step ------------------------------------------------------------------------
 
@@ -127,16 +155,25 @@ class TrainerTemplate:
 # What every backend's `train` shares
 # --------------------------------------------------------------------------------------
 
-Build = Callable[[], tuple[Any, Any, Any, list[str]]]
+Build = Callable[..., tuple[Any, Any, Any, list[str]]]
+"""A task's builder, called as ``build(inputs=RunInputs)``."""
 
 
-def train_task(cfg: TrainConfig, builders: Mapping[str, Build], *, desc: str) -> Path:
+def train_task(
+    cfg: TrainConfig, builders: Mapping[str, Build], *, desc: str, inputs: Optional[RunInputs] = None
+) -> Path:
     """Build ``cfg.task``'s (trainer, step source, tokenizer, announce lines) with ``builders[cfg.task]`` and run
     it through ``common.run.runner.run``; returns the path of ``metrics.jsonl``. ``desc`` names the engine in the
     progress bar (``torch``, ``torch-fsdp2``, ``jax``, ...)."""
     if cfg.task not in builders:
         raise ConfigError(f"task={cfg.task!r} is not trained by this backend; choose one of {sorted(builders)}.")
-    trainer, source, tokenizer, announce = builders[cfg.task]()
+    inputs = NO_INPUTS if inputs is None else inputs
+    trainer, source, tokenizer, announce = builders[cfg.task](inputs=inputs)
+    evaluator = build_evaluator(cfg, trainer, source, tokenizer, inputs)
+    if evaluator is not None:
+        announce = [*announce, evaluator.describe()]
+    if inputs.on_built is not None:
+        inputs.on_built(trainer=trainer, source=source, tokenizer=tokenizer, evaluator=evaluator)
     return run(
         cfg,
         trainer,
@@ -145,7 +182,24 @@ def train_task(cfg: TrainConfig, builders: Mapping[str, Build], *, desc: str) ->
         desc=f"{cfg.task}[{desc}]",
         announce=announce,
         plot_keys=PLOT_KEYS[cfg.task],
+        callbacks=[*inputs.callbacks, *early_stopping(cfg)],
+        evaluator=evaluator,
     )
+
+
+def early_stopping(cfg: TrainConfig) -> list[EarlyStoppingCallback]:
+    """``[EarlyStoppingCallback]`` when ``early_stopping_patience`` is set (transformers' rule: stop after that many
+    evaluations without an improvement of ``metric_for_best_model`` by more than ``early_stopping_threshold``)."""
+    if cfg.early_stopping_patience is None:
+        return []
+    return [
+        EarlyStoppingCallback(
+            cfg.early_stopping_patience,
+            cfg.early_stopping_threshold,
+            metric_for_best_model=cfg.effective_metric_for_best_model,
+            greater_is_better=cfg.effective_greater_is_better,
+        )
+    ]
 
 
 def peft_summary(peft: PeftConfig, *, trainable: int, total: int, quantized: bool = False) -> str:

@@ -41,17 +41,17 @@ def test_use_liger_kernel_selects_liger_loss_and_refuses_another_kernel():
 
 
 @pytest.mark.parametrize("field, value, fragment", [
-    ("learning_rate", "fast", "must be a number, not str"),
-    ("learning_rate", float("nan"), "must be a finite number"),
-    ("learning_rate", float("inf"), "must be a finite number"),
-    ("per_device_train_batch_size", 2.0, "must be an integer, not float"),
-    ("packing", "no", "must be true or false"),
-    ("packing", 1, "must be true or false"),
-    ("adam_beta1", 1.0, "adam_beta1=1.0 is not valid: it must be >= 0 and < 1"),
+    ("learning_rate", "fast", "pass a number, not str"),
+    ("learning_rate", float("nan"), "pass a finite number"),
+    ("learning_rate", float("inf"), "pass a finite number"),
+    ("per_device_train_batch_size", 2.0, "pass an integer, not float"),
+    ("packing", "no", "pass true or false"),
+    ("packing", 1, "pass true or false"),
+    ("adam_beta1", 1.0, "adam_beta1=1.0 is not valid: pass a value >= 0 and < 1"),
     ("adam_beta2", -0.1, "adam_beta2=-0.1"),
     ("max_steps", 0, "max_steps=0"),
     ("label_smoothing", 0.7, "label_smoothing=0.7"),
-    ("report_to", ["wandb"], "report_to[0]='wandb'"),
+    ("report_to", ["mlflow"], "report_to[0]='mlflow'"),
     ("dpo_loss_type", 3, "dpo_loss_type=3"),
 ])
 def test_types_and_ranges_are_checked_in_one_place(field, value, fragment):

@@ -125,6 +125,21 @@ def test_data_parallel_steps_read_the_rows_of_torch_ranks():
     assert feed.state_dict() == ranks[0].state_dict()
 
 
+def test_data_parallel_steps_stack_a_short_last_step_with_an_empty_replica():
+    """9 rows at 2 replicas x 2 rows: an epoch's third step has 1 row; replica 1's share is padding only."""
+    from twinseq.jax_backend.parallel import DataParallelSteps
+
+    rows = {"input_ids": [[3 + i, 4, 5, 6][: 2 + i % 3] for i in range(9)]}
+    cfg = TrainConfig.from_flat(per_device_train_batch_size=2, gradient_accumulation_steps=1, max_length=64)
+    feed = DataParallelSteps(rows, cfg, pad_token_id=0, num_replicas=2, multiple=8)
+    assert feed.steps_per_epoch == 3
+    steps = [feed.next_step() for _ in range(3)]
+    assert sum(b.num_tokens for s in steps for b in s) == sum(len(r) for r in rows["input_ids"])
+    (last,) = steps[-1]
+    assert last.shape[0] == 4 and last.segment_ids[2:].max() == 0 and last.segment_ids[:2].max() == 1
+    assert last.num_items_in_batch == last.num_label_tokens and feed.state_dict()["epoch"] == 1
+
+
 @pytest.mark.parametrize("overrides,match", [
     (dict(context_parallel_size=16), r"context_parallel_size=16 is larger than the 8 visible devices"),
     (dict(context_parallel_size=3), r"context_parallel_size=3 does not divide the 8 visible devices.*\[1, 2, 4, 8\]"),

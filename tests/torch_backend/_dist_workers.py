@@ -240,7 +240,8 @@ def run_spec(spec: dict, out_dir: str) -> dict:
             train(TrainConfig.from_dict(job["config"]))
             out[job["name"]] = "done"
         else:
-            cfg, rows = TrainConfig.from_dict(job["config"]), synthetic_rows(seed=job["data_seed"])
+            cfg = TrainConfig.from_dict(job["config"])
+            rows = synthetic_rows(num_docs=job.get("num_docs", 96), seed=job["data_seed"])
             out[job["name"]] = distributed_losses(cfg, rows)
             grads = distributed_grads(cfg, rows)
             if dist.get_rank() == 0:

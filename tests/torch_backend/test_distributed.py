@@ -7,6 +7,8 @@ Invariants:
   Adam would hide in the loss (it is invariant to the gradient scale).
 - FSDP2 + ``allgather`` CP (cp=2) on PACKED rows, whose documents cross the shard boundary,
   does the same; the data is checked to be sensitive to a document leak (ANCHORS failure 2).
+- an epoch's short last step (9 rows at 4 per step: 1 row, so rank 1 gets a padding-only micro-batch) keeps
+  the ranks in step and trains as one process does on the same rows;
 - allgather CP attention and its gradients (through the reduce-scatter of K/V) equal dense
   document-masked attention of the whole row, on every rank.
 - Bad configurations fail with an error that names the fix (single process, no spawn).
@@ -50,6 +52,7 @@ LORA = dict(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.0, trainable_t
             learning_rate=1e-2)
 DIST_JOBS = {"fsdp": FSDP_CFG, "cp_packed": CP_PACKED_CFG, "cp_padding_free": CP_PADFREE_CFG,
              "fsdp_lora": {**FSDP_CFG, **LORA}}
+EPOCH_DOCS = 9  # 3 steps per epoch (4, 4, 1 rows): 10 steps cross 3 epoch ends
 
 
 # --------------------------------------------------------------------------------------
@@ -67,6 +70,8 @@ def dist_results(dist_dir):
     jobs = [{"kind": "attention", "name": "attention"}]
     jobs += [{"kind": "train", "name": name, "data_seed": 0,
               "config": dataclasses.asdict(W.make_config(**overrides))} for name, overrides in DIST_JOBS.items()]
+    jobs.append({"kind": "train", "name": "fsdp_epochs", "data_seed": 0, "num_docs": EPOCH_DOCS,
+                 "config": dataclasses.asdict(W.make_config(**FSDP_CFG))})
     return W.launch({"jobs": jobs}, dist_dir, world_size=2)
 
 
@@ -112,6 +117,15 @@ def test_fsdp2_on_two_ranks_matches_single_process(dist_results, dist_dir):
     _assert_losses_match(dist_results[0]["fsdp"], ref)
     assert ref[-1] < 0.95 * ref[0], "the data must be learnable, or a wrong update could go unnoticed"
     _assert_grads_match(dist_dir, "fsdp", FSDP_REF_CFG)
+
+
+@pytest.mark.slow
+def test_fsdp2_short_last_steps_of_epochs_match_single_process(dist_results):
+    """Each epoch's last step has 1 row: rank 0 trains on it, rank 1 on a padding-only micro-batch (no document, no
+    label), and the step equals the single process's step on that row."""
+    _assert_ranks_agree(dist_results, "fsdp_epochs")
+    ref = W.reference_losses(W.make_config(**FSDP_REF_CFG), W.synthetic_rows(num_docs=EPOCH_DOCS, seed=0))
+    _assert_losses_match(dist_results[0]["fsdp_epochs"], ref)
 
 
 @pytest.mark.slow

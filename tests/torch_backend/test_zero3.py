@@ -252,6 +252,28 @@ def test_twinseq_train_with_zero3_in_one_process_matches_and_resumes(tmp_path):
     assert all(torch.equal(weights[k], again[k]) for k in weights)
 
 
+@needs_deepspeed
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_zero3_epochs_with_a_short_last_step_match_the_plain_trainer(tmp_path):
+    """``max_steps=-1, num_train_epochs=2`` under ZeRO-3 (one process): 5 rows at 4 a step are 2 steps an epoch, the
+    second of 1 row, so its second micro-batch is padding only and DeepSpeed still meets its accumulation boundary;
+    the engine's schedule spans the 4 resolved steps (warmup_ratio). The losses are the plain torch trainer's."""
+    from twinseq.common.data.corpus import load_embedded
+    from twinseq.torch_backend.recipes import train
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "completion": r["completion"]}) + "\n"
+                            for r in load_embedded("embedded-sft").select(range(5))))
+    base = dict(model_config="tiny", dataset_name=str(data), max_length=64, max_steps=-1, num_train_epochs=2, seed=0,
+                learning_rate=3e-3, warmup_ratio=0.25, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                disable_tqdm=True)
+    launch({"train": [{**base, "deepspeed_zero_stage": 3, "output_dir": str(tmp_path / "zero3")}]}, tmp_path,
+           world_size=1)
+    train(TrainConfig.from_flat(**base, output_dir=str(tmp_path / "plain")))
+    _assert_losses_match(_losses(tmp_path / "zero3"), _losses(tmp_path / "plain"), steps=4)
+
+
 # --------------------------------------------------------------------------------------
 # In process: refusals and helpers (no DeepSpeed needed)
 # --------------------------------------------------------------------------------------

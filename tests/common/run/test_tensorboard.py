@@ -132,7 +132,7 @@ def test_parse_report_to(report_to, expected):
     assert parse_report_to(report_to) == expected
 
 
-@pytest.mark.parametrize("report_to, bad", [("wandb", "wandb"), (["tensorboard", "mlflow"], "mlflow"),
+@pytest.mark.parametrize("report_to, bad", [("comet_ml", "comet_ml"), (["tensorboard", "mlflow"], "mlflow"),
                                             ("all", "all"), ("TensorBoard", "TensorBoard")])
 def test_unknown_report_to_names_field_value_and_choices(tmp_path, report_to, bad):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(_step(1, 1.0)) + "\n")
