@@ -3,7 +3,7 @@ process it plans, both run the way a user runs them: fresh ``python -m twinseq.c
 
 The shape (``tiny``, LoRA, 8 packed rows x 512 tokens, the default ``nll`` loss) makes the plan about as large as
 the runtime (~530 and ~590 MiB on the 2-core CPU machine), so both halves of the total are tested. The peak is the
-child's own ``ru_maxrss`` (``os.wait4``), so no other child of the test process counts.
+child's own high-water mark (VmHWM at exit), so neither the test process nor another child counts.
 """
 
 from __future__ import annotations
@@ -24,15 +24,30 @@ FLAGS = ["--model-config", "tiny", "--max-length", "512", "--packing", "--per-de
          "--use-peft"]
 
 
+# The CLI as ``python -m twinseq.common.cli`` runs it, plus one line at exit: the process's own high-water mark
+# (VmHWM). Not ``ru_maxrss`` from ``wait4``: Linux carries a process's maxrss across ``exec``, so a child forked
+# from a large parent (pytest, deep in a full run, holds GBs) reports the parent's size.
+_RUN_CLI = (
+    "import atexit, runpy, sys\n"
+    "def hwm():\n"
+    "    for line in open('/proc/self/status'):\n"
+    "        if line.startswith('VmHWM:'):\n"
+    "            print('__VMHWM__', int(line.split()[1]) * 1024, file=sys.stderr)\n"
+    "atexit.register(hwm)\n"
+    "sys.argv = ['twinseq', *sys.argv[1:]]\n"
+    "runpy.run_module('twinseq.common.cli', run_name='__main__')\n"
+)
+
+
 def _cli(args: list[str], env: dict[str, str], log: Path) -> tuple[int, int, str]:
-    """Run ``python -m twinseq.common.cli ARGS``: (exit status, the process's peak RSS in bytes, its stdout)."""
+    """Run the CLI with ``args`` in a fresh python: (exit status, the process's peak RSS in bytes, its stdout)."""
     out, err = log.with_suffix(".out"), log.with_suffix(".err")
     with open(out, "w") as fo, open(err, "w") as fe:
-        proc = subprocess.Popen([sys.executable, "-m", "twinseq.common.cli", *args], stdout=fo, stderr=fe, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+        proc = subprocess.run([sys.executable, "-c", _RUN_CLI, *args], stdout=fo, stderr=fe, env=env)
     assert proc.returncode == 0, f"twinseq {' '.join(args)} failed:\n{err.read_text()[-3000:]}"
-    return proc.returncode, usage.ru_maxrss * 1024, out.read_text()
+    peak = re.search(r"^__VMHWM__ (\d+)$", err.read_text(), re.M)
+    assert peak, err.read_text()[-3000:]
+    return proc.returncode, int(peak.group(1)), out.read_text()
 
 
 def _bytes(text: str) -> int:
