@@ -166,8 +166,8 @@ def check_optimizer(cfg: TrainConfig) -> None:
     """The jax backend has one optimizer, AdamW with float32 moments (``adamw_torch``)."""
     if cfg.optim.optimizer != "adamw_torch":
         raise ConfigError(
-            f"optimizer={cfg.optim.optimizer!r} is a torch option (bitsandbytes' 8-bit AdamW states "
-            f"need CUDA kernels that JAX does not have); the jax backend trains with AdamW in float32 "
+            f"optimizer={cfg.optim.optimizer!r} is a torch option today (bitsandbytes' 8-bit states, or "
+            f"AdamWBF16's stochastically rounded bfloat16 state); the jax backend trains with AdamW in float32 "
             f"('adamw_torch'): use --optimizer adamw_torch or --backend torch."
         )
 

@@ -31,6 +31,9 @@ ALLOWED_DIFFERENCES["blocked_attention"] = ("torch registers its blocked kernel 
                                           "function; jax reuses the ring's block kernel (context_parallel.py) from attention.py")
 ALLOWED_DIFFERENCES["triton_ce"] = "twinseq's Triton loss kernel (loss_type='triton') is torch/CUDA; jax runs fused_linear"
 ALLOWED_DIFFERENCES["triton_ce_kernels"] = "the Triton sources of triton_ce"
+ALLOWED_DIFFERENCES["bf16_adamw"] = ("optimizer='adamw_bf16' (bfloat16 weights and moments, stochastic rounding) is "
+                                    "torch only today; jax refuses it (trainer.check_optimizer)")
+ALLOWED_DIFFERENCES["bf16_adamw_kernel"] = "the Triton source of bf16_adamw's CUDA update"
 ALLOWED_DIFFERENCES["distributed"] = ("torch's process group, launcher environment and reductions over ranks; jax is "
                                      "one process driving its device mesh (parallel.py)")
 ALLOWED_DIFFERENCES["unwrap"] = ("reaching the HF model and lm_head inside the peft package's wrapper; jax's adapters "

@@ -349,7 +349,7 @@ def build_zero3_engine(
         else:
             model = build_model(model_config, dict(weights), attn_implementation=cfg.model.attn_implementation)
     module = CausalLMLoss(model, cfg)
-    optimizer, scheduler = build_optimizer(module, cfg, ndim=lambda p: len(_full_shape(p)))
+    optimizer, scheduler = build_optimizer(module, cfg, ndim=lambda p: len(_full_shape(p)), allow_fused=False)
     engine, _, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=scheduler, config=conf, dist_init_required=False
     )

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, cast
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from twinseq.common.config import TrainConfig
 from twinseq.common.data.preference_steps import build_preference_iterator
@@ -42,6 +43,7 @@ from twinseq.common.run.trainer import (
     save_adapter_folder,
 )
 from twinseq.torch_backend.attention import twinseq_attn_name
+from twinseq.torch_backend.bf16_adamw import AdamWBF16
 from twinseq.torch_backend.checkpoint import (
     adopt_model,
     from_numpy_tree,
@@ -104,14 +106,33 @@ def build_causal_lm(
     if model is not None:
         model = adopt_model(model, attn_implementation=attn)
         check_tokenizer_fits(model_config_of(model), vocab_size, "model")
-        return model.to(device).train()
-    source = resolve_model_source(spec, cfg.model.init_weights)
-    check_tokenizer_fits(source.config, vocab_size, spec)
-    if source.weights_folder is not None:
-        model = load_pretrained(source.weights_folder, dtype="float32", attn_implementation=attn)
     else:
-        model = build_model(source.config, init_weights(source.config, seed=cfg.seed), attn_implementation=attn)
+        source = resolve_model_source(spec, cfg.model.init_weights)
+        check_tokenizer_fits(source.config, vocab_size, spec)
+        if source.weights_folder is not None:
+            model = load_pretrained(source.weights_folder, dtype="float32", attn_implementation=attn)
+        else:
+            model = build_model(source.config, init_weights(source.config, seed=cfg.seed), attn_implementation=attn)
+    if cfg.optim.optimizer == "adamw_bf16":
+        check_bf16_state(cfg)
+        cast_parameters_(model, "bfloat16")  # the weights the run trains are bfloat16 (AdamWBF16)
     return model.to(device).train()
+
+
+def check_bf16_state(cfg: TrainConfig) -> None:
+    """``optimizer='adamw_bf16'`` trains every weight in bfloat16, in one process: refused with adapters (their
+    state is small; the base is already bfloat16 under ``--dtype bfloat16``) and under a launch (FSDP2 keeps
+    float32 shards)."""
+    if cfg.peft.use_peft:
+        raise ConfigError(
+            "optimizer='adamw_bf16' trains full bfloat16 weights, but use_peft=True trains float32 adapters over a "
+            "frozen base; drop --use-peft (full fine-tune) or use --optimizer adamw_torch with adapters."
+        )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError(
+            f"optimizer='adamw_bf16' runs in one process today; this launch has {dist.get_world_size()} ranks: "
+            f"run one process, or use --optimizer adamw_torch under FSDP2."
+        )
 
 
 def add_peft(cfg: TrainConfig, causal_lm: torch.nn.Module) -> torch.nn.Module:
@@ -124,11 +145,18 @@ def add_peft(cfg: TrainConfig, causal_lm: torch.nn.Module) -> torch.nn.Module:
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: TrainConfig, ndim: Callable[[torch.nn.Parameter], int] = lambda p: p.ndim
+    model: torch.nn.Module,
+    cfg: TrainConfig,
+    ndim: Callable[[torch.nn.Parameter], int] = lambda p: p.ndim,
+    allow_fused: bool = True,
 ):
     """AdamW over the parameters that train (all, or the adapters only); weight decay on matrices only (norm
-    scales are not decayed), as HF Trainer does. ``optimizer='adamw_bnb_8bit'``: bitsandbytes' ``AdamW8bit``.
-    ``ndim``: a parameter's rank (ZeRO-3 reads it from the full shape: its own is a placeholder's)."""
+    scales are not decayed), as HF Trainer does. ``optimizer='adamw_bnb_8bit'``: bitsandbytes' ``AdamW8bit``;
+    ``'adamw_bf16'``: ``AdamWBF16`` (bfloat16 weights and moments, stochastic rounding). torch's AdamW runs its fused
+    CUDA kernel on a GPU (one launch per group chunk) and the per-parameter loop elsewhere (foreach would hold a
+    second copy of every gradient).
+    ``ndim``: a parameter's rank (ZeRO-3 reads it from the full shape: its own is a placeholder's); ``allow_fused``:
+    False keeps the per-parameter loop on a GPU too (DeepSpeed steps its own partitions)."""
     opt = cfg.optim
     decay = [p for p in model.parameters() if p.requires_grad and ndim(p) >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and ndim(p) < 2]
@@ -140,13 +168,19 @@ def build_optimizer(
         optimizer = bnb.optim.AdamW8bit(
             groups, lr=cfg.effective_learning_rate, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon
         )
+    elif opt.optimizer == "adamw_bf16":
+        optimizer = AdamWBF16(
+            groups, lr=cfg.effective_learning_rate, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon
+        )
     else:
+        on_cuda = allow_fused and all(p.is_cuda and not isinstance(p, DTensor) for p in decay + no_decay)
         optimizer = torch.optim.AdamW(
             groups,
             lr=cfg.effective_learning_rate,
             betas=(opt.adam_beta1, opt.adam_beta2),
             eps=opt.adam_epsilon,
             foreach=False,
+            fused=on_cuda or None,
         )
     warmup, total, kind = cfg.effective_warmup_steps, cfg.max_steps, opt.lr_scheduler_type
     scheduler = torch.optim.lr_scheduler.LambdaLR(

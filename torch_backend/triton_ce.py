@@ -137,7 +137,12 @@ def _kernels(mode: str):
         from triton.runtime.interpreter import InterpretedFunction  # optional dependency
 
         return InterpretedFunction(k.fwd_kernel), InterpretedFunction(k.bwd_kernel)
-    return triton.jit(k.fwd_kernel), triton.jit(k.bwd_kernel)
+    # ``n`` (rows with a target) changes every step: unspecialised, one compiled variant serves them all (Triton
+    # would compile one for n % 16 == 0 and one for the rest, 0.7 s each, the second one steps into a run)
+    return (
+        triton.jit(k.fwd_kernel, do_not_specialize=["n"]),
+        triton.jit(k.bwd_kernel, do_not_specialize=["n"]),
+    )
 
 
 TILES_ENV = "TWINSEQ_TRITON_TILES"

@@ -10,6 +10,8 @@ embedded SFT data, tokenised by ``common.data.prepare.prepare_sft_dataset`` (pro
   ``liger`` when liger-kernel imports on CUDA, else ``fused_linear``), gradient checkpointing, bf16 autocast over
   fp32 parameters. Measured in the run's own code path by ``benchmarks/_train_peak.py`` (on CUDA its peak is
   ``torch.cuda.max_memory_allocated`` over the steps minus the bytes allocated before the model was built).
+- ``twinseq-bf16``: the same with ``optimizer="adamw_bf16"``: bfloat16 weights, gradients and AdamW moments with
+  stochastically rounded writes (8 bytes of training state per parameter instead of 16; ``torch_backend/bf16_adamw.py``).
 - ``twinseq-offload``: the same with ``activation_offloading`` (checkpointing stays on): peak memory and step time
   against ``twinseq``. CUDA only (twinseq refuses it on a CPU).
 - ``trl``: ``SFTTrainer`` with its best memory settings: ``packing=True, packing_strategy="bfd"``,
@@ -48,7 +50,7 @@ from _report import MIB, acceptance_line, add_output_args, markdown_table, start
 from _train_peak import _MARKER, measure  # noqa: E402
 
 DEFAULT_MODEL = str(BENCH / "models" / "llama-3.2-3b")
-SETUPS = ("twinseq", "twinseq-offload", "trl")
+SETUPS = ("twinseq", "twinseq-bf16", "twinseq-offload", "trl")
 SMOKE = dict(model="tiny", max_length=128, rows=2, steps=3, warmup_steps=1)
 PACKAGES = ("torch", "transformers", "trl", "liger-kernel", "accelerate", "datasets")
 
@@ -85,11 +87,12 @@ def data_values(args: argparse.Namespace) -> dict[str, Any]:
                 learning_rate=args.learning_rate, lr_scheduler_type="constant", seed=args.seed)
 
 
-def twinseq_values(args: argparse.Namespace, offload: bool) -> dict[str, Any]:
+def twinseq_values(args: argparse.Namespace, offload: bool, bf16_state: bool = False) -> dict[str, Any]:
     return dict(data_values(args), init_weights="random", backend="torch",
                 dtype="bfloat16" if args.device == "cuda" else "float32",
                 attn_implementation=args.twinseq_attn, loss_type=twinseq_loss(args.twinseq_loss, args.device),
-                gradient_checkpointing=True, activation_offloading=offload)
+                gradient_checkpointing=True, activation_offloading=offload,
+                **({"optimizer": "adamw_bf16"} if bf16_state else {}))
 
 
 def _summary(step_seconds: list[float], step_tokens: list[int], peak: int, warmup: int) -> dict[str, Any]:
@@ -102,8 +105,8 @@ def _summary(step_seconds: list[float], step_tokens: list[int], peak: int, warmu
             "measured_steps": len(seconds)}
 
 
-def run_twinseq(args: argparse.Namespace, offload: bool) -> dict[str, Any]:
-    values = twinseq_values(args, offload)
+def run_twinseq(args: argparse.Namespace, offload: bool, bf16_state: bool = False) -> dict[str, Any]:
+    values = twinseq_values(args, offload, bf16_state)
     rec = measure(values, max_steps=args.steps, timeout=args.timeout, threads=args.threads, skip_saves=True)
     out = _summary(rec["step_seconds"], rec["num_tokens"], rec["peak_bytes"], args.warmup_steps)
     out.update(config=values, command=rec["command"], measured_on=rec.get("device", "cpu"),
@@ -211,7 +214,8 @@ def measure_setup(name: str, args: argparse.Namespace) -> dict[str, Any]:
     else:
         t0 = time.perf_counter()
         try:
-            got = run_trl(args) if name == "trl" else run_twinseq(args, offload=name == "twinseq-offload")
+            got = (run_trl(args) if name == "trl"
+                   else run_twinseq(args, offload=name == "twinseq-offload", bf16_state=name == "twinseq-bf16"))
             row.update(status="ok", **got)
         except Exception as err:  # noqa: BLE001 - an out-of-memory or a failed run is a row, not the end
             row.update(status="failed", reason=str(err).strip()[-1500:])
@@ -227,10 +231,12 @@ def measure_setup(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def ratios(rows: list[dict]) -> dict[str, float]:
     ok = {r["setup"]: r for r in rows if r["status"] == "ok"}
     out: dict[str, float] = {}
-    if "twinseq" in ok and "trl" in ok:
-        out["twinseq_over_trl_tokens_per_second"] = ok["twinseq"]["tokens_per_second"] / ok["trl"]["tokens_per_second"]
-        if ok["trl"]["peak_bytes"]:
-            out["twinseq_over_trl_peak"] = ok["twinseq"]["peak_bytes"] / ok["trl"]["peak_bytes"]
+    for mine in ("twinseq", "twinseq-bf16"):
+        key = mine.replace("-", "_")
+        if mine in ok and "trl" in ok:
+            out[f"{key}_over_trl_tokens_per_second"] = ok[mine]["tokens_per_second"] / ok["trl"]["tokens_per_second"]
+            if ok["trl"]["peak_bytes"]:
+                out[f"{key}_over_trl_peak"] = ok[mine]["peak_bytes"] / ok["trl"]["peak_bytes"]
     if "twinseq" in ok and "twinseq-offload" in ok and ok["twinseq"]["peak_bytes"]:
         out["offload_over_no_offload_peak"] = ok["twinseq-offload"]["peak_bytes"] / ok["twinseq"]["peak_bytes"]
         out["offload_over_no_offload_step_time"] = (ok["twinseq-offload"]["median_step_seconds"]
@@ -243,9 +249,11 @@ def acceptance(r: dict[str, float], device: str) -> dict[str, bool]:
     if device != "cuda":
         return {}
     checks = {}
-    if "twinseq_over_trl_tokens_per_second" in r and "twinseq_over_trl_peak" in r:
-        checks["twinseq >= 1.3x TRL tokens/s"] = r["twinseq_over_trl_tokens_per_second"] >= 1.3
-        checks["twinseq peak <= 0.7x TRL"] = r["twinseq_over_trl_peak"] <= 0.7
+    for mine in ("twinseq", "twinseq-bf16"):
+        key = mine.replace("-", "_")
+        if f"{key}_over_trl_tokens_per_second" in r and f"{key}_over_trl_peak" in r:
+            checks[f"{mine} >= 1.3x TRL tokens/s"] = r[f"{key}_over_trl_tokens_per_second"] >= 1.3
+            checks[f"{mine} peak <= 0.7x TRL"] = r[f"{key}_over_trl_peak"] <= 0.7
     if "offload_over_no_offload_peak" in r:
         checks["offloading saves >= 30 % peak"] = r["offload_over_no_offload_peak"] <= 0.7
         checks["offloading slows <= 10 %"] = r["offload_over_no_offload_step_time"] <= 1.1
@@ -266,10 +274,13 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         c = r["config"]
         if r["setup"] == "trl":  # TRL >= 1.x: its chunked LM head; use_liger_kernel adds Liger's layer kernels
             how = (f"attn {c.get('attn_implementation')}, loss TRL chunked log-probs"
-                   + (", Liger layer kernels" if c.get("use_liger_kernel") else ""))
+                   + (", Liger layer kernels" if c.get("use_liger_kernel") else "")
+                   + ", float32 weights + AdamW state")
         else:
             how = (f"attn {c.get('attn_implementation')}, loss {c.get('loss_type')}, checkpointing"
-                   + (", offloading" if c.get("activation_offloading") else ""))
+                   + (", offloading" if c.get("activation_offloading") else "")
+                   + (", bfloat16 weights + AdamW state (adamw_bf16)" if c.get("optimizer") == "adamw_bf16"
+                      else ", float32 weights + AdamW state"))
         table.append([r["setup"], "ok", f"{r['tokens_per_second']:,.0f}", f"{r['median_step_seconds']:.3f}",
                       f"{r['peak_bytes'] / MIB:,.0f}" if r["peak_bytes"] else "-", r["measured_steps"], how])
     lines += markdown_table(["setup", "status", "tokens/s", "step s (median)", "peak MiB", "steps measured",

@@ -4,7 +4,8 @@ The PEFT "memory budget" idea, made specific to what twinseq's trainers keep ali
 
     total = parameters (bytes by storage dtype)
           + gradients            (trainable parameters only, float32)
-          + optimizer state      (AdamW: 2 x float32 per trainable; adamw_bnb_8bit: 2 x 1 byte + block stats)
+          + optimizer state      (AdamW: 2 x float32 per trainable; adamw_bnb_8bit: 2 x 1 byte + block stats;
+                                  adamw_bf16: 2 x bfloat16, with bfloat16 weights and gradients)
           + activations          (per token x tokens per micro-batch, by what backward keeps)
           + the loss kernel's logits term, attention scores/masks, LoRA's own activations, DPO's reference
 
@@ -26,7 +27,9 @@ Parameters
 Gradients and optimizer
     One float32 gradient per trainable number (``trainable_parameter_count`` for LoRA), and AdamW's
     ``exp_avg``/``exp_avg_sq`` (8 bytes); ``adamw_bnb_8bit`` keeps 2 bytes plus a float32 absmax per block
-    of 256 for each tensor of at least 4096 numbers (bitsandbytes' ``min_8bit_size``), float32 below.
+    of 256 for each tensor of at least 4096 numbers (bitsandbytes' ``min_8bit_size``), float32 below;
+    ``adamw_bf16`` holds weights, gradients and both moments in bfloat16 (2 + 2 + 4 bytes; no autocast copies of
+    the weights, which are already bfloat16).
 
 Activations (the part that grows with the batch)
     ``tokens = rows x row_length`` of one micro-batch: ``per_device_train_batch_size x max_length``, or one
@@ -443,11 +446,19 @@ def plan_memory(
                 f"{quant_elems / 1e6:.1f}M decoder linear weights x ({NF4_BYTES} + {stats:.4f}) B",
             )
         )
+    bf16_state = config.optim.optimizer == "adamw_bf16"
+    if bf16_state and backend != "torch":
+        raise ConfigError(
+            "optimizer='adamw_bf16' (bfloat16 weights and moments) is torch only today; use --optimizer "
+            "adamw_torch on the jax backend."
+        )
+    weight_bytes = 2 if bf16_state else 4
     rows.append(
         MemoryRow(
-            "weights (float32)",
-            int(dense_elems * 4 / shard),
-            f"{dense_elems / 1e6:.2f}M numbers x 4 B" + ("" if not quant_elems else " (embeddings, norms, lm_head)"),
+            f"weights ({'bfloat16' if bf16_state else 'float32'})",
+            int(dense_elems * weight_bytes / shard),
+            f"{dense_elems / 1e6:.2f}M numbers x {weight_bytes} B"
+            + ("" if not quant_elems else " (embeddings, norms, lm_head)"),
         )
     )
     if peft.use_peft:
@@ -468,7 +479,7 @@ def plan_memory(
     lookup = set() if cfg.tie_word_embeddings else {"model.embed_tokens.weight"}
     matmul_elems = sum(_numel(s) for n, s in shapes.items() if len(s) == 2 and n not in quantised | lookup)
     copies_all = copies_layer = 0
-    if dtype != "float32":
+    if dtype != "float32" and not (bf16_state and dtype == "bfloat16"):  # bfloat16 weights are not cast
         copies_all = int(matmul_elems * act_bytes / shard)
         layer_matmul = sum(
             _numel(s)
@@ -499,8 +510,18 @@ def plan_memory(
         )
 
     # --- gradients and optimizer --------------------------------------------------------
-    rows.append(MemoryRow("gradients (float32)", int(trainable * 4 / shard), f"{trainable / 1e6:.2f}M trainable"))
-    if config.optim.optimizer == "adamw_bnb_8bit":
+    rows.append(
+        MemoryRow(
+            f"gradients ({'bfloat16' if bf16_state else 'float32'})",
+            int(trainable * weight_bytes / shard),
+            f"{trainable / 1e6:.2f}M trainable",
+        )
+    )
+    if bf16_state:
+        rows.append(
+            MemoryRow("optimizer state (AdamW bfloat16)", int(trainable * 4 / shard), "exp_avg + exp_avg_sq, bfloat16")
+        )
+    elif config.optim.optimizer == "adamw_bnb_8bit":
         if backend != "torch":
             raise ConfigError(
                 "optimizer='adamw_bnb_8bit' is bitsandbytes' (torch only); use --optimizer "
