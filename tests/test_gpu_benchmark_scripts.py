@@ -163,8 +163,9 @@ def test_sft_gpu_smoke_trains_twinseq_and_trl_on_the_same_rows(tmp_path):
 
     data = _run_script("sft_gpu", tmp_path)
     rows = {r["setup"]: r for r in data["results"]}
-    assert list(rows) == ["twinseq", "twinseq-offload", "trl"]
-    for name in ("twinseq", "trl"):
+    assert list(rows) == ["twinseq", "twinseq-bf16", "twinseq-offload", "trl"]
+    assert rows["twinseq-bf16"]["config"]["optimizer"] == "adamw_bf16" and "optimizer" not in rows["twinseq"]["config"]
+    for name in ("twinseq", "twinseq-bf16", "trl"):
         r = rows[name]
         assert r["status"] == "ok", r
         assert len(r["step_seconds"]) == len(r["step_tokens"]) == data["steps"]

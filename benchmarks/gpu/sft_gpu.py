@@ -341,7 +341,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = run.args
     model_cfg = resolve_model_config(args.model)
     parameters = sum(math.prod(s) for s in parameter_shapes(model_cfg).values())
-    rows = [measure_setup(name, args) for name in args.setups.split(",") if name]
+    rows: list[dict] = []
+    payload = _payload(run, args, parameters, rows) if not args.setups.strip(",") else {}
+    for name in (n for n in args.setups.split(",") if n):
+        rows.append(measure_setup(name, args))
+        payload = _payload(run, args, parameters, rows)  # written after every setup: a cut run keeps its rows
+    return payload
+
+
+def _payload(run: Any, args: argparse.Namespace, parameters: int, rows: list[dict]) -> dict:
     r = ratios(rows)
     meta = {"model": Path(args.model).name, "parameters": parameters, "rows": args.rows,
             "max_length": args.max_length, "steps": args.steps, "warmup_steps": args.warmup_steps,
