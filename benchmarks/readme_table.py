@@ -224,6 +224,14 @@ def sft_gpu_row(d: dict) -> tuple[str, str, str]:
     if ours["peak_bytes"]:
         text += f", {_mib(ours['peak_bytes'])}"
         text += f" ({_x(r['twinseq_over_trl_peak'])}× TRL)" if "twinseq_over_trl_peak" in r else ""
+    bf16 = rows.get("twinseq-bf16")
+    if bf16 is not None:
+        text += f"; `adamw_bf16`: {bf16['tokens_per_second']:,.0f} tok/s"
+        if "twinseq_bf16_over_trl_tokens_per_second" in r:
+            text += f" ({r['twinseq_bf16_over_trl_tokens_per_second']:.2f}× TRL)"
+        if bf16["peak_bytes"]:
+            text += f", {_mib(bf16['peak_bytes'])}"
+            text += f" ({_x(r['twinseq_bf16_over_trl_peak'])}× TRL)" if "twinseq_bf16_over_trl_peak" in r else ""
     if "offload_over_no_offload_peak" in r:
         text += (f"; offloading: {_x(r['offload_over_no_offload_peak'])}× the memory at "
                  f"{r['offload_over_no_offload_step_time']:.2f}× the step time")

@@ -360,6 +360,7 @@ def _payload(run: Any, args: argparse.Namespace, parameters: int, rows: list[dic
                               "measured on CPU"),
             "packages": {p: _version(p) for p in PACKAGES}}
     payload = {**meta, "arguments": run.arguments(), "results": rows}
+    run.provenance.pop("finished_utc", None)  # each write stamps the end anew: the last one is the run's end
     run.write(payload, title="SFT on one GPU: twinseq vs TRL, activation offloading", body=markdown(meta, rows))
     return payload
 
