@@ -473,6 +473,13 @@ def varlen_attention_forward(
             f"{type(module).__name__}, which it cannot compute; use attn_implementation='eager'."
         )
     plan: Optional[VarlenPlan] = kwargs.get(PLAN_KWARG)
+    if plan is None and attention_mask is None and key.shape[2] != query.shape[2]:
+        # decoding over a KV cache (generate, which left-pads its prompts; transformers passes this function no
+        # mask): one sequence per row, its last query at position_ids[:, -1], so the row's sequence is the last
+        # position + 1 keys and the rest is padding
+        attention_mask = decode_mask(
+            query.shape[2], key.shape[2], sliding_window, query.device, kwargs.get("position_ids")
+        )
     if plan is None and attention_mask is not None:
         # the dense fallback of model_inputs: this layer type's mask already holds the window
         if softcap is None:
@@ -499,6 +506,35 @@ def varlen_attention_forward(
         query, key, value, plan, scaling, dropout if module.training else 0.0, sliding_window, softcap
     )
     return out_NHD.view(B, T, H, value.shape[-1]), None
+
+
+def decode_mask(
+    num_queries: int,
+    num_keys: int,
+    sliding_window: Optional[int],
+    device: Any,
+    position_ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """bool [B or 1, 1, Q, K]: the last ``Q`` positions of a ``K``-long cache, each seeing itself and the keys
+    before it (within ``sliding_window`` positions when given), and, with ``position_ids`` [B, Q] of a left-padded
+    batch, none of a row's keys before its first token (row ``b`` holds the last ``position_ids[b, -1] + 1`` keys).
+
+    >>> decode_mask(1, 3, None, "cpu").int().tolist(), decode_mask(2, 3, 2, "cpu").int().tolist()
+    ([[[[1, 1, 1]]]], [[[[1, 1, 0], [0, 1, 1]]]])
+    >>> decode_mask(1, 4, None, "cpu", torch.tensor([[1], [3]])).int().tolist()  # row 0: two pads, then 2 tokens
+    [[[[0, 0, 1, 1]]], [[[1, 1, 1, 1]]]]
+    """
+    offset = num_keys - num_queries
+    ones = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
+    allowed = ones.tril(offset)
+    if sliding_window is not None:
+        allowed &= ~ones.tril(offset - sliding_window)
+    allowed = allowed[None, None]
+    if position_ids is not None:
+        first_key = num_keys - (position_ids[:, -1].to(device) + 1)  # [B]
+        keys = torch.arange(num_keys, device=device)
+        allowed = allowed & (keys[None, :] >= first_key[:, None])[:, None, None, :]
+    return allowed
 
 
 def _band(L: int, sliding_window: int, device: Any) -> torch.Tensor:
