@@ -431,8 +431,113 @@ for label, logits in [('torch, packed', out['torch'][0]), ('jax, packed', out['j
     assert (gap <= TOL['logits_abs']) == label.endswith('packed')"""),
 ]
 
+FINETUNE = [
+    md("""
+# 4. Fine-tune, evaluate, chat
+
+The Python front door end to end, as a TRL user writes it: a `datasets.Dataset` built in memory, an
+`SFTConfig` with TRL's argument names, `SFTTrainer(...).train()` with an evaluation every few steps, then the
+trained model answering. The model is the `small` preset (12.6M parameters, random initial weights: no download),
+so the task has to be one a small model learns in a minute or two on a CPU: **copy two words**. The prompt is
+`Say apple river.` and the answer `apple river`. The held-out evaluation rows use word pairs the training rows
+never contain, so a falling `eval_loss` means the model learned to copy, not to recite.
+"""),
+    code("""
+import json
+import random
+from pathlib import Path
+from tempfile import mkdtemp
+
+from datasets import Dataset
+
+WORDS = ('apple river stone cloud green music paper window silver garden yellow orange bread candle forest '
+         'horse ocean pencil rabbit summer table violet winter zebra').split()
+pairs = [(a, b) for a in WORDS for b in WORDS if a != b]
+random.Random(0).shuffle(pairs)
+held_out_pairs, train_pairs = pairs[:40], pairs[40:]
+
+def rows(some_pairs, n, seed):
+    rng = random.Random(seed)
+    return [{'prompt': f'Say {a} {b}.\\n', 'completion': f'{a} {b}'} for a, b in rng.choices(some_pairs, k=n)]
+
+train, held_out = Dataset.from_list(rows(train_pairs, 600, 1)), Dataset.from_list(rows(held_out_pairs, 40, 2))
+assert not {(r['prompt']) for r in held_out} & {(r['prompt']) for r in train}, 'held-out pairs are unseen'
+print(train, held_out, train[0], sep='\\n')"""),
+    md("""
+## Train, with an evaluation every 20 steps
+
+`eval_on_start` adds the starting point of the curve; `eval_generate_samples` writes, at every evaluation, the
+greedy answers to the first eval prompts beside their references (`samples/step_N.md`): the before and the
+after. The loss is taken on the completion only (prompt-completion rows), packed without padding.
+"""),
+    code("""
+from twinseq import SFTConfig, SFTTrainer
+
+out_dir = Path(mkdtemp()) / 'copy-run'
+args = SFTConfig(output_dir=str(out_dir), max_steps=120, max_length=64, learning_rate=3e-3,
+                 lr_scheduler_type='constant', per_device_train_batch_size=16, packing=True, padding_free=True,
+                 attn_implementation='varlen', eval_strategy='steps', eval_steps=20, eval_on_start=True,
+                 eval_generate_samples=4, disable_tqdm=True, seed=0)
+trainer = SFTTrainer(model='small', args=args, train_dataset=train, eval_dataset=held_out)
+result = trainer.train()
+print(result.global_step, round(result.training_loss, 4))"""),
+    md("## The curves\n\nTraining loss at every step, evaluation loss and token accuracy on the held-out pairs."),
+    code("""
+import matplotlib.pyplot as plt
+
+records = [json.loads(line) for line in (out_dir / 'metrics.jsonl').read_text().splitlines()]
+train_curve = [(r['step'], r['loss']) for r in records if 'loss' in r]
+evals = [(r['step'], r['eval_loss'], r['eval_mean_token_accuracy']) for r in records if 'eval_loss' in r]
+fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+left.plot(*zip(*train_curve), label='train loss')
+left.plot([s for s, _, _ in evals], [l for _, l, _ in evals], 'o-', label='eval loss (held-out pairs)')
+left.set_yscale('log'); left.set_xlabel('optimizer step'); left.legend()
+right.plot([s for s, _, _ in evals], [a for _, _, a in evals], 'o-'); right.set_ylim(0, 1)
+right.set_xlabel('optimizer step'); right.set_title('eval token accuracy')
+plt.tight_layout(); plt.show()
+for step, loss, accuracy in evals:
+    print(f'step {step:4d}: eval_loss {loss:.4f}, eval accuracy {accuracy:.3f}')
+assert [s for s, _, _ in evals] == [0, 20, 40, 60, 80, 100, 120]
+assert evals[-1][1] < 0.1 * evals[0][1], 'the held-out loss falls by more than 10x'
+assert evals[-1][2] >= 0.9, 'and the model copies unseen pairs token by token'"""),
+    md("## Before and after\n\nThe same held-out prompts, answered greedily at step 0 and at the last step."),
+    code("""
+def samples(step):
+    return [json.loads(line) for line in (out_dir / 'samples' / f'step_{step}.jsonl').read_text().splitlines()]
+
+before, after = samples(0), samples(120)
+for b, a in zip(before, after):
+    print(f"{b['prompt'].strip()!r:32} before: {b['completion']!r:34} after: {a['completion']!r}")
+assert not any(b['completion'].strip() == b['reference'].strip() for b in before)
+assert sum(a['completion'].strip() == a['reference'].strip() for a in after) >= 3"""),
+    md("""
+## Evaluate again, and talk to the saved model
+
+`trainer.evaluate()` runs the evaluation on the trained model in memory: it must give the last logged
+`eval_loss`. `train()` wrote the model with its tokenizer to `final/`; `Generator` (what `twinseq generate`
+and `twinseq chat` run) loads that folder on either backend and answers new prompts, here on the JAX backend
+from the torch-trained weights.
+"""),
+    code("""
+from twinseq.common.run.generate import Generator
+
+again = trainer.evaluate()
+print({k: round(v, 6) for k, v in again.items() if k in ('eval_loss', 'eval_mean_token_accuracy')})
+assert abs(again['eval_loss'] - evals[-1][1]) <= 1e-5 * evals[-1][1]
+
+answers = {}
+for backend in ('torch', 'jax'):
+    model = Generator(out_dir / 'final', backend=backend, chat=False)
+    answers[backend] = [c.completion for c in model.complete([f'Say {a} {b}.\\n' for a, b in held_out_pairs[:6]],
+                                                              max_new_tokens=6)]
+    print(backend, answers[backend])
+assert answers['torch'] == answers['jax'], 'one folder, two backends, the same greedy answers'
+right = sum(ans.strip().startswith(f'{a} {b}') for ans, (a, b) in zip(answers['torch'], held_out_pairs))
+assert right >= 4, f'{right} of 6 unseen pairs copied'"""),
+]
+
 NOTEBOOKS = {"01_packing_and_document_masks": PACKING, "02_losses_without_logits": LOSSES,
-             "03_torch_jax_parity": PARITY}
+             "03_torch_jax_parity": PARITY, "04_finetune_evaluate_chat": FINETUNE}
 
 
 def build() -> dict[str, nbformat.NotebookNode]:
