@@ -119,7 +119,7 @@ from twinseq.common.config import (
 )
 from twinseq.common.errors import ConfigError
 from twinseq.common.models.configs import ModelConfig, parameter_shapes, resolve_model_config
-from twinseq.common.models.peft import LINEAR_MODULES, PeftConfig, adapter_shapes, lora_targets
+from twinseq.common.models.peft import LINEAR_MODULES, PeftConfig, adapter_shapes, base_dtype, lora_targets
 
 __all__ = [
     "MemoryPlan",
@@ -452,10 +452,13 @@ def plan_memory(
             "optimizer='adamw_bf16' (bfloat16 weights and moments) is torch only today; use --optimizer "
             "adamw_torch on the jax backend."
         )
-    weight_bytes = 2 if bf16_state else 4
+    # the stored weights: bfloat16 under adamw_bf16; under adapters the frozen base in the compute dtype
+    # (common.models.peft.base_dtype); float32 master weights otherwise
+    weight_dtype = "bfloat16" if bf16_state else base_dtype(peft, dtype)
+    weight_bytes = DTYPE_BYTES[weight_dtype]
     rows.append(
         MemoryRow(
-            f"weights ({'bfloat16' if bf16_state else 'float32'})",
+            f"weights ({weight_dtype})",
             int(dense_elems * weight_bytes / shard),
             f"{dense_elems / 1e6:.2f}M numbers x {weight_bytes} B"
             + ("" if not quant_elems else " (embeddings, norms, lm_head)"),
@@ -479,7 +482,7 @@ def plan_memory(
     lookup = set() if cfg.tie_word_embeddings else {"model.embed_tokens.weight"}
     matmul_elems = sum(_numel(s) for n, s in shapes.items() if len(s) == 2 and n not in quantised | lookup)
     copies_all = copies_layer = 0
-    if dtype != "float32" and not (bf16_state and dtype == "bfloat16"):  # bfloat16 weights are not cast
+    if dtype != "float32" and weight_dtype != dtype:  # weights already in the compute dtype are not cast
         copies_all = int(matmul_elems * act_bytes / shard)
         layer_matmul = sum(
             _numel(s)
@@ -513,7 +516,7 @@ def plan_memory(
     rows.append(
         MemoryRow(
             f"gradients ({'bfloat16' if bf16_state else 'float32'})",
-            int(trainable * weight_bytes / shard),
+            int(trainable * (2 if bf16_state else 4) / shard),
             f"{trainable / 1e6:.2f}M trainable",
         )
     )
