@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from twinseq.torch_backend.triton_ce import kernel_mode
+from twinseq.torch_backend.triton_ce import kernel_mode, wrap_kernels
 
 CHUNK = 1 << 24
 """Elements per float32 temporary of the torch update (64 MiB each)."""
@@ -57,15 +57,9 @@ def round_stochastic_(dst: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=2)
 def _kernel(mode: str) -> Any:
-    import triton  # optional dependency
-
     from twinseq.torch_backend import bf16_adamw_kernel as k  # optional dependency: imports triton.language
 
-    if mode == "interpret":
-        from triton.runtime.interpreter import InterpretedFunction  # optional dependency
-
-        return InterpretedFunction(k.adamw_bf16_kernel)
-    return triton.jit(k.adamw_bf16_kernel, do_not_specialize=["n"])
+    return wrap_kernels(mode, k.adamw_bf16_kernel, do_not_specialize=["n"])[0]
 
 
 def kernel_step_(

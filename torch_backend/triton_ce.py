@@ -38,7 +38,7 @@ import logging
 import math
 import os
 import sys
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -127,22 +127,26 @@ def kernel_runs(hidden: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bo
     return reason is None
 
 
-@functools.lru_cache(maxsize=2)
-def _kernels(mode: str):
+def wrap_kernels(mode: str, *sources: Any, do_not_specialize: Sequence[str] = ()) -> tuple:
+    """Triton kernel sources (undecorated functions) as launchable kernels: ``triton.jit`` for ``"cuda"``, Triton's
+    interpreter (numpy, CPU tensors) for ``"interpret"``; ``do_not_specialize`` names integer arguments that change
+    from call to call (one compiled variant serves them all)."""
     import triton  # optional dependency
-
-    from twinseq.torch_backend import triton_ce_kernels as k  # optional dependency: imports triton.language
 
     if mode == "interpret":
         from triton.runtime.interpreter import InterpretedFunction  # optional dependency
 
-        return InterpretedFunction(k.fwd_kernel), InterpretedFunction(k.bwd_kernel)
+        return tuple(InterpretedFunction(source) for source in sources)
+    return tuple(triton.jit(source, do_not_specialize=list(do_not_specialize)) for source in sources)
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(mode: str):
+    from twinseq.torch_backend import triton_ce_kernels as k  # optional dependency: imports triton.language
+
     # ``n`` (rows with a target) changes every step: unspecialised, one compiled variant serves them all (Triton
     # would compile one for n % 16 == 0 and one for the rest, 0.7 s each, the second one steps into a run)
-    return (
-        triton.jit(k.fwd_kernel, do_not_specialize=["n"]),
-        triton.jit(k.bwd_kernel, do_not_specialize=["n"]),
-    )
+    return wrap_kernels(mode, k.fwd_kernel, k.bwd_kernel, do_not_specialize=["n"])
 
 
 TILES_ENV = "TWINSEQ_TRITON_TILES"
