@@ -135,6 +135,7 @@ def test_a_kernel_that_cannot_run_is_a_row_with_its_reason():
     assert row["status"] == "skipped" and "CUDA" in row["reason"]
 
 
+@pytest.mark.slow  # the fast tier is at its 10-minute budget; make test-all runs it
 def test_a_kernel_that_loses_the_cuda_context_stops_the_kernels_after_it(monkeypatch):
     def faulty(_):
         def loss_fn(h, w):

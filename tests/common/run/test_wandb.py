@@ -91,6 +91,7 @@ def test_the_sink_logs_steps_config_and_name(offline, tmp_path, caplog):
     assert [r["loss"] for r in read_metrics(tmp_path / "out")] == [2.5, 2.0]
 
 
+@pytest.mark.slow  # the fast tier is at its 10-minute budget; make test-all runs it
 def test_a_tiny_training_run_reports_its_losses_to_an_offline_wandb_run(offline, tmp_path):
     pytest.importorskip("wandb")
     out = tmp_path / "out"
