@@ -1,7 +1,6 @@
 """``optimizer='adamw_bf16'``: stochastic rounding is unbiased, the update is torch's AdamW, tiny updates are not
 lost, a run trains like the float32 one, resumes bitwise, and is refused where it cannot run."""
 
-import json
 import shutil
 
 import pytest
@@ -9,13 +8,14 @@ import torch
 from safetensors.torch import load_file
 
 from twinseq.common.config import TrainConfig
-from twinseq.common.data.corpus import load_embedded
 from twinseq.common.errors import ConfigError
 from twinseq.common.run.memory_plan import plan_memory
 from twinseq.common.run.report import read_metrics
 from twinseq.torch_backend import bf16_adamw
 from twinseq.torch_backend.bf16_adamw import AdamWBF16, round_stochastic_
 from twinseq.torch_backend.recipes import train
+
+from _sft_data import write_embedded_sft_jsonl
 
 
 def _neighbours(value: float) -> tuple[float, float]:
@@ -108,12 +108,7 @@ def test_updates_below_the_spacing_accumulate_only_with_stochastic_rounding(monk
 
 @pytest.fixture(scope="module")
 def sft_jsonl(tmp_path_factory):
-    ds = load_embedded("embedded-sft").select(range(400))
-    path = tmp_path_factory.mktemp("data") / "sft.jsonl"
-    with path.open("w") as f:
-        for row in ds:
-            f.write(json.dumps({"prompt": row["prompt"], "completion": row["completion"]}) + "\n")
-    return str(path)
+    return write_embedded_sft_jsonl(tmp_path_factory.mktemp("data"), 400)
 
 
 def _cfg(data, out, **kw):

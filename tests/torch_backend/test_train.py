@@ -1,6 +1,5 @@
 """End-to-end torch trainer: metrics, resume, bad configs. Small local data keeps it fast."""
 
-import json
 import shutil
 
 import pytest
@@ -10,20 +9,15 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file  # noqa: E402
 
 from twinseq.common.config import TrainConfig  # noqa: E402
-from twinseq.common.data.corpus import load_embedded  # noqa: E402
 from twinseq.common.run.report import REQUIRED_FIELDS, read_metrics  # noqa: E402
 from twinseq.common.run.capabilities import Runtime, check_runtime  # noqa: E402
 from twinseq.torch_backend.recipes import train  # noqa: E402
+from _sft_data import write_embedded_sft_jsonl  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def small_sft_jsonl(tmp_path_factory):
-    ds = load_embedded("embedded-sft").select(range(160))
-    path = tmp_path_factory.mktemp("data") / "sft.jsonl"
-    with path.open("w") as f:
-        for row in ds:
-            f.write(json.dumps({"prompt": row["prompt"], "completion": row["completion"]}) + "\n")
-    return str(path)
+    return write_embedded_sft_jsonl(tmp_path_factory.mktemp("data"), 160)
 
 
 def _cfg(data, out, **kw):
