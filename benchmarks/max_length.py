@@ -386,6 +386,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                        max_seconds=args.max_probe_seconds, log=tqdm.write)
         results.append({"setup": setup, "row": name, "config": change, **found})
         tqdm.write(f"  -> {found['max_length']:,} tokens ({found['bound']}-bound)")
+        if len(results) < len(rows):  # written after every row: a run cut at its time limit keeps what it found
+            write_results(run, results, [], partial=f"{len(results)} of {len(rows)} rows searched")
 
     sweep: list[dict[str, Any]] = []
     lengths = [int(x) for x in args.sweep.split(",") if x]
@@ -399,6 +401,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 tqdm.write(f"  sweep {backend} T={length}: {got['peak_bytes'] / MIB:.1f} MiB, {got['seconds']:.1f} s")
             except Exception as err:  # noqa: BLE001 - reported in the table
                 sweep.append({"backend": backend, "length": length, "error": str(err).strip().splitlines()[-1][:200]})
+    write_results(run, results, sweep)
+
+
+def write_results(run: Any, results: list[dict[str, Any]], sweep: list[dict[str, Any]], partial: str = "") -> None:
+    """The table, the acceptance checks, the plot and the files of the rows searched so far."""
+    args = run.args
     fits = {b: [(s["length"], s["peak_bytes"]) for s in sweep if s["backend"] == b and "peak_bytes" in s]
             for b in {s["backend"] for s in sweep}}
     r2 = {b: r_squared(*zip(*pts)) for b, pts in fits.items() if len(pts) >= 3}
@@ -427,6 +435,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             f"{args.start}, then bisection to {args.resolution:.0%}; a probe slower than {args.max_probe_seconds:.0f} s "
             "stops the upward search (`compute`-bound: the memory wall lies further). `adds`: the length gained "
             "over the row above.", "",
+            *([f"**Partial run: {partial}.** The rows below are complete; the run ended before the rest.", ""]
+              if partial else []),
             *markdown_table(["setup", "row (cumulative)", "longest T", "bound", "adds", "vs TRL", "peak MiB at T",
                              "step s at T"], table, "llrlrrrr"), ""]
     if sweep:
@@ -463,7 +473,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         save_figure(fig, png)
 
     run.write({"cap_bytes": args.cap, "model": args.model, "device": args.device, "results": results, "sweep": sweep, "r_squared": r2,
-               "acceptance": checks}, title="Longest trainable sequence", body="\n".join(body), plot=plot)
+               "acceptance": checks, **({"partial": partial} if partial else {})},
+              title="Longest trainable sequence", body="\n".join(body), plot=plot)
 
 
 if __name__ == "__main__":

@@ -313,6 +313,8 @@ def file_cell(path: Path, data: dict, readme_dir: Path) -> str:
     notes = [f"commit `{commit[:10]}`" if commit else "**commit unknown**"]
     if prov["git"]["dirty"]:
         notes.append("**dirty tree**")
+    if data.get("partial"):
+        notes.append(f"**partial run**: {data['partial']}")
     if prov["non_default_arguments"]:
         notes.append("**non-default arguments**: "
                      + ", ".join(f"`{k}={v}`" for k, v in prov["non_default_arguments"].items()))

@@ -265,3 +265,34 @@ def test_without_the_baseline_the_other_kernels_run_unchecked(monkeypatch):
     assert "unchecked: `twinseq nll` did not run" in md
     assert readme_table.loss_kernels_row({"tokens": 1, "hidden": 1, "dtype": "float32", "shapes": [shape]})[2] == \
         "unchecked (no `nll` to compare)"
+
+
+def test_max_length_run_cut_after_its_first_row_keeps_that_row(tmp_path, monkeypatch):
+    """A search killed at its time limit (the GPU runs end so) still leaves a result file with the rows it finished,
+    marked partial, and the README's cell says so; a finished run carries no such mark."""
+    max_length = importlib.import_module("max_length")
+    found = {"max_length": 512, "bound": "memory", "probes": [{"length": 512, "peak_bytes": 1 << 20, "seconds": 1.0}]}
+    calls = []
+
+    def search(probe, cap, **_):
+        calls.append(cap)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a timeout's signal does to the second row
+        return found
+
+    monkeypatch.setattr(max_length, "search", search)
+    argv = ["--setups", "torch,trl", "--staircase", "last", "--cap", "300MiB", "--sweep", "", "--out", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        max_length.main(argv)
+    (path,) = tmp_path.glob("max_length_*_*.json")
+    data = json.loads(path.read_text())
+    assert data["partial"] == "1 of 2 rows searched" and [r["setup"] for r in data["results"]] == ["torch"]
+    assert "**Partial run: 1 of 2 rows searched.**" in path.with_suffix(".md").read_text()
+    assert "**partial run**: 1 of 2 rows searched" in readme_table.file_cell(path, data, tmp_path)
+
+    calls.clear()
+    monkeypatch.setattr(max_length, "search", lambda probe, cap, **_: found)
+    max_length.main(argv)  # the finished run overwrites the partial file, unmarked
+    data = json.loads(path.read_text())
+    assert "partial" not in data and [r["setup"] for r in data["results"]] == ["torch", "trl"]
+    assert "partial" not in readme_table.file_cell(path, data, tmp_path)
