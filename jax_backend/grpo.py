@@ -103,6 +103,8 @@ def grpo_loss_jax(
             )
         delta = ref_logps_NC.astype(logps_NC.dtype) - logps_NC
         kl = jnp.exp(delta) - delta - 1
+        if spec.use_bias_correction_kl:  # times the (differentiable) ratio: the unbiased reverse-KL gradient
+            kl = kl * ratio
         per_token = per_token + spec.beta * kl
         metrics["kl"] = jax.lax.stop_gradient((kl * m).sum() / count)
     summed = per_token * m

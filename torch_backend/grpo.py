@@ -166,6 +166,8 @@ def grpo_loss_torch(
             )
         delta = ref_logps_NC.to(logps_NC.dtype) - logps_NC
         kl = torch.exp(delta) - delta - 1
+        if spec.use_bias_correction_kl:  # times the (differentiable) ratio: the unbiased reverse-KL gradient
+            kl = kl * ratio
         per_token = per_token + spec.beta * kl
         metrics["kl"] = float((kl.detach() * m).sum() / count)
     n = logps_NC.shape[0]
@@ -239,6 +241,7 @@ def liger_grpo_loss(
         epsilon_high=eps_high,
         temperature=temperature,
         use_ref_model=spec.beta > 0,
+        use_bias_correction_kl=spec.use_bias_correction_kl,
         loss_type=spec.loss_type,
         max_completion_length=spec.max_completion_length,
     )

@@ -34,6 +34,7 @@ from __future__ import annotations
 import inspect
 import logging
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional, Sequence
 
@@ -71,6 +72,10 @@ class GRPOConfig:
     """Sample among the k most likely tokens only; 0 disables (TRL's 0/None)."""
     grpo_beta: float = knob(0.0, ge=0)
     """KL coefficient (TRL's GRPO ``beta``). 0: no reference model is loaded or run."""
+    use_bias_correction_kl: bool = True
+    """Multiply the k3 KL by the importance ratio (TRL 1.16's default, DeepSeek-V3.2): the KL gradient is then the
+    unbiased reverse-KL gradient. It changes the gradient whenever ``grpo_beta > 0``, on-policy too (the ratio is 1
+    but differentiable). False: the uncorrected k3 term of the original GRPO."""
     epsilon: float = knob(0.2, gt=0, lt=1)
     """Lower clip of the importance ratio: ρ >= 1 - epsilon."""
     epsilon_high: Optional[float] = knob(None, gt=0)
@@ -201,6 +206,7 @@ class LossSpec:
     epsilon_high: Optional[float] = None
     beta: float = 0.0
     max_completion_length: Optional[int] = None
+    use_bias_correction_kl: bool = True
 
     def __post_init__(self) -> None:
         if self.loss_type not in GRPO_LOSS_TYPES:
@@ -213,7 +219,9 @@ class LossSpec:
     @classmethod
     def of(cls, grpo: GRPOConfig, max_completion_length: int) -> "LossSpec":
         eps_low, eps_high = epsilon_bounds(grpo)
-        return cls(grpo.grpo_loss_type, eps_low, eps_high, grpo.grpo_beta, max_completion_length)
+        return cls(
+            grpo.grpo_loss_type, eps_low, eps_high, grpo.grpo_beta, max_completion_length, grpo.use_bias_correction_kl
+        )
 
 
 class StepShare(NamedTuple):
@@ -284,13 +292,17 @@ def compute_rewards(
     columns: Optional[Mapping[str, Sequence[Any]]] = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(total reward [N], per-function rewards [N, F]) float64; None -> NaN, and the total is the
-    NaN-ignoring weighted sum (TRL's ``nansum``), so a function may abstain on some completions.
+    NaN-ignoring weighted sum (TRL's ``nansum``), so a function may abstain on some completions. A completion that
+    every function abstains on is unscorable: its total is NaN (TRL 1.16), which ``group_advantages`` leaves out of
+    its group's mean and std and gives advantage 0.
 
     >>> def ones(prompts, completions, **kw): return [1.0] * len(completions)
     >>> def half(prompts, completions, **kw): return [0.5, None]
     >>> total, per = compute_rewards([ones, half], ["p", "p"], ["a", "b"], weights=[1.0, 2.0])
     >>> total.tolist(), np.isnan(per[:, 1]).tolist()
     ([2.0, 1.0], [False, True])
+    >>> compute_rewards([half], ["p", "p"], ["a", "b"])[0].tolist()
+    [0.5, nan]
     """
     if not funcs:
         raise ConfigError(f"funcs={list(funcs)!r} holds no reward functions: pass at least one (reward_funcs).")
@@ -304,16 +316,43 @@ def compute_rewards(
     per = np.stack([_call_reward_func(f, prompts, completions, columns) for f in funcs], axis=1)
     all_none = np.isnan(per).all(axis=1)
     if all_none.any():
-        logger.warning("%d completion(s) got None from every reward function; their reward is 0", int(all_none.sum()))
+        logger.warning(
+            "%d completion(s) got None from every reward function: unscorable, left out of their group's mean and "
+            "std, advantage 0",
+            int(all_none.sum()),
+        )
     total = np.nansum(per * np.asarray(weights, np.float64)[None, :], axis=1)
+    total[all_none] = np.nan
     return total, per
 
 
+def _nanstd(x: np.ndarray, axis: Optional[int] = None) -> np.ndarray:
+    """TRL's ``nanstd``: the Bessel-corrected std of the non-NaN values; NaN where fewer than two."""
+    count = (~np.isnan(x)).sum(axis=axis)
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN group: its mean is NaN, as TRL's
+        mean = np.nanmean(x, axis=axis, keepdims=True)
+        var = np.nanmean((x - mean) ** 2, axis=axis) * count / (count - 1)
+    return np.where(count > 1, np.sqrt(var), np.nan)
+
+
+def _group_std(r: np.ndarray, num_generations: int, scale_rewards: str) -> np.ndarray:
+    """Per completion: the std that scales its advantage (its group's, or the batch's), TRL's ``std_rewards``."""
+    if scale_rewards == "batch":
+        return np.full_like(r, _nanstd(r) if r.size > 1 else 0.0)
+    if num_generations == 1:
+        return np.zeros_like(r)
+    return np.repeat(_nanstd(r.reshape(-1, num_generations), axis=1), num_generations)
+
+
 def group_advantages(rewards_N: np.ndarray, num_generations: int, scale_rewards: str = "group") -> np.ndarray:
-    """float64 [N] advantages; completions ``g*G .. g*G+G-1`` are group g (TRL's order).
+    """float64 [N] advantages; completions ``g*G .. g*G+G-1`` are group g (TRL's order). A NaN reward (an
+    unscorable completion) is left out of its group's mean and std, and its advantage is 0 (TRL 1.16).
 
     >>> group_advantages(np.array([1.0, 0.0, 2.0, 2.0]), 2).round(3).tolist()
     [0.707, -0.707, 0.0, 0.0]
+    >>> group_advantages(np.array([1.0, 0.0, np.nan, 0.0]), 4).round(3).tolist()
+    [1.155, -0.577, 0.0, -0.577]
     """
     r = np.asarray(rewards_N, np.float64)
     if r.ndim != 1 or r.size % num_generations:
@@ -324,14 +363,11 @@ def group_advantages(rewards_N: np.ndarray, num_generations: int, scale_rewards:
     if scale_rewards not in SCALE_REWARDS:
         raise ConfigError(f"scale_rewards={scale_rewards!r} is not valid; choose one of {SCALE_REWARDS}.")
     groups = r.reshape(-1, num_generations)
-    centred = (groups - groups.mean(axis=1, keepdims=True)).reshape(-1)
-    if scale_rewards == "none":
-        return centred
-    if scale_rewards == "group":
-        std = np.repeat(groups.std(axis=1, ddof=1), num_generations)
-    else:
-        std = np.full_like(r, r.std(ddof=1) if r.size > 1 else 0.0)
-    return centred / (std + STD_EPS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a group with no scored completion: NaN, advantage 0
+        centred = (groups - np.nanmean(groups, axis=1, keepdims=True)).reshape(-1)
+    adv = centred if scale_rewards == "none" else centred / (_group_std(r, num_generations, scale_rewards) + STD_EPS)
+    return np.nan_to_num(adv, nan=0.0)
 
 
 # ---------------------------------------------------------------------------------------
@@ -358,8 +394,11 @@ class LossNorm:
     max_completion_length: Optional[int] = None  # dr_grpo
 
 
-def per_token_loss_np(logps_NC, old_logps_NC, advantages_N, eps_low, eps_high, beta=0.0, ref_logps_NC=None):
-    """(per-token loss [N, C], ratio [N, C], k3 KL [N, C] or None), float64."""
+def per_token_loss_np(
+    logps_NC, old_logps_NC, advantages_N, eps_low, eps_high, beta=0.0, ref_logps_NC=None, bias_correction_kl=True
+):
+    """(per-token loss [N, C], ratio [N, C], KL term [N, C] or None), float64. The KL term is k3, times the ratio
+    with ``bias_correction_kl`` (TRL's ``use_bias_correction_kl``)."""
     logps = np.asarray(logps_NC, np.float64)
     old = logps if old_logps_NC is None else np.asarray(old_logps_NC, np.float64)
     adv = np.asarray(advantages_N, np.float64)[:, None]
@@ -373,6 +412,8 @@ def per_token_loss_np(logps_NC, old_logps_NC, advantages_N, eps_low, eps_high, b
             )
         delta = np.asarray(ref_logps_NC, np.float64) - logps
         kl = np.exp(delta) - delta - 1
+        if bias_correction_kl:
+            kl = kl * ratio
         loss = loss + beta * kl
     return loss, ratio, kl
 
@@ -423,6 +464,7 @@ def grpo_loss(
     epsilon: float = 0.2,
     epsilon_high: Optional[float] = None,
     beta: float = 0.0,
+    use_bias_correction_kl: bool = True,
     max_completion_length: Optional[int] = None,
     num_sequences_in_step: Optional[int] = None,
     num_tokens_in_step: Optional[int] = None,
@@ -442,7 +484,7 @@ def grpo_loss(
     eps_high = epsilon if epsilon_high is None else epsilon_high
     mask = np.asarray(mask_NC, np.float64)
     loss_NC, ratio_NC, kl_NC = per_token_loss_np(
-        logps_NC, old_logps_NC, advantages_N, epsilon, eps_high, beta, ref_logps_NC
+        logps_NC, old_logps_NC, advantages_N, epsilon, eps_high, beta, ref_logps_NC, use_bias_correction_kl
     )
     norm = LossNorm(loss_type, num_sequences_in_step, num_tokens_in_step, num_micro_batches, max_completion_length)
     metrics = clip_metrics_np(ratio_NC, advantages_N, mask, epsilon, eps_high)
@@ -590,23 +632,28 @@ def scatter_tokens(values_n: np.ndarray, cb: CompletionBatch) -> np.ndarray:
 
 
 def reward_metrics(
-    total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str], num_generations: int
+    total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str], num_generations: int, scale_rewards: str = "group"
 ) -> dict[str, float]:
-    """TRL's reward metrics of one generation: ``reward``, ``reward_std`` (mean of the groups' std),
-    ``frac_reward_zero_std`` and each function's mean and std over the completions it scored (NaN: not scored).
+    """TRL 1.16's reward metrics of one generation, NaN (unscored) left out: ``reward`` (mean), ``reward_std`` (the
+    std over the whole batch), ``frac_reward_zero_std`` (the share of completions whose advantage's scale, their
+    group's std or the batch's by ``scale_rewards``, is 0) and each function's mean and std over the completions it
+    scored. A std of fewer than two values is NaN, as TRL logs it.
 
     >>> m = reward_metrics(np.array([1.0, 0.0, 1.0, 1.0]), np.array([[1.0], [0.0], [1.0], [np.nan]]), ["em"], 2)
     >>> m["reward"], m["frac_reward_zero_std"], m["rewards/em/mean"]
     (0.75, 0.5, 0.6666666666666666)
     """
-    groups = total_N.reshape(-1, num_generations)
+    total_N = np.asarray(total_N, np.float64)
+    scored = total_N[~np.isnan(total_N)]
+    std = _group_std(total_N, num_generations, scale_rewards)
     out = {
-        "reward": float(total_N.mean()),
-        "reward_std": float(groups.std(axis=1, ddof=1).mean()),
-        "frac_reward_zero_std": float((groups.std(axis=1) == 0).mean()),
+        "reward": float(scored.mean()) if scored.size else float("nan"),
+        "reward_std": float(_nanstd(total_N)),
+        "frac_reward_zero_std": float(np.isclose(std, 0.0, rtol=1e-5, atol=1e-8).mean()),
     }
     for j, name in enumerate(names):
-        ok = per_NF[:, j][~np.isnan(per_NF[:, j])]
+        column = np.asarray(per_NF[:, j], np.float64)
+        ok = column[~np.isnan(column)]
         out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else float("nan")
-        out[f"rewards/{name}/std"] = float(ok.std(ddof=1)) if ok.size > 1 else 0.0
+        out[f"rewards/{name}/std"] = float(_nanstd(column))
     return out

@@ -274,7 +274,13 @@ class GRPOEvaluator(Evaluator):
     def collect(self, trainer: Any, step: Optional[int]) -> dict[str, float]:
         funcs = list(trainer.reward_funcs)
         names = [reward_func_name(f) for f in funcs]
-        sums: dict[str, float] = {"reward": 0.0, "num_completions": 0.0, "completion_length": 0.0, "clipped": 0.0}
+        sums: dict[str, float] = {
+            "reward": 0.0,
+            "num_scored": 0.0,
+            "num_completions": 0.0,
+            "completion_length": 0.0,
+            "clipped": 0.0,
+        }
         table: list[dict[str, Any]] = []
         for rows in self.micro_batches:
             texts = generate_texts(
@@ -284,7 +290,8 @@ class GRPOEvaluator(Evaluator):
             _add(
                 sums,
                 {
-                    "reward": np.nansum(total),
+                    "reward": np.nansum(total),  # NaN: unscorable (every reward function abstained), left out
+                    "num_scored": int((~np.isnan(total)).sum()),
                     "num_completions": len(rows),
                     "completion_length": sum(t["completion_length"] for t in texts),
                     "clipped": sum(t["truncated"] for t in texts),
@@ -315,7 +322,7 @@ class GRPOEvaluator(Evaluator):
     def finish(self, sums: dict[str, float]) -> dict[str, float]:
         n = max(sums["num_completions"], 1.0)
         out = {
-            "reward": sums["reward"] / n,
+            "reward": sums["reward"] / sums["num_scored"] if sums.get("num_scored") else float("nan"),
             "completions/mean_length": sums["completion_length"] / n,
             "completions/clipped_ratio": sums["clipped"] / n,
         }

@@ -148,7 +148,9 @@ class GroupRollout:
         lengths = self.gather_rows(length_mask.sum(axis=1))
         truncated = self.gather_rows(truncated)
         metrics = {
-            **reward_metrics(total, per, [reward_func_name(f) for f in self.reward_funcs], self.num_generations),
+            **reward_metrics(
+                total, per, [reward_func_name(f) for f in self.reward_funcs], self.num_generations, g.scale_rewards
+            ),
             "completions/mean_length": float(lengths.mean()),
             "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()),

@@ -1,0 +1,304 @@
+"""TRL 1.16's own GRPO code, run in-process on inputs we choose: the reference twinseq's GRPO is compared with.
+
+Two entry points, both calling the real methods of one real ``trl.GRPOTrainer`` (a tiny random
+``LlamaForCausalLM`` from ``LlamaConfig``, an in-memory word-level tokenizer, ``use_cpu=True``, no download;
+trainers are cached per configuration: the first call imports TRL and builds, about 9 s; another configuration's
+trainer builds in well under a second, and a call on a built trainer takes milliseconds):
+
+- ``trl_loss_and_grad`` runs ``GRPOTrainer._compute_loss(model, inputs)``. Only the model forward is replaced:
+  the instance's ``_get_per_token_logps_and_entropies`` is patched, for the duration of the call, to return
+  ``(our log-prob leaf tensor, zeros as entropies, None as aux loss)``, the exact triple TRL's method returns
+  (``compute_entropy=True`` is always asked by ``_compute_loss``, which logs an ``entropy`` metric from it: that
+  metric is the stub's zeros, so it is left out of the returned metrics). Everything after it (ratio, clipping, k3
+  KL and its bias correction, every loss type's reduction and normaliser, the clip and KL metrics) is TRL's.
+  Tensors are float64 (TRL's loss code is dtype-generic; TRL itself would hand it float32 log-probs).
+- ``trl_advantages_and_metrics`` runs ``GRPOTrainer._generate_and_score_completions(inputs)`` with only
+  ``_generate`` patched (fixed one-token prompts, two-token completions ending in EOS, no model call). The reward
+  functions are real ones passed to the trainer (``reward_0``, ``reward_1``, ...) that return our values from a
+  dataset column (``None`` where the value is NaN), so TRL's own ``_calculate_rewards`` (None -> NaN, float32),
+  the aggregation, group/batch scaling, the unscorable-completion rule and the reward metrics all run. Rewards
+  and advantages are therefore float32, as in TRL (returned as float64 numpy).
+
+No test lives here; tests import it (it needs ``trl``, ``transformers``, ``datasets`` and ``tokenizers``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import math
+import os
+import shutil
+import tempfile
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+VOCAB = 64
+PAD, EOS, UNK = 0, 1, 2
+TOKEN = 3  # the id every stubbed prompt and completion token carries
+REWARD_COLUMN = "twinseq_reward_{}"
+"""The dataset column reward function ``reward_{i}`` reads its values from."""
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<eos>": EOS, "<unk>": UNK, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _model(folder: str):
+    """A tiny random Llama, saved to ``folder`` and loaded back: with ``beta != 0`` TRL builds its reference model
+    from the policy's ``config._name_or_path`` (``create_model_from_path``), which must then be a local folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(cfg).float().save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
+
+
+def _reward_func(i: int):
+    column = REWARD_COLUMN.format(i)
+
+    def reward(prompts, completions, **kwargs):
+        return [None if v is None or math.isnan(v) else float(v) for v in kwargs[column]]
+
+    reward.__name__ = f"reward_{i}"
+    return reward
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer(num_reward_funcs: int, config_items: tuple):
+    """One ``GRPOTrainer`` per (number of reward functions, GRPOConfig keyword items), kept for the session."""
+    from datasets import Dataset
+    from transformers.utils import logging as hf_logging
+    from trl import GRPOConfig, GRPOTrainer
+
+    out_dir = tempfile.mkdtemp(prefix="twinseq_trl_grpo_")
+    atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
+    options = {k: list(v) if isinstance(v, tuple) else v for k, v in config_items}  # reward_weights: a list
+    args = GRPOConfig(
+        output_dir=out_dir,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        **options,
+    )
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards", "Loading weights": noise in a test's output
+    try:
+        prompts = Dataset.from_list([{"prompt": f"w{3 + i} w{4 + i}"} for i in range(8)])
+        trainer = GRPOTrainer(
+            model=_model(os.path.join(out_dir, "policy")),
+            reward_funcs=[_reward_func(i) for i in range(num_reward_funcs)],
+            args=args,
+            train_dataset=prompts,
+            processing_class=_tokenizer(),
+        )
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    trainer.model.train()  # _compute_loss and the scoring read mode "train" from model.training
+    return trainer
+
+
+def _as_tensor(x, dtype) -> Any:
+    import torch
+
+    return torch.as_tensor(np.asarray(x, np.float64)).to(dtype)
+
+
+def _mean_metrics(metrics: dict[str, list]) -> dict[str, float]:
+    """As ``GRPOTrainer.log`` averages one logging window: the NaN-free mean of each metric's values."""
+    out = {}
+    for key, values in metrics.items():
+        valid = [float(v) for v in values if not math.isnan(v)]
+        out[key] = sum(valid) / len(valid) if valid else float("nan")
+    return out
+
+
+def trl_loss_and_grad(
+    logps_NC,
+    old_logps_NC,
+    ref_logps_NC,
+    advantages_N,
+    mask_NC,
+    *,
+    loss_type: str = "dapo",
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: Optional[float] = None,
+    use_bias_correction_kl: bool = True,
+    max_completion_length: Optional[int] = None,
+    grad_accum: int = 1,
+) -> tuple[float, np.ndarray, dict]:
+    """TRL's GRPO loss over one generation batch: (loss, d loss / d logps_NC as float64 [N, C], TRL's metrics).
+
+    ``logps_NC`` (the policy's completion log-probs), ``old_logps_NC`` (None: TRL's on-policy path, where
+    ``_compute_loss`` takes ``per_token_logps.detach()``), ``ref_logps_NC`` (needed when ``beta != 0``),
+    ``advantages_N`` and ``mask_NC`` (the completion mask; nonzero = a scored token) describe the whole
+    generation batch of one optimizer step. As TRL does in ``_prepare_inputs`` (bar the shuffle: rows stay in
+    order), it is split with TRL's ``split_tensor_dict`` into ``grad_accum`` micro-batches of N / grad_accum
+    contiguous rows, ``num_items_in_batch`` being the batch's mask total, and ``_compute_loss`` runs on each with
+    ``current_gradient_accumulation_steps = grad_accum`` (``steps_per_generation`` = ``grad_accum``, TRL's default).
+    The returned loss is the sum of the micro-batch losses and the gradient their accumulated gradient (what the
+    optimizer step sees); the metrics are each metric's mean over the micro-batches (as ``GRPOTrainer.log``
+    averages a window): ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``,
+    ``clip_ratio/low_min``, ``clip_ratio/high_max`` (clipped loss types), ``cispo_clip_ratio`` (cispo), ``kl``
+    (``beta != 0``). ``max_completion_length`` None leaves TRL's default (512; ``dr_grpo`` divides by it).
+    All float tensors are float64 (TRL's loss code does not fix a dtype); the mask is int64, as TRL builds it.
+    """
+    import torch
+    from trl.trainer.utils import split_tensor_dict
+
+    logps = np.asarray(logps_NC, np.float64)
+    if logps.ndim != 2:
+        raise ValueError(f"logps_NC must be [N, C], got shape {logps.shape}")
+    n, c = logps.shape
+    if grad_accum < 1 or n % grad_accum:
+        raise ValueError(f"N={n} rows do not split into grad_accum={grad_accum} equal micro-batches")
+    if beta != 0.0 and ref_logps_NC is None:
+        raise ValueError(f"beta={beta} needs ref_logps_NC")
+    micro = n // grad_accum
+    config = {
+        "loss_type": loss_type,
+        "beta": float(beta),
+        "epsilon": float(epsilon),
+        "epsilon_high": epsilon_high,
+        "use_bias_correction_kl": bool(use_bias_correction_kl),
+        "gradient_accumulation_steps": grad_accum,
+        # _compute_loss reads neither (N need not be a multiple of either): any pair GRPOConfig accepts
+        "per_device_train_batch_size": 2,
+        "num_generations": 2,
+    }
+    if max_completion_length is not None:
+        config["max_completion_length"] = int(max_completion_length)
+    trainer = _trainer(1, tuple(sorted(config.items())))
+
+    dtype = torch.float64
+    leaf = torch.tensor(logps, dtype=dtype, requires_grad=True)
+    mask = torch.as_tensor(np.asarray(mask_NC) != 0).to(torch.long)
+    if mask.shape != (n, c):
+        raise ValueError(f"mask_NC has shape {tuple(mask.shape)}, logps_NC {(n, c)}")
+    batch: dict[str, Any] = {
+        "prompt_ids": torch.full((n, 1), TOKEN, dtype=torch.long),
+        "prompt_mask": torch.ones((n, 1), dtype=torch.long),
+        "completion_ids": torch.full((n, c), TOKEN, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": _as_tensor(advantages_N, dtype).reshape(n),
+        "num_items_in_batch": mask.sum(),  # TRL: gather(loss_mask.sum()).sum(), over the generation batch
+    }
+    if old_logps_NC is not None:
+        batch["old_per_token_logps"] = _as_tensor(old_logps_NC, dtype)
+    if beta != 0.0:
+        batch["ref_per_token_logps"] = _as_tensor(ref_logps_NC, dtype)
+    micro_batches = split_tensor_dict(batch, grad_accum)
+
+    trainer._metrics["train"].clear()
+    trainer.current_gradient_accumulation_steps = grad_accum
+    total = 0.0
+    try:
+        for k, inputs in enumerate(micro_batches):
+            rows = leaf[k * micro : (k + 1) * micro]
+
+            def stub(model, input_ids, attention_mask, logits_to_keep, *args, _rows=rows, **kwargs):
+                assert input_ids.shape[0] == _rows.shape[0] and logits_to_keep == _rows.shape[1]
+                entropies = torch.zeros_like(_rows.detach()) if kwargs.get("compute_entropy") else None
+                return _rows, entropies, None
+
+            trainer._get_per_token_logps_and_entropies = stub
+            loss = trainer._compute_loss(trainer.model, inputs)
+            loss.backward()
+            total += float(loss.detach())
+    finally:
+        trainer.__dict__.pop("_get_per_token_logps_and_entropies", None)
+    metrics = _mean_metrics(trainer._metrics["train"])
+    trainer._metrics["train"].clear()
+    metrics.pop("entropy", None)  # the stub's zeros, not a model's entropy
+    grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+    return total, grad.detach().numpy().astype(np.float64), metrics
+
+
+def trl_advantages_and_metrics(
+    rewards_per_func_NF,
+    num_generations: int,
+    *,
+    reward_weights: Optional[Sequence[float]] = None,
+    scale_rewards: str = "group",
+    multi_objective_aggregation: str = "sum_then_normalize",
+) -> tuple[np.ndarray, dict]:
+    """TRL's advantages (float64 numpy [N]) and reward metrics for rewards ``[N, F]`` (NaN: the function gave None).
+
+    Runs the real ``GRPOTrainer._generate_and_score_completions`` on N one-prompt rows (rows
+    ``g*G .. g*G+G-1`` are prompt g's group, TRL's order) with ``_generate`` stubbed to fixed short prompts
+    and completions; F reward functions ``reward_0 .. reward_{F-1}`` return column i of the rewards (None where
+    NaN), through TRL's own ``_calculate_rewards``, so the values are float32 as in TRL. The metrics are those the
+    call logs in ``trainer._metrics["train"]``: ``reward``, ``reward_std``, ``frac_reward_zero_std`` and
+    ``rewards/reward_{i}/mean``, ``rewards/reward_{i}/std`` (NaN where TRL logs NaN). Only beta 0 is built, so no
+    reference forward runs (the advantages do not depend on beta).
+    """
+    rewards = np.asarray(rewards_per_func_NF, np.float64)
+    if rewards.ndim == 1:
+        rewards = rewards[:, None]
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards_per_func_NF must be [N, F], got shape {rewards.shape}")
+    n, f = rewards.shape
+    if num_generations < 2 or n % num_generations:
+        raise ValueError(f"N={n} completions do not hold whole groups of num_generations={num_generations} (>= 2)")
+    config = {
+        "per_device_train_batch_size": n,
+        "num_generations": int(num_generations),
+        "beta": 0.0,
+        "scale_rewards": scale_rewards,
+        "multi_objective_aggregation": multi_objective_aggregation,
+        "reward_weights": None if reward_weights is None else [float(w) for w in reward_weights],
+    }
+    trainer = _trainer(f, tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(config.items())))
+
+    inputs = [
+        {
+            "prompt": f"w{3 + (i // num_generations) % 8}",
+            **{REWARD_COLUMN.format(j): float(rewards[i, j]) for j in range(f)},
+        }
+        for i in range(n)
+    ]
+
+    def generate(prompts):
+        completion_ids = [[TOKEN, EOS] for _ in prompts]
+        completions = [f"w{TOKEN}" for _ in prompts]
+        return [[TOKEN] for _ in prompts], completion_ids, None, completions, None, {}, None, []
+
+    trainer._metrics["train"].clear()
+    trainer._generate = generate
+    try:
+        out = trainer._generate_and_score_completions(inputs)
+    finally:
+        trainer.__dict__.pop("_generate", None)
+    metrics = _mean_metrics(trainer._metrics["train"])
+    trainer._metrics["train"].clear()
+    return out["advantages"].detach().double().numpy(), metrics

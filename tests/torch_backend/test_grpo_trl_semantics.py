@@ -1,0 +1,259 @@
+"""GRPO at TRL 1.16's semantics, against TRL's own code in this process (``_trl_grpo``: a real ``GRPOTrainer``, its
+``_compute_loss`` and ``_generate_and_score_completions`` on log-probs and rewards chosen here).
+
+Invariants:
+- the KL term is TRL 1.16's default, bias-corrected (``use_bias_correction_kl``): on-policy its gradient per token is
+  ``beta * (logp - ref_logp)`` (the reverse-KL gradient), not the k3 term's ``beta * (1 - exp(ref_logp - logp))``;
+- loss and gradient w.r.t. the policy's log-probs equal TRL's within 1e-6 (numpy reference: loss; torch and JAX:
+  loss and gradient), for every loss type both have, on- and off-policy, with and without the correction;
+- advantages and the logged reward metrics equal TRL's within 1e-6, with completions that no reward function
+  scores (NaN: out of their group's mean and std, advantage 0) and with a group whose rewards are all equal;
+- each comparison fails when one side's option is flipped (the negative controls).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+jnp = pytest.importorskip("jax.numpy")
+
+from twinseq.common.objectives.grpo import (  # noqa: E402
+    GRPO_LOSS_TYPES,
+    LossSpec,
+    StepShare,
+    grpo_loss,
+    group_advantages,
+    reward_metrics,
+)
+from twinseq.jax_backend import grpo as jgrpo  # noqa: E402
+from twinseq.torch_backend import grpo as tgrpo  # noqa: E402
+
+N, C, G = 4, 5, 4
+TOL = 1e-6
+
+
+def _inputs(seed: int = 0, off_policy: bool = True):
+    rng = np.random.default_rng(seed)
+    logps = -rng.uniform(0.2, 3.0, (N, C))
+    mask = (np.arange(C)[None, :] < np.array([5, 3, 4, 2])[:, None]).astype(np.float64)
+    old = logps + rng.normal(0, 0.3, (N, C)) if off_policy else None
+    ref = logps + rng.normal(0, 0.8, (N, C))
+    adv = np.array([1.2, -0.8, 0.5, -0.9])
+    return logps, old, ref, adv, mask
+
+
+def _torch_loss_and_grad(logps, old, ref, adv, mask, spec: LossSpec) -> tuple[float, np.ndarray]:
+    lp = torch.tensor(logps, dtype=torch.float64, requires_grad=True)
+    loss, _ = tgrpo.grpo_loss_torch(
+        lp,
+        torch.tensor(adv),
+        torch.tensor(mask),
+        spec,
+        StepShare(),
+        old_logps_NC=None if old is None else torch.tensor(old),
+        ref_logps_NC=torch.tensor(ref),
+    )
+    loss.backward()
+    return float(loss.detach()), lp.grad.numpy().copy()
+
+
+def _jax_loss_and_grad(logps, old, ref, adv, mask, spec: LossSpec) -> tuple[float, np.ndarray]:
+    import jax
+
+    with jax.enable_x64(True):
+
+        def f(lp):
+            return jgrpo.grpo_loss_jax(
+                lp,
+                jnp.asarray(adv),
+                jnp.asarray(mask),
+                jgrpo.loss_norms(jnp.asarray(mask)),
+                spec,
+                old_logps_NC=None if old is None else jnp.asarray(old),
+                ref_logps_NC=jnp.asarray(ref),
+            )[0]
+
+        loss, grad = jax.value_and_grad(f)(jnp.asarray(logps, jnp.float64))
+        return float(loss), np.asarray(grad, np.float64)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_on_policy_kl_gradient_is_the_reverse_kl_gradient(backend):
+    """With the correction, d(beta * ratio * k3)/d logp = beta * (logp - ref) where ratio = 1; without it,
+    beta * (1 - exp(ref - logp)). Checked with no advantage, so only the KL term moves the gradient."""
+    logps, _, ref, _, mask = _inputs(off_policy=False)
+    zero_adv = np.zeros(N)
+    run = _torch_loss_and_grad if backend == "torch" else _jax_loss_and_grad
+    beta, tokens = 0.5, mask.sum()
+    for corrected, expected in ((True, beta * (logps - ref)), (False, beta * (1 - np.exp(ref - logps)))):
+        spec = LossSpec("dapo", beta=beta, use_bias_correction_kl=corrected)
+        _, grad = run(logps, None, ref, zero_adv, mask, spec)
+        np.testing.assert_allclose(grad, expected * mask / tokens, rtol=0, atol=1e-12)
+    # the two forms differ here (a test of a gradient that the option does not move could not fail)
+    assert np.abs((logps - ref) - (1 - np.exp(ref - logps)))[mask > 0].max() > 0.1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Against TRL 1.16's code
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trl_grpo():
+    pytest.importorskip("trl")
+    from tests.torch_backend import _trl_grpo
+
+    return _trl_grpo
+
+
+LOSS_CASES = [
+    (loss_type, beta, corrected, off_policy)
+    for loss_type in GRPO_LOSS_TYPES
+    for beta, corrected in ((0.0, True), (0.04, True), (0.5, True), (0.5, False))
+    for off_policy in (False, True)
+]
+
+
+@pytest.mark.parametrize("loss_type, beta, corrected, off_policy", LOSS_CASES)
+def test_loss_and_gradients_equal_trls(trl_grpo, loss_type, beta, corrected, off_policy):
+    logps, old, ref, adv, mask = _inputs(seed=1, off_policy=off_policy)
+    spec = LossSpec(loss_type, 0.2, 0.28, beta, C, use_bias_correction_kl=corrected)
+    want_loss, want_grad, want_metrics = trl_grpo.trl_loss_and_grad(
+        logps,
+        old,
+        ref,
+        adv,
+        mask,
+        loss_type=loss_type,
+        beta=beta,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        use_bias_correction_kl=corrected,
+        max_completion_length=C,
+    )
+    ref_out = grpo_loss(
+        logps,
+        adv,
+        mask,
+        old_logps_NC=old,
+        ref_logps_NC=ref,
+        loss_type=loss_type,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=beta,
+        use_bias_correction_kl=corrected,
+        max_completion_length=C,
+    )
+    assert abs(ref_out.loss - want_loss) <= TOL
+    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+        if key in want_metrics:
+            assert abs(ref_out.metrics[key] - want_metrics[key]) <= TOL, key
+    for run in (_torch_loss_and_grad, _jax_loss_and_grad):
+        loss, grad = run(logps, old, ref, adv, mask, spec)
+        assert abs(loss - want_loss) <= TOL, run.__name__
+        np.testing.assert_allclose(grad, want_grad, rtol=0, atol=TOL, err_msg=run.__name__)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_two_micro_batch_step_equals_trls_accumulated_step(trl_grpo, loss_type):
+    """TRL's step of two micro-batches (rows 0-1, 2-3) vs the sum of twinseq's two micro-batch shares."""
+    logps, old, ref, adv, mask = _inputs(seed=2)
+    spec = LossSpec(loss_type, 0.2, 0.28, 0.1, C)
+    want_loss, want_grad, _ = trl_grpo.trl_loss_and_grad(
+        logps,
+        old,
+        ref,
+        adv,
+        mask,
+        loss_type=loss_type,
+        beta=0.1,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        max_completion_length=C,
+        grad_accum=2,
+    )
+    share = StepShare(num_sequences_in_step=N, num_tokens_in_step=int(mask.sum()), num_micro_batches=2)
+    total, grad = 0.0, np.zeros((N, C))
+    for rows in (slice(0, 2), slice(2, 4)):
+        lp = torch.tensor(logps[rows], requires_grad=True)
+        loss, _ = tgrpo.grpo_loss_torch(
+            lp,
+            torch.tensor(adv[rows]),
+            torch.tensor(mask[rows]),
+            spec,
+            share,
+            old_logps_NC=torch.tensor(old[rows]),
+            ref_logps_NC=torch.tensor(ref[rows]),
+        )
+        loss.backward()
+        total += float(loss.detach())
+        grad[rows] = lp.grad.numpy()
+    assert abs(total - want_loss) <= TOL
+    np.testing.assert_allclose(grad, want_grad, rtol=0, atol=TOL)
+
+
+def test_the_loss_comparison_sees_a_flipped_kl_correction(trl_grpo):
+    """Negative control: twinseq without the correction against TRL with it (its default) must not agree, even
+    on-policy, where the losses are equal and only the gradients tell them apart."""
+    logps, _, ref, adv, mask = _inputs(seed=1, off_policy=False)
+    want_loss, want_grad, _ = trl_grpo.trl_loss_and_grad(logps, None, ref, adv, mask, beta=0.5)
+    loss, grad = _torch_loss_and_grad(
+        logps, None, ref, adv, mask, LossSpec("dapo", beta=0.5, use_bias_correction_kl=False)
+    )
+    assert abs(loss - want_loss) <= TOL  # on-policy the values agree...
+    assert np.abs(grad - want_grad).max() > 1e-2  # ...the gradients do not
+
+
+REWARD_CASES = {
+    # one reward function; completion 2 unscored
+    "one_unscored": [[1.0], [0.0], [np.nan], [0.0], [0.5], [0.5], [0.5], [0.5]],
+    # two weighted functions abstaining on different completions; completion 5 unscored by both; group 2 has one
+    # scored completion only (its std is NaN in TRL: advantage 0)
+    "two_functions": [
+        [1.0, np.nan],
+        [np.nan, 2.0],
+        [0.0, 1.0],
+        [3.0, 0.0],
+        [np.nan, np.nan],
+        [np.nan, np.nan],
+        [np.nan, np.nan],
+        [1.0, np.nan],
+    ],
+}
+
+
+def _rewards_from_columns(per_NF: np.ndarray, weights):
+    """twinseq's own path: real reward callables that return the columns, None where NaN."""
+    from twinseq.common.objectives.grpo import compute_rewards
+
+    def func(j):
+        def f(prompts, completions, **_):
+            return [None if np.isnan(v) else float(v) for v in per_NF[:, j]]
+
+        f.__name__ = f"reward_{j}"
+        return f
+
+    funcs = [func(j) for j in range(per_NF.shape[1])]
+    return compute_rewards(funcs, ["p"] * len(per_NF), ["c"] * len(per_NF), weights=weights), funcs
+
+
+@pytest.mark.parametrize("case", sorted(REWARD_CASES))
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_advantages_and_reward_metrics_equal_trls(trl_grpo, case, scale_rewards):
+    per = np.array(REWARD_CASES[case], np.float64)
+    weights = [1.0] if per.shape[1] == 1 else [0.7, 1.5]
+    want_adv, want_metrics = trl_grpo.trl_advantages_and_metrics(
+        per, G, reward_weights=weights, scale_rewards=scale_rewards
+    )
+    (total, per_out), funcs = _rewards_from_columns(per, weights)
+    adv = group_advantages(total, G, scale_rewards)
+    np.testing.assert_allclose(adv, want_adv, rtol=0, atol=TOL)
+    metrics = reward_metrics(total, per_out, [f.__name__ for f in funcs], G, scale_rewards)
+    assert set(want_metrics) <= set(metrics), sorted(set(want_metrics) - set(metrics))
+    for key, want in want_metrics.items():
+        got = metrics[key]
+        assert (np.isnan(got) and np.isnan(want)) or abs(got - want) <= TOL, (key, got, want)
+    # negative control: the rule before TRL 1.16's (unscored -> 0, kept in its group) does not agree
+    assert np.abs(group_advantages(np.nan_to_num(total), G, scale_rewards) - want_adv).max() > 1e-2
