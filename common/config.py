@@ -50,6 +50,7 @@ from twinseq.common.objectives.dpo import check_liger_dpo_config, validate_dpo_c
 from twinseq.common.objectives.grpo import (
     GRPOConfig,  # noqa: F401  (re-exported: the config surface)
     check_grpo_config,
+    check_liger_grpo_config,
 )
 
 Backend = Literal["torch", "jax"]
@@ -432,6 +433,8 @@ class TrainConfig:
                 per_device_train_batch_size=d.per_device_train_batch_size,
                 gradient_accumulation_steps=d.gradient_accumulation_steps,
             )
+            if loss.loss_type == "liger" or loss.use_liger_kernel:
+                check_liger_grpo_config(self.grpo)
 
         check_peft_config(self.peft)
         self._check_evaluation()

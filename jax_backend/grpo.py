@@ -38,7 +38,13 @@ from twinseq.common.data.batching import pad_batch
 from twinseq.common.data.prepare import run_tokenizer
 from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError
-from twinseq.common.objectives.grpo import CompletionBatch, LossSpec, collate_completions, reward_func_name
+from twinseq.common.objectives.grpo import (
+    CLIP_LOSS_TYPES,
+    CompletionBatch,
+    LossSpec,
+    collate_completions,
+    reward_func_name,
+)
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.rollout import GroupRollout, token_record
 from twinseq.common.run.schedule import with_resolved_max_steps
@@ -86,15 +92,16 @@ def grpo_loss_jax(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(this micro-batch's share of the step loss, metrics as token means): ``common.objectives.grpo.grpo_loss`` in jnp;
     traceable. ``norms_3`` as ``loss_norms`` returns; ``old_logps_NC`` None: the detached policy (ratio 1)."""
-    eps_low = spec.epsilon
-    eps_high = spec.epsilon if spec.epsilon_high is None else spec.epsilon_high
     m = mask_NC.astype(logps_NC.dtype)
     old = jax.lax.stop_gradient(logps_NC) if old_logps_NC is None else old_logps_NC.astype(logps_NC.dtype)
     adv = advantages_N.astype(logps_NC.dtype)[:, None]
-    ratio = jnp.exp(logps_NC - old)
-    per_token = -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    log_ratio = logps_NC - old
+    if spec.importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * m).sum(-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0)
+    ratio = jnp.exp(log_ratio)
     count = jnp.maximum(m.sum(), 1.0)
     metrics: dict[str, jax.Array] = {}
+    kl = None
     if spec.beta > 0:
         if ref_logps_NC is None:
             raise ConfigError(
@@ -105,24 +112,42 @@ def grpo_loss_jax(
         kl = jnp.exp(delta) - delta - 1
         if spec.use_bias_correction_kl:  # times the (differentiable) ratio: the unbiased reverse-KL gradient
             kl = kl * ratio
-        per_token = per_token + spec.beta * kl
         metrics["kl"] = jax.lax.stop_gradient((kl * m).sum() / count)
+    if spec.loss_type == "cispo":
+        per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, spec.eps_high)) * adv * logps_NC
+    elif spec.loss_type == "sapo":
+        tau = jnp.where(adv > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg).astype(logps_NC.dtype)
+        per_token = -jax.nn.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
+    else:
+        clipped = jnp.clip(ratio, 1 - spec.epsilon, 1 + spec.eps_high)
+        if spec.delta is not None:
+            ratio = jnp.minimum(ratio, spec.delta)
+        per_token = -jnp.minimum(ratio * adv, clipped * adv)
+    if kl is not None:
+        per_token = per_token + spec.beta * kl
     summed = per_token * m
     num_sequences, num_tokens, num_micro = norms_3[0], norms_3[1], norms_3[2]
-    if spec.loss_type == "grpo":
+    if spec.loss_type in ("grpo", "sapo"):
         loss = (summed.sum(-1) / jnp.maximum(m.sum(-1), 1.0)).sum() / num_sequences
+    elif spec.loss_type == "luspo":
+        loss = summed.sum() / num_sequences
     elif spec.loss_type == "bnpo":
         loss = summed.sum() / count / num_micro
     elif spec.loss_type == "dr_grpo":
         loss = summed.sum() / (num_sequences * spec.max_completion_length)
-    else:  # dapo
+    else:  # dapo, cispo
         loss = summed.sum() / jnp.maximum(num_tokens, 1.0)
     r = jax.lax.stop_gradient(ratio)
-    low = (r < 1 - eps_low) & (adv < 0) & (m > 0)
-    high = (r > 1 + eps_high) & (adv > 0) & (m > 0)
-    metrics["clip_ratio/low_mean"] = low.sum() / count
-    metrics["clip_ratio/high_mean"] = high.sum() / count
-    metrics["clip_ratio/region_mean"] = (low | high).sum() / count
+    mm = (m > 0) if r.shape[1] > 1 else jnp.ones(r.shape, bool)
+    seen = jnp.maximum(mm.sum(), 1)
+    if spec.loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = ((r > spec.eps_high) & (adv > 0) & mm).sum() / seen
+    elif spec.loss_type in CLIP_LOSS_TYPES:
+        low = (r < 1 - spec.epsilon) & (adv < 0) & mm
+        high = (r > 1 + spec.eps_high) & (adv > 0) & mm
+        metrics["clip_ratio/low_mean"] = low.sum() / seen
+        metrics["clip_ratio/high_mean"] = high.sum() / seen
+        metrics["clip_ratio/region_mean"] = (low | high).sum() / seen
     return loss, metrics
 
 

@@ -167,7 +167,9 @@ def test_loss_arithmetic_matches_numpy_reference(grpo, loss_type):
                                             jgrpo.loss_norms(grpo.mask), j_spec, old_logps_NC=jnp.asarray(grpo.old),
                                             ref_logps_NC=jnp.asarray(grpo.ref))
     for loss in (float(t_loss), float(j_loss)):
-        assert _rel(loss, expected.loss) <= TOL["loss_rel"], (loss_type, loss, expected.loss)
+        # relative to the loss's terms, as the end-to-end test (see _loss_scale): sapo's terms are ~2|A| where the
+        # loss is 0.034, so float32 rounding of order 1e-7 of the terms is 2e-6 of the cancelled sum
+        assert abs(loss - expected.loss) / _loss_scale(grpo, loss_type) <= TOL["loss_rel"], (loss_type, loss)
     for k, v in expected.metrics.items():
         assert abs(float(t_metrics[k]) - v) <= 1e-6 and abs(float(j_metrics[k]) - v) <= 1e-6, k
 

@@ -1,5 +1,6 @@
 """GRPO's defaults and refusals are the same on both backends (the rollout's rules live in ``common.objectives.grpo``)."""
 
+import numpy as np
 import pytest
 
 from twinseq.common.config import TrainConfig
@@ -28,3 +29,21 @@ def test_unset_max_completion_length_is_trls_default_on_both_backends(backend, t
 
         trainer = build_grpo(cfg)[0]
     assert trainer.max_completion_length == DEFAULT_MAX_COMPLETION_LENGTH == 512
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_trl_1_16_loss_options_train_on_both_backends(backend, tmp_path):
+    """GSPO (sequence-level ratios) with two-sided clipping, the bias-corrected KL and a second iteration per
+    generation, under ``sapo``: one step runs end to end and logs the KL (its arithmetic is checked against TRL's
+    code in tests/torch_backend/test_grpo_trl_semantics.py)."""
+    import json
+
+    import twinseq
+
+    cfg = _cfg(tmp_path, backend=backend, max_steps=2, num_iterations=2, max_completion_length=8, grpo_beta=0.04,
+               grpo_loss_type="sapo", importance_sampling_level="sequence", delta=1.5)
+    assert cfg.grpo.use_bias_correction_kl  # TRL 1.16's default
+    metrics = [json.loads(line) for line in twinseq.train(cfg).read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
+    assert all(np.isfinite(m["loss"]) and "kl" in m for m in metrics if "loss" in m)
+    assert "clip_ratio/region_mean" not in metrics[-1]  # sapo has no clip; TRL logs none for it

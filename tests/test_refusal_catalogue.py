@@ -443,6 +443,11 @@ def _config_cases() -> dict[str, Refusal]:
             _flat(task="dpo", loss_type="liger", dpo_loss_type=["ipo"]), "dpo_loss_type", ["ipo"]),
         "dpo: liger with precomputed reference": Refusal(
             _flat(task="dpo", loss_type="liger", precompute_ref_log_probs=True), "precompute_ref_log_probs", True),
+        "grpo: liger with a loss type it does not run": Refusal(
+            _flat(task="grpo", loss_type="liger", grpo_loss_type="sapo"), "grpo_loss_type", "sapo"),
+        "grpo: liger with sequence-level ratios": Refusal(
+            _flat(task="grpo", loss_type="liger", importance_sampling_level="sequence"), "importance_sampling_level",
+            "sequence"),
         "model: heads do not divide hidden": Refusal(
             _model_config(hidden_size=30, num_attention_heads=4, num_key_value_heads=2), "hidden_size", 30),
         "model: kv heads do not divide heads": Refusal(
@@ -689,6 +694,9 @@ def _objective_cases() -> dict[str, Refusal]:
         "grpo: dr_grpo without a length": Refusal(
             lambda: grpo.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), loss_type="dr_grpo"),
             "max_completion_length", None),
+        "grpo: an unknown importance-sampling level": Refusal(
+            lambda: grpo.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), importance_sampling_level="seq"),
+            "importance_sampling_level", "seq"),
         "grpo: an unknown loss": Refusal(
             lambda: grpo.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), loss_type="ppo"), "grpo_loss_type",
             "ppo"),

@@ -34,7 +34,14 @@ from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
 from twinseq.common.data.prepare import run_tokenizer
 from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.objectives.grpo import CompletionBatch, LossSpec, StepShare, collate_completions, reward_func_name
+from twinseq.common.objectives.grpo import (
+    CLIP_LOSS_TYPES,
+    CompletionBatch,
+    LossSpec,
+    StepShare,
+    collate_completions,
+    reward_func_name,
+)
 from twinseq.common.run.capabilities import GPU_EXTRA
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.rollout import GroupRollout, token_record
@@ -149,15 +156,16 @@ def grpo_loss_torch(
     ref_logps_NC: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(this micro-batch's ``share`` of the step loss, metrics): ``common.objectives.grpo.grpo_loss`` in torch."""
-    eps_low = spec.epsilon
-    eps_high = spec.epsilon if spec.epsilon_high is None else spec.epsilon_high
     m = mask_NC.to(logps_NC.dtype)
     old = logps_NC.detach() if old_logps_NC is None else old_logps_NC.to(logps_NC.dtype)
     adv = advantages_N.to(logps_NC.dtype)[:, None]
-    ratio = torch.exp(logps_NC - old)
-    per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    log_ratio = logps_NC - old
+    if spec.importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    ratio = torch.exp(log_ratio)
     count = m.sum().clamp(min=1.0)
     metrics: dict[str, float] = {}
+    kl = None
     if spec.beta > 0:
         if ref_logps_NC is None:
             raise ConfigError(
@@ -168,26 +176,44 @@ def grpo_loss_torch(
         kl = torch.exp(delta) - delta - 1
         if spec.use_bias_correction_kl:  # times the (differentiable) ratio: the unbiased reverse-KL gradient
             kl = kl * ratio
-        per_token = per_token + spec.beta * kl
         metrics["kl"] = float((kl.detach() * m).sum() / count)
+    if spec.loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=spec.eps_high).detach() * adv * logps_NC
+    elif spec.loss_type == "sapo":
+        tau = torch.where(adv > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg).to(logps_NC.dtype)
+        per_token = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
+    else:
+        clipped = torch.clamp(ratio, 1 - spec.epsilon, 1 + spec.eps_high)
+        if spec.delta is not None:
+            ratio = torch.clamp(ratio, max=spec.delta)
+        per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if kl is not None:
+        per_token = per_token + spec.beta * kl
     n = logps_NC.shape[0]
     summed = per_token * m
-    if spec.loss_type == "grpo":
+    if spec.loss_type in ("grpo", "sapo"):
         loss = (summed.sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / (share.num_sequences_in_step or n)
+    elif spec.loss_type == "luspo":
+        loss = summed.sum() / (share.num_sequences_in_step or n)
     elif spec.loss_type == "bnpo":
         loss = summed.sum() / count / share.num_micro_batches
     elif spec.loss_type == "dr_grpo":
         assert spec.max_completion_length is not None  # LossSpec refuses dr_grpo without it
         loss = summed.sum() / ((share.num_sequences_in_step or n) * spec.max_completion_length)
-    else:  # dapo (LossSpec refuses any other)
+    else:  # dapo, cispo (LossSpec refuses any other)
         loss = summed.sum() / max(float(share.num_tokens_in_step or m.sum()), 1.0)
     with torch.no_grad():
         r = ratio.detach()
-        low = (r < 1 - eps_low) & (adv < 0) & (m > 0)
-        high = (r > 1 + eps_high) & (adv > 0) & (m > 0)
-        metrics["clip_ratio/low_mean"] = float(low.sum() / count)
-        metrics["clip_ratio/high_mean"] = float(high.sum() / count)
-        metrics["clip_ratio/region_mean"] = float((low | high).sum() / count)
+        mm = m > 0 if r.shape[1] > 1 else torch.ones_like(r, dtype=torch.bool)
+        seen = max(int(mm.sum()), 1)
+        if spec.loss_type == "cispo":
+            metrics["cispo_clip_ratio"] = int(((r > spec.eps_high) & (adv > 0) & mm).sum()) / seen
+        elif spec.loss_type in CLIP_LOSS_TYPES:
+            low = (r < 1 - spec.epsilon) & (adv < 0) & mm
+            high = (r > 1 + spec.eps_high) & (adv > 0) & mm
+            metrics["clip_ratio/low_mean"] = int(low.sum()) / seen
+            metrics["clip_ratio/high_mean"] = int(high.sum()) / seen
+            metrics["clip_ratio/region_mean"] = int((low | high).sum()) / seen
     return loss, metrics
 
 

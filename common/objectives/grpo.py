@@ -13,8 +13,14 @@ surrogate, per completion token t (``π`` the policy, ``π_old`` the sampling po
 the reference):
 
     ρ_t   = exp(log π(t) - log π_old(t))
-    L_t   = -min(ρ_t A, clip(ρ_t, 1 - ε, 1 + ε_high) A) + β KL_t
+    L_t   = -min(ρ_t A, clip(ρ_t, 1 - ε, 1 + ε_high) A) + β ρ_t KL_t
     KL_t  = exp(log π_ref(t) - log π(t)) - (log π_ref(t) - log π(t)) - 1   (the k3 estimator)
+
+``ρ_t`` multiplies the KL with ``use_bias_correction_kl`` (TRL 1.16's default). With
+``importance_sampling_level='sequence'`` (GSPO) ``ρ`` is one per completion, the exponential of the
+mean token log-ratio. ``delta`` caps the unclipped ``ρ`` (two-sided clipping). The other surrogates
+replace the min-clip term: ``cispo`` ``-min(ρ, ε_high)ᵈᵉᵗᵃᶜʰ A log π``; ``sapo`` ``-σ(τ(ρ - 1)) 4/τ A``
+(``τ`` by the sign of ``A``); ``luspo`` keeps the min-clip term and sums each completion's tokens.
 
 ``ρ_t`` is 1 with gradient when ``num_iterations == 1`` (``π_old`` is the detached policy).
 The per-token losses ``L`` [N, C] (mask ``m``) are reduced by ``grpo_loss_type``:
@@ -22,7 +28,9 @@ The per-token losses ``L`` [N, C] (mask ``m``) are reduced by ``grpo_loss_type``
 - ``grpo``:    mean over completions of each completion's token mean ``Σ_t L m / Σ_t m``;
 - ``bnpo``:    token mean over the micro-batch ``Σ L m / Σ m`` (then averaged over micro-batches);
 - ``dr_grpo``: ``Σ L m / (N · max_completion_length)``, a constant normaliser;
-- ``dapo``:    ``Σ L m / (completion tokens of the whole step)``; TRL's default.
+- ``dapo``:    ``Σ L m / (completion tokens of the whole step)``; TRL's default (``cispo`` too);
+- ``sapo``:    as ``grpo``;
+- ``luspo``:   mean over completions of each completion's token sum ``Σ_t L m``.
 
 ``grpo_loss`` evaluates one micro-batch's share of the step's loss, so that summing the
 shares of a step's micro-batches gives the step's loss (with one micro-batch, the loss
@@ -47,10 +55,14 @@ from twinseq.common.fields import _CHECKS_ON, _check_fields, knob
 
 logger = logging.getLogger(__name__)
 
-GRPOLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+GRPOLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
 ScaleRewards = Literal["group", "batch", "none"]
 VLLMMode = Literal["colocate", "server"]
 GRPO_LOSS_TYPES = typing.get_args(GRPOLossType)
+IMPORTANCE_SAMPLING_LEVELS = typing.get_args(ImportanceSamplingLevel)
+CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+"""The loss types with the min-clip surrogate (and its clip metrics)."""
 SCALE_REWARDS = typing.get_args(ScaleRewards)
 STD_EPS = 1e-4
 """Added to the reward std before dividing (TRL's constant), so a constant group gives 0, not NaN."""
@@ -79,7 +91,16 @@ class GRPOConfig:
     epsilon: float = knob(0.2, gt=0, lt=1)
     """Lower clip of the importance ratio: ρ >= 1 - epsilon."""
     epsilon_high: Optional[float] = knob(None, gt=0)
-    """Upper clip: ρ <= 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses e.g. 0.28)."""
+    """Upper clip: ρ <= 1 + epsilon_high (None: epsilon; DAPO's clip-higher uses e.g. 0.28). With
+    ``grpo_loss_type='cispo'`` the cap of the detached ratio itself (ScaleRL's ε_max, e.g. 5.0)."""
+    delta: Optional[float] = knob(None, gt=1)
+    """Two-sided clipping (INTELLECT-2): the unclipped ratio is capped at delta too (None: off; above 1 + ε)."""
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    """``sequence``: one ratio per completion, exp of its mean token log-ratio (GSPO; pair it with ``grpo``)."""
+    sapo_temperature_pos: float = knob(1.0, gt=0)
+    """``sapo``: the sigmoid's temperature for tokens with a positive advantage."""
+    sapo_temperature_neg: float = knob(1.05, gt=0)
+    """``sapo``: the temperature for the others."""
     num_iterations: int = knob(1, ge=1)
     """Optimizer steps per generated batch (μ); above 1 the sampling policy's log-probs are kept."""
     scale_rewards: ScaleRewards = "group"
@@ -178,6 +199,25 @@ DEFAULT_MAX_COMPLETION_LENGTH = 512
 both backends."""
 
 
+LIGER_GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+"""The loss types twinseq runs through Liger's fused GRPO loss (the others are not checked against it on a GPU)."""
+
+
+def check_liger_grpo_config(grpo: GRPOConfig) -> None:
+    """Liger's fused GRPO loss (``loss_type='liger'``) runs the min-clip loss types with token-level ratios only."""
+    if grpo.grpo_loss_type not in LIGER_GRPO_LOSS_TYPES:
+        raise ConfigError(
+            f"grpo_loss_type={grpo.grpo_loss_type!r} does not run with use_liger_kernel=True (loss_type='liger'), "
+            f"which twinseq runs for {LIGER_GRPO_LOSS_TYPES}; use --loss-type fused_linear, which runs every loss type."
+        )
+    if grpo.importance_sampling_level != "token" or grpo.delta is not None:
+        raise ConfigError(
+            f"importance_sampling_level={grpo.importance_sampling_level!r}, delta={grpo.delta} do not run with "
+            f"use_liger_kernel=True (loss_type='liger'), which twinseq runs with token-level ratios and no delta; "
+            f"use --loss-type fused_linear, or drop --importance-sampling-level/--delta."
+        )
+
+
 def completion_budget(max_completion_length: Optional[int]) -> int:
     """``max_completion_length``, or TRL's default (``DEFAULT_MAX_COMPLETION_LENGTH``) when unset (logged: the data
     section's None means "no truncation" for SFT/DPO, but generation needs a bound)."""
@@ -207,10 +247,19 @@ class LossSpec:
     beta: float = 0.0
     max_completion_length: Optional[int] = None
     use_bias_correction_kl: bool = True
+    importance_sampling_level: str = "token"
+    delta: Optional[float] = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
 
     def __post_init__(self) -> None:
         if self.loss_type not in GRPO_LOSS_TYPES:
             raise ConfigError(f"grpo_loss_type={self.loss_type!r} is not valid; choose one of {GRPO_LOSS_TYPES}.")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ConfigError(
+                f"importance_sampling_level={self.importance_sampling_level!r} is not valid; choose one of "
+                f"{IMPORTANCE_SAMPLING_LEVELS}."
+            )
         if self.loss_type == "dr_grpo" and self.max_completion_length is None:
             raise ConfigError(
                 "grpo_loss_type='dr_grpo' needs max_completion_length (got None); set --max-completion-length."
@@ -220,8 +269,21 @@ class LossSpec:
     def of(cls, grpo: GRPOConfig, max_completion_length: int) -> "LossSpec":
         eps_low, eps_high = epsilon_bounds(grpo)
         return cls(
-            grpo.grpo_loss_type, eps_low, eps_high, grpo.grpo_beta, max_completion_length, grpo.use_bias_correction_kl
+            grpo.grpo_loss_type,
+            eps_low,
+            eps_high,
+            grpo.grpo_beta,
+            max_completion_length,
+            grpo.use_bias_correction_kl,
+            grpo.importance_sampling_level,
+            grpo.delta,
+            grpo.sapo_temperature_pos,
+            grpo.sapo_temperature_neg,
         )
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 class StepShare(NamedTuple):
@@ -394,27 +456,45 @@ class LossNorm:
     max_completion_length: Optional[int] = None  # dr_grpo
 
 
-def per_token_loss_np(
-    logps_NC, old_logps_NC, advantages_N, eps_low, eps_high, beta=0.0, ref_logps_NC=None, bias_correction_kl=True
-):
-    """(per-token loss [N, C], ratio [N, C], KL term [N, C] or None), float64. The KL term is k3, times the ratio
-    with ``bias_correction_kl`` (TRL's ``use_bias_correction_kl``)."""
+def log_importance_weights_np(logps_NC, old_logps_NC, mask_NC, level: str = "token") -> np.ndarray:
+    """log ρ: per token [N, C], or per completion [N, 1] (``sequence``: the mean token log-ratio over its mask)."""
+    log_ratio = np.asarray(logps_NC, np.float64) - np.asarray(old_logps_NC, np.float64)
+    if level == "sequence":
+        m = np.asarray(mask_NC, np.float64)
+        return (log_ratio * m).sum(-1, keepdims=True) / np.maximum(m.sum(-1, keepdims=True), 1.0)
+    return log_ratio
+
+
+def per_token_loss_np(logps_NC, old_logps_NC, advantages_N, mask_NC, spec: LossSpec, ref_logps_NC=None):
+    """(per-token loss [N, C] or [N, 1], ratio ρ [N, C] or [N, 1] as the metrics read it, KL term [N, C] or None),
+    float64, of ``spec``'s surrogate (see the module docstring)."""
     logps = np.asarray(logps_NC, np.float64)
     old = logps if old_logps_NC is None else np.asarray(old_logps_NC, np.float64)
     adv = np.asarray(advantages_N, np.float64)[:, None]
-    ratio = np.exp(logps - old)
-    loss = -np.minimum(ratio * adv, np.clip(ratio, 1 - eps_low, 1 + eps_high) * adv)
+    ratio = np.exp(log_importance_weights_np(logps, old, mask_NC, spec.importance_sampling_level))
     kl = None
-    if beta > 0:
+    if spec.beta > 0:
         if ref_logps_NC is None:
             raise ConfigError(
-                f"grpo_beta={beta} > 0 needs the reference model's log-probs: pass ref_logps_NC, or set grpo_beta=0."
+                f"grpo_beta={spec.beta} > 0 needs the reference model's log-probs: pass ref_logps_NC, or set "
+                f"grpo_beta=0."
             )
         delta = np.asarray(ref_logps_NC, np.float64) - logps
         kl = np.exp(delta) - delta - 1
-        if bias_correction_kl:
+        if spec.use_bias_correction_kl:
             kl = kl * ratio
-        loss = loss + beta * kl
+    if spec.loss_type == "cispo":
+        loss = -np.minimum(ratio, spec.eps_high) * adv * logps  # the capped ratio is a constant (TRL detaches it)
+    elif spec.loss_type == "sapo":
+        tau = np.where(adv > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg)
+        loss = -(4 / tau) / (1 + np.exp(-tau * (ratio - 1))) * adv
+    else:
+        clipped = np.clip(ratio, 1 - spec.epsilon, 1 + spec.eps_high)
+        if spec.delta is not None:
+            ratio = np.minimum(ratio, spec.delta)
+        loss = -np.minimum(ratio * adv, clipped * adv)
+    if kl is not None:
+        loss = loss + spec.beta * kl
     return loss, ratio, kl
 
 
@@ -422,10 +502,12 @@ def reduce_loss_np(loss_NC: np.ndarray, mask_NC: np.ndarray, norm: LossNorm) -> 
     """One micro-batch's share of the step loss, by ``norm.loss_type`` (see the module docstring)."""
     m = np.asarray(mask_NC, np.float64)
     summed = loss_NC * m
-    n = loss_NC.shape[0]
-    if norm.loss_type == "grpo":
+    n = m.shape[0]
+    if norm.loss_type in ("grpo", "sapo"):
         per_seq = summed.sum(-1) / np.maximum(m.sum(-1), 1.0)
         return float(per_seq.sum() / (norm.num_sequences_in_step or n))
+    if norm.loss_type == "luspo":
+        return float(summed.sum() / (norm.num_sequences_in_step or n))
     if norm.loss_type == "bnpo":
         return float(summed.sum() / max(m.sum(), 1.0) / norm.num_micro_batches)
     if norm.loss_type == "dr_grpo":
@@ -434,18 +516,24 @@ def reduce_loss_np(loss_NC: np.ndarray, mask_NC: np.ndarray, norm: LossNorm) -> 
                 "grpo_loss_type='dr_grpo' needs max_completion_length (got None); set --max-completion-length."
             )
         return float(summed.sum() / ((norm.num_sequences_in_step or n) * norm.max_completion_length))
-    if norm.loss_type == "dapo":
+    if norm.loss_type in ("dapo", "cispo"):
         return float(summed.sum() / max(norm.num_tokens_in_step or m.sum(), 1.0))
     raise ConfigError(f"grpo_loss_type={norm.loss_type!r} is not valid; choose one of {GRPO_LOSS_TYPES}.")
 
 
-def clip_metrics_np(ratio_NC, advantages_N, mask_NC, eps_low, eps_high) -> dict[str, float]:
-    """Token fractions where the clip is active: low (ρ < 1-ε with A < 0), high (ρ > 1+ε_high with A > 0)."""
-    m = np.asarray(mask_NC, bool)
+def clip_metrics_np(ratio_NC, advantages_N, mask_NC, spec: LossSpec) -> dict[str, float]:
+    """The clip metrics TRL logs: for the min-clip types the fractions clipped low (ρ < 1-ε with A < 0), high
+    (ρ > 1+ε_high with A > 0) and either; for ``cispo`` where the ratio cap binds; none for ``sapo``. Token
+    fractions, or completion fractions for a per-completion ratio."""
     adv = np.asarray(advantages_N, np.float64)[:, None]
-    low = (ratio_NC < 1 - eps_low) & (adv < 0)
-    high = (ratio_NC > 1 + eps_high) & (adv > 0)
+    m = np.asarray(mask_NC, bool) if ratio_NC.shape[1] > 1 else np.ones_like(ratio_NC, bool)
     count = max(int(m.sum()), 1)
+    if spec.loss_type == "cispo":
+        return {"cispo_clip_ratio": float(((ratio_NC > spec.eps_high) & (adv > 0) & m).sum() / count)}
+    if spec.loss_type not in CLIP_LOSS_TYPES:
+        return {}
+    low = (ratio_NC < 1 - spec.epsilon) & (adv < 0)
+    high = (ratio_NC > 1 + spec.eps_high) & (adv > 0)
     return {
         "clip_ratio/low_mean": float((low & m).sum() / count),
         "clip_ratio/high_mean": float((high & m).sum() / count),
@@ -465,6 +553,10 @@ def grpo_loss(
     epsilon_high: Optional[float] = None,
     beta: float = 0.0,
     use_bias_correction_kl: bool = True,
+    importance_sampling_level: str = "token",
+    delta: Optional[float] = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
     max_completion_length: Optional[int] = None,
     num_sequences_in_step: Optional[int] = None,
     num_tokens_in_step: Optional[int] = None,
@@ -481,13 +573,22 @@ def grpo_loss(
     >>> out.loss, out.metrics["clip_ratio/region_mean"]
     (0.0, 0.0)
     """
-    eps_high = epsilon if epsilon_high is None else epsilon_high
-    mask = np.asarray(mask_NC, np.float64)
-    loss_NC, ratio_NC, kl_NC = per_token_loss_np(
-        logps_NC, old_logps_NC, advantages_N, epsilon, eps_high, beta, ref_logps_NC, use_bias_correction_kl
+    spec = LossSpec(
+        loss_type,
+        epsilon,
+        epsilon_high,
+        beta,
+        max_completion_length,
+        use_bias_correction_kl,
+        importance_sampling_level,
+        delta,
+        sapo_temperature_pos,
+        sapo_temperature_neg,
     )
+    mask = np.asarray(mask_NC, np.float64)
+    loss_NC, ratio_NC, kl_NC = per_token_loss_np(logps_NC, old_logps_NC, advantages_N, mask, spec, ref_logps_NC)
     norm = LossNorm(loss_type, num_sequences_in_step, num_tokens_in_step, num_micro_batches, max_completion_length)
-    metrics = clip_metrics_np(ratio_NC, advantages_N, mask, epsilon, eps_high)
+    metrics = clip_metrics_np(ratio_NC, advantages_N, mask, spec)
     if kl_NC is not None:
         metrics["kl"] = float((kl_NC * mask).sum() / max(mask.sum(), 1.0))
     return GRPOLossOutput(reduce_loss_np(loss_NC, mask, norm), metrics)

@@ -156,6 +156,7 @@ def trl_loss_and_grad(
     use_bias_correction_kl: bool = True,
     max_completion_length: Optional[int] = None,
     grad_accum: int = 1,
+    **options: Any,
 ) -> tuple[float, np.ndarray, dict]:
     """TRL's GRPO loss over one generation batch: (loss, d loss / d logps_NC as float64 [N, C], TRL's metrics).
 
@@ -171,6 +172,7 @@ def trl_loss_and_grad(
     averages a window): ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``,
     ``clip_ratio/low_min``, ``clip_ratio/high_max`` (clipped loss types), ``cispo_clip_ratio`` (cispo), ``kl``
     (``beta != 0``). ``max_completion_length`` None leaves TRL's default (512; ``dr_grpo`` divides by it).
+    ``options``: further ``GRPOConfig`` fields (``importance_sampling_level``, ``delta``, ``sapo_temperature_pos``...).
     All float tensors are float64 (TRL's loss code does not fix a dtype); the mask is int64, as TRL builds it.
     """
     import torch
@@ -195,6 +197,7 @@ def trl_loss_and_grad(
         # _compute_loss reads neither (N need not be a multiple of either): any pair GRPOConfig accepts
         "per_device_train_batch_size": 2,
         "num_generations": 2,
+        **options,
     }
     if max_completion_length is not None:
         config["max_completion_length"] = int(max_completion_length)

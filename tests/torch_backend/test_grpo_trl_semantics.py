@@ -108,55 +108,51 @@ def trl_grpo():
     return _trl_grpo
 
 
-LOSS_CASES = [
-    (loss_type, beta, corrected, off_policy)
-    for loss_type in GRPO_LOSS_TYPES
-    for beta, corrected in ((0.0, True), (0.04, True), (0.5, True), (0.5, False))
-    for off_policy in (False, True)
-]
+OPTIONS = {
+    "token": {},
+    "sequence": {"importance_sampling_level": "sequence"},
+    "delta": {"delta": 1.25},
+    "sapo_temperatures": {"sapo_temperature_pos": 0.7, "sapo_temperature_neg": 1.6},
+}
+LOSS_CASES = (
+    [
+        (loss_type, beta, corrected, off_policy, "token")
+        for loss_type in GRPO_LOSS_TYPES
+        for beta, corrected in ((0.0, True), (0.04, True), (0.5, True), (0.5, False))
+        for off_policy in (False, True)
+    ]
+    + [(loss_type, 0.04, True, True, option) for loss_type in GRPO_LOSS_TYPES for option in ("sequence", "delta")]
+    + [("sapo", 0.04, True, True, "sapo_temperatures")]
+)
 
 
-@pytest.mark.parametrize("loss_type, beta, corrected, off_policy", LOSS_CASES)
-def test_loss_and_gradients_equal_trls(trl_grpo, loss_type, beta, corrected, off_policy):
+@pytest.mark.parametrize("loss_type, beta, corrected, off_policy, option", LOSS_CASES)
+def test_loss_and_gradients_equal_trls(trl_grpo, loss_type, beta, corrected, off_policy, option):
     logps, old, ref, adv, mask = _inputs(seed=1, off_policy=off_policy)
-    spec = LossSpec(loss_type, 0.2, 0.28, beta, C, use_bias_correction_kl=corrected)
+    # cispo's epsilon_high caps the ratio itself (ScaleRL's eps_max): 1.1 lets the cap bind on these ratios
+    eps_high = 1.1 if loss_type == "cispo" else 0.28
+    options = OPTIONS[option]
+    spec = LossSpec(loss_type, 0.2, eps_high, beta, C, use_bias_correction_kl=corrected, **options)
     want_loss, want_grad, want_metrics = trl_grpo.trl_loss_and_grad(
-        logps,
-        old,
-        ref,
-        adv,
-        mask,
-        loss_type=loss_type,
-        beta=beta,
-        epsilon=0.2,
-        epsilon_high=0.28,
-        use_bias_correction_kl=corrected,
-        max_completion_length=C,
+        logps, old, ref, adv, mask, loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=eps_high,
+        use_bias_correction_kl=corrected, max_completion_length=C, **options,
     )
     ref_out = grpo_loss(
-        logps,
-        adv,
-        mask,
-        old_logps_NC=old,
-        ref_logps_NC=ref,
-        loss_type=loss_type,
-        epsilon=0.2,
-        epsilon_high=0.28,
-        beta=beta,
-        use_bias_correction_kl=corrected,
-        max_completion_length=C,
+        logps, adv, mask, old_logps_NC=old, ref_logps_NC=ref, loss_type=loss_type, epsilon=0.2,
+        epsilon_high=eps_high, beta=beta, use_bias_correction_kl=corrected, max_completion_length=C, **options,
     )
     assert abs(ref_out.loss - want_loss) <= TOL
-    for key in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
-        if key in want_metrics:
-            assert abs(ref_out.metrics[key] - want_metrics[key]) <= TOL, key
+    compared = {"kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"}
+    assert set(ref_out.metrics) == compared & set(want_metrics)
+    for key, value in ref_out.metrics.items():
+        assert abs(value - want_metrics[key]) <= TOL, key
     for run in (_torch_loss_and_grad, _jax_loss_and_grad):
         loss, grad = run(logps, old, ref, adv, mask, spec)
         assert abs(loss - want_loss) <= TOL, run.__name__
         np.testing.assert_allclose(grad, want_grad, rtol=0, atol=TOL, err_msg=run.__name__)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
 def test_two_micro_batch_step_equals_trls_accumulated_step(trl_grpo, loss_type):
     """TRL's step of two micro-batches (rows 0-1, 2-3) vs the sum of twinseq's two micro-batch shares."""
     logps, old, ref, adv, mask = _inputs(seed=2)
@@ -257,3 +253,21 @@ def test_advantages_and_reward_metrics_equal_trls(trl_grpo, case, scale_rewards)
         assert (np.isnan(got) and np.isnan(want)) or abs(got - want) <= TOL, (key, got, want)
     # negative control: the rule before TRL 1.16's (unscored -> 0, kept in its group) does not agree
     assert np.abs(group_advantages(np.nan_to_num(total), G, scale_rewards) - want_adv).max() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "loss_type, option",
+    [("grpo", "sequence"), ("dapo", "delta"), ("sapo", "sapo_temperatures"), ("cispo", "token"), ("luspo", "token")],
+)
+def test_the_loss_comparison_sees_each_option(trl_grpo, loss_type, option):
+    """Negative controls: twinseq without the option (or, for a loss type, with its neighbour's reduction) against
+    TRL with it must not agree; the inputs make every option bind."""
+    logps, old, ref, adv, mask = _inputs(seed=1)
+    eps_high = 1.1 if loss_type == "cispo" else 0.28
+    _, want_grad, _ = trl_grpo.trl_loss_and_grad(
+        logps, old, ref, adv, mask, loss_type=loss_type, beta=0.04, epsilon=0.2, epsilon_high=eps_high,
+        max_completion_length=C, **OPTIONS[option],
+    )
+    neighbour = {"cispo": "dapo", "luspo": "grpo"}.get(loss_type, loss_type)
+    _, grad = _torch_loss_and_grad(logps, old, ref, adv, mask, LossSpec(neighbour, 0.2, eps_high, 0.04, C))
+    assert np.abs(grad - want_grad).max() > 1e-3
