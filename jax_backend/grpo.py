@@ -40,6 +40,7 @@ from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, reso
 from twinseq.common.errors import ConfigError
 from twinseq.common.objectives.grpo import (
     CLIP_LOSS_TYPES,
+    VESPO_LOG_W_MIN,
     CompletionBatch,
     LossSpec,
     collate_completions,
@@ -87,6 +88,15 @@ def loss_norms(mask_NC, *, num_sequences_in_step=None, num_tokens_in_step=None, 
     )
 
 
+def vespo_weights_jax(log_ratio_NC, adv_N1, m, spec: LossSpec) -> jax.Array:
+    """VESPO's gamma weight per completion [N, 1] (``common.objectives.grpo.vespo_weights_np``)."""
+    log_w = jnp.clip((jnp.clip(log_ratio_NC, -20.0, 20.0) * m).sum(-1, keepdims=True), VESPO_LOG_W_MIN, 20.0)
+    nonneg = adv_N1 >= 0
+    k = jnp.where(nonneg, spec.vespo_k_pos, spec.vespo_k_neg).astype(log_w.dtype)
+    lam = jnp.maximum(jnp.where(nonneg, spec.vespo_lambda_pos, spec.vespo_lambda_neg), 1e-4).astype(log_w.dtype)
+    return jnp.nan_to_num(jnp.exp(lam + k * log_w - lam * jnp.exp(log_w)), nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def grpo_loss_jax(
     logps_NC, advantages_N, mask_NC, norms_3, spec: LossSpec, *, old_logps_NC=None, ref_logps_NC=None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -118,6 +128,10 @@ def grpo_loss_jax(
     elif spec.loss_type == "sapo":
         tau = jnp.where(adv > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg).astype(logps_NC.dtype)
         per_token = -jax.nn.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
+    elif spec.loss_type == "vespo":
+        phi = jax.lax.stop_gradient(vespo_weights_jax(logps_NC - old, adv, m, spec))
+        metrics["vespo/phi_seq_mean"] = phi.mean()
+        per_token = -phi * adv * logps_NC
     else:
         clipped = jnp.clip(ratio, 1 - spec.epsilon, 1 + spec.eps_high)
         if spec.delta is not None:
@@ -135,7 +149,7 @@ def grpo_loss_jax(
         loss = summed.sum() / count / num_micro
     elif spec.loss_type == "dr_grpo":
         loss = summed.sum() / (num_sequences * spec.max_completion_length)
-    else:  # dapo, cispo
+    else:  # dapo, cispo, vespo
         loss = summed.sum() / jnp.maximum(num_tokens, 1.0)
     r = jax.lax.stop_gradient(ratio)
     mm = (m > 0) if r.shape[1] > 1 else jnp.ones(r.shape, bool)

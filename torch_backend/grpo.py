@@ -36,6 +36,7 @@ from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, reso
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.objectives.grpo import (
     CLIP_LOSS_TYPES,
+    VESPO_LOG_W_MIN,
     CompletionBatch,
     LossSpec,
     StepShare,
@@ -145,6 +146,17 @@ def completion_logps(
 # --------------------------------------------------------------------------------------
 
 
+def vespo_weights_torch(
+    log_ratio_NC: torch.Tensor, adv_N1: torch.Tensor, m: torch.Tensor, spec: LossSpec
+) -> torch.Tensor:
+    """VESPO's gamma weight per completion [N, 1] (``common.objectives.grpo.vespo_weights_np``), without gradient."""
+    log_w = ((log_ratio_NC.clamp(-20.0, 20.0) * m).sum(-1, keepdim=True)).clamp(VESPO_LOG_W_MIN, 20.0)
+    nonneg = adv_N1 >= 0
+    k = torch.where(nonneg, spec.vespo_k_pos, spec.vespo_k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, spec.vespo_lambda_pos, spec.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def grpo_loss_torch(
     logps_NC: torch.Tensor,
     advantages_N: torch.Tensor,
@@ -182,6 +194,10 @@ def grpo_loss_torch(
     elif spec.loss_type == "sapo":
         tau = torch.where(adv > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg).to(logps_NC.dtype)
         per_token = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
+    elif spec.loss_type == "vespo":
+        phi = vespo_weights_torch((logps_NC - old).detach(), adv, m, spec)
+        metrics["vespo/phi_seq_mean"] = float(phi.mean())
+        per_token = -phi * adv * logps_NC
     else:
         clipped = torch.clamp(ratio, 1 - spec.epsilon, 1 + spec.eps_high)
         if spec.delta is not None:
@@ -200,7 +216,7 @@ def grpo_loss_torch(
     elif spec.loss_type == "dr_grpo":
         assert spec.max_completion_length is not None  # LossSpec refuses dr_grpo without it
         loss = summed.sum() / ((share.num_sequences_in_step or n) * spec.max_completion_length)
-    else:  # dapo, cispo (LossSpec refuses any other)
+    else:  # dapo, cispo, vespo (LossSpec refuses any other)
         loss = summed.sum() / max(float(share.num_tokens_in_step or m.sum()), 1.0)
     with torch.no_grad():
         r = ratio.detach()

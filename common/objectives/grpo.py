@@ -20,7 +20,9 @@ the reference):
 ``importance_sampling_level='sequence'`` (GSPO) ``ρ`` is one per completion, the exponential of the
 mean token log-ratio. ``delta`` caps the unclipped ``ρ`` (two-sided clipping). The other surrogates
 replace the min-clip term: ``cispo`` ``-min(ρ, ε_high)ᵈᵉᵗᵃᶜʰ A log π``; ``sapo`` ``-σ(τ(ρ - 1)) 4/τ A``
-(``τ`` by the sign of ``A``); ``luspo`` keeps the min-clip term and sums each completion's tokens.
+(``τ`` by the sign of ``A``); ``luspo`` keeps the min-clip term and sums each completion's tokens;
+``vespo`` ``-φ(w)ᵈᵉᵗᵃᶜʰ A log π`` with the gamma weight ``φ(w) = exp(λ + k log w - λ w)`` of the
+completion's ratio ``w = exp(Σ_t log ρ_t)`` (k, λ by the sign of ``A``).
 
 ``ρ_t`` is 1 with gradient when ``num_iterations == 1`` (``π_old`` is the detached policy).
 The per-token losses ``L`` [N, C] (mask ``m``) are reduced by ``grpo_loss_type``:
@@ -28,7 +30,7 @@ The per-token losses ``L`` [N, C] (mask ``m``) are reduced by ``grpo_loss_type``
 - ``grpo``:    mean over completions of each completion's token mean ``Σ_t L m / Σ_t m``;
 - ``bnpo``:    token mean over the micro-batch ``Σ L m / Σ m`` (then averaged over micro-batches);
 - ``dr_grpo``: ``Σ L m / (N · max_completion_length)``, a constant normaliser;
-- ``dapo``:    ``Σ L m / (completion tokens of the whole step)``; TRL's default (``cispo`` too);
+- ``dapo``:    ``Σ L m / (completion tokens of the whole step)``; TRL's default (``cispo``, ``vespo`` too);
 - ``sapo``:    as ``grpo``;
 - ``luspo``:   mean over completions of each completion's token sum ``Σ_t L m``.
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -55,8 +58,9 @@ from twinseq.common.fields import _CHECKS_ON, _check_fields, knob
 
 logger = logging.getLogger(__name__)
 
-GRPOLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
+GRPOLossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
+MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 ScaleRewards = Literal["group", "batch", "none"]
 VLLMMode = Literal["colocate", "server"]
 GRPO_LOSS_TYPES = typing.get_args(GRPOLossType)
@@ -101,9 +105,22 @@ class GRPOConfig:
     """``sapo``: the sigmoid's temperature for tokens with a positive advantage."""
     sapo_temperature_neg: float = knob(1.05, gt=0)
     """``sapo``: the temperature for the others."""
+    vespo_k_pos: float = knob(2.0, ge=0)
+    """``vespo``: the power k of the gamma weight φ(w) = e^λ w^k e^(-λw) for a non-negative advantage."""
+    vespo_lambda_pos: float = knob(3.0, ge=0)
+    """``vespo``: its decay λ for a non-negative advantage."""
+    vespo_k_neg: float = knob(3.0, ge=0)
+    """``vespo``: k for a negative advantage."""
+    vespo_lambda_neg: float = knob(2.0, ge=0)
+    """``vespo``: λ for a negative advantage."""
     num_iterations: int = knob(1, ge=1)
     """Optimizer steps per generated batch (μ); above 1 the sampling policy's log-probs are kept."""
     scale_rewards: ScaleRewards = "group"
+    multi_objective_aggregation: MultiObjectiveAggregation = "sum_then_normalize"
+    """How several reward functions make one advantage (TRL's names): ``sum_then_normalize`` weighs and sums the
+    rewards, then normalises within the group (``scale_rewards``); ``normalize_then_sum`` normalises each function's
+    rewards within the group first, weighs and sums them, then normalises the sums over the batch (GDPO; it reads
+    no ``scale_rewards``)."""
     grpo_loss_type: GRPOLossType = "dapo"
     reward_funcs: list[str] = field(default_factory=lambda: ["exact_match", "format"])
     """Names of built-in reward functions (``common.data.prompts.REWARD_FUNCTIONS``); the Python API also takes
@@ -251,6 +268,10 @@ class LossSpec:
     delta: Optional[float] = None
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
 
     def __post_init__(self) -> None:
         if self.loss_type not in GRPO_LOSS_TYPES:
@@ -279,6 +300,10 @@ class LossSpec:
             grpo.delta,
             grpo.sapo_temperature_pos,
             grpo.sapo_temperature_neg,
+            grpo.vespo_k_pos,
+            grpo.vespo_lambda_pos,
+            grpo.vespo_k_neg,
+            grpo.vespo_lambda_neg,
         )
 
     @property
@@ -432,6 +457,50 @@ def group_advantages(rewards_N: np.ndarray, num_generations: int, scale_rewards:
     return np.nan_to_num(adv, nan=0.0)
 
 
+def _normalized_sum(per_NF: np.ndarray, weights: Sequence[float], num_generations: int) -> np.ndarray:
+    """``normalize_then_sum``'s reward: each function's rewards normalised within the group (NaN-aware), weighted
+    and summed; NaN where every function abstained."""
+    per = np.asarray(per_NF, np.float64)
+    grouped = per.reshape(-1, num_generations, per.shape[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(grouped, axis=1, keepdims=True)
+        std = _nanstd(grouped, axis=1)[:, None, :] if num_generations > 1 else np.zeros_like(mean)
+    normalized = ((grouped - mean) / (std + STD_EPS)).reshape(per.shape)
+    total = np.nansum(normalized * np.asarray(weights, np.float64)[None, :], axis=1)
+    total[np.isnan(per).all(axis=1)] = np.nan
+    return total
+
+
+def score_advantages(
+    total_N: np.ndarray,
+    per_NF: np.ndarray,
+    num_generations: int,
+    *,
+    weights: Optional[Sequence[float]] = None,
+    scale_rewards: str = "group",
+    aggregation: str = "sum_then_normalize",
+) -> tuple[np.ndarray, np.ndarray]:
+    """(advantages [N], the std each advantage was scaled by [N]: what ``frac_reward_zero_std`` reads), by
+    ``aggregation`` (``GRPOConfig.multi_objective_aggregation``). ``total_N`` is ``compute_rewards``' total,
+    ``per_NF`` its per-function rewards."""
+    if aggregation == "sum_then_normalize":
+        r = np.asarray(total_N, np.float64)
+        return group_advantages(r, num_generations, scale_rewards), _group_std(r, num_generations, scale_rewards)
+    if aggregation != "normalize_then_sum":
+        raise ConfigError(
+            f"multi_objective_aggregation={aggregation!r} is not valid; choose one of "
+            f"{typing.get_args(MultiObjectiveAggregation)}."
+        )
+    per = np.asarray(per_NF, np.float64)
+    r = _normalized_sum(per, [1.0] * per.shape[1] if weights is None else weights, num_generations)
+    std = np.full_like(r, _nanstd(r) if r.size > 1 else 0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        adv = (r - np.nanmean(r)) / (std + STD_EPS)
+    return np.nan_to_num(adv, nan=0.0), std
+
+
 # ---------------------------------------------------------------------------------------
 # The loss family (numpy reference)
 # ---------------------------------------------------------------------------------------
@@ -465,6 +534,22 @@ def log_importance_weights_np(logps_NC, old_logps_NC, mask_NC, level: str = "tok
     return log_ratio
 
 
+VESPO_LOG_W_MIN = math.log(1e-8)
+"""The floor of VESPO's log sequence ratio (TRL's, from the original implementation); the ceiling is 20."""
+
+
+def vespo_weights_np(log_ratio_NC, advantages_N, mask_NC, spec: LossSpec) -> np.ndarray:
+    """VESPO's gamma weight φ(w) per completion [N, 1], a constant of the loss (TRL computes it without gradient)."""
+    m = np.asarray(mask_NC, np.float64)
+    log_w = np.clip((np.clip(log_ratio_NC, -20.0, 20.0) * m).sum(-1, keepdims=True), VESPO_LOG_W_MIN, 20.0)
+    nonneg = np.asarray(advantages_N, np.float64)[:, None] >= 0
+    k = np.where(nonneg, spec.vespo_k_pos, spec.vespo_k_neg)
+    lam = np.maximum(np.where(nonneg, spec.vespo_lambda_pos, spec.vespo_lambda_neg), 1e-4)
+    with np.errstate(over="ignore", invalid="ignore"):
+        phi = np.exp(lam + k * log_w - lam * np.exp(log_w))
+    return np.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def per_token_loss_np(logps_NC, old_logps_NC, advantages_N, mask_NC, spec: LossSpec, ref_logps_NC=None):
     """(per-token loss [N, C] or [N, 1], ratio ρ [N, C] or [N, 1] as the metrics read it, KL term [N, C] or None),
     float64, of ``spec``'s surrogate (see the module docstring)."""
@@ -488,6 +573,8 @@ def per_token_loss_np(logps_NC, old_logps_NC, advantages_N, mask_NC, spec: LossS
     elif spec.loss_type == "sapo":
         tau = np.where(adv > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg)
         loss = -(4 / tau) / (1 + np.exp(-tau * (ratio - 1))) * adv
+    elif spec.loss_type == "vespo":
+        loss = -vespo_weights_np(logps - old, advantages_N, mask_NC, spec) * adv * logps
     else:
         clipped = np.clip(ratio, 1 - spec.epsilon, 1 + spec.eps_high)
         if spec.delta is not None:
@@ -516,7 +603,7 @@ def reduce_loss_np(loss_NC: np.ndarray, mask_NC: np.ndarray, norm: LossNorm) -> 
                 "grpo_loss_type='dr_grpo' needs max_completion_length (got None); set --max-completion-length."
             )
         return float(summed.sum() / ((norm.num_sequences_in_step or n) * norm.max_completion_length))
-    if norm.loss_type in ("dapo", "cispo"):
+    if norm.loss_type in ("dapo", "cispo", "vespo"):
         return float(summed.sum() / max(norm.num_tokens_in_step or m.sum(), 1.0))
     raise ConfigError(f"grpo_loss_type={norm.loss_type!r} is not valid; choose one of {GRPO_LOSS_TYPES}.")
 
@@ -524,7 +611,8 @@ def reduce_loss_np(loss_NC: np.ndarray, mask_NC: np.ndarray, norm: LossNorm) -> 
 def clip_metrics_np(ratio_NC, advantages_N, mask_NC, spec: LossSpec) -> dict[str, float]:
     """The clip metrics TRL logs: for the min-clip types the fractions clipped low (ρ < 1-ε with A < 0), high
     (ρ > 1+ε_high with A > 0) and either; for ``cispo`` where the ratio cap binds; none for ``sapo``. Token
-    fractions, or completion fractions for a per-completion ratio."""
+    fractions, or completion fractions for a per-completion ratio. ``vespo`` logs its mean weight, which
+    ``grpo_loss`` adds."""
     adv = np.asarray(advantages_N, np.float64)[:, None]
     m = np.asarray(mask_NC, bool) if ratio_NC.shape[1] > 1 else np.ones_like(ratio_NC, bool)
     count = max(int(m.sum()), 1)
@@ -557,6 +645,10 @@ def grpo_loss(
     delta: Optional[float] = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     max_completion_length: Optional[int] = None,
     num_sequences_in_step: Optional[int] = None,
     num_tokens_in_step: Optional[int] = None,
@@ -584,11 +676,19 @@ def grpo_loss(
         delta,
         sapo_temperature_pos,
         sapo_temperature_neg,
+        vespo_k_pos,
+        vespo_lambda_pos,
+        vespo_k_neg,
+        vespo_lambda_neg,
     )
     mask = np.asarray(mask_NC, np.float64)
     loss_NC, ratio_NC, kl_NC = per_token_loss_np(logps_NC, old_logps_NC, advantages_N, mask, spec, ref_logps_NC)
     norm = LossNorm(loss_type, num_sequences_in_step, num_tokens_in_step, num_micro_batches, max_completion_length)
     metrics = clip_metrics_np(ratio_NC, advantages_N, mask, spec)
+    if loss_type == "vespo":
+        logps = np.asarray(logps_NC, np.float64)
+        old = logps if old_logps_NC is None else np.asarray(old_logps_NC, np.float64)
+        metrics["vespo/phi_seq_mean"] = float(vespo_weights_np(logps - old, advantages_N, mask, spec).mean())
     if kl_NC is not None:
         metrics["kl"] = float((kl_NC * mask).sum() / max(mask.sum(), 1.0))
     return GRPOLossOutput(reduce_loss_np(loss_NC, mask, norm), metrics)
@@ -733,12 +833,18 @@ def scatter_tokens(values_n: np.ndarray, cb: CompletionBatch) -> np.ndarray:
 
 
 def reward_metrics(
-    total_N: np.ndarray, per_NF: np.ndarray, names: Sequence[str], num_generations: int, scale_rewards: str = "group"
+    total_N: np.ndarray,
+    per_NF: np.ndarray,
+    names: Sequence[str],
+    num_generations: int,
+    scale_rewards: str = "group",
+    std_N: Optional[np.ndarray] = None,
 ) -> dict[str, float]:
     """TRL 1.16's reward metrics of one generation, NaN (unscored) left out: ``reward`` (mean), ``reward_std`` (the
     std over the whole batch), ``frac_reward_zero_std`` (the share of completions whose advantage's scale, their
     group's std or the batch's by ``scale_rewards``, is 0) and each function's mean and std over the completions it
-    scored. A std of fewer than two values is NaN, as TRL logs it.
+    scored. A std of fewer than two values is NaN, as TRL logs it. ``std_N``: the std each advantage was scaled by
+    (``score_advantages``' second output; None: computed from ``scale_rewards``).
 
     >>> m = reward_metrics(np.array([1.0, 0.0, 1.0, 1.0]), np.array([[1.0], [0.0], [1.0], [np.nan]]), ["em"], 2)
     >>> m["reward"], m["frac_reward_zero_std"], m["rewards/em/mean"]
@@ -746,7 +852,7 @@ def reward_metrics(
     """
     total_N = np.asarray(total_N, np.float64)
     scored = total_N[~np.isnan(total_N)]
-    std = _group_std(total_N, num_generations, scale_rewards)
+    std = _group_std(total_N, num_generations, scale_rewards) if std_N is None else np.asarray(std_N, np.float64)
     out = {
         "reward": float(scored.mean()) if scored.size else float("nan"),
         "reward_std": float(_nanstd(total_N)),

@@ -36,9 +36,9 @@ from twinseq.common.objectives.grpo import (
     completion_budget,
     completion_mask,
     compute_rewards,
-    group_advantages,
     reward_func_name,
     reward_metrics,
+    score_advantages,
 )
 from twinseq.common.run.report import append_jsonl, cut_jsonl
 
@@ -143,13 +143,26 @@ class GroupRollout:
         reward_seconds = time.perf_counter() - t1
         # every rank's rewards (one process: its own), in rank order; advantages over them all, then ours
         total, per, ours = self.gather_rewards(total, per)
-        advantages = group_advantages(total, self.num_generations, g.scale_rewards)[ours]
+        all_advantages, scale_std = score_advantages(
+            total,
+            per,
+            self.num_generations,
+            weights=g.reward_weights,
+            scale_rewards=g.scale_rewards,
+            aggregation=g.multi_objective_aggregation,
+        )
+        advantages = all_advantages[ours]
         micro = self.build_micro_batches(prompt_ids, completions, loss_mask, advantages, completion_ids.shape[1])
         lengths = self.gather_rows(length_mask.sum(axis=1))
         truncated = self.gather_rows(truncated)
         metrics = {
             **reward_metrics(
-                total, per, [reward_func_name(f) for f in self.reward_funcs], self.num_generations, g.scale_rewards
+                total,
+                per,
+                [reward_func_name(f) for f in self.reward_funcs],
+                self.num_generations,
+                g.scale_rewards,
+                scale_std,
             ),
             "completions/mean_length": float(lengths.mean()),
             "completions/min_length": float(lengths.min()),

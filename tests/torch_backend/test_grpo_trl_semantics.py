@@ -26,6 +26,7 @@ from twinseq.common.objectives.grpo import (  # noqa: E402
     grpo_loss,
     group_advantages,
     reward_metrics,
+    score_advantages,
 )
 from twinseq.jax_backend import grpo as jgrpo  # noqa: E402
 from twinseq.torch_backend import grpo as tgrpo  # noqa: E402
@@ -113,6 +114,7 @@ OPTIONS = {
     "sequence": {"importance_sampling_level": "sequence"},
     "delta": {"delta": 1.25},
     "sapo_temperatures": {"sapo_temperature_pos": 0.7, "sapo_temperature_neg": 1.6},
+    "vespo_shape": {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.0, "vespo_k_neg": 4.0, "vespo_lambda_neg": 1.0},
 }
 LOSS_CASES = (
     [
@@ -122,7 +124,7 @@ LOSS_CASES = (
         for off_policy in (False, True)
     ]
     + [(loss_type, 0.04, True, True, option) for loss_type in GRPO_LOSS_TYPES for option in ("sequence", "delta")]
-    + [("sapo", 0.04, True, True, "sapo_temperatures")]
+    + [("sapo", 0.04, True, True, "sapo_temperatures"), ("vespo", 0.04, True, True, "vespo_shape")]
 )
 
 
@@ -142,7 +144,8 @@ def test_loss_and_gradients_equal_trls(trl_grpo, loss_type, beta, corrected, off
         epsilon_high=eps_high, beta=beta, use_bias_correction_kl=corrected, max_completion_length=C, **options,
     )
     assert abs(ref_out.loss - want_loss) <= TOL
-    compared = {"kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"}
+    compared = {"kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio",
+                "vespo/phi_seq_mean"}
     assert set(ref_out.metrics) == compared & set(want_metrics)
     for key, value in ref_out.metrics.items():
         assert abs(value - want_metrics[key]) <= TOL, key
@@ -235,29 +238,43 @@ def _rewards_from_columns(per_NF: np.ndarray, weights):
     return compute_rewards(funcs, ["p"] * len(per_NF), ["c"] * len(per_NF), weights=weights), funcs
 
 
+AGGREGATIONS = [("sum_then_normalize", scale) for scale in ("group", "batch", "none")] + [
+    ("normalize_then_sum", "group")
+]
+
+
 @pytest.mark.parametrize("case", sorted(REWARD_CASES))
-@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
-def test_advantages_and_reward_metrics_equal_trls(trl_grpo, case, scale_rewards):
+@pytest.mark.parametrize("aggregation, scale_rewards", AGGREGATIONS)
+def test_advantages_and_reward_metrics_equal_trls(trl_grpo, case, aggregation, scale_rewards):
     per = np.array(REWARD_CASES[case], np.float64)
     weights = [1.0] if per.shape[1] == 1 else [0.7, 1.5]
     want_adv, want_metrics = trl_grpo.trl_advantages_and_metrics(
-        per, G, reward_weights=weights, scale_rewards=scale_rewards
+        per, G, reward_weights=weights, scale_rewards=scale_rewards, multi_objective_aggregation=aggregation
     )
     (total, per_out), funcs = _rewards_from_columns(per, weights)
-    adv = group_advantages(total, G, scale_rewards)
+    adv, std = score_advantages(
+        total, per_out, G, weights=weights, scale_rewards=scale_rewards, aggregation=aggregation
+    )
     np.testing.assert_allclose(adv, want_adv, rtol=0, atol=TOL)
-    metrics = reward_metrics(total, per_out, [f.__name__ for f in funcs], G, scale_rewards)
+    metrics = reward_metrics(total, per_out, [f.__name__ for f in funcs], G, scale_rewards, std)
     assert set(want_metrics) <= set(metrics), sorted(set(want_metrics) - set(metrics))
     for key, want in want_metrics.items():
         got = metrics[key]
         assert (np.isnan(got) and np.isnan(want)) or abs(got - want) <= TOL, (key, got, want)
-    # negative control: the rule before TRL 1.16's (unscored -> 0, kept in its group) does not agree
+    # negative controls: the rule before TRL 1.16's (unscored -> 0, kept in its group) does not agree, nor does
+    # the other aggregation where there are two functions
     assert np.abs(group_advantages(np.nan_to_num(total), G, scale_rewards) - want_adv).max() > 1e-2
+    if per.shape[1] > 1:
+        other = {"sum_then_normalize": "normalize_then_sum"}.get(aggregation, "sum_then_normalize")
+        flipped, _ = score_advantages(total, per_out, G, weights=weights, scale_rewards=scale_rewards,
+                                      aggregation=other)
+        assert np.abs(flipped - want_adv).max() > 1e-2
 
 
 @pytest.mark.parametrize(
     "loss_type, option",
-    [("grpo", "sequence"), ("dapo", "delta"), ("sapo", "sapo_temperatures"), ("cispo", "token"), ("luspo", "token")],
+    [("grpo", "sequence"), ("dapo", "delta"), ("sapo", "sapo_temperatures"), ("vespo", "vespo_shape"),
+     ("cispo", "token"), ("luspo", "token")],
 )
 def test_the_loss_comparison_sees_each_option(trl_grpo, loss_type, option):
     """Negative controls: twinseq without the option (or, for a loss type, with its neighbour's reduction) against
@@ -268,6 +285,6 @@ def test_the_loss_comparison_sees_each_option(trl_grpo, loss_type, option):
         logps, old, ref, adv, mask, loss_type=loss_type, beta=0.04, epsilon=0.2, epsilon_high=eps_high,
         max_completion_length=C, **OPTIONS[option],
     )
-    neighbour = {"cispo": "dapo", "luspo": "grpo"}.get(loss_type, loss_type)
+    neighbour = {"cispo": "dapo", "luspo": "grpo"}.get(loss_type, loss_type)  # the others: without the option
     _, grad = _torch_loss_and_grad(logps, old, ref, adv, mask, LossSpec(neighbour, 0.2, eps_high, 0.04, C))
     assert np.abs(grad - want_grad).max() > 1e-3
