@@ -137,6 +137,10 @@ def grpo_loss_jax(
         if spec.delta is not None:
             ratio = jnp.minimum(ratio, spec.delta)
         per_token = -jnp.minimum(ratio * adv, clipped * adv)
+    if spec.off_policy_mask_threshold is not None:  # TRL's get_off_policy_mask, on the sampling policy's log-probs
+        gap = jnp.nan_to_num(jax.lax.stop_gradient(old - logps_NC), nan=0.0)
+        mean_gap = (gap * m).sum(-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0)
+        per_token = per_token * ((adv >= 0) | (mean_gap <= spec.off_policy_mask_threshold)).astype(per_token.dtype)
     if kl is not None:
         per_token = per_token + spec.beta * kl
     summed = per_token * m

@@ -203,6 +203,12 @@ def grpo_loss_torch(
         if spec.delta is not None:
             ratio = torch.clamp(ratio, max=spec.delta)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
+    if spec.off_policy_mask_threshold is not None:  # TRL's get_off_policy_mask, on the sampling policy's log-probs
+        with torch.no_grad():
+            gap = torch.nan_to_num(old - logps_NC.detach(), nan=0.0)
+            mean_gap = (gap * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+            keep = ((adv >= 0) | (mean_gap <= spec.off_policy_mask_threshold)).to(per_token.dtype)
+        per_token = per_token * keep
     if kl is not None:
         per_token = per_token + spec.beta * kl
     n = logps_NC.shape[0]

@@ -105,6 +105,9 @@ class GRPOConfig:
     """``sapo``: the sigmoid's temperature for tokens with a positive advantage."""
     sapo_temperature_neg: float = knob(1.05, gt=0)
     """``sapo``: the temperature for the others."""
+    off_policy_mask_threshold: Optional[float] = knob(None, ge=0)
+    """Off-policy sequence masking (DeepSeek-V3.2): a completion with a negative advantage whose mean token
+    ``log π_old - log π`` exceeds this gets no policy loss (None: off)."""
     vespo_k_pos: float = knob(2.0, ge=0)
     """``vespo``: the power k of the gamma weight φ(w) = e^λ w^k e^(-λw) for a non-negative advantage."""
     vespo_lambda_pos: float = knob(3.0, ge=0)
@@ -272,6 +275,7 @@ class LossSpec:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.loss_type not in GRPO_LOSS_TYPES:
@@ -304,6 +308,7 @@ class LossSpec:
             grpo.vespo_lambda_pos,
             grpo.vespo_k_neg,
             grpo.vespo_lambda_neg,
+            grpo.off_policy_mask_threshold,
         )
 
     @property
@@ -580,9 +585,20 @@ def per_token_loss_np(logps_NC, old_logps_NC, advantages_N, mask_NC, spec: LossS
         if spec.delta is not None:
             ratio = np.minimum(ratio, spec.delta)
         loss = -np.minimum(ratio * adv, clipped * adv)
+    if spec.off_policy_mask_threshold is not None:
+        loss = loss * off_policy_keep_np(logps, old, adv, mask_NC, spec.off_policy_mask_threshold)
     if kl is not None:
         loss = loss + spec.beta * kl
     return loss, ratio, kl
+
+
+def off_policy_keep_np(logps_NC, sampling_logps_NC, adv_N1, mask_NC, threshold: float) -> np.ndarray:
+    """1 where a completion keeps its policy loss, per completion [N, 1]: a non-negative advantage, or a mean token
+    ``log π_sampling - log π`` at most ``threshold`` (TRL's ``get_off_policy_mask``)."""
+    m = np.asarray(mask_NC, np.float64)
+    kl = np.nan_to_num(np.asarray(sampling_logps_NC, np.float64) - np.asarray(logps_NC, np.float64), nan=0.0)
+    mean_kl = (kl * m).sum(-1, keepdims=True) / np.maximum(m.sum(-1, keepdims=True), 1.0)
+    return ((adv_N1 >= 0) | (mean_kl <= threshold)).astype(np.float64)
 
 
 def reduce_loss_np(loss_NC: np.ndarray, mask_NC: np.ndarray, norm: LossNorm) -> float:
@@ -649,6 +665,7 @@ def grpo_loss(
     vespo_lambda_pos: float = 3.0,
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
+    off_policy_mask_threshold: Optional[float] = None,
     max_completion_length: Optional[int] = None,
     num_sequences_in_step: Optional[int] = None,
     num_tokens_in_step: Optional[int] = None,
@@ -680,6 +697,7 @@ def grpo_loss(
         vespo_lambda_pos,
         vespo_k_neg,
         vespo_lambda_neg,
+        off_policy_mask_threshold,
     )
     mask = np.asarray(mask_NC, np.float64)
     loss_NC, ratio_NC, kl_NC = per_token_loss_np(logps_NC, old_logps_NC, advantages_N, mask, spec, ref_logps_NC)

@@ -63,8 +63,9 @@ def _case(seed=0, n=6, c=5):
 
 @pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("options", [{}, {"importance_sampling_level": "sequence"}, {"delta": 1.25}],
-                         ids=["token", "sequence", "delta"])
+@pytest.mark.parametrize("options", [{}, {"importance_sampling_level": "sequence"}, {"delta": 1.25},
+                                     {"off_policy_mask_threshold": 0.0}],
+                         ids=["token", "sequence", "delta", "off_policy_mask"])
 def test_torch_loss_equals_the_numpy_reference(loss_type, beta, options):
     logps, old, ref, adv, mask = _case()
     kw = dict(loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta, max_completion_length=5, **options)

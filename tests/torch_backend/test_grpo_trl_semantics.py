@@ -114,6 +114,7 @@ OPTIONS = {
     "sequence": {"importance_sampling_level": "sequence"},
     "delta": {"delta": 1.25},
     "sapo_temperatures": {"sapo_temperature_pos": 0.7, "sapo_temperature_neg": 1.6},
+    "off_policy_mask": {"off_policy_mask_threshold": 0.01},  # drops row 3 (gap 0.022, A < 0), keeps row 2 (A > 0)
     "vespo_shape": {"vespo_k_pos": 1.5, "vespo_lambda_pos": 2.0, "vespo_k_neg": 4.0, "vespo_lambda_neg": 1.0},
 }
 LOSS_CASES = (
@@ -123,7 +124,11 @@ LOSS_CASES = (
         for beta, corrected in ((0.0, True), (0.04, True), (0.5, True), (0.5, False))
         for off_policy in (False, True)
     ]
-    + [(loss_type, 0.04, True, True, option) for loss_type in GRPO_LOSS_TYPES for option in ("sequence", "delta")]
+    + [
+        (loss_type, 0.04, True, True, option)
+        for loss_type in GRPO_LOSS_TYPES
+        for option in ("sequence", "delta", "off_policy_mask")
+    ]
     + [("sapo", 0.04, True, True, "sapo_temperatures"), ("vespo", 0.04, True, True, "vespo_shape")]
 )
 
@@ -273,7 +278,7 @@ def test_advantages_and_reward_metrics_equal_trls(trl_grpo, case, aggregation, s
 
 @pytest.mark.parametrize(
     "loss_type, option",
-    [("grpo", "sequence"), ("dapo", "delta"), ("sapo", "sapo_temperatures"), ("vespo", "vespo_shape"),
+    [("grpo", "sequence"), ("dapo", "delta"), ("dapo", "off_policy_mask"), ("sapo", "sapo_temperatures"), ("vespo", "vespo_shape"),
      ("cispo", "token"), ("luspo", "token")],
 )
 def test_the_loss_comparison_sees_each_option(trl_grpo, loss_type, option):
