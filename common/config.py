@@ -262,6 +262,8 @@ class DPOConfig(_Section):
     """TRL's DPO ``loss_type`` (one or several); ``loss_type`` names the token-loss kernel."""
     loss_weights: Optional[list[float]] = None
     label_smoothing: float = knob(0.0, ge=0, le=0.5)
+    discopop_tau: float = knob(0.05, gt=0)
+    """``discopop``: the temperature of the sigmoid that mixes its logistic and exponential parts (TRL's name)."""
     precompute_ref_log_probs: bool = False
     """Compute reference log-probs once before training instead of keeping a frozen model copy."""
 
@@ -417,7 +419,13 @@ class TrainConfig:
                     "--padding-free to put every pair of a micro-batch in one row."
                 )
 
-            validate_dpo_config(self.dpo.dpo_loss_type, self.dpo.loss_weights, self.dpo.beta, self.dpo.label_smoothing)
+            validate_dpo_config(
+                self.dpo.dpo_loss_type,
+                self.dpo.loss_weights,
+                self.dpo.beta,
+                self.dpo.label_smoothing,
+                self.dpo.discopop_tau,
+            )
             if loss.loss_type == "liger" or loss.use_liger_kernel:
                 check_liger_dpo_config(
                     self.dpo.dpo_loss_type, padding_free=d.padding_free, precompute=self.dpo.precompute_ref_log_probs

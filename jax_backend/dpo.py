@@ -41,7 +41,11 @@ from twinseq.jax_backend.model import (
 logger = logging.getLogger(__name__)
 
 JAX_OPS = ArrayOps(
-    log_sigmoid=jax.nn.log_sigmoid, exp=jnp.exp, relu=lambda z: jnp.maximum(0.0, z), zeros_like=jnp.zeros_like
+    log_sigmoid=jax.nn.log_sigmoid,
+    exp=jnp.exp,
+    relu=lambda z: jnp.maximum(0.0, z),
+    zeros_like=jnp.zeros_like,
+    sort=lambda z: jnp.sort(z, axis=0),
 )
 PER_PAIR = ("losses", "chosen_logps", "rejected_logps", "chosen_rewards", "rejected_rewards")
 
@@ -64,6 +68,8 @@ def dpo_losses(
         JAX_OPS,
         chosen_num_tokens=chosen_num_tokens,
         rejected_num_tokens=rejected_num_tokens,
+        policy_chosen_logps=policy_chosen_logps,
+        policy_rejected_logps=policy_rejected_logps,
     )
     return out.losses, out.chosen_rewards, out.rejected_rewards
 

@@ -605,7 +605,9 @@ def build_sft(cfg: TrainConfig, inputs: RunInputs = NO_INPUTS):
 def build_dpo(cfg: TrainConfig, inputs: RunInputs = NO_INPUTS):
     """(trainer, step source, tokenizer, announce lines) of a DPO run, on one device."""
     refuse_built_model(inputs)
-    config = validate_dpo_config(cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing)
+    config = validate_dpo_config(
+        cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.discopop_tau
+    )
     rows, tokenizer, stats = prepare_dpo_dataset(cfg, inputs.train_dataset, inputs.tokenizer)
     model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), None, cfg)
     if cfg.dpo.precompute_ref_log_probs:  # the initial model, before any checkpoint is loaded

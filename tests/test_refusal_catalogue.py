@@ -438,7 +438,8 @@ def _config_cases() -> dict[str, Refusal]:
             _flat(task="dpo", dpo_loss_type=["sigmoid"], loss_weights=[1.0, 0.5]), "loss_weights", [1.0, 0.5]),
         "dpo: robust loss at 0.5": Refusal(
             _flat(task="dpo", dpo_loss_type=["robust"], label_smoothing=0.5), "label_smoothing", 0.5),
-        "dpo: a TRL loss twinseq lacks": Refusal(_flat(task="dpo", dpo_loss_type=["aot"]), "loss_type", "aot"),
+        "dpo: an unknown loss": Refusal(_flat(task="dpo", dpo_loss_type=["kto"]), "loss_type", "kto"),
+        "dpo: a discopop temperature of 0": Refusal(_flat(task="dpo", discopop_tau=0.0), "discopop_tau", 0.0),
         "dpo: liger with a mixed loss": Refusal(
             _flat(task="dpo", loss_type="liger", dpo_loss_type=["ipo"]), "dpo_loss_type", ["ipo"]),
         "dpo: liger with precomputed reference": Refusal(

@@ -38,7 +38,13 @@ from twinseq.torch_backend.unwrap import adapter_grads, is_adapter_model, lm_hea
 
 logger = logging.getLogger(__name__)
 
-TORCH_OPS = ArrayOps(log_sigmoid=F.logsigmoid, exp=torch.exp, relu=torch.relu, zeros_like=torch.zeros_like)
+TORCH_OPS = ArrayOps(
+    log_sigmoid=F.logsigmoid,
+    exp=torch.exp,
+    relu=torch.relu,
+    zeros_like=torch.zeros_like,
+    sort=lambda z: torch.sort(z, dim=0).values,
+)
 
 
 def dpo_losses(
@@ -59,6 +65,8 @@ def dpo_losses(
         TORCH_OPS,
         chosen_num_tokens=chosen_num_tokens,
         rejected_num_tokens=rejected_num_tokens,
+        policy_chosen_logps=policy_chosen_logps,
+        policy_rejected_logps=policy_rejected_logps,
     )
     return out.losses, out.chosen_rewards, out.rejected_rewards
 

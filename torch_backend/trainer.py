@@ -577,7 +577,9 @@ def build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]
 def build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime], inputs: RunInputs = NO_INPUTS):
     """(trainer, step source, tokenizer, announce lines) of a DPO run (one process)."""
     assert runtime is None, "check_runtime refuses a distributed DPO run"
-    config = validate_dpo_config(cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing)
+    config = validate_dpo_config(
+        cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.discopop_tau
+    )
     rows, tokenizer, stats = prepare_dpo_dataset(cfg, inputs.train_dataset, inputs.tokenizer)
     causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device, inputs.model)
     if cfg.peft.use_peft:

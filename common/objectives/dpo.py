@@ -43,12 +43,21 @@ DPO_LOSS_TYPES = (
     "sppo_hard",
     "apo_zero",
     "apo_down",
+    "aot",
+    "aot_unpaired",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
 )
-# TRL 1.16 accepts these too; twinseq does not implement them yet, and says so rather than "unknown".
-TRL_LOSS_TYPES_NOT_IMPLEMENTED = ("aot", "aot_unpaired", "discopop", "sft", "sigmoid_norm")
+# TRL 1.16's loss types that twinseq does not implement (it says so rather than "unknown"): none left.
+TRL_LOSS_TYPES_NOT_IMPLEMENTED: tuple[str, ...] = ()
+TOKEN_COUNT_LOSS_TYPES = ("ipo", "sigmoid_norm", "sft")
+"""Loss types that read the completions' token counts (length normalisation, the SFT token mean)."""
+POLICY_LOGPS_LOSS_TYPES = ("aot", "sft")
+"""Loss types that read the policy's sequence log-probs themselves, not only the log-ratios."""
 # Loss types that read label_smoothing; the others ignore it (TRL 1.16 dropped cDPO's smoothing of
 # 'sigmoid').
-LABEL_SMOOTHING_LOSS_TYPES = ("robust", "exo_pair")
+LABEL_SMOOTHING_LOSS_TYPES = ("robust", "exo_pair", "aot", "aot_unpaired")
 # ε is the probability that a preference label is flipped: above 1/2 the pair should be swapped.
 LABEL_SMOOTHING_MAX = 0.5
 
@@ -61,6 +70,7 @@ class DPOLossConfig:
     loss_weights: tuple[float, ...]
     beta: float
     label_smoothing: float
+    discopop_tau: float = 0.05
 
 
 def _check_real(name: str, value: object) -> float:
@@ -140,6 +150,7 @@ def validate_dpo_config(
     loss_weights: Optional[Sequence[float]] = None,
     beta: float = 0.1,
     label_smoothing: float = 0.0,
+    discopop_tau: float = 0.05,
 ) -> DPOLossConfig:
     """Check a DPO loss configuration against TRL's rules (and a few stricter ones).
 
@@ -148,8 +159,9 @@ def validate_dpo_config(
     lie in [0, 0.5]; 'robust' needs it < 0.5 and 'exo_pair' needs it > 0. Raises ValueError
     (or TypeError for a wrong type) naming the field, the value and the fix.
 
-    >>> validate_dpo_config(["sigmoid", "bco_pair"], [0.8, 0.2], beta=0.1)
-    DPOLossConfig(loss_type=('sigmoid', 'bco_pair'), loss_weights=(0.8, 0.2), beta=0.1, label_smoothing=0.0)
+    >>> validate_dpo_config(["sigmoid", "bco_pair"], [0.8, 0.2], beta=0.1)  # doctest: +NORMALIZE_WHITESPACE
+    DPOLossConfig(loss_type=('sigmoid', 'bco_pair'), loss_weights=(0.8, 0.2), beta=0.1, label_smoothing=0.0,
+                  discopop_tau=0.05)
     """
     types = _check_loss_types(loss_type)
     weights = _check_loss_weights(loss_weights, types)
@@ -160,7 +172,10 @@ def validate_dpo_config(
         )
     eps = _check_real("label_smoothing", label_smoothing)
     _check_label_smoothing(eps, types)
-    return DPOLossConfig(loss_type=types, loss_weights=weights, beta=beta, label_smoothing=eps)
+    tau = _check_real("discopop_tau", discopop_tau)
+    if tau <= 0.0:
+        raise ConfigError(f"discopop_tau={tau!r} is not valid; it must be > 0: pass e.g. 0.05 (TRL's default).")
+    return DPOLossConfig(loss_type=types, loss_weights=weights, beta=beta, label_smoothing=eps, discopop_tau=tau)
 
 
 def check_liger_dpo_config(loss_type: Sequence[str], *, padding_free: bool, precompute: bool) -> None:
@@ -216,9 +231,17 @@ class ArrayOps:
     exp: Callable
     relu: Callable
     zeros_like: Callable
+    sort: Callable
+    """Ascending values along the pairs (axis 0), differentiable as a permutation."""
 
 
-NUMPY_OPS = ArrayOps(log_sigmoid=log_sigmoid, exp=np.exp, relu=lambda z: np.maximum(0.0, z), zeros_like=np.zeros_like)
+NUMPY_OPS = ArrayOps(
+    log_sigmoid=log_sigmoid,
+    exp=np.exp,
+    relu=lambda z: np.maximum(0.0, z),
+    zeros_like=np.zeros_like,
+    sort=lambda z: np.sort(z, axis=0),
+)
 
 
 @dataclass(frozen=True)
@@ -228,8 +251,11 @@ class _Pair:
     beta: float
     eps: float  # label_smoothing
     ops: ArrayOps
-    n_c: Any = None  # chosen completion token counts [N] (ipo only)
+    n_c: Any = None  # chosen completion token counts [N] (TOKEN_COUNT_LOSS_TYPES)
     n_r: Any = None
+    pc: Any = None  # the policy's chosen sequence log-probs [N] (POLICY_LOGPS_LOSS_TYPES)
+    pr: Any = None
+    tau: float = 0.05  # discopop
 
 
 def _loss_sigmoid(p: _Pair):
@@ -292,6 +318,41 @@ def _loss_apo_down(p: _Pair):
     return _sigmoid(p, p.beta * p.c) + _sigmoid(p, -p.beta * (p.c - p.r))
 
 
+def _smoothed_logistic(p: _Pair, delta):
+    """``-(1-ε) log σ(βδ) - ε log σ(-βδ)``: AOT's loss of a sorted margin."""
+    return -p.ops.log_sigmoid(p.beta * delta) * (1.0 - p.eps) - p.ops.log_sigmoid(-p.beta * delta) * p.eps
+
+
+def _loss_aot(p: _Pair):
+    """AOT (paired): the sorted policy margins ``pc - pr`` against the sorted reference margins, over the
+    micro-batch's pairs, through the smoothed logistic loss."""
+    policy = p.pc - p.pr
+    return _smoothed_logistic(p, p.ops.sort(policy) - p.ops.sort(policy - (p.c - p.r)))
+
+
+def _loss_aot_unpaired(p: _Pair):
+    """AOT (unpaired): the sorted chosen log-ratios against the sorted rejected ones."""
+    return _smoothed_logistic(p, p.ops.sort(p.c) - p.ops.sort(p.r))
+
+
+def _loss_discopop(p: _Pair):
+    """DiscoPOP: ``-log σ(x)`` and ``e^-x`` mixed by ``σ(x/τ)``, ``x = β(c - r)``."""
+    x = p.beta * (p.c - p.r)
+    # e^-x σ(x/τ) as one exponential: finite where e^-x alone overflows (TRL's product is inf * 0 = NaN there)
+    return -p.ops.log_sigmoid(x) * _sigmoid(p, -x / p.tau) + p.ops.exp(-x + p.ops.log_sigmoid(x / p.tau))
+
+
+def _loss_sft(p: _Pair):
+    """The chosen completions' NLL, a token mean over the micro-batch, the same for every pair (TRL's RPO-style
+    term, used in a weighted list)."""
+    return p.ops.zeros_like(p.c) - p.pc.sum() / p.n_c.sum()
+
+
+def _loss_sigmoid_norm(p: _Pair):
+    """``-log σ(β (c/n_c - r/n_r)))``: DPO on length-normalised log-ratios."""
+    return -p.ops.log_sigmoid(p.beta * (p.c / p.n_c - p.r / p.n_r))
+
+
 _LOSSES: dict[str, Callable[[_Pair], Any]] = {
     "sigmoid": _loss_sigmoid,
     "hinge": _loss_hinge,
@@ -303,6 +364,11 @@ _LOSSES: dict[str, Callable[[_Pair], Any]] = {
     "sppo_hard": _loss_sppo_hard,
     "apo_zero": _loss_apo_zero,
     "apo_down": _loss_apo_down,
+    "aot": _loss_aot,
+    "aot_unpaired": _loss_aot_unpaired,
+    "discopop": _loss_discopop,
+    "sft": _loss_sft,
+    "sigmoid_norm": _loss_sigmoid_norm,
 }
 assert set(_LOSSES) == set(DPO_LOSS_TYPES)
 
@@ -322,15 +388,26 @@ def dpo_family(
     *,
     chosen_num_tokens=None,
     rejected_num_tokens=None,
+    policy_chosen_logps=None,
+    policy_rejected_logps=None,
 ) -> DPOFamilyOutput:
     """Per-pair DPO losses and rewards from the log-ratios ``c`` and ``r`` [N], in ``ops``' framework.
 
-    ``config`` comes from ``validate_dpo_config``; 'ipo' needs the completion token counts.
+    ``config`` comes from ``validate_dpo_config``; the ``TOKEN_COUNT_LOSS_TYPES`` need the completion token counts,
+    the ``POLICY_LOGPS_LOSS_TYPES`` the policy's sequence log-probs. ``aot``, ``aot_unpaired`` and ``sft`` read the
+    whole micro-batch (sorted margins, a token mean), as TRL computes them per micro-batch.
     """
-    if "ipo" in config.loss_type and (chosen_num_tokens is None or rejected_num_tokens is None):
+    counted = [t for t in config.loss_type if t in TOKEN_COUNT_LOSS_TYPES]
+    if counted and (chosen_num_tokens is None or rejected_num_tokens is None):
         raise ConfigError(
-            f"loss_type={list(config.loss_type)!r} includes 'ipo', which normalises by completion length and needs "
+            f"loss_type={list(config.loss_type)!r} includes {counted[0]!r}, which reads completion lengths and needs "
             "chosen_num_tokens and rejected_num_tokens: pass PreferenceBatch.chosen_num_tokens / rejected_num_tokens."
+        )
+    reading = [t for t in config.loss_type if t in POLICY_LOGPS_LOSS_TYPES]
+    if reading and (policy_chosen_logps is None or policy_rejected_logps is None):
+        raise ConfigError(
+            f"loss_type={list(config.loss_type)!r} includes {reading[0]!r}, which reads the policy's sequence "
+            "log-probs: pass policy_chosen_logps and policy_rejected_logps."
         )
     pair = _Pair(
         c=chosen_logratios,
@@ -340,6 +417,9 @@ def dpo_family(
         ops=ops,
         n_c=chosen_num_tokens,
         n_r=rejected_num_tokens,
+        pc=policy_chosen_logps,
+        pr=policy_rejected_logps,
+        tau=config.discopop_tau,
     )
     by_type = {t: _LOSSES[t](pair) for t in dict.fromkeys(config.loss_type)}
     losses = ops.zeros_like(pair.c)
@@ -380,7 +460,7 @@ def _as_logps(name: str, value: np.ndarray) -> np.ndarray:
 def _as_counts(name: str, value: Optional[np.ndarray], n: int) -> np.ndarray:
     if value is None:
         raise ConfigError(
-            f"loss_type 'ipo' normalises the log-ratios by completion length (TRL 1.16) and needs "
+            f"loss types {TOKEN_COUNT_LOSS_TYPES} read completion lengths (TRL 1.16) and need "
             f"{name}, but {name}=None; pass PreferenceBatch.{name} from twinseq.common.data.preference_batching."
         )
     arr = np.asarray(value, dtype=np.float64)
@@ -402,6 +482,7 @@ def dpo_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
     loss_weights: Optional[Sequence[float]] = None,
+    discopop_tau: float = 0.05,
     chosen_num_tokens: Optional[np.ndarray] = None,
     rejected_num_tokens: Optional[np.ndarray] = None,
 ) -> DPOLossOutput:
@@ -414,7 +495,7 @@ def dpo_loss(
     >>> round(out.loss, 6), out.chosen_rewards.tolist(), out.rejected_rewards.tolist()
     (0.313262, [0.5], [-0.5])
     """
-    cfg = validate_dpo_config(loss_type, loss_weights, beta, label_smoothing)
+    cfg = validate_dpo_config(loss_type, loss_weights, beta, label_smoothing, discopop_tau)
     pc = _as_logps("policy_chosen_logps", policy_chosen_logps)
     pr = _as_logps("policy_rejected_logps", policy_rejected_logps)
     rc = _as_logps("ref_chosen_logps", ref_chosen_logps)
@@ -426,10 +507,19 @@ def dpo_loss(
             f"in each."
         )
     n_c = n_r = None
-    if "ipo" in cfg.loss_type:
+    if set(cfg.loss_type) & set(TOKEN_COUNT_LOSS_TYPES):
         n_c = _as_counts("chosen_num_tokens", chosen_num_tokens, pc.size)
         n_r = _as_counts("rejected_num_tokens", rejected_num_tokens, pc.size)
-    out = dpo_family(pc - rc, pr - rr, cfg, NUMPY_OPS, chosen_num_tokens=n_c, rejected_num_tokens=n_r)
+    out = dpo_family(
+        pc - rc,
+        pr - rr,
+        cfg,
+        NUMPY_OPS,
+        chosen_num_tokens=n_c,
+        rejected_num_tokens=n_r,
+        policy_chosen_logps=pc,
+        policy_rejected_logps=pr,
+    )
     return DPOLossOutput(
         losses=out.losses,
         chosen_rewards=out.chosen_rewards,

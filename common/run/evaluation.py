@@ -220,7 +220,7 @@ class DPOEvaluator(Evaluator):
 
     def collect(self, trainer: Any, step: Optional[int]) -> dict[str, float]:
         c = self.cfg.dpo
-        config = validate_dpo_config(c.dpo_loss_type, c.loss_weights, c.beta, c.label_smoothing)
+        config = validate_dpo_config(c.dpo_loss_type, c.loss_weights, c.beta, c.label_smoothing, c.discopop_tau)
         sums = dict.fromkeys((*DPO_SUMS, "num_pairs"), 0.0)
         for pbatch in self.micro_batches:
             if pbatch.num_examples:
@@ -249,6 +249,8 @@ def dpo_pair_sums(pbatch: Any, logps: dict[str, Any], config: Any) -> dict[str, 
         NUMPY_OPS,
         chosen_num_tokens=pbatch.chosen_num_tokens.astype(np.float64),
         rejected_num_tokens=pbatch.rejected_num_tokens.astype(np.float64),
+        policy_chosen_logps=pc,
+        policy_rejected_logps=pr,
     )
     chosen, rejected = np.asarray(out.chosen_rewards), np.asarray(out.rejected_rewards)
     return {

@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from twinseq.common.objectives.dpo import (DPO_LOSS_TYPES, TRL_LOSS_TYPES_NOT_IMPLEMENTED, DPOLossConfig, dpo_loss,
+from twinseq.common.objectives.dpo import (DPO_LOSS_TYPES, LABEL_SMOOTHING_LOSS_TYPES, TRL_LOSS_TYPES_NOT_IMPLEMENTED,
+                                DPOLossConfig, dpo_loss,
                                 log_sigmoid, reward_metrics, sigmoid, validate_dpo_config)
 
 REF_C, REF_R = -3.0, -5.0   # reference log-probs; exact in binary so c and r survive the subtraction
@@ -106,7 +107,36 @@ HAND_TABLE = [
     ("apo_down", 0.5, 0.0, 2, -2, None, None, _sig(1) + 1 - _sig(2)),
     ("apo_down", 0.5, 0.0, BIG, -BIG, None, None, 1.0),
     ("apo_down", 0.5, 0.0, -BIG, BIG, None, None, 1.0),
+    # aot / aot_unpaired on one pair: the sorted margins are the margins, so L = (1-ε) sp(-x) + ε sp(x), sigmoid's
+    # values at ε = 0; A at ε = ¼: log 2.
+    ("aot", 0.5, 0.0, 0, 0, None, None, LOG2),
+    ("aot", 0.5, 0.25, 0, 0, None, None, LOG2),
+    ("aot", 0.5, 0.25, 2, -2, None, None, 0.75 * _sp(-2) + 0.25 * _sp(2)),
+    ("aot", 0.5, 0.0, BIG, -BIG, None, None, 0.0),
+    ("aot", 0.5, 0.0, -BIG, BIG, None, None, 1e4),
+    ("aot_unpaired", 0.5, 0.0, 0, 0, None, None, LOG2),
+    ("aot_unpaired", 0.5, 0.25, 2, -2, None, None, 0.75 * _sp(-2) + 0.25 * _sp(2)),
+    ("aot_unpaired", 0.5, 0.0, BIG, -BIG, None, None, 0.0),
+    ("aot_unpaired", 0.5, 0.0, -BIG, BIG, None, None, 1e4),
+    # discopop (τ = 0.05): L = sp(-x)(1 - σ(x/τ)) + e^-x σ(x/τ).  A: ½ log 2 + ½.  B: x = 2.
+    # C: x = 1e4: 0 + e^-1e4 = 0.  D: x = -1e4: sp(1e4) + e^(1e4 - 2e5) = 1e4.
+    ("discopop", 0.5, 0.0, 0, 0, None, None, 0.5 * LOG2 + 0.5),
+    ("discopop", 0.5, 0.0, 2, -2, None, None, _sp(-2) * (1 - _sig(40)) + math.exp(-2) * _sig(40)),
+    ("discopop", 0.5, 0.0, BIG, -BIG, None, None, 0.0),
+    ("discopop", 0.5, 0.0, -BIG, BIG, None, None, 1e4),
+    # sft: the chosen completions' token-mean NLL, -πc / n_c with πc = REF_C + c (one pair).
+    ("sft", 0.5, 0.0, 0, 0, 3, 5, -REF_C / 3),
+    ("sft", 0.5, 0.0, 2, -2, 4, 2, -(REF_C + 2) / 4),
+    ("sft", 0.5, 0.0, BIG, -BIG, 1, 1, -(REF_C + BIG)),
+    ("sft", 0.5, 0.0, -BIG, BIG, 1, 1, -(REF_C - BIG)),
+    # sigmoid_norm: L = sp(-β(c/n_c - r/n_r)).  A: log 2.  B, n_c = 4, n_r = 2: sp(-½(½ + 1)).  C/D (n = 1): 0, 1e4.
+    ("sigmoid_norm", 0.5, 0.0, 0, 0, 3, 5, LOG2),
+    ("sigmoid_norm", 0.5, 0.0, 2, -2, 4, 2, _sp(-0.75)),
+    ("sigmoid_norm", 0.5, 0.0, BIG, -BIG, 1, 1, 0.0),
+    ("sigmoid_norm", 0.5, 0.0, -BIG, BIG, 1, 1, 1e4),
 ]
+BATCH_LOSS_TYPES = ("aot", "aot_unpaired", "sft")
+"""Loss types whose per-pair value reads the whole micro-batch (sorted margins, a token mean)."""
 
 
 def test_hand_table_covers_every_loss_type():
@@ -179,7 +209,7 @@ def test_exo_pair_is_zero_at_its_optimum(eps):
     assert (others >= -1e-15).all()
 
 
-@pytest.mark.parametrize("loss_type", [t for t in DPO_LOSS_TYPES if t not in ("robust", "exo_pair")])
+@pytest.mark.parametrize("loss_type", [t for t in DPO_LOSS_TYPES if t not in LABEL_SMOOTHING_LOSS_TYPES])
 def test_other_losses_ignore_label_smoothing(loss_type, caplog):
     c, r = np.array([1.5, -2.0]), np.array([-0.5, 3.0])
     with caplog.at_level(logging.WARNING, logger="twinseq.common.objectives.dpo"):
@@ -224,11 +254,18 @@ def _hand_grads(loss_type, c, r, beta, eps, n_c, n_r):
         return -beta * _dsig(a), beta * _dsig(b)
     if loss_type == "apo_down":                      # L = σ(a) + σ(-x)
         return beta * _dsig(a) - beta * _dsig(x), beta * _dsig(x)
+    if loss_type == "discopop":                      # L = sp(-x)(1 - m) + e^-x m, m = σ(x/τ), τ = 0.05
+        m, dm = sigmoid(x / 0.05), _dsig(x / 0.05) / 0.05
+        g = -sigmoid(-x) * (1 - m) - np.log1p(np.exp(-x)) * dm - np.exp(-x) * m + np.exp(-x) * dm
+        return beta * g, -beta * g
+    if loss_type == "sigmoid_norm":                  # L = sp(-β(c/n_c - r/n_r))
+        g = -sigmoid(-beta * (c / n_c - r / n_r))
+        return beta * g / n_c, -beta * g / n_r
     raise AssertionError(loss_type)
 
 
 @pytest.mark.parametrize("beta", [0.1, 0.5, 2.0])
-@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", [t for t in DPO_LOSS_TYPES if t not in BATCH_LOSS_TYPES])
 def test_finite_difference_gradients(loss_type, beta):
     rng = np.random.default_rng([DPO_LOSS_TYPES.index(loss_type), int(beta * 10)])
     n = 16
@@ -303,7 +340,6 @@ def test_valid_config_normalises():
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(loss_type="dpo"), ValueError, r"loss_type='dpo' is not a DPO loss type; choose one of sigmoid, hinge"),
     (dict(loss_type=["sigmoid", "kto"]), ValueError, r"loss_type='kto'.*apo_down"),
-    (dict(loss_type="aot"), ValueError, r"loss_type='aot' is a TRL loss type that twinseq does not implement"),
     (dict(loss_type=[]), ValueError, r"loss_type=\[\] is empty"),
     (dict(loss_type=[1]), TypeError, r"loss_type entries must be strings"),
     (dict(loss_type=["sigmoid", "hinge"], loss_weights=[1.0]), ValueError,
@@ -335,7 +371,7 @@ def test_trl_only_loss_types_are_disjoint_from_supported():
 
 
 def test_invalid_inputs_raise_clear_error():
-    with pytest.raises(ValueError, match=r"'ipo' normalises .* needs chosen_num_tokens"):
+    with pytest.raises(ValueError, match=r"loss types \('ipo', 'sigmoid_norm', 'sft'\) read completion lengths .* need chosen_num_tokens"):
         dpo_loss([-1.0], [-2.0], [-1.0], [-2.0], loss_type="ipo")
     with pytest.raises(ValueError, match=r"rejected_num_tokens must be \[N=1\] counts >= 1"):
         dpo_loss([-1.0], [-2.0], [-1.0], [-2.0], loss_type="ipo", chosen_num_tokens=[2], rejected_num_tokens=[0])
@@ -356,3 +392,24 @@ def test_modules_import_without_torch_or_jax():
             "sys.meta_path.insert(0, Block())\n"
             "import twinseq.common.objectives.dpo, twinseq.common.data.preference_batching\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_batch_losses_read_the_whole_micro_batch():
+    """aot sorts the policy margins and the reference margins separately, aot_unpaired the chosen and rejected
+    log-ratios; sft is the chosen completions' token mean over the micro-batch. Hand values on three pairs."""
+    pc, pr = np.array([-3.0, -8.0, -5.0]), np.array([-6.0, -4.0, -7.0])
+    rc, rr = np.array([-4.0, -6.0, -5.5]), np.array([-5.0, -5.0, -6.0])
+    n_c, n_r = np.array([2.0, 4.0, 3.0]), np.array([3.0, 2.0, 2.0])
+    beta = 0.5
+
+    def run(loss_type):
+        return dpo_loss(pc, pr, rc, rr, loss_type=loss_type, beta=beta, chosen_num_tokens=n_c,
+                        rejected_num_tokens=n_r).losses
+
+    # policy margins pc - pr = [3, -4, 2] -> sorted [-4, 2, 3]; reference rc - rr = [1, -1, 0.5] -> [-1, 0.5, 1]
+    np.testing.assert_allclose(run("aot"), -log_sigmoid(beta * np.array([-3.0, 1.5, 2.0])), rtol=1e-15)
+    # c = pc - rc = [1, -2, 0.5] -> [-2, 0.5, 1]; r = pr - rr = [-1, 1, -1] -> [-1, -1, 1]
+    np.testing.assert_allclose(run("aot_unpaired"), -log_sigmoid(beta * np.array([-1.0, 1.5, 0.0])), rtol=1e-15)
+    np.testing.assert_allclose(run("sft"), np.full(3, 16.0 / 9.0), rtol=1e-15)  # -(-3 - 8 - 5) / (2 + 4 + 3)
+    # unsorted, the same pairs would give other values: the test sees the sort
+    assert not np.allclose(run("aot"), -log_sigmoid(beta * (np.array([3.0, -4.0, 2.0]) - np.array([1.0, -1.0, 0.5]))))
