@@ -98,7 +98,7 @@ def vespo_weights_jax(log_ratio_NC, adv_N1, m, spec: LossSpec) -> jax.Array:
 
 
 def grpo_loss_jax(
-    logps_NC, advantages_N, mask_NC, norms_3, spec: LossSpec, *, old_logps_NC=None, ref_logps_NC=None
+    logps_NC, advantages_N, mask_NC, norms_3, spec: LossSpec, *, old_logps_NC=None, ref_logps_NC=None, entropy_NC=None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(this micro-batch's share of the step loss, metrics as token means): ``common.objectives.grpo.grpo_loss`` in jnp;
     traceable. ``norms_3`` as ``loss_norms`` returns; ``old_logps_NC`` None: the detached policy (ratio 1)."""
@@ -141,6 +141,17 @@ def grpo_loss_jax(
         gap = jnp.nan_to_num(jax.lax.stop_gradient(old - logps_NC), nan=0.0)
         mean_gap = (gap * m).sum(-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0)
         per_token = per_token * ((adv >= 0) | (mean_gap <= spec.off_policy_mask_threshold)).astype(per_token.dtype)
+    if spec.top_entropy_quantile < 1.0:  # TRL's get_high_entropy_mask; the arrays are the global batch
+        if entropy_NC is None:
+            raise ConfigError(
+                f"top_entropy_quantile={spec.top_entropy_quantile} masks tokens by entropy and needs entropy_NC: "
+                f"pass the completion tokens' entropies, or set top_entropy_quantile=1.0."
+            )
+        valid = m > 0
+        e = jax.lax.stop_gradient(entropy_NC).astype(per_token.dtype)
+        # the quantile of the valid tokens: NaN-out the others (traceable, no boolean indexing)
+        threshold = jnp.nanquantile(jnp.where(valid, e, jnp.nan), 1.0 - spec.top_entropy_quantile)
+        per_token = per_token * ((e * m >= threshold) & valid).astype(per_token.dtype)
     if kl is not None:
         per_token = per_token + spec.beta * kl
     summed = per_token * m
@@ -303,6 +314,7 @@ def grpo_grads_jit(
             spec,
             old_logps_NC=old_logps_NC,
             ref_logps_NC=ref_logps_NC,
+            entropy_NC=entropy_NC,
         )
         metrics["entropy_sum"] = (entropy_NC * mask_NC).sum()
         return loss, metrics

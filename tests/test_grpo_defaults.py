@@ -33,15 +33,16 @@ def test_unset_max_completion_length_is_trls_default_on_both_backends(backend, t
 
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_trl_1_16_loss_options_train_on_both_backends(backend, tmp_path):
-    """GSPO (sequence-level ratios) with two-sided clipping, the bias-corrected KL and a second iteration per
-    generation, under ``sapo``: one step runs end to end and logs the KL (its arithmetic is checked against TRL's
+    """GSPO (sequence-level ratios) with two-sided clipping, the bias-corrected KL, the high-entropy token mask,
+    off-policy sequence masking and a second iteration per generation, under ``sapo``: one step runs end to end and logs the KL (its arithmetic is checked against TRL's
     code in tests/torch_backend/test_grpo_trl_semantics.py)."""
     import json
 
     import twinseq
 
     cfg = _cfg(tmp_path, backend=backend, max_steps=2, num_iterations=2, max_completion_length=8, grpo_beta=0.04,
-               grpo_loss_type="sapo", importance_sampling_level="sequence", delta=1.5)
+               grpo_loss_type="sapo", importance_sampling_level="sequence", delta=1.5, top_entropy_quantile=0.5,
+               off_policy_mask_threshold=0.1)
     assert cfg.grpo.use_bias_correction_kl  # TRL 1.16's default
     metrics = [json.loads(line) for line in twinseq.train(cfg).read_text().splitlines()]
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2]

@@ -695,6 +695,9 @@ def _objective_cases() -> dict[str, Refusal]:
         "grpo: dr_grpo without a length": Refusal(
             lambda: grpo.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), loss_type="dr_grpo"),
             "max_completion_length", None),
+        "grpo: the entropy mask without entropies": Refusal(
+            lambda: grpo.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), top_entropy_quantile=0.5),
+            "top_entropy_quantile", 0.5),
         "grpo: an unknown importance-sampling level": Refusal(
             lambda: grpo.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), importance_sampling_level="seq"),
             "importance_sampling_level", "seq"),

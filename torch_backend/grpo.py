@@ -166,6 +166,7 @@ def grpo_loss_torch(
     *,
     old_logps_NC: Optional[torch.Tensor] = None,
     ref_logps_NC: Optional[torch.Tensor] = None,
+    entropy_NC: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(this micro-batch's ``share`` of the step loss, metrics): ``common.objectives.grpo.grpo_loss`` in torch."""
     m = mask_NC.to(logps_NC.dtype)
@@ -209,6 +210,19 @@ def grpo_loss_torch(
             mean_gap = (gap * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
             keep = ((adv >= 0) | (mean_gap <= spec.off_policy_mask_threshold)).to(per_token.dtype)
         per_token = per_token * keep
+    if spec.top_entropy_quantile < 1.0:  # TRL's get_high_entropy_mask over this (one-process) micro-batch
+        if entropy_NC is None:
+            raise ConfigError(
+                f"top_entropy_quantile={spec.top_entropy_quantile} masks tokens by entropy and needs entropy_NC: "
+                f"pass the completion tokens' entropies, or set top_entropy_quantile=1.0."
+            )
+        with torch.no_grad():
+            valid = m > 0
+            e = entropy_NC.detach().to(per_token.dtype)
+            high = torch.zeros_like(e)
+            if valid.any():  # every completion masked (mask_truncated_completions): no token keeps a loss
+                high = ((e * m >= torch.quantile(e[valid], 1.0 - spec.top_entropy_quantile)) & valid).to(e.dtype)
+        per_token = per_token * high
     if kl is not None:
         per_token = per_token + spec.beta * kl
     n = logps_NC.shape[0]
@@ -536,6 +550,7 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
                             self.share,
                             old_logps_NC=mb.old_logps_NC,
                             ref_logps_NC=mb.ref_logps_NC,
+                            entropy_NC=entropy,
                         )
                         return loss, metrics, entropy
 

@@ -122,6 +122,12 @@ def build_grpo_zero3(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = N
             "ZeRO-3 model (ds3_gather_for_generation); drop --use-vllm."
         )
     world = dist.get_world_size()
+    if g.top_entropy_quantile < 1.0 and world > 1:
+        raise ConfigError(
+            f"top_entropy_quantile={g.top_entropy_quantile} takes its quantile over every rank's tokens in TRL, "
+            f"which twinseq's ZeRO-3 GRPO (on {world} ranks) does not gather; set top_entropy_quantile=1.0, or run "
+            f"it in one process."
+        )
     with main_process_first():
         tokenizer = run_tokenizer(cfg, inputs.tokenizer)
         rows = prepare_grpo_prompts(cfg, tokenizer, inputs.train_dataset)

@@ -105,6 +105,9 @@ class GRPOConfig:
     """``sapo``: the sigmoid's temperature for tokens with a positive advantage."""
     sapo_temperature_neg: float = knob(1.05, gt=0)
     """``sapo``: the temperature for the others."""
+    top_entropy_quantile: float = knob(1.0, gt=0, le=1)
+    """Train on the highest-entropy tokens only: the policy loss keeps the tokens at or above the ``1 - q``
+    quantile of the micro-batch's completion-token entropies (1.0: every token; the paper's 0.2)."""
     off_policy_mask_threshold: Optional[float] = knob(None, ge=0)
     """Off-policy sequence masking (DeepSeek-V3.2): a completion with a negative advantage whose mean token
     ``log π_old - log π`` exceeds this gets no policy loss (None: off)."""
@@ -276,6 +279,7 @@ class LossSpec:
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     off_policy_mask_threshold: Optional[float] = None
+    top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:
         if self.loss_type not in GRPO_LOSS_TYPES:
@@ -309,6 +313,7 @@ class LossSpec:
             grpo.vespo_k_neg,
             grpo.vespo_lambda_neg,
             grpo.off_policy_mask_threshold,
+            grpo.top_entropy_quantile,
         )
 
     @property
@@ -555,7 +560,19 @@ def vespo_weights_np(log_ratio_NC, advantages_N, mask_NC, spec: LossSpec) -> np.
     return np.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def per_token_loss_np(logps_NC, old_logps_NC, advantages_N, mask_NC, spec: LossSpec, ref_logps_NC=None):
+def high_entropy_mask_np(entropy_NC, mask_NC, quantile: float) -> np.ndarray:
+    """1 on the completion tokens whose entropy is at or above the ``1 - quantile`` quantile (linear interpolation)
+    of the micro-batch's completion-token entropies (TRL's ``get_high_entropy_mask``)."""
+    m = np.asarray(mask_NC) > 0
+    e = np.asarray(entropy_NC, np.float64)
+    if not m.any():
+        return np.zeros_like(e)
+    return ((e * m >= np.quantile(e[m], 1.0 - quantile)) & m).astype(np.float64)
+
+
+def per_token_loss_np(
+    logps_NC, old_logps_NC, advantages_N, mask_NC, spec: LossSpec, ref_logps_NC=None, entropy_NC=None
+):
     """(per-token loss [N, C] or [N, 1], ratio ρ [N, C] or [N, 1] as the metrics read it, KL term [N, C] or None),
     float64, of ``spec``'s surrogate (see the module docstring)."""
     logps = np.asarray(logps_NC, np.float64)
@@ -587,6 +604,13 @@ def per_token_loss_np(logps_NC, old_logps_NC, advantages_N, mask_NC, spec: LossS
         loss = -np.minimum(ratio * adv, clipped * adv)
     if spec.off_policy_mask_threshold is not None:
         loss = loss * off_policy_keep_np(logps, old, adv, mask_NC, spec.off_policy_mask_threshold)
+    if spec.top_entropy_quantile < 1.0:
+        if entropy_NC is None:
+            raise ConfigError(
+                f"top_entropy_quantile={spec.top_entropy_quantile} masks tokens by entropy and needs entropy_NC: "
+                f"pass the completion tokens' entropies, or set top_entropy_quantile=1.0."
+            )
+        loss = loss * high_entropy_mask_np(entropy_NC, mask_NC, spec.top_entropy_quantile)
     if kl is not None:
         loss = loss + spec.beta * kl
     return loss, ratio, kl
@@ -666,6 +690,8 @@ def grpo_loss(
     vespo_k_neg: float = 3.0,
     vespo_lambda_neg: float = 2.0,
     off_policy_mask_threshold: Optional[float] = None,
+    top_entropy_quantile: float = 1.0,
+    entropy_NC: Optional[np.ndarray] = None,
     max_completion_length: Optional[int] = None,
     num_sequences_in_step: Optional[int] = None,
     num_tokens_in_step: Optional[int] = None,
@@ -698,9 +724,12 @@ def grpo_loss(
         vespo_k_neg,
         vespo_lambda_neg,
         off_policy_mask_threshold,
+        top_entropy_quantile,
     )
     mask = np.asarray(mask_NC, np.float64)
-    loss_NC, ratio_NC, kl_NC = per_token_loss_np(logps_NC, old_logps_NC, advantages_N, mask, spec, ref_logps_NC)
+    loss_NC, ratio_NC, kl_NC = per_token_loss_np(
+        logps_NC, old_logps_NC, advantages_N, mask, spec, ref_logps_NC, entropy_NC
+    )
     norm = LossNorm(loss_type, num_sequences_in_step, num_tokens_in_step, num_micro_batches, max_completion_length)
     metrics = clip_metrics_np(ratio_NC, advantages_N, mask, spec)
     if loss_type == "vespo":

@@ -156,6 +156,7 @@ def trl_loss_and_grad(
     use_bias_correction_kl: bool = True,
     max_completion_length: Optional[int] = None,
     grad_accum: int = 1,
+    entropies_NC=None,
     **options: Any,
 ) -> tuple[float, np.ndarray, dict]:
     """TRL's GRPO loss over one generation batch: (loss, d loss / d logps_NC as float64 [N, C], TRL's metrics).
@@ -172,7 +173,8 @@ def trl_loss_and_grad(
     averages a window): ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean``,
     ``clip_ratio/low_min``, ``clip_ratio/high_max`` (clipped loss types), ``cispo_clip_ratio`` (cispo), ``kl``
     (``beta != 0``). ``max_completion_length`` None leaves TRL's default (512; ``dr_grpo`` divides by it).
-    ``options``: further ``GRPOConfig`` fields (``importance_sampling_level``, ``delta``, ``sapo_temperature_pos``...).
+    ``entropies_NC``: what the stubbed forward returns as the tokens' entropies (None: zeros), which
+    ``top_entropy_quantile`` reads. ``options``: further ``GRPOConfig`` fields (``importance_sampling_level``, ``delta``, ``sapo_temperature_pos``...).
     All float tensors are float64 (TRL's loss code does not fix a dtype); the mask is int64, as TRL builds it.
     """
     import torch
@@ -228,11 +230,15 @@ def trl_loss_and_grad(
     try:
         for k, inputs in enumerate(micro_batches):
             rows = leaf[k * micro : (k + 1) * micro]
+            ent = (
+                torch.zeros_like(rows.detach())
+                if entropies_NC is None
+                else torch.as_tensor(np.asarray(entropies_NC, np.float64)[k * micro : (k + 1) * micro], dtype=dtype)
+            )
 
-            def stub(model, input_ids, attention_mask, logits_to_keep, *args, _rows=rows, **kwargs):
+            def stub(model, input_ids, attention_mask, logits_to_keep, *args, _rows=rows, _ent=ent, **kwargs):
                 assert input_ids.shape[0] == _rows.shape[0] and logits_to_keep == _rows.shape[1]
-                entropies = torch.zeros_like(_rows.detach()) if kwargs.get("compute_entropy") else None
-                return _rows, entropies, None
+                return _rows, (_ent if kwargs.get("compute_entropy") else None), None
 
             trainer._get_per_token_logps_and_entropies = stub
             loss = trainer._compute_loss(trainer.model, inputs)

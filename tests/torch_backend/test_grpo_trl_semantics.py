@@ -293,3 +293,46 @@ def test_the_loss_comparison_sees_each_option(trl_grpo, loss_type, option):
     neighbour = {"cispo": "dapo", "luspo": "grpo"}.get(loss_type, loss_type)  # the others: without the option
     _, grad = _torch_loss_and_grad(logps, old, ref, adv, mask, LossSpec(neighbour, 0.2, eps_high, 0.04, C))
     assert np.abs(grad - want_grad).max() > 1e-3
+
+
+@pytest.mark.parametrize("quantile", [0.2, 0.55])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_top_entropy_quantile_equals_trls(trl_grpo, loss_type, quantile):
+    """Only the tokens at or above the 1 - q quantile of the micro-batch's entropies keep their policy loss (the KL
+    term stays on every token, as in TRL). The quantiles fall between the 14 tokens' entropies (no tie: TRL takes
+    its quantile in float32)."""
+    logps, old, ref, adv, mask = _inputs(seed=3)
+    entropy = np.random.default_rng(7).uniform(0.1, 4.0, (N, C))
+    spec = LossSpec(loss_type, 0.2, 0.28, 0.04, C, top_entropy_quantile=quantile)
+    want_loss, want_grad, _ = trl_grpo.trl_loss_and_grad(
+        logps, old, ref, adv, mask, loss_type=loss_type, beta=0.04, epsilon=0.2, epsilon_high=0.28,
+        max_completion_length=C, entropies_NC=entropy, top_entropy_quantile=quantile,
+    )
+    ref_out = grpo_loss(logps, adv, mask, old_logps_NC=old, ref_logps_NC=ref, loss_type=loss_type, epsilon=0.2,
+                        epsilon_high=0.28, beta=0.04, max_completion_length=C, top_entropy_quantile=quantile,
+                        entropy_NC=entropy)
+    assert abs(ref_out.loss - want_loss) <= TOL
+    lp = torch.tensor(logps, requires_grad=True)
+    loss, _ = tgrpo.grpo_loss_torch(lp, torch.tensor(adv), torch.tensor(mask), spec, StepShare(),
+                                    old_logps_NC=torch.tensor(old), ref_logps_NC=torch.tensor(ref),
+                                    entropy_NC=torch.tensor(entropy))
+    loss.backward()
+    assert abs(float(loss) - want_loss) <= TOL
+    np.testing.assert_allclose(lp.grad.numpy(), want_grad, rtol=0, atol=TOL)
+    import jax
+
+    with jax.enable_x64(True):
+        def f(x):
+            return jgrpo.grpo_loss_jax(x, jnp.asarray(adv), jnp.asarray(mask), jgrpo.loss_norms(jnp.asarray(mask)),
+                                       spec, old_logps_NC=jnp.asarray(old), ref_logps_NC=jnp.asarray(ref),
+                                       entropy_NC=jnp.asarray(entropy))[0]
+
+        j_loss, j_grad = jax.value_and_grad(f)(jnp.asarray(logps))
+    assert abs(float(j_loss) - want_loss) <= TOL
+    np.testing.assert_allclose(np.asarray(j_grad), want_grad, rtol=0, atol=TOL)
+    # negative control: every token (q = 1) is not what TRL computed
+    everything, _, _ = trl_grpo.trl_loss_and_grad(
+        logps, old, ref, adv, mask, loss_type=loss_type, beta=0.04, epsilon=0.2, epsilon_high=0.28,
+        max_completion_length=C, entropies_NC=entropy,
+    )
+    assert abs(everything - want_loss) > 1e-4
