@@ -34,8 +34,8 @@ def test_unset_max_completion_length_is_trls_default_on_both_backends(backend, t
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_trl_1_16_loss_options_train_on_both_backends(backend, tmp_path):
     """GSPO (sequence-level ratios) with two-sided clipping, the bias-corrected KL, the high-entropy token mask,
-    off-policy sequence masking and a second iteration per generation, under ``sapo``: one step runs end to end and logs the KL (its arithmetic is checked against TRL's
-    code in tests/torch_backend/test_grpo_trl_semantics.py)."""
+    off-policy sequence masking and a second iteration per generation, under ``sapo``: two steps run end to end
+    and log the KL (the arithmetic is checked against TRL's code in tests/torch_backend/test_grpo_trl_semantics.py)."""
     import json
 
     import twinseq

@@ -48,47 +48,10 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+from tests.torch_backend._trl_tiny import TOKEN, tiny_llama, tokenizer
 
-VOCAB = 64
-PAD, EOS, UNK = 0, 1, 2
-TOKEN = 3  # the id every stubbed prompt and completion token carries
 STUB_METRICS = ("entropy", "num_tokens", "logits/chosen", "logits/rejected", "mean_token_accuracy")
 """Metrics ``_compute_loss`` logs from the stub's placeholder outputs (or a running token count): not returned."""
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": PAD, "<eos>": EOS, "<unk>": UNK, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-def _model():
-    """A tiny random Llama, in memory: with precomputed reference log-probs TRL builds no reference model."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(cfg).float()
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,7 +90,8 @@ def _trainer(config_items: tuple):
         pairs = Dataset.from_list(
             [{"prompt": f"w{3 + i}", "chosen": f" w{5 + i} <eos>", "rejected": f" w{7 + i} <eos>"} for i in range(2)]
         )
-        trainer = DPOTrainer(model=_model(), args=args, train_dataset=pairs, processing_class=_tokenizer())
+        # a tiny random Llama, in memory: with precomputed reference log-probs TRL builds no reference model
+        trainer = DPOTrainer(model=tiny_llama(), args=args, train_dataset=pairs, processing_class=tokenizer())
     finally:
         if tqdm_env is None:
             os.environ.pop("TQDM_DISABLE", None)

@@ -34,48 +34,18 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+from tests.torch_backend._trl_tiny import EOS, TOKEN, tiny_llama, tokenizer
 
-VOCAB = 64
-PAD, EOS, UNK = 0, 1, 2
-TOKEN = 3  # the id every stubbed prompt and completion token carries
 REWARD_COLUMN = "twinseq_reward_{}"
 """The dataset column reward function ``reward_{i}`` reads its values from."""
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": PAD, "<eos>": EOS, "<unk>": UNK, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
 def _model(folder: str):
-    """A tiny random Llama, saved to ``folder`` and loaded back: with ``beta != 0`` TRL builds its reference model
+    """The tiny Llama, saved to ``folder`` and loaded back: with ``beta != 0`` TRL builds its reference model
     from the policy's ``config._name_or_path`` (``create_model_from_path``), which must then be a local folder."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(cfg).float().save_pretrained(folder)
+    tiny_llama().save_pretrained(folder)
     return AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
 
 
@@ -118,7 +88,7 @@ def _trainer(num_reward_funcs: int, config_items: tuple):
             reward_funcs=[_reward_func(i) for i in range(num_reward_funcs)],
             args=args,
             train_dataset=prompts,
-            processing_class=_tokenizer(),
+            processing_class=tokenizer(),
         )
     finally:
         if bars:
@@ -174,7 +144,8 @@ def trl_loss_and_grad(
     ``clip_ratio/low_min``, ``clip_ratio/high_max`` (clipped loss types), ``cispo_clip_ratio`` (cispo), ``kl``
     (``beta != 0``). ``max_completion_length`` None leaves TRL's default (512; ``dr_grpo`` divides by it).
     ``entropies_NC``: what the stubbed forward returns as the tokens' entropies (None: zeros), which
-    ``top_entropy_quantile`` reads. ``options``: further ``GRPOConfig`` fields (``importance_sampling_level``, ``delta``, ``sapo_temperature_pos``...).
+    ``top_entropy_quantile`` reads. ``options``: further ``GRPOConfig`` fields (``importance_sampling_level``,
+    ``delta``, ``sapo_temperature_pos``...).
     All float tensors are float64 (TRL's loss code does not fix a dtype); the mask is int64, as TRL builds it.
     """
     import torch

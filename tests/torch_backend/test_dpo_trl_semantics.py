@@ -60,7 +60,8 @@ def _torch(c, r, cm, rm, ref_c, ref_r, kw):
     lc, lr = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (c, r))
     mc, mr = torch.tensor(cm, dtype=torch.float64), torch.tensor(rm, dtype=torch.float64)
     losses, _, _ = tdpo.dpo_losses((lc * mc).sum(1), (lr * mr).sum(1), torch.tensor(ref_c), torch.tensor(ref_r),
-                                   validate_dpo_config(**kw), chosen_num_tokens=mc.sum(1), rejected_num_tokens=mr.sum(1))
+                                   validate_dpo_config(**kw), chosen_num_tokens=mc.sum(1),
+                                   rejected_num_tokens=mr.sum(1))
     loss = losses.mean()
     gc, gr = torch.autograd.grad(loss, (lc, lr), allow_unused=True)
     zeros = torch.zeros(N, T, dtype=torch.float64)

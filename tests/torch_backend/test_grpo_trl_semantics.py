@@ -23,8 +23,8 @@ from twinseq.common.objectives.grpo import (  # noqa: E402
     GRPO_LOSS_TYPES,
     LossSpec,
     StepShare,
-    grpo_loss,
     group_advantages,
+    grpo_loss,
     reward_metrics,
     score_advantages,
 )
@@ -278,8 +278,8 @@ def test_advantages_and_reward_metrics_equal_trls(trl_grpo, case, aggregation, s
 
 @pytest.mark.parametrize(
     "loss_type, option",
-    [("grpo", "sequence"), ("dapo", "delta"), ("dapo", "off_policy_mask"), ("sapo", "sapo_temperatures"), ("vespo", "vespo_shape"),
-     ("cispo", "token"), ("luspo", "token")],
+    [("grpo", "sequence"), ("dapo", "delta"), ("dapo", "off_policy_mask"), ("sapo", "sapo_temperatures"),
+     ("vespo", "vespo_shape"), ("cispo", "token"), ("luspo", "token")],
 )
 def test_the_loss_comparison_sees_each_option(trl_grpo, loss_type, option):
     """Negative controls: twinseq without the option (or, for a loss type, with its neighbour's reduction) against
