@@ -31,6 +31,7 @@ def test_unset_max_completion_length_is_trls_default_on_both_backends(backend, t
     assert trainer.max_completion_length == DEFAULT_MAX_COMPLETION_LENGTH == 512
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_trl_1_16_loss_options_train_on_both_backends(backend, tmp_path):
     """GSPO (sequence-level ratios) with two-sided clipping, the bias-corrected KL, the high-entropy token mask,

@@ -101,7 +101,9 @@ def test_kernels_agree_on_logps_and_dpo_gradients(tiny, padding_free):
         assert max(_rel(grads[k], full_grads[k]) for k in full_grads) <= 1e-5
 
 
-@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+@pytest.mark.parametrize(  # the five types TRL 1.16 added last (a jit each) run in make test-all
+    "loss_type", [pytest.param(t, marks=pytest.mark.slow) if t in ("aot", "aot_unpaired", "discopop", "sft",
+                                                                    "sigmoid_norm") else t for t in DPO_LOSS_TYPES])
 def test_loss_family_gradient_matches_numpy_finite_difference(loss_type):
     """float32 autodiff of each loss vs a float64 central difference of ``common.objectives.dpo`` (rel 1e-5:
     float32 arithmetic on O(1) log-ratios)."""

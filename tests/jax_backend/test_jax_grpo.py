@@ -58,6 +58,9 @@ def _loss_inputs(seed: int = 0):
 CASES = [dict(loss_type=t) for t in GRPO_LOSS_TYPES] + [
     dict(loss_type=t, off_policy=True, beta=0.04, epsilon_high=0.28) for t in GRPO_LOSS_TYPES] + [
     dict(loss_type=t, off_policy=True, share=True) for t in GRPO_LOSS_TYPES]
+# the fast tier keeps the first four loss types; cispo, sapo, luspo and vespo (each a jit) run in make test-all
+CASES = [c if c["loss_type"] in ("grpo", "bnpo", "dr_grpo", "dapo") else pytest.param(c, marks=pytest.mark.slow)
+         for c in CASES]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))

@@ -131,6 +131,8 @@ LOSS_CASES = (
     ]
     + [("sapo", 0.04, True, True, "sapo_temperatures"), ("vespo", 0.04, True, True, "vespo_shape")]
 )
+# the fast tier keeps TRL's default loss (dapo) and grpo; every case runs in the full tier (make test-all)
+LOSS_CASES = [c if c[0] in ("dapo", "grpo") else pytest.param(*c, marks=pytest.mark.slow) for c in LOSS_CASES]
 
 
 @pytest.mark.parametrize("loss_type, beta, corrected, off_policy, option", LOSS_CASES)
