@@ -41,6 +41,7 @@ itself). Everything here is float64 numpy: the reference the backends are tested
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -297,24 +298,16 @@ class LossSpec:
     @classmethod
     def of(cls, grpo: GRPOConfig, max_completion_length: int) -> "LossSpec":
         eps_low, eps_high = epsilon_bounds(grpo)
-        return cls(
-            grpo.grpo_loss_type,
-            eps_low,
-            eps_high,
-            grpo.grpo_beta,
-            max_completion_length,
-            grpo.use_bias_correction_kl,
-            grpo.importance_sampling_level,
-            grpo.delta,
-            grpo.sapo_temperature_pos,
-            grpo.sapo_temperature_neg,
-            grpo.vespo_k_pos,
-            grpo.vespo_lambda_pos,
-            grpo.vespo_k_neg,
-            grpo.vespo_lambda_neg,
-            grpo.off_policy_mask_threshold,
-            grpo.top_entropy_quantile,
+        # the options GRPOConfig names as LossSpec does pass through; the renamed and resolved ones are given
+        same = {f.name: getattr(grpo, f.name) for f in dataclasses.fields(cls) if hasattr(grpo, f.name)}
+        same.update(
+            loss_type=grpo.grpo_loss_type,
+            epsilon=eps_low,
+            epsilon_high=eps_high,
+            beta=grpo.grpo_beta,
+            max_completion_length=max_completion_length,
         )
+        return cls(**same)
 
     @property
     def eps_high(self) -> float:
