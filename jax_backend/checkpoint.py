@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Optional
 
@@ -28,7 +29,7 @@ def load_pretrained(
 
     ``dtype`` None uses the stored dtype when it is float32 or bfloat16 (else float32).
     """
-    cfg, weights = read_hf_checkpoint(path)
+    cfg, weights = read_hf_checkpoint(Path(path))
     stored = {str(np.asarray(w).dtype) for w in weights.values()}
     if dtype is None:
         dtype = stored.pop() if len(stored) == 1 and stored <= {"float32", "bfloat16"} else "float32"
@@ -38,7 +39,7 @@ def load_pretrained(
 def save_pretrained(model: Model, path: PathLike) -> Path:
     """Write a JAX ``CausalLM`` as an HF checkpoint, in the model's own dtype, streamed (one tensor in memory at a
     time); returns ``path``."""
-    return write_hf_checkpoint(model.config, lazy_weights(model), path, dtype=model.dtype)
+    return write_hf_checkpoint(model.config, lazy_weights(model), Path(path), dtype=model.dtype)
 
 
 def to_numpy_tree(tree: Any) -> list[np.ndarray]:
@@ -48,12 +49,12 @@ def to_numpy_tree(tree: Any) -> list[np.ndarray]:
 
 def lazy_numpy_tree(tree: Any) -> list[LazyArray]:
     """``to_numpy_tree``, streamed: each leaf produced (a zero-copy view on CPU) when the writer reaches it."""
-    return [LazyArray(tuple(x.shape), str(x.dtype), lambda x=x: np.asarray(x)) for x in jax.tree.leaves(tree)]
+    return [LazyArray(tuple(x.shape), str(x.dtype), functools.partial(np.asarray, x)) for x in jax.tree.leaves(tree)]
 
 
 def from_numpy_tree(leaves: list[np.ndarray], like: Any) -> Any:
     """``leaves`` back into the structure of ``like``; raises ``ValueError`` on a count mismatch."""
-    treedef = jax.tree.structure(like)
+    treedef: Any = jax.tree.structure(like)  # jaxlib ships no stubs for PyTreeDef: mypy cannot see num_leaves
     if treedef.num_leaves != len(leaves):
         raise CheckpointError(
             f"the checkpoint holds {len(leaves)} optimizer arrays but this optimizer has "

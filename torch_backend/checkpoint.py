@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, cast
 
 import numpy as np
 import torch
@@ -155,7 +155,8 @@ def from_numpy_tree(tree: Any) -> Any:
 def rng_state() -> dict[str, Any]:
     """Every RNG a torch run draws from, as numpy/JSON (Python's, numpy's legacy one, torch CPU/CUDA)."""
     version, internal, gauss = random.getstate()
-    legacy = np.random.get_state()
+    # legacy=True (the default) gives the MT19937 tuple; numpy's stubs pick the dict overload for a bare call
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state = {
         "python": {"version": version, "internal": np.asarray(internal, np.uint64), "gauss": gauss},
         "numpy": {

@@ -212,6 +212,7 @@ class CPAttentionContext:
     def plan_for(self, block_size: int) -> BlockedPlan:
         """``plan`` with blocks of ``block_size`` tokens (the layer's ``attention_block_size``), rebuilt once if
         it was made with another size; its block-pair lists are then shared by every layer."""
+        assert self.plan is not None, "plan_for is the allgather strategy's; a ring context has no plan"
         if self.plan.block_size != block_size:
             p = self.plan
             self.plan = BlockedPlan(p.seg_q, p.pos_q, p.seg_k, p.pos_k, block_size)
@@ -428,7 +429,10 @@ def ring_context(cp_mesh, batch: Batch, device: Any):
     with context_parallel(
         cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)
     ):
-        yield CPShard(*buffers, int(batch.num_items_in_batch), cp, cp_mesh.get_local_rank())
+        input_ids, targets, position_ids, segment_ids = buffers
+        yield CPShard(
+            input_ids, targets, position_ids, segment_ids, int(batch.num_items_in_batch), cp, cp_mesh.get_local_rank()
+        )
 
 
 def register_cp_attention() -> None:

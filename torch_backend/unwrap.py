@@ -19,7 +19,7 @@ installed), so ``blocked_attention``, ``attention``, ``model`` and ``memory`` im
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -51,10 +51,10 @@ def lm_head_weight(model: Model) -> torch.Tensor:
     """The [V, H] weight the lm_head multiplies by in this forward: ``lm_head.weight``, or, with trainable tokens
     on a tied embedding, the base weight with the adapter's rows written in (differentiable in those rows;
     the base rows again while the adapters are disabled)."""
-    head = causal_lm_of(model).lm_head
+    head = cast(torch.nn.Module, causal_lm_of(model).lm_head)
     adapter = token_adapter(head)
     if adapter is None:
-        return head.weight
+        return cast(torch.Tensor, head.weight)
     if adapter.disable_adapters or not adapter.active_adapters:
         return adapter.base_layer.weight
     return adapter.get_merged_weights(adapter.active_adapters)
@@ -107,7 +107,7 @@ def base_layer_of(module: torch.nn.Module) -> torch.nn.Module:
         if adapter is not None:
             module = adapter.base_layer
         elif "base_layer" in module._modules:
-            module = module.base_layer
+            module = cast(torch.nn.Module, module.base_layer)
         else:
             return module
 
@@ -117,7 +117,7 @@ def dense_weight(weight: torch.Tensor) -> torch.Tensor:
     if type(weight).__name__ == "Params4bit" and getattr(weight, "quant_state", None) is not None:
         import bitsandbytes.functional as bnbf  # optional dependency
 
-        data, state = weight.data, weight.quant_state
+        data, state = weight.data, cast(Any, weight).quant_state  # a Params4bit (bitsandbytes is untyped)
         if getattr(state, "packing_format_for_cpu", False):
             from bitsandbytes.backends.cpu.ops import _convert_weight_packed_for_cpu_inverse  # optional dependency
 

@@ -129,7 +129,7 @@ def pack_dataset(
     for name, flag in (("completion_only_loss", completion_only_loss), ("assistant_only_loss", assistant_only_loss)):
         if flag is not None and not isinstance(flag, (bool, np.bool_)):
             raise DataTypeError(f"{name}={flag!r} must be True, False or None, as in collate(); pass one of those.")
-    options = dict(
+    options: dict[str, Any] = dict(
         seq_length=seq_length,
         strategy=strategy,
         window=window,

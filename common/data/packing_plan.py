@@ -256,14 +256,14 @@ class PackingPlan:
 
     def select(self, rows: Sequence[int]) -> "PackingPlan":
         """The plan of ``rows`` only (in the given order); sources keep their indices."""
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-        if rows.size and (rows.min() < -self.num_rows or rows.max() >= self.num_rows):
+        row_ids = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if row_ids.size and (row_ids.min() < -self.num_rows or row_ids.max() >= self.num_rows):
             raise DataError(
-                f"rows {rows.tolist()[:8]} out of range for a plan of {self.num_rows} rows; select rows in "
+                f"rows {row_ids.tolist()[:8]} out of range for a plan of {self.num_rows} rows; select rows in "
                 f"[0, {self.num_rows})."
             )
-        rows = rows % max(self.num_rows, 1)
-        starts, ends = self.row_offsets[rows], self.row_offsets[rows + 1]
+        row_ids = row_ids % max(self.num_rows, 1)
+        starts, ends = self.row_offsets[row_ids], self.row_offsets[row_ids + 1]
         counts = ends - starts
         frag = _ranges(starts, counts)
         return PackingPlan(

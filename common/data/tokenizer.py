@@ -32,7 +32,7 @@ import shutil
 import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -560,7 +560,7 @@ def _resolve_folder(name_or_path: str) -> Path:
     )
 
 
-def load_tokenizer(name_or_path: str = "embedded") -> TwinseqTokenizer:
+def load_tokenizer(name_or_path: Union[str, os.PathLike[str]] = "embedded") -> TwinseqTokenizer:
     """``"embedded"`` (the offline default) or a local Hugging Face tokenizer folder."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise DataTypeError(
@@ -570,7 +570,7 @@ def load_tokenizer(name_or_path: str = "embedded") -> TwinseqTokenizer:
     name_or_path = str(name_or_path)
     folder = embedded_tokenizer_dir() if name_or_path == "embedded" else _resolve_folder(name_or_path)
     try:
-        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        hf_tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for a corrupt file
         raise DataError(
             f"{folder / 'tokenizer.json'} cannot be read by the tokenizers library "
@@ -581,7 +581,7 @@ def load_tokenizer(name_or_path: str = "embedded") -> TwinseqTokenizer:
     if name_or_path == "embedded":
         source = "the embedded default (common/chat_template.jinja)"
     tok = TwinseqTokenizer(
-        tok, config, name_or_path=name_or_path, chat_template_source=source, no_template_reason=missing
+        hf_tok, config, name_or_path=name_or_path, chat_template_source=source, no_template_reason=missing
     )
     logger.info(
         "tokenizer %s: vocab %d, bos=%r eos=%r pad=%r, chat template from %s",

@@ -34,7 +34,7 @@ import json
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, NoReturn, Optional, Union
 
 from twinseq.common.errors import ConfigError
 from twinseq.common.fields import _check_fields, knob
@@ -164,7 +164,9 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return float(self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+        scalar = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        assert scalar is not None  # __post_init__ fills head_dim
+        return float(scalar) ** -0.5
 
     # -- construction ------------------------------------------------------------------------
 
@@ -249,6 +251,7 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Ordered ``{hf_name: shape}`` for every parameter of the model ``cfg`` describes (HF layout:
     a linear weight is ``[out_features, in_features]``)."""
     h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    assert d is not None  # __post_init__ fills head_dim
     q_out, kv_out = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
     for layer in range(cfg.num_hidden_layers):
@@ -353,7 +356,7 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     return values
 
 
-def _refuse(source: str, field: str, value: Any, fix: str) -> None:
+def _refuse(source: str, field: str, value: Any, fix: str) -> NoReturn:
     raise ConfigError(f"{source}: {field}={value!r} is not supported; {fix}")
 
 
@@ -454,6 +457,7 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
             model_type,
             f"twinseq builds {', '.join(MODEL_TYPES)}: use a checkpoint of one of those (model_type in config.json).",
         )
+    model_type = typing.cast(ModelType, model_type)  # checked against MODEL_TYPES above
     act_key = "hidden_activation" if model_type == "gemma2" else "hidden_act"
     act = values.get(act_key) or values.get("hidden_act") or ("gelu_pytorch_tanh" if model_type == "gemma2" else "silu")
     if act not in typing.get_args(Activation):
@@ -477,7 +481,7 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
             "twinseq rotates whole heads: use a model with partial_rotary_factor 1.0.",
         )
     defaults = {**_COMMON_DEFAULTS, **_HF_DEFAULTS[model_type]}
-    out = {
+    out: dict[str, Any] = {
         k: values.get(k, defaults.get(k))
         for k in (
             "vocab_size",

@@ -55,6 +55,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     >>> bool((rope_inv_freq(cfg) <= default_inv_freq(cfg.head_dim, cfg.rope_theta)).all())
     True
     """
+    assert cfg.head_dim is not None  # ModelConfig.__post_init__ fills head_dim
     inv_freq = default_inv_freq(cfg.head_dim, cfg.rope_theta)
     if cfg.rope_type == "linear":
         return (inv_freq / np.float32(cfg.rope_factor)).astype(np.float32)
@@ -66,6 +67,7 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 def _llama3(inv_freq: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     factor = np.float32(cfg.rope_factor)
     old_context_len = cfg.rope_original_max_position_embeddings
+    assert old_context_len is not None  # ModelConfig.__post_init__ requires it for rope_type 'llama3'
     low_freq_wavelen = old_context_len / cfg.rope_low_freq_factor  # python floats, as in transformers
     high_freq_wavelen = old_context_len / cfg.rope_high_freq_factor
     wavelen = (np.float32(2 * math.pi) / inv_freq).astype(np.float32)
@@ -84,6 +86,7 @@ def dynamic_base(cfg: ModelConfig, seq_len: float) -> float:
     (``seq_len`` is raised to ``max_position_embeddings`` first, so short batches use the plain base)."""
     seq_len = max(float(seq_len), float(cfg.max_position_embeddings))
     dim = cfg.head_dim
+    assert dim is not None  # ModelConfig.__post_init__ fills head_dim
     return cfg.rope_theta * ((cfg.rope_factor * seq_len / cfg.max_position_embeddings) - (cfg.rope_factor - 1)) ** (
         dim / (dim - 2)
     )
@@ -91,6 +94,7 @@ def dynamic_base(cfg: ModelConfig, seq_len: float) -> float:
 
 def dynamic_inv_freq(cfg: ModelConfig, max_position_id: int) -> np.ndarray:
     """float32 [head_dim / 2] of ``dynamic`` RoPE for a batch whose largest position id is ``max_position_id``."""
+    assert cfg.head_dim is not None  # ModelConfig.__post_init__ fills head_dim
     seq_len = max(max_position_id + 1, cfg.max_position_embeddings)
     base = np.float32(cfg.rope_theta) * (
         (np.float32(cfg.rope_factor) * np.float32(seq_len) / np.float32(cfg.max_position_embeddings))

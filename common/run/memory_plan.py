@@ -556,6 +556,7 @@ def plan_memory(
     b, t = _micro_batch_shape(config, backend)
     tokens = b * t
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    assert cfg.head_dim is not None  # ModelConfig.__post_init__ fills head_dim
     q = cfg.num_attention_heads * cfg.head_dim
     layers = cfg.num_hidden_layers
     per_layer = coef.norm * h + coef.attn * q + coef.mlp * i + coef.kv * cfg.num_key_value_heads * cfg.head_dim
@@ -642,7 +643,7 @@ def plan_memory(
                 f"backward) + a float32 [{b}, {heads}, {padded}] log-sum-exp per layer",
             )
         )
-    mask = 0
+    mask: float = 0
     if path == "dense" and (backend == "jax" or attn in ("sdpa", "eager")):
         mask_bytes = 1 if backend == "jax" else 4
         sliding = [cfg.layer_is_sliding(k) for k in range(layers)]
@@ -824,7 +825,7 @@ def _candidates(config, backend: str, device: str, devices: int):
     if config.loss.loss_type == "nll":
         options.append([(None, {}), ("loss_type=fused_linear", {"loss_type": "fused_linear"})])
     if not d.padding_free:
-        change = {"padding_free": True}
+        change: dict[str, Any] = {"padding_free": True}
         if backend == "torch" and config.model.attn_implementation in ("sdpa", "eager"):
             change["attn_implementation"] = "varlen"
         options.append([(None, {}), ("padding_free", change)])
@@ -844,7 +845,7 @@ def _candidates(config, backend: str, device: str, devices: int):
         peft_opts.append(("load_in_4bit", {"load_in_4bit": True}))
     options.append(peft_opts)
     bs, ga = d.per_device_train_batch_size, d.gradient_accumulation_steps
-    micro = [(None, {})]
+    micro: list[tuple[Optional[str], dict]] = [(None, {})]
     k = 2
     while bs % k == 0:
         micro.append(
@@ -885,7 +886,7 @@ def advise(
     ``"24GiB"``). Raises ``ConfigError`` naming the minimum when nothing fits."""
     budget_bytes = parse_bytes(budget)
     backend = backend or config.backend
-    kw = dict(dtype=dtype, devices=devices, device=device, backend=backend)
+    kw: dict[str, Any] = dict(dtype=dtype, devices=devices, device=device, backend=backend)
     base = plan_memory(config, **kw)
     if base.total <= budget_bytes:
         return Advice(True, base, {}, [], 0.0, [], budget_bytes)
