@@ -116,6 +116,7 @@ def test_a_resume_in_the_middle_of_epoch_two_is_bitwise_the_straight_run(backend
     assert sorted(wa) == sorted(wb) and all(wa[k].tobytes() == wb[k].tobytes() for k in wa)
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_dpo_epochs_count_pairs(backend, dpo_jsonl, tmp_path):
     pytest.importorskip(backend)

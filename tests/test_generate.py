@@ -78,7 +78,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return {"model": model, "adapters": adapters}
 
 
-@pytest.mark.parametrize("kind", ["model", "adapters"])
+@pytest.mark.parametrize("kind", ["model", pytest.param("adapters", marks=pytest.mark.slow)])  # budget
 def test_generate_answers_on_both_backends_with_the_same_greedy_tokens(folders, kind):
     out = {backend: generate_json(folders[kind], backend) for backend in BACKENDS}
     for torch_row, jax_row, prompt in zip(out["torch"], out["jax"], PROMPTS):

@@ -356,6 +356,7 @@ def test_context_parallel_attention_honours_window_and_softcap(cp_mesh, strategy
         assert np.abs(plain - np.asarray(want[0])).max() > 1e-2, (window, softcap)  # the option changes the answer
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 @pytest.mark.multi_device
 def test_gemma2_step_on_a_cp_mesh_equals_the_dense_step(cp_mesh):
     """Gemma 2 (sliding and global layers, attention soft-cap, final soft-cap) through ``grads_jit`` with the

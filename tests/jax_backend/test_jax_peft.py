@@ -143,6 +143,7 @@ def test_logits_loss_and_grads_equal_real_peft(case, tmp_path):
     assert worst < 1e-5, worst
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_packed_padded_and_separate_agree_with_remat():
     from twinseq.jax_backend.memory import apply_activation_checkpointing
 
@@ -185,6 +186,7 @@ def _train_cfg(output_dir, **overrides) -> TrainConfig:
     return TrainConfig.from_flat(**{**values, **overrides})
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_qlora_trains_adapters_only_on_a_frozen_nf4_base(tmp_path):
     from twinseq.jax_backend.trainer import SFTTrainer, with_adapters
 
@@ -205,6 +207,7 @@ def test_qlora_trains_adapters_only_on_a_frozen_nf4_base(tmp_path):
     assert all(not np.array_equal(after[k], adapters_before[k]) for k in after)  # every adapter tensor moved
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_qlora_equals_lora_on_its_dequantised_base():
     # QLoRA's matmul (a custom_vjp that dequantises in the forward and again in the backward pass) computes
     # the LoRA model on the dequantised weights: DoRA too (it reads the dequantised weight for its norm)
@@ -221,7 +224,7 @@ def test_qlora_equals_lora_on_its_dequantised_base():
     assert abs(loss_q - loss_l) < 1e-6 and all(_rel(grads_q[k], grads_l[k]) < 1e-5 for k in grads_l)
 
 
-@pytest.mark.parametrize("remat_policy", ["none", "full"])
+@pytest.mark.parametrize("remat_policy", [pytest.param("none", marks=pytest.mark.slow), "full"])  # budget
 def test_qlora_step_holds_one_layer_of_dequantised_weights(remat_policy):
     # The compiled training step of QLoRA is smaller than LoRA's by the decoder linears' float32 weights minus
     # their NF4 storage: its temporaries hold at most one layer's dequantised weights more than LoRA's (plainly,
