@@ -1,4 +1,5 @@
-"""GRPO memory and time: twinseq's torch GRPO trainer vs TRL 1.16's ``GRPOTrainer``, same run, same inputs.
+"""GRPO (or RLOO) memory and time: twinseq's torch trainer vs TRL 1.16's ``GRPOTrainer`` (``RLOOTrainer``), same
+run, same inputs. ``benchmarks/rloo_memory.py`` runs it with ``method="rloo"`` (RLOO's advantage and loss, beta 0).
 
 What is measured, per trainer: ``--steps`` optimizer steps of GRPO on the embedded last-word
 task (``common.data.prompts``), from the same ``tiny`` weights (``common.models.init``, seed 0, saved as
@@ -52,20 +53,22 @@ def _format_reward(prompts, completions, **kwargs):
 # --- run inside the measured subprocess ----------------------------------------------------
 
 def setup(variant: str, model_dir: str, out_dir: str, steps: int, batch: int, generations: int, completion: int,
-          prompt: int, learning_rate: float, device: str) -> dict[str, Any]:
+          prompt: int, learning_rate: float, device: str, method: str = "grpo") -> dict[str, Any]:
     import torch
 
     torch.manual_seed(0)
     if variant == "trl":
-        return _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt, learning_rate, device)
+        return _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt, learning_rate, device,
+                          method)
     _, layout, kernel = variant.split(":")
     from twinseq.common.config import TrainConfig
     from twinseq.torch_backend.grpo import build_grpo
 
-    cfg = TrainConfig.from_flat(task="grpo", model_config=model_dir, output_dir=out_dir, max_steps=steps,
+    loss = dict(grpo_loss_type="dapo") if method == "grpo" else dict(rloo_beta=0.0)
+    cfg = TrainConfig.from_flat(task=method, model_config=model_dir, output_dir=out_dir, max_steps=steps,
                                 per_device_train_batch_size=batch, num_generations=generations,
                                 max_completion_length=completion, max_prompt_length=prompt,
-                                learning_rate=learning_rate, lr_scheduler_type="constant", grpo_loss_type="dapo",
+                                learning_rate=learning_rate, lr_scheduler_type="constant", **loss,
                                 reward_funcs=["format"], padding_free=layout == "padding_free", loss_type=kernel,
                                 disable_tqdm=True, dtype="bfloat16" if device == "cuda" else "float32")
     trainer, source, tokenizer, _ = build_grpo(cfg, torch.device(device), None, reward_funcs=[_format_reward])
@@ -73,12 +76,12 @@ def setup(variant: str, model_dir: str, out_dir: str, steps: int, batch: int, ge
             "device": device}
 
 
-def _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt, learning_rate, device):
+def _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt, learning_rate, device, method):
     import time
 
+    import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
 
     from twinseq.common.data.prompts import build_last_word_task
 
@@ -95,12 +98,14 @@ def _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt
             timer["calls"].append(time.perf_counter() - t0)
 
     model.generate = timed_generate
-    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=batch, num_generations=generations,
-                      max_completion_length=completion, max_steps=steps, learning_rate=learning_rate,
-                      lr_scheduler_type="constant", beta=0.0, loss_type="dapo", report_to="none",
-                      use_cpu=device == "cpu", bf16=device == "cuda", logging_steps=1, save_strategy="no",
-                      disable_tqdm=True, temperature=1.0, seed=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=[_format_reward], args=args,
+    config, trainer_class = (trl.GRPOConfig, trl.GRPOTrainer) if method == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
+    loss = dict(loss_type="dapo") if method == "grpo" else {}
+    args = config(output_dir=out_dir, per_device_train_batch_size=batch, num_generations=generations,
+                  max_completion_length=completion, max_steps=steps, learning_rate=learning_rate,
+                  lr_scheduler_type="constant", beta=0.0, **loss, report_to="none",
+                  use_cpu=device == "cpu", bf16=device == "cuda", logging_steps=1, save_strategy="no",
+                  disable_tqdm=True, temperature=1.0, seed=0)
+    trainer = trainer_class(model=model, reward_funcs=[_format_reward], args=args,
                           train_dataset=Dataset.from_list(build_last_word_task()), processing_class=tokenizer)
     return {"variant": "trl", "trainer": trainer, "timer": timer, "device": device}
 
@@ -120,7 +125,7 @@ def run(state: dict[str, Any]) -> dict[str, Any]:
             from twinseq.common.run.runner import run as run_steps
 
             cfg = state["cfg"]
-            run_steps(cfg, state["trainer"], state["source"], tokenizer=state["tokenizer"], desc="grpo-bench")
+            run_steps(cfg, state["trainer"], state["source"], tokenizer=state["tokenizer"], desc=f"{cfg.task}-bench")
             rows = read_metrics(cfg.output_dir)
             extra["step_seconds"] = [r["step_seconds"] for r in rows]
             extra["generation_seconds"] = [r["generation_seconds"] for r in rows]
@@ -169,8 +174,9 @@ def _row(variant: str, res: dict[str, Any]) -> dict[str, Any]:
             "run_seconds": res["median_seconds"], "first_reward": extra["reward"][0]}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    bench = start_run(parse, argv, __file__, device=resolve_device)
+def main(argv: Optional[Sequence[str]] = None, method: str = "grpo", script: str = __file__) -> int:
+    """``method``: ``grpo`` (this script) or ``rloo`` (``benchmarks/rloo_memory.py``, which passes its ``script``)."""
+    bench = start_run(parse, argv, script, device=resolve_device)
     a = bench.args
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,7 +185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for variant in a.variants.split(","):
             kwargs = dict(variant=variant, model_dir=str(model_dir), out_dir=str(Path(tmp) / variant.replace(":", "_")),
                           steps=a.steps, batch=a.batch, generations=a.generations, completion=a.completion,
-                          prompt=a.prompt, learning_rate=a.learning_rate, device=a.device)
+                          prompt=a.prompt, learning_rate=a.learning_rate, device=a.device, method=method)
             res = measure_in_subprocess(__file__, "setup", "run", kwargs, repeats=a.repeats, warmup=a.warmup,
                                         num_threads=a.threads, timeout=a.timeout)
             rows.append(_row(variant, res))
@@ -195,13 +201,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{r['update_seconds'] / max(base['update_seconds'], 1e-9):.2f}"] for r in rows], "lrrrrrrr")
     checks = {"every trainer ran": len(rows) == len(a.variants.split(","))}
     body = "\n".join([
-        f"GRPO, model `tiny` (same seed-0 weights for all), {a.batch} completions per step = "
+        f"{method.upper()}, model `tiny` (same seed-0 weights for all), {a.batch} completions per step = "
         f"{a.batch // a.generations} prompts x {a.generations} generations, max_completion_length {a.completion}, "
-        f"{a.steps} steps, dapo loss, beta 0. Memory: {measured_settings(a)['memory_method']}, over the whole run "
+        f"{a.steps} steps, {'dapo loss' if method == 'grpo' else 'RLOO loss'}, beta 0. Memory: {measured_settings(a)['memory_method']}, over the whole run "
         f"(generation + update). Times: median over steps after the first.", "", *table, "",
         acceptance_line(checks)])
-    bench.write({"arguments": bench.arguments(), "settings": measured_settings(a), "rows": rows},
-                title="GRPO: twinseq torch vs TRL GRPOTrainer", body=body)
+    trainer = "GRPOTrainer" if method == "grpo" else "RLOOTrainer"
+    bench.write({"arguments": {**bench.arguments(), "method": method}, "settings": measured_settings(a), "rows": rows},
+                title=f"{method.upper()}: twinseq torch vs TRL {trainer}", body=body)
     return 0
 
 

@@ -79,6 +79,13 @@ class GRPOConfig(_TaskConfig):
     TASK = "grpo"
 
 
+class RLOOConfig(_TaskConfig):
+    """The arguments of ``RLOOTrainer``: ``TrainConfig`` with ``task="rloo"`` (TRL's ``RLOOConfig`` names, but
+    ``rloo_beta``; the rollout's knobs are GRPO's: ``num_generations``, ``epsilon``, ``reward_funcs``, ...)."""
+
+    TASK = "rloo"
+
+
 # --------------------------------------------------------------------------------------
 # peft.LoraConfig -> twinseq's PEFT fields
 # --------------------------------------------------------------------------------------
@@ -357,7 +364,7 @@ class GRPOTrainer(_Trainer):
     """Group relative policy optimisation with ``reward_funcs``: callables with TRL's signature
     ``f(prompts, completions, **columns) -> list[float | None]``, or names of twinseq's built-in rewards."""
 
-    config_class = GRPOConfig
+    config_class: ClassVar[type[_TaskConfig]] = GRPOConfig
 
     def __init__(
         self,
@@ -385,7 +392,19 @@ class GRPOTrainer(_Trainer):
         )
 
 
-TRAINERS: dict[str, type[_Trainer]] = {"sft": SFTTrainer, "dpo": DPOTrainer, "grpo": GRPOTrainer}
+class RLOOTrainer(GRPOTrainer):
+    """REINFORCE leave-one-out with ``reward_funcs`` (as ``GRPOTrainer``): each completion's baseline is the mean
+    reward of the other completions of its prompt, the KL to the reference a reward penalty (``rloo_beta``)."""
+
+    config_class = RLOOConfig
+
+
+TRAINERS: dict[str, type[_Trainer]] = {
+    "sft": SFTTrainer,
+    "dpo": DPOTrainer,
+    "grpo": GRPOTrainer,
+    "rloo": RLOOTrainer,
+}
 """The trainer class of each task (``twinseq train --task`` picks one)."""
 
 

@@ -13,6 +13,7 @@ memory      ``MemoryConfig``    gradient_checkpointing, activation_offloading, t
 parallel    ``ParallelConfig``  fsdp, context_parallel_size, context_parallel_strategy
 dpo         ``DPOConfig``       beta, dpo_loss_type, loss_weights, label_smoothing, ...
 grpo        ``GRPOConfig``      num_generations, grpo_beta, epsilon, grpo_loss_type, reward_funcs, vllm_*, ...
+rloo        ``RLOOConfig``      rloo_beta, normalize_advantages, reward_clip_range (the rollout: ``grpo``'s)
 peft        ``PeftConfig``      use_peft, lora_r, lora_alpha, lora_target_modules, load_in_4bit, ...
 ==========  ==================  ================================================================
 
@@ -52,9 +53,10 @@ from twinseq.common.objectives.grpo import (
     check_grpo_config,
     check_liger_grpo_config,
 )
+from twinseq.common.objectives.rloo import RLOOConfig, check_rloo_config
 
 Backend = Literal["torch", "jax"]
-Task = Literal["sft", "dpo", "grpo"]
+Task = Literal["sft", "dpo", "grpo", "rloo"]
 TruncationMode = Literal["keep_start", "keep_end"]
 PackingStrategy = Literal["bfd", "bfd_split", "wrapped"]
 LossType = Literal["nll", "chunked_nll", "fused_linear", "liger", "triton"]
@@ -100,9 +102,11 @@ DEFAULT_LEARNING_RATES: dict[tuple[str, bool], float] = {
     ("sft", False): 2e-5,
     ("dpo", False): 1e-6,
     ("grpo", False): 1e-6,
+    ("rloo", False): 1e-6,
     ("sft", True): 1e-4,
     ("dpo", True): 1e-5,
     ("grpo", True): 1e-5,
+    ("rloo", True): 1e-5,
 }
 """``learning_rate`` when none is given, by (task, use_peft): TRL's defaults for full fine-tuning (``SFTConfig``
 2e-5, ``DPOConfig`` and ``GRPOConfig`` 1e-6), and with LoRA about ten times those, as TRL's PEFT guides train
@@ -279,9 +283,12 @@ SECTIONS: dict[str, type] = {
     "peft": PeftConfig,
 }
 SECTIONS["grpo"] = GRPOConfig
-TASK_SECTIONS = {"dpo": "dpo"}
-TASK_SECTIONS["grpo"] = "grpo"
-"""Sections read by one task only: setting them on another task is refused, not ignored."""
+SECTIONS["rloo"] = RLOOConfig
+ONLINE_TASKS = ("grpo", "rloo")
+"""The tasks that generate their batches (``common.run.rollout``), with the ``grpo`` section's rollout knobs."""
+TASK_SECTIONS: dict[str, tuple[str, ...]] = {"dpo": ("dpo",), "grpo": ONLINE_TASKS, "rloo": ("rloo",)}
+"""Sections read by some tasks only (section: those tasks): setting them on another task is refused, not
+ignored."""
 
 
 @dataclass
@@ -359,6 +366,7 @@ class TrainConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    rloo: RLOOConfig = field(default_factory=RLOOConfig)
 
     def __post_init__(self) -> None:
         if _CHECKS_ON.get():
@@ -403,14 +411,14 @@ class TrainConfig:
                 "max_steps=0 is not valid: pass a positive number of optimizer steps (--max-steps 100), or -1 to "
                 "train for num_train_epochs passes over the data (--max-steps -1 --num-train-epochs 2)."
             )
-        for task, section in TASK_SECTIONS.items():
-            if self.task != task:
+        for section, tasks in TASK_SECTIONS.items():
+            if self.task not in tasks:
                 changed = _changed_fields(getattr(self, section))
                 if changed:
                     raise ConfigError(
                         f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} read by "
-                        f"task={task!r} only, and this run has task={self.task!r}; drop "
-                        f"{' '.join(_flag(c) for c in changed)} or set --task {task}."
+                        f"task={' or '.join(repr(t) for t in tasks)} only, and this run has task={self.task!r}; "
+                        f"drop {' '.join(_flag(c) for c in changed)} or set --task {tasks[0]}."
                     )
         if self.task == "dpo":
             if d.packing:
@@ -430,10 +438,10 @@ class TrainConfig:
                 check_liger_dpo_config(
                     self.dpo.dpo_loss_type, padding_free=d.padding_free, precompute=self.dpo.precompute_ref_log_probs
                 )
-        if self.task == "grpo":
+        if self.task in ONLINE_TASKS:
             if d.packing:
                 raise ConfigError(
-                    "packing=True does not apply to GRPO (its batches are generated, one group of "
+                    f"packing=True does not apply to task={self.task!r} (its batches are generated, one group of "
                     "completions per prompt); use --padding-free to put them in one row."
                 )
             check_grpo_config(
@@ -443,6 +451,13 @@ class TrainConfig:
             )
             if loss.loss_type == "liger" or loss.use_liger_kernel:
                 check_liger_grpo_config(self.grpo)
+        if self.task == "rloo":
+            check_rloo_config(self.rloo, self.grpo)
+            if loss.loss_type == "liger" or loss.use_liger_kernel:
+                raise ConfigError(
+                    "loss_type='liger' runs Liger's fused GRPO loss, which has no RLOO variant; use --loss-type "
+                    "fused_linear (chunked log-probs, no [tokens, vocab] tensor) with --task rloo."
+                )
 
         check_peft_config(self.peft)
         self._check_evaluation()
@@ -508,6 +523,12 @@ class TrainConfig:
             )
 
     @property
+    def reference_kl_beta(self) -> float:
+        """The KL coefficient of an online task (GRPO's ``grpo_beta``, RLOO's ``rloo_beta``; 0 for the others):
+        above 0 the reference model's log-probs are computed."""
+        return {"grpo": self.grpo.grpo_beta, "rloo": self.rloo.rloo_beta}.get(self.task, 0.0)
+
+    @property
     def effective_eval_steps(self) -> int:
         """``eval_steps``, else ``logging_steps`` (HF's default)."""
         return self.eval_steps or self.logging_steps
@@ -515,7 +536,7 @@ class TrainConfig:
     @property
     def effective_metric_for_best_model(self) -> str:
         """``metric_for_best_model`` with its ``eval_`` prefix; None: ``eval_loss`` (GRPO: ``eval_reward``)."""
-        name = self.metric_for_best_model or ("reward" if self.task == "grpo" else "loss")
+        name = self.metric_for_best_model or ("reward" if self.task in ONLINE_TASKS else "loss")
         return name if name.startswith("eval_") else f"eval_{name}"
 
     @property

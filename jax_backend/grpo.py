@@ -47,7 +47,7 @@ from twinseq.common.objectives.grpo import (
     reward_func_name,
 )
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
-from twinseq.common.run.rollout import GroupRollout, token_record
+from twinseq.common.run.rollout import GroupRollout, loss_description, token_record
 from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import reference_description
 from twinseq.jax_backend.generation import generate
@@ -106,7 +106,9 @@ def grpo_loss_jax(
     old = jax.lax.stop_gradient(logps_NC) if old_logps_NC is None else old_logps_NC.astype(logps_NC.dtype)
     adv = advantages_N.astype(logps_NC.dtype)[:, None]
     log_ratio = logps_NC - old
-    if spec.importance_sampling_level == "sequence":
+    if spec.loss_type == "rloo":  # one ratio per completion, of its summed log-ratio
+        log_ratio = (log_ratio * m).sum(-1, keepdims=True)
+    elif spec.importance_sampling_level == "sequence":
         log_ratio = (log_ratio * m).sum(-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0)
     ratio = jnp.exp(log_ratio)
     count = jnp.maximum(m.sum(), 1.0)
@@ -160,6 +162,8 @@ def grpo_loss_jax(
         loss = (summed.sum(-1) / jnp.maximum(m.sum(-1), 1.0)).sum() / num_sequences
     elif spec.loss_type == "luspo":
         loss = summed.sum() / num_sequences
+    elif spec.loss_type == "rloo":  # one loss per completion, masked or not
+        loss = per_token[:, 0].sum() / num_sequences
     elif spec.loss_type == "bnpo":
         loss = summed.sum() / count / num_micro
     elif spec.loss_type == "dr_grpo":
@@ -444,10 +448,10 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
         self.init_rollout(cfg, tokenizer, reward_funcs)
         check_temperature(cfg.grpo.temperature, model.final_logit_softcapping)
         self.ref_graphdef, self.ref_params = None, None
-        if cfg.grpo.grpo_beta > 0 and self.peft:  # the reference is the same parameters, adapters off: no copy
+        if cfg.reference_kl_beta > 0 and self.peft:  # the reference is the same parameters, adapters off: no copy
             with adapters_disabled(model):
                 self.ref_graphdef = split_trainable(model)[0]
-        elif cfg.grpo.grpo_beta > 0:
+        elif cfg.reference_kl_beta > 0:
             self.ref_params = jax.tree.map(jnp.copy, self.params)
         self._norms = jnp.zeros(3, jnp.float32)
 
@@ -492,7 +496,7 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
         num_columns: int,
     ) -> list[GRPOMicroBatch]:
         """Collated and bucketed to ``[N, max_completion_length]`` (static shapes: one compile per bucket)."""
-        d, g = self.cfg.data, self.cfg.grpo
+        d = self.cfg.data
         size, out = d.per_device_train_batch_size, []
         for s in range(0, len(completions), size):
             sl = slice(s, s + size)
@@ -510,7 +514,7 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
                 jnp.asarray(advantages_N[sl], jnp.float32),
                 cb.batch.num_tokens,
             )
-            if g.num_iterations > 1:
+            if self.keeps_old_logps:
                 mb.old_logps_NC = completion_logps_jit(
                     self.graphdef,
                     self.params,
@@ -519,7 +523,7 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
                     dropout_key=self.next_dropout_key(),
                     **self._logps_kwargs(),
                 )
-            if g.grpo_beta > 0:
+            if self.kl_beta > 0:
                 graphdef, state, frozen = (
                     (self.ref_graphdef, self.params, self.frozen)
                     if self.peft
@@ -528,6 +532,21 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
                 mb.ref_logps_NC = completion_logps_jit(graphdef, state, ci, frozen=frozen, **self._logps_kwargs())
             out.append(mb)
         return out
+
+    def kl_sums(self, micro: list[GRPOMicroBatch]) -> np.ndarray:
+        out = []
+        for mb in micro:
+            assert mb.old_logps_NC is not None and mb.ref_logps_NC is not None  # kept when kl_beta > 0
+            old, ref, m = (np.asarray(a, np.float64) for a in (mb.old_logps_NC, mb.ref_logps_NC, mb.mask_NC))
+            out.append(((old - ref) * m).sum(-1))
+        return np.concatenate(out)
+
+    def set_advantages(self, micro: list[GRPOMicroBatch], advantages_N: np.ndarray) -> None:
+        s = 0
+        for mb in micro:
+            n = mb.mask_NC.shape[0]
+            mb.advantages_N = jnp.asarray(advantages_N[s : s + n], jnp.float32)
+            s += n
 
     # -- the micro-step --------------------------------------------------------------------
 
@@ -578,7 +597,8 @@ def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None, i
         )
     if cfg.parallel.context_parallel_size > 1:
         raise ConfigError(
-            "task=grpo runs on one device on the jax backend (generation is not sharded); drop --context-parallel-size."
+            f"task={cfg.task} runs on one device on the jax backend (generation is not sharded); drop "
+            "--context-parallel-size."
         )
     refuse_built_model(inputs)
     tokenizer = run_tokenizer(cfg, inputs.tokenizer)
@@ -592,9 +612,9 @@ def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None, i
     trainer = GRPOTrainer(model, cfg, tokenizer=tokenizer, reward_funcs=funcs)
     announce = [
         describe(cfg, trainer),
-        f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
+        f"{cfg.task}: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
         f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
-        f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference_description(cfg)}, num_iterations="
+        f"{loss_description(cfg)}, reference={reference_description(cfg)}, num_iterations="
         f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}",
     ]
     return trainer, source, tokenizer, announce

@@ -24,7 +24,12 @@ from twinseq.jax_backend.trainer import build_dpo, build_sft, check_optimizer
 
 def builders(cfg: TrainConfig) -> dict[str, Build]:
     """The JAX builder of each task."""
-    return {"sft": partial(build_sft, cfg), "dpo": partial(build_dpo, cfg), "grpo": partial(build_grpo, cfg)}
+    return {
+        "sft": partial(build_sft, cfg),
+        "dpo": partial(build_dpo, cfg),
+        "grpo": partial(build_grpo, cfg),
+        "rloo": partial(build_grpo, cfg),  # the same rollout and trainer, RLOO's advantage and loss
+    }
 
 
 def train(config: TrainConfig, inputs: Optional[RunInputs] = None) -> Path:

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from parity_tests.tolerances import TOLERANCES
-from twinseq.common.objectives.grpo import GRPO_LOSS_TYPES, collate_completions, grpo_loss
+from twinseq.common.objectives.grpo import LOSS_FAMILY, collate_completions, grpo_loss
 
 TOL = TOLERANCES["float32"]
 LAYOUTS = ("padded", "padding_free")
@@ -41,6 +41,11 @@ ADVANTAGES = np.array([1.2, -0.8, 0.5, -0.9], np.float32)
 OLD_OFFSETS = np.array([0.3, -0.25, 0.05, -0.4, 0.2], np.float32)   # per column: ratio exp(-offset)
 REF_OFFSETS = np.array([-0.5, 0.4, 0.3, -0.2, 0.6], np.float32)
 SPEC = dict(epsilon=0.2, epsilon_high=0.28, beta=0.04, max_completion_length=C)
+
+
+def _spec(loss_type: str) -> dict:
+    """``SPEC`` for ``loss_type``: RLOO's loss has no KL term (its KL is a reward penalty), so beta 0."""
+    return {**SPEC, "beta": 0.0} if loss_type == "rloo" else SPEC
 
 
 def _documents(vocab_size: int):
@@ -86,7 +91,7 @@ class GRPOHarness:
         if backend == "jax":
             from twinseq.jax_backend import grpo as jgrpo
 
-            spec = jgrpo.LossSpec(loss_type, SPEC["epsilon"], SPEC["epsilon_high"], SPEC["beta"], C)
+            spec = jgrpo.LossSpec(loss_type=loss_type, **_spec(loss_type))
             loss, grads, _ = jgrpo.grpo_loss_and_grads(self.h.jax_model, cb, self.mask, ADVANTAGES, spec,
                                                        old_logps_NC=self.old, ref_logps_NC=self.ref,
                                                        loss_type=kernel, chunk_size=8, temperature=TEMPERATURE)
@@ -100,8 +105,7 @@ class GRPOHarness:
         from twinseq.torch_backend import grpo as tgrpo
 
         model = self.h.torch_model
-        spec = tgrpo.LossSpec(loss_type=loss_type, epsilon=SPEC["epsilon"], epsilon_high=SPEC["epsilon_high"],
-                              beta=SPEC["beta"], max_completion_length=C)
+        spec = tgrpo.LossSpec(loss_type=loss_type, **_spec(loss_type))
         model.zero_grad(set_to_none=True)
         logps, _ = tgrpo.completion_logps(model, cb, loss_type=kernel, chunk_size=8, temperature=TEMPERATURE)
         loss, _ = tgrpo.grpo_loss_torch(logps.float(), torch.from_numpy(ADVANTAGES), torch.from_numpy(self.mask),
@@ -133,8 +137,14 @@ def _loss_scale(grpo: GRPOHarness, loss_type: str) -> float:
     ``max |δ| · mean ρ |A|``, so its float32 error is relative to this, not to the cancelled sum: the forward
     error of a sum is bounded relative to the sum of its terms' magnitudes.
     """
+    if loss_type == "rloo":
+        # one term per completion, rho_i |A_i| with rho_i the exp of a sum over its n_i tokens: a per-token error
+        # delta moves it by rho_i |A_i| (delta_1 + ... + delta_n), so its size is rho_i |A_i| n_i
+        n = grpo.mask.sum(-1)
+        rho = np.exp(((grpo.reference_logps() - grpo.old) * grpo.mask).sum(-1))
+        return float(np.mean(rho * np.abs(ADVANTAGES) * n))
     out = grpo_loss(grpo.reference_logps(), np.abs(ADVANTAGES), grpo.mask, old_logps_NC=grpo.old,
-                    ref_logps_NC=grpo.ref, loss_type=loss_type, **SPEC)
+                    ref_logps_NC=grpo.ref, loss_type=loss_type, **_spec(loss_type))
     return abs(float(out.loss))
 
 
@@ -145,7 +155,7 @@ def test_inputs_exercise_both_clips_and_the_kl(grpo):
     assert out.metrics["kl"] > 1e-3 and abs(out.loss) > 1e-2
 
 
-@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", LOSS_FAMILY)
 def test_loss_arithmetic_matches_numpy_reference(grpo, loss_type):
     """Both backends' loss family on the reference's float32-rounded log-probs, vs float64 numpy."""
     import jax.numpy as jnp
@@ -156,13 +166,13 @@ def test_loss_arithmetic_matches_numpy_reference(grpo, loss_type):
 
     logps32 = grpo.reference_logps().astype(np.float32)
     expected = grpo_loss(logps32.astype(np.float64), ADVANTAGES, grpo.mask, old_logps_NC=grpo.old,
-                         ref_logps_NC=grpo.ref, loss_type=loss_type, **SPEC)
-    t_spec = tgrpo.LossSpec(loss_type=loss_type, **SPEC)
+                         ref_logps_NC=grpo.ref, loss_type=loss_type, **_spec(loss_type))
+    t_spec = tgrpo.LossSpec(loss_type=loss_type, **_spec(loss_type))
     t_loss, t_metrics = tgrpo.grpo_loss_torch(torch.from_numpy(logps32), torch.from_numpy(ADVANTAGES),
                                               torch.from_numpy(grpo.mask), t_spec,
                                               old_logps_NC=torch.from_numpy(grpo.old),
                                               ref_logps_NC=torch.from_numpy(grpo.ref))
-    j_spec = jgrpo.LossSpec(loss_type, SPEC["epsilon"], SPEC["epsilon_high"], SPEC["beta"], C)
+    j_spec = jgrpo.LossSpec(loss_type=loss_type, **_spec(loss_type))
     j_loss, j_metrics = jgrpo.grpo_loss_jax(jnp.asarray(logps32), jnp.asarray(ADVANTAGES), jnp.asarray(grpo.mask),
                                             jgrpo.loss_norms(grpo.mask), j_spec, old_logps_NC=jnp.asarray(grpo.old),
                                             ref_logps_NC=jnp.asarray(grpo.ref))
@@ -175,7 +185,7 @@ def test_loss_arithmetic_matches_numpy_reference(grpo, loss_type):
 
 
 ONE_STEP_CASES = [(t, layout) if (t, layout) == ("dapo", "padded") else
-                  pytest.param(t, layout, marks=pytest.mark.slow) for t in GRPO_LOSS_TYPES for layout in LAYOUTS]
+                  pytest.param(t, layout, marks=pytest.mark.slow) for t in LOSS_FAMILY for layout in LAYOUTS]
 
 
 @pytest.mark.parametrize("loss_type, layout", ONE_STEP_CASES)

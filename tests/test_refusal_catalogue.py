@@ -433,6 +433,11 @@ def _config_cases() -> dict[str, Refusal]:
         "grpo: sleep mode without vllm": Refusal(
             _flat(task="grpo", vllm_enable_sleep_mode=True), "vllm_enable_sleep_mode", True),
         "grpo: no reward function": Refusal(_flat(task="grpo", reward_funcs=[]), "reward_funcs", []),
+        "rloo: a GRPO loss knob": Refusal(_flat(task="rloo", grpo_loss_type="bnpo"), "grpo_loss_type", "bnpo"),
+        "rloo: an inverted reward clip": Refusal(
+            _flat(task="rloo", reward_clip_range=[1.0, 0.0]), "reward_clip_range", [1.0, 0.0]),
+        "rloo: liger": Refusal(_flat(task="rloo", loss_type="liger"), "loss_type", "liger"),
+        "rloo: its knob on grpo": Refusal(_flat(task="grpo", rloo_beta=0.1), "rloo_beta", "grpo"),
         "dpo: empty loss list": Refusal(_flat(task="dpo", dpo_loss_type=[]), "loss_type", []),
         "dpo: weights for two losses": Refusal(
             _flat(task="dpo", dpo_loss_type=["sigmoid"], loss_weights=[1.0, 0.5]), "loss_weights", [1.0, 0.5]),
@@ -637,7 +642,7 @@ def _objective_cases() -> dict[str, Refusal]:
     """The numpy references of the losses, the rewards and the learning-rate schedule (the backends' rules)."""
     import numpy as np
 
-    from twinseq.common.objectives import dpo, grpo, nll
+    from twinseq.common.objectives import dpo, grpo, nll, rloo
     from twinseq.common.run.schedule import lr_multiplier
     from twinseq.common.run.trainer import train_task
 
@@ -684,6 +689,9 @@ def _objective_cases() -> dict[str, Refusal]:
         "dpo: rewards of other shapes": Refusal(
             lambda: dpo.reward_metrics(np.zeros(2), np.zeros(3)), "rejected_rewards", (3,)),
         "grpo: rewards not in groups": Refusal(lambda: grpo.group_advantages(np.zeros(3), 2), "num_generations", 2),
+        "rloo: rewards not in groups": Refusal(lambda: rloo.rloo_advantages(np.zeros(3), 2), "num_generations", 2),
+        "rloo: a KL penalty without the log-ratios": Refusal(
+            lambda: rloo.rloo_advantages(np.zeros(2), 2, beta=0.05), "rloo_beta", 0.05),
         "grpo: scale_rewards unknown": Refusal(lambda: grpo.group_advantages(np.zeros(2), 2, "batch_std"),
                                                "scale_rewards", "batch_std"),
         "grpo: no reward functions": Refusal(lambda: grpo.compute_rewards([], ["p"], ["a"]), "reward_funcs", []),

@@ -128,6 +128,11 @@ def check_zero3_config(cfg: TrainConfig) -> None:
             "the KL term's frozen reference copy is not partitioned here; use --grpo-beta 0 (TRL's default)",
         ),
         (
+            cfg.task == "rloo" and cfg.rloo.rloo_beta > 0,
+            f"rloo_beta={cfg.rloo.rloo_beta}",
+            "the KL penalty's frozen reference copy is not partitioned here; use --rloo-beta 0",
+        ),
+        (
             cfg.task == "grpo" and cfg.loss.loss_type == "liger",
             "loss_type='liger' with task='grpo'",
             "Liger's fused GRPO loss reads the LM head outside the engine's forward; use --loss-type fused_linear",

@@ -45,7 +45,7 @@ from twinseq.common.objectives.grpo import (
 )
 from twinseq.common.run.capabilities import GPU_EXTRA
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
-from twinseq.common.run.rollout import GroupRollout, token_record
+from twinseq.common.run.rollout import GroupRollout, loss_description, token_record
 from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import reference_description
 from twinseq.torch_backend import triton_ce
@@ -173,7 +173,9 @@ def grpo_loss_torch(
     old = logps_NC.detach() if old_logps_NC is None else old_logps_NC.to(logps_NC.dtype)
     adv = advantages_N.to(logps_NC.dtype)[:, None]
     log_ratio = logps_NC - old
-    if spec.importance_sampling_level == "sequence":
+    if spec.loss_type == "rloo":  # one ratio per completion, of its summed log-ratio
+        log_ratio = (log_ratio * m).sum(-1, keepdim=True)
+    elif spec.importance_sampling_level == "sequence":
         log_ratio = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
     ratio = torch.exp(log_ratio)
     count = m.sum().clamp(min=1.0)
@@ -231,6 +233,8 @@ def grpo_loss_torch(
         loss = (summed.sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / (share.num_sequences_in_step or n)
     elif spec.loss_type == "luspo":
         loss = summed.sum() / (share.num_sequences_in_step or n)
+    elif spec.loss_type == "rloo":  # one loss per completion, masked or not
+        loss = per_token[:, 0].sum() / (share.num_sequences_in_step or n)
     elif spec.loss_type == "bnpo":
         loss = summed.sum() / count / share.num_micro_batches
     elif spec.loss_type == "dr_grpo":
@@ -488,6 +492,21 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         self._kept_logps(micro)
         return micro
 
+    def kl_sums(self, micro: list[GRPOMicroBatch]) -> np.ndarray:
+        out = []
+        for mb in micro:
+            assert mb.old_logps_NC is not None and mb.ref_logps_NC is not None  # kept when kl_beta > 0
+            gap = (mb.old_logps_NC.double() - mb.ref_logps_NC.double()) * mb.mask_NC.double()
+            out.append(gap.sum(-1).cpu().numpy())
+        return np.concatenate(out)
+
+    def set_advantages(self, micro: list[GRPOMicroBatch], advantages_N: np.ndarray) -> None:
+        s = 0
+        for mb in micro:
+            n = mb.mask_NC.shape[0]
+            mb.advantages_N = torch.as_tensor(advantages_N[s : s + n], dtype=torch.float32, device=self.device)
+            s += n
+
     # -- what a multi-rank engine overrides (zero3_grpo.Zero3GRPOTrainer) ------------------
 
     def _forward(self, fn: Any) -> Any:
@@ -500,7 +519,7 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
 
     @torch.no_grad()
     def _kept_logps(self, micro: list[GRPOMicroBatch]) -> None:
-        """The sampling policy's log-probs (``num_iterations > 1``) and the reference's (``grpo_beta > 0``)."""
+        """The sampling policy's log-probs (``keeps_old_logps``) and the reference's (``kl_beta > 0``)."""
         c, g = self.cfg, self.cfg.grpo
         kw: dict[str, Any] = dict(
             loss_type="fused_linear" if c.loss.loss_type == "liger" else c.loss.loss_type,
@@ -510,9 +529,9 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         )
         for mb in micro:
             with autocast(c, self.device):
-                if g.num_iterations > 1:
+                if self.keeps_old_logps:
                     mb.old_logps_NC = self._forward(lambda lm, cb=mb.cb: completion_logps(lm, cb, **kw)[0]).float()
-                if g.grpo_beta > 0:
+                if self.kl_beta > 0:
                     if self.ref_model is not None:
                         mb.ref_logps_NC = completion_logps(self.ref_model, mb.cb, **kw)[0].float()
                     else:
@@ -579,7 +598,7 @@ def build_grpo(
     ``inputs.reward_funcs``) overrides ``cfg.grpo.reward_funcs``."""
     if runtime is not None:
         raise ConfigError(
-            "task=grpo runs in one process on the torch backend here (generation is not sharded); "
+            f"task={cfg.task} runs in one process on the torch backend here (generation is not sharded); "
             "launch it without torchrun/accelerate."
         )
     g = cfg.grpo
@@ -604,7 +623,7 @@ def build_grpo(
     ref_model = None
     if cfg.peft.use_peft:
         causal_lm = add_peft(cfg, causal_lm)  # the reference is the base: adapters disabled
-    elif g.grpo_beta > 0:
+    elif cfg.reference_kl_beta > 0:
         ref_model = copy.deepcopy(causal_lm).requires_grad_(False).eval()
     module = parallelize(causal_lm, None, cfg)
     generation_batch = cfg.data.per_device_train_batch_size * cfg.data.gradient_accumulation_steps
@@ -624,9 +643,9 @@ def build_grpo(
     )
     announce = [
         describe(cfg, causal_lm, device),
-        f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
+        f"{cfg.task}: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
         f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
-        f"loss={g.grpo_loss_type}, beta={g.grpo_beta}, reference={reference_description(cfg)}, num_iterations="
+        f"{loss_description(cfg)}, reference={reference_description(cfg)}, num_iterations="
         f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}, generation={generation}",
     ]
     return trainer, source, tokenizer, announce

@@ -35,6 +35,7 @@ def builders(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime])
         "sft": partial(build_sft, cfg, device, runtime),
         "dpo": partial(build_dpo, cfg, device, runtime),
         "grpo": partial(build_grpo, cfg, device, runtime),
+        "rloo": partial(build_grpo, cfg, device, runtime),  # the same rollout and trainer, RLOO's advantage and loss
     }
 
 
@@ -82,7 +83,11 @@ def train_zero3(cfg: TrainConfig, inputs: Optional[RunInputs] = None) -> Path:
         torch.manual_seed(cfg.seed)
         return train_task(
             cfg,
-            {"sft": partial(build_zero3_sft, cfg), "grpo": partial(build_grpo_zero3, cfg)},
+            {
+                "sft": partial(build_zero3_sft, cfg),
+                "grpo": partial(build_grpo_zero3, cfg),
+                "rloo": partial(build_grpo_zero3, cfg),
+            },
             desc="torch-zero3",
             inputs=inputs,
         )

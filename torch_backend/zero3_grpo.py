@@ -16,6 +16,7 @@ from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, reso
 from twinseq.common.errors import ConfigError
 from twinseq.common.objectives.grpo import reward_func_name
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
+from twinseq.common.run.rollout import loss_description
 from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.torch_backend.deepspeed import (
     Zero3Engine,
@@ -139,13 +140,13 @@ def build_grpo_zero3(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = N
     engine = zero3_engine_for(cfg, tokenizer.vocab_size)  # its schedule reads the resolved max_steps
     trainer = Zero3GRPOTrainer(cfg, engine, tokenizer=tokenizer, reward_funcs=funcs)
     announce = [
-        f"twinseq torch grpo: DeepSpeed ZeRO-3 over {world} rank(s) ({dist.get_backend()}), "
+        f"twinseq torch {cfg.task}: DeepSpeed ZeRO-3 over {world} rank(s) ({dist.get_backend()}), "
         f"{cfg.model.model_config!r}; generation "
         f"{'gathered once per generation' if g.ds3_gather_for_generation else 'on the partitioned model'} "
         f"(ds3_gather_for_generation={g.ds3_gather_for_generation})",
-        f"grpo: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
+        f"{cfg.task}: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
         f"{world * per_rank} completions per step ({per_rank} per rank), max_completion_length="
-        f"{trainer.max_completion_length}, loss={g.grpo_loss_type}, beta={g.grpo_beta}, num_iterations="
+        f"{trainer.max_completion_length}, {loss_description(cfg)}, num_iterations="
         f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}",
     ]
     return trainer, source, tokenizer, announce

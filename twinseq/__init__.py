@@ -2,7 +2,7 @@
 
 The public surface. ``import twinseq`` imports neither torch nor jax; a backend is imported when it is loaded::
 
-    from twinseq import SFTConfig, SFTTrainer   # and DPOTrainer / GRPOTrainer, in TRL's shape
+    from twinseq import SFTConfig, SFTTrainer   # and DPOTrainer / GRPOTrainer / RLOOTrainer, in TRL's shape
 
     trainer = SFTTrainer(model="tiny", args=SFTConfig(max_steps=10, max_length=512), train_dataset=rows,
                          backend="jax")
@@ -14,7 +14,7 @@ The public surface. ``import twinseq`` imports neither torch nor jax; a backend 
     be = twinseq.load_backend("jax")            # the mirrored backend protocol: build_model, logits, ...
 
 The config sections (``DataConfig``, the DPO and GRPO sections, ...) are in ``twinseq.common.config``; at the top,
-``DPOConfig`` and ``GRPOConfig`` are the trainers' argument classes, as in TRL.
+``DPOConfig``, ``GRPOConfig`` and ``RLOOConfig`` are the trainers' argument classes, as in TRL.
 
 The three code folders are the subpackages ``twinseq.common`` (backend-neutral: numpy, pyarrow),
 ``twinseq.torch_backend`` and ``twinseq.jax_backend``; in the repository they sit at the root and this folder links
@@ -31,6 +31,8 @@ from twinseq.common.api import (
     DPOTrainer,
     GRPOConfig,
     GRPOTrainer,
+    RLOOConfig,
+    RLOOTrainer,
     SFTConfig,
     SFTTrainer,
     TrainOutput,
@@ -62,9 +64,11 @@ __all__ = [
     "SFTTrainer",
     "DPOTrainer",
     "GRPOTrainer",
+    "RLOOTrainer",
     "SFTConfig",
     "DPOConfig",
     "GRPOConfig",
+    "RLOOConfig",
     "TrainOutput",
     "TrainerCallback",
     "EarlyStoppingCallback",

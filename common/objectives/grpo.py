@@ -32,7 +32,9 @@ The per-token losses ``L`` [N, C] (mask ``m``) are reduced by ``grpo_loss_type``
 - ``dr_grpo``: ``Σ L m / (N · max_completion_length)``, a constant normaliser;
 - ``dapo``:    ``Σ L m / (completion tokens of the whole step)``; TRL's default (``cispo``, ``vespo`` too);
 - ``sapo``:    as ``grpo``;
-- ``luspo``:   mean over completions of each completion's token sum ``Σ_t L m``.
+- ``luspo``:   mean over completions of each completion's token sum ``Σ_t L m``;
+- ``rloo``:    RLOO's (``common.objectives.rloo``, not a ``grpo_loss_type``): one ratio per completion of its
+               summed token log-ratio, the min-clip term, the mean over completions.
 
 ``grpo_loss`` evaluates one micro-batch's share of the step's loss, so that summing the
 shares of a step's micro-batches gives the step's loss (with one micro-batch, the loss
@@ -66,7 +68,9 @@ ScaleRewards = Literal["group", "batch", "none"]
 VLLMMode = Literal["colocate", "server"]
 GRPO_LOSS_TYPES = typing.get_args(GRPOLossType)
 IMPORTANCE_SAMPLING_LEVELS = typing.get_args(ImportanceSamplingLevel)
-CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+LOSS_FAMILY = GRPO_LOSS_TYPES + ("rloo",)
+"""Every loss ``LossSpec`` runs: GRPO's types and RLOO's (``common.objectives.rloo``; ``task=rloo`` picks it)."""
+CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "rloo")
 """The loss types with the min-clip surrogate (and its clip metrics)."""
 SCALE_REWARDS = typing.get_args(ScaleRewards)
 STD_EPS = 1e-4
@@ -283,7 +287,7 @@ class LossSpec:
     top_entropy_quantile: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.loss_type not in GRPO_LOSS_TYPES:
+        if self.loss_type not in LOSS_FAMILY:
             raise ConfigError(f"grpo_loss_type={self.loss_type!r} is not valid; choose one of {GRPO_LOSS_TYPES}.")
         if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
             raise ConfigError(
@@ -529,11 +533,13 @@ class LossNorm:
 
 
 def log_importance_weights_np(logps_NC, old_logps_NC, mask_NC, level: str = "token") -> np.ndarray:
-    """log ρ: per token [N, C], or per completion [N, 1] (``sequence``: the mean token log-ratio over its mask)."""
+    """log ρ: per token [N, C], or per completion [N, 1] (``sequence``: the mean token log-ratio over its mask;
+    ``sum``: the sum, RLOO's)."""
     log_ratio = np.asarray(logps_NC, np.float64) - np.asarray(old_logps_NC, np.float64)
-    if level == "sequence":
+    if level in ("sequence", "sum"):
         m = np.asarray(mask_NC, np.float64)
-        return (log_ratio * m).sum(-1, keepdims=True) / np.maximum(m.sum(-1, keepdims=True), 1.0)
+        summed = (log_ratio * m).sum(-1, keepdims=True)
+        return summed if level == "sum" else summed / np.maximum(m.sum(-1, keepdims=True), 1.0)
     return log_ratio
 
 
@@ -571,7 +577,8 @@ def per_token_loss_np(
     logps = np.asarray(logps_NC, np.float64)
     old = logps if old_logps_NC is None else np.asarray(old_logps_NC, np.float64)
     adv = np.asarray(advantages_N, np.float64)[:, None]
-    ratio = np.exp(log_importance_weights_np(logps, old, mask_NC, spec.importance_sampling_level))
+    level = "sum" if spec.loss_type == "rloo" else spec.importance_sampling_level
+    ratio = np.exp(log_importance_weights_np(logps, old, mask_NC, level))
     kl = None
     if spec.beta > 0:
         if ref_logps_NC is None:
@@ -628,6 +635,8 @@ def reduce_loss_np(loss_NC: np.ndarray, mask_NC: np.ndarray, norm: LossNorm) -> 
         return float(per_seq.sum() / (norm.num_sequences_in_step or n))
     if norm.loss_type == "luspo":
         return float(summed.sum() / (norm.num_sequences_in_step or n))
+    if norm.loss_type == "rloo":  # one loss per completion, masked or not (TRL's mean over completions)
+        return float(np.asarray(loss_NC)[:, 0].sum() / (norm.num_sequences_in_step or n))
     if norm.loss_type == "bnpo":
         return float(summed.sum() / max(m.sum(), 1.0) / norm.num_micro_batches)
     if norm.loss_type == "dr_grpo":

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from twinseq.common.config import TrainConfig
+from twinseq.common.config import ONLINE_TASKS, TrainConfig
 from twinseq.common.data.packing import pack_dataset
 from twinseq.common.data.preference_steps import PreferenceStepIterator, iter_preference_batches, with_ref_logps
 from twinseq.common.data.prepare import eval_dataset, prepare_dpo_dataset, prepare_sft_dataset
@@ -34,7 +34,7 @@ def build_evaluator(cfg: TrainConfig, trainer: Any, source: Any, tokenizer: Any,
     steps_per_epoch = getattr(source, "steps_per_epoch", None)
     shared = dict(tokenizer=tokenizer, steps_per_epoch=steps_per_epoch)
     evaluator: Optional[Evaluator] = None
-    if cfg.task == "grpo":
+    if cfg.task in ONLINE_TASKS:
         prompts = prepare_grpo_eval_prompts(cfg, tokenizer, given, train)
         if prompts is not None:
             size = cfg.data.per_device_eval_batch_size

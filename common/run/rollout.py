@@ -15,9 +15,14 @@ completions, split into micro-batches, and the step's metrics.
 - with ``log_completions`` (TRL's name), each generation's prompts, completions, rewards and advantages,
   appended to ``<output_dir>/completions.jsonl``.
 
+The advantage is the task's: GRPO's group-normalised one (``common.objectives.grpo.score_advantages``), or RLOO's
+leave-one-out one (``common.objectives.rloo.rloo_advantages``), whose KL penalty reads the sampling policy's and
+the reference's log-probs, so RLOO's micro-batches are built first and given their advantages after.
+
 A backend supplies ``sample`` (generate completions of these prompt ids) and ``build_micro_batches``
 (collate them, with the per-token log-probs of the sampling policy and the reference where the loss needs
-them). A multi-rank engine (ZeRO-3) overrides ``gather_rewards``, ``gather_rows`` and ``step_totals``.
+them), and for RLOO ``kl_sums`` and ``set_advantages``. A multi-rank engine (ZeRO-3) overrides
+``gather_rewards``, ``gather_rows`` and ``step_totals``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from twinseq.common.objectives.grpo import (
     reward_metrics,
     score_advantages,
 )
+from twinseq.common.objectives.rloo import RLOOConfig, rloo_advantages, rloo_loss_spec
 from twinseq.common.run.report import append_jsonl, cut_jsonl
 
 
@@ -70,7 +76,14 @@ class GroupRollout:
         self.tokenizer, self.reward_funcs = tokenizer, list(reward_funcs)
         self.num_generations = cfg.grpo.num_generations
         self.max_completion_length = completion_budget(cfg.data.max_completion_length)
-        self.loss_spec = LossSpec.of(cfg.grpo, self.max_completion_length)
+        self.rloo: Optional[RLOOConfig] = cfg.rloo if cfg.task == "rloo" else None
+        self.loss_spec = (
+            rloo_loss_spec(cfg.grpo) if self.rloo is not None else LossSpec.of(cfg.grpo, self.max_completion_length)
+        )
+        self.kl_beta = cfg.reference_kl_beta
+        """Above 0 the reference's log-probs are kept: GRPO's KL term, RLOO's KL penalty."""
+        self.keeps_old_logps = cfg.grpo.num_iterations > 1 or (self.rloo is not None and self.kl_beta > 0)
+        """The sampling policy's log-probs are kept: the ratio's denominator, and RLOO's KL penalty."""
         self.share = StepShare()
         self.num_generations_done = 0
         self._rollout: Optional[Rollout] = None
@@ -93,7 +106,16 @@ class GroupRollout:
         num_columns: int,
     ) -> list[Any]:
         """Consecutive slices of ``per_device_train_batch_size`` completions, collated for the backend, with the
-        sampling policy's (``num_iterations > 1``) and the reference's (``grpo_beta > 0``) log-probs."""
+        sampling policy's (``keeps_old_logps``) and the reference's (``kl_beta > 0``) log-probs."""
+        raise NotImplementedError
+
+    def kl_sums(self, micro_batches: list[Any]) -> np.ndarray:
+        """RLOO: float64 [N] of this rank's completions, in order: ``Σ_t m (log π_old - log π_ref)`` from the kept
+        log-probs."""
+        raise NotImplementedError
+
+    def set_advantages(self, micro_batches: list[Any], advantages_N: np.ndarray) -> None:
+        """RLOO: give the built micro-batches their advantages (this rank's completions, in order)."""
         raise NotImplementedError
 
     def generation_metrics(self) -> dict[str, float]:
@@ -143,16 +165,35 @@ class GroupRollout:
         reward_seconds = time.perf_counter() - t1
         # every rank's rewards (one process: its own), in rank order; advantages over them all, then ours
         total, per, ours = self.gather_rewards(total, per)
-        all_advantages, scale_std = score_advantages(
-            total,
-            per,
-            self.num_generations,
-            weights=g.reward_weights,
-            scale_rewards=g.scale_rewards,
-            aggregation=g.multi_objective_aggregation,
-        )
-        advantages = all_advantages[ours]
-        micro = self.build_micro_batches(prompt_ids, completions, loss_mask, advantages, completion_ids.shape[1])
+        extra: dict[str, float] = {}
+        if self.rloo is None:
+            all_advantages, scale_std = score_advantages(
+                total,
+                per,
+                self.num_generations,
+                weights=g.reward_weights,
+                scale_rewards=g.scale_rewards,
+                aggregation=g.multi_objective_aggregation,
+            )
+            advantages = all_advantages[ours]
+            micro = self.build_micro_batches(prompt_ids, completions, loss_mask, advantages, completion_ids.shape[1])
+        else:  # the KL penalty reads the kept log-probs: build first, then the advantages
+            zeros = np.zeros(len(completions))
+            micro = self.build_micro_batches(prompt_ids, completions, loss_mask, zeros, completion_ids.shape[1])
+            kl = None
+            if self.kl_beta > 0:
+                kl = self.gather_rows(self.kl_sums(micro))
+                extra["kl"] = float(kl.sum() / max(float(self.gather_rows(loss_mask.sum(axis=1)).sum()), 1.0))
+            all_advantages, scale_std = rloo_advantages(
+                total,
+                self.num_generations,
+                kl_N=kl,
+                beta=self.kl_beta,
+                normalize=self.rloo.normalize_advantages,
+                reward_clip_range=self.rloo.reward_clip_range,
+            )
+            advantages = all_advantages[ours]
+            self.set_advantages(micro, advantages)
         lengths = self.gather_rows(length_mask.sum(axis=1))
         truncated = self.gather_rows(truncated)
         metrics = {
@@ -170,6 +211,7 @@ class GroupRollout:
             "completions/clipped_ratio": float(truncated.mean()),
             "generation_seconds": gen_seconds,
             "reward_seconds": reward_seconds,
+            **extra,
             **self.generation_metrics(),
         }
         table = []
@@ -234,3 +276,11 @@ def token_record(
     for k, v in token_means.items():
         record[k + "_sum"] = float(v) * float(num_loss_tokens)
     return record
+
+
+def loss_description(cfg: TrainConfig) -> str:
+    """The announce line's account of an online run's loss."""
+    if cfg.task == "rloo":
+        r = cfg.rloo
+        return f"loss=rloo (leave-one-out), rloo_beta={r.rloo_beta}, normalize_advantages={r.normalize_advantages}"
+    return f"loss={cfg.grpo.grpo_loss_type}, beta={cfg.grpo.grpo_beta}"

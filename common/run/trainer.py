@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from twinseq.common.config import TrainConfig
+from twinseq.common.config import ONLINE_TASKS, TrainConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.models.hf_folder import resolve_model_source
 from twinseq.common.models.peft import PeftConfig, save_adapters
@@ -40,6 +40,7 @@ PLOT_KEYS: dict[str, tuple[str, ...]] = {
     "sft": ("loss", "tokens_per_second"),
     "dpo": ("loss", "rewards/accuracies", "tokens_per_second"),
     "grpo": ("loss", "reward", "completions/mean_length", "tokens_per_second"),
+    "rloo": ("loss", "reward", "completions/mean_length", "tokens_per_second"),
 }
 """The panels of each task's end-of-run ``metrics.png``."""
 
@@ -269,6 +270,6 @@ def reference_description(cfg: TrainConfig, *, precomputed: Optional[bool] = Non
     disabled (PEFT, as TRL), or a frozen copy of the initial policy."""
     if precomputed:
         return "precomputed"
-    if cfg.task == "grpo" and cfg.grpo.grpo_beta == 0:
-        return "none (grpo_beta=0)"
+    if cfg.task in ONLINE_TASKS and cfg.reference_kl_beta == 0:
+        return f"none ({cfg.task}_beta=0)"
     return "the base (adapters disabled)" if cfg.peft.use_peft else "frozen copy"

@@ -1,11 +1,12 @@
 """GRPO under DeepSpeed ZeRO-3 (``zero3_grpo.Zero3GRPOTrainer``) on CPU processes with gloo.
 
 Invariants:
-- The update: GRPO over 2 ranks under ZeRO-3 (every parameter partitioned, each rank a contiguous share of the
+- The update: GRPO (and RLOO, on the same rollout) over 2 ranks under ZeRO-3 (every parameter partitioned, each rank a contiguous share of the
   step's prompts with their whole groups) takes the same steps as one process holding the whole step, on the
   same completions: per-step loss within 1e-5 of its terms' size (ratio x advantage, ~1) and gradient norm within
   1e-5 relative over 4 steps (``num_iterations`` 2, so half the steps are off-policy), for a loss normalised
-  per sequence (``grpo``) and per token over the step (``dapo``), and the same step rewards (gathered over ranks).
+  per sequence (``grpo``) and per token over the step (``dapo``), for RLOO (``task=rloo``: leave-one-out advantages
+  of the gathered rewards, one ratio per completion), and the same step rewards (gathered over ranks).
   The completions come from a fixed sampler keyed by the prompt (generation itself is compared below and in
   ``test_zero3.py``), and the reward is their length, so the advantages are not zero. A loss normalised per rank
   instead of per step, or gradients averaged over ranks instead of summed, changes the update by 2x.
@@ -107,11 +108,18 @@ def _rel(got, want) -> float:
 @needs_deepspeed
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "rloo"])
 def test_two_ranks_take_the_single_process_steps(tmp_path, loss_type):
     # num_iterations=2: every other step reuses its completions after an update, so the ratio moves off 1 and the
-    # loss off 0 (on-policy, the advantages of a group sum to 0 and so does the loss; its gradient does not)
-    common = dict(GRPO, grpo_loss_type=loss_type, num_iterations=2, output_dir=str(tmp_path / "unused"))
+    # loss off 0 (on-policy, the advantages of a group sum to 0 and so does the loss; its gradient does not).
+    # rloo: task=rloo (leave-one-out advantages, RLOO's sequence-level loss), rloo_beta=0 as ZeRO-3 requires, and a
+    # smaller step: its one ratio per completion sums the log-ratios of all its tokens, and at 3e-3 every reused
+    # completion leaves the clip range (no gradient at all)
+    task = (
+        dict(task="rloo", rloo_beta=0.0, learning_rate=1e-4) if loss_type == "rloo" else dict(grpo_loss_type=loss_type)
+    )
+    common = dict(GRPO, num_iterations=2, output_dir=str(tmp_path / "unused"))
+    common.update(task)
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     (one,) = launch({"fixed": dict(common, per_device_train_batch_size=2, gradient_accumulation_steps=2)},
@@ -120,7 +128,7 @@ def test_two_ranks_take_the_single_process_steps(tmp_path, loss_type):
                  tmp_path / "two", world_size=2)
     assert two[0] == two[1], "every rank logs the step's reduced figures"
     print(f"{loss_type}: losses 1 process {one['losses']}, 2 ranks {two[0]['losses']}")
-    assert all(n > 1e-3 for n in one["grad_norms"]), "the advantages must not all be zero"
+    assert all(n > 1e-3 for n in one["grad_norms"]), ("the advantages must not all be zero", one)
     assert any(abs(x) > 1e-4 for x in one["losses"]), "the reused steps must have a loss off 0"
     # the loss's terms are ratio x advantage, both ~1 (group-normalised advantages): relative to their size,
     # the bound is absolute (the loss itself is ~0 on the on-policy steps)

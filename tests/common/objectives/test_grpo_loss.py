@@ -189,7 +189,7 @@ def test_grpo_defaults_follow_trl():
     (dict(reward_funcs=["format"], reward_weights=[1.0, 2.0]), "one weight per"),
     (dict(grpo_loss_type="ppo"), "grpo_loss_type='ppo'"),
     (dict(scale_rewards="std"), "scale_rewards='std'"),
-    (dict(packing=True), "packing=True does not apply to GRPO"),
+    (dict(packing=True), "packing=True does not apply to task=.grpo."),
 ])
 def test_bad_grpo_configs_are_refused(flat, match):
     with pytest.raises(ConfigError, match=match):
