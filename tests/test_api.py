@@ -133,7 +133,8 @@ def test_dpo_trainer_on_rows_in_memory(tmp_path):
     assert out.global_step == 3 and "rewards/accuracies" in _metrics(trainer.metrics_path)[-1]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# fast-tier budget: the jax case runs in make test-all and CI
+@pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
 def test_grpo_trainer_with_a_python_reward_function(backend, tmp_path):
     calls = []
 

@@ -87,6 +87,7 @@ def test_the_frozen_base_is_bf16_and_the_adapters_float32(backend, variant):
           f"adapters {4 * adapters / MIB:.3f} MiB float32")
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_jax_compiled_step_holds_half_the_base_and_no_more_temporaries():
     pytest.importorskip("jax")
     import jax.numpy as jnp

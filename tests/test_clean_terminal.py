@@ -78,6 +78,7 @@ def test_an_sft_run_shows_twinseq_lines_and_a_bar_of_the_current_step(tmp_path):
     assert "loss: first step" in text and "final/first" in text
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_a_peft_run_imports_no_bitsandbytes_and_prints_no_dependency_line(tmp_path):
     text, records = train(tmp_path, "--max-steps", "2", "--use-peft", "--disable-tqdm")
     assert not dependency_lines(text), dependency_lines(text)
@@ -95,6 +96,7 @@ def test_a_grpo_run_shows_the_reward_on_its_bar_and_in_its_summary(tmp_path):
     assert summary and "final/first" not in text, text[-1500:]
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_bitsandbytes_is_hidden_only_while_peft_builds_plain_adapters():
     """In one process: LoRA without quantisation leaves bitsandbytes unimported, and a QLoRA model built afterwards
     still gets its NF4 layers (the block is lifted)."""

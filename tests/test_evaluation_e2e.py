@@ -84,7 +84,8 @@ def _hf_loss(folder, eval_file) -> float:
     return total / count
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# fast-tier budget: the jax case runs in make test-all and CI
+@pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
 def test_eval_loss_falls_while_sft_learns(backend, tmp_path):
     args = ["train", "--backend", backend, "--output-dir", str(tmp_path), "--max-steps", "8", "--max-length", "64",
             "--dataset-split", "train[:200]", "--per-device-train-batch-size", "4", "--learning-rate", "1e-3",
@@ -143,7 +144,8 @@ def test_dpo_eval_reports_trl_reward_metrics(backend, tmp_path):
     assert end["eval_loss"] != start["eval_loss"] and end["eval_logps/chosen"] < 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# fast-tier budget: the jax case runs in make test-all and CI
+@pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
 def test_grpo_eval_reward_on_held_out_prompts(backend, tmp_path):
     load_backend(backend).train(_cfg(
         backend, tmp_path, task="grpo", dataset_split="train", max_steps=1, num_generations=2,

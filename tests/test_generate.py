@@ -123,12 +123,14 @@ def test_the_default_output_is_one_line_per_prompt(folders):
     assert proc.stdout.splitlines() == expected
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_plain_text_prompts_are_not_wrapped_by_the_chat_template(folders):
     chat = generate_json(folders["model"], "jax")
     plain = generate_json(folders["model"], "jax", "--no-chat")
     assert [r["completion_ids"] for r in chat] != [r["completion_ids"] for r in plain]
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_chat_replies_to_each_stdin_line_and_carries_the_conversation_on(folders):
     args = ("chat", "--model", str(folders["model"]), "--backend", "jax", "--max-new-tokens", str(NEW_TOKENS))
     proc = cli(*args, "--json", stdin=f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n")

@@ -247,6 +247,7 @@ def test_acceptance_needs_an_agreeing_twinseq_loss_within_cce_memory_and_1_1x_it
     assert not any("triton" in n for n in notes)  # a kernel that disagrees with nll is never credited
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_without_the_baseline_the_other_kernels_run_unchecked(monkeypatch):
     def out_of_memory(_):
         def loss_fn(h, w):
@@ -267,6 +268,7 @@ def test_without_the_baseline_the_other_kernels_run_unchecked(monkeypatch):
         "unchecked (no `nll` to compare)"
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_max_length_run_cut_after_its_first_row_keeps_that_row(tmp_path, monkeypatch):
     """A search killed at its time limit (the GPU runs end so) still leaves a result file with the rows it finished,
     marked partial, and the README's cell says so; a finished run carries no such mark."""

@@ -124,6 +124,7 @@ def test_mean_and_variance_match_torch_and_the_closed_form(use_dora):
     assert var.min() > 1e-3 * var.max() > 0  # every element varies: the check has something to hold
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_each_layer_and_each_key_draws_its_own_mask():
     v = _layer_values(False)
     a, b = _jax_layer(v, False, P), _jax_layer(v, False, P)

@@ -68,6 +68,7 @@ def test_documents_are_isolated_bitwise():
     assert not np.array_equal(a[0, 4:7], b[0, 4:7])
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_padding_only_row_is_finite_and_inert():
     cfg = ModelConfig.preset("tiny", vocab_size=512)
     model = jb.build_model(cfg, init_weights(cfg, seed=0))

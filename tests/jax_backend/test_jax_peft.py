@@ -79,7 +79,9 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if "dora" in c else c for c in CASES]  # budget: dora, full tier
+)
 def test_adapter_model_equals_its_merged_model(case):
     preset, kw = CASES[case]
     cfg = ModelConfig.preset(preset, vocab_size=VOCAB)
@@ -101,7 +103,7 @@ def test_adapter_model_equals_its_merged_model(case):
     assert list(grads) == list(adapter_shapes(cfg, peft)) and all(np.abs(g).max() > 0 for g in grads.values())
 
 
-@pytest.mark.parametrize("case", ["llama-dora-tokens", "qwen2-rslora"])
+@pytest.mark.parametrize("case", ["llama-dora-tokens", pytest.param("qwen2-rslora", marks=pytest.mark.slow)])
 def test_logits_loss_and_grads_equal_real_peft(case, tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("peft")

@@ -62,14 +62,21 @@ def _reward_func(i: int):
 @functools.lru_cache(maxsize=None)
 def _trainer(num_reward_funcs: int, config_items: tuple):
     """One ``GRPOTrainer`` per (number of reward functions, GRPOConfig keyword items), kept for the session."""
+    return online_trainer("GRPO", num_reward_funcs, config_items)
+
+
+def online_trainer(method: str, num_reward_funcs: int, config_items: tuple):
+    """A real ``trl.<method>Trainer`` (``GRPO``, ``RLOO``) on the tiny Llama, its ``<method>Config`` from
+    ``config_items``; callers cache it."""
+    import trl
     from datasets import Dataset
     from transformers.utils import logging as hf_logging
-    from trl import GRPOConfig, GRPOTrainer
 
-    out_dir = tempfile.mkdtemp(prefix="twinseq_trl_grpo_")
+    config_class, trainer_class = getattr(trl, f"{method}Config"), getattr(trl, f"{method}Trainer")
+    out_dir = tempfile.mkdtemp(prefix=f"twinseq_trl_{method.lower()}_")
     atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
     options = {k: list(v) if isinstance(v, tuple) else v for k, v in config_items}  # reward_weights: a list
-    args = GRPOConfig(
+    args = config_class(
         output_dir=out_dir,
         use_cpu=True,
         report_to=[],
@@ -83,8 +90,8 @@ def _trainer(num_reward_funcs: int, config_items: tuple):
     hf_logging.disable_progress_bar()  # "Writing model shards", "Loading weights": noise in a test's output
     try:
         prompts = Dataset.from_list([{"prompt": f"w{3 + i} w{4 + i}"} for i in range(8)])
-        trainer = GRPOTrainer(
-            model=_model(os.path.join(out_dir, "policy")),
+        trainer = trainer_class(
+            model=_model(os.path.join(out_dir, "policy")),  # beta != 0: the reference is loaded from this folder
             reward_funcs=[_reward_func(i) for i in range(num_reward_funcs)],
             args=args,
             train_dataset=prompts,

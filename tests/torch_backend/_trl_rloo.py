@@ -27,55 +27,19 @@ No test lives here; tests import it (it needs ``trl``, ``transformers``, ``datas
 
 from __future__ import annotations
 
-import atexit
 import functools
-import os
-import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
 
-from tests.torch_backend._trl_grpo import REWARD_COLUMN, _as_tensor, _mean_metrics, _model, _reward_func
-from tests.torch_backend._trl_tiny import EOS, TOKEN, tokenizer
+from tests.torch_backend._trl_grpo import REWARD_COLUMN, _as_tensor, _mean_metrics, online_trainer
+from tests.torch_backend._trl_tiny import EOS, TOKEN
 
 
 @functools.lru_cache(maxsize=None)
 def _trainer(num_reward_funcs: int, config_items: tuple):
     """One ``RLOOTrainer`` per (number of reward functions, RLOOConfig keyword items), kept for the session."""
-    from datasets import Dataset
-    from transformers.utils import logging as hf_logging
-    from trl import RLOOConfig, RLOOTrainer
-
-    out_dir = tempfile.mkdtemp(prefix="twinseq_trl_rloo_")
-    atexit.register(shutil.rmtree, out_dir, ignore_errors=True)
-    options = {k: list(v) if isinstance(v, tuple) else v for k, v in config_items}  # reward_weights: a list
-    args = RLOOConfig(
-        output_dir=out_dir,
-        use_cpu=True,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-        **options,
-    )
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # "Writing model shards", "Loading weights": noise in a test's output
-    try:
-        prompts = Dataset.from_list([{"prompt": f"w{3 + i} w{4 + i}"} for i in range(8)])
-        trainer = RLOOTrainer(
-            model=_model(os.path.join(out_dir, "policy")),  # beta != 0: the reference is loaded from this folder
-            reward_funcs=[_reward_func(i) for i in range(num_reward_funcs)],
-            args=args,
-            train_dataset=prompts,
-            processing_class=tokenizer(),
-        )
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    trainer.model.train()  # _compute_loss and the scoring read mode "train" from model.training
-    return trainer
+    return online_trainer("RLOO", num_reward_funcs, config_items)
 
 
 def _key(config: dict) -> tuple:

@@ -247,6 +247,7 @@ def test_dpo_token_logps_equal_fused_linear(interpret):
         assert rel_err(a, b) <= 1e-5
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_grpo_log_probs_and_entropy_come_from_one_pass(interpret):
     cfg = ModelConfig.preset("tiny")
     model = build_model(cfg, init_weights(cfg, seed=0))
@@ -319,6 +320,7 @@ def test_vocabulary_splits_cover_the_head_once():
         assert per % triton_ce.GPU_FWD["BLOCK_V"] == 0 and (splits - 1) * per < V <= splits * per
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_the_sft_loss_takes_cces_numerics_when_asked(interpret, monkeypatch):
     """``triton_gradients='cce'`` (the loss section's knob) runs the kernel with the gradient filter and input-dtype
     accumulation: the loss is unchanged, the gradients are those of ``linear_logps(filter_eps='auto', accumulate=
