@@ -72,7 +72,7 @@ test: setup
 test-fast: test
 
 # Everything (CI runs this, then test-vllm): the fast tier plus the `slow` tests (golden trajectories, SIGKILL
-# resumes, multi-rank ZeRO-3/FSDP runs, notebooks, benchmark smoke runs); about 30 minutes on 2 cores. The
+# resumes, multi-rank ZeRO-3/FSDP runs, notebooks, benchmark smoke runs); about 50 minutes on 2 cores. The
 # cross-framework parity suite runs in a python of its own: at the end of one 2,200-test process (several GB
 # resident, every JAX compilation cached) XLA's CPU compiler crashed (SIGSEGV) compiling a parity step.
 test-all: setup
