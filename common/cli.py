@@ -1,6 +1,6 @@
 """The ``twinseq`` command line.
 
-- ``twinseq train --backend torch|jax --task sft|dpo|grpo [--config FILE] [--flags ...]``: flags
+- ``twinseq train --backend torch|jax --task sft|dpo|grpo|rloo [--config FILE] [--flags ...]``: flags
   are generated from ``TrainConfig`` by tyro; a YAML ``--config`` sets defaults that flags
   override.
 - ``twinseq lengths [DATASET]``: the sequence-length profiler that helps choose max_length.
