@@ -1,12 +1,13 @@
 """GRPO under DeepSpeed ZeRO-3 (``zero3_grpo.Zero3GRPOTrainer``) on CPU processes with gloo.
 
 Invariants:
-- The update: GRPO (and RLOO, on the same rollout) over 2 ranks under ZeRO-3 (every parameter partitioned, each rank a contiguous share of the
-  step's prompts with their whole groups) takes the same steps as one process holding the whole step, on the
-  same completions: per-step loss within 1e-5 of its terms' size (ratio x advantage, ~1) and gradient norm within
-  1e-5 relative over 4 steps (``num_iterations`` 2, so half the steps are off-policy), for a loss normalised
-  per sequence (``grpo``) and per token over the step (``dapo``), for RLOO (``task=rloo``: leave-one-out advantages
-  of the gathered rewards, one ratio per completion), and the same step rewards (gathered over ranks).
+- The update: GRPO (and RLOO, on the same rollout) over 2 ranks under ZeRO-3 (every parameter partitioned, each
+  rank a contiguous share of the step's prompts with their whole groups) takes the same steps as one process
+  holding the whole step, on the same completions: per-step loss within 1e-5 of its terms' size (ratio x
+  advantage, ~1) and gradient norm within 1e-5 relative over 4 steps (``num_iterations`` 2, so half the steps are
+  off-policy), for a loss normalised per sequence (``grpo``) and per token over the step (``dapo``), for RLOO over
+  5 steps (``task=rloo``: leave-one-out advantages of the gathered rewards, one ratio per completion), and the
+  same step rewards (gathered over ranks).
   The completions come from a fixed sampler keyed by the prompt (generation itself is compared below and in
   ``test_zero3.py``), and the reward is their length, so the advantages are not zero. A loss normalised per rank
   instead of per step, or gradients averaged over ranks instead of summed, changes the update by 2x.
@@ -56,7 +57,7 @@ def length_reward(prompts, completions, **_) -> list[float]:
 
 
 def fixed_step_job(values: dict) -> dict:
-    """``STEPS`` steps of ``Zero3GRPOTrainer`` whose completions come from a sampler keyed by the prompt and the
+    """``max_steps`` steps of ``Zero3GRPOTrainer`` whose completions come from a sampler keyed by the prompt and the
     generation index within its group, so any split of the step over ranks sees the same completions."""
     from twinseq.torch_backend.zero3_grpo import build_grpo_zero3
 
@@ -76,7 +77,7 @@ def fixed_step_job(values: dict) -> dict:
         return rows
 
     trainer.sample = fixed  # GroupRollout's backend hook: the completions of these prompt ids
-    steps = [trainer.step(source.next_step()) for _ in range(STEPS)]
+    steps = [trainer.step(source.next_step()) for _ in range(cfg.max_steps)]
     return {"losses": [s["loss"] for s in steps], "grad_norms": [s["grad_norm"] for s in steps],
             "rewards": [s["reward"] for s in steps]}
 
@@ -116,7 +117,9 @@ def test_two_ranks_take_the_single_process_steps(tmp_path, loss_type):
     # smaller step: its one ratio per completion sums the log-ratios of all its tokens, and at 3e-3 every reused
     # completion leaves the clip range (no gradient at all)
     task = (
-        dict(task="rloo", rloo_beta=0.0, learning_rate=1e-4) if loss_type == "rloo" else dict(grpo_loss_type=loss_type)
+        dict(task="rloo", rloo_beta=0.0, learning_rate=1e-4, max_steps=5)  # 5 steps: issue 27's RLOO check
+        if loss_type == "rloo"
+        else dict(grpo_loss_type=loss_type)
     )
     common = dict(GRPO, num_iterations=2, output_dir=str(tmp_path / "unused"))
     common.update(task)
