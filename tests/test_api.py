@@ -49,14 +49,8 @@ def _rows(n: int = 48) -> list[dict]:
 
 
 def _args(cls, tmp_path, **kw):
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        max_steps=3,
-        max_length=64,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        disable_tqdm=True,
-    )
+    base = dict(output_dir=str(tmp_path / "out"), max_steps=3, max_length=64, per_device_train_batch_size=4,
+                learning_rate=1e-3, disable_tqdm=True)
     return cls(**{**base, **kw})
 
 
@@ -85,13 +79,9 @@ def test_sft_trainer_takes_a_dataset_and_a_lora_config(backend, tmp_path):
     from datasets import Dataset
     from peft import LoraConfig
 
-    trainer = SFTTrainer(
-        model="tiny",
-        args=_args(SFTConfig, tmp_path),
-        train_dataset=Dataset.from_list(_rows()),
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-        backend=backend,
-    )
+    trainer = SFTTrainer(model="tiny", args=_args(SFTConfig, tmp_path), train_dataset=Dataset.from_list(_rows()),
+                         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                         backend=backend)
     assert trainer.args.peft.use_peft and trainer.args.peft.lora_r == 4
     assert trainer.args.data.dataset_name == "<Dataset: 48 rows>"
     out = trainer.train()
@@ -120,14 +110,8 @@ def test_evaluate_after_training_is_the_last_evaluation(tmp_path):
 
 
 def test_dpo_trainer_on_rows_in_memory(tmp_path):
-    rows = [
-        {
-            "prompt": f"Q{i}: is {i} even?",
-            "chosen": " yes" if i % 2 == 0 else " no",
-            "rejected": " no" if i % 2 == 0 else " yes",
-        }
-        for i in range(32)
-    ]
+    rows = [{"prompt": f"Q{i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else " no",
+             "rejected": " no" if i % 2 == 0 else " yes"} for i in range(32)]
     trainer = DPOTrainer(model="tiny", args=_args(DPOConfig, tmp_path), train_dataset=rows)
     out = trainer.train()
     assert out.global_step == 3 and "rewards/accuracies" in _metrics(trainer.metrics_path)[-1]
@@ -223,10 +207,7 @@ def test_processing_class_tokenises_as_the_run_would(tmp_path):
     text = "The number 12 is even."
     assert ours.encode(text) == embedded.encode(text)
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
-        embedded.bos_token_id,
-        embedded.eos_token_id,
-        embedded.pad_token_id,
-    )
+        embedded.bos_token_id, embedded.eos_token_id, embedded.pad_token_id)
     with pytest.raises(DataTypeError, match="processing_class=dict"):
         run_tokenizer(SFTConfig(), {"not": "a tokenizer"})
 
@@ -251,15 +232,8 @@ def test_a_lora_config_is_translated_or_refused_by_field():
     from peft import LoraConfig
 
     fields = peft_fields(LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, use_dora=True, task_type="CAUSAL_LM"))
-    assert fields == {
-        "use_peft": True,
-        "lora_r": 8,
-        "lora_alpha": 16,
-        "lora_dropout": 0.1,
-        "lora_target_modules": ["q_proj", "v_proj"],
-        "use_rslora": False,
-        "use_dora": True,
-    }
+    assert fields == {"use_peft": True, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.1,
+                      "lora_target_modules": ["q_proj", "v_proj"], "use_rslora": False, "use_dora": True}
     with pytest.raises(ConfigError, match=r"modules_to_save=\['lm_head'\].*drop it"):
         peft_fields(LoraConfig(modules_to_save=["lm_head"]))
     with pytest.raises(ConfigError, match="bias='all'"):

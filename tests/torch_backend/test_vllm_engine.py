@@ -60,9 +60,8 @@ def test_grpo_refuses_vllm_sleep_mode_on_cpu_before_loading_anything(tmp_path):
     from twinseq.common.config import TrainConfig
     from twinseq.torch_backend.grpo import build_grpo
 
-    cfg = TrainConfig.from_yaml(
-        "configs/grpo.yaml", output_dir=str(tmp_path), use_vllm=True, vllm_enable_sleep_mode=True
-    )
+    cfg = TrainConfig.from_yaml("configs/grpo.yaml", output_dir=str(tmp_path), use_vllm=True,
+                                vllm_enable_sleep_mode=True)
     with pytest.raises(ConfigError, match="vllm_enable_sleep_mode=True needs CUDA"):
         build_grpo(cfg, torch.device("cpu"), None)
 
@@ -80,14 +79,11 @@ def test_kv_cache_holds_the_generation_batch():
     assert big <= 2 * 64 * (4000 + 32) * per_token
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(gpu_memory_utilization=0.0), "vllm_gpu_memory_utilization=0.0"),
-        (dict(gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization=1.5"),
-        (dict(sleep_level=3), "sleep_level=3"),
-    ],
-)
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(gpu_memory_utilization=0.0), "vllm_gpu_memory_utilization=0.0"),
+    (dict(gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization=1.5"),
+    (dict(sleep_level=3), "sleep_level=3"),
+])
 def test_out_of_range_knobs_are_refused(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         ve.check_vllm(cuda_available=True, **kwargs)
@@ -112,16 +108,12 @@ def test_config_folder_describes_the_policy(tmp_path):
 
 # -- with vLLM (its CPU build here, via `make test-vllm`; its CUDA build on a GPU) -----------------------------
 
-
 def _vllm_runs_here() -> bool:
     return ve.vllm_available() and (torch.cuda.is_available() or ve.vllm_is_cpu_build())
 
 
-needs_vllm = pytest.mark.skipif(
-    not _vllm_runs_here(),
-    reason="vLLM is not installed here (`make test-vllm` sets up "
-    "its CPU build in .venv-vllm; `pip install 'twinseq[gpu]'` on a GPU)",
-)
+needs_vllm = pytest.mark.skipif(not _vllm_runs_here(), reason="vLLM is not installed here (`make test-vllm` sets up "
+                                "its CPU build in .venv-vllm; `pip install 'twinseq[gpu]'` on a GPU)")
 PROMPTS = [[5, 6, 7, 8], [40, 41], [100, 103, 106], [7]]
 
 
@@ -141,12 +133,10 @@ def policy_and_engine():
 def _hf_greedy(model, eos_token_id=None, new_tokens=8):
     from twinseq.torch_backend.generation import generate
 
-    out = generate(
-        model, PROMPTS, max_completion_length=new_tokens, eos_token_id=eos_token_id, pad_token_id=0, greedy=True
-    ).completion_ids
-    return [
-        [int(t) for t in row[: (list(row).index(eos_token_id) + 1) if eos_token_id in row else len(row)]] for row in out
-    ]
+    out = generate(model, PROMPTS, max_completion_length=new_tokens, eos_token_id=eos_token_id, pad_token_id=0,
+                   greedy=True).completion_ids
+    return [[int(t) for t in row[:(list(row).index(eos_token_id) + 1) if eos_token_id in row else len(row)]]
+            for row in out]
 
 
 @needs_vllm
@@ -190,12 +180,8 @@ def test_engine_serves_a_lora_policy_with_its_adapters_folded_in(policy_and_engi
     model, engine = policy_and_engine
     import copy
 
-    lora = add_adapters_seeded(
-        copy.deepcopy(model),
-        model_config_of(model),
-        PeftConfig(use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0),
-        seed=0,
-    ).eval()
+    lora = add_adapters_seeded(copy.deepcopy(model), model_config_of(model),
+                               PeftConfig(use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0), seed=0).eval()
     with torch.no_grad():  # B starts at zero (the adapter is a no-op): give it a trained look
         gen = torch.Generator(device="cpu").manual_seed(2)
         for name, p in adapter_parameters(lora).items():
@@ -221,24 +207,14 @@ def test_grpo_with_vllm_learns_the_embedded_task(tmp_path, task):
     from twinseq.common.config import TrainConfig
     from twinseq.torch_backend.recipes import train
 
-    cfg = TrainConfig.from_yaml(
-        f"configs/{task}.yaml",
-        output_dir=str(tmp_path),
-        disable_tqdm=True,
-        max_steps=20,
-        per_device_train_batch_size=8,
-        num_generations=4,
-        model_config="tiny-qwen3",
-        use_vllm=True,
-        **({"rloo_beta": 0.0} if task == "rloo" else {}),
-    )
+    cfg = TrainConfig.from_yaml(f"configs/{task}.yaml", output_dir=str(tmp_path), disable_tqdm=True, max_steps=20,
+                                per_device_train_batch_size=8, num_generations=4, model_config="tiny-qwen3",
+                                use_vllm=True, **({"rloo_beta": 0.0} if task == "rloo" else {}))
     rows = [json.loads(line) for line in train(cfg).read_text().splitlines()]
     rewards = [r["reward"] for r in rows]
     first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
-    print(
-        f"vLLM {task} mean reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f}; weight sync "
-        f"{np.mean([r['vllm/weight_sync_seconds'] for r in rows]) * 1e3:.0f} ms/step"
-    )
+    print(f"vLLM {task} mean reward: first 5 steps {first:.3f} -> last 5 steps {last:.3f}; weight sync "
+          f"{np.mean([r['vllm/weight_sync_seconds'] for r in rows]) * 1e3:.0f} ms/step")
     assert all(r["vllm/weight_sync_seconds"] > 0 for r in rows)
     assert last > first + 0.2, rewards
 
@@ -266,15 +242,8 @@ def test_colocated_engine_generates_the_same_after_sleeping(sleep_level):
 
     cfg = ModelConfig.preset("tiny-qwen3")
     model = build_model(cfg, init_weights(cfg, seed=0), device="cuda").eval()
-    engine = ve.ColocatedVLLM(
-        model.config,
-        gpu_memory_utilization=0.2,
-        enable_sleep_mode=True,
-        sleep_level=sleep_level,
-        max_model_len=64,
-        max_num_seqs=8,
-        dtype="float32",
-    )
+    engine = ve.ColocatedVLLM(model.config, gpu_memory_utilization=0.2, enable_sleep_mode=True,
+                              sleep_level=sleep_level, max_model_len=64, max_num_seqs=8, dtype="float32")
     assert engine.sync_weights(model) == len(list(model.parameters()))
     want = _hf_greedy(model)
     assert engine.generate(PROMPTS, max_new_tokens=8, do_sample=False) == want
