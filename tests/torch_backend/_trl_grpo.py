@@ -231,6 +231,19 @@ def trl_loss_and_grad(
     return total, grad.detach().numpy().astype(np.float64), metrics
 
 
+def rewards_in_groups(rewards_NF, num_generations: int) -> np.ndarray:
+    """float64 [N, F] (a 1-D input is one reward function), checked to hold whole groups of ``num_generations``."""
+    rewards = np.asarray(rewards_NF, np.float64)
+    if rewards.ndim == 1:
+        rewards = rewards[:, None]
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards_NF must be [N, F], got shape {rewards.shape}")
+    n = rewards.shape[0]
+    if num_generations < 2 or n % num_generations:
+        raise ValueError(f"N={n} completions do not hold whole groups of num_generations={num_generations} (>= 2)")
+    return rewards
+
+
 def trl_advantages_and_metrics(
     rewards_per_func_NF,
     num_generations: int,
@@ -249,14 +262,8 @@ def trl_advantages_and_metrics(
     ``rewards/reward_{i}/mean``, ``rewards/reward_{i}/std`` (NaN where TRL logs NaN). Only beta 0 is built, so no
     reference forward runs (the advantages do not depend on beta).
     """
-    rewards = np.asarray(rewards_per_func_NF, np.float64)
-    if rewards.ndim == 1:
-        rewards = rewards[:, None]
-    if rewards.ndim != 2:
-        raise ValueError(f"rewards_per_func_NF must be [N, F], got shape {rewards.shape}")
+    rewards = rewards_in_groups(rewards_per_func_NF, num_generations)
     n, f = rewards.shape
-    if num_generations < 2 or n % num_generations:
-        raise ValueError(f"N={n} completions do not hold whole groups of num_generations={num_generations} (>= 2)")
     config = {
         "per_device_train_batch_size": n,
         "num_generations": int(num_generations),

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.torch_backend._trl_grpo import REWARD_COLUMN, _as_tensor, _mean_metrics, online_trainer
+from tests.torch_backend._trl_grpo import REWARD_COLUMN, _as_tensor, _mean_metrics, online_trainer, rewards_in_groups
 from tests.torch_backend._trl_tiny import EOS, TOKEN
 
 
@@ -92,14 +92,8 @@ def trl_rloo_advantages_and_metrics(
     """
     import torch
 
-    rewards = np.asarray(rewards_NF, np.float64)
-    if rewards.ndim == 1:
-        rewards = rewards[:, None]
-    if rewards.ndim != 2:
-        raise ValueError(f"rewards_NF must be [N, F], got shape {rewards.shape}")
+    rewards = rewards_in_groups(rewards_NF, num_generations)
     n, f = rewards.shape
-    if num_generations < 2 or n % num_generations:
-        raise ValueError(f"N={n} completions do not hold whole groups of num_generations={num_generations} (>= 2)")
     config = {"per_device_train_batch_size": n, "num_generations": int(num_generations), **options}
     if config.get("reward_weights") is not None:
         config["reward_weights"] = [float(w) for w in config["reward_weights"]]
