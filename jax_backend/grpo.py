@@ -13,7 +13,8 @@ The mirror of ``torch_backend/grpo.py``. One optimizer step (``GRPOTrainer``, on
    ``fused_linear`` never holds a ``[tokens, V]`` tensor) and its share of the step loss; the shared
    ``trainer.Trainer.step`` adds the gradients, clips and steps AdamW.
 
-The loss is ``common.objectives.grpo.grpo_loss`` written with jnp ops (``grpo_loss_jax``), tested equal within 1e-6.
+The loss is ``common.objectives.grpo_loss.grpo_loss`` written with jnp ops (``grpo_loss_jax``), tested equal within
+1e-6.
 Logits are divided by the sampling ``temperature`` before the softmax, as TRL does, so that the ratio
 compares the distribution the completions were drawn from.
 
@@ -38,14 +39,8 @@ from twinseq.common.data.batching import pad_batch
 from twinseq.common.data.prepare import run_tokenizer
 from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError
-from twinseq.common.objectives.grpo import (
-    CLIP_LOSS_TYPES,
-    VESPO_LOG_W_MIN,
-    CompletionBatch,
-    LossSpec,
-    collate_completions,
-    reward_func_name,
-)
+from twinseq.common.objectives.grpo import CompletionBatch, collate_completions, reward_func_name
+from twinseq.common.objectives.grpo_loss import CLIP_LOSS_TYPES, VESPO_LOG_W_MIN, LossSpec
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.rollout import GroupRollout, loss_description, token_record
 from twinseq.common.run.schedule import with_resolved_max_steps
@@ -70,13 +65,13 @@ logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------
-# The loss (common.objectives.grpo.grpo_loss with jnp ops)
+# The loss (common.objectives.grpo_loss.grpo_loss with jnp ops)
 # --------------------------------------------------------------------------------------
 
 
 def loss_norms(mask_NC, *, num_sequences_in_step=None, num_tokens_in_step=None, num_micro_batches: int = 1):
     """float32 [3]: (sequences in the step, completion tokens in the step, micro-batches); None: this micro-batch's
-    own count (``common.objectives.grpo.LossNorm``'s defaults)."""
+    own count (``common.objectives.grpo_loss.LossNorm``'s defaults)."""
     mask = np.asarray(mask_NC)
     return jnp.asarray(
         [
@@ -89,7 +84,7 @@ def loss_norms(mask_NC, *, num_sequences_in_step=None, num_tokens_in_step=None, 
 
 
 def vespo_weights_jax(log_ratio_NC, adv_N1, m, spec: LossSpec) -> jax.Array:
-    """VESPO's gamma weight per completion [N, 1] (``common.objectives.grpo.vespo_weights_np``)."""
+    """VESPO's gamma weight per completion [N, 1] (``common.objectives.grpo_loss.vespo_weights_np``)."""
     log_w = jnp.clip((jnp.clip(log_ratio_NC, -20.0, 20.0) * m).sum(-1, keepdims=True), VESPO_LOG_W_MIN, 20.0)
     nonneg = adv_N1 >= 0
     k = jnp.where(nonneg, spec.vespo_k_pos, spec.vespo_k_neg).astype(log_w.dtype)
@@ -100,8 +95,8 @@ def vespo_weights_jax(log_ratio_NC, adv_N1, m, spec: LossSpec) -> jax.Array:
 def grpo_loss_jax(
     logps_NC, advantages_N, mask_NC, norms_3, spec: LossSpec, *, old_logps_NC=None, ref_logps_NC=None, entropy_NC=None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(this micro-batch's share of the step loss, metrics as token means): ``common.objectives.grpo.grpo_loss`` in jnp;
-    traceable. ``norms_3`` as ``loss_norms`` returns; ``old_logps_NC`` None: the detached policy (ratio 1)."""
+    """(this micro-batch's share of the step loss, metrics as token means): ``common.objectives.grpo_loss.grpo_loss``
+    in jnp; traceable. ``norms_3`` as ``loss_norms`` returns; ``old_logps_NC`` None: the detached policy (ratio 1)."""
     m = mask_NC.astype(logps_NC.dtype)
     old = jax.lax.stop_gradient(logps_NC) if old_logps_NC is None else old_logps_NC.astype(logps_NC.dtype)
     adv = advantages_N.astype(logps_NC.dtype)[:, None]

@@ -10,7 +10,7 @@ the reference model's by ``REF_OFFSETS`` (so the KL term is non-zero); sampling 
 Invariants (float32; bounds from ``parity_tests/tolerances.py``):
 
 - loss arithmetic: each backend's loss family, given the reference's token log-probs rounded to float32,
-  equals ``common.objectives.grpo.grpo_loss`` within ``loss_rel`` (1e-6), for every ``grpo_loss_type``;
+  equals ``common.objectives.grpo_loss.grpo_loss`` within ``loss_rel`` (1e-6), for every ``grpo_loss_type``;
 - end to end (forward, chunked completion log-probs, loss): torch and jax within ``loss_rel`` of each other,
   padded and padding-free, for every loss type, relative to the size of the loss's terms (``_loss_scale``: the
   loss with ``|A|``). Error budget: each token log-prob carries ~1 ulp at ~9 (``token_loss_abs``); the loss is a
@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 
 from parity_tests.tolerances import TOLERANCES
-from twinseq.common.objectives.grpo import LOSS_FAMILY, collate_completions, grpo_loss
+from twinseq.common.objectives.grpo import collate_completions
+from twinseq.common.objectives.grpo_loss import LOSS_FAMILY, grpo_loss
 
 TOL = TOLERANCES["float32"]
 LAYOUTS = ("padded", "padding_free")

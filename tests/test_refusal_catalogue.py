@@ -642,7 +642,7 @@ def _objective_cases() -> dict[str, Refusal]:
     """The numpy references of the losses, the rewards and the learning-rate schedule (the backends' rules)."""
     import numpy as np
 
-    from twinseq.common.objectives import dpo, grpo, nll, rloo
+    from twinseq.common.objectives import dpo, grpo, grpo_loss, nll, rloo
     from twinseq.common.run.schedule import lr_multiplier
     from twinseq.common.run.trainer import train_task
 
@@ -699,18 +699,18 @@ def _objective_cases() -> dict[str, Refusal]:
             lambda: grpo.compute_rewards([lambda prompts, completions, **kw: [1.0]], ["p"], ["a"], weights=[1.0, 1.0]),
             "reward_weights", 2),
         "grpo: beta without a reference": Refusal(
-            lambda: grpo.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), beta=0.1), "grpo_beta", 0.1),
+            lambda: grpo_loss.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), beta=0.1), "grpo_beta", 0.1),
         "grpo: dr_grpo without a length": Refusal(
-            lambda: grpo.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), loss_type="dr_grpo"),
+            lambda: grpo_loss.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), loss_type="dr_grpo"),
             "max_completion_length", None),
         "grpo: the entropy mask without entropies": Refusal(
-            lambda: grpo.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), top_entropy_quantile=0.5),
+            lambda: grpo_loss.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), top_entropy_quantile=0.5),
             "top_entropy_quantile", 0.5),
         "grpo: an unknown importance-sampling level": Refusal(
-            lambda: grpo.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), importance_sampling_level="seq"),
+            lambda: grpo_loss.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), importance_sampling_level="seq"),
             "importance_sampling_level", "seq"),
         "grpo: an unknown loss": Refusal(
-            lambda: grpo.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), loss_type="ppo"), "grpo_loss_type",
+            lambda: grpo_loss.grpo_loss(np.zeros((1, 1)), np.zeros(1), np.ones((1, 1)), loss_type="ppo"), "grpo_loss_type",
             "ppo"),
         "grpo: more prompts than completions": Refusal(lambda: grpo.collate_completions([[1], [2]], [[3]]),
                                                        "collate_completions", 2),

@@ -13,7 +13,7 @@ One optimizer step (``GRPOTrainer``: ``common.run.rollout.GroupRollout`` on ``co
    holds a ``[tokens, V]`` tensor), over a padded or a padding-free batch
    (``common.objectives.grpo.collate_completions``), and back-propagates its share of the step loss.
 
-The loss is ``common.objectives.grpo.grpo_loss`` written with torch ops (``grpo_loss_torch``); both are
+The loss is ``common.objectives.grpo_loss.grpo_loss`` written with torch ops (``grpo_loss_torch``); both are
 tested equal. Logits are divided by the sampling ``temperature`` before the softmax, as TRL
 does, so that the ratio compares the distribution the completions were drawn from.
 """
@@ -34,15 +34,8 @@ from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
 from twinseq.common.data.prepare import run_tokenizer
 from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.objectives.grpo import (
-    CLIP_LOSS_TYPES,
-    VESPO_LOG_W_MIN,
-    CompletionBatch,
-    LossSpec,
-    StepShare,
-    collate_completions,
-    reward_func_name,
-)
+from twinseq.common.objectives.grpo import CompletionBatch, collate_completions, reward_func_name
+from twinseq.common.objectives.grpo_loss import CLIP_LOSS_TYPES, VESPO_LOG_W_MIN, LossSpec, StepShare
 from twinseq.common.run.capabilities import GPU_EXTRA
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.rollout import GroupRollout, loss_description, token_record
@@ -142,14 +135,15 @@ def completion_logps(
 
 
 # --------------------------------------------------------------------------------------
-# The loss (common.objectives.grpo.grpo_loss with torch ops)
+# The loss (common.objectives.grpo_loss.grpo_loss with torch ops)
 # --------------------------------------------------------------------------------------
 
 
 def vespo_weights_torch(
     log_ratio_NC: torch.Tensor, adv_N1: torch.Tensor, m: torch.Tensor, spec: LossSpec
 ) -> torch.Tensor:
-    """VESPO's gamma weight per completion [N, 1] (``common.objectives.grpo.vespo_weights_np``), without gradient."""
+    """VESPO's gamma weight per completion [N, 1] (``common.objectives.grpo_loss.vespo_weights_np``), without
+    gradient."""
     log_w = ((log_ratio_NC.clamp(-20.0, 20.0) * m).sum(-1, keepdim=True)).clamp(VESPO_LOG_W_MIN, 20.0)
     nonneg = adv_N1 >= 0
     k = torch.where(nonneg, spec.vespo_k_pos, spec.vespo_k_neg).to(log_w.dtype)
@@ -168,7 +162,7 @@ def grpo_loss_torch(
     ref_logps_NC: Optional[torch.Tensor] = None,
     entropy_NC: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """(this micro-batch's ``share`` of the step loss, metrics): ``common.objectives.grpo.grpo_loss`` in torch."""
+    """(this micro-batch's ``share`` of the step loss, metrics): ``common.objectives.grpo_loss.grpo_loss`` in torch."""
     m = mask_NC.to(logps_NC.dtype)
     old = logps_NC.detach() if old_logps_NC is None else old_logps_NC.to(logps_NC.dtype)
     adv = advantages_N.to(logps_NC.dtype)[:, None]

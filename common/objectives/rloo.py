@@ -19,7 +19,7 @@ over the step's completions (a completion whose mask is empty still counts, with
     ρ_i = exp(Σ_t m_t (log π(t) - log π_old(t)))
     L   = mean_i  -min(ρ_i A_i, clip(ρ_i, 1 - ε, 1 + ε_high) A_i)
 
-``rloo_loss`` is ``common.objectives.grpo.grpo_loss`` with ``loss_type='rloo'``: the backends run it through
+``rloo_loss`` is ``common.objectives.grpo_loss.grpo_loss`` with ``loss_type='rloo'``: the backends run it through
 their GRPO loss functions. Everything here is float64 numpy.
 """
 
@@ -33,15 +33,8 @@ import numpy as np
 
 from twinseq.common.errors import ConfigError, DataError
 from twinseq.common.fields import _CHECKS_ON, _check_fields, knob
-from twinseq.common.objectives.grpo import (
-    STD_EPS,
-    GRPOConfig,
-    GRPOLossOutput,
-    LossSpec,
-    _nanstd,
-    epsilon_bounds,
-    grpo_loss,
-)
+from twinseq.common.objectives.grpo import STD_EPS, GRPOConfig, _nanstd, epsilon_bounds
+from twinseq.common.objectives.grpo_loss import GRPOLossOutput, LossSpec, grpo_loss
 
 
 @dataclass

@@ -36,8 +36,6 @@ import numpy as np
 
 from twinseq.common.config import TrainConfig
 from twinseq.common.objectives.grpo import (
-    LossSpec,
-    StepShare,
     completion_budget,
     completion_mask,
     compute_rewards,
@@ -45,6 +43,7 @@ from twinseq.common.objectives.grpo import (
     reward_metrics,
     score_advantages,
 )
+from twinseq.common.objectives.grpo_loss import LossSpec, StepShare
 from twinseq.common.objectives.rloo import RLOOConfig, rloo_advantages, rloo_loss_spec
 from twinseq.common.run.report import append_jsonl, cut_jsonl
 

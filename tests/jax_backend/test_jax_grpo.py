@@ -1,7 +1,7 @@
 """JAX GRPO: the loss family against the numpy reference, completion log-probs, micro-batches and the trainer.
 
 Invariants (float32; JAX runs with x64 off):
-- ``grpo_loss_jax`` equals ``common.objectives.grpo.grpo_loss`` within 1e-6 (relative, or absolute near 0) and its clip
+- ``grpo_loss_jax`` equals ``common.objectives.grpo_loss.grpo_loss`` within 1e-6 (relative, or absolute near 0) and its clip
   and KL metrics within 1e-6, for every loss type, on- and off-policy, with and without the KL term, as one
   micro-batch's share of a larger step;
 - completion log-probs from hidden states equal ``log_softmax(logits / temperature)`` of the full forward pass
@@ -25,7 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from twinseq.common.config import ModelConfig, TrainConfig  # noqa: E402
 from twinseq.common.errors import ConfigError  # noqa: E402
-from twinseq.common.objectives.grpo import CLIP_LOSS_TYPES, GRPO_LOSS_TYPES, collate_completions, grpo_loss  # noqa: E402
+from twinseq.common.objectives.grpo import GRPO_LOSS_TYPES, collate_completions  # noqa: E402
+from twinseq.common.objectives.grpo_loss import CLIP_LOSS_TYPES, grpo_loss  # noqa: E402
 from twinseq.common.models.init import init_weights  # noqa: E402
 from twinseq.jax_backend import grpo as jgrpo  # noqa: E402
 from twinseq.jax_backend.model import build_model, logits  # noqa: E402

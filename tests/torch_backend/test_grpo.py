@@ -1,7 +1,7 @@
 """Torch GRPO: the loss against the numpy reference, completion log-probs, generation, and the trainer.
 
 Invariants:
-- ``grpo_loss_torch`` equals ``common.objectives.grpo.grpo_loss`` (float64, 1e-6) for every loss type, with and without KL;
+- ``grpo_loss_torch`` equals ``common.objectives.grpo_loss.grpo_loss`` (float64, 1e-6) for every loss type, with and without KL;
 - completion log-probs of a padding-free batch equal a padded batch's (float64, 1e-6), and the chunked entropy
   equals the full-softmax entropy;
 - the fused kernel never creates a ``[tokens, V]`` tensor (the ``nll`` control does, so the probe sees it);
@@ -22,13 +22,8 @@ torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from twinseq.common.config import ModelConfig, TrainConfig  # noqa: E402
-from twinseq.common.objectives.grpo import (  # noqa: E402
-    CLIP_LOSS_TYPES,
-    GRPO_LOSS_TYPES,
-    StepShare,
-    collate_completions,
-    grpo_loss,
-)
+from twinseq.common.objectives.grpo import GRPO_LOSS_TYPES, collate_completions  # noqa: E402
+from twinseq.common.objectives.grpo_loss import CLIP_LOSS_TYPES, StepShare, grpo_loss  # noqa: E402
 from twinseq.common.models.init import init_weights  # noqa: E402
 from twinseq.torch_backend import grpo as tgrpo  # noqa: E402
 from twinseq.torch_backend.generation import generate  # noqa: E402

@@ -19,15 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 jnp = pytest.importorskip("jax.numpy")
 
-from twinseq.common.objectives.grpo import (  # noqa: E402
-    GRPO_LOSS_TYPES,
-    LossSpec,
-    StepShare,
-    group_advantages,
-    grpo_loss,
-    reward_metrics,
-    score_advantages,
-)
+from twinseq.common.objectives.grpo import GRPO_LOSS_TYPES, group_advantages, reward_metrics, score_advantages  # noqa: E402
+from twinseq.common.objectives.grpo_loss import LossSpec, StepShare, grpo_loss  # noqa: E402
 from twinseq.jax_backend import grpo as jgrpo  # noqa: E402
 from twinseq.torch_backend import grpo as tgrpo  # noqa: E402
 

@@ -22,7 +22,8 @@ pytest.importorskip("trl")
 
 pytestmark = pytest.mark.slow  # TRL's import and trainers take ~25 s: the full tier (make test-all, CI)
 
-from twinseq.common.objectives.grpo import StepShare, reward_metrics  # noqa: E402
+from twinseq.common.objectives.grpo import reward_metrics  # noqa: E402
+from twinseq.common.objectives.grpo_loss import StepShare  # noqa: E402
 from twinseq.common.objectives.rloo import rloo_advantages, rloo_loss  # noqa: E402
 from twinseq.jax_backend import grpo as jgrpo  # noqa: E402
 from twinseq.torch_backend import grpo as tgrpo  # noqa: E402

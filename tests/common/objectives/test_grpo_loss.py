@@ -13,7 +13,8 @@ import pytest
 
 from twinseq.common.config import TrainConfig
 from twinseq.common.errors import ConfigError, DataError
-from twinseq.common.objectives.grpo import completion_mask, compute_rewards, group_advantages, grpo_loss
+from twinseq.common.objectives.grpo import completion_mask, compute_rewards, group_advantages
+from twinseq.common.objectives.grpo_loss import grpo_loss
 from twinseq.common.data.prompts import (PromptSource, build_last_word_task, exact_match_reward, format_reward,
                                       resolve_reward_funcs, tokenize_prompts)
 
