@@ -86,6 +86,14 @@ class RLOOConfig(_TaskConfig):
     TASK = "rloo"
 
 
+class KTOConfig(_TaskConfig):
+    """The arguments of ``KTOTrainer``: ``TrainConfig`` with ``task="kto"`` (TRL's ``KTOConfig`` names: ``beta``,
+    ``desirable_weight``, ``undesirable_weight``, ``precompute_ref_log_probs``; its ``loss_type`` is
+    ``kto_loss_type``)."""
+
+    TASK = "kto"
+
+
 # --------------------------------------------------------------------------------------
 # peft.LoraConfig -> twinseq's PEFT fields
 # --------------------------------------------------------------------------------------
@@ -399,11 +407,20 @@ class RLOOTrainer(GRPOTrainer):
     config_class = RLOOConfig
 
 
+class KTOTrainer(_Trainer):
+    """Kahneman-Tversky optimisation from unpaired rows (``prompt``/``completion`` and a boolean ``label``; paired
+    ``prompt``/``chosen``/``rejected`` rows are unpaired as TRL does). The reference is the initial model (a frozen
+    copy), or the base with the adapters disabled under PEFT, as TRL."""
+
+    config_class = KTOConfig
+
+
 TRAINERS: dict[str, type[_Trainer]] = {
     "sft": SFTTrainer,
     "dpo": DPOTrainer,
     "grpo": GRPOTrainer,
     "rloo": RLOOTrainer,
+    "kto": KTOTrainer,
 }
 """The trainer class of each task (``twinseq train --task`` picks one)."""
 

@@ -14,6 +14,7 @@ parallel    ``ParallelConfig``  fsdp, context_parallel_size, context_parallel_st
 dpo         ``DPOConfig``       beta, dpo_loss_type, loss_weights, label_smoothing, ...
 grpo        ``GRPOConfig``      num_generations, grpo_beta, epsilon, grpo_loss_type, reward_funcs, vllm_*, ...
 rloo        ``RLOOConfig``      rloo_beta, normalize_advantages, reward_clip_range (the rollout: ``grpo``'s)
+kto         ``KTOConfig``       kto_loss_type, desirable_weight, undesirable_weight (beta: ``dpo``'s)
 peft        ``PeftConfig``      use_peft, lora_r, lora_alpha, lora_target_modules, load_in_4bit, ...
 ==========  ==================  ================================================================
 
@@ -53,10 +54,11 @@ from twinseq.common.objectives.grpo import (
     check_grpo_config,
     check_liger_grpo_config,
 )
+from twinseq.common.objectives.kto import KTOConfig, check_kto_batch_size, validate_kto_config
 from twinseq.common.objectives.rloo import RLOOConfig, check_rloo_config
 
 Backend = Literal["torch", "jax"]
-Task = Literal["sft", "dpo", "grpo", "rloo"]
+Task = Literal["sft", "dpo", "grpo", "rloo", "kto"]
 TruncationMode = Literal["keep_start", "keep_end"]
 PackingStrategy = Literal["bfd", "bfd_split", "wrapped"]
 LossType = Literal["nll", "chunked_nll", "fused_linear", "liger", "triton"]
@@ -103,10 +105,12 @@ DEFAULT_LEARNING_RATES: dict[tuple[str, bool], float] = {
     ("dpo", False): 1e-6,
     ("grpo", False): 1e-6,
     ("rloo", False): 1e-6,
+    ("kto", False): 1e-6,
     ("sft", True): 1e-4,
     ("dpo", True): 1e-5,
     ("grpo", True): 1e-5,
     ("rloo", True): 1e-5,
+    ("kto", True): 1e-5,
 }
 """``learning_rate`` when none is given, by (task, use_peft): TRL's defaults for full fine-tuning (``SFTConfig``
 2e-5, ``DPOConfig`` and ``GRPOConfig`` 1e-6), and with LoRA about ten times those, as TRL's PEFT guides train
@@ -284,11 +288,20 @@ SECTIONS: dict[str, type] = {
 }
 SECTIONS["grpo"] = GRPOConfig
 SECTIONS["rloo"] = RLOOConfig
+SECTIONS["kto"] = KTOConfig
 ONLINE_TASKS = ("grpo", "rloo")
 """The tasks that generate their batches (``common.run.rollout``), with the ``grpo`` section's rollout knobs."""
-TASK_SECTIONS: dict[str, tuple[str, ...]] = {"dpo": ("dpo",), "grpo": ONLINE_TASKS, "rloo": ("rloo",)}
+TASK_SECTIONS: dict[str, tuple[str, ...]] = {
+    "dpo": ("dpo", "kto"),
+    "grpo": ONLINE_TASKS,
+    "rloo": ("rloo",),
+    "kto": ("kto",),
+}
 """Sections read by some tasks only (section: those tasks): setting them on another task is refused, not
 ignored."""
+DPO_ONLY_FIELDS = ("dpo_loss_type", "loss_weights", "label_smoothing", "discopop_tau")
+"""The ``dpo`` section's fields that KTO does not read (it reads ``beta`` and ``precompute_ref_log_probs``): set
+under ``task=kto`` they are refused, not ignored."""
 
 
 @dataclass
@@ -367,6 +380,7 @@ class TrainConfig:
     peft: PeftConfig = field(default_factory=PeftConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rloo: RLOOConfig = field(default_factory=RLOOConfig)
+    kto: KTOConfig = field(default_factory=KTOConfig)
 
     def __post_init__(self) -> None:
         if _CHECKS_ON.get():
@@ -438,6 +452,8 @@ class TrainConfig:
                 check_liger_dpo_config(
                     self.dpo.dpo_loss_type, padding_free=d.padding_free, precompute=self.dpo.precompute_ref_log_probs
                 )
+        if self.task == "kto":
+            self._check_kto()
         if self.task in ONLINE_TASKS:
             if d.packing:
                 raise ConfigError(
@@ -479,6 +495,30 @@ class TrainConfig:
         if len(set(self.report_to)) != len(self.report_to) or ("none" in self.report_to and len(self.report_to) > 1):
             raise ConfigError(
                 f"report_to={self.report_to!r} is not valid: give 'none' alone, or any of 'tensorboard', 'wandb' once."
+            )
+
+    def _check_kto(self) -> None:
+        d, default = self.data, DPOConfig()
+        changed = [name for name in DPO_ONLY_FIELDS if getattr(self.dpo, name) != getattr(default, name)]
+        if changed:
+            raise ConfigError(
+                f"{', '.join(f'{n}={getattr(self.dpo, n)!r}' for n in changed)} shape DPO's loss, and task='kto' has "
+                f"its own (--kto-loss-type, --desirable-weight, --undesirable-weight); drop "
+                f"{' '.join(_flag(n) for n in changed)}, or use --task dpo."
+            )
+        if d.packing:
+            raise ConfigError(
+                "packing=True does not apply to KTO (a row's completion and its mismatched pair are scored "
+                "separately); use --padding-free to put a micro-batch's sequences in one row."
+            )
+        config = validate_kto_config(
+            self.kto.kto_loss_type, self.dpo.beta, self.kto.desirable_weight, self.kto.undesirable_weight
+        )
+        check_kto_batch_size(config, d.per_device_train_batch_size)
+        if self.loss.loss_type == "liger" or self.loss.use_liger_kernel:
+            raise ConfigError(
+                "loss_type='liger' for KTO is not wired here (Liger's fused KTO loss needs CUDA); use --loss-type "
+                "fused_linear (chunked log-probs, no [tokens, vocab] tensor) with --task kto."
             )
 
     def _check_evaluation(self) -> None:

@@ -1,8 +1,8 @@
 """``twinseq train --backend jax``: which builder runs each task; ``common.run.trainer.train_task`` runs the result.
 
 A builder returns (trainer, step source, tokenizer, announce lines): ``trainer.build_sft`` and ``build_dpo``,
-``grpo.build_grpo``. A new training method adds its builder to ``builders`` (docs/architecture.md, "Adding a
-training method").
+``grpo.build_grpo``, ``kto.build_kto``. A new training method adds its builder to ``builders``
+(docs/architecture.md, "Adding a training method").
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from twinseq.common.run.inputs import RunInputs
 from twinseq.common.run.runner import preflight
 from twinseq.common.run.trainer import Build, train_task
 from twinseq.jax_backend.grpo import build_grpo
+from twinseq.jax_backend.kto import build_kto
 from twinseq.jax_backend.trainer import build_dpo, build_sft, check_optimizer
 
 
@@ -29,6 +30,7 @@ def builders(cfg: TrainConfig) -> dict[str, Build]:
         "dpo": partial(build_dpo, cfg),
         "grpo": partial(build_grpo, cfg),
         "rloo": partial(build_grpo, cfg),  # the same rollout and trainer, RLOO's advantage and loss
+        "kto": partial(build_kto, cfg),
     }
 
 

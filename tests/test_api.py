@@ -17,6 +17,8 @@ from twinseq import (
     DPOTrainer,
     GRPOConfig,
     GRPOTrainer,
+    KTOConfig,
+    KTOTrainer,
     RLOOConfig,
     RLOOTrainer,
     SFTConfig,
@@ -115,6 +117,23 @@ def test_dpo_trainer_on_rows_in_memory(tmp_path):
     trainer = DPOTrainer(model="tiny", args=_args(DPOConfig, tmp_path), train_dataset=rows)
     out = trainer.train()
     assert out.global_step == 3 and "rewards/accuracies" in _metrics(trainer.metrics_path)[-1]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
+def test_kto_trainer_on_unpaired_rows_in_memory_evaluates(backend, tmp_path):
+    """Before the first update the policy is its reference: every row's loss is 1 - σ(0) = 0.5 and the KL estimate
+    is 0, so the eval loss on start is 0.5 exactly (to float32 rounding); after training it has moved."""
+    rows = [{"prompt": f"Q{i}: is {i} even?", "completion": " yes" if i % 3 else " no", "label": i % 3 != 0}
+            for i in range(40)]
+    args = _args(KTOConfig, tmp_path, eval_fraction=0.2, eval_strategy="steps", eval_steps=3, eval_on_start=True)
+    trainer = KTOTrainer(model="tiny", args=args, train_dataset=rows, backend=backend)
+    out = trainer.train()
+    lines = _metrics(trainer.metrics_path)
+    train, evals = [r for r in lines if "loss" in r], [r for r in lines if "eval_loss" in r]
+    assert out.global_step == 3 and {"kl", "rewards/chosen", "count/desirable"} <= set(train[-1])
+    assert [r["step"] for r in evals] == [0, 3]
+    assert evals[0]["eval_loss"] == pytest.approx(0.5, abs=1e-6) and evals[0]["eval_kl"] == 0.0
+    assert evals[1]["eval_loss"] != pytest.approx(0.5, abs=1e-4) and "eval_rewards/margins" in evals[1]
 
 
 # fast-tier budget: the jax case runs in make test-all and CI

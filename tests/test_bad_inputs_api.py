@@ -17,7 +17,7 @@ CONFIG_CASES = {  # flat values (the Python API's from_flat and constructor, and
     "python: fractional accumulation": (dict(gradient_accumulation_steps=1.5), "gradient_accumulation_steps=1.5",
                                         "integer"),
     "python: max_steps None": (dict(max_steps=None), "max_steps=None", "integer"),
-    "python: an unknown task": (dict(task="kto"), "task='kto'", "choose one of"),
+    "python: an unknown task": (dict(task="ppo"), "task='ppo'", "choose one of"),
     "yaml: packing: yes-as-a-string": (dict(packing="yes"), "packing='yes'", "--no-packing"),
     "yaml: a seed that is a word": (dict(seed="abc"), "seed='abc'", "integer"),
     "yaml: float16 dtype": (dict(dtype="float16"), "dtype='float16'", "did you mean 'bfloat16'"),

@@ -438,6 +438,13 @@ def _config_cases() -> dict[str, Refusal]:
             _flat(task="rloo", reward_clip_range=[1.0, 0.0]), "reward_clip_range", [1.0, 0.0]),
         "rloo: liger": Refusal(_flat(task="rloo", loss_type="liger"), "loss_type", "liger"),
         "rloo: its knob on grpo": Refusal(_flat(task="grpo", rloo_beta=0.1), "rloo_beta", "grpo"),
+        "kto: a DPO loss knob": Refusal(_flat(task="kto", dpo_loss_type=["ipo"]), "dpo_loss_type", ["ipo"]),
+        "kto: one row per micro-batch": Refusal(
+            _flat(task="kto", per_device_train_batch_size=1), "per_device_train_batch_size", 1),
+        "kto: an unknown loss type": Refusal(_flat(task="kto", kto_loss_type="sigmoid"), "kto_loss_type", "sigmoid"),
+        "kto: packing": Refusal(_flat(task="kto", packing=True, max_length=64), "packing", True),
+        "kto: liger": Refusal(_flat(task="kto", loss_type="liger"), "loss_type", "liger"),
+        "kto: its knob on dpo": Refusal(_flat(task="dpo", desirable_weight=2.0), "desirable_weight", "dpo"),
         "dpo: empty loss list": Refusal(_flat(task="dpo", dpo_loss_type=[]), "loss_type", []),
         "dpo: weights for two losses": Refusal(
             _flat(task="dpo", dpo_loss_type=["sigmoid"], loss_weights=[1.0, 0.5]), "loss_weights", [1.0, 0.5]),

@@ -121,7 +121,11 @@ def check_zero3_config(cfg: TrainConfig) -> None:
             f"context_parallel_size={par.context_parallel_size}",
             "context parallelism runs under FSDP2 only; use --context-parallel-size 1",
         ),
-        (cfg.task == "dpo", "task='dpo'", "DPO's frozen reference copy is not partitioned here; use --task sft"),
+        (
+            cfg.task in ("dpo", "kto"),
+            f"task={cfg.task!r}",
+            f"{cfg.task.upper()}'s frozen reference copy is not partitioned here; use --task sft",
+        ),
         (
             cfg.task == "grpo" and cfg.grpo.grpo_beta > 0,
             f"grpo_beta={cfg.grpo.grpo_beta}",

@@ -25,6 +25,7 @@ from twinseq.common.run.trainer import Build, train_task
 from twinseq.torch_backend.deepspeed import build_zero3_sft, check_zero3_config, ensure_process_group, require_deepspeed
 from twinseq.torch_backend.distributed import Runtime, init_runtime, wants_distributed
 from twinseq.torch_backend.grpo import build_grpo
+from twinseq.torch_backend.kto import build_kto
 from twinseq.torch_backend.trainer import build_dpo, build_sft, pick_device
 from twinseq.torch_backend.zero3_grpo import build_grpo_zero3
 
@@ -36,6 +37,7 @@ def builders(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime])
         "dpo": partial(build_dpo, cfg, device, runtime),
         "grpo": partial(build_grpo, cfg, device, runtime),
         "rloo": partial(build_grpo, cfg, device, runtime),  # the same rollout and trainer, RLOO's advantage and loss
+        "kto": partial(build_kto, cfg, device, runtime),
     }
 
 

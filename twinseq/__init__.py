@@ -2,7 +2,7 @@
 
 The public surface. ``import twinseq`` imports neither torch nor jax; a backend is imported when it is loaded::
 
-    from twinseq import SFTConfig, SFTTrainer   # and DPOTrainer / GRPOTrainer / RLOOTrainer, in TRL's shape
+    from twinseq import SFTConfig, SFTTrainer   # and DPO, GRPO, RLOO and KTO trainers, in TRL's shape
 
     trainer = SFTTrainer(model="tiny", args=SFTConfig(max_steps=10, max_length=512), train_dataset=rows,
                          backend="jax")
@@ -14,7 +14,7 @@ The public surface. ``import twinseq`` imports neither torch nor jax; a backend 
     be = twinseq.load_backend("jax")            # the mirrored backend protocol: build_model, logits, ...
 
 The config sections (``DataConfig``, the DPO and GRPO sections, ...) are in ``twinseq.common.config``; at the top,
-``DPOConfig``, ``GRPOConfig`` and ``RLOOConfig`` are the trainers' argument classes, as in TRL.
+``DPOConfig``, ``GRPOConfig``, ``RLOOConfig`` and ``KTOConfig`` are the trainers' argument classes, as in TRL.
 
 The three code folders are the subpackages ``twinseq.common`` (backend-neutral: numpy, pyarrow),
 ``twinseq.torch_backend`` and ``twinseq.jax_backend``; in the repository they sit at the root and this folder links
@@ -31,6 +31,8 @@ from twinseq.common.api import (
     DPOTrainer,
     GRPOConfig,
     GRPOTrainer,
+    KTOConfig,
+    KTOTrainer,
     RLOOConfig,
     RLOOTrainer,
     SFTConfig,
@@ -65,10 +67,12 @@ __all__ = [
     "DPOTrainer",
     "GRPOTrainer",
     "RLOOTrainer",
+    "KTOTrainer",
     "SFTConfig",
     "DPOConfig",
     "GRPOConfig",
     "RLOOConfig",
+    "KTOConfig",
     "TrainOutput",
     "TrainerCallback",
     "EarlyStoppingCallback",

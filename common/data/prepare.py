@@ -372,9 +372,9 @@ def tokenize_dpo(
     """Tokenise and truncate preference data; returns ``(datasets.Dataset, TruncationStats)``.
 
     Standard (strings): ``prompt_input_ids = [bos] + prompt``, ``chosen_input_ids = chosen +
-    [eos]`` (same for rejected). Conversational (message lists): the prompt rendered with
-    the generation prompt, and each completion the rest of its rendered conversation, with
-    no bos/eos added (the template writes its own). Without a ``prompt`` column the prompt
+    [eos]`` (same for rejected; no second eos after a text that ends with it, as TRL). Conversational (message
+    lists): the prompt rendered with the generation prompt, and each completion the rest of its rendered
+    conversation, with no bos/eos added (the template writes its own). Without a ``prompt`` column the prompt
     is the shared start of chosen and rejected. Then the DPO truncation rule of
     ``twinseq.common.data.truncation.truncate_dpo``. ``tokens_seen`` counts the prompt once plus
     both completions.
@@ -414,7 +414,8 @@ def tokenize_dpo(
             stats.record(0, 0)
             stats.drop(reason)
         for p, c, r in zip(*encoded):
-            row = _dpo_row(bos + p, c + eos, r + eos, limits, stats)
+            ending = tokenizer.eos_token_id  # eos once: not again after a text that ends with it (TRL's add_eos)
+            row = _dpo_row(bos + p, _ending(c, eos, ending), _ending(r, eos, ending), limits, stats)
             if row is not None:
                 for key, value in row.items():
                     columns[key].append(value)
@@ -429,7 +430,7 @@ def _dataset_name(cfg, task: str, name: Optional[str] = None) -> str:
     """``name`` (None: ``dataset_name``), with ``embedded`` read as the task's embedded dataset."""
     name = cfg.data.dataset_name if name is None else name
     if name == "embedded":
-        return "embedded-preference" if task == "dpo" else "embedded-sft"
+        return "embedded-preference" if task in ("dpo", "kto") else "embedded-sft"
     return name
 
 

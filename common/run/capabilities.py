@@ -104,7 +104,7 @@ def check_runtime(cfg: TrainConfig, rt: Runtime) -> None:
     _check_memory(cfg, rt)
     _check_attention(cfg, rt)
     _check_parallel(cfg, rt)
-    if cfg.task == "dpo":
+    if cfg.task in ("dpo", "kto"):
         _check_dpo(cfg, rt)
 
 
@@ -246,10 +246,10 @@ def _check_torch_ring(cfg: TrainConfig, rt: Runtime) -> None:
 
 def _check_dpo(cfg: TrainConfig, rt: Runtime) -> None:
     if cfg.memory.torch_compile:
-        raise ConfigError("torch_compile=True is not supported with task='dpo' yet; drop --torch-compile.")
+        raise ConfigError(f"torch_compile=True is not supported with task={cfg.task!r} yet; drop --torch-compile.")
     if _distributed(cfg, rt):
         raise ConfigError(
-            "task='dpo' runs in one process on one device: FSDP, context parallelism and multi-process "
-            "launches are not implemented for DPO; drop --fsdp / --context-parallel-size and launch "
-            "with python."
+            f"task={cfg.task!r} runs in one process on one device: FSDP, context parallelism and multi-process "
+            f"launches are not implemented for {cfg.task.upper()}; drop --fsdp / --context-parallel-size and "
+            f"launch with python."
         )

@@ -22,8 +22,9 @@ from twinseq.common.data.preference_steps import PreferenceStepIterator, iter_pr
 from twinseq.common.data.prepare import eval_dataset, prepare_dpo_dataset, prepare_sft_dataset
 from twinseq.common.data.prompts import prepare_grpo_eval_prompts
 from twinseq.common.data.sft_steps import StepIterator
+from twinseq.common.data.unpaired import KTOStepIterator, iter_unpaired_batches, prepare_kto_dataset, with_kto_ref_logps
 from twinseq.common.errors import ConfigError
-from twinseq.common.run.evaluation import DPOEvaluator, Evaluator, GRPOEvaluator, SFTEvaluator, eval_hook
+from twinseq.common.run.evaluation import DPOEvaluator, Evaluator, GRPOEvaluator, KTOEvaluator, SFTEvaluator, eval_hook
 
 
 def build_evaluator(cfg: TrainConfig, trainer: Any, source: Any, tokenizer: Any, inputs: Any) -> Optional[Evaluator]:
@@ -59,6 +60,12 @@ def _build_offline(
             rows = with_eval_reference(trainer, rows, cfg, pad)
         micro = eval_step_batches(rows, cfg, pad, world_size=world_size, rank=rank)
         return DPOEvaluator(cfg, micro, num_examples=len(rows), **shared)
+    if cfg.task == "kto":
+        rows = prepare_kto_dataset(cfg, ds, tokenizer, held_out=True)[0]
+        if cfg.dpo.precompute_ref_log_probs:
+            rows = with_eval_kto_reference(trainer, rows, cfg, pad)
+        micro = eval_step_batches(rows, cfg, pad, world_size=world_size, rank=rank)
+        return KTOEvaluator(cfg, micro, num_examples=len(rows), **shared)
     rows = prepare_sft_dataset(cfg, ds, tokenizer, held_out=True)[0]
     micro = eval_step_batches(rows, cfg, pad, world_size=world_size, rank=rank)
     samples = sample_prompts(rows, cfg.eval_generate_samples)
@@ -108,6 +115,11 @@ def eval_step_batches(rows: Any, cfg: TrainConfig, pad_token_id: int, *, world_s
     one_step = cfg.replace(
         packing=False, per_device_train_batch_size=d.per_device_eval_batch_size, gradient_accumulation_steps=slots
     )
+    if cfg.task == "kto":
+        with_kl = cfg.kto.kto_loss_type == "kto"
+        return KTOStepIterator(
+            rows, one_step, pad_token_id, with_kl=with_kl, world_size=world_size, rank=rank
+        ).next_step()
     kind = PreferenceStepIterator if cfg.task == "dpo" else StepIterator
     return kind(rows, one_step, pad_token_id, world_size=world_size, rank=rank).next_step()
 
@@ -146,3 +158,17 @@ def with_eval_reference(trainer: Any, rows: Any, cfg: TrainConfig, pad_token_id:
         chosen.append(np.asarray(out["chosen_logps"], np.float64).reshape(-1))
         rejected.append(np.asarray(out["rejected_logps"], np.float64).reshape(-1))
     return with_ref_logps(rows, np.concatenate(chosen), np.concatenate(rejected))
+
+
+def with_eval_kto_reference(trainer: Any, rows: Any, cfg: TrainConfig, pad_token_id: int) -> Any:
+    """KTO's ``with_eval_reference``: the eval rows with ``ref_logps`` (and ``ref_KL_logps``) columns, the policy's
+    own sequence log-probs before its first update."""
+    with_kl = cfg.kto.kto_loss_type == "kto"
+    main, mismatched = [], []
+    for _, kbatch in iter_unpaired_batches(
+        rows, cfg.data.per_device_eval_batch_size, with_kl=with_kl, cfg=cfg, pad_token_id=pad_token_id
+    ):
+        out = eval_hook(trainer, "eval_micro_step")(kbatch)
+        main.append(np.asarray(out["chosen_logps"], np.float64).reshape(-1))
+        mismatched.append(np.asarray(out["rejected_logps"], np.float64).reshape(-1))
+    return with_kto_ref_logps(rows, np.concatenate(main), np.concatenate(mismatched) if with_kl else None)

@@ -46,6 +46,7 @@ from twinseq.common.config import TrainConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.objectives.dpo import NUMPY_OPS, dpo_family, validate_dpo_config
 from twinseq.common.objectives.grpo import completion_mask, compute_rewards, reward_func_name
+from twinseq.common.objectives.kto import kl_estimate, kto_family, validate_kto_config
 from twinseq.common.run.callbacks import TrainerState
 from twinseq.common.run.report import write_samples
 
@@ -58,7 +59,7 @@ it reduces a step's)."""
 
 class Evaluator:
     """This rank's eval micro-batches and what turns their hook results into metrics (``build_evaluator`` makes
-    one per task: ``SFTEvaluator``, ``DPOEvaluator``, ``GRPOEvaluator``)."""
+    one per task: ``SFTEvaluator``, ``DPOEvaluator``, ``KTOEvaluator``, ``GRPOEvaluator``)."""
 
     task, unit = "", "examples"
 
@@ -262,6 +263,66 @@ def dpo_pair_sums(pbatch: Any, logps: dict[str, Any], config: Any) -> dict[str, 
         "chosen_logps": float(pc.sum()),
         "rejected_logps": float(pr.sum()),
         "num_pairs": float(pbatch.num_examples),
+    }
+
+
+# --------------------------------------------------------------------------------------
+# KTO
+# --------------------------------------------------------------------------------------
+
+KTO_SUMS = ("loss", "kl", "num_batches", "num_rows", "num_chosen", "num_rejected")
+KTO_SIDE_SUMS = ("chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps")
+
+
+class KTOEvaluator(Evaluator):
+    """KTO's eval metrics: the loss (summed over the eval rows, over their count), the mean KL estimate of the eval
+    micro-batches, and per side the mean reward and sequence log-prob, with ``rewards/margins`` (TRL's names)."""
+
+    task, unit = "kto", "rows"
+
+    def collect(self, trainer: Any, step: Optional[int]) -> dict[str, float]:
+        c = self.cfg
+        config = validate_kto_config(c.kto.kto_loss_type, c.dpo.beta, c.kto.desirable_weight, c.kto.undesirable_weight)
+        sums = dict.fromkeys((*KTO_SUMS, *KTO_SIDE_SUMS), 0.0)
+        for kbatch in self.micro_batches:
+            if kbatch.num_examples:
+                _add(sums, kto_row_sums(kbatch, eval_hook(trainer, "eval_micro_step")(kbatch), config))
+        return trainer.reduce_sums(sums)
+
+    def finish(self, sums: dict[str, float]) -> dict[str, float]:
+        out = {"loss": sums["loss"] / max(sums["num_rows"], 1.0), "kl": sums["kl"] / max(sums["num_batches"], 1.0)}
+        for side in ("chosen", "rejected"):
+            if sums[f"num_{side}"]:
+                out[f"rewards/{side}"] = sums[f"{side}_rewards"] / sums[f"num_{side}"]
+                out[f"logps/{side}"] = sums[f"{side}_logps"] / sums[f"num_{side}"]
+        if sums["num_chosen"] and sums["num_rejected"]:
+            out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        return out
+
+
+def kto_row_sums(kbatch: Any, logps: dict[str, Any], config: Any) -> dict[str, float]:
+    """The sums of one eval micro-batch from the hook's sequence log-probs (``chosen_logps``: the completions,
+    ``rejected_logps``: the mismatched pairs, and the live reference's ``ref_*``; else the batch's precomputed
+    ones), through the KTO loss family in numpy (``common.objectives.kto``)."""
+    as64 = lambda a: np.asarray(a, np.float64).reshape(-1)  # noqa: E731
+    ref = as64(logps.get("ref_chosen_logps", kbatch.ref_chosen_logps))
+    ref_kl = logps.get("ref_rejected_logps", kbatch.ref_rejected_logps)
+    policy, policy_kl = as64(logps["chosen_logps"]), as64(logps["rejected_logps"])
+    kl = kl_estimate(policy_kl, as64(ref_kl)) if config.uses_kl and kbatch.num_kl else 0.0
+    labels = np.asarray(kbatch.labels, bool)
+    out = kto_family(policy - ref, labels.astype(np.float64), kl, config, NUMPY_OPS)
+    rewards = np.asarray(out.rewards)
+    return {
+        "loss": float(np.sum(out.losses)),
+        "kl": kl,
+        "num_batches": 1.0,
+        "num_rows": float(labels.size),
+        "num_chosen": float(labels.sum()),
+        "num_rejected": float((~labels).sum()),
+        "chosen_rewards": float(rewards[labels].sum()),
+        "rejected_rewards": float(rewards[~labels].sum()),
+        "chosen_logps": float(policy[labels].sum()),
+        "rejected_logps": float(policy[~labels].sum()),
     }
 
 

@@ -758,11 +758,11 @@ def plot_metrics(output_dir: str | os.PathLike, *, keys: tuple[str, ...] = ("los
     import matplotlib.pyplot as plt
 
     records, evals = read_metrics(output_dir), read_metrics(output_dir, "eval")
-    keys = tuple(k for k in keys if records and k in records[0])
+    keys = tuple(k for k in keys if any(k in r for r in records))  # a step may lack one (KTO: a one-sided batch)
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.2), squeeze=False)
-    steps = [r["step"] for r in records]
     for ax, key in zip(axes[0], keys):
-        ax.plot(steps, [r[key] for r in records], marker=".", lw=1, label="train")
+        has = [r for r in records if key in r]
+        ax.plot([r["step"] for r in has], [r[key] for r in has], marker=".", lw=1, label="train")
         evaluated = [r for r in evals if f"eval_{key}" in r]
         if evaluated:  # the eval curve of the same quantity, on its panel
             ax.plot([r["step"] for r in evaluated], [r[f"eval_{key}"] for r in evaluated], marker="o", lw=1.5)

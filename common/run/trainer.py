@@ -41,6 +41,7 @@ PLOT_KEYS: dict[str, tuple[str, ...]] = {
     "dpo": ("loss", "rewards/accuracies", "tokens_per_second"),
     "grpo": ("loss", "reward", "completions/mean_length", "tokens_per_second"),
     "rloo": ("loss", "reward", "completions/mean_length", "tokens_per_second"),
+    "kto": ("loss", "rewards/margins", "kl", "tokens_per_second"),
 }
 """The panels of each task's end-of-run ``metrics.png``."""
 

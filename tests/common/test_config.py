@@ -66,7 +66,7 @@ def test_config_is_nested_by_concern_with_unique_flat_names():
     assert (cfg.data.max_length, cfg.optim.learning_rate, cfg.loss.loss_type) == (64, 3e-3, "fused_linear")
     assert (cfg.memory.gradient_checkpointing, cfg.parallel.context_parallel_size, cfg.model.model_config) == \
         (True, 2, "small")
-    assert set(SECTIONS) == {"model", "data", "optim", "loss", "memory", "parallel", "dpo", "peft", "grpo", "rloo"}
+    assert set(SECTIONS) == {"model", "data", "optim", "loss", "memory", "parallel", "dpo", "peft", "grpo", "rloo", "kto"}
     flat = cfg.to_flat_dict()
     assert TrainConfig.from_dict(flat) == cfg == TrainConfig.from_dict(cfg.to_dict())
     assert cfg.replace(max_length=32).data.max_length == 32 and cfg.data.max_length == 64
@@ -77,7 +77,7 @@ def test_config_is_nested_by_concern_with_unique_flat_names():
 
 
 def test_an_option_of_another_task_is_refused_not_ignored():
-    with pytest.raises(ValueError, match="beta is read by task='dpo' only"):
+    with pytest.raises(ValueError, match="beta is read by task='dpo' or 'kto' only"):
         TrainConfig.from_flat(task="sft", beta=0.5)
     assert TrainConfig.from_flat(task="dpo", beta=0.5).dpo.beta == 0.5
     with pytest.raises(ValueError, match="packing=True does not apply to DPO"):
