@@ -15,6 +15,7 @@ dpo         ``DPOConfig``       beta, dpo_loss_type, loss_weights, label_smoothi
 grpo        ``GRPOConfig``      num_generations, grpo_beta, epsilon, grpo_loss_type, reward_funcs, vllm_*, ...
 rloo        ``RLOOConfig``      rloo_beta, normalize_advantages, reward_clip_range (the rollout: ``grpo``'s)
 kto         ``KTOConfig``       kto_loss_type, desirable_weight, undesirable_weight (beta: ``dpo``'s)
+reference   ``ReferenceConfig`` sync_ref_model, ref_model_mixup_alpha, ref_model_sync_steps
 peft        ``PeftConfig``      use_peft, lora_r, lora_alpha, lora_target_modules, load_in_4bit, ...
 ==========  ==================  ================================================================
 
@@ -55,6 +56,7 @@ from twinseq.common.objectives.grpo import (
     check_liger_grpo_config,
 )
 from twinseq.common.objectives.kto import KTOConfig, check_kto_batch_size, validate_kto_config
+from twinseq.common.objectives.reference import REFERENCE_TASKS, ReferenceConfig, check_ref_sync
 from twinseq.common.objectives.rloo import RLOOConfig, check_rloo_config
 
 Backend = Literal["torch", "jax"]
@@ -289,6 +291,7 @@ SECTIONS: dict[str, type] = {
 SECTIONS["grpo"] = GRPOConfig
 SECTIONS["rloo"] = RLOOConfig
 SECTIONS["kto"] = KTOConfig
+SECTIONS["reference"] = ReferenceConfig
 ONLINE_TASKS = ("grpo", "rloo")
 """The tasks that generate their batches (``common.run.rollout``), with the ``grpo`` section's rollout knobs."""
 TASK_SECTIONS: dict[str, tuple[str, ...]] = {
@@ -296,6 +299,7 @@ TASK_SECTIONS: dict[str, tuple[str, ...]] = {
     "grpo": ONLINE_TASKS,
     "rloo": ("rloo",),
     "kto": ("kto",),
+    "reference": REFERENCE_TASKS,
 }
 """Sections read by some tasks only (section: those tasks): setting them on another task is refused, not
 ignored."""
@@ -381,6 +385,7 @@ class TrainConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     rloo: RLOOConfig = field(default_factory=RLOOConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
 
     def __post_init__(self) -> None:
         if _CHECKS_ON.get():
@@ -475,6 +480,13 @@ class TrainConfig:
                     "fused_linear (chunked log-probs, no [tokens, vocab] tensor) with --task rloo."
                 )
 
+        check_ref_sync(
+            self.reference,
+            task=self.task,
+            use_peft=self.peft.use_peft,
+            precompute_ref_log_probs=self.dpo.precompute_ref_log_probs,
+            kl_beta=self.reference_kl_beta,
+        )
         check_peft_config(self.peft)
         self._check_evaluation()
         if loss.use_liger_kernel and loss.loss_type not in ("nll", "liger"):

@@ -324,20 +324,31 @@ class JaxTrainer(TrainerTemplate):
         """twinseq's ``CausalLM`` with the current parameters (adapters included under PEFT)."""
         return self.model()
 
+    def mix_reference(self, alpha: float) -> None:
+        ref = getattr(self, "ref_params", None)  # DPO, KTO, GRPO: the live reference copy, if any
+        if ref is None:
+            return super().mix_reference(alpha)
+        self.ref_params = jax.tree.map(lambda r, p: (1.0 - alpha) * r + alpha * p.astype(r.dtype), ref, self.params)
+
     def state_dict(self) -> dict[str, Any]:
         """The trained parameters (a PEFT run: its adapters by PEFT key, the frozen base is rebuilt from the
-        config), the optimizer state and the step count; weights and optimizer streamed (``LazyArray`` leaves)."""
+        config), the optimizer state and the step count; weights and optimizer streamed (``LazyArray`` leaves).
+        With ``sync_ref_model`` also the moving reference (HF names, as the weights)."""
         if self.peft:
             return {
                 "adapters": export_adapters(self.model()),
                 "optimizer": lazy_numpy_tree(self.opt_state),
                 "steps_done": self.steps_done,
             }
-        return {
+        state = {
             "model": lazy_weights(self.model()),
             "optimizer": lazy_numpy_tree(self.opt_state),
             "steps_done": self.steps_done,
         }
+        ref = getattr(self, "ref_params", None)
+        if self.cfg.reference.sync_ref_model and ref is not None:
+            state["reference"] = lazy_weights(merge_state(self.graphdef, ref, None))
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model = self.model()
@@ -351,6 +362,9 @@ class JaxTrainer(TrainerTemplate):
         restored = CausalLM(model.config, state["model"], **model.options())
         self.graphdef, params = nnx.split(restored)
         self.params = params if self.mesh is None else shard_params(self.mesh, params)
+        if self.cfg.reference.sync_ref_model and getattr(self, "ref_params", None) is not None and "reference" in state:
+            ref = nnx.split(CausalLM(model.config, state["reference"], **model.options()))[1]
+            self.ref_params = ref if self.mesh is None else shard_params(self.mesh, ref)
         self.opt_state = self._place_like(opt_state, self.opt_state)
         self.steps_done = int(state["steps_done"])
 

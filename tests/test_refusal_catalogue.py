@@ -445,6 +445,10 @@ def _config_cases() -> dict[str, Refusal]:
         "kto: packing": Refusal(_flat(task="kto", packing=True, max_length=64), "packing", True),
         "kto: liger": Refusal(_flat(task="kto", loss_type="liger"), "loss_type", "liger"),
         "kto: its knob on dpo": Refusal(_flat(task="dpo", desirable_weight=2.0), "desirable_weight", "dpo"),
+        "reference: sync with peft": Refusal(_flat(task="dpo", sync_ref_model=True, use_peft=True), "use_peft", True),
+        "reference: sync with precomputed log-probs": Refusal(
+            _flat(task="dpo", sync_ref_model=True, precompute_ref_log_probs=True), "precompute_ref_log_probs", True),
+        "reference: sync without a KL term": Refusal(_flat(task="grpo", sync_ref_model=True), "grpo_beta", 0),
         "dpo: empty loss list": Refusal(_flat(task="dpo", dpo_loss_type=[]), "loss_type", []),
         "dpo: weights for two losses": Refusal(
             _flat(task="dpo", dpo_loss_type=["sigmoid"], loss_weights=[1.0, 0.5]), "loss_weights", [1.0, 0.5]),

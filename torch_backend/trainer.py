@@ -238,6 +238,7 @@ class TorchTrainer(TrainerTemplate):
         self.cfg, self.module, self.device, self.runtime = cfg, module, device, runtime
         self.causal_lm: torch.nn.Module = cast(torch.nn.Module, module.causal_lm)
         self.optimizer, self.scheduler = build_optimizer(module, cfg)
+        self.ref_model: Optional[torch.nn.Module] = None  # DPO, KTO, GRPO: the live reference copy, if any
 
     @property
     def is_main(self) -> bool:
@@ -258,6 +259,20 @@ class TorchTrainer(TrainerTemplate):
         self.optimizer.step()
         self.scheduler.step()
         return grad_norm
+
+    @torch.no_grad()
+    def mix_reference(self, alpha: float) -> None:
+        if self.ref_model is None:
+            return super().mix_reference(alpha)
+        policy = dict(self.causal_lm.named_parameters())
+        for name, ref in self.ref_model.named_parameters():
+            p = policy[name]
+            full = p.full_tensor() if isinstance(p, DTensor) else p  # FSDP2: every rank gathers, in the same order
+            ref.mul_(1.0 - alpha).add_(full.detach().to(ref.dtype), alpha=alpha)
+
+    def _synced_reference(self) -> Optional[torch.nn.Module]:
+        """The reference copy when it moves (``sync_ref_model``): then a checkpoint holds it."""
+        return self.ref_model if self.cfg.reference.sync_ref_model else None
 
     def discard_gradients(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -324,12 +339,16 @@ class TorchTrainer(TrainerTemplate):
     def state_dict(self) -> dict[str, Any]:
         """Streamed (``LazyArray`` leaves, each gathered under FSDP2 when the checkpoint writer reaches it), the
         same tree on every rank; the weights and optimizer state in float32, as a resume loads them."""
-        return {
+        state = {
             "model": lazy_model_state(self.module, self._weight_names(), _PREFIX, float32=True),
             "optimizer": lazy_optimizer_state(self.module, self.optimizer),
             "scheduler": to_numpy_tree(self.scheduler.state_dict()),
             "rng": rng_state(),
         }
+        ref = self._synced_reference()
+        if ref is not None:
+            state["reference"] = lazy_model_state(ref, [n for n, _ in ref.named_parameters()], float32=True)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.is_peft or any("lora_" in k or "trainable_tokens" in k for k in state["model"]):
@@ -347,6 +366,9 @@ class TorchTrainer(TrainerTemplate):
             except ValueError as err:
                 raise CheckpointError(f"the checkpoint's weights do not fit this model: {err}") from None
         load_full_model_state(self.module, state["model"], _PREFIX)
+        ref = self._synced_reference()
+        if ref is not None and "reference" in state:  # none: written before the first synchronisation
+            load_full_model_state(ref, state["reference"])
         load_full_optimizer_state(self.module, self.optimizer, from_numpy_tree(state["optimizer"]))
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
@@ -463,6 +485,7 @@ class DPOTrainer(TorchTrainer):
         with offload_context(c, self.causal_lm):
             with autocast(c, self.device):
                 if loss.loss_type == "liger":
+                    assert self.ref_model is not None, "build_dpo refuses liger without a reference copy"
                     out = liger_dpo_forward(
                         self.causal_lm,
                         self.ref_model,

@@ -69,6 +69,9 @@ class StepTrainer(Protocol):
     def step(self, micro_batches: list[Any]) -> dict[str, Any]:
         """One optimizer step; metrics with at least ``loss`` and ``num_tokens`` (over all ranks)."""
 
+    def after_step(self, step: int) -> None:
+        """After optimizer step ``step`` (1-based): what follows an update (the reference's synchronisation)."""
+
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs, as nested dicts of numpy arrays (or ``LazyArray``s, produced one at a time
         while the checkpoint is written) and JSON values. Under FSDP every rank returns the same tree of
@@ -485,6 +488,7 @@ def _loop(
                 "peak_memory_bytes": trainer.peak_memory_bytes(),
             }
         )
+        trainer.after_step(step)
         hooks.state.global_step, hooks.state.epoch = step, step / source.steps_per_epoch
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             record = _merge_window(window)

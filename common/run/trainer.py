@@ -28,6 +28,7 @@ from twinseq.common.config import ONLINE_TASKS, TrainConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.models.hf_folder import resolve_model_source
 from twinseq.common.models.peft import PeftConfig, save_adapters
+from twinseq.common.objectives.reference import sync_due
 from twinseq.common.run.callbacks import EarlyStoppingCallback
 from twinseq.common.run.eval_set import build_evaluator
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
@@ -129,6 +130,17 @@ class TrainerTemplate:
     def trained_model(self) -> Any:
         """The model being trained, as the backend holds it (what ``SFTTrainer(...).model`` returns)."""
         raise NotImplementedError
+
+    def mix_reference(self, alpha: float) -> None:
+        """``ref <- (1 - alpha) ref + alpha policy`` for every parameter of the live reference copy
+        (``common.objectives.reference``; the config refuses ``sync_ref_model`` where there is none)."""
+        raise NotImplementedError(f"{type(self).__name__} has no reference model to synchronise")
+
+    def after_step(self, step: int) -> None:
+        """Called by the runner after optimizer step ``step`` (1-based), before the callbacks and a checkpoint:
+        synchronises the reference when ``sync_ref_model`` is due (TRL's ``SyncRefModelCallback.on_step_end``)."""
+        if sync_due(self.cfg.reference, step):
+            self.mix_reference(self.cfg.reference.ref_model_mixup_alpha)
 
     # -- the step ------------------------------------------------------------------------
 

@@ -66,7 +66,8 @@ def test_config_is_nested_by_concern_with_unique_flat_names():
     assert (cfg.data.max_length, cfg.optim.learning_rate, cfg.loss.loss_type) == (64, 3e-3, "fused_linear")
     assert (cfg.memory.gradient_checkpointing, cfg.parallel.context_parallel_size, cfg.model.model_config) == \
         (True, 2, "small")
-    assert set(SECTIONS) == {"model", "data", "optim", "loss", "memory", "parallel", "dpo", "peft", "grpo", "rloo", "kto"}
+    assert set(SECTIONS) == {"model", "data", "optim", "loss", "memory", "parallel", "dpo", "peft", "grpo", "rloo", "kto",
+                            "reference"}
     flat = cfg.to_flat_dict()
     assert TrainConfig.from_dict(flat) == cfg == TrainConfig.from_dict(cfg.to_dict())
     assert cfg.replace(max_length=32).data.max_length == 32 and cfg.data.max_length == 64
