@@ -533,23 +533,27 @@ def run_tokenizer(cfg, given: Any = None) -> TwinseqTokenizer:
     return load_tokenizer(name)
 
 
-def prepare_dpo_dataset(
-    cfg, dataset: Any = None, tokenizer: Any = None, *, held_out: bool = False
-) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
-    """``TrainConfig`` -> (rows with prompt/chosen/rejected ``*_input_ids``, tokenizer, stats); ``dataset`` /
-    ``tokenizer`` / ``held_out`` as in ``prepare_sft_dataset``."""
+def preference_tokenize_args(cfg) -> dict[str, Any]:
+    """The truncation limits and the progress switch that preference tokenisation (DPO's, KTO's) takes from a
+    ``TrainConfig``."""
     d = cfg.data
-    tokenizer = run_tokenizer(cfg, tokenizer)
-    dataset = as_dataset(dataset, "eval_dataset") if held_out else _run_dataset(cfg, "dpo", dataset)
-    rows, stats = tokenize_dpo(
-        dataset,
-        tokenizer,
+    return dict(
         max_prompt_length=d.max_prompt_length,
         max_completion_length=d.max_completion_length,
         max_length=d.max_length,
         truncation_mode=d.truncation_mode,
         progress=False if cfg.disable_tqdm else None,
     )
+
+
+def prepare_dpo_dataset(
+    cfg, dataset: Any = None, tokenizer: Any = None, *, held_out: bool = False
+) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
+    """``TrainConfig`` -> (rows with prompt/chosen/rejected ``*_input_ids``, tokenizer, stats); ``dataset`` /
+    ``tokenizer`` / ``held_out`` as in ``prepare_sft_dataset``."""
+    tokenizer = run_tokenizer(cfg, tokenizer)
+    dataset = as_dataset(dataset, "eval_dataset") if held_out else _run_dataset(cfg, "dpo", dataset)
+    rows, stats = tokenize_dpo(dataset, tokenizer, **preference_tokenize_args(cfg))
     stats.log()
     _raise_if_empty(rows, stats, cfg)
     return rows, tokenizer, stats

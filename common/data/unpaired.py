@@ -31,9 +31,10 @@ import pyarrow as pa
 
 from twinseq.common.config import TrainConfig
 from twinseq.common.data import formats
-from twinseq.common.data.batching import IGNORE_INDEX, collate
+from twinseq.common.data.batching import collate
 from twinseq.common.data.loading import as_dataset, from_table
 from twinseq.common.data.preference_batching import PreferenceBatch, _target_doc_ids
+from twinseq.common.data.preference_steps import PreferenceStepIterator
 from twinseq.common.data.prepare import (
     CHUNK_ROWS,
     _check_strings,
@@ -44,10 +45,11 @@ from twinseq.common.data.prepare import (
     _raise_if_empty,
     _run_dataset,
     _special,
+    preference_tokenize_args,
     run_tokenizer,
     tokenize_dpo,
 )
-from twinseq.common.data.sft_steps import DataState, StepIterator, empty_micro_batch
+from twinseq.common.data.sft_steps import DataState, empty_micro_batch
 from twinseq.common.data.tokenizer import TwinseqTokenizer
 from twinseq.common.data.truncation import (
     DROP_EMPTY_COMPLETION,
@@ -236,21 +238,12 @@ def prepare_kto_dataset(
 ) -> tuple[Any, TwinseqTokenizer, TruncationStats]:
     """``TrainConfig`` -> (rows with the unpaired columns and, for 'kto', ``kl_completion_input_ids``, tokenizer,
     stats). Logs TRL's weight advice when the labels are unbalanced."""
-    d = cfg.data
     tokenizer = run_tokenizer(cfg, tokenizer)
     dataset = as_dataset(dataset, "eval_dataset") if held_out else _run_dataset(cfg, "kto", dataset)
-    columns, stats = tokenize_kto(
-        dataset,
-        tokenizer,
-        max_prompt_length=d.max_prompt_length,
-        max_completion_length=d.max_completion_length,
-        max_length=d.max_length,
-        truncation_mode=d.truncation_mode,
-        progress=False if cfg.disable_tqdm else None,
-    )
+    columns, stats = tokenize_kto(dataset, tokenizer, **preference_tokenize_args(cfg))
     stats.log()
     if cfg.kto.kto_loss_type == "kto":
-        columns = add_kl_completions(columns, d.per_device_train_batch_size)
+        columns = add_kl_completions(columns, cfg.data.per_device_train_batch_size)
     labels = columns.pop("label")
     rows = from_table(_columns_table(columns).append_column("label", pa.array(labels, pa.bool_())))
     columns["label"] = labels
@@ -365,10 +358,10 @@ def _columns(rows: Any) -> dict[str, list]:
     return out
 
 
-class KTOStepIterator(StepIterator):
-    """Per optimizer step, this rank's ``gradient_accumulation_steps`` ``KTOBatch`` micro-batches (shuffling,
-    epochs and the resumable position are ``StepIterator``'s). ``num_examples_in_step`` carries the rows of the
-    whole step: each micro-batch's loss is its rows' summed losses over it."""
+class KTOStepIterator(PreferenceStepIterator):
+    """Per optimizer step, this rank's ``gradient_accumulation_steps`` ``KTOBatch`` micro-batches: DPO's step
+    iterator (shuffling, epochs, the resumable position, ``num_examples_in_step`` the rows of the whole step, the
+    denominator of each micro-batch's loss) over unpaired rows."""
 
     def __init__(
         self, rows: Any, cfg: TrainConfig, pad_token_id: int, *, with_kl: bool, world_size: int = 1, rank: int = 0
@@ -397,14 +390,10 @@ class KTOStepIterator(StepIterator):
         self._order = self._permutation(0)
 
     @property
-    def examples_per_step(self) -> int:
-        return self.rows_per_step
-
-    @property
     def has_ref_logps(self) -> bool:
         return REF_FIELDS[0] in self.columns
 
-    def _collate_rows(self, idx: np.ndarray) -> KTOBatch:
+    def _collate_pairs(self, idx: np.ndarray) -> KTOBatch:
         c = self.cfg.data
         return collate_unpaired(
             [self._example(i) for i in idx],
@@ -415,7 +404,7 @@ class KTOStepIterator(StepIterator):
             pad_to_multiple_of=c.pad_to_multiple_of,
         )
 
-    def _empty(self) -> KTOBatch:
+    def _empty_pairs(self) -> KTOBatch:
         batch = empty_micro_batch(self.pad_token_id, 0, self.cfg.data.pad_to_multiple_of)
         ref = np.zeros(0) if self.has_ref_logps else None
         return KTOBatch(
@@ -429,19 +418,6 @@ class KTOStepIterator(StepIterator):
             ref_rejected_logps=ref,
             labels=np.zeros(0, bool),
         )
-
-    def next_step(self) -> list[KTOBatch]:  # type: ignore[override]
-        ws, ga = self.world_size, self.cfg.data.gradient_accumulation_steps
-        slots = self._slots()
-        all_micro = [self._collate_rows(idx) if len(idx) else self._empty() for idx in slots]
-        total = sum(int((kb.batch.labels != IGNORE_INDEX).sum()) for kb in all_micro)
-        rows = sum(len(idx) for idx in slots)
-        self.state.steps_done += 1
-        mine = [all_micro[m * ws + self.rank] for m in range(ga)]
-        for kb in mine:
-            kb.batch = kb.batch.with_num_items(total)
-            kb.num_examples_in_step = rows
-        return mine
 
 
 def iter_unpaired_batches(rows: Any, batch_size: int, *, with_kl: bool, cfg: TrainConfig, pad_token_id: int):
