@@ -310,4 +310,5 @@ def test_the_cli_is_the_same_classes(tmp_path, monkeypatch):
     monkeypatch.setattr(DPOTrainer, "train", train)
     assert cli.main(["train", "--task", "dpo", "--max-steps", "4", "--output-dir", str(tmp_path / "o")]) == 0
     assert seen == [("DPOTrainer", "dpo", 4)]
-    assert TRAINERS == {"sft": SFTTrainer, "dpo": DPOTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer}
+    assert TRAINERS == {"sft": SFTTrainer, "dpo": DPOTrainer, "grpo": GRPOTrainer, "rloo": RLOOTrainer,
+                        "kto": KTOTrainer}

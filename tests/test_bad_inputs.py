@@ -73,7 +73,7 @@ CONFIG_CASES = {
     "adam beta1 = 1": (["--adam-beta1", "1.0"], "adam_beta1=1.0"),
     "adam beta2 < 0": (["--adam-beta2", "-0.5"], "adam_beta2=-0.5"),
     "warmup ratio > 1": (["--warmup-ratio", "1.5"], "warmup_ratio=1.5"),
-    "dpo knob on sft": (["--beta", "0.5"], "beta is read by task='dpo' only"),
+    "dpo knob on sft": (["--beta", "0.5"], "beta is read by task='dpo' or 'kto' only"),
     "packing with dpo": (["--task", "dpo", "--packing"], "packing=True does not apply to DPO"),
     "packing without max_length": (["--packing", "--max-length", "None"], "packing=True needs max_length"),
     "liger flag with another kernel": (["--use-liger-kernel", "--loss-type", "fused_linear"], "use_liger_kernel=True"),

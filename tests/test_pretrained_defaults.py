@@ -26,9 +26,9 @@ def _flat(task: str, **kw) -> dict:
 
 def test_the_table_is_trls():
     assert {t: DEFAULT_LEARNING_RATES[(t, False)] for t in TASKS} == {"sft": 2e-5, "dpo": 1e-6, "grpo": 1e-6,
-                                                                        "rloo": 1e-6}
+                                                                        "rloo": 1e-6, "kto": 1e-6}
     assert DEFAULT_LEARNING_RATES[("sft", True)] == 1e-4  # TRL's PEFT guides: LoRA ~10x full fine-tuning
-    for task in ("dpo", "grpo", "rloo"):
+    for task in ("dpo", "grpo", "rloo", "kto"):
         assert DEFAULT_LEARNING_RATES[(task, True)] == pytest.approx(10 * DEFAULT_LEARNING_RATES[(task, False)])
 
 

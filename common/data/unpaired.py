@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 UNPAIRED_FIELDS = ("prompt_input_ids", "completion_input_ids", "label")
 KL_FIELD = "kl_completion_input_ids"
+UNCUT_FIELD = "uncut_completion_input_ids"
 REF_FIELDS = ("ref_logps", "ref_KL_logps")
 UNPAIRED, CONVERSATIONAL_UNPAIRED = "unpaired_preference", "conversational_unpaired_preference"
 _DESCRIPTIONS = {
@@ -153,13 +154,34 @@ def unpair_rows(paired: Any) -> dict[str, list]:
 
 
 def add_kl_completions(columns: dict[str, list], block: int) -> dict[str, list]:
-    """``columns`` plus ``kl_completion_input_ids``: each block of ``block`` rows' completions rotated by one."""
-    completions = columns["completion_input_ids"]
+    """``columns`` plus ``kl_completion_input_ids``: each block of ``block`` rows' completions rotated by one. The
+    completions rotated are the ones before the ``max_length`` cut (``UNCUT_FIELD``, when ``tokenize_kto`` kept
+    them, and dropped here): a mismatched pair is cut for its own prompt (``kl_sequence``), as TRL's collator cuts
+    it, not for the prompt its completion came with."""
+    columns = dict(columns)
+    completions = columns.pop(UNCUT_FIELD, None) or columns["completion_input_ids"]
     kl: list = []
     for start in range(0, len(completions), block):
         part = completions[start : start + block]
         kl += part[-1:] + part[:-1]
     return {**columns, KL_FIELD: kl}
+
+
+def _cut_rows(rows: list[tuple[list, list, bool, int]], max_length: Optional[int], stats: TruncationStats) -> dict:
+    """Unpaired rows (prompt, completion, label), already cut by ``max_prompt_length`` / ``max_completion_length``,
+    cut to ``max_length`` (keep the start of prompt + completion, TRL's collator); a row left without a scored
+    completion token is dropped and counted. The columns keep each completion before this cut (``UNCUT_FIELD``).
+    Each row's fourth item is the tokens the first cut removed, recorded with this one's."""
+    columns: dict[str, list] = {f: [] for f in (*UNPAIRED_FIELDS, UNCUT_FIELD)}
+    for prompt, completion, label, removed_before in rows:
+        cut_prompt, cut, _, removed = truncate_dpo(prompt, completion, [], max_length=max_length)
+        stats.record(len(prompt) + len(completion) + removed_before, removed_before + removed)
+        if len(cut) <= (0 if cut_prompt else 1):  # an empty prompt leaves the first token unscored
+            stats.drop(DROP_EMPTY_COMPLETION)
+            continue
+        for key, value in zip((*UNPAIRED_FIELDS, UNCUT_FIELD), (cut_prompt, cut, bool(label), completion)):
+            columns[key].append(value)
+    return columns
 
 
 def tokenize_kto(
@@ -172,11 +194,14 @@ def tokenize_kto(
     truncation_mode: str = "keep_start",
     progress: Optional[bool] = None,
 ) -> tuple[dict[str, list], TruncationStats]:
-    """Tokenise and truncate KTO data: columns ``prompt_input_ids``, ``completion_input_ids``, ``label``.
+    """Tokenise and truncate KTO data: columns ``prompt_input_ids``, ``completion_input_ids``, ``label`` (and
+    ``UNCUT_FIELD``, each completion before the ``max_length`` cut, which ``add_kl_completions`` reads and drops).
 
     Standard rows: ``[bos] + prompt`` and ``completion + [eos]`` (as DPO); conversational: the prompt rendered
     with the generation prompt and the completion the rest of the rendered conversation. Paired data goes
-    through ``tokenize_dpo`` and is then unpaired (``unpair_rows``).
+    through ``tokenize_dpo`` (its drops are counted per pair) and is then unpaired (``unpair_rows``). The stats
+    count rows: a row is cut by ``max_prompt_length`` / ``max_completion_length`` (the end of the prompt, the start
+    of the completion), then prompt + completion to ``max_length``.
     """
     check_truncation_mode(truncation_mode)
     if truncation_mode != "keep_start":
@@ -190,30 +215,35 @@ def tokenize_kto(
         ("max_length", max_length),
     ):
         check_length(name, value)
-    limits: dict[str, Optional[int]] = dict(
-        max_prompt_length=max_prompt_length, max_completion_length=max_completion_length, max_length=max_length
-    )
     ds = as_dataset(dataset)
     fmt = detect_kto_format(ds.column_names, formats.column_kinds(ds))
+    stats = TruncationStats(task="kto")
+    rows: list[tuple[list, list, bool, int]] = []
     if fmt not in _DESCRIPTIONS:
-        rows, stats = tokenize_dpo(
+        paired, pair_stats = tokenize_dpo(
             ds,
             tokenizer,
             max_prompt_length=max_prompt_length,
             max_completion_length=max_completion_length,
-            max_length=max_length,
             progress=progress,
         )
-        stats.task = "kto"
+        for reason, count in pair_stats.dropped.items():  # a dropped pair is two rows that never were
+            stats.examples_seen += 2 * count
+            stats.dropped[f"{reason} (pairs, 2 rows each)"] += 2 * count
         logger.info(
-            "kto: %d preference pairs unpaired into %d rows (TRL's unpair_preference_dataset)", len(rows), 2 * len(rows)
+            "kto: %d preference pairs unpaired into %d rows (TRL's unpair_preference_dataset)",
+            len(paired),
+            2 * len(paired),
         )
-        return unpair_rows(rows), stats
+        unpaired = unpair_rows(paired)
+        rows = [(p, c, lab, 0) for p, c, lab in zip(*(unpaired[f] for f in UNPAIRED_FIELDS))]
+        # tokens cut by max_prompt_length / max_completion_length: tokenize_dpo's count (the prompt once per pair)
+        stats.tokens_seen += pair_stats.tokens_truncated
+        stats.tokens_truncated += pair_stats.tokens_truncated
+        return _cut_rows(rows, max_length, stats), stats
     logger.info("kto data format: %s", _DESCRIPTIONS[fmt])
     if fmt == CONVERSATIONAL_UNPAIRED:
         _log_format("kto", formats.CONVERSATIONAL_PROMPT_COMPLETION, tokenizer)
-    stats = TruncationStats(task="kto")
-    columns: dict[str, list] = {f: [] for f in UNPAIRED_FIELDS}
     for offset, batch in _chunks(ds, progress, "tokenizing kto"):
         for row in _encode_unpaired(batch, offset, tokenizer, fmt == CONVERSATIONAL_UNPAIRED):
             if isinstance(row, str):
@@ -221,16 +251,11 @@ def tokenize_kto(
                 stats.drop(row)
                 continue
             prompt, completion, label = row
-            n = len(prompt) + len(completion)
-            prompt, completion, _, removed = truncate_dpo(prompt, completion, [], **limits)
-            stats.record(n, removed)
-            if len(completion) <= (0 if prompt else 1):  # an empty prompt leaves the first token unscored
-                stats.drop(DROP_EMPTY_COMPLETION)
-                continue
-            columns["prompt_input_ids"].append(prompt)
-            columns["completion_input_ids"].append(completion)
-            columns["label"].append(bool(label))
-    return columns, stats
+            prompt, completion, _, removed = truncate_dpo(
+                prompt, completion, [], max_prompt_length=max_prompt_length, max_completion_length=max_completion_length
+            )
+            rows.append((prompt, completion, label, removed))
+    return _cut_rows(rows, max_length, stats), stats
 
 
 def prepare_kto_dataset(
@@ -244,6 +269,7 @@ def prepare_kto_dataset(
     stats.log()
     if cfg.kto.kto_loss_type == "kto":
         columns = add_kl_completions(columns, cfg.data.per_device_train_batch_size)
+    columns.pop(UNCUT_FIELD, None)  # apo_zero_unpaired: no mismatched pairs to build
     labels = columns.pop("label")
     rows = from_table(_columns_table(columns).append_column("label", pa.array(labels, pa.bool_())))
     columns["label"] = labels

@@ -174,3 +174,24 @@ def test_bad_unpaired_data_is_refused_naming_the_field(tok, data, needle):
         DataError, match=needle.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(").replace(")", r"\)")
     ):
         tokenize_kto(Dataset.from_dict(data), tok)
+
+
+def test_a_mismatched_pair_is_cut_for_its_own_prompt(tok):
+    """TRL rotates the completions before its collator cuts prompt + completion to max_length: row i's KL sequence
+    is (prompt_i + completion_{i-1})[:max_length], whatever prompt_{i-1}'s length cut completion_{i-1} to."""
+    long_prompt, short_prompt = "word " * 12, "hi"
+    ds = Dataset.from_dict(
+        {"prompt": [long_prompt, short_prompt], "completion": [" one two three four five six", " seven eight"],
+         "label": [True, False]}
+    )
+    max_length = 16
+    columns, _ = tokenize_kto(ds, tok, max_length=max_length)
+    full = tokenize_kto(ds, tok)[0]["completion_input_ids"]
+    assert len(columns["completion_input_ids"][0]) < len(full[0])  # row 0's own completion was cut for its prompt
+    with_kl = add_kl_completions(columns, 2)
+    assert "uncut_completion_input_ids" not in with_kl  # read for the rotation, then dropped
+    kb = collate_unpaired([dict(zip(with_kl, values)) for values in zip(*with_kl.values())], with_kl=True,
+                          max_length=max_length)
+    prompt_1 = columns["prompt_input_ids"][1]
+    want = (prompt_1 + full[0])[:max_length][len(prompt_1):]  # row 1 takes row 0's completion, cut for prompt_1
+    assert kb.num_target_tokens[3] == len(want) > len(columns["completion_input_ids"][0])

@@ -199,6 +199,9 @@ class FakeTrainer:
         self.w = self.w + 1
         return {"loss": 1.0, "num_tokens": 4}
 
+    def after_step(self, step):
+        pass
+
     def state_dict(self):
         return {"w": self.w.copy()}
 
