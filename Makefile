@@ -135,6 +135,7 @@ bench: setup
 	$(BIN)/python benchmarks/cp_memory.py
 	$(BIN)/python benchmarks/grpo_memory.py
 	$(BIN)/python benchmarks/rloo_memory.py
+	$(BIN)/python benchmarks/kto_memory.py
 	$(BIN)/python benchmarks/save_memory.py
 	$(BIN)/python benchmarks/readme_table.py
 

@@ -181,6 +181,16 @@ def grpo_memory_row(d: dict) -> tuple[str, str, str]:
             f"{best['step_seconds'] / trl['step_seconds']:.2f}× the step time")
 
 
+def kto_memory_row(d: dict) -> tuple[str, str, str]:
+    rows = {r["variant"]: r for r in d["rows"]}
+    trl, best = rows["trl"], min((r for r in d["rows"] if r["variant"] != "trl"), key=lambda r: r["peak_bytes"])
+    a = d["arguments"]
+    return (f"KTO step vs TRL KTOTrainer, {a['batch']} rows x {a['max_length']} tokens + KL pairs, live reference",
+            f"TRL: {_mib(trl['peak_bytes'])}, {trl['step_seconds']:.1f} s/step",
+            f"{best['variant']}: {_mib(best['peak_bytes'])} ({_x(best['peak_bytes'] / trl['peak_bytes'])}×), "
+            f"{best['step_seconds'] / trl['step_seconds']:.2f}× the step time")
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms"
 
@@ -261,7 +271,7 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "dpo_memory": dpo_memory_row, "ring_attention": ring_attention_row,
     "memory_planner_check": memory_planner_check_row, "peft_staircase": peft_staircase_row,
     "max_length": max_length_row, "cp_memory": cp_memory_row, "grpo_memory": grpo_memory_row,
-    "rloo_memory": grpo_memory_row,
+    "rloo_memory": grpo_memory_row, "kto_memory": kto_memory_row,
     "loss_kernels": loss_kernels_row, "sft_gpu": sft_gpu_row, "save_memory": save_memory_row,
 }
 # Scripts of benchmarks/gpu/: measured on a GPU only (their CPU smoke runs are tests, never README figures).
