@@ -449,6 +449,18 @@ def _config_cases() -> dict[str, Refusal]:
         "reference: sync with precomputed log-probs": Refusal(
             _flat(task="dpo", sync_ref_model=True, precompute_ref_log_probs=True), "precompute_ref_log_probs", True),
         "reference: sync without a KL term": Refusal(_flat(task="grpo", sync_ref_model=True), "grpo_beta", 0),
+        "grpo: vLLM's importance sampling without vLLM": Refusal(
+            _flat(task="grpo", vllm_importance_sampling_mode="token_mask"), "vllm_importance_sampling_mode",
+            "token_mask"),
+        "grpo: importance-sampling bounds inverted": Refusal(
+            _flat(task="grpo", use_vllm=True, vllm_importance_sampling_clip_min=2.0,
+                  vllm_importance_sampling_clip_max=1.0), "vllm_importance_sampling_clip_min", 2.0),
+        "grpo: vespo with per-completion importance ratios": Refusal(
+            _flat(task="grpo", use_vllm=True, grpo_loss_type="vespo"), "vllm_importance_sampling_mode",
+            "sequence_mask"),
+        "rloo: vLLM's importance sampling": Refusal(
+            _flat(task="rloo", use_vllm=True, vllm_importance_sampling_mode="token_mask"),
+            "vllm_importance_sampling_mode", "token_mask"),
         "dpo: empty loss list": Refusal(_flat(task="dpo", dpo_loss_type=[]), "loss_type", []),
         "dpo: weights for two losses": Refusal(
             _flat(task="dpo", dpo_loss_type=["sigmoid"], loss_weights=[1.0, 0.5]), "loss_weights", [1.0, 0.5]),

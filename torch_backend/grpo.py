@@ -35,7 +35,14 @@ from twinseq.common.data.prepare import run_tokenizer
 from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.objectives.grpo import CompletionBatch, collate_completions, reward_func_name
-from twinseq.common.objectives.grpo_loss import CLIP_LOSS_TYPES, VESPO_LOG_W_MIN, LossSpec, StepShare
+from twinseq.common.objectives.grpo_loss import (
+    CLIP_LOSS_TYPES,
+    VESPO_LOG_W_MIN,
+    LossSpec,
+    StepShare,
+    vllm_importance_metrics,
+    vllm_importance_ratio,
+)
 from twinseq.common.run.capabilities import GPU_EXTRA
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.rollout import GroupRollout, loss_description, token_record
@@ -140,11 +147,18 @@ def completion_logps(
 
 
 def vespo_weights_torch(
-    log_ratio_NC: torch.Tensor, adv_N1: torch.Tensor, m: torch.Tensor, spec: LossSpec
+    log_ratio_NC: torch.Tensor,
+    adv_N1: torch.Tensor,
+    m: torch.Tensor,
+    spec: LossSpec,
+    is_ratio_NC: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """VESPO's gamma weight per completion [N, 1] (``common.objectives.grpo_loss.vespo_weights_np``), without
     gradient."""
-    log_w = ((log_ratio_NC.clamp(-20.0, 20.0) * m).sum(-1, keepdim=True)).clamp(VESPO_LOG_W_MIN, 20.0)
+    seq = (log_ratio_NC.clamp(-20.0, 20.0) * m).sum(-1, keepdim=True)
+    if is_ratio_NC is not None:
+        seq = seq + torch.log(is_ratio_NC.to(seq.dtype)).clamp(VESPO_LOG_W_MIN, 20.0).sum(-1, keepdim=True)
+    log_w = seq.clamp(VESPO_LOG_W_MIN, 20.0)
     nonneg = adv_N1 >= 0
     k = torch.where(nonneg, spec.vespo_k_pos, spec.vespo_k_neg).to(log_w.dtype)
     lam = torch.where(nonneg, spec.vespo_lambda_pos, spec.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
@@ -161,8 +175,10 @@ def grpo_loss_torch(
     old_logps_NC: Optional[torch.Tensor] = None,
     ref_logps_NC: Optional[torch.Tensor] = None,
     entropy_NC: Optional[torch.Tensor] = None,
+    is_ratio_NC: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """(this micro-batch's ``share`` of the step loss, metrics): ``common.objectives.grpo_loss.grpo_loss`` in torch."""
+    """(this micro-batch's ``share`` of the step loss, metrics): ``common.objectives.grpo_loss.grpo_loss`` in torch;
+    ``is_ratio_NC``: vLLM's importance ratios (a constant), None without vLLM."""
     m = mask_NC.to(logps_NC.dtype)
     old = logps_NC.detach() if old_logps_NC is None else old_logps_NC.to(logps_NC.dtype)
     adv = advantages_N.to(logps_NC.dtype)[:, None]
@@ -192,7 +208,7 @@ def grpo_loss_torch(
         tau = torch.where(adv > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg).to(logps_NC.dtype)
         per_token = -torch.sigmoid(tau * (ratio - 1)) * (4 / tau) * adv
     elif spec.loss_type == "vespo":
-        phi = vespo_weights_torch((logps_NC - old).detach(), adv, m, spec)
+        phi = vespo_weights_torch((logps_NC - old).detach(), adv, m, spec, is_ratio_NC)
         metrics["vespo/phi_seq_mean"] = float(phi.mean())
         per_token = -phi * adv * logps_NC
     else:
@@ -219,6 +235,8 @@ def grpo_loss_torch(
             if valid.any():  # every completion masked (mask_truncated_completions): no token keeps a loss
                 high = ((e * m >= torch.quantile(e[valid], 1.0 - spec.top_entropy_quantile)) & valid).to(e.dtype)
         per_token = per_token * high
+    if is_ratio_NC is not None and spec.loss_type != "vespo":
+        per_token = per_token * is_ratio_NC.to(per_token.dtype)
     if kl is not None:
         per_token = per_token + spec.beta * kl
     n = logps_NC.shape[0]
@@ -349,6 +367,7 @@ class GRPOMicroBatch:
     advantages_N: torch.Tensor
     old_logps_NC: Optional[torch.Tensor] = None
     ref_logps_NC: Optional[torch.Tensor] = None
+    is_ratio_NC: Optional[torch.Tensor] = None  # vLLM's importance ratios, [N, C] or [N, 1]
 
 
 def split_micro_batches(
@@ -412,6 +431,8 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         self.ref_model = ref_model
         self.vllm = vllm  # a vllm_engine.ColocatedVLLM: generation by vLLM instead of HF generate
         self._vllm_sync_seconds: Optional[float] = None
+        self._sampling_logps: Optional[list] = None  # the engine's log-prob of each sampled token, per row
+        self._is_metrics: dict[str, float] = {}
 
     # -- GroupRollout's backend hooks ----------------------------------------------------------
 
@@ -443,8 +464,10 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         t0 = time.perf_counter()
         self.vllm.sync_weights(self.causal_lm)
         self._vllm_sync_seconds = time.perf_counter() - t0
+        self._sampling_logps = [] if self.vllm_is else None
         rows = self.vllm.generate(
             prompt_ids,
+            logprobs=self._sampling_logps,
             max_new_tokens=self.max_completion_length,
             temperature=g.temperature,
             top_p=g.top_p,
@@ -460,7 +483,8 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         return ids
 
     def generation_metrics(self) -> dict[str, float]:
-        return {} if self._vllm_sync_seconds is None else {"vllm/weight_sync_seconds": self._vllm_sync_seconds}
+        sync = {} if self._vllm_sync_seconds is None else {"vllm/weight_sync_seconds": self._vllm_sync_seconds}
+        return {**sync, **self._is_metrics}
 
     def build_micro_batches(
         self,
@@ -484,7 +508,47 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
             pad_to_multiple_of=d.pad_to_multiple_of,
         )
         self._kept_logps(micro)
+        if self.vllm_is and self._sampling_logps is not None:
+            self._importance_ratios(micro, self._sampling_logps)
         return micro
+
+    def _importance_ratios(self, micro: list[GRPOMicroBatch], sampling: list) -> None:
+        """vLLM's importance-sampling correction (``common.objectives.grpo_loss.vllm_importance_ratio``, float64):
+        each micro-batch's ratios from the kept sampling-policy log-probs and the engine's, and TRL's ``sampling/*``
+        metrics over the whole generation."""
+        g, s = self.cfg.grpo, 0
+        olds: list[np.ndarray] = []
+        samps: list[np.ndarray] = []
+        masks: list[np.ndarray] = []
+        ratios: list[np.ndarray] = []
+        for mb in micro:
+            assert mb.old_logps_NC is not None  # keeps_old_logps is on with the correction
+            old = mb.old_logps_NC.double().cpu().numpy()
+            n, c = old.shape
+            engine = np.full((n, c), np.nan)
+            for i, row in enumerate(sampling[s : s + n]):
+                engine[i, : min(len(row), c)] = row[:c]
+            s += n
+            mask = mb.mask_NC.double().cpu().numpy()
+            ratio = vllm_importance_ratio(
+                old,
+                engine,
+                mask,
+                mode=g.vllm_importance_sampling_mode,
+                clip_min=g.vllm_importance_sampling_clip_min,
+                clip_max=g.vllm_importance_sampling_clip_max,
+            )
+            mb.is_ratio_NC = torch.as_tensor(ratio, dtype=torch.float32, device=self.device)
+            for kept, value in ((olds, old), (samps, engine), (masks, mask), (ratios, ratio)):
+                kept.append(value)
+        width = max(o.shape[1] for o in olds)
+        pad = lambda a, v: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=v)  # noqa: E731
+        self._is_metrics = vllm_importance_metrics(
+            np.concatenate([pad(o, 0.0) for o in olds]),
+            np.concatenate([pad(x, np.nan) for x in samps]),
+            np.concatenate([pad(m, 0.0) for m in masks]),
+            np.concatenate([r if r.shape[1] == 1 else pad(r, 0.0) for r in ratios]),
+        )
 
     def kl_sums(self, micro: list[GRPOMicroBatch]) -> np.ndarray:
         out = []
@@ -564,6 +628,7 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
                             old_logps_NC=mb.old_logps_NC,
                             ref_logps_NC=mb.ref_logps_NC,
                             entropy_NC=entropy,
+                            is_ratio_NC=mb.is_ratio_NC,
                         )
                         return loss, metrics, entropy
 

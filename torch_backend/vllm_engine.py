@@ -239,6 +239,7 @@ class ColocatedVLLM:
             max_num_seqs=max_num_seqs,
             dtype=dtype,
             seed=seed + (dist.get_rank() if launched else 0),
+            logprobs_mode="processed_logprobs",  # after temperature and top-k/top-p: what the tokens were drawn from
             **extra,
         )
 
@@ -288,11 +289,14 @@ class ColocatedVLLM:
         do_sample: bool = True,
         seed: Optional[int] = None,
         eos_token_id: Optional[int] = None,
+        logprobs: Optional[list] = None,
     ) -> list[list[int]]:
         """Completion token ids of each prompt (token ids); greedy with ``do_sample=False``. A completion stops
         at ``eos_token_id`` (kept, as Hugging Face ``generate`` keeps it) and holds at least one token.
         ``seed``: row ``i`` samples with ``seed + i`` (a GRPO group repeats one prompt, and one seed per request
-        would give every member the same completion); None: vLLM's engine generator."""
+        would give every member the same completion); None: vLLM's engine generator. ``logprobs``: a list that
+        receives, per row, the engine's log-prob of each sampled token (after temperature and top-k/top-p; NaN
+        where it gave none), the importance-sampling correction's denominator."""
         from vllm import SamplingParams  # optional dependency
 
         self.wake_up(tags=["kv_cache"])
@@ -305,13 +309,26 @@ class ColocatedVLLM:
                 top_k=top_k if do_sample else 0,
                 seed=None if seed is None else seed + i,
                 stop_token_ids=None if eos_token_id is None else [int(eos_token_id)],
+                logprobs=None if logprobs is None else 0,  # 0: the sampled token's only
             )
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], sampling_params=params, use_tqdm=False
         )
+        if logprobs is not None:
+            for out in outputs:
+                sample = out.outputs[0]
+                per_token = sample.logprobs or [{} for _ in sample.token_ids]
+                logprobs.append([_sampled_logprob(d, t) for d, t in zip(per_token, sample.token_ids)])
         return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def _sampled_logprob(entry: Any, token_id: int) -> float:
+    """The log-prob of ``token_id`` in one position's vLLM logprobs entry (a dict of token id -> ``Logprob``), NaN
+    when the engine gave none."""
+    value = entry.get(token_id) if hasattr(entry, "get") else None
+    return float("nan") if value is None else float(getattr(value, "logprob", value))
 
 
 def engine_for_grpo(cfg: Any, causal_lm: torch.nn.Module, longest_prompt: int, generation_batch: int) -> ColocatedVLLM:

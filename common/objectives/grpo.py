@@ -36,6 +36,7 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 MultiObjectiveAggregation = Literal["sum_then_normalize", "normalize_then_sum"]
 ScaleRewards = Literal["group", "batch", "none"]
 VLLMMode = Literal["colocate", "server"]
+VLLMISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 GRPO_LOSS_TYPES = typing.get_args(GRPOLossType)
 IMPORTANCE_SAMPLING_LEVELS = typing.get_args(ImportanceSamplingLevel)
 SCALE_REWARDS = typing.get_args(ScaleRewards)
@@ -121,6 +122,16 @@ class GRPOConfig:
     vllm_sleep_level: int = knob(1, ge=1, le=2)
     """1: offload weights to CPU and drop the KV cache; 2: drop both (reloaded each generation)."""
     vllm_gpu_memory_utilization: float = knob(0.3, gt=0, le=1)
+    vllm_importance_sampling_correction: bool = True
+    """With vLLM: weigh each token's loss by the ratio of the trainer's log-prob to the engine's (TRL's default on;
+    ``common.objectives.grpo_loss.vllm_importance_ratio``)."""
+    vllm_importance_sampling_mode: VLLMISMode = "sequence_mask"
+    """Per token or per completion (the summed log-ratio); ``*_truncate`` clips the ratio to the bounds, ``*_mask``
+    zeroes it outside them."""
+    vllm_importance_sampling_clip_max: Optional[float] = knob(3.0, gt=0)
+    """C_max (None: no upper bound)."""
+    vllm_importance_sampling_clip_min: Optional[float] = knob(None, ge=0)
+    """C_min (None: no lower bound)."""
 
     def __post_init__(self) -> None:
         if _CHECKS_ON.get():
@@ -130,6 +141,36 @@ class GRPOConfig:
 # ---------------------------------------------------------------------------------------
 # Config rules
 # ---------------------------------------------------------------------------------------
+
+VLLM_IS_FIELDS = (
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
+)
+
+
+def _check_vllm_importance_sampling(grpo: GRPOConfig) -> None:
+    changed = [f for f in VLLM_IS_FIELDS if getattr(grpo, f) != getattr(GRPOConfig, f, None)]
+    if changed and not grpo.use_vllm:
+        raise ConfigError(
+            f"{', '.join(f'{f}={getattr(grpo, f)!r}' for f in changed)} corrects vLLM's sampling, and use_vllm=False "
+            f"(generation by the trained model itself needs no correction); add --use-vllm or drop "
+            f"{' '.join('--' + f.replace('_', '-') for f in changed)}."
+        )
+    lo, hi = grpo.vllm_importance_sampling_clip_min, grpo.vllm_importance_sampling_clip_max
+    if lo is not None and hi is not None and lo > hi:
+        raise ConfigError(
+            f"vllm_importance_sampling_clip_min={lo} is above vllm_importance_sampling_clip_max={hi}; give min <= max."
+        )
+    mode = grpo.vllm_importance_sampling_mode
+    if grpo.use_vllm and grpo.vllm_importance_sampling_correction and grpo.grpo_loss_type == "vespo":
+        if mode not in ("token_truncate", "token_mask"):
+            raise ConfigError(
+                f"grpo_loss_type='vespo' reads per-token importance ratios, and vllm_importance_sampling_mode="
+                f"{mode!r} is per completion (TRL's rule); use --vllm-importance-sampling-mode token_truncate or "
+                f"token_mask."
+            )
 
 
 def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gradient_accumulation_steps: int) -> None:
@@ -170,6 +211,7 @@ def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gra
             "vllm_enable_sleep_mode=True (vllm_sleep_enabled) puts a vLLM engine to sleep, but "
             "use_vllm=False: there is none; add --use-vllm or drop --vllm-enable-sleep-mode."
         )
+    _check_vllm_importance_sampling(grpo)
     if grpo.vllm_sleep_level not in (1, 2):
         raise ConfigError(
             f"vllm_sleep_level={grpo.vllm_sleep_level!r} is not valid; choose 1 (weights to CPU, "

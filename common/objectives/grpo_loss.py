@@ -159,10 +159,17 @@ VESPO_LOG_W_MIN = math.log(1e-8)
 """The floor of VESPO's log sequence ratio (TRL's, from the original implementation); the ceiling is 20."""
 
 
-def vespo_weights_np(log_ratio_NC, advantages_N, mask_NC, spec: LossSpec) -> np.ndarray:
-    """VESPO's gamma weight φ(w) per completion [N, 1], a constant of the loss (TRL computes it without gradient)."""
+def vespo_weights_np(log_ratio_NC, advantages_N, mask_NC, spec: LossSpec, is_ratio_NC=None) -> np.ndarray:
+    """VESPO's gamma weight φ(w) per completion [N, 1], a constant of the loss (TRL computes it without gradient);
+    ``is_ratio_NC``: vLLM's per-token importance ratios, whose clipped logs add to ``log w`` (every column, as TRL)."""
     m = np.asarray(mask_NC, np.float64)
-    log_w = np.clip((np.clip(log_ratio_NC, -20.0, 20.0) * m).sum(-1, keepdims=True), VESPO_LOG_W_MIN, 20.0)
+    seq = (np.clip(log_ratio_NC, -20.0, 20.0) * m).sum(-1, keepdims=True)
+    if is_ratio_NC is not None:
+        with np.errstate(divide="ignore"):
+            seq = seq + np.clip(np.log(np.asarray(is_ratio_NC, np.float64)), VESPO_LOG_W_MIN, 20.0).sum(
+                -1, keepdims=True
+            )
+    log_w = np.clip(seq, VESPO_LOG_W_MIN, 20.0)
     nonneg = np.asarray(advantages_N, np.float64)[:, None] >= 0
     k = np.where(nonneg, spec.vespo_k_pos, spec.vespo_k_neg)
     lam = np.maximum(np.where(nonneg, spec.vespo_lambda_pos, spec.vespo_lambda_neg), 1e-4)
@@ -182,10 +189,11 @@ def high_entropy_mask_np(entropy_NC, mask_NC, quantile: float) -> np.ndarray:
 
 
 def per_token_loss_np(
-    logps_NC, old_logps_NC, advantages_N, mask_NC, spec: LossSpec, ref_logps_NC=None, entropy_NC=None
+    logps_NC, old_logps_NC, advantages_N, mask_NC, spec: LossSpec, ref_logps_NC=None, entropy_NC=None, is_ratio_NC=None
 ):
     """(per-token loss [N, C] or [N, 1], ratio ρ [N, C] or [N, 1] as the metrics read it, KL term [N, C] or None),
-    float64, of ``spec``'s surrogate (see the module docstring)."""
+    float64, of ``spec``'s surrogate (see the module docstring). ``is_ratio_NC``: vLLM's importance ratios
+    (``vllm_importance_ratio``), which weigh the policy loss (VESPO: its gamma weight), not the KL term."""
     logps = np.asarray(logps_NC, np.float64)
     old = logps if old_logps_NC is None else np.asarray(old_logps_NC, np.float64)
     adv = np.asarray(advantages_N, np.float64)[:, None]
@@ -208,7 +216,7 @@ def per_token_loss_np(
         tau = np.where(adv > 0, spec.sapo_temperature_pos, spec.sapo_temperature_neg)
         loss = -(4 / tau) / (1 + np.exp(-tau * (ratio - 1))) * adv
     elif spec.loss_type == "vespo":
-        loss = -vespo_weights_np(logps - old, advantages_N, mask_NC, spec) * adv * logps
+        loss = -vespo_weights_np(logps - old, advantages_N, mask_NC, spec, is_ratio_NC) * adv * logps
     else:
         clipped = np.clip(ratio, 1 - spec.epsilon, 1 + spec.eps_high)
         if spec.delta is not None:
@@ -223,6 +231,8 @@ def per_token_loss_np(
                 f"pass the completion tokens' entropies, or set top_entropy_quantile=1.0."
             )
         loss = loss * high_entropy_mask_np(entropy_NC, mask_NC, spec.top_entropy_quantile)
+    if is_ratio_NC is not None and spec.loss_type != "vespo":
+        loss = loss * np.asarray(is_ratio_NC, np.float64)
     if kl is not None:
         loss = loss + spec.beta * kl
     return loss, ratio, kl
@@ -310,13 +320,15 @@ def grpo_loss(
     num_sequences_in_step: Optional[int] = None,
     num_tokens_in_step: Optional[int] = None,
     num_micro_batches: int = 1,
+    is_ratio_NC: Optional[np.ndarray] = None,
 ) -> GRPOLossOutput:
     """The GRPO loss of completions ``[N, C]`` (padded right, ``mask_NC`` 1 on completion tokens).
 
     ``logps_NC``: the policy's log-prob of each completion token; ``old_logps_NC``: the sampling
     policy's (None: the policy's own, ratio 1); ``ref_logps_NC``: the reference's (needed when
     ``beta > 0``). The ``num_*_in_step`` arguments make the result one micro-batch's share of a
-    larger step; left None, the micro-batch is the whole step.
+    larger step; left None, the micro-batch is the whole step. ``is_ratio_NC``: vLLM's importance ratios
+    ([N, C] or [N, 1], ``vllm_importance_ratio``; None: no correction).
 
     >>> out = grpo_loss(np.zeros((2, 1)), np.array([1.0, -1.0]), np.ones((2, 1)), loss_type="grpo")
     >>> out.loss, out.metrics["clip_ratio/region_mean"]
@@ -342,14 +354,74 @@ def grpo_loss(
     )
     mask = np.asarray(mask_NC, np.float64)
     loss_NC, ratio_NC, kl_NC = per_token_loss_np(
-        logps_NC, old_logps_NC, advantages_N, mask, spec, ref_logps_NC, entropy_NC
+        logps_NC, old_logps_NC, advantages_N, mask, spec, ref_logps_NC, entropy_NC, is_ratio_NC
     )
     norm = LossNorm(loss_type, num_sequences_in_step, num_tokens_in_step, num_micro_batches, max_completion_length)
     metrics = clip_metrics_np(ratio_NC, advantages_N, mask, spec)
     if loss_type == "vespo":
         logps = np.asarray(logps_NC, np.float64)
         old = logps if old_logps_NC is None else np.asarray(old_logps_NC, np.float64)
-        metrics["vespo/phi_seq_mean"] = float(vespo_weights_np(logps - old, advantages_N, mask, spec).mean())
+        phi = vespo_weights_np(logps - old, advantages_N, mask, spec, is_ratio_NC)
+        metrics["vespo/phi_seq_mean"] = float(phi.mean())
     if kl_NC is not None:
         metrics["kl"] = float((kl_NC * mask).sum() / max(mask.sum(), 1.0))
     return GRPOLossOutput(reduce_loss_np(loss_NC, mask, norm), metrics)
+
+
+# ---------------------------------------------------------------------------------------
+# vLLM's importance-sampling correction (TRL 1.16's ``vllm_importance_sampling_*``)
+# ---------------------------------------------------------------------------------------
+
+VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def vllm_importance_ratio(
+    old_logps_NC: np.ndarray,
+    sampling_logps_NC: np.ndarray,
+    mask_NC: np.ndarray,
+    *,
+    mode: str = "sequence_mask",
+    clip_min: Optional[float] = None,
+    clip_max: Optional[float] = 3.0,
+) -> np.ndarray:
+    """The ratio ``π_old / π_vLLM`` that weighs each token's loss when vLLM sampled the completions, float64: per
+    token [N, C] (``token_*``) or per completion [N, 1] (``sequence_*``: the exponential of the summed log-ratio).
+    A token vLLM did not score (NaN) counts a log-ratio of 0. ``*_truncate`` clips the ratio to ``[clip_min,
+    clip_max]``; ``*_mask`` sets it to 0 outside them (None: no bound on that side).
+
+    >>> vllm_importance_ratio(np.log([[0.5, 0.5]]), np.log([[0.25, 0.5]]), np.ones((1, 2)), mode="token_truncate",
+    ...                       clip_max=1.5).tolist()
+    [[1.5, 1.0]]
+    """
+    if mode not in VLLM_IS_MODES:
+        raise ConfigError(f"vllm_importance_sampling_mode={mode!r} is not valid; choose one of {list(VLLM_IS_MODES)}.")
+    diff = (np.asarray(old_logps_NC, np.float64) - np.asarray(sampling_logps_NC, np.float64)) * np.asarray(mask_NC)
+    diff = np.nan_to_num(diff, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdims=True)
+    with np.errstate(over="ignore"):
+        ratio = np.exp(diff)
+    lo = -np.inf if clip_min is None else clip_min
+    hi = np.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        return np.clip(ratio, lo, hi)
+    return np.where((ratio < lo) | (ratio > hi), 0.0, ratio)
+
+
+def vllm_importance_metrics(
+    old_logps_NC: np.ndarray, sampling_logps_NC: np.ndarray, mask_NC: np.ndarray, ratio: np.ndarray
+) -> dict[str, float]:
+    """TRL's ``sampling/*`` metrics: the mean and max |log π_old - log π_vLLM| over the scored tokens (NaN ones left
+    out), and the min, mean and max of the ratio (over completions, or over scored tokens for a per-token ratio)."""
+    m = np.asarray(mask_NC) > 0
+    delta = np.abs(np.asarray(old_logps_NC, np.float64) - np.asarray(sampling_logps_NC, np.float64))[m]
+    delta = delta[~np.isnan(delta)]
+    flat = ratio.reshape(-1) if ratio.shape[1] == 1 else ratio[m]
+    pick = lambda f, a: float(f(a)) if a.size else 0.0  # noqa: E731
+    return {
+        "sampling/sampling_logp_difference/mean": pick(np.mean, delta),
+        "sampling/sampling_logp_difference/max": pick(np.max, delta),
+        "sampling/importance_sampling_ratio/min": pick(np.min, flat),
+        "sampling/importance_sampling_ratio/mean": pick(np.mean, flat),
+        "sampling/importance_sampling_ratio/max": pick(np.max, flat),
+    }

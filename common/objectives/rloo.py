@@ -71,6 +71,9 @@ GRPO_ONLY_FIELDS = (
     "off_policy_mask_threshold",
     "scale_rewards",
     "multi_objective_aggregation",
+    "vllm_importance_sampling_mode",  # TRL's RLOO has no vLLM importance-sampling correction: it is GRPO's
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
 )
 """The ``grpo`` section's fields that shape GRPO's loss or advantage, which RLOO replaces: set under ``task=rloo``
 they are refused, not ignored."""

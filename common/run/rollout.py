@@ -81,8 +81,12 @@ class GroupRollout:
         )
         self.kl_beta = cfg.reference_kl_beta
         """Above 0 the reference's log-probs are kept: GRPO's KL term, RLOO's KL penalty."""
-        self.keeps_old_logps = cfg.grpo.num_iterations > 1 or (self.rloo is not None and self.kl_beta > 0)
-        """The sampling policy's log-probs are kept: the ratio's denominator, and RLOO's KL penalty."""
+        g = cfg.grpo
+        self.vllm_is = cfg.task == "grpo" and g.use_vllm and g.vllm_importance_sampling_correction
+        """vLLM's importance-sampling correction is on (GRPO only, as TRL: its RLOO has none)."""
+        self.keeps_old_logps = g.num_iterations > 1 or (self.rloo is not None and self.kl_beta > 0) or self.vllm_is
+        """The sampling policy's log-probs are kept: the ratio's denominator, RLOO's KL penalty, and the numerator
+        of vLLM's importance ratio."""
         self.share = StepShare()
         self.num_generations_done = 0
         self._rollout: Optional[Rollout] = None

@@ -134,6 +134,7 @@ def trl_loss_and_grad(
     max_completion_length: Optional[int] = None,
     grad_accum: int = 1,
     entropies_NC=None,
+    is_ratio_NC=None,
     **options: Any,
 ) -> tuple[float, np.ndarray, dict]:
     """TRL's GRPO loss over one generation batch: (loss, d loss / d logps_NC as float64 [N, C], TRL's metrics).
@@ -152,7 +153,9 @@ def trl_loss_and_grad(
     (``beta != 0``). ``max_completion_length`` None leaves TRL's default (512; ``dr_grpo`` divides by it).
     ``entropies_NC``: what the stubbed forward returns as the tokens' entropies (None: zeros), which
     ``top_entropy_quantile`` reads. ``options``: further ``GRPOConfig`` fields (``importance_sampling_level``,
-    ``delta``, ``sapo_temperature_pos``...).
+    ``delta``, ``sapo_temperature_pos``...). ``is_ratio_NC``: vLLM's importance ratios ([N, C] or [N, 1]) as
+    ``_generate_and_score_completions`` hands them to the loss, with the trainer's ``use_vllm`` and
+    ``vllm_importance_sampling_correction`` set for the call (no engine is built).
     All float tensors are float64 (TRL's loss code does not fix a dtype); the mask is int64, as TRL builds it.
     """
     import torch
@@ -200,10 +203,15 @@ def trl_loss_and_grad(
         batch["old_per_token_logps"] = _as_tensor(old_logps_NC, dtype)
     if beta != 0.0:
         batch["ref_per_token_logps"] = _as_tensor(ref_logps_NC, dtype)
+    if is_ratio_NC is not None:
+        batch["importance_sampling_ratio"] = _as_tensor(is_ratio_NC, dtype)
     micro_batches = split_tensor_dict(batch, grad_accum)
 
     trainer._metrics["train"].clear()
     trainer.current_gradient_accumulation_steps = grad_accum
+    saved = {k: getattr(trainer, k) for k in ("use_vllm", "vllm_importance_sampling_correction")}
+    if is_ratio_NC is not None:
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     total = 0.0
     try:
         for k, inputs in enumerate(micro_batches):
@@ -224,6 +232,8 @@ def trl_loss_and_grad(
             total += float(loss.detach())
     finally:
         trainer.__dict__.pop("_get_per_token_logps_and_entropies", None)
+        for k, v in saved.items():
+            setattr(trainer, k, v)
     metrics = _mean_metrics(trainer._metrics["train"])
     trainer._metrics["train"].clear()
     metrics.pop("entropy", None)  # the stub's zeros, not a model's entropy
@@ -296,3 +306,47 @@ def trl_advantages_and_metrics(
     metrics = _mean_metrics(trainer._metrics["train"])
     trainer._metrics["train"].clear()
     return out["advantages"].detach().double().numpy(), metrics
+
+
+def trl_vllm_importance_ratio(
+    old_logps_NC, sampling_logps_N: Sequence[Sequence[float]], *, mode: str, clip_min=None, clip_max=3.0
+) -> tuple[np.ndarray, dict]:
+    """TRL's vLLM importance-sampling ratio and its ``sampling/*`` metrics (float64 numpy; [N, C] or [N, 1]).
+
+    Runs the real ``GRPOTrainer._generate_and_score_completions`` on N rows as if vLLM had generated them: the
+    trainer's ``use_vllm`` and ``vllm_importance_sampling_*`` attributes are set (no engine is built: ``_generate``
+    is stubbed to return completions of ``len(sampling_logps_N[i])`` tokens, NaN -> None as vLLM reports an
+    unscored token, with those log-probs), and the trainer's forward is stubbed to return ``old_logps_NC`` (padded
+    to the longest completion) as the sampling policy's log-probs.
+    """
+    import torch
+
+    n = len(sampling_logps_N)
+    trainer = _trainer(1, (("beta", 0.0), ("num_generations", n), ("per_device_train_batch_size", n)))
+    old = torch.as_tensor(np.asarray(old_logps_NC, np.float64), dtype=torch.float32)
+    saved = {k: getattr(trainer, k) for k in ("use_vllm", "vllm_importance_sampling_correction")}
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    trainer.vllm_importance_sampling_mode = mode
+    trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max = clip_min, clip_max
+
+    def generate(prompts):
+        ids = [[TOKEN] * len(s) for s in sampling_logps_N]
+        logps = [[None if math.isnan(x) else float(x) for x in s] for s in sampling_logps_N]
+        return [[TOKEN] for _ in prompts], ids, None, [f"w{TOKEN}" for _ in prompts], logps, {}, None, []
+
+    def forward(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        return old[:, :logits_to_keep], None, None
+
+    inputs = [{"prompt": f"w{3 + i % 8}", REWARD_COLUMN.format(0): 1.0} for i in range(n)]
+    trainer._metrics["train"].clear()
+    trainer._generate, trainer._get_per_token_logps_and_entropies = generate, forward
+    try:
+        out = trainer._generate_and_score_completions(inputs)
+    finally:
+        for k in ("_generate", "_get_per_token_logps_and_entropies"):
+            trainer.__dict__.pop(k, None)
+        for k, v in saved.items():
+            setattr(trainer, k, v)
+    metrics = {k: v for k, v in _mean_metrics(trainer._metrics["train"]).items() if k.startswith("sampling/")}
+    trainer._metrics["train"].clear()
+    return out["importance_sampling_ratio"].detach().double().numpy(), metrics

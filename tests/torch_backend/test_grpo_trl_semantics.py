@@ -331,3 +331,80 @@ def test_top_entropy_quantile_equals_trls(trl_grpo, loss_type, quantile):
         max_completion_length=C, entropies_NC=entropy,
     )
     assert abs(everything - want_loss) > 1e-4
+
+
+# --------------------------------------------------------------------------------------
+# vLLM's importance-sampling correction (vllm_importance_sampling_*)
+# --------------------------------------------------------------------------------------
+
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def _engine_logps(seed: int = 3):
+    """The sampling policy's log-probs [N, C] (float32 values, as TRL holds them) and the engine's per row (one NaN
+    that vLLM did not score), with gaps wide enough that the bounds [0.6, 1.8] truncate and mask some ratios."""
+    rng = np.random.default_rng(seed)
+    lengths = [5, 3, 4, 2]
+    old = (-rng.uniform(0.2, 3.0, (N, C))).astype(np.float32).astype(np.float64)
+    engine = [list((old[i, :n] + rng.normal(0, 0.5, n)).astype(np.float32).astype(np.float64)) for i, n in
+              enumerate(lengths)]  # fmt: skip
+    engine[0][2] = float("nan")
+    mask = (np.arange(C)[None, :] < np.array(lengths)[:, None]).astype(np.float64)
+    padded = np.full((N, C), np.nan)
+    for i, row in enumerate(engine):
+        padded[i, : len(row)] = row
+    return old, engine, padded, mask
+
+
+@pytest.mark.parametrize("mode", IS_MODES)
+def test_vllm_importance_ratios_and_metrics_equal_trls(trl_grpo, mode):
+    from twinseq.common.objectives.grpo_loss import vllm_importance_metrics, vllm_importance_ratio
+
+    old, engine, padded, mask = _engine_logps()
+    want, want_metrics = trl_grpo.trl_vllm_importance_ratio(old, engine, mode=mode, clip_min=0.6, clip_max=1.8)
+    ours = vllm_importance_ratio(old, padded, mask, mode=mode, clip_min=0.6, clip_max=1.8)
+    assert ours.shape == want.shape
+    # TRL computes in float32: its ratios carry float32 rounding (relative 1e-6 at most here)
+    np.testing.assert_allclose(ours * (mask if ours.shape[1] > 1 else 1), want * (mask if want.shape[1] > 1 else 1),
+                               rtol=TOL, atol=0)  # fmt: skip
+    if mode.endswith("truncate"):
+        assert ((ours == 0.6) | (ours == 1.8)).any()  # a bound binds
+    else:
+        assert (ours == 0).any() and (ours > 0).any()  # some masked, some kept
+    metrics = vllm_importance_metrics(old, padded, mask, ours)
+    assert set(metrics) == set(want_metrics)
+    for key, value in metrics.items():
+        assert value == pytest.approx(want_metrics[key], rel=TOL), key
+    other = vllm_importance_ratio(old, padded, mask, mode=IS_MODES[(IS_MODES.index(mode) + 1) % 4], clip_min=0.6,
+                                  clip_max=1.8)  # fmt: skip
+    assert other.shape != want.shape or np.abs(other - want).max() > 1e-3  # the negative control
+
+
+@pytest.mark.parametrize("loss_type, mode", [("dapo", "sequence_mask"), ("grpo", "token_truncate"),
+                                             pytest.param("vespo", "token_mask", marks=pytest.mark.slow),
+                                             pytest.param("cispo", "sequence_truncate", marks=pytest.mark.slow)])
+def test_the_loss_weighted_by_vllm_ratios_equals_trls(trl_grpo, loss_type, mode):
+    from twinseq.common.objectives.grpo_loss import vllm_importance_ratio
+
+    logps, old, ref, adv, mask = _inputs(seed=1, off_policy=True)
+    _, _, padded, _ = _engine_logps()
+    ratio = vllm_importance_ratio(old, padded, mask, mode=mode, clip_min=0.6, clip_max=1.8)
+    eps_high = 1.1 if loss_type == "cispo" else 0.28
+    want_loss, want_grad, _ = trl_grpo.trl_loss_and_grad(
+        logps, old, ref, adv, mask, loss_type=loss_type, beta=0.04, epsilon=0.2, epsilon_high=eps_high,
+        max_completion_length=C, is_ratio_NC=ratio,
+    )  # fmt: skip
+    ours = grpo_loss(logps, adv, mask, old_logps_NC=old, ref_logps_NC=ref, loss_type=loss_type, epsilon=0.2,
+                     epsilon_high=eps_high, beta=0.04, max_completion_length=C, is_ratio_NC=ratio)  # fmt: skip
+    assert abs(ours.loss - want_loss) <= TOL
+    lp = torch.tensor(logps, dtype=torch.float64, requires_grad=True)
+    spec = LossSpec(loss_type, 0.2, eps_high, 0.04, C)
+    loss, _ = tgrpo.grpo_loss_torch(lp, torch.tensor(adv), torch.tensor(mask), spec, StepShare(),
+                                    old_logps_NC=torch.tensor(old), ref_logps_NC=torch.tensor(ref),
+                                    is_ratio_NC=torch.tensor(ratio))  # fmt: skip
+    loss.backward()
+    assert abs(float(loss.detach()) - want_loss) <= TOL
+    np.testing.assert_allclose(lp.grad.numpy(), want_grad, rtol=0, atol=TOL)
+    uncorrected = grpo_loss(logps, adv, mask, old_logps_NC=old, ref_logps_NC=ref, loss_type=loss_type, epsilon=0.2,
+                            epsilon_high=eps_high, beta=0.04, max_completion_length=C)  # fmt: skip
+    assert abs(uncorrected.loss - want_loss) > 1e-4  # the negative control: the correction changes the loss

@@ -171,6 +171,52 @@ def test_engine_greedy_equals_hf_generate_and_follows_weight_updates(policy_and_
 
 @needs_vllm
 @pytest.mark.slow
+def test_engine_logprobs_are_the_policys_at_the_sampling_temperature(policy_and_engine):
+    """The log-prob vLLM reports for each sampled token (processed: after temperature) equals the synced policy's
+    own, computed by twinseq's completion log-probs at that temperature: the importance ratio is 1 up to the two
+    engines' float32 rounding, and moves off 1 when the policy moves without a sync (the negative control)."""
+    import numpy as np
+
+    from twinseq.common.objectives.grpo import collate_completions
+    from twinseq.common.objectives.grpo_loss import vllm_importance_ratio
+    from twinseq.torch_backend.grpo import completion_logps
+
+    model, engine = policy_and_engine
+    engine.sync_weights(model)
+    engine_logps: list = []
+    rows = engine.generate(PROMPTS, max_new_tokens=6, temperature=0.7, seed=5, logprobs=engine_logps)
+    assert [len(r) for r in engine_logps] == [len(r) for r in rows]
+
+    def trainer_logps():
+        cb = collate_completions(PROMPTS, [np.asarray(r) for r in rows], padding_free=False, pad_token_id=0,
+                                 num_columns=6)
+        with torch.no_grad():
+            return completion_logps(model, cb, loss_type="nll", chunk_size=64, temperature=0.7)[0].double().numpy()
+
+    padded = np.full((len(rows), 6), np.nan)
+    mask = np.zeros((len(rows), 6))
+    for i, r in enumerate(engine_logps):
+        padded[i, : len(r)], mask[i, : len(r)] = r, 1
+    # two float32 engines (vLLM's CPU prefill and decode kernels, torch's sdpa) differ by rounding: 1.7e-4 at most
+    # here, on each row's first token (the prefill); the bound is a tenth of the smallest shift the control shows
+    gap = np.abs(np.nan_to_num(trainer_logps() - padded)) * mask
+    assert gap.max() <= 1e-3, gap.max()
+    ratio = vllm_importance_ratio(trainer_logps(), padded, mask, mode="token_truncate", clip_max=None)
+    np.testing.assert_allclose(ratio[mask > 0], 1.0, atol=1e-3)
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        assert (np.abs(np.nan_to_num(trainer_logps() - padded)) * mask).max() > 1e-2  # unsynced: the ratio moves
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(saved[n])
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_engine_serves_a_lora_policy_with_its_adapters_folded_in(policy_and_engine):
     pytest.importorskip("peft")
     from twinseq.common.config import PeftConfig
@@ -217,6 +263,14 @@ def test_grpo_with_vllm_learns_the_embedded_task(tmp_path, task):
           f"{np.mean([r['vllm/weight_sync_seconds'] for r in rows]) * 1e3:.0f} ms/step")
     assert all(r["vllm/weight_sync_seconds"] > 0 for r in rows)
     assert last > first + 0.2, rewards
+    if task == "grpo":  # vLLM's importance-sampling correction (TRL's default), logged as TRL logs it
+        gaps = [r["sampling/sampling_logp_difference/max"] for r in rows]
+        print(f"vLLM vs trainer log-probs: max gap {max(gaps):.2e}; importance ratio "
+              f"{min(r['sampling/importance_sampling_ratio/min'] for r in rows):.6f} .. "
+              f"{max(r['sampling/importance_sampling_ratio/max'] for r in rows):.6f}")
+        assert max(gaps) < 1e-3  # synced weights: the ratio corrects rounding only
+    else:
+        assert not any(k.startswith("sampling/") for k in rows[0])  # TRL's RLOO has no correction
 
 
 @needs_vllm
