@@ -52,6 +52,7 @@ class Zero3GRPOTrainer(Zero3Hooks, GRPOTrainer):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.init_rollout(cfg, tokenizer, reward_funcs)
         self.ref_model, self.vllm, self._vllm_sync_seconds = None, None, None
+        self._sampling_logps, self._is_metrics = None, {}  # GRPOTrainer's vLLM correction state (no vLLM here)
 
     def prepare(self, micro_batches: list[Any]) -> list[Any]:
         (entry,) = micro_batches
