@@ -32,6 +32,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
+# the full tier (make test-all, CI): building TRL's trainer takes ~6 s, and the fast tier is at its 10-minute budget;
+# the fast tier keeps KTO's numpy reference and each backend's loss against it
+pytestmark = pytest.mark.slow
 
 from twinseq.common.data.batching import IGNORE_INDEX  # noqa: E402
 from twinseq.common.data.tokenizer import tokenizer_from  # noqa: E402
