@@ -40,8 +40,7 @@ from twinseq.common.objectives.grpo_loss import (
     VESPO_LOG_W_MIN,
     LossSpec,
     StepShare,
-    vllm_importance_metrics,
-    vllm_importance_ratio,
+    vllm_importance_ratios,
 )
 from twinseq.common.run.capabilities import GPU_EXTRA
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
@@ -513,42 +512,17 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         return micro
 
     def _importance_ratios(self, micro: list[GRPOMicroBatch], sampling: list) -> None:
-        """vLLM's importance-sampling correction (``common.objectives.grpo_loss.vllm_importance_ratio``, float64):
-        each micro-batch's ratios from the kept sampling-policy log-probs and the engine's, and TRL's ``sampling/*``
-        metrics over the whole generation."""
-        g, s = self.cfg.grpo, 0
-        olds: list[np.ndarray] = []
-        samps: list[np.ndarray] = []
-        masks: list[np.ndarray] = []
-        ratios: list[np.ndarray] = []
+        """vLLM's importance-sampling correction (``common.objectives.grpo_loss.vllm_importance_ratios``): each
+        micro-batch's ratios, and TRL's ``sampling/*`` metrics of the generation."""
+        assert all(mb.old_logps_NC is not None for mb in micro)  # keeps_old_logps is on with the correction
+        old = np.concatenate([mb.old_logps_NC.double().cpu().numpy() for mb in micro])  # type: ignore[union-attr]
+        mask = np.concatenate([mb.mask_NC.double().cpu().numpy() for mb in micro])
+        ratio, self._is_metrics = vllm_importance_ratios(old, mask, sampling, self.cfg.grpo)
+        s = 0
         for mb in micro:
-            assert mb.old_logps_NC is not None  # keeps_old_logps is on with the correction
-            old = mb.old_logps_NC.double().cpu().numpy()
-            n, c = old.shape
-            engine = np.full((n, c), np.nan)
-            for i, row in enumerate(sampling[s : s + n]):
-                engine[i, : min(len(row), c)] = row[:c]
+            n = mb.mask_NC.shape[0]
+            mb.is_ratio_NC = torch.as_tensor(ratio[s : s + n], dtype=torch.float32, device=self.device)
             s += n
-            mask = mb.mask_NC.double().cpu().numpy()
-            ratio = vllm_importance_ratio(
-                old,
-                engine,
-                mask,
-                mode=g.vllm_importance_sampling_mode,
-                clip_min=g.vllm_importance_sampling_clip_min,
-                clip_max=g.vllm_importance_sampling_clip_max,
-            )
-            mb.is_ratio_NC = torch.as_tensor(ratio, dtype=torch.float32, device=self.device)
-            for kept, value in ((olds, old), (samps, engine), (masks, mask), (ratios, ratio)):
-                kept.append(value)
-        width = max(o.shape[1] for o in olds)
-        pad = lambda a, v: np.pad(a, ((0, 0), (0, width - a.shape[1])), constant_values=v)  # noqa: E731
-        self._is_metrics = vllm_importance_metrics(
-            np.concatenate([pad(o, 0.0) for o in olds]),
-            np.concatenate([pad(x, np.nan) for x in samps]),
-            np.concatenate([pad(m, 0.0) for m in masks]),
-            np.concatenate([r if r.shape[1] == 1 else pad(r, 0.0) for r in ratios]),
-        )
 
     def kl_sums(self, micro: list[GRPOMicroBatch]) -> np.ndarray:
         out = []

@@ -37,6 +37,7 @@ from twinseq.common.data.truncation import (
     DROP_TOO_SHORT,
     TruncationStats,
     check_length,
+    check_preference_limits,
     check_truncation_mode,
     num_targets,
     truncate_dpo,
@@ -379,18 +380,13 @@ def tokenize_dpo(
     ``twinseq.common.data.truncation.truncate_dpo``. ``tokens_seen`` counts the prompt once plus
     both completions.
     """
-    check_truncation_mode(truncation_mode)
-    if truncation_mode != "keep_start":
-        raise DataError(
-            f"truncation_mode={truncation_mode!r} is not supported for DPO: max_length keeps the "
-            f"start of prompt + completion. To keep the end of the prompt, set max_prompt_length."
-        )
-    for name, value in (
-        ("max_prompt_length", max_prompt_length),
-        ("max_completion_length", max_completion_length),
-        ("max_length", max_length),
-    ):
-        check_length(name, value)
+    check_preference_limits(
+        "DPO",
+        truncation_mode,
+        max_prompt_length=max_prompt_length,
+        max_completion_length=max_completion_length,
+        max_length=max_length,
+    )
     ds = as_dataset(dataset)
     fmt = formats.detect_dpo_format(ds.column_names, formats.column_kinds(ds))
     _log_format("dpo", fmt, tokenizer)

@@ -58,6 +58,29 @@ def check_length(name: str, value: Optional[int]) -> None:
         raise DataError(f"{name}={value!r} is not valid; pass a positive number of tokens, or None for no limit.")
 
 
+def check_preference_limits(
+    method: str,
+    truncation_mode: str,
+    *,
+    max_prompt_length: Optional[int],
+    max_completion_length: Optional[int],
+    max_length: Optional[int],
+) -> None:
+    """The truncation settings preference data takes (DPO's, KTO's): ``keep_start`` and valid lengths."""
+    check_truncation_mode(truncation_mode)
+    if truncation_mode != "keep_start":
+        raise DataError(
+            f"truncation_mode={truncation_mode!r} is not supported for {method}: max_length keeps the start of "
+            f"prompt + completion. To keep the end of the prompt, set max_prompt_length."
+        )
+    for name, value in (
+        ("max_prompt_length", max_prompt_length),
+        ("max_completion_length", max_completion_length),
+        ("max_length", max_length),
+    ):
+        check_length(name, value)
+
+
 @dataclass
 class TruncationStats:
     """What tokenisation and truncation did to a dataset; ``str()`` gives a one-screen report."""

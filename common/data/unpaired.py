@@ -54,8 +54,7 @@ from twinseq.common.data.tokenizer import TwinseqTokenizer
 from twinseq.common.data.truncation import (
     DROP_EMPTY_COMPLETION,
     TruncationStats,
-    check_length,
-    check_truncation_mode,
+    check_preference_limits,
     truncate_dpo,
 )
 from twinseq.common.errors import DataError
@@ -203,18 +202,13 @@ def tokenize_kto(
     count rows: a row is cut by ``max_prompt_length`` / ``max_completion_length`` (the end of the prompt, the start
     of the completion), then prompt + completion to ``max_length``.
     """
-    check_truncation_mode(truncation_mode)
-    if truncation_mode != "keep_start":
-        raise DataError(
-            f"truncation_mode={truncation_mode!r} is not supported for KTO: max_length keeps the start of prompt + "
-            f"completion. To keep the end of the prompt, set max_prompt_length."
-        )
-    for name, value in (
-        ("max_prompt_length", max_prompt_length),
-        ("max_completion_length", max_completion_length),
-        ("max_length", max_length),
-    ):
-        check_length(name, value)
+    check_preference_limits(
+        "KTO",
+        truncation_mode,
+        max_prompt_length=max_prompt_length,
+        max_completion_length=max_completion_length,
+        max_length=max_length,
+    )
     ds = as_dataset(dataset)
     fmt = detect_kto_format(ds.column_names, formats.column_kinds(ds))
     stats = TruncationStats(task="kto")

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -425,3 +425,25 @@ def vllm_importance_metrics(
         "sampling/importance_sampling_ratio/mean": pick(np.mean, flat),
         "sampling/importance_sampling_ratio/max": pick(np.max, flat),
     }
+
+
+def vllm_importance_ratios(
+    old_logps_NC: np.ndarray, mask_NC: np.ndarray, sampling_logps: Sequence[Sequence[float]], grpo: Any
+) -> tuple[np.ndarray, dict[str, float]]:
+    """One generation's ratios (``vllm_importance_ratio`` with ``grpo``'s mode and bounds) and metrics, from the
+    sampling policy's log-probs [N, C], the mask, and the engine's log-probs of each row (its completion's length;
+    a shorter row is NaN past its end)."""
+    rows, width = np.shape(old_logps_NC)
+    engine = np.full((rows, width), np.nan)
+    for i, row in enumerate(sampling_logps):
+        n = min(len(row), width)
+        engine[i, :n] = row[:n]
+    ratio = vllm_importance_ratio(
+        old_logps_NC,
+        engine,
+        mask_NC,
+        mode=grpo.vllm_importance_sampling_mode,
+        clip_min=grpo.vllm_importance_sampling_clip_min,
+        clip_max=grpo.vllm_importance_sampling_clip_max,
+    )
+    return ratio, vllm_importance_metrics(old_logps_NC, engine, mask_NC, ratio)
