@@ -244,9 +244,10 @@ def sft_gpu_row(d: dict) -> tuple[str, str, str]:
         if bf16["peak_bytes"]:
             text += f", {_mib(bf16['peak_bytes'])}"
             text += f" ({_x(r['twinseq_bf16_over_trl_peak'])}× TRL)" if "twinseq_bf16_over_trl_peak" in r else ""
-    if "offload_over_no_offload_peak" in r:
-        text += (f"; offloading: {_x(r['offload_over_no_offload_peak'])}× the memory at "
-                 f"{r['offload_over_no_offload_step_time']:.2f}× the step time")
+    for key, label in (("offload", "offloading"), ("bf16_offload", "offloading with `adamw_bf16`")):
+        if f"{key}_over_no_offload_peak" in r:
+            text += (f"; {label}: {_x(r[f'{key}_over_no_offload_peak'])}× the memory at "
+                     f"{r[f'{key}_over_no_offload_step_time']:.2f}× the step time")
     baseline = "TRL not run" if trl is None else (
         f"TRL SFTTrainer: {trl['tokens_per_second']:,.0f} tok/s" + (f", {_mib(trl['peak_bytes'])}"
                                                                     if trl["peak_bytes"] else ""))

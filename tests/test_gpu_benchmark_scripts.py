@@ -164,7 +164,7 @@ def test_sft_gpu_smoke_trains_twinseq_and_trl_on_the_same_rows(tmp_path):
 
     data = _run_script("sft_gpu", tmp_path)
     rows = {r["setup"]: r for r in data["results"]}
-    assert list(rows) == ["twinseq", "twinseq-bf16", "twinseq-offload", "trl"]
+    assert list(rows) == ["twinseq", "twinseq-bf16", "twinseq-offload", "twinseq-bf16-offload", "trl"]
     assert rows["twinseq-bf16"]["config"]["optimizer"] == "adamw_bf16" and "optimizer" not in rows["twinseq"]["config"]
     for name in ("twinseq", "twinseq-bf16", "trl"):
         r = rows[name]
@@ -179,7 +179,8 @@ def test_sft_gpu_smoke_trains_twinseq_and_trl_on_the_same_rows(tmp_path):
     assert rows["twinseq"]["config"]["gradient_checkpointing"] and rows["twinseq"]["config"]["padding_free"]
     assert data["ratios"]["twinseq_over_trl_tokens_per_second"] > 0
     if not torch.cuda.is_available():
-        assert rows["twinseq-offload"]["status"] == "skipped" and "CPU" in rows["twinseq-offload"]["reason"]
+        for name in ("twinseq-offload", "twinseq-bf16-offload"):
+            assert rows[name]["status"] == "skipped" and "CPU" in rows[name]["reason"]
         assert data["acceptance"] == {}  # the bars are for GPU runs only
     cell = _gpu_readme_cell(tmp_path, data)
     assert f"{rows['trl']['tokens_per_second']:,.0f} tok/s →" in cell

@@ -14,6 +14,9 @@ embedded SFT data, tokenised by ``common.data.prepare.prepare_sft_dataset`` (pro
   stochastically rounded writes (8 bytes of training state per parameter instead of 16; ``torch_backend/bf16_adamw.py``).
 - ``twinseq-offload``: the same with ``activation_offloading`` (checkpointing stays on): peak memory and step time
   against ``twinseq``. CUDA only (twinseq refuses it on a CPU).
+- ``twinseq-bf16-offload``: ``twinseq-bf16`` with ``activation_offloading``, against ``twinseq-bf16``. With float32
+  state the step's peak is in the optimizer step, where no activation is alive; with the bfloat16 state the
+  activations are a larger share of it. Offloading is reported (memory and step time), not held to a bar.
 - ``trl``: ``SFTTrainer`` with its best memory settings: ``packing=True, packing_strategy="bfd"``,
   ``padding_free=True``, ``gradient_checkpointing=True``, ``bf16=True``, ``use_liger_kernel`` when liger-kernel
   is installed, ``--trl-attn`` attention; the same fp32 model, the same pre-tokenised rows (TRL packs them itself),
@@ -50,7 +53,9 @@ from _report import MIB, acceptance_line, add_output_args, markdown_table, start
 from _train_peak import _MARKER, measure  # noqa: E402
 
 DEFAULT_MODEL = str(BENCH / "models" / "llama-3.2-3b")
-SETUPS = ("twinseq", "twinseq-bf16", "twinseq-offload", "trl")
+SETUPS = ("twinseq", "twinseq-bf16", "twinseq-offload", "twinseq-bf16-offload", "trl")
+# each offloading setup and the setup it is measured against, with the key prefix of its ratios
+OFFLOAD_PAIRS = (("twinseq-offload", "twinseq", "offload"), ("twinseq-bf16-offload", "twinseq-bf16", "bf16_offload"))
 SMOKE = dict(model="tiny", max_length=128, rows=2, steps=3, warmup_steps=1)
 PACKAGES = ("torch", "transformers", "trl", "liger-kernel", "accelerate", "datasets")
 
@@ -206,7 +211,7 @@ def _child_trl(spec: dict[str, Any]) -> None:
 
 def measure_setup(name: str, args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = {"setup": name}
-    if name == "twinseq-offload" and args.device != "cuda":
+    if name.endswith("-offload") and args.device != "cuda":
         row.update(status="skipped", reason="activation offloading moves activations from the GPU to the host; "
                                             "twinseq refuses it on a CPU")
     elif name == "trl" and importlib.util.find_spec("trl") is None:
@@ -215,7 +220,7 @@ def measure_setup(name: str, args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             got = (run_trl(args) if name == "trl"
-                   else run_twinseq(args, offload=name == "twinseq-offload", bf16_state=name == "twinseq-bf16"))
+                   else run_twinseq(args, offload=name.endswith("-offload"), bf16_state=name.startswith("twinseq-bf16")))
             row.update(status="ok", **got)
         except Exception as err:  # noqa: BLE001 - an out-of-memory or a failed run is a row, not the end
             row.update(status="failed", reason=str(err).strip()[-1500:])
@@ -237,10 +242,10 @@ def ratios(rows: list[dict]) -> dict[str, float]:
             out[f"{key}_over_trl_tokens_per_second"] = ok[mine]["tokens_per_second"] / ok["trl"]["tokens_per_second"]
             if ok["trl"]["peak_bytes"]:
                 out[f"{key}_over_trl_peak"] = ok[mine]["peak_bytes"] / ok["trl"]["peak_bytes"]
-    if "twinseq" in ok and "twinseq-offload" in ok and ok["twinseq"]["peak_bytes"]:
-        out["offload_over_no_offload_peak"] = ok["twinseq-offload"]["peak_bytes"] / ok["twinseq"]["peak_bytes"]
-        out["offload_over_no_offload_step_time"] = (ok["twinseq-offload"]["median_step_seconds"]
-                                                    / ok["twinseq"]["median_step_seconds"])
+    for on, off, key in OFFLOAD_PAIRS:
+        if on in ok and off in ok and ok[off]["peak_bytes"]:
+            out[f"{key}_over_no_offload_peak"] = ok[on]["peak_bytes"] / ok[off]["peak_bytes"]
+            out[f"{key}_over_no_offload_step_time"] = ok[on]["median_step_seconds"] / ok[off]["median_step_seconds"]
     return out
 
 
@@ -254,9 +259,6 @@ def acceptance(r: dict[str, float], device: str) -> dict[str, bool]:
         if f"{key}_over_trl_tokens_per_second" in r and f"{key}_over_trl_peak" in r:
             checks[f"{mine} >= 1.3x TRL tokens/s"] = r[f"{key}_over_trl_tokens_per_second"] >= 1.3
             checks[f"{mine} peak <= 0.7x TRL"] = r[f"{key}_over_trl_peak"] <= 0.7
-    if "offload_over_no_offload_peak" in r:
-        checks["offloading saves >= 30 % peak"] = r["offload_over_no_offload_peak"] <= 0.7
-        checks["offloading slows <= 10 %"] = r["offload_over_no_offload_step_time"] <= 1.1
     return checks
 
 
