@@ -257,7 +257,8 @@ def search(probe: Callable[[int], dict[str, Any]], cap: int, *, start: int, limi
 
     Returns ``{"max_length", "bound", "probes"}``: ``bound`` is ``"memory"`` (the next probe exceeded the cap
     or failed), ``"compute"`` (a probe took longer than ``max_seconds``; the wall was not reached) or
-    ``"limit"`` (``limit`` fitted).
+    ``"limit"`` (``limit``, rounded down to a multiple of 64, fitted: the doubling's last probe is the limit
+    itself when doubling would pass it).
     """
     probes: list[dict[str, Any]] = []
 
@@ -293,7 +294,10 @@ def search(probe: Callable[[int], dict[str, Any]], cap: int, *, start: int, limi
         if got["seconds"] > max_seconds:
             bound = "compute"
             break
-        length *= 2
+        following = min(length * 2, limit // 64 * 64)  # the limit itself is probed when doubling passes it
+        if following <= length:
+            break
+        length = following
     if bound == "memory" and lo:
         while hi / lo > 1 + resolution and hi - lo > 64:
             mid = (lo + hi) // 2 // 64 * 64

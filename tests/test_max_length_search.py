@@ -29,6 +29,24 @@ def test_search_finds_the_wall_within_its_resolution(wall, start):
         assert wall < 128
 
 
+@pytest.mark.parametrize("wall", [700_000, 800_000, 2_000_000])
+def test_a_limit_between_doublings_is_probed_itself(wall):
+    """start 262,144, limit 786,432 (3 x 2^18): doubling reaches 524,288, then probes 786,432, not stops below it."""
+    seen = []
+
+    def probe(length):
+        seen.append(length)
+        return {"peak_bytes": length, "seconds": 0.0}
+
+    got = search(probe, wall, start=262_144, limit=786_432, resolution=0.1, max_seconds=60, log=lambda s: None)
+    assert max(seen) == 786_432 and len(seen) == len(set(seen)), seen
+    if wall >= 786_432:
+        assert (got["max_length"], got["bound"]) == (786_432, "limit")
+    else:
+        assert got["bound"] == "memory" and 524_288 < got["max_length"] <= wall
+        assert 786_432 / got["max_length"] > 1 and min(p for p in seen if p > wall) / got["max_length"] <= 1.1
+
+
 def test_a_slow_probe_ends_the_search_as_compute_bound():
     got = search(lambda t: {"peak_bytes": 0, "seconds": t / 1000}, 1 << 30, start=1024, limit=1 << 20,
                  resolution=0.1, max_seconds=5, log=lambda s: None)
