@@ -207,9 +207,11 @@ class OptimConfig(_Section):
     adam_epsilon: float = knob(1e-8, gt=0)
     max_grad_norm: Optional[float] = knob(1.0, gt=0)
     optimizer: Optimizer = "adamw_torch"
-    """``adamw_torch`` (float32 moments), ``adamw_bnb_8bit`` (bitsandbytes' 8-bit moments, torch only; HF's
-    ``optim``) or ``adamw_bf16`` (torch, full fine-tune: bfloat16 weights, gradients and moments, 8 bytes of state
-    per parameter instead of 16, every write stochastically rounded; ``torch_backend/bf16_adamw.py``)."""
+    """``adamw_torch`` (float32 moments), ``adamw_bnb_8bit`` (8-bit blockwise moments, HF's ``optim`` name:
+    bitsandbytes' ``AdamW8bit`` on torch, the same rule as an optax transformation on jax,
+    ``common/run/adamw_8bit.py``) or ``adamw_bf16`` (torch, full fine-tune: bfloat16 weights, gradients and
+    moments, 8 bytes of state per parameter instead of 16, every write stochastically rounded;
+    ``torch_backend/bf16_adamw.py``)."""
     skip_nonfinite_steps: bool = False
     """A step whose loss or gradient norm is NaN/Inf is skipped (counted, logged) instead of stopping the run."""
 

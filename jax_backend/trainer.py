@@ -58,6 +58,7 @@ from twinseq.common.run.trainer import (
     reference_description,
     save_adapter_folder,
 )
+from twinseq.jax_backend.adamw_8bit import adamw_8bit
 from twinseq.jax_backend.checkpoint import from_numpy_tree, lazy_numpy_tree, save_pretrained
 from twinseq.jax_backend.dpo import (
     _ref_arrays,
@@ -148,6 +149,16 @@ def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """
     opt = cfg.optim
     check_optimizer(cfg)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731
+    if opt.optimizer == "adamw_bnb_8bit":
+        adamw = adamw_8bit(
+            lr_schedule(cfg), opt.adam_beta1, opt.adam_beta2, opt.adam_epsilon, opt.weight_decay, decay_mask
+        )
+        return (
+            adamw
+            if opt.max_grad_norm is None
+            else optax.chain(clip_by_global_norm_like_torch(opt.max_grad_norm), adamw)
+        )
     adamw = optax.adamw(
         lr_schedule(cfg),
         b1=opt.adam_beta1,
@@ -155,7 +166,7 @@ def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
         eps=opt.adam_epsilon,
         eps_root=0.0,
         weight_decay=opt.weight_decay,
-        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        mask=decay_mask,
     )
     if opt.max_grad_norm is None:
         return adamw
@@ -163,12 +174,13 @@ def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 def check_optimizer(cfg: TrainConfig) -> None:
-    """The jax backend has one optimizer, AdamW with float32 moments (``adamw_torch``)."""
-    if cfg.optim.optimizer != "adamw_torch":
+    """The jax backend's optimizers: AdamW with float32 moments (``adamw_torch``) or 8-bit blockwise moments
+    (``adamw_bnb_8bit``, ``jax_backend/adamw_8bit.py``)."""
+    if cfg.optim.optimizer not in ("adamw_torch", "adamw_bnb_8bit"):
         raise ConfigError(
-            f"optimizer={cfg.optim.optimizer!r} is a torch option today (bitsandbytes' 8-bit states, or "
-            f"AdamWBF16's stochastically rounded bfloat16 state); the jax backend trains with AdamW in float32 "
-            f"('adamw_torch'): use --optimizer adamw_torch or --backend torch."
+            f"optimizer={cfg.optim.optimizer!r} is a torch option today (AdamWBF16's stochastically rounded "
+            f"bfloat16 state); the jax backend trains with AdamW in float32 ('adamw_torch') or with 8-bit moments "
+            f"('adamw_bnb_8bit'): use --optimizer adamw_torch or --backend torch."
         )
 
 

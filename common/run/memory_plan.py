@@ -120,6 +120,7 @@ from twinseq.common.config import (
 from twinseq.common.errors import ConfigError
 from twinseq.common.models.configs import ModelConfig, parameter_shapes, resolve_model_config
 from twinseq.common.models.peft import LINEAR_MODULES, PeftConfig, adapter_shapes, base_dtype, lora_targets
+from twinseq.common.run import adamw_8bit
 
 __all__ = [
     "MemoryPlan",
@@ -146,8 +147,8 @@ QUANT_STATS_BYTES = {
 }
 LORA_DROPOUT_APPLIED = {"torch": True, "jax": False}
 """The jax trainer does not apply LoRA dropout (jax_backend.peft), so it keeps no dropout output or mask."""
-BNB_8BIT_BLOCK = 256
-BNB_MIN_8BIT_SIZE = 4096
+BNB_8BIT_BLOCK = adamw_8bit.BLOCK
+BNB_MIN_8BIT_SIZE = adamw_8bit.MIN_8BIT_SIZE
 LOGITS_COPIES = {"torch": 3.0, "jax": 2.5}
 """float32 copies of ``[tokens, vocab]`` alive at the loss's peak: logits/log-softmax, and in backward the
 gradient of the log-softmax and of the logits (torch frees the logits after the log-softmax). jax's value is
@@ -525,11 +526,6 @@ def plan_memory(
             MemoryRow("optimizer state (AdamW bfloat16)", int(trainable * 4 / shard), "exp_avg + exp_avg_sq, bfloat16")
         )
     elif config.optim.optimizer == "adamw_bnb_8bit":
-        if backend != "torch":
-            raise ConfigError(
-                "optimizer='adamw_bnb_8bit' is bitsandbytes' (torch only); use --optimizer "
-                "adamw_torch on the jax backend."
-            )
         rows.append(
             MemoryRow(
                 "optimizer state (AdamW 8-bit)",
@@ -774,7 +770,7 @@ KNOBS = (
     Knob("gradient_checkpointing", 3.0, "compute: about one more forward per step (~30% slower)"),
     Knob("activation_offloading", 2.0, "host transfers, overlapped on a side stream (CUDA only)"),
     Knob("micro_batch", 4.0, "compute: smaller micro-batches, more accumulation, same effective batch"),
-    Knob("adamw_bnb_8bit", 5.0, "8-bit optimizer moments: a small change in the update (torch only)"),
+    Knob("adamw_bnb_8bit", 5.0, "8-bit optimizer moments: a small change in the update"),
     Knob("use_peft", 10.0, "changes what trains: LoRA adapters on a frozen base"),
     Knob("load_in_4bit", 12.0, "changes the base: NF4-quantised frozen weights (QLoRA)"),
 )
@@ -835,7 +831,7 @@ def _candidates(config, backend: str, device: str, devices: int):
         options.append([(None, {}), ("activation_offloading", {"activation_offloading": True})])
     if devices > 1 and not config.parallel.fsdp and backend == "torch":
         options.append([(None, {}), ("fsdp", {"fsdp": True})])
-    if backend == "torch" and config.optim.optimizer != "adamw_bnb_8bit":
+    if config.optim.optimizer != "adamw_bnb_8bit":
         options.append([(None, {}), ("adamw_bnb_8bit", {"optimizer": "adamw_bnb_8bit"})])
     peft_opts: list[tuple[Optional[str], dict]] = [(None, {})]
     if not config.peft.use_peft:

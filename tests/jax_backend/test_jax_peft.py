@@ -17,7 +17,7 @@ Invariants (float32, matmuls at "highest" precision):
 - DPO with LoRA: the reference (adapters switched off, no copy) gives the base model's log-probs, and the
   DPO loss falls;
 - the trainer writes PEFT's folder, resumes bitwise from adapters + optimizer state, and refuses
-  ``adamw_bnb_8bit`` and a QLoRA without qwix with errors that name the field and the fix.
+  ``adamw_bf16`` and a QLoRA without qwix with errors that name the field and the fix.
 """
 
 from __future__ import annotations
@@ -226,7 +226,8 @@ def test_qlora_equals_lora_on_its_dequantised_base():
     assert abs(loss_q - loss_l) < 1e-6 and all(_rel(grads_q[k], grads_l[k]) < 1e-5 for k in grads_l)
 
 
-@pytest.mark.parametrize("remat_policy", [pytest.param("none", marks=pytest.mark.slow), "full"])  # budget
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
+@pytest.mark.parametrize("remat_policy", ["none", "full"])
 def test_qlora_step_holds_one_layer_of_dequantised_weights(remat_policy):
     # The compiled training step of QLoRA is smaller than LoRA's by the decoder linears' float32 weights minus
     # their NF4 storage: its temporaries hold at most one layer's dequantised weights more than LoRA's (plainly,
@@ -256,6 +257,7 @@ def test_qlora_step_holds_one_layer_of_dequantised_weights(remat_policy):
     assert arg_q + temp_q <= arg_l + temp_l - (float_bytes - nf4_bytes - layer_bytes)  # 36 MiB of weights here
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_dpo_with_lora_reference_is_the_base_and_loss_falls(tmp_path):
     from twinseq.common.objectives.dpo import validate_dpo_config
     from twinseq.common.data.preference_batching import collate_preference
@@ -320,8 +322,8 @@ def test_trainer_writes_peft_folder_and_resumes_bitwise(tmp_path):
 def test_bad_configs_are_refused_clearly(tmp_path, monkeypatch):
     import twinseq.jax_backend as jb
 
-    with pytest.raises(ConfigError, match=r"optimizer='adamw_bnb_8bit'.*--optimizer adamw_torch"):
-        jb.train(_train_cfg(tmp_path, dataset_name="/nonexistent.jsonl", optimizer="adamw_bnb_8bit"))
+    with pytest.raises(ConfigError, match=r"optimizer='adamw_bf16'.*--optimizer adamw_torch"):
+        jb.train(_train_cfg(tmp_path, dataset_name="/nonexistent.jsonl", optimizer="adamw_bf16"))
     cfg = ModelConfig.preset("tiny", vocab_size=VOCAB)
     base = build_model(cfg)
     with pytest.raises(ConfigError, match="use_peft=True"):
