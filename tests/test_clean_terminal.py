@@ -67,6 +67,7 @@ def frames(text: str) -> list[tuple[int, dict[str, str]]]:
     return out
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_an_sft_run_shows_twinseq_lines_and_a_bar_of_the_current_step(tmp_path):
     text, records = train(tmp_path, "--max-steps", "3")
     assert not dependency_lines(text), dependency_lines(text)

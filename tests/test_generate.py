@@ -90,6 +90,7 @@ def test_generate_answers_on_both_backends_with_the_same_greedy_tokens(folders, 
         assert len(ids) < NEW_TOKENS or len(set(ids)) > 4, f"a degenerate completion makes a weak parity check: {ids}"
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_the_adapters_change_the_completion_as_peft_applies_them(folders):
     """The CLI folds the adapters into the base in numpy; PEFT's own loader, generating through its LoRA layers,
     must give the same greedy tokens (and they differ from the base's)."""

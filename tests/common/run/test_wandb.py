@@ -68,6 +68,7 @@ def read_offline_run(wandb_dir: Path) -> dict:
     return run
 
 
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 def test_the_sink_logs_steps_config_and_name(offline, tmp_path, caplog):
     pytest.importorskip("wandb")
     log = RunLogger(tmp_path / "out", max_steps=3, disable_tqdm=True, report_to=["wandb"])
