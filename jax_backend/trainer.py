@@ -146,6 +146,7 @@ def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     optax.adamw = ``-lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)`` with bias correction and
     ``eps_root = 0``: torch's AdamW (``p *= 1 - lr * wd``; ``p -= lr * m_hat / (sqrt(v_hat) + eps)``).
     Weight decay only on matrices (``ndim >= 2``), as HF Trainer and the torch trainer.
+    ``optimizer='adamw_bnb_8bit'``: the same chain over 8-bit blockwise moments (``jax_backend/adamw_8bit.py``).
     """
     opt = cfg.optim
     check_optimizer(cfg)
@@ -154,20 +155,16 @@ def build_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
         adamw = adamw_8bit(
             lr_schedule(cfg), opt.adam_beta1, opt.adam_beta2, opt.adam_epsilon, opt.weight_decay, decay_mask
         )
-        return (
-            adamw
-            if opt.max_grad_norm is None
-            else optax.chain(clip_by_global_norm_like_torch(opt.max_grad_norm), adamw)
+    else:
+        adamw = optax.adamw(
+            lr_schedule(cfg),
+            b1=opt.adam_beta1,
+            b2=opt.adam_beta2,
+            eps=opt.adam_epsilon,
+            eps_root=0.0,
+            weight_decay=opt.weight_decay,
+            mask=decay_mask,
         )
-    adamw = optax.adamw(
-        lr_schedule(cfg),
-        b1=opt.adam_beta1,
-        b2=opt.adam_beta2,
-        eps=opt.adam_epsilon,
-        eps_root=0.0,
-        weight_decay=opt.weight_decay,
-        mask=decay_mask,
-    )
     if opt.max_grad_norm is None:
         return adamw
     return optax.chain(clip_by_global_norm_like_torch(opt.max_grad_norm), adamw)
