@@ -27,6 +27,17 @@ def _bnb():
     return pytest.importorskip("bitsandbytes")
 
 
+def _bnb_adamw(w: np.ndarray):
+    """A torch parameter holding ``w`` and bitsandbytes' ``AdamW8bit`` over it, with ``HYPER``."""
+    import torch
+
+    bnb = _bnb()
+    p = torch.nn.Parameter(torch.tensor(w))
+    opt = bnb.optim.AdamW8bit([p], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                              weight_decay=HYPER["weight_decay"])
+    return p, opt
+
+
 def test_the_dynamic_maps_are_bitsandbytes_maps():
     _bnb()
     import bitsandbytes.functional as F
@@ -60,19 +71,11 @@ def test_quantize_picks_the_nearest_code(size):
 @pytest.mark.parametrize("shape", [(70, 131), (40,)])
 def test_one_step_moves_the_weight_as_bitsandbytes_does(shape):
     _bnb()
-    import bitsandbytes as bnb
     import torch
 
     rng = np.random.default_rng(0)
     w = rng.normal(size=shape).astype(np.float32)
-    p = torch.nn.Parameter(torch.tensor(w))
-    opt = bnb.optim.AdamW8bit(
-        [p],
-        lr=HYPER["lr"],
-        betas=(HYPER["beta1"], HYPER["beta2"]),
-        eps=HYPER["eps"],
-        weight_decay=HYPER["weight_decay"],
-    )
+    p, opt = _bnb_adamw(w)
     quantized = rule.is_quantized(int(np.prod(shape)))
     far = 0
     for t in range(1, 9):
@@ -112,19 +115,11 @@ def test_one_step_moves_the_weight_as_bitsandbytes_does(shape):
 def test_a_wrong_update_is_caught():
     """Negative control for the bitsandbytes comparison: the rule without weight decay differs beyond 1e-6."""
     _bnb()
-    import bitsandbytes as bnb
     import torch
 
     rng = np.random.default_rng(1)
     w, g = rng.normal(size=(64, 80)).astype(np.float32), rng.normal(size=(64, 80)).astype(np.float32)
-    p = torch.nn.Parameter(torch.tensor(w))
-    opt = bnb.optim.AdamW8bit(
-        [p],
-        lr=HYPER["lr"],
-        betas=(HYPER["beta1"], HYPER["beta2"]),
-        eps=HYPER["eps"],
-        weight_decay=HYPER["weight_decay"],
-    )
+    p, opt = _bnb_adamw(w)
     p.grad = torch.tensor(g)
     opt.step()
     wrong, _ = rule.step(w, g, rule.init_state(w), step_number=1, **{**HYPER, "weight_decay": 0.0})
