@@ -1,7 +1,9 @@
 """The memory staircase (torchtune's "memory optimizations" table, on CPU): each technique added to the previous.
 
 Steps, cumulative: baseline (padded batches, ``nll``, ``sdpa``) -> + packing/padding-free -> + fused loss ->
-+ gradient checkpointing -> + LoRA -> + bf16 base (``--dtype bfloat16``: the frozen base stored in bfloat16, the
++ gradient checkpointing; then two branches from there. The full fine-tune's training state: + bf16 state
+(``adamw_bf16``) -> + 8-bit AdamW (``adamw_bf16_8bit``; jax: ``adamw_bnb_8bit``) -> + optimizer in backward (torch).
+The adapters: + LoRA -> + bf16 base (``--dtype bfloat16``: the frozen base stored in bfloat16, the
 adapters float32, bfloat16 compute) -> + QLoRA (an NF4 base, which computes in float32: this step goes back to
 ``--dtype float32``, so it follows "+ LoRA"). Each step is a real ``twinseq train`` run of a few steps in a
 fresh subprocess, on both backends, for ``small`` and a ~100M-parameter Llama written by this script as a
@@ -39,20 +41,45 @@ LLAMA_100M = dict(model_type="llama", vocab_size=8192, hidden_size=768, intermed
 """~96M parameters: a GPT-2-small-sized Llama with grouped-query attention and the embedded vocabulary."""
 SHAPES = {"small": dict(per_device_train_batch_size=4, max_length=512),
           "llama-100m": dict(per_device_train_batch_size=2, max_length=512)}
-STEPS = ("baseline", "+ packing/padding-free", "+ fused loss", "+ checkpointing", "+ LoRA", "+ bf16 base", "+ QLoRA")
+SHARED_STEPS = ("baseline", "+ packing/padding-free", "+ fused loss", "+ checkpointing")
+STATE_STEPS = ("+ bf16 state", "+ 8-bit AdamW", "+ optimizer in backward")
+"""The full fine-tune's training-state rungs, each added to the previous, from "+ checkpointing"."""
+PEFT_STEPS = ("+ LoRA", "+ bf16 base", "+ QLoRA")
+"""The adapters' rungs, each added to the previous, from "+ checkpointing"."""
+STEPS = SHARED_STEPS + STATE_STEPS + PEFT_STEPS
+STATE_BASE = SHARED_STEPS[-1]
+"""The float32 weights + float32 AdamW run the state rungs are compared with."""
+NOT_ON_JAX = {
+    "+ bf16 state": "torch only: the jax backend keeps float32 master weights (AdamWBF16's stochastic rounding is "
+                    "torch's)",
+    "+ optimizer in backward": "torch only: jax's step is one compiled program whose parameter and optimizer "
+                               "buffers are donated",
+}
 
 
 def step_configs(backend: str) -> dict[str, dict[str, Any]]:
-    """The flat config changes of each step, cumulative."""
+    """The flat config changes of each step, cumulative within its branch (the state rungs and the adapters' rungs
+    both start from "+ checkpointing"). On jax the state branch is its one rung, 8-bit moments on float32 weights."""
     pack = dict(packing=True, packing_strategy="bfd_split")
     if backend == "torch":
         pack.update(padding_free=True, attn_implementation="varlen")
-    changes = [dict(loss_type="nll"), pack, dict(loss_type="fused_linear"), dict(gradient_checkpointing=True),
-               dict(use_peft=True), dict(dtype="bfloat16"), dict(load_in_4bit=True, dtype="float32")]
+    shared = [dict(loss_type="nll"), pack, dict(loss_type="fused_linear"), dict(gradient_checkpointing=True)]
+    if backend == "torch":
+        state = [dict(optimizer="adamw_bf16"), dict(optimizer="adamw_bf16_8bit"),
+                 dict(optimizer_in_backward=True, max_grad_norm=None)]
+    else:
+        state = [None, dict(optimizer="adamw_bnb_8bit"), None]
+    peft = [dict(use_peft=True), dict(dtype="bfloat16"), dict(load_in_4bit=True, dtype="float32")]
     out, acc = {}, {}
-    for name, change in zip(STEPS, changes):
+    for name, change in zip(SHARED_STEPS, shared):
         acc = {**acc, **change}
         out[name] = dict(acc)
+    for names, changes in ((STATE_STEPS, state), (PEFT_STEPS, peft)):
+        branch = dict(out[STATE_BASE])
+        for name, change in zip(names, changes):
+            if change is not None:
+                branch = {**branch, **change}
+                out[name] = dict(branch)
     return out
 
 
@@ -125,16 +152,31 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             tqdm.write(f"{model:>10} {backend:>5} {step:<24} FAILED: {row['error']}")
         results.append(row)
 
-    table = []
-    for r in results:
-        if "error" in r:
-            table.append([r["model"], r["backend"], r["step"], "not run", "", "", "", r["error"][:120]])
-            continue
-        base = next(x for x in results if x["model"] == r["model"] and x["backend"] == r["backend"]
-                    and x["step"] == STEPS[0] and "peak_bytes" in x)
-        table.append([r["model"], r["backend"], r["step"], f"{r['peak_bytes'] / MIB:,.0f}",
-                      f"{r['peak_bytes'] / base['peak_bytes']:.2f}", f"{r['planned_bytes'] / MIB:,.0f}",
-                      f"{r['tokens_per_second']:,.0f}", "earlier run" if r.get("reused_from") else ""])
+    def peak_of(model: str, backend: str, step: str) -> Optional[int]:
+        r = next((x for x in results if (x["model"], x["backend"], x["step"]) == (model, backend, step)), None)
+        return r["peak_bytes"] if r and "peak_bytes" in r else None
+
+    table, state_ratios = [], []
+    for model in models:
+        for backend in backends:
+            for step in [s for s in STEPS if s in wanted]:
+                r = next((x for x in results if (x["model"], x["backend"], x["step"]) == (model, backend, step)),
+                         None)
+                if r is None:
+                    if step in NOT_ON_JAX and backend == "jax":
+                        table.append([model, backend, step, "n/a", "", "", "", "", NOT_ON_JAX[step]])
+                    continue
+                if "error" in r:
+                    table.append([model, backend, step, "not run", "", "", "", "", r["error"][:120]])
+                    continue
+                base, fp32 = peak_of(model, backend, STEPS[0]), peak_of(model, backend, STATE_BASE)
+                vs_state = f"{r['peak_bytes'] / fp32:.2f}" if fp32 and step in STATE_STEPS else ""
+                if vs_state and step == STATE_STEPS[-1] or (backend == "jax" and step == "+ 8-bit AdamW" and vs_state):
+                    state_ratios.append(f"{model} {backend} {step}: {vs_state}x")
+                table.append([model, backend, step, f"{r['peak_bytes'] / MIB:,.0f}",
+                              f"{r['peak_bytes'] / base:.2f}" if base else "", vs_state,
+                              f"{r['planned_bytes'] / MIB:,.0f}", f"{r['tokens_per_second']:,.0f}",
+                              "earlier run" if r.get("reused_from") else ""])
     shapes = "; ".join(f"`{m}`: {SHAPES[m]['per_device_train_batch_size']} x {SHAPES[m]['max_length']} tokens"
                        for m in models)
     body = [f"Each step adds one technique to the previous, as torchtune's memory table does; {args.max_steps} "
@@ -148,8 +190,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             "planner's column still counts a float32 base plus bf16 copies there. \"+ QLoRA\" follows \"+ LoRA\" "
             "(float32: the NF4 layers compute in float32)." + (f" Cells measured by an earlier run ({args.reuse.name}, `--reuse`; note \"earlier run\") "
                                 "are re-planned with the current formula." if args.reuse else ""), "",
-            *markdown_table(["model", "backend", "step", "peak MiB", "vs baseline", "planned MiB", "tokens/s",
-                             "note"], table, "lllrrrrl")]
+            "",
+            "The full fine-tune's training-state rungs branch from \"+ checkpointing\" (float32 weights and "
+            "gradients, float32 AdamW: 16 bytes per parameter), each added to the previous: \"+ bf16 state\" "
+            "(`--optimizer adamw_bf16`: bfloat16 weights, gradients and moments, stochastically rounded), \"+ 8-bit "
+            "AdamW\" (`--optimizer adamw_bf16_8bit`: those weights with 8-bit blockwise moments; on jax "
+            "`--optimizer adamw_bnb_8bit`, 8-bit moments on float32 weights), \"+ optimizer in backward\" "
+            "(`--optimizer-in-backward --max-grad-norm None`: each parameter steps in its gradient's hook). "
+            "\"vs float32 state\" is the rung's peak over \"+ checkpointing\"'s. The adapters' rungs "
+            "(\"+ LoRA\" on) branch from \"+ checkpointing\" too."
+            + (f" Full state staircase: {'; '.join(state_ratios)}." if state_ratios else ""), "",
+            *markdown_table(["model", "backend", "step", "peak MiB", "vs baseline", "vs float32 state",
+                             "planned MiB", "tokens/s", "note"], table, "lllrrrrrl")]
 
     def plot(png: Path) -> None:
         plt = pyplot()
@@ -158,12 +210,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for model in models:
             for backend in backends:
                 vals = []
-                for step in wanted:
+                for step in [s for s in STEPS if s in wanted]:
                     r = next((x for x in results if x["model"] == model and x["backend"] == backend
                               and x["step"] == step), None)
                     vals.append(r["peak_bytes"] / MIB if r and "peak_bytes" in r else 0.0)
                 series[f"{model} {backend}"] = vals
-        grouped_bars(ax, [s.replace("+ ", "+\n") for s in wanted], series, ylabel="peak memory (MiB)",
+        grouped_bars(ax, [s.replace("+ ", "+\n") for s in STEPS if s in wanted], series, ylabel="peak memory (MiB)",
                      title="memory staircase on CPU: each technique added to the previous (0 = not run)")
         save_figure(fig, png)
 

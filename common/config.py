@@ -72,7 +72,7 @@ PaddingSide = Literal["right", "left"]
 LRScheduler = Literal["constant", "linear", "cosine"]
 ContextParallelStrategy = Literal["allgather", "ring"]
 ReportTo = Literal["none", "tensorboard", "wandb"]
-Optimizer = Literal["adamw_torch", "adamw_bnb_8bit", "adamw_bf16"]
+Optimizer = Literal["adamw_torch", "adamw_bnb_8bit", "adamw_bf16", "adamw_bf16_8bit"]
 DeepSpeedZeroStage = Literal[0, 3]
 EvalStrategy = Literal["no", "steps", "epoch"]
 
@@ -211,7 +211,14 @@ class OptimConfig(_Section):
     bitsandbytes' ``AdamW8bit`` on torch, the same rule as an optax transformation on jax,
     ``common/run/adamw_8bit.py``) or ``adamw_bf16`` (torch, full fine-tune: bfloat16 weights, gradients and
     moments, 8 bytes of state per parameter instead of 16, every write stochastically rounded;
-    ``torch_backend/bf16_adamw.py``)."""
+    ``torch_backend/bf16_adamw.py``) or ``adamw_bf16_8bit`` (torch, full fine-tune: those bfloat16 weights and
+    gradients with the 8-bit moments of ``common/run/adamw_8bit.py``, in plain torch: about 4 bytes per parameter)."""
+    optimizer_in_backward: bool = False
+    """torch: step each parameter in its gradient's hook, as soon as backward has produced the gradient, and free the
+    gradient there (torchtune's ``optimizer_in_bwd``): one gradient is alive at a time, not all of them. Needs
+    ``gradient_accumulation_steps=1`` and ``max_grad_norm=None`` (no step sees every gradient); the norm is still
+    logged. One process (not FSDP2, DeepSpeed or context parallelism); with twinseq's own AdamW (``adamw_torch``,
+    ``adamw_bf16``, ``adamw_bf16_8bit``), not bitsandbytes'."""
     skip_nonfinite_steps: bool = False
     """A step whose loss or gradient norm is NaN/Inf is skipped (counted, logged) instead of stopping the run."""
 

@@ -33,8 +33,8 @@ ALLOWED_DIFFERENCES["triton_ce"] = "twinseq's Triton loss kernel (loss_type='tri
 ALLOWED_DIFFERENCES["triton_ce_kernels"] = "the Triton sources of triton_ce"
 ALLOWED_DIFFERENCES["bf16_adamw"] = ("optimizer='adamw_bf16' (bfloat16 weights and moments, stochastic rounding) is "
                                     "torch only today; jax refuses it (trainer.check_optimizer)")
-ALLOWED_DIFFERENCES["adamw_8bit"] = ("8-bit AdamW: torch runs bitsandbytes' AdamW8bit (trainer.build_optimizer), jax "
-                                    "an optax transformation of common/run/adamw_8bit.py's rule")
+ALLOWED_DIFFERENCES["in_backward"] = ("optimizer_in_backward: a per-parameter step in each gradient's hook is torch's; "
+                                     "jax's step is one compiled program with donated buffers (capabilities refuses it)")
 ALLOWED_DIFFERENCES["bf16_adamw_kernel"] = "the Triton source of bf16_adamw's CUDA update"
 ALLOWED_DIFFERENCES["distributed"] = ("torch's process group, launcher environment and reductions over ranks; jax is "
                                      "one process driving its device mesh (parallel.py)")

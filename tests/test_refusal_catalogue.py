@@ -1045,6 +1045,21 @@ CLI_CASES = {  # argv -> (field, value); each is refused before any work
     "train: DeepSpeed on jax": (_train("--backend", "jax", "--deepspeed-zero-stage", "3"), "deepspeed_zero_stage", 3),
     "train: bfloat16 AdamW on jax": (_train("--backend", "jax", "--optimizer", "adamw_bf16"), "optimizer",
                                      "adamw_bf16"),
+    "train: optimizer in backward with accumulation": (
+        _train("--optimizer-in-backward", "--max-grad-norm", "None", "--gradient-accumulation-steps", "2"),
+        "gradient_accumulation_steps", 2),
+    "train: optimizer in backward with clipping": (_train("--optimizer-in-backward"), "max_grad_norm", 1.0),
+    "train: optimizer in backward skipping steps": (
+        _train("--optimizer-in-backward", "--max-grad-norm", "None", "--skip-nonfinite-steps"),
+        "skip_nonfinite_steps", True),
+    "train: optimizer in backward with bitsandbytes": (
+        _train("--optimizer-in-backward", "--max-grad-norm", "None", "--optimizer", "adamw_bnb_8bit"),
+        "optimizer", "adamw_bnb_8bit"),
+    "train: optimizer in backward on jax": (
+        _train("--backend", "jax", "--optimizer-in-backward", "--max-grad-norm", "None"), "optimizer_in_backward",
+        True),
+    "train: bfloat16 8-bit AdamW on jax": (_train("--backend", "jax", "--optimizer", "adamw_bf16_8bit"), "optimizer",
+                                           "adamw_bf16_8bit"),
     "train: liger GRPO on jax": (_train("--backend", "jax", "--task", "grpo", "--num-generations", "2", "--loss-type",
                                         "liger"), "loss_type", "liger"),
     "train: vLLM on jax": (_train("--backend", "jax", "--task", "grpo", "--num-generations", "2", "--use-vllm"),

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from twinseq.torch_backend import adamw_8bit
 from twinseq.torch_backend.triton_ce import kernel_mode, wrap_kernels
 
 CHUNK = 1 << 24
@@ -119,7 +120,12 @@ def uses_kernel(p: torch.Tensor, grad: torch.Tensor) -> Optional[str]:
 class AdamWBF16(torch.optim.Optimizer):
     """``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments) for bfloat16 parameters, with
     bfloat16 moments and stochastically rounded writes (module docstring). On float32 parameters it is
-    ``torch.optim.AdamW(foreach=False)`` exactly (plain writes, float32 moments): a test holds it to that."""
+    ``torch.optim.AdamW(foreach=False)`` exactly (plain writes, float32 moments): a test holds it to that.
+
+    ``eight_bit=True`` (``optimizer='adamw_bf16_8bit'``): each moment of a tensor of at least 4,096 numbers is 8-bit
+    blockwise (``adamw_8bit``: ``common.run.adamw_8bit``'s rule), smaller tensors keep float32 moments; the weights
+    are written as above. ``update_parameter`` steps one parameter (``optimizer_in_backward`` calls it from the
+    parameter's gradient hook); ``step`` steps them all."""
 
     def __init__(
         self,
@@ -128,8 +134,12 @@ class AdamWBF16(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        eight_bit: bool = False,
     ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.eight_bit = eight_bit
+        # a group's index, not the dict: load_state_dict replaces the group dicts (the schedule writes the new ones)
+        self.group_index = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -138,42 +148,108 @@ class AdamWBF16(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                step = float(state["step"])
-                mode = uses_kernel(p, p.grad)
-                if mode is not None:
-                    kernel_step_(
-                        p.data, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=lr, beta1=beta1, beta2=beta2,
-                        eps=eps, weight_decay=decay, step=step, mode=mode,
-                    )  # fmt: skip
-                    continue
-                bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
-                chunks = zip(
-                    *(t.view(-1).split(CHUNK) for t in (p, state["exp_avg"], state["exp_avg_sq"])),
-                    p.grad.reshape(-1).split(CHUNK),
-                )
-                for p_c, m_c, v_c, g_c in chunks:
-                    g32 = g_c.float()
-                    m32 = m_c.float().lerp_(g32, 1 - beta1)
-                    v32 = v_c.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-                    del g32
-                    denom = v32.sqrt().div_(bias2_sqrt).add_(eps)
-                    p32 = p_c.float()
-                    if decay:
-                        p32.mul_(1 - lr * decay)
-                    p32.addcdiv_(m32, denom, value=-lr / bias1)
-                    del denom
-                    round_stochastic_(p_c, p32)
-                    round_stochastic_(m_c, m32)
-                    round_stochastic_(v_c, v32)
+                if p.grad is not None:
+                    self.update_parameter(p, group)
         return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict`` casts every floating state tensor to its parameter's dtype; the 8-bit moments'
+        absmax, and a small tensor's moments under ``eight_bit``, are float32 whatever the weights: they are put back
+        as saved."""
+        float32_keys = _FLOAT32_KEYS | ({"exp_avg", "exp_avg_sq"} if self.eight_bit else set())
+        kept = {
+            pid: {k: v for k, v in entry.items() if k in float32_keys and isinstance(v, torch.Tensor)}
+            for pid, entry in state_dict["state"].items()
+        }
+        super().load_state_dict(state_dict)
+        saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, p in zip(saved_ids, params):
+            for key, value in kept.get(pid, {}).items():
+                self.state[p][key] = value.to(device=p.device, dtype=torch.float32)
+
+    def _init_state(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0)
+        if self.eight_bit and adamw_8bit.is_quantized(p):
+            state["exp_avg_codes"], state["exp_avg_absmax"] = adamw_8bit.init_moment(p)
+            state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"] = adamw_8bit.init_moment(p)
+        else:
+            dtype = torch.float32 if self.eight_bit else p.dtype  # the rule keeps small tensors' moments float32
+            state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def update_parameter(self, p: torch.Tensor, group: Optional[dict[str, Any]] = None) -> None:
+        """One AdamW step of ``p`` with its gradient ``p.grad`` and its group's hyper-parameters."""
+        group = self.param_groups[self.group_index[p]] if group is None else group
+        beta1, beta2 = group["betas"]
+        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        grad = p.grad
+        assert grad is not None, "update_parameter needs the parameter's gradient"
+        state = self.state[p] or self._init_state(p)
+        state["step"] += 1
+        step = float(state["step"])
+        if "exp_avg_codes" in state:
+            self._update_8bit(p, grad, state, lr=lr, beta1=beta1, beta2=beta2, eps=eps, decay=decay, step=step)
+            return
+        mode = uses_kernel(p, grad) if state["exp_avg"].dtype == p.dtype else None
+        if mode is not None:
+            kernel_step_(
+                p.data, grad, state["exp_avg"], state["exp_avg_sq"], lr=lr, beta1=beta1, beta2=beta2,
+                eps=eps, weight_decay=decay, step=step, mode=mode,
+            )  # fmt: skip
+            return
+        bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
+        chunks = zip(
+            *(t.view(-1).split(CHUNK) for t in (p, state["exp_avg"], state["exp_avg_sq"])),
+            grad.reshape(-1).split(CHUNK),
+        )
+        for p_c, m_c, v_c, g_c in chunks:
+            g32 = g_c.float()
+            m32 = m_c.float().lerp_(g32, 1 - beta1)
+            v32 = v_c.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+            del g32
+            _move_weight_(p_c, m32, v32, lr=lr, eps=eps, decay=decay, bias1=bias1, bias2_sqrt=bias2_sqrt)
+            round_stochastic_(m_c, m32)
+            round_stochastic_(v_c, v32)
+
+    def _update_8bit(
+        self, p: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: float, beta1: float, beta2: float, eps: float,
+        decay: float, step: float,
+    ) -> None:  # fmt: skip
+        """The rule's step (``common.run.adamw_8bit.step``), ``adamw_8bit.CHUNK`` numbers at a time: dequantise, the
+        float32 moments as the rule writes them, the weight, re-quantise."""
+        bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
+        per = adamw_8bit.CHUNK // adamw_8bit.BLOCK
+        flat = [t.view(-1).split(adamw_8bit.CHUNK) for t in (p, state["exp_avg_codes"], state["exp_avg_sq_codes"])]
+        absmax = [state[k].split(per) for k in ("exp_avg_absmax", "exp_avg_sq_absmax")]
+        for p_c, mc_c, vc_c, g_c, ma_c, va_c in zip(*flat, grad.reshape(-1).split(adamw_8bit.CHUNK), *absmax):
+            g32 = g_c.float()
+            # the rule's order of operations: beta1 m + (1 - beta1) g, beta2 v + ((1 - beta2) g) g
+            m32 = adamw_8bit.dequantize(mc_c, ma_c, "signed").mul_(beta1).add_(g32 * (1 - beta1))
+            v32 = adamw_8bit.dequantize(vc_c, va_c, "unsigned").mul_(beta2).add_(g32 * (1 - beta2) * g32)
+            del g32  # (g32 is the gradient itself when it is float32: never written)
+            _move_weight_(p_c, m32, v32, lr=lr, eps=eps, decay=decay, bias1=bias1, bias2_sqrt=bias2_sqrt)
+            adamw_8bit.quantize_(mc_c, ma_c, m32, "signed")
+            adamw_8bit.quantize_(vc_c, va_c, v32, "unsigned")
+
+
+_FLOAT32_KEYS = frozenset({"exp_avg_absmax", "exp_avg_sq_absmax"})
+
+
+def _move_weight_(
+    p_c: torch.Tensor, m32: torch.Tensor, v32: torch.Tensor, *, lr: float, eps: float, decay: float, bias1: float,
+    bias2_sqrt: float,
+) -> None:  # fmt: skip
+    """``p_c <- p_c (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps)`` in float32, written back stochastically rounded
+    (bfloat16) or plainly (float32)."""
+    denom = v32.sqrt().div_(bias2_sqrt).add_(eps)
+    p32 = p_c.float()
+    if decay:
+        p32.mul_(1 - lr * decay)
+    p32.addcdiv_(m32, denom, value=-lr / bias1)
+    del denom
+    round_stochastic_(p_c, p32)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, cast
 
@@ -75,6 +76,7 @@ from twinseq.torch_backend.dpo import (
     reference_logps,
 )
 from twinseq.torch_backend.generation import eval_mode, generate
+from twinseq.torch_backend.in_backward import StepInBackward
 from twinseq.torch_backend.memory import offload_activations
 from twinseq.torch_backend.model import build_model, cast_parameters_, model_config_of
 from twinseq.torch_backend.parallel import parallelize
@@ -113,24 +115,29 @@ def build_causal_lm(
             model = load_pretrained(source.weights_folder, dtype="float32", attn_implementation=attn)
         else:
             model = build_model(source.config, init_weights(source.config, seed=cfg.seed), attn_implementation=attn)
-    if cfg.optim.optimizer == "adamw_bf16":
+    if cfg.optim.optimizer in BF16_STATE:
         check_bf16_state(cfg)
         cast_parameters_(model, "bfloat16")  # the weights the run trains are bfloat16 (AdamWBF16)
     return model.to(device).train()
 
 
+BF16_STATE = ("adamw_bf16", "adamw_bf16_8bit")
+"""The optimizers that train bfloat16 weights (``AdamWBF16``)."""
+
+
 def check_bf16_state(cfg: TrainConfig) -> None:
-    """``optimizer='adamw_bf16'`` trains every weight in bfloat16, in one process: refused with adapters (their
-    state is small; the base is already bfloat16 under ``--dtype bfloat16``) and under a launch (FSDP2 keeps
-    float32 shards)."""
+    """``optimizer='adamw_bf16'``/``'adamw_bf16_8bit'`` train every weight in bfloat16, in one process: refused with
+    adapters (their state is small; the base is already bfloat16 under ``--dtype bfloat16``) and under a launch
+    (FSDP2 keeps float32 shards)."""
+    name = cfg.optim.optimizer
     if cfg.peft.use_peft:
         raise ConfigError(
-            "optimizer='adamw_bf16' trains full bfloat16 weights, but use_peft=True trains float32 adapters over a "
-            "frozen base; drop --use-peft (full fine-tune) or use --optimizer adamw_torch with adapters."
+            f"optimizer={name!r} trains full bfloat16 weights, but use_peft=True trains float32 adapters over a "
+            f"frozen base; drop --use-peft (full fine-tune) or use --optimizer adamw_torch with adapters."
         )
     if dist.is_initialized() and dist.get_world_size() > 1:
         raise ConfigError(
-            f"optimizer='adamw_bf16' runs in one process today; this launch has {dist.get_world_size()} ranks: "
+            f"optimizer={name!r} runs in one process today; this launch has {dist.get_world_size()} ranks: "
             f"run one process, or use --optimizer adamw_torch under FSDP2."
         )
 
@@ -152,9 +159,10 @@ def build_optimizer(
 ):
     """AdamW over the parameters that train (all, or the adapters only); weight decay on matrices only (norm
     scales are not decayed), as HF Trainer does. ``optimizer='adamw_bnb_8bit'``: bitsandbytes' ``AdamW8bit``;
-    ``'adamw_bf16'``: ``AdamWBF16`` (bfloat16 weights and moments, stochastic rounding). torch's AdamW runs its fused
-    CUDA kernel on a GPU (one launch per group chunk) and the per-parameter loop elsewhere (foreach would hold a
-    second copy of every gradient).
+    ``'adamw_bf16'``: ``AdamWBF16`` (bfloat16 weights and moments, stochastic rounding); ``'adamw_bf16_8bit'``: the
+    same with 8-bit moments; ``optimizer_in_backward``: ``AdamWBF16``, stepped per parameter. torch's AdamW runs its
+    fused CUDA kernel on a GPU (one launch per group chunk) and the per-parameter loop elsewhere (foreach would hold
+    a second copy of every gradient).
     ``ndim``: a parameter's rank (ZeRO-3 reads it from the full shape: its own is a placeholder's); ``allow_fused``:
     False keeps the per-parameter loop on a GPU too (DeepSpeed steps its own partitions)."""
     opt = cfg.optim
@@ -168,9 +176,14 @@ def build_optimizer(
         optimizer = bnb.optim.AdamW8bit(
             groups, lr=cfg.effective_learning_rate, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon
         )
-    elif opt.optimizer == "adamw_bf16":
+    elif opt.optimizer in BF16_STATE or opt.optimizer_in_backward:
+        # optimizer_in_backward steps one parameter at a time: AdamWBF16 (on float32 weights torch's AdamW exactly)
         optimizer = AdamWBF16(
-            groups, lr=cfg.effective_learning_rate, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon
+            groups,
+            lr=cfg.effective_learning_rate,
+            betas=(opt.adam_beta1, opt.adam_beta2),
+            eps=opt.adam_epsilon,
+            eight_bit=opt.optimizer == "adamw_bf16_8bit",
         )
     else:
         on_cuda = allow_fused and all(p.is_cuda and not isinstance(p, DTensor) for p in decay + no_decay)
@@ -238,6 +251,10 @@ class TorchTrainer(TrainerTemplate):
         self.cfg, self.module, self.device, self.runtime = cfg, module, device, runtime
         self.causal_lm: torch.nn.Module = cast(torch.nn.Module, module.causal_lm)
         self.optimizer, self.scheduler = build_optimizer(module, cfg)
+        self.in_backward = (
+            StepInBackward(module, cast(AdamWBF16, self.optimizer)) if cfg.optim.optimizer_in_backward else None
+        )
+        self.update_in_micro_steps = self.in_backward is not None
         self.ref_model: Optional[torch.nn.Module] = None  # DPO, KTO, GRPO: the live reference copy, if any
 
     @property
@@ -250,14 +267,21 @@ class TorchTrainer(TrainerTemplate):
         return self.optimizer.param_groups[0]["lr"]
 
     def gradient_norm(self) -> Optional[float]:
+        if self.in_backward is not None:
+            return self.in_backward.take_norm()  # the parameters stepped in backward (no clipping: checked)
         max_norm = self.cfg.optim.max_grad_norm
         if max_norm is not None:
             return float(clip_grad_norm_fp64_(self.module.parameters(), max_norm))
         return float(grad_norm_fp64([p for p in self.module.parameters() if p.grad is not None]))
 
     def apply_update(self, grad_norm: Optional[float]) -> Optional[float]:
-        self.optimizer.step()
-        self.scheduler.step()
+        if self.in_backward is None:
+            self.optimizer.step()
+            self.scheduler.step()
+            return grad_norm
+        with warnings.catch_warnings():  # the parameters stepped in backward: torch's "step before optimizer.step()"
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+            self.scheduler.step()
         return grad_norm
 
     @torch.no_grad()

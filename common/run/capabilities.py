@@ -38,7 +38,8 @@ class Capabilities:
     loss_kernels: frozenset[str]
     """``loss_type`` values it runs (``liger`` and ``triton`` are torch kernels)."""
     options: frozenset[str]
-    """Framework-specific switches it honours: ``torch_compile``, ``fsdp``, ``deepspeed_zero_stage``."""
+    """Framework-specific switches it honours: ``torch_compile``, ``fsdp``, ``deepspeed_zero_stage``,
+    ``optimizer_in_backward``."""
     world_unit: str
     """What ``world_size`` counts: ``processes`` (one per rank) or ``visible devices`` (one process, a mesh)."""
     launch_hint: str
@@ -57,7 +58,7 @@ BACKEND_CAPABILITIES = {
     "torch": Capabilities(
         "torch",
         frozenset({"nll", "chunked", "fused_linear", "liger", "triton"}),
-        frozenset({"torch_compile", "fsdp", "deepspeed_zero_stage"}),
+        frozenset({"torch_compile", "fsdp", "deepspeed_zero_stage", "optimizer_in_backward"}),
         "processes",
         "launch {cp} or more processes (torchrun --nproc-per-node {cp})",
         multi_process=True,
@@ -104,6 +105,7 @@ def check_runtime(cfg: TrainConfig, rt: Runtime) -> None:
     _check_memory(cfg, rt)
     _check_attention(cfg, rt)
     _check_parallel(cfg, rt)
+    _check_optimizer_in_backward(cfg, rt)
     if cfg.task in ("dpo", "kto"):
         _check_dpo(cfg, rt)
 
@@ -252,4 +254,48 @@ def _check_dpo(cfg: TrainConfig, rt: Runtime) -> None:
             f"task={cfg.task!r} runs in one process on one device: FSDP, context parallelism and multi-process "
             f"launches are not implemented for {cfg.task.upper()}; drop --fsdp / --context-parallel-size and "
             f"launch with python."
+        )
+
+
+def _check_optimizer_in_backward(cfg: TrainConfig, rt: Runtime) -> None:
+    """``optimizer_in_backward``: each parameter steps in its gradient's hook, so no step sees all the gradients."""
+    opt, data = cfg.optim, cfg.data
+    if not opt.optimizer_in_backward:
+        return
+    if "optimizer_in_backward" not in rt.caps.options:
+        raise ConfigError(
+            f"optimizer_in_backward=True is a torch option (a per-parameter step in each gradient's hook); the "
+            f"{rt.backend} backend's step is one compiled program that updates its donated parameter and optimizer "
+            f"buffers in place. Drop --optimizer-in-backward."
+        )
+    if data.gradient_accumulation_steps > 1:
+        raise ConfigError(
+            f"optimizer_in_backward=True steps each parameter when its gradient is produced, but "
+            f"gradient_accumulation_steps={data.gradient_accumulation_steps} sums the gradients of several "
+            f"backward passes first; use --gradient-accumulation-steps 1 (raise --per-device-train-batch-size "
+            f"instead) or drop --optimizer-in-backward."
+        )
+    if opt.max_grad_norm is not None:
+        raise ConfigError(
+            f"optimizer_in_backward=True steps each parameter before the other gradients exist, so the global norm "
+            f"that max_grad_norm={opt.max_grad_norm} clips to is not known in time; pass --max-grad-norm None "
+            f"(the norm is still logged) or drop --optimizer-in-backward."
+        )
+    if opt.skip_nonfinite_steps:
+        raise ConfigError(
+            "optimizer_in_backward=True has updated the weights by the time a non-finite loss or norm is seen, so "
+            "skip_nonfinite_steps=True cannot skip the step; drop --skip-nonfinite-steps (such a step stops the run) "
+            "or drop --optimizer-in-backward."
+        )
+    if opt.optimizer == "adamw_bnb_8bit":
+        raise ConfigError(
+            "optimizer_in_backward=True steps one parameter at a time with twinseq's AdamW, and "
+            "optimizer='adamw_bnb_8bit' is bitsandbytes' optimizer; use --optimizer adamw_bf16_8bit (the same "
+            "8-bit moments, plain torch, bfloat16 weights) or drop --optimizer-in-backward."
+        )
+    if _distributed(cfg, rt) or cfg.parallel.deepspeed_zero_stage:
+        raise ConfigError(
+            "optimizer_in_backward=True runs in one process: FSDP2 reduces sharded gradients after backward and "
+            "DeepSpeed steps its own partitions; drop --fsdp / --context-parallel-size / --deepspeed-zero-stage "
+            "and launch with python, or drop --optimizer-in-backward."
         )

@@ -3,9 +3,10 @@
 The PEFT "memory budget" idea, made specific to what twinseq's trainers keep alive:
 
     total = parameters (bytes by storage dtype)
-          + gradients            (trainable parameters only, float32)
+          + gradients            (trainable parameters only, float32; optimizer_in_backward: one at a time)
           + optimizer state      (AdamW: 2 x float32 per trainable; adamw_bnb_8bit: 2 x 1 byte + block stats;
-                                  adamw_bf16: 2 x bfloat16, with bfloat16 weights and gradients)
+                                  adamw_bf16: 2 x bfloat16, with bfloat16 weights and gradients;
+                                  adamw_bf16_8bit: the 8-bit moments, with bfloat16 weights and gradients)
           + activations          (per token x tokens per micro-batch, by what backward keeps)
           + the loss kernel's logits term, attention scores/masks, LoRA's own activations, DPO's reference
 
@@ -29,7 +30,9 @@ Gradients and optimizer
     ``exp_avg``/``exp_avg_sq`` (8 bytes); ``adamw_bnb_8bit`` keeps 2 bytes plus a float32 absmax per block
     of 256 for each tensor of at least 4096 numbers (bitsandbytes' ``min_8bit_size``), float32 below;
     ``adamw_bf16`` holds weights, gradients and both moments in bfloat16 (2 + 2 + 4 bytes; no autocast copies of
-    the weights, which are already bfloat16).
+    the weights, which are already bfloat16); ``adamw_bf16_8bit`` those weights and gradients with the 8-bit moments.
+    ``optimizer_in_backward`` (torch) steps each parameter in its gradient's hook: one gradient (the largest tensor's)
+    and one update's float32 temporaries are alive inside backward, and there is no optimizer-step moment.
 
 Activations (the part that grows with the batch)
     ``tokens = rows x row_length`` of one micro-batch: ``per_device_train_batch_size x max_length``, or one
@@ -149,6 +152,12 @@ LORA_DROPOUT_APPLIED = {"torch": True, "jax": False}
 """The jax trainer does not apply LoRA dropout (jax_backend.peft), so it keeps no dropout output or mask."""
 BNB_8BIT_BLOCK = adamw_8bit.BLOCK
 BNB_MIN_8BIT_SIZE = adamw_8bit.MIN_8BIT_SIZE
+UPDATE_CHUNK = 1 << 24
+"""Numbers per chunk of ``AdamWBF16``'s update (``torch_backend.bf16_adamw.CHUNK``, ``adamw_8bit.CHUNK``)."""
+UPDATE_TEMP_BYTES = {"adamw_torch": 8, "adamw_bnb_8bit": 8, "adamw_bf16": 20, "adamw_bf16_8bit": 24}
+"""Bytes of temporaries per number of the tensor being updated (torch): float32 AdamW's denominator (and the norm's
+float64 copy, 8); ``AdamWBF16``'s float32 weight, moments, denominator and random bits (20); with 8-bit moments the
+dequantised values, their int32 indices and block scales too (24)."""
 LOGITS_COPIES = {"torch": 3.0, "jax": 2.5}
 """float32 copies of ``[tokens, vocab]`` alive at the loss's peak: logits/log-softmax, and in backward the
 gradient of the log-softmax and of the logits (torch frees the logits after the log-softmax). jax's value is
@@ -447,11 +456,18 @@ def plan_memory(
                 f"{quant_elems / 1e6:.1f}M decoder linear weights x ({NF4_BYTES} + {stats:.4f}) B",
             )
         )
-    bf16_state = config.optim.optimizer == "adamw_bf16"
+    optimizer = config.optim.optimizer
+    bf16_state = optimizer in ("adamw_bf16", "adamw_bf16_8bit")
     if bf16_state and backend != "torch":
         raise ConfigError(
-            "optimizer='adamw_bf16' (bfloat16 weights and moments) is torch only today; use --optimizer "
-            "adamw_torch on the jax backend."
+            f"optimizer={optimizer!r} (bfloat16 weights, stochastically rounded) is torch only today; use "
+            f"--optimizer adamw_torch (or adamw_bnb_8bit) on the jax backend."
+        )
+    in_bwd = config.optim.optimizer_in_backward
+    if in_bwd and backend != "torch":
+        raise ConfigError(
+            "optimizer_in_backward=True is a torch option (a per-parameter step in each gradient's hook); drop "
+            "--optimizer-in-backward on the jax backend."
         )
     # the stored weights: bfloat16 under adamw_bf16; under adapters the frozen base in the compute dtype
     # (common.models.peft.base_dtype); float32 master weights otherwise
@@ -514,18 +530,32 @@ def plan_memory(
         )
 
     # --- gradients and optimizer --------------------------------------------------------
-    rows.append(
-        MemoryRow(
-            f"gradients ({'bfloat16' if bf16_state else 'float32'})",
-            int(trainable * (2 if bf16_state else 4) / shard),
-            f"{trainable / 1e6:.2f}M trainable",
+    grad_bytes = 2 if bf16_state else 4
+    largest_numel = max(map(_numel, trainable_shapes))
+    if in_bwd:
+        # each parameter steps in its gradient's hook and frees it there: one gradient is alive at a time
+        gradients = largest_numel * grad_bytes
+        rows.append(
+            MemoryRow(
+                f"gradients ({'bfloat16' if bf16_state else 'float32'}, one at a time)",
+                int(gradients),
+                f"optimizer in backward: the largest trainable tensor's, {largest_numel / 1e6:.2f}M numbers",
+            )
         )
-    )
-    if bf16_state:
+    else:
+        gradients = trainable * grad_bytes
+        rows.append(
+            MemoryRow(
+                f"gradients ({'bfloat16' if bf16_state else 'float32'})",
+                int(gradients / shard),
+                f"{trainable / 1e6:.2f}M trainable",
+            )
+        )
+    if optimizer == "adamw_bf16":
         rows.append(
             MemoryRow("optimizer state (AdamW bfloat16)", int(trainable * 4 / shard), "exp_avg + exp_avg_sq, bfloat16")
         )
-    elif config.optim.optimizer == "adamw_bnb_8bit":
+    elif optimizer in ("adamw_bnb_8bit", "adamw_bf16_8bit"):
         rows.append(
             MemoryRow(
                 "optimizer state (AdamW 8-bit)",
@@ -716,14 +746,19 @@ def plan_memory(
             + tokens * h * 4
             + copies_in_backward
         )
-        # every gradient, and clip_grad_norm_fp64's float64 copy of one gradient at a time (vector_norm with
-        # dtype=float64 casts the whole tensor first: 8 bytes per number of the largest)
-        at_update = trainable * 4 + 2 * largest
+        # the float64 copy of one gradient the norm takes (vector_norm with dtype=float64 casts the whole tensor
+        # first: 8 bytes per number of the largest), or the update's float32 temporaries of one chunk
+        update_work = max(2 * largest, min(largest_numel, UPDATE_CHUNK) * UPDATE_TEMP_BYTES[optimizer])
+        if in_bwd:  # the update runs inside backward, one parameter at a time, its gradient freed
+            in_backward += gradients + update_work
+            at_update = 0
+        else:  # every gradient, then the norm or the update
+            at_update = gradients + update_work
         peak = max(at_loss, in_backward, at_update)
         moment = {at_loss: "the loss", in_backward: "the backward pass", at_update: "the optimizer step"}[peak]
         listed = (
             sum(r.bytes for r in rows if r.component in ACTIVATION_ROWS + ("backward working set",))
-            + trainable * 4
+            + gradients
             + copies_all
         )
         rows.append(
