@@ -19,6 +19,7 @@ padding-free + ``varlen`` attention.
     .venv/bin/python benchmarks/peft_staircase.py                      # both models, both backends
     .venv/bin/python benchmarks/peft_staircase.py --models small --backends torch
     .venv/bin/python benchmarks/peft_staircase.py --reuse benchmarks/results/<file>.json --remeasure jax
+    .venv/bin/python benchmarks/peft_staircase.py --reuse <file>.json --remeasure "+ checkpointing"  # new rungs
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="a previous result .json: keep its measured cells (re-planned with the current "
                              "formula) and measure only the cells it lacks")
     parser.add_argument("--remeasure", default="",
-                        help="comma-separated backends whose cells are measured again even if --reuse has them "
-                             "(e.g. --reuse <json> --remeasure jax keeps the torch cells and re-runs the jax ones)")
+                        help="comma-separated backends or steps whose cells are measured again even if --reuse has "
+                             "them (e.g. --reuse <json> --remeasure jax keeps the torch cells and re-runs the jax "
+                             "ones; --remeasure '+ checkpointing' re-runs the state rungs' float32 base)")
     add_output_args(parser)
     return parser.parse_args(argv)
 
@@ -125,7 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.reuse is not None:
         remeasure = {b.strip() for b in args.remeasure.split(",") if b.strip()}
         old = {(r["model"], r["backend"], r["step"]): r for r in json.loads(args.reuse.read_text())["results"]
-               if "peak_bytes" in r and r["backend"] not in remeasure}
+               if "peak_bytes" in r and r["backend"] not in remeasure and r["step"] not in remeasure}
     for model, backend, step, change in tqdm(jobs, desc="staircase", unit="run"):
         values = dict(backend=backend, model_config=model_paths[model], init_weights="random", learning_rate=1e-3,
                       **SHAPES[model], **change)
