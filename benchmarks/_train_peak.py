@@ -37,7 +37,11 @@ _NO_SAVE = "TWINSEQ_MEASURE_NO_SAVE"
 
 
 def flags_of(values: dict[str, Any]) -> list[str]:
-    """``{"max_length": 512, "packing": True}`` -> ``["--max-length", "512", "--packing"]``."""
+    """``{"max_length": 512, "packing": True}`` -> ``["--max-length", "512", "--packing"]``; a None value is passed as
+    ``None`` when the field's default is not None (``max_grad_norm=None`` turns clipping off), else left out."""
+    from twinseq.common.config import TrainConfig
+
+    defaults = TrainConfig().to_flat_dict()
     out: list[str] = []
     for key, value in values.items():
         flag = "--" + key.replace("_", "-")
@@ -47,6 +51,8 @@ def flags_of(values: dict[str, Any]) -> list[str]:
             out += [flag, *map(str, value)]
         elif value is not None:
             out += [flag, str(value)]
+        elif defaults.get(key) is not None:
+            out += [flag, "None"]
     return out
 
 
@@ -124,6 +130,7 @@ def _child_torch(argv: list[str]) -> dict[str, Any]:
         if cuda:
             rec["cuda_step_peak"].append(int(torch.cuda.max_memory_allocated()))
         rec.setdefault("num_tokens", []).append(int(out.get("num_tokens", 0)))
+        rec.setdefault("loss", []).append(float(out.get("loss", float("nan"))))
         return out
 
     tt.build_causal_lm, tt.TorchTrainer.step = build_hooked, step_hooked
@@ -194,6 +201,7 @@ def _child_jax(argv: list[str]) -> dict[str, Any]:
         out = step(self, micro_batches)
         rec["step_seconds"].append(time.perf_counter() - t0)
         rec.setdefault("num_tokens", []).append(int(out.get("num_tokens", 0)))
+        rec.setdefault("loss", []).append(float(out.get("loss", float("nan"))))
         return out
 
     jt.grads_jit, jt.apply_updates, jt.JaxTrainer.step = grads_hooked, update_hooked, step_hooked
