@@ -18,6 +18,7 @@ measures one run with no hooks and no such setting.
 
     .venv/bin/python benchmarks/memory_planner_check.py                    # every configuration
     .venv/bin/python benchmarks/memory_planner_check.py --only torch-full-nll,jax-full-nll
+    .venv/bin/python benchmarks/memory_planner_check.py --reuse <json> --only none --gpu-results <gpu json>,...
 """
 
 from __future__ import annotations
@@ -163,8 +164,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--reuse", type=Path, default=None,
                         help="a previous result .json: keep its measurements of the configurations not re-run "
                              "(each kept row says so)")
+    parser.add_argument("--gpu-results", default="",
+                        help="comma-separated GPU result .json files (benchmarks/gpu/sft_gpu.py, "
+                             "state_staircase_gpu.py): each measured twinseq row re-planned for cuda, in its own table")
     add_output_args(parser)
     return parser.parse_args(argv)
+
+
+def replan_gpu(paths: Sequence[Path]) -> dict[str, dict[str, Any]]:
+    """``{file: row name: planned, measured, error}`` for each twinseq row of GPU result files, re-planned with
+    ``device="cuda"`` by the current formula (the measurement: ``torch.cuda.max_memory_allocated`` over the steps
+    minus the bytes allocated before the model was built)."""
+    import json
+
+    from twinseq.common.config import TrainConfig
+    from twinseq.common.run.memory_plan import plan_memory
+
+    out: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        rows = json.loads(Path(path).read_text())["results"]
+        for r in rows:
+            name = r.get("rung") or r.get("setup")
+            if r.get("status") != "ok" or r.get("measured_on") != "cuda" or r["config"].get("backend") != "torch":
+                continue
+            values = {k: v for k, v in r["config"].items() if k not in ("output_dir", "max_steps", "disable_tqdm")}
+            planned = plan_memory(TrainConfig.from_flat(**values), device="cuda").total
+            out[f"{Path(path).stem}: {name}"] = {"config": values, "planned": planned, "measured": r["peak_bytes"],
+                                                 "error": (planned - r["peak_bytes"]) / r["peak_bytes"]}
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -259,6 +286,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if reused:
         body += ["", f"† measured by an earlier run of this script ({', '.join(reused)}, `--reuse`) and re-planned "
                      "with the current formula; each measurement's own command is in the .json."]
+    gpu = replan_gpu([Path(p) for p in args.gpu_results.split(",") if p]) if args.gpu_results else {}
+    if gpu:
+        gpu_within = sum(abs(r["error"]) <= TOLERANCE for r in gpu.values())
+        body += ["", "GPU measurements (their own result files), re-planned for `--device cuda` by the current formula:",
+                 "", *markdown_table(["run: setup", "planned MiB", "measured MiB", "error", f"within {TOLERANCE:.0%}"],
+                                     [[k, f"{r['planned'] / MIB:,.0f}", f"{r['measured'] / MIB:,.0f}",
+                                       f"{100 * r['error']:+.1f}%", "yes" if abs(r["error"]) <= TOLERANCE else "**no**"]
+                                      for k, r in gpu.items()], "lrrrl"),
+                 "", f"{gpu_within} of {len(gpu)} GPU rows within {TOLERANCE:.0%}."]
     if failed:
         body += ["", "Not measured (the run failed):", ""] + [f"- `{k}`: {v}" for k, v in failed.items()]
 
@@ -281,7 +317,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         ax.legend()
         save_figure(fig, png)
 
-    run.write({"tolerance": TOLERANCE, "results": results, "failed": failed}, title="Memory planner check",
+    run.write({"tolerance": TOLERANCE, "results": results, "failed": failed, "gpu_replanned": gpu}, title="Memory planner check",
               body="\n".join(body), plot=plot if results else None)
 
 

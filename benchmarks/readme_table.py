@@ -138,7 +138,10 @@ def memory_planner_check_row(d: dict) -> tuple[str, str, str]:
     return (f"memory planner vs measured peak of `twinseq train`, {len(errors)} configurations (torch, jax)",
             "measured: torch peak RSS, jax compiled memory_analysis",
             f"{within}/{len(errors)} within {d['tolerance']:.0%}; median error {100 * sorted(errors)[len(errors) // 2]:.1f} %, "
-            f"worst {100 * max(errors):.1f} %")
+            f"worst {100 * max(errors):.1f} %"
+            + (f"; GPU runs re-planned for cuda: {sum(abs(r['error']) <= d['tolerance'] for r in gpu.values())}/"
+               f"{len(gpu)} within {d['tolerance']:.0%}, worst {100 * max(abs(r['error']) for r in gpu.values()):.1f} %"
+               if (gpu := d.get("gpu_replanned")) else ""))
 
 
 def peft_staircase_row(d: dict) -> tuple[str, str, str]:
@@ -146,9 +149,14 @@ def peft_staircase_row(d: dict) -> tuple[str, str, str]:
     model = "llama-100m" if any(r["model"] == "llama-100m" for r in done) else done[0]["model"]
     mine = [r for r in done if r["model"] == model and r["backend"] == "torch"]
     base, last = mine[0], mine[-1]
-    return (f"memory staircase, `{model}` torch: baseline -> {last['step'].lstrip('+ ')} (all techniques up to it)",
-            f"{base['step']}: {_mib(base['peak_bytes'])}",
-            f"{_mib(last['peak_bytes'])} ({_x(last['peak_bytes'] / base['peak_bytes'])}×)")
+    text = f"{_mib(last['peak_bytes'])} ({_x(last['peak_bytes'] / base['peak_bytes'])}×)"
+    what = f"memory staircase, `{model}` torch: baseline -> {last['step'].lstrip('+ ')} (the techniques up to it)"
+    state = {r["step"]: r for r in mine}
+    fp32, inbwd = state.get("+ checkpointing"), state.get("+ optimizer in backward")
+    if fp32 and inbwd:
+        what += "; full fine-tune: float32 state -> bf16 + 8-bit AdamW + optimizer in backward"
+        text += f"; {_mib(fp32['peak_bytes'])} -> {_mib(inbwd['peak_bytes'])} ({_x(inbwd['peak_bytes'] / fp32['peak_bytes'])}×)"
+    return what, f"{base['step']}: {_mib(base['peak_bytes'])}", text
 
 
 def max_length_row(d: dict) -> tuple[str, str, str]:
@@ -254,6 +262,15 @@ def sft_gpu_row(d: dict) -> tuple[str, str, str]:
     return f"`{d['model']}`, {d['rows']} × {d['max_length']:,} packed tokens per step", baseline, text
 
 
+def state_staircase_gpu_row(d: dict) -> tuple[str, str, str]:
+    rows = {r["rung"]: r for r in d["results"] if r["status"] == "ok"}
+    base = rows["float32"]
+    steps = [f"{name}: {_mib(r['peak_bytes'])} ({_x(r['peak_bytes'] / base['peak_bytes'])}×, loss "
+             f"{100 * (r['last_loss'] / base['last_loss'] - 1):+.2f} %)" for name, r in rows.items() if name != "float32"]
+    return (f"`{d['model']}` full fine-tune, {d['rows']} × {d['max_length']:,} packed tokens, {d['steps']} steps a rung",
+            f"float32 weights + AdamW: {_mib(base['peak_bytes'])}", "; ".join(steps))
+
+
 def save_memory_row(d: dict) -> tuple[str, str, str]:
     rows = d["rows"]
     eager = next((r for r in rows if r["mode"] == "eager"), None)
@@ -273,12 +290,14 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "memory_planner_check": memory_planner_check_row, "peft_staircase": peft_staircase_row,
     "max_length": max_length_row, "cp_memory": cp_memory_row, "grpo_memory": grpo_memory_row,
     "rloo_memory": grpo_memory_row, "kto_memory": kto_memory_row,
-    "loss_kernels": loss_kernels_row, "sft_gpu": sft_gpu_row, "save_memory": save_memory_row,
+    "loss_kernels": loss_kernels_row, "sft_gpu": sft_gpu_row, "state_staircase_gpu": state_staircase_gpu_row,
+    "save_memory": save_memory_row,
 }
 # Scripts of benchmarks/gpu/: measured on a GPU only (their CPU smoke runs are tests, never README figures).
 GPU_ONLY: dict[str, str] = {
     "loss_kernels": "LM-head loss kernels fwd+bwd: twinseq vs `nll`, TRL, Liger, Cut Cross-Entropy",
     "sft_gpu": "SFT steps: twinseq vs TRL SFTTrainer; activation offloading on/off",
+    "state_staircase_gpu": "training state: float32 AdamW -> bf16 state -> 8-bit AdamW -> optimizer in backward",
 }
 # Scripts of benchmarks/gpu/ that run a benchmark above in its CUDA mode: their results are that benchmark's files
 # (``max_length_<gpu>_<date>.json``), shown in its row's GPU column.

@@ -299,3 +299,20 @@ def test_max_length_run_cut_after_its_first_row_keeps_that_row(tmp_path, monkeyp
     data = json.loads(path.read_text())
     assert "partial" not in data and [r["setup"] for r in data["results"]] == ["torch", "trl"]
     assert "partial" not in readme_table.file_cell(path, data, tmp_path)
+
+
+@pytest.mark.slow
+def test_state_staircase_gpu_smoke_runs_every_rung_and_compares_with_float32(tmp_path):
+    data = _run_script("state_staircase_gpu", tmp_path)
+    rows = {r["rung"]: r for r in data["results"]}
+    assert list(rows) == ["float32", "bf16-state", "bf16-8bit", "bf16-8bit-in-backward"]
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    last = rows["bf16-8bit-in-backward"]["config"]
+    assert last["optimizer"] == "adamw_bf16_8bit" and last["optimizer_in_backward"] and last["max_grad_norm"] is None
+    assert "--max-grad-norm None" in rows["float32"]["command"]  # every rung trains without clipping
+    for r in rows.values():
+        assert len(r["losses"]) == data["steps"] and r["last_loss"] < r["first_loss"]
+    assert set(data["acceptance"]) == {"bf16 + 8-bit + in-backward peak <= 0.5x float32",
+                                       "its loss within 2 % of float32's"}
+    cell = _gpu_readme_cell(tmp_path, data)
+    assert "float32 weights + AdamW:" in cell and "bf16-8bit-in-backward:" in cell

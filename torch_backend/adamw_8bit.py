@@ -64,4 +64,4 @@ def quantize_(codes: torch.Tensor, absmax: torch.Tensor, x: torch.Tensor, kind: 
     big = padded.abs().amax(dim=1)
     absmax.copy_(big)
     normed = padded / torch.where(big > 0, big, torch.ones_like(big))[:, None]
-    codes.copy_(torch.searchsorted(bounds, normed.view(-1), side="left")[:n].to(torch.uint8))
+    codes.copy_(torch.searchsorted(bounds, normed.view(-1), side="left", out_int32=True)[:n].to(torch.uint8))

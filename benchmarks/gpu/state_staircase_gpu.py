@@ -125,12 +125,12 @@ def _resolve_rungs(args: argparse.Namespace) -> str:
     unknown = [r for r in args.rungs.split(",") if r and r not in RUNGS]
     if unknown:
         raise SystemExit(f"--rungs: unknown {unknown}; choose from {tuple(RUNGS)}")
+    args.setups = ""  # (sft_gpu's _resolve checks its own setups)
+    device = _resolve(args)  # --device auto -> cuda or cpu; with --smoke it sets sft_gpu's smoke sizes
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
-        args.smoke = False  # sft_gpu's _resolve reads --smoke for its own sizes
-    args.setups = ""
-    return _resolve(args)
+    return device
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:

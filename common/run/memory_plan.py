@@ -463,6 +463,10 @@ def plan_memory(
             f"optimizer={optimizer!r} (bfloat16 weights, stochastically rounded) is torch only today; use "
             f"--optimizer adamw_torch (or adamw_bnb_8bit) on the jax backend."
         )
+    if bf16_state and device == "cuda":
+        # bfloat16 weights compute in bfloat16, whatever --dtype says (on CPU, where bfloat16 matmuls run through
+        # float32 workspaces, the measured peak follows the float32 activations: the staircase's small and llama-100m)
+        act_bytes = DTYPE_BYTES["bfloat16"]
     in_bwd = config.optim.optimizer_in_backward
     if in_bwd and backend != "torch":
         raise ConfigError(
@@ -595,7 +599,7 @@ def plan_memory(
     # stream, the norms and RoPE's products in float32 and saves compute-dtype casts of each linear's input
     layer_bytes = per_layer * act_bytes
     resid_bytes = act_bytes
-    if backend == "torch" and dtype != "float32":
+    if backend == "torch" and dtype != "float32" and not bf16_state:  # (bfloat16 weights: a bfloat16 stream)
         resid_bytes = 4
         casts = 2 * h + q + i
         layer_bytes = coef.norm * h * 4 + casts * act_bytes + (coef.attn * q + coef.mlp * i) * act_bytes + 2 * q * 4
@@ -701,7 +705,7 @@ def plan_memory(
         )
 
     loss_type = config.loss.loss_type
-    head_grad = 0 if peft.use_peft else v * h * 4  # the lm_head/embedding gradient, made by the loss
+    head_grad = 0 if peft.use_peft else v * h * grad_bytes  # the lm_head/embedding gradient, made by the loss
     if loss_type == "nll":
         logits = LOGITS_COPIES[backend] * tokens * v * 4
         note = f"{LOGITS_COPIES[backend]:g} x [{tokens}, {v}] float32"
@@ -718,7 +722,6 @@ def plan_memory(
     runtime = RUNTIME_BYTES.get((backend, device), 0)
     if runtime:
         rows.append(MemoryRow("runtime", int(runtime), "fitted: autograd engine, kernels' scratch (torch CPU)"))
-    largest = max(map(_numel, trainable_shapes)) * 4
     if backend == "torch":
         work = tokens * coef.work * layer_bytes
         rows.append(
@@ -746,14 +749,24 @@ def plan_memory(
             + tokens * h * 4
             + copies_in_backward
         )
+
         # the float64 copy of one gradient the norm takes (vector_norm with dtype=float64 casts the whole tensor
-        # first: 8 bytes per number of the largest), or the update's float32 temporaries of one chunk
-        update_work = max(2 * largest, min(largest_numel, UPDATE_CHUNK) * UPDATE_TEMP_BYTES[optimizer])
-        if in_bwd:  # the update runs inside backward, one parameter at a time, its gradient freed
-            in_backward += gradients + update_work
-            at_update = 0
+        # first: 8 bytes per number), or the update's float32 temporaries of one chunk
+        def update_work(numel: int) -> int:
+            return max(8 * numel, min(numel, UPDATE_CHUNK) * UPDATE_TEMP_BYTES[optimizer])
+
+        if in_bwd:
+            # one parameter at a time, its gradient freed after its update: inside the layers' backward, a decoder
+            # layer's largest tensor (or an untied lm_head, whose gradient is complete right after the loss); the
+            # embedding's (tied: the lm_head's too) is complete last, once the activations are freed
+            named = adapters if peft.use_peft else shapes
+            layer = max((_numel(s) for n, s in named.items() if n.startswith("model.layers.")), default=0)
+            head = 0 if peft.use_peft or cfg.tie_word_embeddings else _numel(shapes["lm_head.weight"])
+            last = 0 if peft.use_peft else _numel(shapes["model.embed_tokens.weight"])
+            in_backward += max(n * grad_bytes + update_work(n) for n in (layer, head))
+            at_update = last * grad_bytes + update_work(last)
         else:  # every gradient, then the norm or the update
-            at_update = gradients + update_work
+            at_update = gradients + update_work(largest_numel)
         peak = max(at_loss, in_backward, at_update)
         moment = {at_loss: "the loss", in_backward: "the backward pass", at_update: "the optimizer step"}[peak]
         listed = (
