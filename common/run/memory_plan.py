@@ -760,11 +760,11 @@ def plan_memory(
             # layer's largest tensor (or an untied lm_head, whose gradient is complete right after the loss); the
             # embedding's (tied: the lm_head's too) is complete last, once the activations are freed
             named = adapters if peft.use_peft else shapes
-            layer = max((_numel(s) for n, s in named.items() if n.startswith("model.layers.")), default=0)
-            head = 0 if peft.use_peft or cfg.tie_word_embeddings else _numel(shapes["lm_head.weight"])
-            last = 0 if peft.use_peft else _numel(shapes["model.embed_tokens.weight"])
-            in_backward += max(n * grad_bytes + update_work(n) for n in (layer, head))
-            at_update = last * grad_bytes + update_work(last)
+            layer_numel = max((_numel(s) for n, s in named.items() if n.startswith("model.layers.")), default=0)
+            head_numel = 0 if peft.use_peft or cfg.tie_word_embeddings else _numel(shapes["lm_head.weight"])
+            last_numel = 0 if peft.use_peft else _numel(shapes["model.embed_tokens.weight"])
+            in_backward += max(n * grad_bytes + update_work(n) for n in (layer_numel, head_numel))
+            at_update = last_numel * grad_bytes + update_work(last_numel)
         else:  # every gradient, then the norm or the update
             at_update = gradients + update_work(largest_numel)
         peak = max(at_loss, in_backward, at_update)
