@@ -118,3 +118,24 @@ def test_jax_trains_with_8bit_adamw_and_resumes_bitwise(tmp_path):
     # 8-bit moments change the update a little: the run is not float32's, and follows it closely
     assert [r["loss"] for r in full] != [r["loss"] for r in fp32]
     assert abs(full[-1]["loss"] - fp32[-1]["loss"]) <= 0.02 * fp32[-1]["loss"]
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_nearest_code_search_is_searchsorted_in_a_sixth_of_its_scratch(signed):
+    from twinseq.jax_backend.adamw_8bit import _nearest_codes
+
+    code_map = rule.dynamic_map(signed)
+    bounds = jnp.asarray(rule.midpoints(code_map))
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.uniform(-1, 1, 200_000), rule.midpoints(code_map), code_map, [-1.0, 0.0, 1.0]])
+    x = jnp.asarray(values.astype(np.float32))
+    expected = np.searchsorted(rule.midpoints(code_map), np.asarray(x), side="left")  # boundaries included
+    assert np.array_equal(np.asarray(jax.jit(_nearest_codes)(x, bounds)), expected)
+    big = jnp.zeros((1 << 20,), jnp.float32)
+
+    def scratch(f):
+        return jax.jit(f).lower(big).compile().memory_analysis().temp_size_in_bytes / big.size
+
+    ours = scratch(lambda v: _nearest_codes(v, bounds))
+    theirs = scratch(lambda v: jnp.searchsorted(bounds, v, side="left").astype(jnp.uint8))
+    assert ours <= 4.0 and theirs >= 6 * ours, (ours, theirs)
