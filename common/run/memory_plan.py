@@ -467,11 +467,28 @@ def plan_memory(
         # bfloat16 weights compute in bfloat16, whatever --dtype says (on CPU, where bfloat16 matmuls run through
         # float32 workspaces, the measured peak follows the float32 activations: the staircase's small and llama-100m)
         act_bytes = DTYPE_BYTES["bfloat16"]
+    if bf16_state and peft.use_peft:
+        raise ConfigError(
+            f"optimizer={optimizer!r} trains full bfloat16 weights, but use_peft=True trains float32 adapters over a "
+            f"frozen base; drop --use-peft (full fine-tune) or use --optimizer adamw_torch with adapters."
+        )
     in_bwd = config.optim.optimizer_in_backward
     if in_bwd and backend != "torch":
         raise ConfigError(
             "optimizer_in_backward=True is a torch option (a per-parameter step in each gradient's hook); drop "
             "--optimizer-in-backward on the jax backend."
+        )
+    if in_bwd and optimizer == "adamw_bnb_8bit":
+        raise ConfigError(
+            "optimizer_in_backward=True steps one parameter at a time with twinseq's AdamW, and "
+            "optimizer='adamw_bnb_8bit' is bitsandbytes' optimizer; use --optimizer adamw_bf16_8bit or drop "
+            "--optimizer-in-backward."
+        )
+    if in_bwd and (config.data.gradient_accumulation_steps > 1 or config.optim.max_grad_norm is not None):
+        raise ConfigError(
+            f"optimizer_in_backward=True steps each parameter inside backward, so it needs "
+            f"gradient_accumulation_steps=1 (got {config.data.gradient_accumulation_steps}) and max_grad_norm=None "
+            f"(got {config.optim.max_grad_norm}); pass --gradient-accumulation-steps 1 --max-grad-norm None."
         )
     # the stored weights: bfloat16 under adamw_bf16; under adapters the frozen base in the compute dtype
     # (common.models.peft.base_dtype); float32 master weights otherwise
@@ -818,7 +835,10 @@ KNOBS = (
     Knob("gradient_checkpointing", 3.0, "compute: about one more forward per step (~30% slower)"),
     Knob("activation_offloading", 2.0, "host transfers, overlapped on a side stream (CUDA only)"),
     Knob("micro_batch", 4.0, "compute: smaller micro-batches, more accumulation, same effective batch"),
+    Knob("optimizer_in_backward", 4.5, "exact updates, but no global-norm clipping and no accumulation (torch)"),
     Knob("adamw_bnb_8bit", 5.0, "8-bit optimizer moments: a small change in the update"),
+    Knob("adamw_bf16", 6.0, "bfloat16 weights and moments, stochastically rounded (torch, full fine-tune)"),
+    Knob("adamw_bf16_8bit", 7.0, "bfloat16 weights, 8-bit moments (torch, full fine-tune)"),
     Knob("use_peft", 10.0, "changes what trains: LoRA adapters on a frozen base"),
     Knob("load_in_4bit", 12.0, "changes the base: NF4-quantised frozen weights (QLoRA)"),
 )
@@ -879,8 +899,13 @@ def _candidates(config, backend: str, device: str, devices: int):
         options.append([(None, {}), ("activation_offloading", {"activation_offloading": True})])
     if devices > 1 and not config.parallel.fsdp and backend == "torch":
         options.append([(None, {}), ("fsdp", {"fsdp": True})])
-    if config.optim.optimizer != "adamw_bnb_8bit":
-        options.append([(None, {}), ("adamw_bnb_8bit", {"optimizer": "adamw_bnb_8bit"})])
+    # (the planner refuses what cannot combine: a bfloat16 state on jax or with adapters, in-backward with
+    # accumulation; the advisor skips those sets)
+    optimizers = [o for o in ("adamw_bnb_8bit", "adamw_bf16", "adamw_bf16_8bit") if o != config.optim.optimizer]
+    options.append([(None, {}), *((o, {"optimizer": o}) for o in optimizers)])
+    if backend == "torch" and not config.optim.optimizer_in_backward:
+        in_bwd = {"optimizer_in_backward": True, "max_grad_norm": None}
+        options.append([(None, {}), ("optimizer_in_backward", in_bwd)])
     peft_opts: list[tuple[Optional[str], dict]] = [(None, {})]
     if not config.peft.use_peft:
         peft_opts.append(("use_peft", {"use_peft": True}))

@@ -321,3 +321,28 @@ def test_cli_bad_input_is_one_clear_line(capsys, argv, message):
     assert main(["memory", "--model-config", "tiny", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_advice_offers_the_training_state_rungs_on_torch_only():
+    """A full fine-tune whose activations are already small: the state is what is left to shrink. Just below the
+    plan, the cheapest fitting knob is optimizer_in_backward (one gradient at a time), with the clipping it needs off;
+    far lower, the bfloat16 8-bit state joins it; jax is never offered either."""
+    kw = dict(BASE, model_config="small", max_length=128, per_device_train_batch_size=1, loss_type="fused_linear",
+              gradient_checkpointing=True, padding_free=True, attn_implementation="varlen")
+    cfg = TrainConfig.from_flat(**kw)
+    full = plan_memory(cfg, device="cuda")
+    advice = advise(cfg, full.total - 1, device="cuda")
+    assert advice.knobs == ["optimizer_in_backward"], advice.knobs
+    assert advice.flags == ["--optimizer-in-backward", "--max-grad-norm", "None"]
+    state = plan_memory(cfg.replace(optimizer="adamw_bf16_8bit", optimizer_in_backward=True, max_grad_norm=None),
+                        device="cuda")
+    deep = advise(cfg, state.total, device="cuda")
+    assert deep.plan.total <= state.total and deep.changes, deep.knobs
+    assert "use_peft" in deep.changes or deep.changes.get("optimizer") == "adamw_bf16_8bit", deep.knobs
+    jax = advise(TrainConfig.from_flat(**{**kw, "backend": "jax"}), full.total // 2)
+    assert "optimizer_in_backward" not in jax.knobs and jax.changes.get("optimizer") in (None, "adamw_bnb_8bit")
+    # and the planner refuses what the trainer refuses
+    with pytest.raises(ConfigError, match="drop --use-peft"):
+        plan_memory(cfg.replace(optimizer="adamw_bf16_8bit", use_peft=True))
+    with pytest.raises(ConfigError, match="--max-grad-norm None"):
+        plan_memory(cfg.replace(optimizer_in_backward=True))
