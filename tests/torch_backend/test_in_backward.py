@@ -85,6 +85,15 @@ def test_dpo_in_backward_is_the_after_backward_run_exactly(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_lora_in_backward_is_the_after_backward_run_exactly(sft_jsonl, tmp_path):
+    """Only the adapters get hooks (the frozen base has no gradient)."""
+    kw = dict(use_peft=True, learning_rate=1e-2, save_final_checkpoint=False)
+    train(_cfg(sft_jsonl, tmp_path / "after", **kw))
+    train(_cfg(sft_jsonl, tmp_path / "in", optimizer_in_backward=True, **kw))
+    a, b = read_metrics(tmp_path / "after"), read_metrics(tmp_path / "in")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b] and a[-1]["loss"] < a[0]["loss"]
+
+
 def _live_gradients(in_backward: bool) -> tuple[int, int]:
     """(the most parameters holding a gradient when any parameter's gradient completes, the parameter count) over
     one backward of the tiny model."""
