@@ -189,8 +189,10 @@ def apply_updates(optimizer: optax.GradientTransformation, params, opt_state, gr
     return optax.apply_updates(params, updates), opt_state, grad_norm
 
 
-@jax.jit
+@partial(jax.jit, donate_argnums=(0,))
 def _add(tree_a, tree_b):
+    """``tree_a + tree_b``, written into ``tree_a``'s buffers (donated): accumulating a micro-batch's gradients holds
+    the running sum and the new gradients, not a third copy."""
     return jax.tree.map(jnp.add, tree_a, tree_b)
 
 
