@@ -12,7 +12,12 @@ Invariants:
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +180,25 @@ def test_the_planner_holds_one_gradient_and_no_optimizer_step_moment():
     assert 0 < saved <= after.trainable_parameters * 4, saved  # at most every gradient
     with pytest.raises(Exception, match="--optimizer-in-backward"):
         plan_memory(TrainConfig.from_flat(optimizer_in_backward=True, backend="jax", **kw))
+
+
+def test_the_installed_command_plans_and_trains_the_smallest_state(tmp_path):
+    """What a user types, in fresh processes: ``twinseq memory`` shows one gradient at a time, ``twinseq train``
+    trains with bfloat16 weights, 8-bit moments and the step in backward, and logs the gradient norm."""
+    exe = str(Path(sys.executable).with_name("twinseq"))
+    flags = ["--model-config", "tiny", "--max-length", "128", "--per-device-train-batch-size", "2", "--optimizer",
+             "adamw_bf16_8bit", "--optimizer-in-backward", "--max-grad-norm", "None"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    plan = subprocess.run([exe, "memory", *flags], capture_output=True, text=True, timeout=300, env=env)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert "gradients (bfloat16, one at a time)" in plan.stdout and "optimizer state (AdamW 8-bit)" in plan.stdout
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [exe, "train", *flags, "--max-steps", "3", "--output-dir", str(out), "--disable-tqdm", "--learning-rate",
+         "1e-3"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "grad_norm" in r]
+    assert len(steps) == 3 and all(r["grad_norm"] > 0 for r in steps)
