@@ -63,6 +63,61 @@ def _kernel(mode: str) -> Any:
     return wrap_kernels(mode, k.adamw_bf16_kernel, do_not_specialize=["n"])[0]
 
 
+@functools.lru_cache(maxsize=2)
+def _kernel_8bit(mode: str) -> Any:
+    from twinseq.torch_backend import bf16_adamw_kernel as k  # optional dependency: imports triton.language
+
+    return wrap_kernels(mode, k.adamw_bf16_8bit_kernel, do_not_specialize=["n"])[0]
+
+
+ROWS_8BIT = 4
+"""Quantisation blocks per program of the 8-bit kernel."""
+
+
+def kernel_step_8bit_(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: float,
+    mode: str,
+) -> None:
+    """One ``AdamWBF16(eight_bit=True)`` update of a contiguous bfloat16 ``p`` by the Triton kernel
+    (``bf16_adamw_kernel.adamw_bf16_8bit_kernel``): the rule's float32 arithmetic, one read and one write of the
+    weight, its gradient, both moments' codes and absmax."""
+    n = p.numel()
+    maps = adamw_8bit.code_maps(p.device)
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=p.device)
+    blocks = -(-n // adamw_8bit.BLOCK)
+    _kernel_8bit(mode)[(triton_cdiv(blocks, ROWS_8BIT),)](
+        p.view(torch.int16),
+        grad.view(torch.int16),
+        state["exp_avg_codes"],
+        state["exp_avg_absmax"],
+        state["exp_avg_sq_codes"],
+        state["exp_avg_sq_absmax"],
+        maps["signed"][0],
+        maps["unsigned"][0],
+        maps["signed"][1],
+        maps["unsigned"][1],
+        seed,
+        n,
+        beta1,
+        beta2,
+        1 - lr * weight_decay,
+        lr / (1 - beta1**step),
+        math.sqrt(1 - beta2**step),
+        eps,
+        ROWS=ROWS_8BIT,
+        BLOCK=adamw_8bit.BLOCK,
+    )
+
+
 def kernel_step_(
     p: torch.Tensor,
     grad: torch.Tensor,
@@ -193,6 +248,13 @@ class AdamWBF16(torch.optim.Optimizer):
         state["step"] += 1
         step = float(state["step"])
         if "exp_avg_codes" in state:
+            mode = uses_kernel(p, grad)
+            if mode is not None:
+                kernel_step_8bit_(
+                    p.data, grad, state, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=decay, step=step,
+                    mode=mode,
+                )  # fmt: skip
+                return
             self._update_8bit(p, grad, state, lr=lr, beta1=beta1, beta2=beta2, eps=eps, decay=decay, step=step)
             return
         mode = uses_kernel(p, grad) if state["exp_avg"].dtype == p.dtype else None

@@ -157,3 +157,60 @@ def test_fifty_steps_reach_the_float32_runs_loss_within_two_percent(sft_jsonl, t
         mean_b = sum(r["loss"] for r in read_metrics(tmp_path / name)[-5:]) / 5
         print(f"loss: first {first:.4f}; mean of the last 5 steps: float32 {mean_a:.4f}, {name} {mean_b:.4f}")
         assert abs(mean_b - mean_a) <= 0.02 * mean_a, (name, mean_a, mean_b)
+
+
+def _kernel_against_the_torch_loop(device: str) -> None:
+    """Each step from the same state: the kernel on bfloat16 weights, and the torch loop on a float32 copy of them
+    (plain writes: the float32 update). The same codes (bar a boundary: one apart, at most 0.1 %), the same absmax
+    within float32 rounding, and the kernel's weights a bfloat16 neighbour of the float32 update."""
+    from twinseq.torch_backend import bf16_adamw
+
+    launches = []
+    kernel = bf16_adamw.kernel_step_8bit_
+    torch.manual_seed(5)
+    n = 70 * 131  # not a multiple of the 256-number block: the last block is short
+    p = torch.nn.Parameter(torch.randn(n, device=device).to(torch.bfloat16))
+    opt = AdamWBF16([p], lr=1e-2, weight_decay=0.1, eight_bit=True)
+    for step in range(3):
+        grad = (torch.randn(n, device=device) * (step + 1)).to(torch.bfloat16)
+        p32 = torch.nn.Parameter(p.detach().float())
+        ref = AdamWBF16([p32], lr=1e-2, weight_decay=0.1, eight_bit=True)
+        if opt.state[p]:
+            ref.state[p32] = {k: v.clone() for k, v in opt.state[p].items()}
+        p32.grad, p.grad = grad.float(), grad
+        ref.step()  # float32 weights: the torch loop, never the kernel
+        with pytest.MonkeyPatch.context() as mp:  # the kernel runs (a loop-against-loop check could not fail)
+            mp.setattr(bf16_adamw, "kernel_step_8bit_", lambda *a, **k: launches.append(1) or kernel(*a, **k))
+            opt.step()
+        mine, theirs = opt.state[p], ref.state[p32]
+        for key in ("exp_avg_codes", "exp_avg_sq_codes"):
+            diff = (mine[key].int() - theirs[key].int()).abs()
+            assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= 1e-3 * n, (step, key)
+        for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+            assert torch.allclose(mine[key], theirs[key], rtol=1e-5, atol=0), (step, key)
+        low = p32.detach().to(torch.bfloat16).float()  # the neighbours of the float32 update
+        spacing = (low.view(torch.int32) + 65536).view(torch.float32) - low
+        out = p.detach().float()
+        assert bool(((out - p32.detach()).abs() <= spacing.abs() + 1e-12).all()), step
+    assert len(launches) == 3
+
+
+@pytest.fixture
+def interpret_kernel_8bit(monkeypatch):
+    """The kernel under Triton's CPU interpreter (as ``test_bf16_adamw.interpret_kernel``)."""
+    pytest.importorskip("triton", reason="needs the triton package (dev extra): the kernel runs under its interpreter")
+    from twinseq.torch_backend import bf16_adamw
+    from twinseq.torch_backend.triton_ce import kernel_mode
+
+    if kernel_mode(torch.device("cpu")) != "interpret":
+        pytest.skip("Triton's interpreter is not on in this process (TRITON_INTERPRET=1 before triton's import)")
+    monkeypatch.setattr(bf16_adamw, "INTERPRET_ON_CPU", True)
+
+
+def test_the_8bit_kernel_follows_the_torch_loop(interpret_kernel_8bit):
+    _kernel_against_the_torch_loop("cpu")
+
+
+@pytest.mark.gpu
+def test_the_cuda_8bit_kernel_follows_the_torch_loop():
+    _kernel_against_the_torch_loop("cuda")
