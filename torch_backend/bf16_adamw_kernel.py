@@ -22,6 +22,8 @@ def adamw_bf16_kernel(
     n,
     beta1,
     beta2,
+    w1,
+    w2,
     decay_factor,
     step_size,
     bias2_sqrt,
@@ -29,19 +31,20 @@ def adamw_bf16_kernel(
     LERP_FROM_START: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """``P``, ``G``, ``M``, ``V``: int16 views of bfloat16 tensors of ``n`` elements; ``SEED_ptr``: one int64."""
+    """``P``, ``G``, ``M``, ``V``: int16 views of bfloat16 tensors of ``n`` elements; ``SEED_ptr``: one int64;
+    ``w1``, ``w2``: ``1 - beta1``, ``1 - beta2`` taken in float64 by the caller, as torch does (float32's
+    ``1 - 0.999`` is off by 1.3e-5 relative)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     p = (tl.load(P_ptr + offs, mask=ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     g = (tl.load(G_ptr + offs, mask=ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     m = (tl.load(M_ptr + offs, mask=ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     v = (tl.load(V_ptr + offs, mask=ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    w1 = 1.0 - beta1
     if LERP_FROM_START:  # torch's lerp: start + w (end - start) for w < 0.5, else end - (end - start)(1 - w)
         m = m + w1 * (g - m)
     else:
         m = g - (g - m) * (1.0 - w1)
-    v = v * beta2 + (1.0 - beta2) * (g * g)
+    v = v * beta2 + w2 * (g * g)
     denom = tl.sqrt_rn(v) / bias2_sqrt + eps
     p = p * decay_factor
     p = p + (-step_size) * (m / denom)
@@ -71,6 +74,8 @@ def adamw_bf16_8bit_kernel(
     n,
     beta1,
     beta2,
+    w1,
+    w2,
     decay_factor,
     step_size,
     bias2_sqrt,
@@ -95,8 +100,8 @@ def adamw_bf16_8bit_kernel(
     v_scale = tl.load(VA_ptr + rows, mask=row_ok, other=0.0)
     m = tl.load(SIGNED_ptr + m_codes) * m_scale[:, None]
     v = tl.load(UNSIGNED_ptr + v_codes) * v_scale[:, None]
-    m = m * beta1 + g * (1.0 - beta1)
-    v = v * beta2 + g * (1.0 - beta2) * g
+    m = m * beta1 + g * w1  # w1, w2: 1 - beta taken in float64 by the caller, as the rule does
+    v = v * beta2 + g * w2 * g
     m = tl.where(ok, m, 0.0)  # the numbers past the end are zeros, as the rule pads the last block
     v = tl.where(ok, v, 0.0)
     denom = tl.sqrt_rn(v) / bias2_sqrt + eps
