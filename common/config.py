@@ -212,7 +212,8 @@ class OptimConfig(_Section):
     ``common/run/adamw_8bit.py``) or ``adamw_bf16`` (torch, full fine-tune: bfloat16 weights, gradients and
     moments, 8 bytes of state per parameter instead of 16, every write stochastically rounded;
     ``torch_backend/bf16_adamw.py``) or ``adamw_bf16_8bit`` (torch, full fine-tune: those bfloat16 weights and
-    gradients with the 8-bit moments of ``common/run/adamw_8bit.py``, in plain torch: about 4 bytes per parameter)."""
+    gradients with the 8-bit moments of ``common/run/adamw_8bit.py``: about 6 bytes per parameter, 4 with
+    ``optimizer_in_backward``)."""
     optimizer_in_backward: bool = False
     """torch: step each parameter in its gradient's hook, as soon as backward has produced the gradient, and free the
     gradient there (torchtune's ``optimizer_in_bwd``): one gradient is alive at a time, not all of them. Needs
