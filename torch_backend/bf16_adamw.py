@@ -70,6 +70,23 @@ def _kernel_8bit(mode: str) -> Any:
     return wrap_kernels(mode, k.adamw_bf16_8bit_kernel, do_not_specialize=["n"])[0]
 
 
+def _step_scalars(
+    *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float
+) -> tuple[float, ...]:
+    """The kernels' scalar arguments after ``n``: the betas, ``1 - beta`` taken here in float64 (float32's
+    ``1 - 0.999`` is 1.3e-5 relative off), the decay factor, the bias-corrected step size and denominator, eps."""
+    return (
+        beta1,
+        beta2,
+        1 - beta1,
+        1 - beta2,
+        1 - lr * weight_decay,
+        lr / (1 - beta1**step),
+        math.sqrt(1 - beta2**step),
+        eps,
+    )
+
+
 ROWS_8BIT = 4
 """Quantisation blocks per program of the 8-bit kernel."""
 
@@ -107,14 +124,7 @@ def kernel_step_8bit_(
         maps["unsigned"][1],
         seed,
         n,
-        beta1,
-        beta2,
-        1 - beta1,
-        1 - beta2,
-        1 - lr * weight_decay,
-        lr / (1 - beta1**step),
-        math.sqrt(1 - beta2**step),
-        eps,
+        *_step_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step),
         ROWS=ROWS_8BIT,
         BLOCK=adamw_8bit.BLOCK,
     )
@@ -144,14 +154,7 @@ def kernel_step_(
         *as_bits,
         seed,
         n,
-        beta1,
-        beta2,
-        1 - beta1,
-        1 - beta2,
-        1 - lr * weight_decay,
-        lr / (1 - beta1**step),
-        math.sqrt(1 - beta2**step),
-        eps,
+        *_step_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step),
         LERP_FROM_START=(1 - beta1) < 0.5,
         BLOCK=BLOCK,
     )

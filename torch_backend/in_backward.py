@@ -30,9 +30,9 @@ class StepInBackward:
         self.optimizer = optimizer
         self.square_norm: Any = 0.0  # a float64 tensor on the gradients' device once a hook ran (no sync per parameter)
         self.stepped: set[int] = set()
-        self.handles = [
-            p.register_post_accumulate_grad_hook(self._hook) for p in module.parameters() if p.requires_grad
-        ]
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._hook)
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
@@ -53,7 +53,3 @@ class StepInBackward:
         self.square_norm = 0.0
         self.stepped.clear()
         return norm
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()

@@ -1,7 +1,6 @@
 """``optimizer='adamw_bf16'``: stochastic rounding is unbiased, the update is torch's AdamW, tiny updates are not
 lost, a run trains like the float32 one, resumes bitwise, and is refused where it cannot run."""
 
-import shutil
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from twinseq.torch_backend import bf16_adamw
 from twinseq.torch_backend.bf16_adamw import AdamWBF16, round_stochastic_
 from twinseq.torch_backend.recipes import train
 
-from _sft_data import write_embedded_sft_jsonl
+from _sft_data import packed_tiny_config, resume_folder, write_embedded_sft_jsonl
 
 
 def _neighbours(value: float) -> tuple[float, float]:
@@ -112,11 +111,7 @@ def sft_jsonl(tmp_path_factory):
 
 
 def _cfg(data, out, **kw):
-    base = dict(dataset_name=data, model_config="tiny", max_length=128, per_device_train_batch_size=4,
-                packing=True, padding_free=True, attn_implementation="varlen", learning_rate=3e-3,
-                warmup_steps=2, max_steps=50, output_dir=str(out), disable_tqdm=True, seed=4,
-                save_final_checkpoint=False)
-    return TrainConfig.from_flat(**{**base, **kw})
+    return packed_tiny_config(data, out, **{"save_final_checkpoint": False, **kw})
 
 
 @pytest.mark.slow
@@ -137,11 +132,7 @@ def test_the_run_trains_bfloat16_weights_and_resumes_bitwise(sft_jsonl, tmp_path
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     kw = dict(max_steps=6, optimizer="adamw_bf16")
     train(_cfg(sft_jsonl, straight, save_steps=3, **kw))
-    resumed.mkdir()
-    shutil.copytree(straight / "checkpoint-3", resumed / "checkpoint-3")
-    lines = (straight / "metrics.jsonl").read_text().splitlines()[:3]
-    (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    train(_cfg(sft_jsonl, resumed, resume_from_checkpoint=str(resumed / "checkpoint-3"), **kw))
+    train(_cfg(sft_jsonl, resumed, resume_from_checkpoint=resume_folder(straight, resumed, 3), **kw))
     a = [r["loss"] for r in read_metrics(straight)]
     b = [r["loss"] for r in read_metrics(resumed)]
     assert a == b and len(a) == 6

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ from twinseq.torch_backend.in_backward import StepInBackward
 from twinseq.torch_backend.model import build_model
 from twinseq.torch_backend.recipes import train
 
-from _sft_data import write_embedded_sft_jsonl
+from _sft_data import packed_tiny_config, resume_folder, write_embedded_sft_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -41,23 +40,7 @@ def sft_jsonl(tmp_path_factory):
 
 
 def _cfg(data, out, **kw):
-    base = dict(
-        dataset_name=data,
-        model_config="tiny",
-        max_length=128,
-        per_device_train_batch_size=4,
-        packing=True,
-        padding_free=True,
-        attn_implementation="varlen",
-        learning_rate=3e-3,
-        warmup_steps=2,
-        max_steps=5,
-        output_dir=str(out),
-        disable_tqdm=True,
-        seed=4,
-        max_grad_norm=None,
-    )
-    return TrainConfig.from_flat(**{**base, **kw})
+    return packed_tiny_config(data, out, **{"max_steps": 5, "max_grad_norm": None, **kw})
 
 
 def _weights(folder):
@@ -145,11 +128,7 @@ def test_bf16_8bit_in_backward_resumes_bitwise(sft_jsonl, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     kw = dict(max_steps=6, optimizer="adamw_bf16_8bit", optimizer_in_backward=True, max_length=256)
     train(_cfg(sft_jsonl, straight, save_steps=3, **kw))
-    resumed.mkdir()
-    shutil.copytree(straight / "checkpoint-3", resumed / "checkpoint-3")
-    lines = (straight / "metrics.jsonl").read_text().splitlines()[:3]
-    (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    train(_cfg(sft_jsonl, resumed, resume_from_checkpoint=str(resumed / "checkpoint-3"), **kw))
+    train(_cfg(sft_jsonl, resumed, resume_from_checkpoint=resume_folder(straight, resumed, 3), **kw))
     a = [r["loss"] for r in read_metrics(straight)]
     b = [r["loss"] for r in read_metrics(resumed)]
     assert a == b and len(a) == 6 and a[-1] < a[0]

@@ -25,7 +25,7 @@ from twinseq.torch_backend import adamw_8bit
 from twinseq.torch_backend.bf16_adamw import AdamWBF16
 from twinseq.torch_backend.recipes import train
 
-from _sft_data import write_embedded_sft_jsonl
+from _sft_data import packed_tiny_config, write_embedded_sft_jsonl
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 SHAPES = {"w": (70, 131), "emb": (64, 96), "norm": (40,)}
@@ -126,24 +126,7 @@ def sft_jsonl(tmp_path_factory):
 
 
 def _cfg(data, out, **kw):
-    base = dict(
-        dataset_name=data,
-        model_config="tiny",
-        max_length=128,
-        per_device_train_batch_size=4,
-        packing=True,
-        padding_free=True,
-        attn_implementation="varlen",
-        learning_rate=3e-3,
-        warmup_steps=2,
-        max_steps=50,
-        output_dir=str(out),
-        disable_tqdm=True,
-        seed=4,
-        save_final_checkpoint=False,
-        max_grad_norm=None,
-    )
-    return TrainConfig.from_flat(**{**base, **kw})
+    return packed_tiny_config(data, out, **{"save_final_checkpoint": False, "max_grad_norm": None, **kw})
 
 
 @pytest.mark.slow
