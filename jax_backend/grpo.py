@@ -37,12 +37,12 @@ import numpy as np
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
 from twinseq.common.data.batching import pad_batch
 from twinseq.common.data.prepare import run_tokenizer
-from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
+from twinseq.common.data.prompts import prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError
 from twinseq.common.objectives.grpo import CompletionBatch, collate_completions, reward_func_name
 from twinseq.common.objectives.grpo_loss import CLIP_LOSS_TYPES, VESPO_LOG_W_MIN, LossSpec
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
-from twinseq.common.run.rollout import GroupRollout, loss_description, token_record
+from twinseq.common.run.rollout import GroupRollout, generation_source, loss_description, token_record
 from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import reference_description
 from twinseq.jax_backend.generation import generate
@@ -69,15 +69,24 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------
 
 
-def loss_norms(mask_NC, *, num_sequences_in_step=None, num_tokens_in_step=None, num_micro_batches: int = 1):
-    """float32 [3]: (sequences in the step, completion tokens in the step, micro-batches); None: this micro-batch's
-    own count (``common.objectives.grpo_loss.LossNorm``'s defaults)."""
+def loss_norms(
+    mask_NC,
+    *,
+    num_sequences_in_step=None,
+    num_tokens_in_step=None,
+    num_micro_batches: int = 1,
+    entropy_coef: float = 0.0,
+):
+    """float32 [4]: (sequences in the step, completion tokens in the step, micro-batches, the entropy bonus's
+    coefficient) as ``StepShare``; None: this micro-batch's own count (``common.objectives.grpo_loss.LossNorm``'s
+    defaults). Traced, not static: the adaptive coefficient changes without a recompile."""
     mask = np.asarray(mask_NC)
     return jnp.asarray(
         [
             mask.shape[0] if num_sequences_in_step is None else num_sequences_in_step,
             mask.sum() if num_tokens_in_step is None else num_tokens_in_step,
             num_micro_batches,
+            entropy_coef,
         ],
         jnp.float32,
     )
@@ -93,10 +102,12 @@ def vespo_weights_jax(log_ratio_NC, adv_N1, m, spec: LossSpec) -> jax.Array:
 
 
 def grpo_loss_jax(
-    logps_NC, advantages_N, mask_NC, norms_3, spec: LossSpec, *, old_logps_NC=None, ref_logps_NC=None, entropy_NC=None
+    logps_NC, advantages_N, mask_NC, norms, spec: LossSpec, *, old_logps_NC=None, ref_logps_NC=None, entropy_NC=None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(this micro-batch's share of the step loss, metrics as token means): ``common.objectives.grpo_loss.grpo_loss``
-    in jnp; traceable. ``norms_3`` as ``loss_norms`` returns; ``old_logps_NC`` None: the detached policy (ratio 1)."""
+    in jnp; traceable. ``norms`` as ``loss_norms`` returns; ``old_logps_NC`` None: the detached policy (ratio 1).
+    With ``spec.entropy_bonus`` the entropy's gradient flows through the bonus ``-norms[3] x`` its token mean, and
+    the metrics add ``common.run.rollout.STEP_SUMS`` (step sums, not token means)."""
     m = mask_NC.astype(logps_NC.dtype)
     old = jax.lax.stop_gradient(logps_NC) if old_logps_NC is None else old_logps_NC.astype(logps_NC.dtype)
     adv = advantages_N.astype(logps_NC.dtype)[:, None]
@@ -148,11 +159,15 @@ def grpo_loss_jax(
         e = jax.lax.stop_gradient(entropy_NC).astype(per_token.dtype)
         # the quantile of the valid tokens: NaN-out the others (traceable, no boolean indexing)
         threshold = jnp.nanquantile(jnp.where(valid, e, jnp.nan), 1.0 - spec.top_entropy_quantile)
-        per_token = per_token * ((e * m >= threshold) & valid).astype(per_token.dtype)
+        high = ((e * m >= threshold) & valid).astype(per_token.dtype)
+        per_token = per_token * high
+        bonus_mask = m * high
+    else:
+        bonus_mask = m
     if kl is not None:
         per_token = per_token + spec.beta * kl
     summed = per_token * m
-    num_sequences, num_tokens, num_micro = norms_3[0], norms_3[1], norms_3[2]
+    num_sequences, num_tokens, num_micro = norms[0], norms[1], norms[2]
     if spec.loss_type in ("grpo", "sapo"):
         loss = (summed.sum(-1) / jnp.maximum(m.sum(-1), 1.0)).sum() / num_sequences
     elif spec.loss_type == "luspo":
@@ -165,6 +180,17 @@ def grpo_loss_jax(
         loss = summed.sum() / (num_sequences * spec.max_completion_length)
     else:  # dapo, cispo, vespo
         loss = summed.sum() / jnp.maximum(num_tokens, 1.0)
+    if spec.entropy_bonus:  # TRL's: a token mean of this micro-batch, divided for accumulation only
+        if entropy_NC is None:
+            raise ConfigError(
+                "the entropy bonus (entropy_coef != 0 or use_adaptive_entropy) needs entropy_NC: pass the completion "
+                "tokens' entropies, or set entropy_coef=0."
+            )
+        ent = entropy_NC.astype(loss.dtype) * bonus_mask
+        count = bonus_mask.sum()
+        metrics["policy_loss"] = jax.lax.stop_gradient(loss)
+        metrics["bonus_entropy"], metrics["bonus_tokens"] = jax.lax.stop_gradient(ent.sum()), count
+        loss = loss - norms[3] * ent.sum() / jnp.maximum(count, 1.0) / num_micro
     r = jax.lax.stop_gradient(ratio)
     mm = (m > 0) if r.shape[1] > 1 else jnp.ones(r.shape, bool)
     seen = jnp.maximum(mm.sum(), 1)
@@ -216,19 +242,23 @@ def chunked_entropy(
     lm_head_VH: jax.Array,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     logit_softcap: Optional[float] = None,
+    grad: bool = False,
 ) -> jax.Array:
-    """float32 [n] entropy of ``softmax(hidden @ W.T)`` per row, ``chunk_size`` rows of logits at a time, no
-    gradient. Naive equivalent: ``-(softmax(l) * log_softmax(l)).sum(-1)`` with ``l = logits_f32(h, W)``."""
-    hidden_nH, lm_head_VH = jax.lax.stop_gradient(hidden_nH), jax.lax.stop_gradient(lm_head_VH)
+    """float32 [n] entropy of ``softmax(hidden @ W.T)`` per row, ``chunk_size`` rows of logits at a time; no
+    gradient, or with ``grad`` its gradient (each chunk rematerialised in the backward pass, so no ``[n, V]``
+    tensor is kept). Naive equivalent: ``-(softmax(l) * log_softmax(l)).sum(-1)`` with ``l = logits_f32(h, W)``."""
+    if not grad:
+        hidden_nH, lm_head_VH = jax.lax.stop_gradient(hidden_nH), jax.lax.stop_gradient(lm_head_VH)
     n = hidden_nH.shape[0]
     pad = -n % chunk_size
     hidden_CSH = jnp.pad(hidden_nH, ((0, pad), (0, 0))).reshape(-1, chunk_size, hidden_nH.shape[-1])
 
-    def chunk(h_SH):
-        logp_SV = jax.nn.log_softmax(logits_f32(h_SH, lm_head_VH, logit_softcap), axis=-1)
+    def chunk(h_SH, w_VH):
+        logp_SV = jax.nn.log_softmax(logits_f32(h_SH, w_VH, logit_softcap), axis=-1)
         return -(jnp.exp(logp_SV) * logp_SV).sum(-1)
 
-    return jax.lax.map(chunk, hidden_CSH).reshape(-1)[:n]
+    body = jax.checkpoint(chunk) if grad else chunk
+    return jax.lax.map(lambda h_SH: body(h_SH, lm_head_VH), hidden_CSH).reshape(-1)[:n]
 
 
 def completion_logps(
@@ -239,8 +269,10 @@ def completion_logps(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[jax.Array, Optional[jax.Array]]:
     """(log-probs [N, C], entropy [N, C] or None) of each completion token; 0 past a completion. Traceable.
+    ``entropy_grad``: the entropy keeps its gradient (the entropy bonus), else it is a constant.
 
     Naive equivalent, for completion i and its token j, the target of flattened position t::
 
@@ -256,7 +288,7 @@ def completion_logps(
     entropy_NC = None
     if with_entropy:
         hidden_nH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[jnp.maximum(ci.flat_NC, 0).reshape(-1)]
-        entropy_n = chunked_entropy(hidden_nH, model.lm_head_VH(), chunk_size, cap)
+        entropy_n = chunked_entropy(hidden_nH, model.lm_head_VH(), chunk_size, cap, grad=entropy_grad)
         entropy_NC = jnp.where(ci.flat_NC >= 0, entropy_n.reshape(ci.flat_NC.shape), 0.0)
     return _gather_NC(logps_n, ci.flat_NC), entropy_NC
 
@@ -284,7 +316,7 @@ def grpo_grads_jit(
     ci: CompletionInputs,
     mask_NC,
     advantages_N,
-    norms_3,
+    norms,
     old_logps_NC=None,
     ref_logps_NC=None,
     *,
@@ -303,19 +335,25 @@ def grpo_grads_jit(
         model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
         with lora_dropout(dropout_key):
             logps_NC, entropy_NC = completion_logps(
-                model, ci, loss_type=loss_type, chunk_size=chunk_size, temperature=temperature, with_entropy=True
+                model,
+                ci,
+                loss_type=loss_type,
+                chunk_size=chunk_size,
+                temperature=temperature,
+                with_entropy=True,
+                entropy_grad=spec.entropy_bonus,
             )
         loss, metrics = grpo_loss_jax(
             logps_NC.astype(jnp.float32),
             advantages_N,
             mask_NC,
-            norms_3,
+            norms,
             spec,
             old_logps_NC=old_logps_NC,
             ref_logps_NC=ref_logps_NC,
             entropy_NC=entropy_NC,
         )
-        metrics["entropy_sum"] = (entropy_NC * mask_NC).sum()
+        metrics["entropy_sum"] = jax.lax.stop_gradient(entropy_NC * mask_NC).sum()
         return loss, metrics
 
     return jax.value_and_grad(scalar_loss, has_aux=True)(state)
@@ -357,6 +395,7 @@ def grpo_loss_and_grads(
     num_sequences_in_step: Optional[int] = None,
     num_tokens_in_step: Optional[int] = None,
     num_micro_batches: int = 1,
+    entropy_coef: float = 0.0,
 ) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
     """(loss, float32 numpy gradients in HF names and layout, metrics) of one micro-batch of completions; the
     mirror of the torch backend's GRPO step (``parity_tests/test_grpo_parity.py``)."""
@@ -377,6 +416,7 @@ def grpo_loss_and_grads(
             num_sequences_in_step=num_sequences_in_step,
             num_tokens_in_step=num_tokens_in_step,
             num_micro_batches=num_micro_batches,
+            entropy_coef=entropy_coef,
         ),
         as_f32(old_logps_NC),
         as_f32(ref_logps_NC),
@@ -448,7 +488,7 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
                 self.ref_graphdef = split_trainable(model)[0]
         elif cfg.reference_kl_beta > 0:
             self.ref_params = jax.tree.map(jnp.copy, self.params)
-        self._norms = jnp.zeros(3, jnp.float32)
+        self._norms = jnp.zeros(4, jnp.float32)
 
     def _logps_kwargs(self) -> dict[str, Any]:
         c = self.cfg
@@ -458,6 +498,13 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
             temperature=c.grpo.temperature,
             compute_dtype=compute_dtype(c),
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **self.rollout_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.load_rollout_state(state)
 
     # -- GroupRollout's backend hooks ----------------------------------------------------------
 
@@ -600,15 +647,14 @@ def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None, i
     funcs = resolve_reward_funcs(reward_funcs or inputs.reward_funcs or g.reward_funcs)
     rows = prepare_grpo_prompts(cfg, tokenizer, inputs.train_dataset)
     model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), None, cfg)
-    generation_batch = cfg.data.per_device_train_batch_size * cfg.data.gradient_accumulation_steps
-    prompts_per_step = generation_batch // g.num_generations
-    source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
+    source, generation_batch = generation_source(cfg, rows)
     cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
     trainer = GRPOTrainer(model, cfg, tokenizer=tokenizer, reward_funcs=funcs)
     announce = [
         describe(cfg, trainer),
-        f"{cfg.task}: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
-        f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
+        f"{cfg.task}: {len(rows)} prompts, {source.prompts_per_step} prompts x {g.num_generations} generations = "
+        f"{generation_batch} completions per generation, {trainer.generation_parts} optimizer step(s) each, "
+        f"max_completion_length={trainer.max_completion_length}, "
         f"{loss_description(cfg)}, reference={reference_description(cfg)}, num_iterations="
         f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}",
     ]

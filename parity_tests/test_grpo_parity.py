@@ -86,32 +86,36 @@ class GRPOHarness:
         return out
 
     @functools.lru_cache(maxsize=None)
-    def run(self, backend: str, layout: str, loss_type: str, kernel: str = "fused_linear"):
-        """(loss, grads by HF name) of one GRPO micro-batch (the whole step)."""
+    def run(self, backend: str, layout: str, loss_type: str, kernel: str = "fused_linear", entropy_coef: float = 0.0):
+        """(loss, grads by HF name) of one GRPO micro-batch (the whole step); ``entropy_coef``: with the entropy
+        bonus (its gradient through the entropy)."""
         cb = self.cbs[layout]
         if backend == "jax":
             from twinseq.jax_backend import grpo as jgrpo
 
-            spec = jgrpo.LossSpec(loss_type=loss_type, **_spec(loss_type))
+            spec = jgrpo.LossSpec(loss_type=loss_type, entropy_bonus=entropy_coef != 0, **_spec(loss_type))
             loss, grads, _ = jgrpo.grpo_loss_and_grads(self.h.jax_model, cb, self.mask, ADVANTAGES, spec,
                                                        old_logps_NC=self.old, ref_logps_NC=self.ref,
-                                                       loss_type=kernel, chunk_size=8, temperature=TEMPERATURE)
+                                                       loss_type=kernel, chunk_size=8, temperature=TEMPERATURE,
+                                                       entropy_coef=entropy_coef)
             return loss, grads
-        return self._torch(cb, loss_type, kernel)
+        return self._torch(cb, loss_type, kernel, entropy_coef)
 
-    def _torch(self, cb, loss_type: str, kernel: str):
+    def _torch(self, cb, loss_type: str, kernel: str, entropy_coef: float = 0.0):
         import torch
 
         from twinseq.common.models.init import parameter_shapes
         from twinseq.torch_backend import grpo as tgrpo
 
         model = self.h.torch_model
-        spec = tgrpo.LossSpec(loss_type=loss_type, **_spec(loss_type))
+        spec = tgrpo.LossSpec(loss_type=loss_type, entropy_bonus=entropy_coef != 0, **_spec(loss_type))
         model.zero_grad(set_to_none=True)
-        logps, _ = tgrpo.completion_logps(model, cb, loss_type=kernel, chunk_size=8, temperature=TEMPERATURE)
+        logps, entropy = tgrpo.completion_logps(model, cb, loss_type=kernel, chunk_size=8, temperature=TEMPERATURE,
+                                                with_entropy=True, entropy_grad=spec.entropy_bonus)
         loss, _ = tgrpo.grpo_loss_torch(logps.float(), torch.from_numpy(ADVANTAGES), torch.from_numpy(self.mask),
-                                        spec, old_logps_NC=torch.from_numpy(self.old),
-                                        ref_logps_NC=torch.from_numpy(self.ref))
+                                        spec, tgrpo.StepShare(entropy_coef=entropy_coef),
+                                        old_logps_NC=torch.from_numpy(self.old),
+                                        ref_logps_NC=torch.from_numpy(self.ref), entropy_NC=entropy)
         loss.backward()
         params = dict(model.named_parameters())
         grads = {name: params[name].grad.detach().float().numpy().copy() for name in parameter_shapes(self.h.cfg)}
@@ -210,3 +214,19 @@ def test_padding_free_equals_padded_in_each_backend(grpo):
         assert abs(f_loss - p_loss) / _loss_scale(grpo, "dapo") <= TOL["loss_rel"], backend
         for name, g in p_grads.items():
             assert np.linalg.norm(f_grads[name] - g) / np.linalg.norm(g) <= TOL["grad_rel"], (backend, name)
+
+
+@pytest.mark.parametrize("kernel", ["fused_linear", "chunked_nll", "nll"])
+def test_entropy_bonus_loss_and_gradients_match(grpo, kernel):
+    """The entropy bonus's gradient reaches the weights through each torch kernel as through JAX's; without the
+    bonus's entropy gradient (torch's metric entropy, a constant) the gradients differ (the negative control)."""
+    coef = 0.5
+    t_loss, t_grads = grpo.run("torch", "padding_free", "dapo", kernel, entropy_coef=coef)
+    j_loss, j_grads = grpo.run("jax", "padding_free", "dapo", "fused_linear", entropy_coef=coef)
+    p_loss, p_grads = grpo.run("torch", "padding_free", "dapo", kernel)
+    scale = _loss_scale(grpo, "dapo") + coef * 10.0  # the bonus's term: coef x a mean entropy of a few nats
+    assert abs(j_loss - t_loss) / scale <= TOL["loss_rel"], (kernel, j_loss, t_loss)
+    for name, g in t_grads.items():
+        assert np.linalg.norm(j_grads[name] - g) / np.linalg.norm(g) <= TOL["grad_rel"], (kernel, name)
+    moved = max(np.linalg.norm(p_grads[n] - g) / np.linalg.norm(g) for n, g in t_grads.items())
+    assert moved > 100 * TOL["grad_rel"], moved

@@ -32,7 +32,7 @@ import torch
 
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
 from twinseq.common.data.prepare import run_tokenizer
-from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
+from twinseq.common.data.prompts import prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.objectives.grpo import CompletionBatch, collate_completions, reward_func_name
 from twinseq.common.objectives.grpo_loss import (
@@ -44,13 +44,13 @@ from twinseq.common.objectives.grpo_loss import (
 )
 from twinseq.common.run.capabilities import GPU_EXTRA
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
-from twinseq.common.run.rollout import GroupRollout, loss_description, token_record
+from twinseq.common.run.rollout import GroupRollout, bonus_sums, generation_source, loss_description, token_record
 from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import reference_description
 from twinseq.torch_backend import triton_ce
 from twinseq.torch_backend.attention import forward_hidden
 from twinseq.torch_backend.generation import generate
-from twinseq.torch_backend.logprobs import TargetRows, token_logps
+from twinseq.torch_backend.logprobs import TargetRows, token_logps, token_logps_entropy
 from twinseq.torch_backend.losses import apply_logit_softcap, final_logit_softcap
 from twinseq.torch_backend.parallel import parallelize
 from twinseq.torch_backend.peft import reference_mode
@@ -95,6 +95,9 @@ def _scatter_NC(values_n: torch.Tensor, cb: CompletionBatch) -> torch.Tensor:
     return out.index_put((rows, cols), values_n)
 
 
+_logged_entropy_fallback: list[bool] = []
+
+
 def completion_logps(
     model: torch.nn.Module,
     cb: CompletionBatch,
@@ -104,8 +107,11 @@ def completion_logps(
     temperature: float = 1.0,
     attn_implementation: Optional[str] = None,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(log-probs [N, C], entropy [N, C] or None) of each completion token under ``model``; 0 past a completion.
+    ``entropy_grad``: the entropy keeps its gradient (the entropy bonus; ``logprobs.token_logps_entropy``), else it
+    is a constant.
 
     Naive equivalent, for completion i and its token j at flattened position t + 1::
 
@@ -125,6 +131,15 @@ def completion_logps(
         hidden_BTH = hidden_BTH / temperature  # (h / T) @ W.T = logits / T, exactly the sampled distribution
     weight = lm_head_weight(model)
     rows = TargetRows.of(cb, weight.shape[0], hidden_BTH.device)
+    if with_entropy and entropy_grad:
+        if loss_type == "triton" and not _logged_entropy_fallback:
+            _logged_entropy_fallback.append(True)
+            logger.info(
+                "entropy bonus: the Triton kernel has no entropy gradient; the log-probs and entropies come from "
+                "fused_linear's chunked kernel (FusedLinearLogpsEntropy)"
+            )
+        logps_n, ent_n = token_logps_entropy(hidden_BTH, weight, rows, loss_type, chunk_size, logit_softcap=cap)
+        return _scatter_NC(logps_n, cb), _scatter_NC(ent_n, cb)
     if with_entropy and loss_type == "triton" and triton_ce.kernel_runs(hidden_BTH):
         # the kernel's forward yields the entropy in the same pass over the vocabulary
         hidden_nH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows.idx_n)
@@ -177,7 +192,10 @@ def grpo_loss_torch(
     is_ratio_NC: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """(this micro-batch's ``share`` of the step loss, metrics): ``common.objectives.grpo_loss.grpo_loss`` in torch;
-    ``is_ratio_NC``: vLLM's importance ratios (a constant), None without vLLM."""
+    ``is_ratio_NC``: vLLM's importance ratios (a constant), None without vLLM. With ``spec.entropy_bonus`` the
+    entropy's gradient flows through the bonus ``-share.entropy_coef x`` its token mean (the quantile mask, as the
+    policy loss's, is a constant); the metrics then add ``common.run.rollout.bonus_sums`` (the policy loss's share,
+    the bonus tokens' entropy sum and count: step sums, not token means)."""
     m = mask_NC.to(logps_NC.dtype)
     old = logps_NC.detach() if old_logps_NC is None else old_logps_NC.to(logps_NC.dtype)
     adv = advantages_N.to(logps_NC.dtype)[:, None]
@@ -234,6 +252,9 @@ def grpo_loss_torch(
             if valid.any():  # every completion masked (mask_truncated_completions): no token keeps a loss
                 high = ((e * m >= torch.quantile(e[valid], 1.0 - spec.top_entropy_quantile)) & valid).to(e.dtype)
         per_token = per_token * high
+        bonus_mask = m * high
+    else:
+        bonus_mask = m
     if is_ratio_NC is not None and spec.loss_type != "vespo":
         per_token = per_token * is_ratio_NC.to(per_token.dtype)
     if kl is not None:
@@ -253,6 +274,16 @@ def grpo_loss_torch(
         loss = summed.sum() / ((share.num_sequences_in_step or n) * spec.max_completion_length)
     else:  # dapo, cispo, vespo (LossSpec refuses any other)
         loss = summed.sum() / max(float(share.num_tokens_in_step or m.sum()), 1.0)
+    if spec.entropy_bonus:  # TRL's: a token mean of this micro-batch, divided for accumulation only
+        if entropy_NC is None:
+            raise ConfigError(
+                f"entropy_coef={share.entropy_coef} adds an entropy bonus and needs entropy_NC: pass the completion "
+                f"tokens' entropies, or set entropy_coef=0."
+            )
+        ent = entropy_NC.to(loss.dtype) * bonus_mask
+        count = bonus_mask.sum()
+        metrics.update(bonus_sums(float(loss.detach()), float(ent.detach().sum()), float(count)))
+        loss = loss - share.entropy_coef * ent.sum() / count.clamp(min=1.0) / share.num_micro_batches
     with torch.no_grad():
         r = ratio.detach()
         mm = m > 0 if r.shape[1] > 1 else torch.ones_like(r, dtype=torch.bool)
@@ -433,6 +464,13 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         self._sampling_logps: Optional[list] = None  # the engine's log-prob of each sampled token, per row
         self._is_metrics: dict[str, float] = {}
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **self.rollout_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.load_rollout_state(state)
+
     # -- GroupRollout's backend hooks ----------------------------------------------------------
 
     def sample(self, prompt_ids: list[list[int]], **extra: Any) -> np.ndarray:
@@ -592,6 +630,7 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
                             temperature=c.grpo.temperature,
                             attn_implementation=c.model.attn_implementation,
                             with_entropy=True,
+                            entropy_grad=self.loss_spec.entropy_bonus,
                         )
                         loss, metrics = grpo_loss_torch(
                             logps.float(),
@@ -611,7 +650,7 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         m = mb.mask_NC.float()
         record = token_record(float(loss.detach()), float(m.sum()), mb.cb.batch.num_tokens, metrics)
         if entropy is not None:
-            record["entropy_sum"] = float((entropy * m).sum())
+            record["entropy_sum"] = float((entropy.detach() * m).sum())
         return record
 
 
@@ -659,9 +698,7 @@ def build_grpo(
     elif cfg.reference_kl_beta > 0:
         ref_model = copy.deepcopy(causal_lm).requires_grad_(False).eval()
     module = parallelize(causal_lm, None, cfg)
-    generation_batch = cfg.data.per_device_train_batch_size * cfg.data.gradient_accumulation_steps
-    prompts_per_step = generation_batch // g.num_generations
-    source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
+    source, generation_batch = generation_source(cfg, rows)
     cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
     engine = None
     if g.use_vllm:
@@ -676,8 +713,9 @@ def build_grpo(
     )
     announce = [
         describe(cfg, causal_lm, device),
-        f"{cfg.task}: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
-        f"{generation_batch} completions per step, max_completion_length={trainer.max_completion_length}, "
+        f"{cfg.task}: {len(rows)} prompts, {source.prompts_per_step} prompts x {g.num_generations} generations = "
+        f"{generation_batch} completions per generation, {trainer.generation_parts} optimizer step(s) each, "
+        f"max_completion_length={trainer.max_completion_length}, "
         f"{loss_description(cfg)}, reference={reference_description(cfg)}, num_iterations="
         f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}, generation={generation}",
     ]

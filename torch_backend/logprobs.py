@@ -174,6 +174,118 @@ class FusedLinearTokenLogps(torch.autograd.Function):
         return grad_h, None if grad_w is None else grad_w.to(ctx.dtypes[1]), None, None, None
 
 
+def _entropy(logits_cV: torch.Tensor, lse_c: torch.Tensor) -> torch.Tensor:
+    """[c] entropy ``lse - Σ p z`` of ``softmax(z)`` (the stable form of ``-Σ p log p``), with the chunk's logsumexp."""
+    return lse_c - (torch.exp(logits_cV - lse_c[:, None]) * logits_cV).sum(-1)
+
+
+class FusedLinearLogpsEntropy(torch.autograd.Function):
+    """Per-token target log-probs and entropies from hidden states, both differentiable, chunk by chunk, logits
+    never stored (what GRPO's entropy bonus needs; ``FusedLinearTokenLogps`` without the entropy).
+
+    Naive equivalent::
+
+        z = softcap((hidden_nH @ weight_VH.T).float())   # softcap: only with a logit_softcap c
+        logp_n = log_softmax(z)[arange(n), targets_n]
+        entropy_n = -(softmax(z) * log_softmax(z)).sum(-1)
+
+    Forward keeps the logsumexp and the entropy per row [n]. Backward recomputes each chunk's logits and forms
+    ``dL/dz = g_logp (onehot - p) - g_H p (log p + H)`` (``dH/dz_k = -p_k (log p_k + H)``), times the soft-cap's
+    derivative, into one fp32 ``[V, H]`` weight-gradient buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_nH, weight_VH, targets_n, chunk_size: int, logit_softcap: Optional[float] = None):
+        device_type = hidden_nH.device.type
+        compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight_VH.dtype
+        h_nH, w_VH = hidden_nH.to(compute), weight_VH.to(compute)
+        n = h_nH.shape[0]
+        acc_dtype = torch.promote_types(compute, torch.float32)
+        logps_n, lse_n, ent_n = (torch.empty(n, dtype=acc_dtype, device=h_nH.device) for _ in range(3))
+        with torch.autocast(device_type, enabled=False):
+            for s in range(0, n, chunk_size):
+                logits_cV = apply_logit_softcap(_acc(F.linear(h_nH[s : s + chunk_size], w_VH)), logit_softcap)
+                logps_n[s : s + chunk_size], lse_n[s : s + chunk_size] = _picked_logps(
+                    logits_cV, targets_n[s : s + chunk_size]
+                )
+                ent_n[s : s + chunk_size] = _entropy(logits_cV, lse_n[s : s + chunk_size])
+                del logits_cV
+        ctx.save_for_backward(h_nH, w_VH, targets_n, lse_n, ent_n)
+        ctx.chunk_size, ctx.dtypes, ctx.cap = chunk_size, (hidden_nH.dtype, weight_VH.dtype), logit_softcap
+        return logps_n, ent_n
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logps_n, grad_ent_n):
+        hidden_nH, weight_VH, targets_n, lse_n, ent_n = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        grad_h = torch.empty(hidden_nH.shape, dtype=ctx.dtypes[0], device=hidden_nH.device) if need_h else None
+        grad_w = torch.zeros(weight_VH.shape, dtype=lse_n.dtype, device=weight_VH.device) if need_w else None
+        zeros = torch.zeros_like(lse_n)
+        g_logp_n = zeros if grad_logps_n is None else grad_logps_n.to(lse_n.dtype)
+        g_ent_n = zeros if grad_ent_n is None else grad_ent_n.to(lse_n.dtype)
+        cs = ctx.chunk_size
+        for s in range(0, hidden_nH.shape[0], cs):
+            h_cH, t_c = hidden_nH[s : s + cs], targets_n[s : s + cs]
+            g_c, ge_c, ent_c = g_logp_n[s : s + cs, None], g_ent_n[s : s + cs, None], ent_n[s : s + cs, None]
+            logits_cV, dcap_cV = softcap_with_derivative_(_acc(F.linear(h_cH, weight_VH)), ctx.cap, True)
+            logp_cV = logits_cV.sub_(lse_n[s : s + cs, None])
+            p_cV = logp_cV.exp()
+            # -p (g_logp + g_H (log p + H)), then + g_logp at the target: in place on the log-probs' buffer
+            g_cV = logp_cV.add_(ent_c).mul_(ge_c).add_(g_c).mul_(p_cV).neg_()
+            del p_cV
+            g_cV[torch.arange(len(t_c), device=t_c.device), t_c] += g_c[:, 0]
+            if dcap_cV is not None:
+                g_cV.mul_(dcap_cV)
+            if grad_h is not None:
+                grad_h[s : s + cs] = g_cV.to(weight_VH.dtype) @ weight_VH
+            if grad_w is not None:
+                grad_w.addmm_(g_cV.t(), h_cH.to(grad_w.dtype))
+            del g_cV, dcap_cV
+        return grad_h, None if grad_w is None else grad_w.to(ctx.dtypes[1]), None, None, None
+
+
+def _chunk_logps_entropy(hidden_cH, weight_VH, targets_c, logit_softcap=None):
+    logits_cV = apply_logit_softcap(_acc(F.linear(hidden_cH, weight_VH)), logit_softcap)
+    logp_cV = torch.log_softmax(logits_cV, -1)
+    return _picked_logps(logits_cV, targets_c)[0], -(logp_cV.exp() * logp_cV).sum(-1)
+
+
+def token_logps_entropy(
+    hidden_BTH: torch.Tensor,
+    lm_head_weight_VH: torch.Tensor,
+    rows: TargetRows,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    logit_softcap: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n] log-probs of the targets, [n] entropies of the predicted distributions) at ``rows.idx_n``, both with their
+    gradient (``token_logps`` for the log-probs alone). ``nll``: full logits; ``chunked_nll``: checkpointed chunks
+    of both; ``fused_linear`` and ``triton`` (whose kernel has no entropy gradient): ``FusedLinearLogpsEntropy``."""
+    if loss_type not in LOGPS_LOSS_TYPES:
+        raise ConfigError(f"loss_type={loss_type!r} has no log-prob kernel here; choose one of {LOGPS_LOSS_TYPES}.")
+    check_logit_softcap(logit_softcap)
+    hidden_nH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1]).index_select(0, rows.idx_n)
+    if loss_type == "nll":
+        logp_nV = F.log_softmax(apply_logit_softcap(_acc(F.linear(hidden_nH, lm_head_weight_VH)), logit_softcap), -1)
+        return logp_nV.gather(1, rows.targets_n[:, None])[:, 0], -(logp_nV.exp() * logp_nV).sum(-1)
+    if loss_type == "chunked_nll":
+        parts = [
+            checkpoint(
+                _chunk_logps_entropy,
+                hidden_nH[s : s + chunk_size],
+                lm_head_weight_VH,
+                rows.targets_n[s : s + chunk_size],
+                logit_softcap,
+                use_reentrant=False,
+            )
+            for s in range(0, hidden_nH.shape[0], chunk_size)
+        ]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return FusedLinearLogpsEntropy.apply(hidden_nH, lm_head_weight_VH, rows.targets_n, chunk_size, logit_softcap)
+
+
 def token_logps(
     hidden_BTH: torch.Tensor,
     lm_head_weight_VH: torch.Tensor,

@@ -12,11 +12,11 @@ import torch.distributed as dist
 
 from twinseq.common.config import TrainConfig
 from twinseq.common.data.prepare import run_tokenizer
-from twinseq.common.data.prompts import PromptSource, prepare_grpo_prompts, resolve_reward_funcs
+from twinseq.common.data.prompts import prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError
 from twinseq.common.objectives.grpo import reward_func_name
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
-from twinseq.common.run.rollout import loss_description
+from twinseq.common.run.rollout import generation_source, loss_description
 from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.torch_backend.deepspeed import (
     Zero3Engine,
@@ -50,9 +50,16 @@ class Zero3GRPOTrainer(Zero3Hooks, GRPOTrainer):
         self.cfg, self.engine, self.device, self.runtime = cfg, engine, engine.device, None
         self.module, self.causal_lm = engine.module, engine.causal_lm
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.init_rollout(cfg, tokenizer, reward_funcs)
+        self.init_rollout(cfg, tokenizer, reward_funcs, world=self.world)
         self.ref_model, self.vllm, self._vllm_sync_seconds = None, None, None
         self._sampling_logps, self._is_metrics = None, {}  # GRPOTrainer's vLLM correction state (no vLLM here)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **self.rollout_state()}  # Zero3Hooks' state, and the entropy control's
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.load_rollout_state(state)
 
     def prepare(self, micro_batches: list[Any]) -> list[Any]:
         (entry,) = micro_batches
@@ -134,9 +141,7 @@ def build_grpo_zero3(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = N
         tokenizer = run_tokenizer(cfg, inputs.tokenizer)
         rows = prepare_grpo_prompts(cfg, tokenizer, inputs.train_dataset)
     funcs = resolve_reward_funcs(reward_funcs or inputs.reward_funcs or g.reward_funcs)
-    per_rank = cfg.data.per_device_train_batch_size * cfg.data.gradient_accumulation_steps
-    prompts_per_step = world * per_rank // g.num_generations
-    source = PromptSource(rows, prompts_per_step, num_iterations=g.num_iterations, seed=cfg.seed)
+    source, per_rank = generation_source(cfg, rows, world)
     cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
     engine = zero3_engine_for(cfg, tokenizer.vocab_size)  # its schedule reads the resolved max_steps
     trainer = Zero3GRPOTrainer(cfg, engine, tokenizer=tokenizer, reward_funcs=funcs)
@@ -145,8 +150,9 @@ def build_grpo_zero3(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = N
         f"{cfg.model.model_config!r}; generation "
         f"{'gathered once per generation' if g.ds3_gather_for_generation else 'on the partitioned model'} "
         f"(ds3_gather_for_generation={g.ds3_gather_for_generation})",
-        f"{cfg.task}: {len(rows)} prompts, {prompts_per_step} prompts x {g.num_generations} generations = "
-        f"{world * per_rank} completions per step ({per_rank} per rank), max_completion_length="
+        f"{cfg.task}: {len(rows)} prompts, {source.prompts_per_step} prompts x {g.num_generations} generations = "
+        f"{world * per_rank} completions per generation ({per_rank} per rank), {trainer.generation_parts} optimizer "
+        f"step(s) each, max_completion_length="
         f"{trainer.max_completion_length}, {loss_description(cfg)}, num_iterations="
         f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}",
     ]

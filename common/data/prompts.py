@@ -277,18 +277,25 @@ def prepare_grpo_eval_prompts(
 class PromptSource:
     """The ``StepSource`` of GRPO: each optimizer step gets the prompts of its groups.
 
-    A generated batch serves ``num_iterations`` optimizer steps, so a new set of
-    ``prompts_per_step`` prompts is drawn every ``num_iterations`` steps (the trainer keeps the
+    A generated batch serves ``steps_per_generation x num_iterations`` optimizer steps (``steps_per_generation``:
+    the optimizer steps one generation fills, each its ``part`` of it, in the order 0..k-1 per iteration, as TRL),
+    so a new set of ``prompts_per_step`` prompts (a generation's) is drawn that often (the trainer keeps the
     completions meanwhile); the stream is shuffled per epoch with ``seed`` and resumable.
 
     An epoch is ``len(rows) // prompts_per_step`` generations of distinct prompts, in the order of the epoch's
     permutation; the prompts left over (fewer than a generation's groups need) sit that epoch out, as TRL's
     ``RepeatSampler`` drops an incomplete batch, and the next epoch's permutation draws from every prompt again. So
-    ``steps_per_epoch`` is that many generations times ``num_iterations``.
+    ``steps_per_epoch`` is that many generations times ``num_iterations x steps_per_generation``.
     """
 
     def __init__(
-        self, rows: Sequence[Mapping[str, Any]], prompts_per_step: int, *, num_iterations: int = 1, seed: int = 0
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        prompts_per_step: int,
+        *,
+        num_iterations: int = 1,
+        seed: int = 0,
+        steps_per_generation: int = 1,
     ) -> None:
         self.rows, self.prompts_per_step, self.num_iterations, self.seed = (
             list(rows),
@@ -296,6 +303,9 @@ class PromptSource:
             num_iterations,
             seed,
         )
+        self.parts = steps_per_generation
+        self._cycle = num_iterations * steps_per_generation
+        """Optimizer steps between two generations."""
         if len(self.rows) < prompts_per_step:
             raise DataError(
                 f"GRPO draws {prompts_per_step} prompts per generation (per_device_train_batch_size x "
@@ -307,8 +317,9 @@ class PromptSource:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Optimizer steps of one pass: every full generation of the epoch's prompts, ``num_iterations`` steps each."""
-        return len(self.rows) // self.prompts_per_step * self.num_iterations
+        """Optimizer steps of one pass: every full generation of the epoch's prompts, ``num_iterations x
+        steps_per_generation`` steps each."""
+        return len(self.rows) // self.prompts_per_step * self._cycle
 
     def _shuffled(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -325,19 +336,21 @@ class PromptSource:
         return picked
 
     def next_step(self) -> list[Any]:
-        """``[{"prompts": rows, "new_generation": bool, "step": n}]``: one entry; ``new_generation`` False means
-        the trainer reuses its last generated batch (iteration 2..μ); ``step`` is the optimizer step it feeds
-        (1-based; what ``log_completions`` records)."""
-        new = self.steps_done % self.num_iterations == 0
+        """``[{"prompts": rows, "new_generation": bool, "part": k, "step": n}]``: one entry; ``new_generation`` False
+        means the trainer reuses its last generated batch (iteration 2..μ, or the generation's next part); ``part``
+        is the slice of the generation this step trains on (0 without ``steps_per_generation``); ``step`` is the
+        optimizer step it feeds (1-based; what ``log_completions`` records)."""
+        into = self.steps_done % self._cycle
+        new = into == 0
         if new:
             self._generation_start = (self.epoch, self.position)
             self._last = self._take()
         self.steps_done += 1
-        return [{"prompts": self._last, "new_generation": new, "step": self.steps_done}]
+        return [{"prompts": self._last, "new_generation": new, "part": into % self.parts, "step": self.steps_done}]
 
     def state_dict(self) -> dict[str, Any]:
         # A resume restarts at a generation boundary: the completions are not checkpointed.
-        start = self.steps_done - self.steps_done % self.num_iterations
+        start = self.steps_done - self.steps_done % self._cycle
         epoch, position = (self.epoch, self.position) if start == self.steps_done else self._generation_start
         return {"epoch": epoch, "position": position, "steps_done": start}
 

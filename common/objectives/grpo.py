@@ -80,6 +80,24 @@ class GRPOConfig:
     top_entropy_quantile: float = knob(1.0, gt=0, le=1)
     """Train on the highest-entropy tokens only: the policy loss keeps the tokens at or above the ``1 - q``
     quantile of the micro-batch's completion-token entropies (1.0: every token; the paper's 0.2)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus (TRL 1.16's): the loss subtracts ``entropy_coef`` times the mean entropy of the completion tokens
+    (the ``top_entropy_quantile`` tokens when below 1): a plain token mean of each micro-batch for every loss type,
+    divided only for gradient accumulation. Positive: keep exploring. 0: off (no entropy gradient is computed). With
+    ``use_adaptive_entropy`` it is the starting coefficient."""
+    use_adaptive_entropy: bool = False
+    """Adaptive entropy control (Skywork-OR1, TRL's): after every optimizer step the coefficient moves by
+    ``entropy_coef_delta``, up when the step's mean entropy (over every rank's bonus tokens) is at or below
+    ``entropy_target``, down otherwise, within ``[entropy_coef_min, entropy_coef_max]``; a step applies the bonus
+    only when the previous step's entropy was at or below the target (the first step applies none)."""
+    entropy_coef_min: float = knob(0.0, ge=0)
+    """Adaptive control: the coefficient's floor."""
+    entropy_coef_max: float = knob(1.0, ge=0)
+    """Adaptive control: the coefficient's ceiling."""
+    entropy_coef_delta: float = knob(0.005, ge=0)
+    """Adaptive control: the coefficient's change per optimizer step."""
+    entropy_target: float = knob(0.2, ge=0)
+    """Adaptive control: the mean token entropy (nats) at or below which the bonus applies and grows."""
     off_policy_mask_threshold: Optional[float] = knob(None, ge=0)
     """Off-policy sequence masking (DeepSeek-V3.2): a completion with a negative advantage whose mean token
     ``log π_old - log π`` exceeds this gets no policy loss (None: off)."""
@@ -93,6 +111,15 @@ class GRPOConfig:
     """``vespo``: λ for a negative advantage."""
     num_iterations: int = knob(1, ge=1)
     """Optimizer steps per generated batch (μ); above 1 the sampling policy's log-probs are kept."""
+    steps_per_generation: Optional[int] = knob(None, ge=1)
+    """Micro-batches of ``per_device_train_batch_size`` completions (per rank) that one generation fills (TRL's name;
+    None: ``gradient_accumulation_steps``, one generation per optimizer step). A multiple k of
+    ``gradient_accumulation_steps``: one generation, its advantages taken over all of it, feeds k optimizer steps
+    (times ``num_iterations``), and the sampling policy's log-probs are kept. Exclusive with
+    ``generation_batch_size``."""
+    generation_batch_size: Optional[int] = knob(None, ge=1)
+    """Completions per generation over every rank (TRL's name): ``per_device_train_batch_size x ranks x
+    steps_per_generation``, the other way to set it (None: from ``steps_per_generation``)."""
     scale_rewards: ScaleRewards = "group"
     multi_objective_aggregation: MultiObjectiveAggregation = "sum_then_normalize"
     """How several reward functions make one advantage (TRL's names): ``sum_then_normalize`` weighs and sums the
@@ -187,14 +214,10 @@ def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gra
             f"others of its group, so a group needs at least 2 completions: pass --num-generations 2 "
             f"or more (TRL's default is 8)."
         )
-    generation_batch = per_device_train_batch_size * gradient_accumulation_steps
-    if generation_batch % g:
-        raise ConfigError(
-            f"the generation batch per_device_train_batch_size x gradient_accumulation_steps = "
-            f"{per_device_train_batch_size} x {gradient_accumulation_steps} = {generation_batch} "
-            f"completions is not divisible by num_generations={g}: every prompt needs its whole "
-            f"group in one step; make it a multiple of {g} (e.g. --per-device-train-batch-size {g})."
-        )
+    _check_entropy_bonus(grpo)
+    if grpo.generation_batch_size is None or grpo.steps_per_generation is not None:
+        generation_steps(grpo, per_device_train_batch_size, gradient_accumulation_steps)
+    # else generation_batch_size counts every rank's completions: the builders resolve it once the ranks are known
     if grpo.use_vllm and grpo.vllm_mode != "colocate":
         raise ConfigError(
             f"vllm_mode={grpo.vllm_mode!r} is not supported: twinseq runs vLLM in colocate mode (the "
@@ -230,6 +253,76 @@ def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gra
         )
 
 
+ENTROPY_CONTROL_FIELDS = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
+
+
+def _check_entropy_bonus(grpo: GRPOConfig) -> None:
+    changed = [f for f in ENTROPY_CONTROL_FIELDS if getattr(grpo, f) != getattr(GRPOConfig, f)]
+    if changed and not grpo.use_adaptive_entropy:
+        raise ConfigError(
+            f"{', '.join(f'{f}={getattr(grpo, f)!r}' for f in changed)} steer the adaptive entropy coefficient, and "
+            f"use_adaptive_entropy=False (the coefficient stays entropy_coef={grpo.entropy_coef}); add "
+            f"--use-adaptive-entropy or drop {' '.join('--' + f.replace('_', '-') for f in changed)}."
+        )
+    if grpo.use_adaptive_entropy and grpo.entropy_coef_min > grpo.entropy_coef_max:
+        raise ConfigError(
+            f"entropy_coef_min={grpo.entropy_coef_min} is above entropy_coef_max={grpo.entropy_coef_max}; give "
+            f"min <= max."
+        )
+
+
+def generation_steps(
+    grpo: GRPOConfig, per_device_train_batch_size: int, gradient_accumulation_steps: int, world: int = 1
+) -> int:
+    """``steps_per_generation`` resolved (TRL's rule): the micro-batches per rank one generation fills, from
+    ``steps_per_generation``, or ``generation_batch_size / (per_device_train_batch_size x world)``, or
+    ``gradient_accumulation_steps``; a multiple of ``gradient_accumulation_steps`` (twinseq generates at optimizer
+    step boundaries). Raises ``ConfigError`` naming the fields and the fix.
+
+    >>> generation_steps(GRPOConfig(generation_batch_size=32), 4, 2, world=2)
+    4
+    """
+    steps, size, ga = grpo.steps_per_generation, grpo.generation_batch_size, gradient_accumulation_steps
+    if steps is not None and size is not None:
+        raise ConfigError(
+            f"steps_per_generation={steps} and generation_batch_size={size} are two ways to set one thing (TRL "
+            f"refuses both too); drop one of --steps-per-generation / --generation-batch-size."
+        )
+    if size is not None:
+        global_batch = per_device_train_batch_size * world
+        if size % global_batch:
+            raise ConfigError(
+                f"generation_batch_size={size} is not divisible by per_device_train_batch_size x ranks = "
+                f"{per_device_train_batch_size} x {world} = {global_batch}; make it a multiple of {global_batch}."
+            )
+        steps = size // global_batch
+    if steps is None:
+        steps = ga
+        if per_device_train_batch_size * ga % grpo.num_generations:
+            raise ConfigError(
+                f"the generation batch per_device_train_batch_size x gradient_accumulation_steps = "
+                f"{per_device_train_batch_size} x {ga} = {per_device_train_batch_size * ga} "
+                f"completions is not divisible by num_generations={grpo.num_generations}: every prompt needs its "
+                f"whole group in one step; make it a multiple of {grpo.num_generations} (e.g. "
+                f"--per-device-train-batch-size {grpo.num_generations})."
+            )
+    if per_device_train_batch_size * steps % grpo.num_generations:
+        raise ConfigError(
+            f"the generation batch per_device_train_batch_size x steps_per_generation = {per_device_train_batch_size} "
+            f"x {steps} = {per_device_train_batch_size * steps} completions is not divisible by num_generations="
+            f"{grpo.num_generations}: every prompt needs its whole group in one generation; make it a multiple of "
+            f"{grpo.num_generations}."
+        )
+    if steps % ga:
+        what = f"steps_per_generation={steps}" + ("" if size is None else f" (generation_batch_size={size})")
+        raise ConfigError(
+            f"{what} is not a multiple of gradient_accumulation_steps={ga}: twinseq generates at optimizer-step "
+            f"boundaries, so one generation must fill whole steps; use a multiple of {ga} (e.g. "
+            f"--steps-per-generation {ga * max(steps // ga, 1)})."
+        )
+    return steps
+
+
 DEFAULT_MAX_COMPLETION_LENGTH = 512
 """Tokens generated per completion when ``max_completion_length`` is unset (TRL 1.16's GRPOConfig default), on
 both backends."""
@@ -245,6 +338,12 @@ def check_liger_grpo_config(grpo: GRPOConfig) -> None:
         raise ConfigError(
             f"grpo_loss_type={grpo.grpo_loss_type!r} does not run with use_liger_kernel=True (loss_type='liger'), "
             f"which twinseq runs for {LIGER_GRPO_LOSS_TYPES}; use --loss-type fused_linear, which runs every loss type."
+        )
+    if grpo.entropy_coef != 0.0 or grpo.use_adaptive_entropy:
+        raise ConfigError(
+            f"entropy_coef={grpo.entropy_coef}, use_adaptive_entropy={grpo.use_adaptive_entropy}: Liger's fused GRPO "
+            f"loss (use_liger_kernel=True, loss_type='liger') has no entropy bonus; use --loss-type fused_linear, "
+            f"which differentiates the entropy chunk by chunk, or drop --entropy-coef/--use-adaptive-entropy."
         )
     if grpo.importance_sampling_level != "token" or grpo.delta is not None:
         raise ConfigError(

@@ -78,6 +78,9 @@ class LossSpec:
     vespo_lambda_neg: float = 2.0
     off_policy_mask_threshold: Optional[float] = None
     top_entropy_quantile: float = 1.0
+    entropy_bonus: bool = False
+    """The entropy bonus is on (``entropy_coef != 0`` or ``use_adaptive_entropy``): the entropy is computed with its
+    gradient; the coefficient itself changes between steps, so it is ``StepShare.entropy_coef``."""
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_FAMILY:
@@ -98,6 +101,7 @@ class LossSpec:
         # the options GRPOConfig names as LossSpec does pass through; the renamed and resolved ones are given
         same = {f.name: getattr(grpo, f.name) for f in dataclasses.fields(cls) if hasattr(grpo, f.name)}
         same.update(
+            entropy_bonus=grpo.entropy_coef != 0.0 or grpo.use_adaptive_entropy,
             loss_type=grpo.grpo_loss_type,
             epsilon=eps_low,
             epsilon_high=eps_high,
@@ -113,11 +117,14 @@ class LossSpec:
 
 class StepShare(NamedTuple):
     """What a micro-batch's loss is a share of: the step's completions (``grpo``, ``dr_grpo``), completion tokens
-    (``dapo``) and micro-batches (``bnpo``), over every rank. None: the micro-batch's own count."""
+    (``dapo``; with ``steps_per_generation`` above ``gradient_accumulation_steps``, the generation's tokens per
+    step, as TRL) and micro-batches (``bnpo``, the entropy bonus), over every rank. None: the micro-batch's own
+    count. ``entropy_coef``: the entropy bonus's coefficient for this step (``EntropyControl.applied``)."""
 
     num_sequences_in_step: Optional[int] = None
-    num_tokens_in_step: Optional[int] = None
+    num_tokens_in_step: Optional[float] = None
     num_micro_batches: int = 1
+    entropy_coef: float = 0.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -130,7 +137,8 @@ class GRPOLossOutput(NamedTuple):
     """This micro-batch's share of the step's loss."""
     metrics: dict[str, float]
     """Token means over the micro-batch's completion tokens: ``kl``, ``clip_ratio/low_mean``,
-    ``clip_ratio/high_mean``, ``clip_ratio/region_mean``."""
+    ``clip_ratio/high_mean``, ``clip_ratio/region_mean``; with an entropy bonus ``policy_loss`` (the share without
+    it)."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,7 @@ class LossNorm:
 
     loss_type: str
     num_sequences_in_step: Optional[int] = None  # grpo
-    num_tokens_in_step: Optional[int] = None  # dapo
+    num_tokens_in_step: Optional[float] = None  # dapo
     num_micro_batches: int = 1  # bnpo
     max_completion_length: Optional[int] = None  # dr_grpo
 
@@ -176,6 +184,27 @@ def vespo_weights_np(log_ratio_NC, advantages_N, mask_NC, spec: LossSpec, is_rat
     with np.errstate(over="ignore", invalid="ignore"):
         phi = np.exp(lam + k * log_w - lam * np.exp(log_w))
     return np.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def bonus_mask_np(mask_NC, entropy_NC, spec: LossSpec) -> np.ndarray:
+    """The tokens the entropy bonus acts on: the completion tokens, or the high-entropy ones that keep their policy
+    loss when ``top_entropy_quantile < 1`` (TRL's ``effective_mask``)."""
+    m = np.asarray(mask_NC, np.float64)
+    return m * high_entropy_mask_np(entropy_NC, m, spec.top_entropy_quantile) if spec.top_entropy_quantile < 1 else m
+
+
+def entropy_bonus_np(entropy_NC, mask_NC, spec: LossSpec, entropy_coef: float, num_micro_batches: int = 1):
+    """(the bonus's share of the step loss, the bonus tokens' entropy sum, their count): ``-entropy_coef`` times the
+    micro-batch's mean entropy over its bonus tokens (``bonus_mask_np``), divided by the step's micro-batches only
+    (TRL's: the same meaning for every loss type)."""
+    if entropy_NC is None:
+        raise ConfigError(
+            f"entropy_coef={entropy_coef} adds an entropy bonus and needs entropy_NC: pass the completion tokens' "
+            f"entropies, or set entropy_coef=0."
+        )
+    keep = bonus_mask_np(mask_NC, entropy_NC, spec)
+    total, count = float((np.asarray(entropy_NC, np.float64) * keep).sum()), float(keep.sum())
+    return -entropy_coef * total / max(count, 1.0) / num_micro_batches, total, count
 
 
 def high_entropy_mask_np(entropy_NC, mask_NC, quantile: float) -> np.ndarray:
@@ -321,6 +350,7 @@ def grpo_loss(
     num_tokens_in_step: Optional[int] = None,
     num_micro_batches: int = 1,
     is_ratio_NC: Optional[np.ndarray] = None,
+    entropy_coef: float = 0.0,
 ) -> GRPOLossOutput:
     """The GRPO loss of completions ``[N, C]`` (padded right, ``mask_NC`` 1 on completion tokens).
 
@@ -328,7 +358,8 @@ def grpo_loss(
     policy's (None: the policy's own, ratio 1); ``ref_logps_NC``: the reference's (needed when
     ``beta > 0``). The ``num_*_in_step`` arguments make the result one micro-batch's share of a
     larger step; left None, the micro-batch is the whole step. ``is_ratio_NC``: vLLM's importance ratios
-    ([N, C] or [N, 1], ``vllm_importance_ratio``; None: no correction).
+    ([N, C] or [N, 1], ``vllm_importance_ratio``; None: no correction). ``entropy_coef``: the entropy bonus's
+    coefficient this step (``entropy_bonus_np``; it reads ``entropy_NC``).
 
     >>> out = grpo_loss(np.zeros((2, 1)), np.array([1.0, -1.0]), np.ones((2, 1)), loss_type="grpo")
     >>> out.loss, out.metrics["clip_ratio/region_mean"]
@@ -351,6 +382,7 @@ def grpo_loss(
         vespo_lambda_neg,
         off_policy_mask_threshold,
         top_entropy_quantile,
+        entropy_coef != 0.0,
     )
     mask = np.asarray(mask_NC, np.float64)
     loss_NC, ratio_NC, kl_NC = per_token_loss_np(
@@ -365,7 +397,74 @@ def grpo_loss(
         metrics["vespo/phi_seq_mean"] = float(phi.mean())
     if kl_NC is not None:
         metrics["kl"] = float((kl_NC * mask).sum() / max(mask.sum(), 1.0))
-    return GRPOLossOutput(reduce_loss_np(loss_NC, mask, norm), metrics)
+    loss = reduce_loss_np(loss_NC, mask, norm)
+    if spec.entropy_bonus:
+        bonus, total, count = entropy_bonus_np(entropy_NC, mask, spec, entropy_coef, num_micro_batches)
+        metrics["policy_loss"] = loss
+        loss += bonus
+    return GRPOLossOutput(loss, metrics)
+
+
+# ---------------------------------------------------------------------------------------
+# Adaptive entropy control (TRL 1.16's ``use_adaptive_entropy``)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class EntropyControl:
+    """The entropy bonus's coefficient over a run: constant, or adaptive (Skywork-OR1, as TRL 1.16).
+
+    ``applied()`` is the coefficient a step uses: ``coef``; adaptive, ``coef`` only when the previous step's entropy
+    was at or below ``target`` (0 on the first step, whose previous entropy is +inf). ``update(total, count)``
+    ends a step with its bonus tokens' entropy sum and count over every rank: the coefficient moves by ``delta``
+    towards more bonus when the step's mean entropy is at or below ``target``, towards less otherwise, clamped to
+    ``[low, high]``. A resume restores ``state_dict()``.
+
+    >>> c = EntropyControl(0.5, adaptive=True, low=0.0, high=1.0, delta=0.25, target=0.2)
+    >>> c.applied(); c.update(1.0, 10.0); c.applied(), c.coef
+    0.0
+    (0.75, 0.75)
+    """
+
+    coef: float
+    adaptive: bool = False
+    low: float = 0.0
+    high: float = 1.0
+    delta: float = 0.005
+    target: float = 0.2
+    last_entropy: float = math.inf
+
+    @classmethod
+    def of(cls, grpo: GRPOConfig) -> "EntropyControl":
+        return cls(
+            grpo.entropy_coef,
+            grpo.use_adaptive_entropy,
+            grpo.entropy_coef_min,
+            grpo.entropy_coef_max,
+            grpo.entropy_coef_delta,
+            grpo.entropy_target,
+        )
+
+    def applied(self) -> float:
+        if self.adaptive:
+            return self.coef if self.last_entropy <= self.target else 0.0
+        return self.coef
+
+    def update(self, entropy_total: float, token_count: float) -> None:
+        if not self.adaptive:
+            return
+        entropy = entropy_total / max(token_count, 1.0)
+        if entropy <= self.target:
+            self.coef = min(self.coef + self.delta, self.high)
+        else:
+            self.coef = max(self.coef - self.delta, self.low)
+        self.last_entropy = entropy
+
+    def state_dict(self) -> dict[str, float]:
+        return {"entropy_coef": self.coef, "last_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.coef, self.last_entropy = float(state["entropy_coef"]), float(state["last_entropy"])
 
 
 # ---------------------------------------------------------------------------------------

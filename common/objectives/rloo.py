@@ -68,6 +68,12 @@ GRPO_ONLY_FIELDS = (
     "vespo_k_neg",
     "vespo_lambda_neg",
     "top_entropy_quantile",
+    "entropy_coef",  # TRL's RLOO has no entropy bonus
+    "use_adaptive_entropy",
+    "entropy_coef_min",
+    "entropy_coef_max",
+    "entropy_coef_delta",
+    "entropy_target",
     "off_policy_mask_threshold",
     "scale_rewards",
     "multi_objective_aggregation",

@@ -8,8 +8,11 @@ completions, split into micro-batches, and the step's metrics.
 - the completion mask (to the first EOS; ``mask_truncated_completions``), the reward calls with the dataset's
   extra columns (conversational prompts get their completions back as messages, as TRL passes them),
   the group advantages and TRL's reward and completion metrics;
-- regeneration every ``num_iterations`` steps (``PromptSource`` marks the steps that generate), and the
-  step's loss normalisers over every rank (``StepShare``);
+- regeneration every ``num_iterations`` steps (``PromptSource`` marks the steps that generate); with
+  ``steps_per_generation`` k times ``gradient_accumulation_steps``, one generation feeds k optimizer steps, each
+  its next slice of the micro-batches (TRL's order, bar its shuffle: slices stay in generation order);
+- the step's loss normalisers over every rank (``StepShare``), and the entropy bonus's coefficient
+  (``EntropyControl``: constant, or adaptive, updated from each step's entropy over every rank);
 - the step's metrics (``summarize``): token means of the micro-batches' sums, the generation's metrics,
   and the time spent generating and training;
 - with ``log_completions`` (TRL's name), each generation's prompts, completions, rewards and advantages,
@@ -35,15 +38,17 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from twinseq.common.config import TrainConfig
+from twinseq.common.data.prompts import PromptSource
 from twinseq.common.objectives.grpo import (
     completion_budget,
     completion_mask,
     compute_rewards,
+    generation_steps,
     reward_func_name,
     reward_metrics,
     score_advantages,
 )
-from twinseq.common.objectives.grpo_loss import LossSpec, StepShare
+from twinseq.common.objectives.grpo_loss import EntropyControl, LossSpec, StepShare
 from twinseq.common.objectives.rloo import RLOOConfig, rloo_advantages, rloo_loss_spec
 from twinseq.common.run.report import append_jsonl, cut_jsonl
 
@@ -60,6 +65,23 @@ class Rollout:
     """With ``log_completions``: this rank's prompts, completions, rewards and advantages (TRL's table)."""
 
 
+def generation_source(cfg: TrainConfig, rows: Sequence[Any], world: int = 1) -> tuple[PromptSource, int]:
+    """(the run's ``PromptSource``, completions per generation on each rank): a generation is
+    ``per_device_train_batch_size x steps_per_generation`` completions per rank (``generation_steps``), so
+    ``world`` times that over ``num_generations`` prompts."""
+    d, g = cfg.data, cfg.grpo
+    steps = generation_steps(g, d.per_device_train_batch_size, d.gradient_accumulation_steps, world)
+    per_rank = d.per_device_train_batch_size * steps
+    source = PromptSource(
+        rows,
+        world * per_rank // g.num_generations,
+        num_iterations=g.num_iterations,
+        seed=cfg.seed,
+        steps_per_generation=steps // d.gradient_accumulation_steps,
+    )
+    return source, per_rank
+
+
 def trim_completions(completion_ids_NC: np.ndarray, length_mask_NC: np.ndarray) -> list[np.ndarray]:
     """Each completion up to and including its first EOS (at least one token: a completion is never empty)."""
     lengths = np.maximum(np.asarray(length_mask_NC).sum(axis=1), 1)
@@ -71,8 +93,15 @@ class GroupRollout:
 
     cfg: TrainConfig
 
-    def init_rollout(self, cfg: TrainConfig, tokenizer: Any, reward_funcs: Sequence[Any]) -> None:
+    def init_rollout(self, cfg: TrainConfig, tokenizer: Any, reward_funcs: Sequence[Any], world: int = 1) -> None:
         self.tokenizer, self.reward_funcs = tokenizer, list(reward_funcs)
+        d = cfg.data
+        self.generation_parts = (
+            generation_steps(cfg.grpo, d.per_device_train_batch_size, d.gradient_accumulation_steps, world)
+            // d.gradient_accumulation_steps
+        )
+        """Optimizer steps one generation feeds per iteration: steps_per_generation / gradient_accumulation_steps."""
+        self.entropy_control = EntropyControl.of(cfg.grpo)
         self.num_generations = cfg.grpo.num_generations
         self.max_completion_length = completion_budget(cfg.data.max_completion_length)
         self.rloo: Optional[RLOOConfig] = cfg.rloo if cfg.task == "rloo" else None
@@ -84,9 +113,14 @@ class GroupRollout:
         g = cfg.grpo
         self.vllm_is = cfg.task == "grpo" and g.use_vllm and g.vllm_importance_sampling_correction
         """vLLM's importance-sampling correction is on (GRPO only, as TRL: its RLOO has none)."""
-        self.keeps_old_logps = g.num_iterations > 1 or (self.rloo is not None and self.kl_beta > 0) or self.vllm_is
-        """The sampling policy's log-probs are kept: the ratio's denominator, RLOO's KL penalty, and the numerator
-        of vLLM's importance ratio."""
+        self.keeps_old_logps = (
+            g.num_iterations > 1
+            or self.generation_parts > 1
+            or (self.rloo is not None and self.kl_beta > 0)
+            or self.vllm_is
+        )
+        """The sampling policy's log-probs are kept: the ratio's denominator (a generation that feeds more than one
+        optimizer step), RLOO's KL penalty, and the numerator of vLLM's importance ratio."""
         self.share = StepShare()
         self.num_generations_done = 0
         self._rollout: Optional[Rollout] = None
@@ -227,6 +261,19 @@ class GroupRollout:
             ]
         return Rollout(micro, metrics, int(loss_mask.sum()), len(completions), table)
 
+    # -- what a checkpoint adds ------------------------------------------------------------
+
+    def rollout_state(self) -> dict[str, Any]:
+        """The adaptive entropy coefficient and the last step's entropy (none without adaptive control), for the
+        backend's ``state_dict``."""
+        if not self.entropy_control.adaptive:
+            return {}
+        return {"entropy_control": {k: np.asarray(v, np.float64) for k, v in self.entropy_control.state_dict().items()}}
+
+    def load_rollout_state(self, state: dict[str, Any]) -> None:
+        if self.entropy_control.adaptive and "entropy_control" in state:
+            self.entropy_control.load_state_dict({k: float(v) for k, v in state["entropy_control"].items()})
+
     # -- TrainerTemplate's task hooks ------------------------------------------------------
 
     def prepare(self, micro_batches: list[Any]) -> list[Any]:
@@ -240,9 +287,19 @@ class GroupRollout:
                 self._log_completions(entry.get("step", self.num_generations_done), self._rollout.completions)
         rec = self._rollout
         assert rec is not None
-        self.share = StepShare(*self.step_totals(rec.num_sequences, rec.num_loss_tokens, len(rec.micro_batches)))
+        micro, sequences = rec.micro_batches, rec.num_sequences
+        if self.generation_parts > 1:  # this step's slice of the generation
+            ga, size = self.cfg.data.gradient_accumulation_steps, self.cfg.data.per_device_train_batch_size
+            part = int(entry.get("part", 0))
+            micro = rec.micro_batches[part * ga : (part + 1) * ga]
+            sequences = min(ga * size, rec.num_sequences - part * ga * size)
+        num_sequences, num_tokens, num_micro = self.step_totals(sequences, rec.num_loss_tokens, len(micro))
+        # dapo's normaliser: the generation's tokens per optimizer step (TRL's num_items_in_batch x GA / S)
+        self.share = StepShare(
+            num_sequences, num_tokens / self.generation_parts, num_micro, self.entropy_control.applied()
+        )
         self._step_started = time.perf_counter()
-        return rec.micro_batches
+        return micro
 
     def _log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
         """``log_completions``: a generation's table, appended to ``<output_dir>/completions.jsonl`` (the run's first
@@ -261,8 +318,13 @@ class GroupRollout:
             "num_tokens": int(sum(r["num_tokens"] for r in records)),
             "num_completion_tokens": int(sum(r["num_loss_tokens"] for r in records)),
         }
-        for key in sorted({k for r in records for k in r if k.endswith("_sum")}):
+        step_sums = {k: sum(r.get(k + "_sum", 0.0) for r in records) for k in STEP_SUMS}
+        for key in sorted({k for r in records for k in r if k.endswith("_sum")} - {k + "_sum" for k in STEP_SUMS}):
             out[key[:-4]] = sum(r.get(key, 0.0) for r in records) / tokens
+        if self.loss_spec.entropy_bonus:  # TRL logs both only with the bonus on
+            out["policy_loss"] = step_sums["policy_loss"]
+            self.entropy_control.update(step_sums["bonus_entropy"], step_sums["bonus_tokens"])
+            out["entropy_coef"] = self.entropy_control.coef
         assert self._rollout is not None
         out.update(self._rollout.metrics)
         out["generation_seconds"] = self._rollout.metrics["generation_seconds"] if self._generated_now else 0.0
@@ -270,14 +332,24 @@ class GroupRollout:
         return out
 
 
+STEP_SUMS = ("policy_loss", "bonus_entropy", "bonus_tokens")
+"""Micro-step metrics that add up over a step as they are (not token means): the policy loss's share without the
+entropy bonus, and the bonus tokens' entropy sum and count (what adaptive entropy control reads)."""
+
+
+def bonus_sums(policy_loss: float, entropy_total: float, tokens: float) -> dict[str, float]:
+    """A micro-batch's ``STEP_SUMS`` with an entropy bonus (see ``common.objectives.grpo_loss.entropy_bonus_np``)."""
+    return dict(zip(STEP_SUMS, (float(policy_loss), float(entropy_total), float(tokens))))
+
+
 def token_record(
     loss: float, num_loss_tokens: float, num_tokens: int, token_means: dict[str, float]
 ) -> dict[str, float]:
     """A micro-step's record: its loss and counts, and its token means as token sums (``*_sum``), so that the
-    step's means weigh the micro-batches by their tokens."""
+    step's means weigh the micro-batches by their tokens (``STEP_SUMS`` as they are)."""
     record = {"loss": float(loss), "num_loss_tokens": float(num_loss_tokens), "num_tokens": num_tokens}
     for k, v in token_means.items():
-        record[k + "_sum"] = float(v) * float(num_loss_tokens)
+        record[k + "_sum"] = float(v) * (1.0 if k in STEP_SUMS else float(num_loss_tokens))
     return record
 
 

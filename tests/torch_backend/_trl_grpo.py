@@ -135,6 +135,8 @@ def trl_loss_and_grad(
     grad_accum: int = 1,
     entropies_NC=None,
     is_ratio_NC=None,
+    steps_per_generation: Optional[int] = None,
+    out: Optional[dict] = None,
     **options: Any,
 ) -> tuple[float, np.ndarray, dict]:
     """TRL's GRPO loss over one generation batch: (loss, d loss / d logps_NC as float64 [N, C], TRL's metrics).
@@ -157,6 +159,14 @@ def trl_loss_and_grad(
     ``_generate_and_score_completions`` hands them to the loss, with the trainer's ``use_vllm`` and
     ``vllm_importance_sampling_correction`` set for the call (no engine is built).
     All float tensors are float64 (TRL's loss code does not fix a dtype); the mask is int64, as TRL builds it.
+
+    ``steps_per_generation`` S (a multiple of ``grad_accum``): the batch is one generation split into S micro-batches
+    (``num_items_in_batch`` its whole mask), run as S / grad_accum optimizer steps of ``grad_accum`` micro-batches;
+    the loss returned is their sum. ``out``: a dict that receives ``step_losses`` (each optimizer step's loss),
+    ``entropy_grad`` (d loss / d entropies, float64 [N, C], when ``entropies_NC`` is given) and ``entropy_coef``
+    (TRL's coefficient after each optimizer step). Accelerate's ``sync_gradients`` is True on each step's last
+    micro-batch only, as in training, so the adaptive entropy controller updates at step boundaries. The
+    controller's state is reset to the config's before the call.
     """
     import torch
     from trl.trainer.utils import split_tensor_dict
@@ -169,7 +179,10 @@ def trl_loss_and_grad(
         raise ValueError(f"N={n} rows do not split into grad_accum={grad_accum} equal micro-batches")
     if beta != 0.0 and ref_logps_NC is None:
         raise ValueError(f"beta={beta} needs ref_logps_NC")
-    micro = n // grad_accum
+    splits = grad_accum if steps_per_generation is None else int(steps_per_generation)
+    if splits % grad_accum or n % splits:
+        raise ValueError(f"steps_per_generation={splits} must be a multiple of grad_accum and divide N={n}")
+    micro = n // splits
     config = {
         "loss_type": loss_type,
         "beta": float(beta),
@@ -177,6 +190,7 @@ def trl_loss_and_grad(
         "epsilon_high": epsilon_high,
         "use_bias_correction_kl": bool(use_bias_correction_kl),
         "gradient_accumulation_steps": grad_accum,
+        **({} if steps_per_generation is None else {"steps_per_generation": splits}),
         # _compute_loss reads neither (N need not be a multiple of either): any pair GRPOConfig accepts
         "per_device_train_batch_size": 2,
         "num_generations": 2,
@@ -205,9 +219,16 @@ def trl_loss_and_grad(
         batch["ref_per_token_logps"] = _as_tensor(ref_logps_NC, dtype)
     if is_ratio_NC is not None:
         batch["importance_sampling_ratio"] = _as_tensor(is_ratio_NC, dtype)
-    micro_batches = split_tensor_dict(batch, grad_accum)
+    micro_batches = split_tensor_dict(batch, splits)
+    ent_leaf = None
+    if entropies_NC is not None:
+        ent_leaf = torch.tensor(np.asarray(entropies_NC, np.float64), dtype=dtype, requires_grad=True)
 
     trainer._metrics["train"].clear()
+    trainer.entropy_coef, trainer._last_world_entropy = trainer.args.entropy_coef, math.inf  # a fresh controller
+    trainer._entropy_window_stats = None
+    step_losses, coefs = [], []
+    sync = trainer.accelerator.gradient_state
     trainer.current_gradient_accumulation_steps = grad_accum
     saved = {k: getattr(trainer, k) for k in ("use_vllm", "vllm_importance_sampling_correction")}
     if is_ratio_NC is not None:
@@ -216,21 +237,25 @@ def trl_loss_and_grad(
     try:
         for k, inputs in enumerate(micro_batches):
             rows = leaf[k * micro : (k + 1) * micro]
-            ent = (
-                torch.zeros_like(rows.detach())
-                if entropies_NC is None
-                else torch.as_tensor(np.asarray(entropies_NC, np.float64)[k * micro : (k + 1) * micro], dtype=dtype)
-            )
+            ent = torch.zeros_like(rows.detach()) if ent_leaf is None else ent_leaf[k * micro : (k + 1) * micro]
 
             def stub(model, input_ids, attention_mask, logits_to_keep, *args, _rows=rows, _ent=ent, **kwargs):
                 assert input_ids.shape[0] == _rows.shape[0] and logits_to_keep == _rows.shape[1]
                 return _rows, (_ent if kwargs.get("compute_entropy") else None), None
 
             trainer._get_per_token_logps_and_entropies = stub
+            last = (k + 1) % grad_accum == 0
+            sync._set_sync_gradients(last)
             loss = trainer._compute_loss(trainer.model, inputs)
             loss.backward()
             total += float(loss.detach())
+            if k % grad_accum == 0:
+                step_losses.append(0.0)
+            step_losses[-1] += float(loss.detach())
+            if last:
+                coefs.append(float(trainer.entropy_coef))
     finally:
+        sync._set_sync_gradients(True)
         trainer.__dict__.pop("_get_per_token_logps_and_entropies", None)
         for k, v in saved.items():
             setattr(trainer, k, v)
@@ -238,6 +263,11 @@ def trl_loss_and_grad(
     trainer._metrics["train"].clear()
     metrics.pop("entropy", None)  # the stub's zeros, not a model's entropy
     grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+    if out is not None:
+        out["step_losses"], out["entropy_coef"] = step_losses, coefs
+        if ent_leaf is not None:
+            eg = ent_leaf.grad if ent_leaf.grad is not None else torch.zeros_like(ent_leaf)
+            out["entropy_grad"] = eg.detach().numpy().astype(np.float64)
     return total, grad.detach().numpy().astype(np.float64), metrics
 
 

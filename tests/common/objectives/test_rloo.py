@@ -108,11 +108,14 @@ def test_grpos_loss_knobs_are_refused_under_rloo(name):
         "off_policy_mask_threshold": 0.5,
         "top_entropy_quantile": 0.5,
         "vllm_importance_sampling_mode": "token_mask",
+        "use_adaptive_entropy": True,
     }.get(name, 0.5)
-    vllm = {"use_vllm": True} if name.startswith("vllm_") else {}  # without vLLM they are refused as GRPO's too
+    extra = {"use_vllm": True} if name.startswith("vllm_") else {}  # without vLLM they are refused as GRPO's too
+    if name.startswith("entropy_coef_") or name == "entropy_target":  # GRPO refuses them without adaptive control
+        extra = {"use_adaptive_entropy": True}
     with pytest.raises(ConfigError, match=f"{name}=.*task='rloo'.*--{name.replace('_', '-')}"):
-        TrainConfig.from_flat(**_flat(task="rloo", **vllm, **{name: value}))
-    TrainConfig.from_flat(**_flat(task="grpo", **vllm, **{name: value}))  # the same value is GRPO's to take
+        TrainConfig.from_flat(**_flat(task="rloo", **extra, **{name: value}))
+    TrainConfig.from_flat(**_flat(task="grpo", **extra, **{name: value}))  # the same value is GRPO's to take
 
 
 def test_rloos_knobs_are_refused_on_other_tasks():
