@@ -55,7 +55,12 @@ from twinseq.common.objectives.grpo import (
     check_grpo_config,
     check_liger_grpo_config,
 )
-from twinseq.common.objectives.kto import KTOConfig, check_kto_batch_size, validate_kto_config
+from twinseq.common.objectives.kto import (
+    KTOConfig,
+    check_kto_batch_size,
+    check_liger_kto_config,
+    validate_kto_config,
+)
 from twinseq.common.objectives.reference import REFERENCE_TASKS, ReferenceConfig, check_ref_sync
 from twinseq.common.objectives.rloo import RLOOConfig, check_rloo_config
 
@@ -538,10 +543,7 @@ class TrainConfig:
         )
         check_kto_batch_size(config, d.per_device_train_batch_size)
         if self.loss.loss_type == "liger" or self.loss.use_liger_kernel:
-            raise ConfigError(
-                "loss_type='liger' for KTO is not wired here (Liger's fused KTO loss needs CUDA); use --loss-type "
-                "fused_linear (chunked log-probs, no [tokens, vocab] tensor) with --task kto."
-            )
+            check_liger_kto_config(config, padding_free=d.padding_free, precompute=self.dpo.precompute_ref_log_probs)
 
     def _check_evaluation(self) -> None:
         """The evaluation fields together (HF's rules where HF has them)."""

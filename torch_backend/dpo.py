@@ -272,19 +272,9 @@ def check_liger_dpo(
     logit_softcap: Optional[float] = None,
     model_type: str = "",
 ) -> None:
-    """Raise unless Liger's fused DPO loss can compute exactly what twinseq's would, here.
-
-    Liger's chunked preference losses compute ``log_softmax(hidden @ W.T)`` with no final logit
-    soft-cap, so a model that caps its logits (Gemma 2) is refused rather than scored on other
-    logits than its own forward produces.
-    """
-    check_liger_dpo_config(config.loss_type, padding_free=padding_free, precompute=False)
-    if logit_softcap is not None:
-        raise ConfigError(
-            f"loss_type='liger' (or use_liger_kernel=True) for DPO: Liger's fused DPO loss has no final "
-            f"logit soft-cap, and model_type {model_type!r} caps its logits (final_logit_softcapping="
-            f"{logit_softcap}); use --loss-type fused_linear, the same fused log-probs with the cap."
-        )
+    """Raise unless Liger's fused DPO loss can compute exactly what twinseq's would, here (a CUDA device: where a
+    run uses Liger)."""
+    _check_liger_dpo_exact(config, padding_free=padding_free, logit_softcap=logit_softcap, model_type=model_type)
     if torch.device(device).type != "cuda":
         raise ConfigError(
             "loss_type='liger' (or use_liger_kernel=True) needs a CUDA GPU with liger-kernel "
@@ -294,6 +284,21 @@ def check_liger_dpo(
         raise MissingDependencyError(
             f"loss_type='liger' needs the liger-kernel package; install the gpu extra "
             f"with `{GPU_EXTRA}`, or use --loss-type fused_linear."
+        )
+
+
+def _check_liger_dpo_exact(
+    config: DPOLossConfig, *, padding_free: bool, logit_softcap: Optional[float], model_type: str
+) -> None:
+    """Liger's chunked preference losses compute ``log_softmax(hidden @ W.T)`` with no final logit soft-cap, so a
+    model that caps its logits (Gemma 2) is refused rather than scored on other logits than its own forward
+    produces."""
+    check_liger_dpo_config(config.loss_type, padding_free=padding_free, precompute=False)
+    if logit_softcap is not None:
+        raise ConfigError(
+            f"loss_type='liger' (or use_liger_kernel=True) for DPO: Liger's fused DPO loss has no final "
+            f"logit soft-cap, and model_type {model_type!r} caps its logits (final_logit_softcapping="
+            f"{logit_softcap}); use --loss-type fused_linear, the same fused log-probs with the cap."
         )
 
 
@@ -310,18 +315,24 @@ def liger_dpo_loss(
     model_type: str = "",
 ) -> torch.Tensor:
     """Liger's ``LigerFusedLinearDPOLoss`` on a padded batch, as a micro-batch of the step's mean (refused for
-    a model with a final logit soft-cap, see ``check_liger_dpo``)."""
-    check_liger_dpo(
+    a model with a final logit soft-cap, see ``check_liger_dpo``). Liger's chunked loss is plain torch and runs
+    wherever torch does (``torch.compile`` on CUDA only; a run asks for CUDA, ``common.run.capabilities``)."""
+    _check_liger_dpo_exact(
         config,
         padding_free=pbatch.batch.shape[0] != pbatch.num_docs,
-        device=hidden_BTH.device,
         logit_softcap=logit_softcap,
         model_type=model_type,
     )
     from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss  # optional dependency
 
     params = inspect.signature(LigerFusedLinearDPOLoss.__init__).parameters
-    kwargs = dict(ignore_index=-100, beta=config.beta, compute_nll_loss=False, use_ref_model=True)
+    kwargs = dict(
+        ignore_index=-100,
+        beta=config.beta,
+        compute_nll_loss=False,
+        use_ref_model=True,
+        compiled=hidden_BTH.device.type == "cuda",
+    )
     if "average_log_prob" not in params:
         raise ImportError(
             "this liger-kernel version averages DPO log-probs over tokens (no average_log_prob "

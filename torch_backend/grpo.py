@@ -344,6 +344,7 @@ def liger_grpo_loss(
     mask_NC = micro.mask_NC
     eps_low, eps_high = spec.epsilon, spec.epsilon if spec.epsilon_high is None else spec.epsilon_high
     loss_fn = LigerFusedLinearGRPOLoss(
+        compiled=hidden_BTH.device.type == "cuda",  # plain torch elsewhere (tests run it on CPU)
         beta=spec.beta,
         epsilon_low=eps_low,
         epsilon_high=eps_high,

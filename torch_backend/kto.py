@@ -6,6 +6,8 @@ A micro-batch (``common.data.unpaired.KTOBatch``) holds N completions then N mis
 ``common.objectives.kto.kto_family``, run with torch ops; the KL estimate is computed without gradient. A
 micro-batch's loss is its rows' summed losses over the rows of the whole optimizer step. The reference is a frozen
 copy of the initial policy, the policy with its adapters disabled (PEFT, as TRL), or precomputed columns.
+``loss_type='liger'`` runs Liger's ``LigerFusedLinearKTOLoss`` on the completion rows (``liger_kto_forward``), the
+KL estimate and the metrics from a no-grad fused pass beside it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from twinseq.common.data.unpaired import (
     with_kto_ref_logps,
 )
 from twinseq.common.errors import ConfigError
-from twinseq.common.objectives.kto import KTOLossConfig, kto_family, kto_step_metrics, validate_kto_config
+from twinseq.common.objectives.kto import (
+    KTOLossConfig,
+    check_liger_kto_config,
+    kto_family,
+    kto_step_metrics,
+    validate_kto_config,
+)
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import reference_description
@@ -111,6 +119,75 @@ def kto_forward(
     return kto_from_logps(logps_D, kbatch, config, ref_logps_D=ref_logps_D, num_examples_in_step=num_examples_in_step)
 
 
+def liger_kto_loss(
+    hidden_BTH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    ref_hidden_BTH: torch.Tensor,
+    ref_weight_VH: torch.Tensor,
+    kbatch: KTOBatch,
+    config: KTOLossConfig,
+    kl: float,
+    num_examples_in_step: int,
+) -> torch.Tensor:
+    """Liger's ``LigerFusedLinearKTOLoss`` on the completion rows of a padded ``KTOBatch`` (row i: completion i), with
+    the KL estimate ``kl`` (a constant, from the mismatched pairs), as a micro-batch's share of the step's rows.
+    Liger's chunked loss is plain torch: it runs wherever torch does (``torch.compile`` on CUDA only); a run asks for
+    CUDA (``common.run.capabilities``). ``check_liger_kto_config`` holds what it computes exactly."""
+    from liger_kernel.chunked_loss import LigerFusedLinearKTOLoss  # optional dependency
+
+    check_liger_kto_config(config, padding_free=kbatch.batch.shape[0] != kbatch.num_docs, precompute=False)
+    n = kbatch.num_examples
+    labels_BT = torch.as_tensor(kbatch.batch.labels[:n], dtype=torch.long, device=hidden_BTH.device)
+    loss_fn = LigerFusedLinearKTOLoss(
+        ignore_index=-100,
+        beta=config.beta,
+        compiled=hidden_BTH.device.type == "cuda",
+        use_ref_model=True,
+        average_log_prob=False,
+    )
+    out = loss_fn(
+        hidden_BTH[:n, :-1],  # [n, T - 1, H] and the targets [n, T - 1]: Liger shifts nothing
+        weight_VH,
+        labels_BT[:, 1:],
+        preference_labels=torch.as_tensor(kbatch.labels, device=hidden_BTH.device),
+        ref_input=ref_hidden_BTH[:n, :-1],
+        ref_weight=ref_weight_VH,
+        kl=torch.tensor(kl, dtype=torch.float32, device=hidden_BTH.device) if config.uses_kl else None,
+    )
+    loss = out[0] if isinstance(out, tuple) else out
+    return loss * (n / num_examples_in_step)  # Liger divides by this micro-batch's rows
+
+
+def liger_kto_forward(
+    model: torch.nn.Module,
+    ref_hidden_BTH: torch.Tensor,
+    ref_weight_VH: torch.Tensor,
+    kbatch: KTOBatch,
+    config: KTOLossConfig,
+    *,
+    num_examples_in_step: int,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    attn_implementation: Optional[str] = None,
+) -> KTOOutput:
+    """``kto_forward`` with Liger's fused KTO loss; the KL estimate and the per-row outputs of the metrics come from
+    one no-grad ``fused_linear`` pass over the policy's and the reference's hidden states (Liger returns none)."""
+    if final_logit_softcap(model) is not None:
+        raise ConfigError(
+            f"loss_type='liger' for KTO: Liger's fused KTO loss has no final logit soft-cap, and this model caps its "
+            f"logits (final_logit_softcapping={final_logit_softcap(model)}); use --loss-type fused_linear."
+        )
+    weight = lm_head_weight(model)
+    hidden_BTH = forward_hidden(model, kbatch.batch, attn_implementation)
+    with torch.no_grad():
+        policy_D = sequence_logps(hidden_BTH.detach(), weight, kbatch, "fused_linear", chunk_size)
+        ref_D = sequence_logps(ref_hidden_BTH, ref_weight_VH, kbatch, "fused_linear", chunk_size)
+        out = kto_from_logps(policy_D, kbatch, config, ref_logps_D=ref_D, num_examples_in_step=num_examples_in_step)
+    loss = liger_kto_loss(
+        hidden_BTH, weight, ref_hidden_BTH, ref_weight_VH, kbatch, config, out.kl, num_examples_in_step
+    )
+    return KTOOutput(loss, out.losses, out.logps, out.rewards, out.kl)
+
+
 def reference_logps_D(ref_model: torch.nn.Module, kbatch: KTOBatch, **kw: Any) -> torch.Tensor:
     """The reference's [N + M] sequence log-probs, no graph."""
     completions, mismatched = reference_logps(ref_model, kbatch, **kw)
@@ -142,6 +219,8 @@ class KTOTrainer(DPOTrainer):
     completions where DPO has the chosen sequences and its mismatched pairs where DPO has the rejected ones."""
 
     def micro_step(self, kbatch: Any) -> KTOOutput:
+        if self.cfg.loss.loss_type == "liger":
+            return self._liger_micro_step(kbatch)
         c, loss = self.cfg, self.cfg.loss
         kw: dict[str, Any] = dict(
             loss_type=loss.loss_type, chunk_size=loss.loss_chunk_size, attn_implementation=c.model.attn_implementation
@@ -161,6 +240,29 @@ class KTOTrainer(DPOTrainer):
                     ref_logps_D=ref,
                     num_examples_in_step=kbatch.num_examples_in_step or self.examples_per_step,
                     **kw,
+                )
+            out.loss.backward()
+        return out
+
+    def _liger_micro_step(self, kbatch: Any) -> KTOOutput:
+        """Liger's fused KTO loss (``liger_kto_forward``): the reference's hidden states, then the policy's step."""
+        c = self.cfg
+        reference = self.causal_lm if self.ref_model is None else self.ref_model
+        context = reference_mode(self.causal_lm) if self.ref_model is None else contextlib.nullcontext()
+        with torch.no_grad(), autocast(c, self.device), context:
+            ref_hidden = forward_hidden(reference, kbatch.batch, c.model.attn_implementation)
+            ref_weight = lm_head_weight(reference).detach()
+        with offload_context(c, self.causal_lm):
+            with autocast(c, self.device):
+                out = liger_kto_forward(
+                    self.causal_lm,
+                    ref_hidden,
+                    ref_weight,
+                    kbatch,
+                    self.config,
+                    num_examples_in_step=kbatch.num_examples_in_step or self.examples_per_step,
+                    chunk_size=c.loss.loss_chunk_size,
+                    attn_implementation=c.model.attn_implementation,
                 )
             out.loss.backward()
         return out

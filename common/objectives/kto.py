@@ -89,6 +89,29 @@ def validate_kto_config(
     return KTOLossConfig(loss_type, float(beta), float(desirable_weight), float(undesirable_weight))
 
 
+def check_liger_kto_config(config: KTOLossConfig, *, padding_free: bool, precompute: bool) -> None:
+    """Liger's fused KTO loss (``loss_type='liger'``) computes exactly twinseq's only for ``kto`` with unit weights
+    (it has no desirable/undesirable weights), padded rows, and a live reference (it reads the reference's hidden
+    states)."""
+    if config.loss_type != "kto" or config.desirable_weight != 1.0 or config.undesirable_weight != 1.0:
+        raise ConfigError(
+            f"loss_type='liger' runs Liger's fused KTO loss, which computes kto_loss_type='kto' with "
+            f"desirable_weight=1 and undesirable_weight=1 only; got kto_loss_type={config.loss_type!r}, "
+            f"desirable_weight={config.desirable_weight}, undesirable_weight={config.undesirable_weight}: use "
+            f"--loss-type fused_linear (every KTO variant, no [tokens, vocab] tensor) or drop those flags."
+        )
+    if padding_free:
+        raise ConfigError(
+            "loss_type='liger' for KTO needs padded batches (one completion per row); drop --padding-free or use "
+            "--loss-type fused_linear."
+        )
+    if precompute:
+        raise ConfigError(
+            "precompute_ref_log_probs=True is not supported with loss_type='liger': Liger's KTO loss reads the "
+            "reference's hidden states; drop --precompute-ref-log-probs or use --loss-type fused_linear."
+        )
+
+
 def check_kto_batch_size(config: KTOLossConfig, per_device_train_batch_size: int) -> None:
     """The KL estimate needs another row to pair each prompt with: refused with one row per micro-batch (TRL)."""
     if config.uses_kl and per_device_train_batch_size < 2:

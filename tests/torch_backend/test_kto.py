@@ -189,3 +189,82 @@ def test_precomputed_reference_columns_equal_the_live_copy(tiny):
     kb = collate_unpaired(with_ref.to_list(), with_kl=True)  # the batch carries them; the loss reads them
     out = tkto.kto_forward(model, kb, validate_kto_config("kto", 0.1))
     assert abs(float(out.loss.detach()) - 0.5) < 1e-4  # the policy is its reference: r = 0, z = 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_liger_kto_equals_the_fused_path(tiny, device):
+    """Liger's fused KTO loss (``loss_type='liger'``; its chunked loss is plain torch, so it runs on CPU too) gives
+    twinseq's loss, per-row outputs, KL estimate and gradients on the same micro-batch and reference; a wrong KL
+    (the negative control) moves the loss."""
+    pytest.importorskip("liger_kernel")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from twinseq.torch_backend.attention import forward_hidden
+
+    cfg, weights = tiny
+    model = build_model(cfg, weights, device=device)
+    ref = frozen_reference(model)
+    kb = collate_unpaired(_examples(cfg.vocab_size), with_kl=True)
+    # move the policy away from the reference: up the mismatched pairs (a KL estimate above 0), and at random
+    from twinseq.torch_backend.logprobs import sequence_logps
+
+    (-sequence_logps(forward_hidden(model, kb.batch), model.lm_head.weight, kb)[kb.num_examples:].sum()).backward()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.sub_(0.02 * p.grad + 0.02 * torch.randn(p.shape, generator=gen).to(device))
+    model.zero_grad(set_to_none=True)
+    config = validate_kto_config("kto", beta=0.1)
+    with torch.no_grad():
+        ref_hidden = forward_hidden(ref, kb.batch)
+        ref_D = tkto.reference_logps_D(ref, kb)
+    want, want_grads = _run(model, kb, config, ref_D.cpu().numpy(), num_examples_in_step=8)
+    assert want.kl > 1e-4
+    model.zero_grad(set_to_none=True)
+    got = tkto.liger_kto_forward(model, ref_hidden, ref.lm_head.weight, kb, config, num_examples_in_step=8)
+    got.loss.backward()
+    got_grads = _grads(model)
+    assert abs(float(got.loss) - float(want.loss)) <= 1e-5 * abs(float(want.loss))
+    assert got.kl == pytest.approx(want.kl, rel=1e-6)
+    np.testing.assert_allclose(got.rewards.cpu().numpy(), want.rewards.cpu().numpy(), rtol=1e-5, atol=1e-7)
+    for name, g in want_grads.items():
+        assert _rel(got_grads[name], g) <= 1e-4, name
+    with torch.no_grad():  # negative control: the KL estimate left out
+        wrong = tkto.liger_kto_loss(forward_hidden(model, kb.batch), model.lm_head.weight, ref_hidden,
+                                    ref.lm_head.weight, kb, config, 0.0, 8)
+    assert abs(float(wrong) - float(want.loss)) > 1e-4
+
+
+def test_liger_kto_refuses_what_it_does_not_compute():
+    from twinseq.common.errors import ConfigError
+
+    base = dict(task="kto", model_config="tiny", loss_type="liger")
+    for extra, match in [
+        (dict(kto_loss_type="apo_zero_unpaired"), "kto_loss_type='apo_zero_unpaired'.*--loss-type fused_linear"),
+        (dict(desirable_weight=1.5), "desirable_weight=1.5.*--loss-type fused_linear"),
+        (dict(padding_free=True), "needs padded batches.*drop --padding-free"),
+        (dict(precompute_ref_log_probs=True), "precompute_ref_log_probs=True.*--loss-type fused_linear"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            TrainConfig.from_flat(**base, **extra)
+    TrainConfig.from_flat(**base)  # padded 'kto' with unit weights is Liger's
+
+
+def test_the_liger_trainer_step_equals_the_fused_ones():
+    """The trainer's Liger micro-step (reference hidden states, Liger's loss, the metrics' no-grad pass) against the
+    fused one: one optimizer step each, same data and weights, built as a run builds them (on CPU here: a run asks
+    for CUDA before it builds, ``common.run.capabilities``)."""
+    pytest.importorskip("liger_kernel")
+    from twinseq.torch_backend.kto import build_kto
+
+    metrics = {}
+    for kernel in ("fused_linear", "liger"):
+        cfg = TrainConfig.from_yaml("configs/kto.yaml", padding_free=False, loss_type=kernel, max_steps=1,
+                                    per_device_train_batch_size=4, gradient_accumulation_steps=2, output_dir="unused")
+        trainer, source, _, _ = build_kto(cfg, torch.device("cpu"), None)
+        metrics[kernel] = trainer.step(source.next_step())
+        metrics[kernel]["weight"] = trainer.causal_lm.model.embed_tokens.weight.detach().double().numpy().copy()
+    fused, liger = metrics["fused_linear"], metrics["liger"]
+    for key in ("loss", "kl", "rewards/margins", "grad_norm"):
+        assert liger[key] == pytest.approx(fused[key], rel=1e-4, abs=1e-7), key
+    assert _rel(liger["weight"], fused["weight"]) <= 1e-6
