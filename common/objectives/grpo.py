@@ -217,6 +217,11 @@ def check_grpo_config(grpo: GRPOConfig, *, per_device_train_batch_size: int, gra
     _check_entropy_bonus(grpo)
     if grpo.generation_batch_size is None or grpo.steps_per_generation is not None:
         generation_steps(grpo, per_device_train_batch_size, gradient_accumulation_steps)
+    elif grpo.generation_batch_size % per_device_train_batch_size:  # on any number of ranks
+        raise ConfigError(
+            f"generation_batch_size={grpo.generation_batch_size} is not divisible by per_device_train_batch_size="
+            f"{per_device_train_batch_size} (x ranks); make it a multiple of per_device_train_batch_size x ranks."
+        )
     # else generation_batch_size counts every rank's completions: the builders resolve it once the ranks are known
     if grpo.use_vllm and grpo.vllm_mode != "colocate":
         raise ConfigError(

@@ -7,7 +7,8 @@ Invariants:
   advantage, ~1) and gradient norm within 1e-5 relative over 4 steps (``num_iterations`` 2, so half the steps are
   off-policy), for a loss normalised per sequence (``grpo``) and per token over the step (``dapo``), for RLOO over
   5 steps (``task=rloo``: leave-one-out advantages of the gathered rewards, one ratio per completion), and the
-  same step rewards (gathered over ranks).
+  same step rewards (gathered over ranks); and with the adaptive entropy bonus (``dapo``), whose coefficient each
+  step reads the entropy over every rank's tokens.
   The completions come from a fixed sampler keyed by the prompt (generation itself is compared below and in
   ``test_zero3.py``), and the reward is their length, so the advantages are not zero. A loss normalised per rank
   instead of per step, or gradients averaged over ranks instead of summed, changes the update by 2x.
@@ -109,18 +110,20 @@ def _rel(got, want) -> float:
 @needs_deepspeed
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "rloo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "rloo", "dapo+adaptive_entropy"])
 def test_two_ranks_take_the_single_process_steps(tmp_path, loss_type):
     # num_iterations=2: every other step reuses its completions after an update, so the ratio moves off 1 and the
     # loss off 0 (on-policy, the advantages of a group sum to 0 and so does the loss; its gradient does not).
     # rloo: task=rloo (leave-one-out advantages, RLOO's sequence-level loss), rloo_beta=0 as ZeRO-3 requires, and a
     # smaller step: its one ratio per completion sums the log-ratios of all its tokens, and at 3e-3 every reused
     # completion leaves the clip range (no gradient at all)
-    task = (
-        dict(task="rloo", rloo_beta=0.0, learning_rate=1e-4, max_steps=5)  # 5 steps: issue 27's RLOO check
-        if loss_type == "rloo"
-        else dict(grpo_loss_type=loss_type)
-    )
+    # dapo+adaptive_entropy: the entropy bonus, its coefficient moved each step from the entropy over both ranks'
+    # tokens (a target above any entropy here, so it applies from the second step and grows)
+    task = {
+        "rloo": dict(task="rloo", rloo_beta=0.0, learning_rate=1e-4, max_steps=5),  # 5 steps: issue 27's RLOO check
+        "dapo+adaptive_entropy": dict(grpo_loss_type="dapo", use_adaptive_entropy=True, entropy_coef=0.05,
+                                      entropy_coef_delta=0.02, entropy_target=100.0),
+    }.get(loss_type, dict(grpo_loss_type=loss_type))
     common = dict(GRPO, num_iterations=2, output_dir=str(tmp_path / "unused"))
     common.update(task)
     (tmp_path / "one").mkdir()
