@@ -75,7 +75,7 @@ InitWeights = Literal["pretrained", "random"]
 TritonGradients = Literal["exact", "cce"]
 PaddingSide = Literal["right", "left"]
 LRScheduler = Literal["constant", "linear", "cosine"]
-ContextParallelStrategy = Literal["allgather", "ring"]
+ContextParallelStrategy = Literal["allgather", "ring", "ulysses"]
 ReportTo = Literal["none", "tensorboard", "wandb"]
 Optimizer = Literal["adamw_torch", "adamw_bnb_8bit", "adamw_bf16", "adamw_bf16_8bit"]
 DeepSpeedZeroStage = Literal[0, 3]
@@ -271,7 +271,9 @@ class ParallelConfig(_Section):
     """Ranks (torch) or devices (jax) that split every sequence; must divide the world size."""
     context_parallel_strategy: ContextParallelStrategy = "allgather"
     """``allgather``: packed/padding-free safe, CPU or GPU. ``ring``: torch's ring attention, CUDA,
-    unpacked only (jax's ring runs everywhere)."""
+    unpacked only (jax's ring runs everywhere). ``ulysses`` (torch only): DeepSpeed-Ulysses sequence parallelism,
+    an all-to-all per attention layer trades the sequence shard for a slice of the heads over the whole row;
+    packed/padding-free safe, CPU or GPU; ``num_attention_heads`` must be a multiple of ``context_parallel_size``."""
     deepspeed_zero_stage: DeepSpeedZeroStage = 0
     """0: off. 3: DeepSpeed ZeRO-3 (torch only, ``pip install 'twinseq[deepspeed]'``): parameters, gradients and
     optimizer state partitioned over the ranks of a torchrun launch; not with fsdp or context parallelism.

@@ -443,7 +443,24 @@ def _config_cases() -> dict[str, Refusal]:
             _flat(task="kto", per_device_train_batch_size=1), "per_device_train_batch_size", 1),
         "kto: an unknown loss type": Refusal(_flat(task="kto", kto_loss_type="sigmoid"), "kto_loss_type", "sigmoid"),
         "kto: packing": Refusal(_flat(task="kto", packing=True, max_length=64), "packing", True),
-        "kto: liger": Refusal(_flat(task="kto", loss_type="liger"), "loss_type", "liger"),
+        "kto: liger with a loss Liger lacks": Refusal(
+            _flat(task="kto", loss_type="liger", kto_loss_type="apo_zero_unpaired"), "kto_loss_type",
+            "apo_zero_unpaired"),
+        "kto: liger padding-free": Refusal(_flat(task="kto", loss_type="liger", padding_free=True), "padding-free", ""),
+        "grpo: entropy control without adaptive control": Refusal(
+            _flat(task="grpo", entropy_target=0.5), "entropy_target", 0.5),
+        "grpo: entropy coefficient bounds crossed": Refusal(
+            _flat(task="grpo", use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.2),
+            "entropy_coef_min", 0.5),
+        "grpo: entropy bonus with liger": Refusal(
+            _flat(task="grpo", loss_type="liger", entropy_coef=0.01), "entropy_coef", 0.01),
+        "grpo: steps_per_generation not whole steps": Refusal(
+            _flat(task="grpo", per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=3),
+            "steps_per_generation", 3),
+        "grpo: steps_per_generation and generation_batch_size": Refusal(
+            _flat(task="grpo", steps_per_generation=2, generation_batch_size=16), "generation_batch_size", 16),
+        "grpo: generation_batch_size off the batch": Refusal(
+            _flat(task="grpo", per_device_train_batch_size=8, generation_batch_size=20), "generation_batch_size", 20),
         "kto: its knob on dpo": Refusal(_flat(task="dpo", desirable_weight=2.0), "desirable_weight", "dpo"),
         "reference: sync with peft": Refusal(_flat(task="dpo", sync_ref_model=True, use_peft=True), "use_peft", True),
         "reference: sync with precomputed log-probs": Refusal(
@@ -1066,6 +1083,10 @@ CLI_CASES = {  # argv -> (field, value); each is refused before any work
                            "use_vllm", True),
     "train: sharded GRPO on jax": (_train("--backend", "jax", "--task", "grpo", "--num-generations", "2",
                                           "--context-parallel-size", "2"), "task", "grpo"),
+    "train: ulysses heads that do not split": (_train("--context-parallel-size", "3", "--context-parallel-strategy",
+                                                      "ulysses"), "num_attention_heads", 4),
+    "train: ulysses on jax": (_train("--backend", "jax", "--context-parallel-size", "2", "--context-parallel-strategy",
+                                     "ulysses"), "context_parallel_strategy", "ulysses"),
 }  # fmt: skip
 SUBPROCESS_CASES = (
     "lengths: candidates that are not numbers",

@@ -1,7 +1,7 @@
 """Context parallelism (CP) for the torch backend: every rank of a ``cp`` group holds ``T / cp``
 tokens of each row, in the load-balanced zigzag order of ``twinseq.common.data.context_parallel``.
 
-Two strategies, both run as HF attention functions registered in ``transformers.AttentionInterface``
+Three strategies, each run as an HF attention function registered in ``transformers.AttentionInterface``
 (so RoPE uses the shard's own ``position_ids`` and the rest of the Llama is untouched):
 
 - ``allgather`` (``twinseq_cp_allgather``): each rank keeps its queries, all-gathers K/V
@@ -25,8 +25,20 @@ Two strategies, both run as HF attention functions registered in ``transformers.
   padding-free data is refused with a ``ValueError`` (``check_ring_batch``), never mixed. For
   the same reason it cannot slide a window or soft-cap scores: such models are refused
   (``check_ring_model``).
+- ``ulysses`` (``twinseq_cp_ulysses``): DeepSpeed-Ulysses sequence parallelism (ALST). The rank keeps
+  its zigzag shard for everything but attention; in each attention layer one all-to-all turns the
+  sequence-sharded q/k/v [B, H, T/cp, D] into head-sharded [B, H/cp, T, D] (the whole row, a slice of
+  the heads), the blocked document attention runs on the whole row with the gathered segment and
+  position ids (the rule above; sliding window and soft-cap as ``allgather``), and the inverse
+  all-to-all returns [B, H, T/cp, D]. The exchange is autograd-aware: the backward of each all-to-all
+  is the other one. It is ``torch.distributed.all_to_all_single``, which NCCL and gloo (CPU tensors)
+  both implement. GQA: the K/V heads are split the same way when ``num_key_value_heads % cp == 0``;
+  otherwise each K/V head is repeated ``lcm(KV, cp) / KV`` times first (logged), the fewest copies
+  that split evenly. ``num_attention_heads % cp != 0`` is refused (``check_ulysses_heads``).
+  Traffic per layer: q, k, v and the output once each, (cp - 1)/cp of them leaving the rank, against
+  allgather's whole-row K/V; memory: attention temporaries O(T x block) per rank for H/cp heads.
 
-Naive equivalent of either strategy (what the tests check): the dense document-masked attention
+Naive equivalent of every strategy (what the tests check): the dense document-masked attention
 of ``twinseq.torch_backend.attention.document_mask`` on the unsharded row, then the rank's slice.
 
 The labels are shifted BEFORE the zigzag reorder (``common.data.context_parallel.shard_batch``), so
@@ -36,7 +48,9 @@ a shard carries ``targets`` and the loss must not shift again (``targets_are_shi
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -54,6 +68,7 @@ from twinseq.common.data.batching import Batch
 from twinseq.common.data.context_parallel import check_seq_len, cp_permutation, shard_batch
 from twinseq.common.errors import ConfigError
 from twinseq.common.objectives.nll import shift_labels
+from twinseq.common.run.capabilities import check_ulysses_heads
 from twinseq.torch_backend.attention import mask_layout, softcapped_attention
 from twinseq.torch_backend.blocked_attention import BlockedPlan, attention_block_size, blocked_attention
 
@@ -61,7 +76,8 @@ logger = logging.getLogger(__name__)
 
 ALLGATHER_HF_NAME = "twinseq_cp_allgather"
 RING_HF_NAME = "twinseq_cp_ring"
-HF_NAMES = {"allgather": ALLGATHER_HF_NAME, "ring": RING_HF_NAME}
+ULYSSES_HF_NAME = "twinseq_cp_ulysses"
+HF_NAMES = {"allgather": ALLGATHER_HF_NAME, "ring": RING_HF_NAME, "ulysses": ULYSSES_HF_NAME}
 CP_KWARG = "twinseq_cp"  # the keyword that carries a ``CPAttentionContext`` down to every attention layer
 
 
@@ -206,13 +222,15 @@ class CPAttentionContext:
     """What every attention layer of one forward needs; built once per forward by ``make_context``."""
 
     group: Any  # the cp ProcessGroup (None: one rank, nothing to gather)
-    plan: Optional[BlockedPlan]  # local queries' and gathered keys' ids (allgather); None for ring
+    plan: Optional[BlockedPlan]  # queries' and keys' ids: local x gathered (allgather), gathered x gathered
+    # (ulysses); None for ring
     sliding_window: Optional[int] = None  # the window of the model's sliding layers, if any
+    strategy: str = "allgather"
 
     def plan_for(self, block_size: int) -> BlockedPlan:
         """``plan`` with blocks of ``block_size`` tokens (the layer's ``attention_block_size``), rebuilt once if
         it was made with another size; its block-pair lists are then shared by every layer."""
-        assert self.plan is not None, "plan_for is the allgather strategy's; a ring context has no plan"
+        assert self.plan is not None, "plan_for is the allgather and ulysses strategies'; a ring context has no plan"
         if self.plan.block_size != block_size:
             p = self.plan
             self.plan = BlockedPlan(p.seg_q, p.pos_q, p.seg_k, p.pos_k, block_size)
@@ -227,15 +245,18 @@ def make_context(
     block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE,
 ) -> CPAttentionContext:
     """Gather the segment and position ids of the whole row once (no gradient), for the blocked attention of
-    the local queries against the gathered keys (``sliding_window``: the window of the model's sliding
-    layers, ``attention.mask_layout``). No mask is built: each block pair's comes from these ids."""
+    the local queries (allgather) or of the whole row (ulysses) against the gathered keys (``sliding_window``:
+    the window of the model's sliding layers, ``attention.mask_layout``). No mask is built: each block pair's
+    comes from these ids."""
     if strategy == "ring":
-        return CPAttentionContext(group, None)
+        return CPAttentionContext(group, None, strategy="ring")
     seg_k, pos_k = shard.segment_ids, shard.position_ids
     if group is not None and shard.cp > 1:
         ids = torch.stack([shard.segment_ids, shard.position_ids])
         gathered = torch.cat(_gather_chunks(ids.contiguous(), group), dim=2)
         seg_k, pos_k = gathered[0], gathered[1]
+    if strategy == "ulysses":
+        return CPAttentionContext(group, BlockedPlan(seg_k, pos_k, seg_k, pos_k, block_size), sliding_window, strategy)
     plan = BlockedPlan(shard.segment_ids, shard.position_ids, seg_k, pos_k, block_size)
     return CPAttentionContext(group, plan, sliding_window)
 
@@ -277,6 +298,28 @@ def _context(kwargs: dict, name: str) -> CPAttentionContext:
     return ctx
 
 
+def _check_layer(
+    module: torch.nn.Module, ctx: CPAttentionContext, strategy: str, dropout: float, sliding_window: Optional[int]
+) -> None:
+    """``ConfigError`` for a layer the context cannot serve: another strategy's context, another window, dropout."""
+    if ctx.strategy != strategy:
+        raise ConfigError(
+            f"attention {HF_NAMES[strategy]!r} got a CPAttentionContext built for strategy={ctx.strategy!r}; "
+            f"build it with make_context(..., strategy={strategy!r})."
+        )
+    if sliding_window is not None and sliding_window != ctx.sliding_window:
+        raise ConfigError(
+            f"a layer of {type(module).__name__} slides within {sliding_window} positions but the "
+            f"CPAttentionContext was built for sliding_window={ctx.sliding_window}; build it with "
+            f"make_context(..., sliding_window=mask_layout(model.config).sliding_window)."
+        )
+    if dropout > 0 and module.training:
+        raise ConfigError(
+            f"context_parallel_strategy={strategy!r} has no attention dropout (got {dropout} from "
+            f"{type(module).__name__}); set attention_dropout=0."
+        )
+
+
 def allgather_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -294,22 +337,130 @@ def allgather_attention_forward(
     ``sliding_window`` and ``softcap`` are the layer's, as HF's attention modules pass them.
     """
     ctx = _context(kwargs, ALLGATHER_HF_NAME)
-    if sliding_window is not None and sliding_window != ctx.sliding_window:
-        raise ConfigError(
-            f"a layer of {type(module).__name__} slides within {sliding_window} positions but the "
-            f"CPAttentionContext was built for sliding_window={ctx.sliding_window}; build it with "
-            f"make_context(..., sliding_window=mask_layout(model.config).sliding_window)."
-        )
-    if dropout > 0 and module.training:
-        raise ConfigError(
-            f"context_parallel_strategy='allgather' has no attention dropout (got {dropout} from "
-            f"{type(module).__name__}); set attention_dropout=0."
-        )
+    _check_layer(module, ctx, "allgather", dropout, sliding_window)
     if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
         key, value = gather_sequence(key, ctx.group, 2), gather_sequence(value, ctx.group, 2)
     out_BHLD = blocked_attention(
         query, key, value, ctx.plan_for(attention_block_size(module)), scaling, sliding_window, softcap
     )
+    return out_BHLD.transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------------------
+# ulysses: all-to-all from sequence shards to head shards and back
+# --------------------------------------------------------------------------------------
+
+
+def _all_to_all(x_PX: torch.Tensor, group) -> torch.Tensor:
+    """Chunk ``p`` of dim 0 goes to rank ``p``; chunk ``p`` of the result came from rank ``p`` (NCCL and gloo)."""
+    out = torch.empty_like(x_PX)
+    dist.all_to_all_single(out, x_PX, group=group)
+    return out
+
+
+def seq_to_head(x_BNLD: torch.Tensor, group) -> torch.Tensor:
+    """[B, N, L, D] (this rank's L tokens, all N heads) -> [B, N/P, P*L, D]: on rank r, heads ``r*N/P`` to
+    ``(r+1)*N/P - 1`` of the whole row, the ranks' shards in rank order (the gathered order of ``make_context``).
+    No autograd (``SeqToHead`` is the autograd-aware one)."""
+    P = dist.get_world_size(group)
+    B, N, L, D = x_BNLD.shape
+    x_PBnLD = x_BNLD.reshape(B, P, N // P, L, D).transpose(0, 1).contiguous()
+    y_PBnLD = _all_to_all(x_PBnLD, group)  # chunk p: rank p's tokens
+    return y_PBnLD.permute(1, 2, 0, 3, 4).reshape(B, N // P, P * L, D)
+
+
+def head_to_seq(y_BnTD: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of ``seq_to_head``: [B, N/P, T, D] -> [B, N, T/P, D]."""
+    P = dist.get_world_size(group)
+    B, n, T, D = y_BnTD.shape
+    y_PBnLD = y_BnTD.reshape(B, n, P, T // P, D).permute(2, 0, 1, 3, 4).contiguous()
+    x_PBnLD = _all_to_all(y_PBnLD, group)  # chunk p: rank p's heads
+    return x_PBnLD.transpose(0, 1).reshape(B, P * n, T // P, D)
+
+
+class SeqToHead(torch.autograd.Function):
+    """``seq_to_head`` with its adjoint, ``head_to_seq``, as the backward (a permutation's transpose is its
+    inverse)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return seq_to_head(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return head_to_seq(grad.contiguous(), ctx.group), None
+
+
+class HeadToSeq(torch.autograd.Function):
+    """``head_to_seq`` with ``seq_to_head`` as the backward."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return head_to_seq(y, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return seq_to_head(grad.contiguous(), ctx.group), None
+
+
+def kv_repeats(num_heads: int, num_kv_heads: int, cp: int) -> int:
+    """How many copies of each K/V head let ``cp`` ranks split them: 1 when ``num_kv_heads % cp == 0``, else
+    ``lcm(num_kv_heads, cp) / num_kv_heads`` (at most ``num_heads / num_kv_heads``: then every query head has its
+    own copy). Repeating with ``repeat_interleave`` keeps query head h on K/V head ``h // (H / KV)``.
+
+    >>> kv_repeats(8, 4, 2), kv_repeats(8, 2, 4), kv_repeats(12, 2, 4), kv_repeats(4, 1, 4)
+    (1, 2, 2, 4)
+    """
+    check_ulysses_heads(num_heads, cp)
+    repeats = math.lcm(num_kv_heads, cp) // num_kv_heads
+    assert num_heads % (num_kv_heads * repeats) == 0, (num_heads, num_kv_heads, cp)
+    return repeats
+
+
+@functools.lru_cache(maxsize=None)
+def _log_exchange(cp: int, backend: str, num_kv_heads: int, repeats: int) -> None:
+    logger.info(
+        "ulysses: q/k/v and the output move by torch.distributed.all_to_all_single over %d ranks (%s); "
+        "num_key_value_heads=%d, each K/V head sent %d time(s)%s",
+        cp,
+        backend,
+        num_kv_heads,
+        repeats,
+        "" if repeats == 1 else " (repeated: the K/V heads do not split over the ranks; the fewest copies that do)",
+    )
+
+
+def ulysses_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """HF attention ``twinseq_cp_ulysses``: q [B, H, L, D], k/v [B, KV, L, D] (local) -> [B, L, H, D].
+
+    Naive equivalent: gather q, k, v of the whole row, run the document-masked attention, keep this rank's L
+    tokens; here each rank computes H/cp heads of the whole row instead of all heads of its tokens.
+    """
+    ctx = _context(kwargs, ULYSSES_HF_NAME)
+    _check_layer(module, ctx, "ulysses", dropout, sliding_window)
+    cp = dist.get_world_size(ctx.group) if ctx.group is not None else 1
+    if cp > 1:
+        repeats = kv_repeats(query.shape[1], key.shape[1], cp)
+        _log_exchange(cp, str(dist.get_backend(ctx.group)), key.shape[1], repeats)
+        if repeats > 1:
+            key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+        query, key, value = (SeqToHead.apply(x, ctx.group) for x in (query, key, value))
+    plan = ctx.plan_for(attention_block_size(module))
+    out_BhTD = blocked_attention(query, key, value, plan, scaling, sliding_window, softcap)
+    out_BHLD = HeadToSeq.apply(out_BhTD, ctx.group) if cp > 1 else out_BhTD
     return out_BHLD.transpose(1, 2).contiguous(), None
 
 
@@ -436,7 +587,12 @@ def ring_context(cp_mesh, batch: Batch, device: Any):
 
 
 def register_cp_attention() -> None:
-    """Register both CP attention functions with transformers (idempotent; never at import)."""
-    for name, fn in ((ALLGATHER_HF_NAME, allgather_attention_forward), (RING_HF_NAME, ring_attention_forward)):
+    """Register the CP attention functions with transformers (idempotent; never at import)."""
+    functions = (
+        (ALLGATHER_HF_NAME, allgather_attention_forward),
+        (RING_HF_NAME, ring_attention_forward),
+        (ULYSSES_HF_NAME, ulysses_attention_forward),
+    )
+    for name, fn in functions:
         if name not in AttentionInterface._global_mapping:
             AttentionInterface.register(name, fn)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from twinseq.common.config import TrainConfig
 from twinseq.common.errors import ConfigError, MissingDependencyError
+from twinseq.common.models.configs import resolve_model_config
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class Capabilities:
     """It runs its own document-masked attention for every ``attn_implementation`` (logged, not refused)."""
     ring_attention_rules: bool
     """Its ``ring`` context parallelism is torch's ring attention (CUDA SDPA, a causal mask only)."""
+    context_parallel_strategies: frozenset[str]
+    """``context_parallel_strategy`` values it runs (``ulysses`` is torch's)."""
 
 
 BACKEND_CAPABILITIES = {
@@ -65,6 +68,7 @@ BACKEND_CAPABILITIES = {
         checks_attention_packages=True,
         own_masked_attention=False,
         ring_attention_rules=True,
+        context_parallel_strategies=frozenset({"allgather", "ring", "ulysses"}),
     ),
     "jax": Capabilities(
         "jax",
@@ -76,6 +80,7 @@ BACKEND_CAPABILITIES = {
         checks_attention_packages=False,
         own_masked_attention=True,
         ring_attention_rules=False,
+        context_parallel_strategies=frozenset({"allgather", "ring"}),
     ),
 }
 """Each backend's capabilities, keyed by its ``--backend`` name."""
@@ -202,6 +207,7 @@ def _check_parallel(cfg: TrainConfig, rt: Runtime) -> None:
         )
     if cp == 1:
         return
+    _check_strategy(cfg, rt)
     if cp > rt.world_size:
         launch = rt.caps.launch_hint.format(cp=cp)
         raise ConfigError(
@@ -223,6 +229,31 @@ def _check_parallel(cfg: TrainConfig, rt: Runtime) -> None:
         )
     if par.context_parallel_strategy == "ring" and rt.caps.ring_attention_rules:
         _check_torch_ring(cfg, rt)
+
+
+def _check_strategy(cfg: TrainConfig, rt: Runtime) -> None:
+    """What holds on any machine: the backend runs the strategy, and Ulysses can split the model's heads."""
+    cp, strategy = cfg.parallel.context_parallel_size, cfg.parallel.context_parallel_strategy
+    if strategy not in rt.caps.context_parallel_strategies:
+        raise ConfigError(
+            f"context_parallel_strategy={strategy!r} is not implemented by the {rt.backend} backend; use "
+            f"--context-parallel-strategy in {sorted(rt.caps.context_parallel_strategies)}, or --backend torch."
+        )
+    if strategy != "ulysses":
+        return
+    check_ulysses_heads(resolve_model_config(cfg.model.model_config).num_attention_heads, cp)
+
+
+def check_ulysses_heads(num_heads: int, cp: int) -> None:
+    """``ConfigError`` unless the query heads split evenly over the ``cp`` ranks of a Ulysses all-to-all (checked
+    here before any work, and by the torch attention on the model it runs)."""
+    if num_heads % cp:
+        sizes = [d for d in range(2, num_heads + 1) if num_heads % d == 0]
+        raise ConfigError(
+            f"context_parallel_strategy='ulysses' gives each of the context_parallel_size={cp} ranks "
+            f"num_attention_heads / {cp} heads, but num_attention_heads={num_heads} is not a multiple of {cp}; "
+            f"use --context-parallel-size in {sizes}, or --context-parallel-strategy allgather (any head count)."
+        )
 
 
 def _check_torch_ring(cfg: TrainConfig, rt: Runtime) -> None:

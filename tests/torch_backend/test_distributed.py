@@ -282,7 +282,7 @@ def test_good_parallel_configs_give_the_mesh():
 @pytest.mark.parametrize("kw, fragment", [
     (dict(context_parallel_size=0), "context_parallel_size=0"),
     (dict(context_parallel_size=True), "context_parallel_size=True"),
-    (dict(context_parallel_strategy="ulysses"), "context_parallel_strategy='ulysses'"),
+    (dict(context_parallel_strategy="tree"), "context_parallel_strategy='tree'"),
 ])
 def test_config_fields_are_validated(kw, fragment):
     with pytest.raises((ValueError, TypeError), match=fragment):
