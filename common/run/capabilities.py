@@ -280,12 +280,33 @@ def _check_torch_ring(cfg: TrainConfig, rt: Runtime) -> None:
 def _check_dpo(cfg: TrainConfig, rt: Runtime) -> None:
     if cfg.memory.torch_compile:
         raise ConfigError(f"torch_compile=True is not supported with task={cfg.task!r} yet; drop --torch-compile.")
+    if cfg.task == "dpo" and cfg.parallel.context_parallel_size > 1:
+        (_check_torch_dpo_context_parallel if rt.backend == "torch" else _check_jax_dpo_context_parallel)(cfg, rt)
+        return
     if _distributed(cfg, rt):
         raise ConfigError(
             f"task={cfg.task!r} runs in one process on one device: FSDP, context parallelism and multi-process "
             f"launches are not implemented for {cfg.task.upper()}; drop --fsdp / --context-parallel-size and "
             f"launch with python."
         )
+
+
+def _check_torch_dpo_context_parallel(cfg: TrainConfig, rt: Runtime) -> None:
+    """DPO under context parallelism on torch (raises what it cannot run)."""
+    raise ConfigError(
+        f"task={cfg.task!r} runs in one process on one device: FSDP, context parallelism and multi-process "
+        f"launches are not implemented for {cfg.task.upper()}; drop --fsdp / --context-parallel-size and "
+        f"launch with python."
+    )
+
+
+def _check_jax_dpo_context_parallel(cfg: TrainConfig, rt: Runtime) -> None:
+    """DPO under context parallelism on jax (raises what it cannot run)."""
+    raise ConfigError(
+        f"task={cfg.task!r} runs in one process on one device: FSDP, context parallelism and multi-process "
+        f"launches are not implemented for {cfg.task.upper()}; drop --fsdp / --context-parallel-size and "
+        f"launch with python."
+    )
 
 
 def _check_optimizer_in_backward(cfg: TrainConfig, rt: Runtime) -> None:
