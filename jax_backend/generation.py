@@ -38,7 +38,7 @@ from twinseq.common.backend import Model
 from twinseq.common.errors import ConfigError
 from twinseq.jax_backend.attention import dot_product_attention
 from twinseq.jax_backend.losses import logits_f32
-from twinseq.jax_backend.model import CausalLM, rope_cos_sin
+from twinseq.jax_backend.model import CausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,9 +174,10 @@ def _cached_forward(model: CausalLM, cache: tuple, input_ids_BT, start, query_po
     ``key_pos_BS`` / ``key_valid_BS`` already describe them."""
     decoder = model.model
     x_BTH = decoder.embed_tokens(input_ids_BT)
-    cos, sin = rope_cos_sin(query_pos_BT, decoder.rope_inv_freq(query_pos_BT), x_BTH.dtype)
     new_cache = []
-    for layer, (k_BKSD, v_BKSD) in zip(decoder.layers, cache):
+    for layer, (cos, sin), (k_BKSD, v_BKSD) in zip(
+        decoder.layers, decoder.layer_rope(query_pos_BT, x_BTH.dtype), cache
+    ):
         attend = _CachedAttention(k_BKSD, v_BKSD, start, query_pos_BT, key_pos_BS, key_valid_BS)
         x_BTH = layer(x_BTH, cos, sin, (), attend)
         new_cache.append((attend.k_BKSD, attend.v_BKSD))

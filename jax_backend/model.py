@@ -1,6 +1,6 @@
 """Flax NNX causal LMs that mirror Hugging Face transformers' ``*ForCausalLM`` op for op (Llama 3.x,
-Qwen2/2.5, Qwen3, Mistral, Gemma 2: ``common.models.configs``), and the protocol functions ``build_model``,
-``export_weights``, ``logits`` and ``loss_and_grads`` (``common.backend.Backend``).
+Qwen2/2.5, Qwen3, Mistral, Gemma 2, Gemma 3 text: ``common.models.configs``), and the protocol functions
+``build_model``, ``export_weights``, ``logits`` and ``loss_and_grads`` (``common.backend.Backend``).
 
 Every jitted function takes the model as ``(graphdef, state)`` (``nnx.split``), so it compiles
 once per (B, T) bucket, loss type and chunk size; ``num_items_in_batch`` is traced.
@@ -12,23 +12,24 @@ torch's ``[out, in]``) and their ``bias`` as is; embeddings and RMSNorm scales k
 under the name ``weight``. One ``CausalLM`` class builds every family: the config decides which
 parameters exist (``common.models.configs.parameter_shapes``) and which of the branches below run.
 
-HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3,mistral,gemma2}.py``):
+HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3,mistral,gemma2,gemma3}.py``):
 
 - RMSNorm: variance in float32, ``x * rsqrt(var + eps)``, cast back, *then* times the weight;
   Gemma's instead multiplies by ``1 + w`` in float32 and casts last;
 - RoPE: ``inv_freq`` of ``common.models.rope`` (every ``rope_type``; ``dynamic`` recomputed from the
   batch's largest position id, under ``jit``), the half-split ``rotate_half`` layout, angles from
-  ``position_ids`` (so they restart per document);
+  ``position_ids`` (so they restart per document); Gemma 3's sliding layers rotate with their own base
+  (``common.models.rope.sliding_rope_inv_freq``), its global layers with ``rope_theta`` and its scaling;
 - attention: q/k/v biases where the family has them; Qwen3's per-head RMSNorm of q and k before
-  RoPE; grouped-query (kv heads repeated in place); scaling ``cfg.attention_scale``; Gemma 2's
-  score soft-cap after scaling and before the mask; sliding windows on the layers that have them;
-  softmax in float32 (``attention.py``); by default the blocked online-softmax kernel
+  RoPE (Gemma 3's in the ``1 + w`` form); grouped-query (kv heads repeated in place); scaling
+  ``cfg.attention_scale``; Gemma 2's score soft-cap after scaling and before the mask; sliding windows on
+  the layers that have them; softmax in float32 (``attention.py``); by default the blocked online-softmax kernel
   (``attn_implementation="sdpa"``, O(T x block) memory), the dense T x T reference with ``"eager"``;
   pluggable: ``model(..., attend=fn)`` runs ``fn`` (e.g. ``parallel.ring_attention_fn(mesh)``, context
   parallel) instead;
 - MLP: ``down(act(gate(x)) * up(x))``, SiLU or GELU (tanh), biases with ``mlp_bias``; optionally tiled over
   token chunks (``tiled_mlp_chunk_size``, ALST's tiled MLP), each chunk recomputed in backward;
-- Gemma 2: embeddings times ``sqrt(hidden_size)`` (a float32 constant cast to the compute dtype),
+- Gemma 2 and 3: embeddings times ``sqrt(hidden_size)`` (a float32 constant cast to the compute dtype),
   norms on the attention and MLP *outputs* before each residual add, final logits soft-capped
   (``losses.logits_f32``);
 - tied embeddings: the LM head is ``embed_tokens.weight`` itself.
@@ -54,7 +55,7 @@ from twinseq.common.errors import ConfigError
 from twinseq.common.models.configs import layer_norm_names
 from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
 from twinseq.common.models.peft import TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes
-from twinseq.common.models.rope import rope_inv_freq
+from twinseq.common.models.rope import rope_inv_freq, sliding_rope_inv_freq
 from twinseq.common.models.safetensors_stream import LazyArray
 from twinseq.jax_backend.attention import attention_for, document_causal_mask, dot_product_attention
 from twinseq.jax_backend.losses import LOSS_TYPES, causal_lm_loss, check_labels, logits_f32, token_nll
@@ -209,8 +210,12 @@ class Attention(nnx.Module):
         self.k_proj = _linear(w, prefix + "k_proj", dtype, cfg.qkv_bias)
         self.v_proj = _linear(w, prefix + "v_proj", dtype, cfg.qkv_bias)
         self.o_proj = _linear(w, prefix + "o_proj", dtype, cfg.o_bias)
-        self.q_norm = RMSNorm(w[prefix + "q_norm.weight"], cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(w[prefix + "k_norm.weight"], cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm, self.k_norm = (
+            RMSNorm(w[f"{prefix}{name}.weight"], cfg.rms_norm_eps, dtype, unit_offset=cfg.gemma)
+            if cfg.qk_norm
+            else None
+            for name in ("q_norm", "k_norm")
+        )
         self.head_dim = int(cfg.head_dim)
         self.scaling = cfg.attention_scale
         self.sliding_window = int(cfg.sliding_window) if cfg.layer_is_sliding(layer) else None
@@ -222,8 +227,8 @@ class Attention(nnx.Module):
 
     @staticmethod
     def _qk_norm(norm: Optional[RMSNorm], x_BNTD: jax.Array) -> jax.Array:
-        """Qwen3's RMSNorm of every head over head_dim, before RoPE (HF normalises ``[B, T, N, D]``; the
-        transpose to ``[B, N, T, D]`` does not change a norm over the last axis)."""
+        """Qwen3's (Gemma 3's) RMSNorm of every head over head_dim, before RoPE (Qwen3 normalises ``[B, T, N, D]``;
+        the transpose to ``[B, N, T, D]`` does not change a norm over the last axis)."""
         return x_BNTD if norm is None else norm(x_BNTD)
 
     def attend_options(self) -> dict[str, Any]:
@@ -334,6 +339,8 @@ class DecoderModel(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, w, i, dtype) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(w["model.norm.weight"], cfg.rms_norm_eps, dtype, unit_offset=cfg.gemma)
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg))  # static: floats live in the graphdef
+        sliding_inv_freq = sliding_rope_inv_freq(cfg)  # Gemma 3: the sliding layers' own base, else None
+        self.sliding_inv_freq = None if sliding_inv_freq is None else tuple(float(f) for f in sliding_inv_freq)
         self.dynamic_rope = (
             None
             if cfg.rope_type != "dynamic"
@@ -355,9 +362,18 @@ class DecoderModel(nnx.Module):
             return inv_freq_F
         return dynamic_rope_inv_freq(position_ids_BT, inv_freq_F, *self.dynamic_rope)
 
+    def layer_rope(self, position_ids_BT: jax.Array, dtype) -> list[tuple[jax.Array, jax.Array]]:
+        """(cos, sin) of every layer, in order: one pair shared by all, except that Gemma 3's sliding layers take
+        the pair of their own base (``sliding_inv_freq``)."""
+        rope = rope_cos_sin(position_ids_BT, self.rope_inv_freq(position_ids_BT), dtype)
+        if self.sliding_inv_freq is None:
+            return [rope] * len(self.layers)
+        sliding = rope_cos_sin(position_ids_BT, np.asarray(self.sliding_inv_freq, np.float32), dtype)
+        return [sliding if layer.self_attn.sliding_window is not None else rope for layer in self.layers]
+
     def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
         x_BTH = self.embed_tokens(input_ids_BT)
-        cos, sin = rope_cos_sin(position_ids_BT, self.rope_inv_freq(position_ids_BT), x_BTH.dtype)
+        ropes = self.layer_rope(position_ids_BT, x_BTH.dtype)
         attend = attention_for(self.attn_implementation, self.attention_block_size) if attend is None else attend
         if attend is None:
             # The dense masks are built once and shared by every layer of their kind.
@@ -371,7 +387,7 @@ class DecoderModel(nnx.Module):
         else:
             attn_args = (segment_ids_BT, position_ids_BT)
         layer_fn = remat(_layer_apply, self.remat_policy, static_argnums=(0, 1))
-        for layer in self.layers:
+        for layer, (cos, sin) in zip(self.layers, ropes):
             graphdef, state = nnx.split(layer)
             x_BTH = layer_fn(graphdef, attend, state, x_BTH, cos, sin, attn_args)
         return self.norm(x_BTH)

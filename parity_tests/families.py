@@ -36,6 +36,9 @@ FAMILY_CASES: dict[str, ModelConfig] = {
     # scores and logits of a random tiny model almost linear, and a missing cap would hide in rounding)
     "gemma2": ModelConfig.preset("tiny-gemma2", vocab_size=VOCAB, sliding_window=8, attn_logit_softcapping=0.5,
                                  final_logit_softcapping=1.5),
+    # as the text-only Gemma 3 checkpoints (270M, 1B): base 1e6 on the global layers, 1e4 on the sliding ones,
+    # no RoPE scaling, no soft-caps (tests/torch_backend/test_families.py adds a final cap and linear scaling)
+    "gemma3": ModelConfig.preset("tiny-gemma3", vocab_size=VOCAB, sliding_window=8),
 }
 """name -> config. Windows of 8 positions, so the 23-token document of ``family_examples`` crosses them."""
 

@@ -1,7 +1,7 @@
 """Torch and JAX agree on every model family, from the same checkpoint saved by transformers.
 
 For each case of ``parity_tests.families`` (Llama 3.x and the other RoPE types, Llama with
-biases, Qwen2 with and without sliding layers, Qwen3, Mistral, Gemma 2), on a padded and a
+biases, Qwen2 with and without sliding layers, Qwen3, Mistral, Gemma 2, Gemma 3), on a padded and a
 packed batch of the same documents (one longer than the sliding window):
 
 - logits agree within ``logits_abs``; per-token NLL within ``token_loss_abs`` once the part of the NLL

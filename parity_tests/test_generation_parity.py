@@ -43,7 +43,8 @@ def _hf_greedy(torch_model, ids_BP: np.ndarray, mask_BP: np.ndarray, eos, pad: i
 
 @pytest.mark.parametrize("preset", ["tiny", pytest.param("tiny-mistral", marks=pytest.mark.slow),
                                     pytest.param("tiny-gemma2", marks=pytest.mark.slow),
-                                    pytest.param("tiny-qwen3", marks=pytest.mark.slow)])
+                                    pytest.param("tiny-qwen3", marks=pytest.mark.slow),
+                                    pytest.param("tiny-gemma3", marks=pytest.mark.slow)])
 def test_greedy_tokens_equal_hf_generate(preset, exact_fp32):
     pytest.importorskip("transformers")
     from twinseq.jax_backend import build_model as jax_build

@@ -187,3 +187,50 @@ def test_hf_to_jax_to_hf_checkpoint_is_bitwise(cases, name, tmp_path):
     ids = torch.tensor([case.batches["separate"][0].input_ids[0].tolist()])
     with torch.no_grad():
         assert torch.equal(back(input_ids=ids, use_cache=False).logits, case.hf(input_ids=ids, use_cache=False).logits)
+
+
+def _hf_gemma3(cfg):
+    """transformers' ``Gemma3ForCausalLM`` of ``cfg``, random weights perturbed as ``hf_random_checkpoint`` does."""
+    from parity_tests.families import perturb_
+    from twinseq.common.models.configs import to_hf_config
+
+    values = to_hf_config(cfg)
+    values.pop("architectures")
+    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    perturb_(hf, 0)
+    return hf
+
+
+def _max_document_diff(logits_BTV, batch, refs) -> float:
+    docs = [(row, seg) for row in range(batch.shape[0]) for seg in range(1, int(batch.segment_ids[row].max()) + 1)]
+    return max(float(np.abs(logits_BTV[row, batch.segment_ids[row] == seg] - ref).max())
+               for (row, seg), ref in zip(docs, refs, strict=True))
+
+
+@pytest.mark.parametrize("variant", [dict(rope_type="linear", rope_factor=8.0), dict(final_logit_softcapping=1.5)],
+                         ids=["linear-rope", "final-softcap"])
+def test_gemma3_rope_scaling_and_final_softcap_equal_transformers(variant):
+    """Gemma 3 with Gemma 3 4B's linear RoPE scaling (global layers only) or a final soft-cap (absent by default):
+    JAX's fp32 logits of the padded and packed batches equal transformers' ``Gemma3ForCausalLM`` on each document
+    alone, and differ from the plain case's (the control: the variant is another model)."""
+    import dataclasses
+
+    import twinseq.jax_backend as jb
+    from parity_tests.families import FAMILY_CASES, family_examples
+
+    plain = FAMILY_CASES["gemma3"]
+    hf = _hf_gemma3(dataclasses.replace(plain, **variant))
+    weights = {k: p.detach().numpy().copy() for k, p in hf.named_parameters()}
+    model = jb.build_model(dataclasses.replace(plain, **variant), weights)
+    refs = [hf_document_logits(hf, ex["input_ids"]) for ex in family_examples()]
+    plain_hf = _hf_gemma3(plain)
+    plain_refs = [hf_document_logits(plain_hf, ex["input_ids"]) for ex in family_examples()]
+    batches = family_batches()
+    diffs = {layout: _max_document_diff(jb.logits(model, batches[layout]), batches[layout], refs)
+             for layout in LAYOUTS}
+    control = _max_document_diff(jb.logits(model, batches["packed"]), batches["packed"], plain_refs)
+    print(f"gemma3 {variant}: jax vs transformers {diffs}, vs the plain model {control:.2e}")
+    assert max(diffs.values()) <= tol("float32", "logits_abs"), diffs
+    assert control > 1e-3, control

@@ -9,7 +9,7 @@ warn; here a path that cannot mask refuses to run).
 
 Which layers slide is the family's business (``mask_layout``): none in Llama, every layer in
 Mistral (one mask for the model), the ``sliding_attention`` entries of ``layer_types`` in Qwen2,
-Qwen3 and Gemma 2, whose models take a mask per layer type as a dict
+Qwen3, Gemma 2 and Gemma 3, whose models take a mask per layer type as a dict
 ``{"full_attention": m, "sliding_attention": m}`` (transformers' ``causal_mask_mapping``).
 Gemma 2 also soft-caps the attention scores (``softcap * tanh(scores / softcap)``).
 
@@ -79,7 +79,7 @@ DEFAULT_BUCKET_RATIO = 1.25
 SMALL_DOC_LEN = 16  # documents up to this length share one bucket: padding them costs next to nothing
 _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 # families whose HF model takes one mask per layer type ({"full_attention": .., "sliding_attention": ..})
-_MASK_MAPPING_FAMILIES = ("qwen2", "qwen3", "gemma2")
+_MASK_MAPPING_FAMILIES = ("qwen2", "qwen3", "gemma2", "gemma3_text")
 # flash-attn 2 releases that first took window_size (HF drops the window silently below) and softcap
 _FLASH2_MIN_VERSION = {"sliding windows": (2, 3), "soft-capping": (2, 6)}
 
@@ -172,7 +172,7 @@ def resolve_attn_implementation(attn_implementation: str, config: Any) -> str:
 class MaskLayout:
     """How the HF model of a family takes its attention mask, read from its config (``mask_layout``)."""
 
-    mapping: bool  # one mask per layer type in a dict (qwen2, qwen3, gemma2), else one mask
+    mapping: bool  # one mask per layer type in a dict (qwen2, qwen3, gemma2, gemma3_text), else one mask
     sliding_window: Optional[int]  # window of the sliding layers (mistral: of every layer); None: none slides
     softcap: Optional[float]  # attention score soft-cap (gemma2), else None
 
@@ -192,6 +192,8 @@ def mask_layout(config: Any) -> MaskLayout:
         )
     window = getattr(config, "sliding_window", None)
     cap = getattr(config, "attn_logit_softcapping", None)
+    if model_type == "gemma3_text":  # transformers' Gemma 3 attention passes no soft-cap (q/k norms instead)
+        cap = None
     if model_type == "mistral":  # one mask, and HF passes config.sliding_window to every layer
         return MaskLayout(False, window, cap)
     if model_type in _MASK_MAPPING_FAMILIES:

@@ -1,6 +1,6 @@
 """The torch model: a Hugging Face ``AutoModelForCausalLM`` of any family ``ModelConfig`` describes.
 
-``common.models.configs`` decides the architecture (Llama, Qwen2, Qwen3, Mistral, Gemma 2) and writes its
+``common.models.configs`` decides the architecture (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3) and writes its
 ``config.json`` (``to_hf_config``); this module hands that to transformers' own classes
 (``AutoConfig.for_model`` + ``AutoModelForCausalLM``), so the torch backend runs exactly the
 modules a Hugging Face checkpoint runs. Weights come from ``common.models.init.init_weights`` (numpy, HF
@@ -8,7 +8,7 @@ names) or a local HF checkpoint (``checkpoint.load_pretrained``), so the torch a
 start from the same model. The protocol functions ``build_model``, ``export_weights``, ``logits``
 and ``loss_and_grads`` (``common.backend.Backend``) live here; ``logits`` and ``loss_and_grads``
 run through ``attention.forward_hidden``, which masks documents (and sliding windows) on every
-attention path, and apply the family's final logit soft-cap (Gemma 2) before the softmax. An adapter
+attention path, and apply the family's final logit soft-cap (Gemma 2; Gemma 3 when set) before the softmax. An adapter
 model (``peft.add_adapters``) is reached through ``unwrap``; ``peft`` builds on this module, never the reverse.
 """
 

@@ -122,8 +122,8 @@ def check_cpu_head_dim(hf_config: Any) -> None:
     if head_dim not in supported:
         raise ConfigError(
             f"use_vllm=True on CPU: the model's head_dim={head_dim} has no vLLM CPU attention kernel "
-            f"(supported: {supported}); use a model whose head_dim is one of them (the `tiny-qwen3` "
-            f"and `tiny-gemma2` presets have 32), or drop --use-vllm."
+            f"(supported: {supported}); use a model whose head_dim is one of them (the `tiny-qwen3`, "
+            f"`tiny-gemma2` and `tiny-gemma3` presets have 32), or drop --use-vllm."
         )
 
 

@@ -1,7 +1,7 @@
 """The model families twinseq builds, described once for both backends: ``ModelConfig``.
 
 One dataclass in Hugging Face's names covers Llama (and Llama 3.x RoPE scaling), Qwen2/Qwen2.5,
-Qwen3, Mistral and Gemma 2. ``model_type`` picks the family; the family decides what the
+Qwen3, Mistral, Gemma 2 and Gemma 3 (text). ``model_type`` picks the family; the family decides what the
 architecture has, and the fields hold its sizes and knobs:
 
 ==========  ===================================================================================
@@ -16,6 +16,10 @@ gemma2      embeddings scaled by ``sqrt(hidden_size)``; RMSNorm computes ``x * (
             four norms per layer (input, post-attention, pre- and post-feedforward); GELU (tanh);
             sliding and global layers alternate (``layer_types``); attention and final logits are
             soft-capped (``c * tanh(x / c)``); attention scale ``query_pre_attn_scalar ** -0.5``
+gemma3_text Gemma 2's embedding scale, norms, GELU and attention scale, plus Gemma-form (``1 + w``) RMSNorm of
+            every query and key head (``q_norm``, ``k_norm``) before RoPE; five sliding layers to one global by
+            default; two RoPE bases: ``rope_theta`` (and its scaling) on global layers, ``rope_local_base_freq``
+            on sliding ones; no attention soft-cap (transformers' Gemma 3 has none), final soft-cap only if set
 ==========  ===================================================================================
 
 ``parameter_shapes`` lists every tensor of a family in Hugging Face's names and layout, which is
@@ -39,7 +43,7 @@ from typing import Any, Literal, NoReturn, Optional, Union
 from twinseq.common.errors import ConfigError
 from twinseq.common.fields import _check_fields, knob
 
-ModelType = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2"]
+ModelType = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"]
 MODEL_TYPES = typing.get_args(ModelType)
 RopeType = Literal["default", "linear", "dynamic", "llama3"]
 LayerType = Literal["full_attention", "sliding_attention"]
@@ -50,7 +54,10 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+"""transformers' Gemma 3 default: every 6th layer global, the others sliding."""
 
 
 @dataclass
@@ -73,6 +80,9 @@ class ModelConfig:
     hidden_act: Activation = "silu"
     rms_norm_eps: float = knob(1e-5, gt=0)
     rope_theta: float = knob(10000.0, gt=0)
+    rope_local_base_freq: Optional[float] = knob(None, gt=0)
+    """gemma3_text: the RoPE base of sliding layers (default RoPE, no scaling; None: 10000, transformers' default);
+    ``rope_theta`` and ``rope_type`` are then the global layers'. Other families have one base: leave it None."""
     rope_type: RopeType = "default"
     rope_factor: float = knob(1.0, gt=0)
     """``linear``: positions divided by it; ``dynamic``: NTK base stretch; ``llama3``: low-frequency scale."""
@@ -111,10 +121,12 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention); set num_key_value_heads "
                 f"to a divisor of {self.num_attention_heads}."
             )
-        if self.model_type == "gemma2" and self.layer_types is None:  # HF's default: sliding, global, sliding, ...
+        if self.model_type in ("gemma2", "gemma3_text") and self.layer_types is None:  # HF's default pattern
+            every = 2 if self.model_type == "gemma2" else GEMMA3_SLIDING_WINDOW_PATTERN
             self.layer_types = [
-                "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(self.num_hidden_layers)
+                "sliding_attention" if (i + 1) % every else "full_attention" for i in range(self.num_hidden_layers)
             ]
+        self._check_gemma3()
         if self.model_type == "mistral" and self.layer_types is not None:
             raise ConfigError(
                 f"ModelConfig.layer_types (got {len(self.layer_types)} entries) is not used by model_type 'mistral' "
@@ -138,6 +150,30 @@ class ModelConfig:
                 "context length before scaling (8192 for Llama 3.1/3.2)."
             )
 
+    def _check_gemma3(self) -> None:
+        """Gemma 3's own fields: a local RoPE base (default 10000), no attention soft-cap, no dynamic RoPE."""
+        if self.model_type != "gemma3_text":
+            if self.rope_local_base_freq is not None:
+                raise ConfigError(
+                    f"ModelConfig.rope_local_base_freq={self.rope_local_base_freq} is only read by model_type "
+                    f"'gemma3_text' (got {self.model_type!r}, one RoPE base: rope_theta); drop rope_local_base_freq."
+                )
+            return
+        if self.rope_local_base_freq is None:
+            self.rope_local_base_freq = 10000.0
+        if self.attn_logit_softcapping is not None:
+            raise ConfigError(
+                f"ModelConfig.attn_logit_softcapping={self.attn_logit_softcapping} is not applied by transformers' "
+                "Gemma3ForCausalLM (its q/k norms replace Gemma 2's attention soft-cap), so twinseq would compute "
+                "another model than the checkpoint's; set attn_logit_softcapping=None, or use model_type 'gemma2'."
+            )
+        if self.rope_type == "dynamic":
+            raise ConfigError(
+                "ModelConfig.rope_type='dynamic' is not built for model_type 'gemma3_text' (transformers keeps a "
+                "per-layer-type state for it that twinseq does not reset per batch); use rope_type 'default', "
+                "'linear' or 'llama3'."
+            )
+
     # -- what the family has ---------------------------------------------------------------
 
     @property
@@ -150,12 +186,13 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
+        """RMSNorm of every query and key head before RoPE (Qwen3; Gemma 3 in its ``1 + w`` form)."""
+        return self.model_type in ("qwen3", "gemma3_text")
 
     @property
     def gemma(self) -> bool:
-        """Gemma's embedding scale, ``1 + w`` norms and pre/post feedforward norms."""
-        return self.model_type == "gemma2"
+        """Gemma's embedding scale, ``1 + w`` norms (q/k norms included) and pre/post feedforward norms."""
+        return self.model_type in ("gemma2", "gemma3_text")
 
     def layer_is_sliding(self, layer: int) -> bool:
         if self.layer_types is not None:
@@ -244,6 +281,19 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         final_logit_softcapping=30.0,
         query_pre_attn_scalar=256,
     ),
+    # two layers, one of each kind (Gemma 3's default pattern would make both sliding)
+    "tiny-gemma3": dict(
+        _TINY,
+        model_type="gemma3_text",
+        head_dim=32,
+        hidden_act="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=256,
+    ),
 }
 
 
@@ -306,6 +356,12 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     return rope
 
 
+def _gemma3_rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers 5's Gemma 3 layout: RoPE per layer type; the sliding layers' is default RoPE."""
+    local = {"rope_type": "default", "rope_theta": cfg.rope_local_base_freq}
+    return {"full_attention": _rope_parameters(cfg), "sliding_attention": local}
+
+
 def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """The ``config.json`` of ``cfg`` that ``AutoConfig``/``AutoModelForCausalLM`` of transformers 5 read."""
     values = {
@@ -320,7 +376,7 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_parameters": _rope_parameters(cfg),
+        "rope_parameters": _rope_parameters(cfg) if cfg.rope_local_base_freq is None else _gemma3_rope_parameters(cfg),
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "initializer_range": cfg.initializer_range,
@@ -331,7 +387,7 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "use_cache": False,
         ("hidden_activation" if cfg.gemma else "hidden_act"): cfg.hidden_act,
     }
-    if cfg.model_type in ("llama", "qwen3", "gemma2"):
+    if cfg.model_type in ("llama", "qwen3", "gemma2", "gemma3_text"):
         values["attention_bias"] = cfg.attention_bias
     if cfg.model_type == "llama":
         values["mlp_bias"] = cfg.mlp_bias
@@ -341,12 +397,14 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
             sliding_window=cfg.sliding_window,
             max_window_layers=cfg.num_hidden_layers,
         )
-    if cfg.model_type in ("qwen2", "qwen3", "gemma2"):
+    if cfg.model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
         values["layer_types"] = [
             ("sliding_attention" if cfg.layer_is_sliding(i) else "full_attention") for i in range(cfg.num_hidden_layers)
         ]
-    if cfg.model_type in ("mistral", "gemma2"):
+    if cfg.model_type in ("mistral", "gemma2", "gemma3_text"):
         values["sliding_window"] = cfg.sliding_window
+    if cfg.model_type == "gemma3_text":
+        values["use_bidirectional_attention"] = False
     if cfg.gemma:
         values.update(
             attn_logit_softcapping=cfg.attn_logit_softcapping,
@@ -439,6 +497,26 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         final_logit_softcapping=30.0,
         query_pre_attn_scalar=256,
     ),
+    "gemma3_text": dict(
+        vocab_size=262208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        sliding_window=4096,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=256,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+    ),
 }
 _COMMON_DEFAULTS = dict(
     rms_norm_eps=1e-6, initializer_range=0.02, attention_bias=False, mlp_bias=False, rope_theta=10000.0
@@ -458,13 +536,16 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
             f"twinseq builds {', '.join(MODEL_TYPES)}: use a checkpoint of one of those (model_type in config.json).",
         )
     model_type = typing.cast(ModelType, model_type)  # checked against MODEL_TYPES above
-    act_key = "hidden_activation" if model_type == "gemma2" else "hidden_act"
-    act = values.get(act_key) or values.get("hidden_act") or ("gelu_pytorch_tanh" if model_type == "gemma2" else "silu")
+    gemma = model_type in ("gemma2", "gemma3_text")
+    act_key = "hidden_activation" if gemma else "hidden_act"
+    act = values.get(act_key) or values.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
     if act not in typing.get_args(Activation):
         _refuse(
             source, act_key, act, f"twinseq builds {', '.join(typing.get_args(Activation))} MLPs: use one of those."
         )
     rope = dict(values.get("rope_parameters") or values.get("rope_scaling") or {})
+    if model_type == "gemma3_text":
+        rope = _gemma3_global_rope(values, source)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in typing.get_args(RopeType):
         _refuse(
@@ -524,9 +605,11 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
     ):
         if rope.get(key) is not None and rope_type != "default":
             out[name] = rope[key]
-    if model_type == "gemma2":
+    if gemma:
         for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
             out[key] = values.get(key, defaults[key])
+    if model_type == "gemma3_text":
+        out["rope_local_base_freq"] = float(rope["local_theta"])
     sliding_window = values.get("sliding_window", defaults.get("sliding_window"))
     if model_type in ("qwen2", "qwen3"):
         if values.get("use_sliding_window", False) and sliding_window is not None:
@@ -537,15 +620,51 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
             ]
     elif model_type == "mistral":
         out["sliding_window"] = sliding_window
-    elif model_type == "gemma2":
+    elif gemma:
         out["sliding_window"] = sliding_window
+        every = 2
+        if model_type == "gemma3_text":  # transformers' legacy key (config.json files on the Hub still hold it)
+            every = values.get(
+                "sliding_window_pattern", values.get("_sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+            )
         out["layer_types"] = values.get("layer_types") or [
-            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(out["num_hidden_layers"])
+            "sliding_attention" if (i + 1) % every else "full_attention" for i in range(out["num_hidden_layers"])
         ]
     try:
         return ModelConfig.from_dict(out)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"{source}: {err}") from None
+
+
+def _gemma3_global_rope(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """The global layers' RoPE of a Gemma 3 config.json, plus ``local_theta`` (the sliding layers' base): from
+    transformers 5's ``rope_parameters`` per layer type, or the older ``rope_theta``/``rope_local_base_freq``/
+    ``rope_scaling`` keys (as ``Gemma3TextConfig.convert_rope_params_to_dict`` reads them)."""
+    if values.get("use_bidirectional_attention"):
+        _refuse(
+            source,
+            "use_bidirectional_attention",
+            values["use_bidirectional_attention"],
+            "twinseq builds causal language models: use a checkpoint with use_bidirectional_attention false.",
+        )
+    params = values.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full, local = dict(params or values.get("rope_scaling") or {}), {}
+    full.setdefault("rope_theta", values.get("rope_theta", _HF_DEFAULTS["gemma3_text"]["rope_theta"]))
+    local.setdefault(
+        "rope_theta", values.get("rope_local_base_freq", _HF_DEFAULTS["gemma3_text"]["rope_local_base_freq"])
+    )
+    local_type = local.get("rope_type", local.get("type", "default"))
+    if local_type != "default":
+        _refuse(
+            source,
+            "rope_parameters.sliding_attention.rope_type",
+            local_type,
+            "twinseq rotates Gemma 3's sliding layers with default RoPE (rope_local_base_freq): use 'default'.",
+        )
+    return {**full, "local_theta": local["rope_theta"]}
 
 
 def resolve_model_config(name_or_path: str) -> ModelConfig:

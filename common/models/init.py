@@ -23,7 +23,7 @@ def init_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     - matrices and biases: N(0, initializer_range). Hugging Face starts biases at zero; drawing them
       makes every bias (Qwen2's q/k/v) matter from the first step, so a test that drops one fails;
     - RMSNorm scales: ones, so the norm starts as the identity scale. Gemma's norms compute
-      ``x * (1 + w)``, so their ones are stored as zeros.
+      ``x * (1 + w)`` (Gemma 3's q/k norms too), so their ones are stored as zeros.
 
     >>> w = init_weights(ModelConfig.preset("tiny"), seed=0)
     >>> w["model.norm.weight"][:3]
@@ -35,7 +35,7 @@ def init_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     weights: dict[str, np.ndarray] = {}
     for name, shape in parameter_shapes(cfg).items():
         if name.endswith("norm.weight"):
-            scale = 0.0 if cfg.gemma and not name.endswith(("q_norm.weight", "k_norm.weight")) else 1.0
+            scale = 0.0 if cfg.gemma else 1.0  # Gemma 3's q/k norms are ``1 + w`` too
             weights[name] = np.full(shape, scale, dtype=np.float32)
         else:
             weights[name] = (rng.standard_normal(shape, dtype=np.float32) * cfg.initializer_range).astype(np.float32)

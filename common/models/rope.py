@@ -64,6 +64,21 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return inv_freq
 
 
+def sliding_rope_inv_freq(cfg: ModelConfig) -> np.ndarray | None:
+    """float32 [head_dim / 2] of the sliding layers when they have their own base (Gemma 3: default RoPE of
+    ``rope_local_base_freq``, as transformers' ``Gemma3RotaryEmbedding`` for ``sliding_attention``), else None:
+    every layer rotates with ``rope_inv_freq``.
+
+    >>> cfg = ModelConfig.preset("tiny-gemma3")  # a local base of 1e4 turns faster than the global 1e6
+    >>> bool(sliding_rope_inv_freq(cfg)[1] > rope_inv_freq(cfg)[1]), sliding_rope_inv_freq(ModelConfig.preset("tiny"))
+    (True, None)
+    """
+    if cfg.rope_local_base_freq is None:
+        return None
+    assert cfg.head_dim is not None  # ModelConfig.__post_init__ fills head_dim
+    return default_inv_freq(cfg.head_dim, cfg.rope_local_base_freq)
+
+
 def _llama3(inv_freq: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     factor = np.float32(cfg.rope_factor)
     old_context_len = cfg.rope_original_max_position_embeddings

@@ -115,9 +115,10 @@ def _assert_close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(grads_a[name], grads_b[name], rtol=rtol, atol=atol, err_msg=name)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma2", "tiny-mistral"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma2", "tiny-mistral", "tiny-gemma3"])
 def test_model_sdpa_equals_eager(preset):
-    """GQA (tiny), sliding window + soft-caps (gemma2), sliding window (mistral): blocked vs dense end to end."""
+    """GQA (tiny), sliding window + soft-caps (gemma2), sliding window (mistral), sliding window + two RoPE bases
+    (gemma3): blocked vs dense end to end."""
     cfg = ModelConfig.preset(preset)
     batch = _batch(cfg, [23, 30, 11], 80)  # 64 tokens + padding tail, three documents in one row
     eager = _loss_and_grads(cfg, batch, attn_implementation="eager")

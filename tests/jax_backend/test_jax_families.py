@@ -3,7 +3,7 @@
 Invariants:
 - every ``FAMILY_CASES`` config builds from ``init_weights`` and ``export_weights`` gives back exactly
   the arrays it was built from (names, order, bits): the NNX tree mirrors HF's names for biases,
-  Qwen3's q/k norms and Gemma's four norms per layer;
+  Qwen3's and Gemma 3's q/k norms and Gemma's four norms per layer;
 - packed equals separate: a packed row of documents gives each document the per-token losses and
   (summed) gradients it gets alone, within the float32 bounds, for every family, sliding windows and
   soft-caps included. Dynamic RoPE is the one exception by design (a batch's frequencies follow its
@@ -15,6 +15,7 @@ Invariants:
   and the cap is really applied (the logits lie inside it; without it they differ);
 - ring and all-gather context-parallel attention honour the window and the score soft-cap (forward
   and gradients equal dense attention), and a Gemma 2 step on a cp=4 mesh equals the dense step;
+- Gemma 3's sliding and global layers rotate with their own bases (swapped bases are another model);
 - dynamic RoPE: the traced frequencies equal ``common.models.rope``'s, and a batch's frequencies depend on that
   batch only (no state carried between calls).
 """
@@ -133,10 +134,12 @@ def test_packed_equals_separate(name):
 def _without_window(name: str) -> dict:
     if name == "mistral":
         return {"sliding_window": None}
+    if name == "gemma3":  # keep the layer types: they pick each layer's RoPE base
+        return {"sliding_window": 10**6}
     return {"layer_types": ["full_attention"] * FAMILY_CASES[name].num_hidden_layers}
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2-sliding", "gemma2"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2-sliding", "gemma2", "gemma3"])
 def test_sliding_window_document_packed_with_another_matches_running_alone(name):
     import twinseq.jax_backend as jb
 
@@ -159,6 +162,28 @@ def test_sliding_window_document_packed_with_another_matches_running_alone(name)
     per_position = np.abs(full[window:len(long_doc["input_ids"])] - got[window:len(long_doc["input_ids"])]).max(-1)
     print(f"{name}: window vs full attention, smallest max |Δ logit| past the window: {per_position.min():.2e}")
     assert per_position.min() > 1e-3
+
+
+def test_gemma3_sliding_and_global_layers_rotate_with_their_own_base():
+    """Gemma 3: the sliding layer rotates with ``rope_local_base_freq`` (plain RoPE), the global layer with
+    ``rope_theta`` and its scaling (linear, factor 8, as Gemma 3 4B); swapping the two bases gives another model
+    (the control)."""
+    import twinseq.jax_backend as jb
+    from twinseq.common.models.rope import sliding_rope_inv_freq
+
+    cfg, batch = FAMILY_CASES["gemma3"], _batches()["padded"]
+    model = _model("gemma3")
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [8, None]
+    for scaling in ({}, {"rope_type": "linear", "rope_factor": 8.0}):
+        scaled = dataclasses.replace(cfg, **scaling)
+        ropes = _model("gemma3", **scaling).model.layer_rope(jnp.asarray(batch.position_ids), jnp.float32)
+        for (cos, _), inv_freq in zip(ropes, (sliding_rope_inv_freq(scaled), rope_inv_freq(scaled)), strict=True):
+            want = np.cos(batch.position_ids[:, :, None].astype(np.float32) * inv_freq)
+            np.testing.assert_allclose(np.asarray(cos)[:, 0, :, :len(inv_freq)], want, atol=1e-6)
+    assert not np.array_equal(rope_inv_freq(cfg), sliding_rope_inv_freq(cfg))
+    swapped = _model("gemma3", rope_theta=cfg.rope_local_base_freq, rope_local_base_freq=cfg.rope_theta)
+    real = batch.segment_ids != 0
+    assert np.abs(jb.logits(swapped, batch)[real] - jb.logits(model, batch)[real]).max() > 1e-3
 
 
 def test_document_causal_mask_with_a_window_follows_positions_not_columns():

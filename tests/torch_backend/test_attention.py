@@ -306,7 +306,7 @@ def test_cuda_packed_equals_separate(cfg, weights, docs, attn):
         np.testing.assert_allclose(sums, ref_sums, rtol=2e-2, err_msg=name)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma2", "tiny-mistral"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma2", "tiny-mistral", "tiny-gemma3"])
 @pytest.mark.parametrize("prompt_lengths", [pytest.param((21,), marks=pytest.mark.slow),
                                             pytest.param((6, 6, 6), marks=pytest.mark.slow), (4, 21)],
                          ids=["one", "equal", "padded"])

@@ -165,9 +165,10 @@ def _assert_grads_close(got, want, rel=TOL):
         assert err < rel, f"{name}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma2"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gemma2", "tiny-gemma3"])
 def test_model_on_blocked_path_equals_dense(preset, monkeypatch, caplog):
-    """Llama (sdpa) and Gemma 2 (eager: window on one layer, soft-capped scores): rows of 75 tokens, blocked
+    """Llama (sdpa), Gemma 2 (eager: window on one layer, soft-capped scores) and Gemma 3 (sdpa: window on one
+    layer, a RoPE base per layer type): rows of 75 tokens, blocked
     from 16 tokens on with blocks of 16, give the dense path's loss and gradients; the choice is logged."""
     cfg = ModelConfig.preset(preset)
     weights = init_weights(cfg, seed=0)
@@ -231,7 +232,7 @@ def _graph_has(tensor: torch.Tensor, name: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-gemma2"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2", "tiny-gemma2", "tiny-gemma3"])
 def test_tiled_mlp_equals_untiled(preset):
     cfg = ModelConfig.preset(preset)
     weights = init_weights(cfg, seed=0)

@@ -1,7 +1,7 @@
 """Every model family on the torch backend, against transformers' own modules and numbers.
 
 The cases are ``parity_tests.families.FAMILY_CASES``: Llama (Llama 3.x, linear and dynamic RoPE,
-biases), Qwen2 (with and without sliding layers), Qwen3, Mistral and Gemma 2, each a
+biases), Qwen2 (with and without sliding layers), Qwen3, Mistral, Gemma 2 and Gemma 3, each a
 random-weight checkpoint that transformers built, perturbed and saved (no twinseq code wrote it).
 What is checked, per family:
 
@@ -12,6 +12,8 @@ What is checked, per family:
 - packed equals separate: per-token loss (``token_loss_abs``) and summed gradients (``grad_rel``);
 - sliding windows cut where they should (a negative control without the window fails), soft-caps
   are applied by every loss and log-prob kernel, dynamic RoPE is stateless per batch;
+- Gemma 3's two RoPE bases go to the right layers (swapping them is another model) and a final soft-cap set in
+  its config is applied as transformers applies it;
 - common's config.json defaults and RoPE frequencies are transformers' own;
 - an architecture twinseq does not build is refused, naming it and the supported ones.
 
@@ -37,7 +39,7 @@ from twinseq.common.data.batching import collate
 from twinseq.common.errors import ConfigError
 from twinseq.common.models.hf_folder import read_hf_checkpoint
 from twinseq.common.objectives.nll import shift_labels
-from twinseq.common.models.configs import ARCHITECTURES, MODEL_TYPES, from_hf_config
+from twinseq.common.models.configs import ARCHITECTURES, MODEL_TYPES, ModelConfig, from_hf_config, to_hf_config
 from twinseq.torch_backend.attention import forward_hidden
 from twinseq.torch_backend.checkpoint import load_pretrained
 from twinseq.torch_backend.losses import causal_lm_loss
@@ -47,7 +49,7 @@ from twinseq.torch_backend.model import (build_model, export_weights, final_logi
 LOGITS_ABS, TOKEN_LOSS_ABS = tol("float32", "logits_abs"), tol("float32", "token_loss_abs")
 LOSS_REL, GRAD_REL = tol("float32", "loss_rel"), tol("float32", "grad_rel")
 TRAINING_PATHS = ("sdpa", "eager", "varlen")  # the paths that train on CPU
-SLIDING = ("mistral", "qwen2-sliding", "gemma2")
+SLIDING = ("mistral", "qwen2-sliding", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +262,8 @@ def without_window(cfg):
     """The same architecture with every layer attending to the whole document (the negative control)."""
     if cfg.model_type == "mistral":
         return dataclasses.replace(cfg, sliding_window=None)
+    if cfg.model_type == "gemma3_text":  # keep the layer types: they pick each layer's RoPE base
+        return dataclasses.replace(cfg, sliding_window=10**6)
     return dataclasses.replace(cfg, sliding_window=None, layer_types=["full_attention"] * cfg.num_hidden_layers)
 
 
@@ -608,7 +612,7 @@ def test_allgather_ranks_equal_dense_attention_with_window_and_softcap(window, c
         assert float(((out.transpose(1, 2) - dense[:, mine]).abs() * real).max()) < 1e-6, rank
 
 
-@pytest.mark.parametrize("name", ("mistral", "qwen2-sliding", "gemma2"))
+@pytest.mark.parametrize("name", ("mistral", "qwen2-sliding", "gemma2", "gemma3"))
 def test_allgather_model_forward_honours_each_layers_window_and_cap(checkpoint, batches, name):
     """The whole model through ``twinseq_cp_allgather`` (one rank): HF passes every layer's ``sliding_window``
     and ``softcap``; the logits equal the eager path's."""
@@ -664,11 +668,39 @@ def test_minimal_config_json_reads_as_transformers_reads_it(tmp_path, model_type
     assert {n: tuple(p.shape) for n, p in model.named_parameters()} == parameter_shapes(ours)
 
 
+def test_gemma3_config_round_trips_through_transformers_gemma3_text_config():
+    """``to_hf_config`` of a Gemma 3 config is a ``Gemma3TextConfig`` of the same model (RoPE per layer type, layer
+    types, caps), which ``from_hf_config`` reads back unchanged; a Hub-style config (``rope_theta``,
+    ``rope_local_base_freq``, ``rope_scaling``, ``sliding_window_pattern``) reads as transformers reads it."""
+    from transformers import Gemma3TextConfig
+
+    cfg = ModelConfig.preset("tiny-gemma3", rope_type="linear", rope_factor=8.0, rope_local_base_freq=2e4,
+                             final_logit_softcapping=30.0, num_hidden_layers=3,
+                             layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    values = to_hf_config(cfg)
+    assert values.pop("architectures") == ["Gemma3ForCausalLM"] and values.pop("model_type") == "gemma3_text"
+    hf = Gemma3TextConfig(**values)
+    assert hf.rope_parameters == {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}
+    assert (hf.layer_types, hf.final_logit_softcapping, hf.attn_logit_softcapping) == (cfg.layer_types, 30.0, None)
+    assert from_hf_config(hf.to_dict()) == cfg
+    hub = Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=7,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, rope_theta=5e5,
+                           rope_local_base_freq=2e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                           sliding_window_pattern=3, sliding_window=32)
+    ours = from_hf_config(hub.to_dict())
+    assert ours.layer_types == hub.layer_types and ours.layer_types.count("full_attention") == 2
+    assert to_hf_config(ours)["rope_parameters"] == hub.rope_parameters
+    assert from_hf_config(Gemma3TextConfig(**{**values, "layer_types": None}).to_dict()).layer_types == [
+        "sliding_attention"] * 3  # without layer_types transformers' pattern (every 6th global) decides
+
+
 def _hf_rotary(cfg):
     """The family's own transformers rotary module for ``cfg`` (its inverse frequencies at init)."""
     import importlib
 
-    module = importlib.import_module(f"transformers.models.{cfg.model_type}.modeling_{cfg.model_type}")
+    family = cfg.model_type.removesuffix("_text")  # gemma3_text lives in transformers.models.gemma3
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     rotary = getattr(module, ARCHITECTURES[cfg.model_type].replace("ForCausalLM", "RotaryEmbedding"))
     return rotary(to_hf_model_config(cfg))
 
@@ -677,8 +709,66 @@ def _hf_rotary(cfg):
 def test_rope_inverse_frequencies_are_transformers_bit_for_bit(name):
     from twinseq.common.models.rope import rope_inv_freq
 
+    from twinseq.common.models.rope import sliding_rope_inv_freq
+
     cfg = FAMILY_CASES[name]
-    np.testing.assert_array_equal(rope_inv_freq(cfg), _hf_rotary(cfg).original_inv_freq.numpy())
+    rotary = _hf_rotary(cfg)
+    if cfg.rope_local_base_freq is None:
+        np.testing.assert_array_equal(rope_inv_freq(cfg), rotary.original_inv_freq.numpy())
+        return
+    # Gemma 3: one buffer per layer type; the global one carries the linear scaling, the sliding one does not
+    np.testing.assert_array_equal(rope_inv_freq(cfg), rotary.full_attention_original_inv_freq.numpy())
+    np.testing.assert_array_equal(sliding_rope_inv_freq(cfg), rotary.sliding_attention_original_inv_freq.numpy())
+    assert not np.array_equal(rope_inv_freq(cfg), sliding_rope_inv_freq(cfg))
+
+
+def _hf_model_of(cfg, weights):
+    """transformers' own model of ``cfg`` (eager, eval mode) holding the HF-named numpy ``weights``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    values = to_hf_config(cfg)
+    values.pop("architectures")
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model.eval()
+
+
+def test_gemma3_rope_bases_scaling_and_final_softcap_follow_transformers(checkpoint, hf_model, batches):
+    """Gemma 3's sliding layers rotate with ``rope_local_base_freq``, its global layers with ``rope_theta``: the
+    checkpoint matches transformers (``test_logits_equal_transformers_per_document``), and the same weights with the
+    two bases swapped give other logits (the control). Linear RoPE scaling (Gemma 3 4B's factor 8) stretches the
+    global layers only, and a final soft-cap, absent from Gemma 3 by default, is applied when the config sets one:
+    both as transformers' ``Gemma3ForCausalLM`` computes them, on every training path."""
+    from twinseq.common.models.rope import sliding_rope_inv_freq
+
+    cfg, batch = FAMILY_CASES["gemma3"], batches["padded"]
+    _, weights = read_hf_checkpoint(checkpoint("gemma3"))
+    refs = hf_reference_logits(hf_model("gemma3"), "gemma3", batch)
+    swapped = dataclasses.replace(cfg, rope_theta=cfg.rope_local_base_freq, rope_local_base_freq=cfg.rope_theta)
+    swapped_diff = max_logit_diff(logits(build_model(swapped, weights), batch), batch, refs)
+    print(f"gemma3 with the two RoPE bases swapped: {swapped_diff:.1e} from transformers")
+    assert swapped_diff > 1e-3, swapped_diff
+    for variant in (dict(rope_type="linear", rope_factor=8.0), dict(final_logit_softcapping=1.5)):
+        other = dataclasses.replace(cfg, **variant)
+        want = hf_reference_logits(_hf_model_of(other, weights), "gemma3", batch)
+        for attn in TRAINING_PATHS:
+            got = logits(build_model(other, weights, attn_implementation=attn), batch)
+            diff = max_logit_diff(got, batch, want)
+            print(f"gemma3 {variant} {attn} vs transformers: {diff:.2e}")
+            assert diff <= LOGITS_ABS, (variant, attn, diff)
+        assert max_logit_diff(got, batch, refs) > 1e-3, variant  # the variant is another model (the control)
+    linear = dataclasses.replace(cfg, rope_type="linear", rope_factor=8.0)
+    np.testing.assert_array_equal(rope_inv_freq_of(linear), rope_inv_freq_of(cfg) / np.float32(8.0))
+    np.testing.assert_array_equal(sliding_rope_inv_freq(linear), sliding_rope_inv_freq(cfg))
+    capped = logits(build_model(dataclasses.replace(cfg, final_logit_softcapping=1.5), weights), batch)
+    assert np.abs(capped[batch.segment_ids != 0]).max() < 1.5
+
+
+def rope_inv_freq_of(cfg) -> np.ndarray:
+    """transformers' inverse frequencies of the global layers of a Gemma 3 ``cfg``."""
+    return _hf_rotary(cfg).full_attention_original_inv_freq.numpy()
 
 
 @pytest.mark.parametrize("seq_len", [5, 20, 21, 23, 64, 1000, 100_000])

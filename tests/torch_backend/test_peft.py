@@ -80,7 +80,8 @@ def _max_diff(a, b) -> float:
 
 @pytest.mark.parametrize("preset, variant", [("tiny", v) for v in VARIANTS] + [("tiny-qwen2", "lora"),
                                                                                ("tiny-qwen2", "dora"),
-                                                                               ("tiny-gemma2", "tokens")])
+                                                                               ("tiny-gemma2", "tokens"),
+                                                                               ("tiny-gemma3", "lora")])
 def test_adapters_interchange_with_peft_both_ways(preset, variant, tmp_path):
     """twinseq's adapter folder -> ``PeftModel.from_pretrained`` gives twinseq's logits (1e-5), and an adapter
     folder written by peft's ``save_pretrained`` -> ``read_adapters`` -> ``add_adapters`` gives peft's."""

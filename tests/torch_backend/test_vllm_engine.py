@@ -96,7 +96,7 @@ def test_config_folder_describes_the_policy(tmp_path):
     from twinseq.common.models.configs import from_hf_config
     from twinseq.torch_backend.model import to_hf_model_config
 
-    for preset in ("tiny", "tiny-qwen2", "tiny-gemma2"):
+    for preset in ("tiny", "tiny-qwen2", "tiny-gemma2", "tiny-gemma3"):
         cfg = ModelConfig.preset(preset)
         folder = ve.write_config_folder(to_hf_model_config(cfg), str(tmp_path / preset))
         assert sorted(p.name for p in folder.iterdir()) == ["config.json"]

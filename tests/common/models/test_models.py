@@ -71,8 +71,66 @@ def test_family_features():
         "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
 
+def test_gemma3_features():
+    """Gemma 3 text: Gemma's norms and scale, q/k norms, five sliding layers to one global by default, two RoPE
+    bases (the local one 10000 unless set), no attention soft-cap."""
+    g3 = ModelConfig.preset("tiny-gemma3")
+    assert g3.gemma and g3.qk_norm and not g3.qkv_bias and g3.attention_scale == 256 ** -0.5
+    assert [g3.layer_is_sliding(i) for i in range(2)] == [True, False]
+    assert (g3.rope_theta, g3.rope_local_base_freq) == (1e6, 1e4)
+    assert g3.attn_logit_softcapping is None and g3.final_logit_softcapping is None
+    shapes = parameter_shapes(g3)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == shapes["model.layers.0.self_attn.k_norm.weight"] == (32,)
+    assert len([k for k in shapes if k.startswith("model.layers.0.") and "layernorm" in k]) == 4
+    default = ModelConfig(model_type="gemma3_text", num_hidden_layers=12, sliding_window=8)
+    assert [i for i, t in enumerate(default.layer_types) if t == "full_attention"] == [5, 11]
+    assert default.rope_local_base_freq == 10000.0
+    # the sliding layers' own RoPE: faster than the global layers' from the second frequency on
+    np.testing.assert_array_equal(rope.sliding_rope_inv_freq(g3), rope.default_inv_freq(32, 1e4))
+    assert rope.sliding_rope_inv_freq(ModelConfig.preset("tiny-gemma2")) is None
+
+
 @pytest.mark.parametrize("values,match", [
-    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; twinseq builds llama, qwen2, qwen3, mistral, gemma2"),
+    (dict(model_type="gemma3_text", attn_logit_softcapping=50.0),
+     r"attn_logit_softcapping=50.0 is not applied by transformers' Gemma3ForCausalLM.*set attn_logit_softcapping=None"),
+    (dict(model_type="gemma3_text", rope_type="dynamic", rope_factor=2.0),
+     r"rope_type='dynamic' is not built for model_type 'gemma3_text'.*use rope_type 'default'"),
+    (dict(model_type="gemma2", rope_local_base_freq=10000.0),
+     r"rope_local_base_freq=10000.0 is only read by model_type 'gemma3_text' \(got 'gemma2'"
+     r".*drop rope_local_base_freq"),
+])
+def test_gemma3_fields_are_refused_where_they_mean_nothing(values, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(sliding_window=8, **values)
+
+
+def test_gemma3_config_json_in_both_layouts():
+    """transformers 5 writes RoPE per layer type; older config.json files (and the Hub's Gemma 3 checkpoints) hold
+    ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` and ``sliding_window_pattern``: both read the same."""
+    sizes = dict(model_type="gemma3_text", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8)
+    legacy = from_hf_config({**sizes, "rope_theta": 5e5, "rope_local_base_freq": 2e4, "sliding_window_pattern": 2,
+                             "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert legacy.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert (legacy.rope_theta, legacy.rope_local_base_freq, legacy.rope_type, legacy.rope_factor) == (5e5, 2e4,
+                                                                                                      "linear", 8.0)
+    assert to_hf_config(legacy)["rope_parameters"] == {
+        "full_attention": {"rope_type": "linear", "rope_theta": 5e5, "factor": 8.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}
+    assert from_hf_config(to_hf_config(legacy)) == legacy
+    bare = from_hf_config(sizes)  # transformers' defaults: 1e6 global, 1e4 local, every 6th layer global
+    assert (bare.rope_theta, bare.rope_local_base_freq, bare.layer_types.count("full_attention")) == (1e6, 1e4, 0)
+    with pytest.raises(ConfigError, match=r"sliding_attention.rope_type='linear' is not supported.*use 'default'"):
+        from_hf_config({**sizes, "rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}})
+    with pytest.raises(ConfigError, match=r"use_bidirectional_attention=True is not supported"):
+        from_hf_config({**sizes, "use_bidirectional_attention": True})
+    with pytest.raises(ConfigError, match=r"attn_logit_softcapping=50.0"):
+        from_hf_config({**sizes, "attn_logit_softcapping": 50.0})
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; twinseq builds llama, qwen2, qwen3, mistral, gemma2, "
+                             "gemma3_text"),
     ({"model_type": None}, "model_type=None is not supported; twinseq builds llama, qwen2"),
     ({"model_type": "llama", "hidden_act": "relu"}, "hidden_act='relu' is not supported"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
@@ -113,6 +171,8 @@ def test_init_weights_per_family():
     assert not g["model.layers.0.pre_feedforward_layernorm.weight"].any()  # Gemma's x * (1 + w): zeros
     q3 = init_weights(ModelConfig.preset("tiny-qwen3"), seed=0)
     assert (q3["model.layers.0.self_attn.q_norm.weight"] == 1).all()
+    g3 = init_weights(ModelConfig.preset("tiny-gemma3"), seed=0)
+    assert not g3["model.layers.0.self_attn.k_norm.weight"].any()  # Gemma 3's q/k norms are 1 + w too
     q2 = init_weights(ModelConfig.preset("tiny-qwen2"), seed=0)
     bias = q2["model.layers.0.self_attn.q_proj.bias"]
     assert bias.std() > 0.01  # drawn, so that a dropped bias changes every output
