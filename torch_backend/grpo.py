@@ -51,7 +51,7 @@ from twinseq.torch_backend import triton_ce
 from twinseq.torch_backend.attention import forward_hidden
 from twinseq.torch_backend.generation import generate
 from twinseq.torch_backend.logprobs import TargetRows, token_logps, token_logps_entropy
-from twinseq.torch_backend.losses import apply_logit_softcap, final_logit_softcap
+from twinseq.torch_backend.losses import apply_logit_softcap, final_logit_softcap, liger_chunked_loss
 from twinseq.torch_backend.parallel import parallelize
 from twinseq.torch_backend.peft import reference_mode
 from twinseq.torch_backend.trainer import TorchTrainer, add_peft, autocast, build_causal_lm, describe, offload_context
@@ -333,7 +333,7 @@ def liger_grpo_loss(
 
     Liger normalises by its own micro-batch; its loss is rescaled to this micro-batch's share of
     the step (``dapo``: tokens of the step; the others: as TRL's trainer does with Liger)."""
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss  # optional dependency
+    LigerFusedLinearGRPOLoss = liger_chunked_loss("LigerFusedLinearGRPOLoss")
 
     cb = micro.cb
     hidden_BTH = forward_hidden(model, cb.batch, attn_implementation)

@@ -44,7 +44,7 @@ from twinseq.torch_backend.attention import forward_hidden
 from twinseq.torch_backend.distributed import Runtime
 from twinseq.torch_backend.dpo import TORCH_OPS, frozen_reference, reference_logps
 from twinseq.torch_backend.logprobs import sequence_logps
-from twinseq.torch_backend.losses import final_logit_softcap
+from twinseq.torch_backend.losses import final_logit_softcap, liger_chunked_loss
 from twinseq.torch_backend.parallel import parallelize
 from twinseq.torch_backend.peft import reference_mode
 from twinseq.torch_backend.trainer import DPOTrainer, add_peft, autocast, build_causal_lm, describe, offload_context
@@ -133,7 +133,7 @@ def liger_kto_loss(
     the KL estimate ``kl`` (a constant, from the mismatched pairs), as a micro-batch's share of the step's rows.
     Liger's chunked loss is plain torch: it runs wherever torch does (``torch.compile`` on CUDA only); a run asks for
     CUDA (``common.run.capabilities``). ``check_liger_kto_config`` holds what it computes exactly."""
-    from liger_kernel.chunked_loss import LigerFusedLinearKTOLoss  # optional dependency
+    LigerFusedLinearKTOLoss = liger_chunked_loss("LigerFusedLinearKTOLoss")
 
     check_liger_kto_config(config, padding_free=kbatch.batch.shape[0] != kbatch.num_docs, precompute=False)
     n = kbatch.num_examples

@@ -34,7 +34,7 @@ import importlib.util
 import inspect
 import logging
 import numbers
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -344,6 +344,20 @@ def _liger(hidden_nH, weight_VH, bias_V, targets_n, logit_softcap=None):
     # newer liger versions may return (loss, z_loss, ...) or an output object
     out = getattr(out, "loss", out)
     return out[0] if isinstance(out, tuple) else out
+
+
+def liger_chunked_loss(name: str) -> Any:
+    """Liger's chunked preference/RL loss class ``name`` (``LigerFusedLinearDPOLoss``, ``...KTOLoss``,
+    ``...GRPOLoss``): plain torch modules, so they run wherever torch does; a run asks for CUDA before it builds
+    (``common.run.capabilities``)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ImportError(
+            f"{name} is liger-kernel's; install it (the dev and gpu extras: `{_GPU_EXTRA}`), or use "
+            f"loss_type='fused_linear'."
+        )
+    from liger_kernel import chunked_loss  # optional dependency
+
+    return getattr(chunked_loss, name)
 
 
 def check_logit_softcap(logit_softcap) -> None:
