@@ -137,6 +137,7 @@ bench: setup
 	$(BIN)/python benchmarks/rloo_memory.py
 	$(BIN)/python benchmarks/kto_memory.py
 	$(BIN)/python benchmarks/save_memory.py
+	$(BIN)/python benchmarks/dpo_context_parallel.py
 	$(BIN)/python benchmarks/readme_table.py
 
 # The GPU lane (README, "GPU lane"): the wheels the GPU machine lacks (benchmarks/gpu/wheels.txt), for Python

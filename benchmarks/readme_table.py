@@ -177,6 +177,14 @@ def cp_memory_row(d: dict) -> tuple[str, str, str]:
             f"largest rank {_mib(max(d['cp_run']['per_rank_peak_bytes']))} ({_x(d['ratio'])}×)")
 
 
+def dpo_context_parallel_row(d: dict) -> tuple[str, str, str]:
+    single, sharded = d["results"]
+    return (f"DPO, longest trainable document under {_mib(d['cap_bytes'])} per process, torch allgather "
+            f"CP={d['cp']} (gloo)",
+            f"1 process: {single['max_length']:,} tokens",
+            f"CP={d['cp']}: {sharded['max_length']:,} tokens ({_x(d['ratio'])}×)")
+
+
 def grpo_memory_row(d: dict) -> tuple[str, str, str]:
     rows = {r["variant"]: r for r in d["rows"]}
     trl, best = rows["trl"], min((r for r in d["rows"] if r["variant"] != "trl"), key=lambda r: r["peak_bytes"])
@@ -291,7 +299,7 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "max_length": max_length_row, "cp_memory": cp_memory_row, "grpo_memory": grpo_memory_row,
     "rloo_memory": grpo_memory_row, "kto_memory": kto_memory_row,
     "loss_kernels": loss_kernels_row, "sft_gpu": sft_gpu_row, "state_staircase_gpu": state_staircase_gpu_row,
-    "save_memory": save_memory_row,
+    "save_memory": save_memory_row, "dpo_context_parallel": dpo_context_parallel_row,
 }
 # Scripts of benchmarks/gpu/: measured on a GPU only (their CPU smoke runs are tests, never README figures).
 GPU_ONLY: dict[str, str] = {

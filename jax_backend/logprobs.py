@@ -89,10 +89,13 @@ def token_logps(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     *,
     logit_softcap: Optional[float] = None,
+    targets_are_shifted: bool = False,
 ) -> jax.Array:
     """float32 [B*T]: log-prob of ``labels[t + 1]`` at t (flattened), 0 where the target is -100.
 
     Naive equivalent: ``log_softmax(logits_f32(hidden, W, logit_softcap))[..., shift_labels(labels)]``.
+    ``targets_are_shifted``: ``labels_BT`` are already the targets (a context-parallel batch, whose targets were
+    shifted before the zigzag reorder, ``parallel.shard_preference_batch``): they are not shifted again.
     """
     if loss_type not in LOGPS_LOSS_TYPES:
         raise ConfigError(
@@ -102,7 +105,7 @@ def token_logps(
         raise ConfigError(f"chunk_size={chunk_size!r} is not valid; pass a positive integer (tokens per chunk).")
     softcap = check_softcap(logit_softcap)
     hidden_NH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])
-    targets_N = shift_labels(labels_BT).reshape(-1)
+    targets_N = (labels_BT if targets_are_shifted else shift_labels(labels_BT)).reshape(-1)
     if loss_type == "nll":
         return _picked_logps(logits_f32(hidden_NH, lm_head_VH, softcap), targets_N)[0]
     if loss_type == "chunked_nll":
@@ -120,10 +123,25 @@ def sequence_logps(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     *,
     logit_softcap: Optional[float] = None,
+    targets_are_shifted: bool = False,
 ) -> jax.Array:
     """float32 [2N]: per-document sums of the target log-probs (``common.data.preference_batching``'s rule);
-    ``logit_softcap`` as ``token_logps``."""
-    logp_N = token_logps(hidden_BTH, lm_head_VH, labels_BT, loss_type, chunk_size, logit_softcap=logit_softcap)
+    ``logit_softcap`` and ``targets_are_shifted`` as ``token_logps``.
+
+    On a context-parallel batch every [B, T] input is sharded over ``cp`` on T (in the zigzag order, the targets
+    and ``target_doc_ids_BT`` reordered with the tokens); the ``segment_sum`` then reduces over a sharded axis and
+    GSPMD adds the shards' partial sums (an all-reduce over ``cp``), whose transpose hands every shard the
+    gradient of its own tokens: the same sums and gradients as on one device.
+    """
+    logp_N = token_logps(
+        hidden_BTH,
+        lm_head_VH,
+        labels_BT,
+        loss_type,
+        chunk_size,
+        logit_softcap=logit_softcap,
+        targets_are_shifted=targets_are_shifted,
+    )
     doc_N = target_doc_ids_BT.reshape(-1)
     # -1 (no target) goes to an extra segment that is dropped
     seg_N = jnp.where(doc_N >= 0, doc_N, num_docs)

@@ -4,7 +4,8 @@ The mesh always has the three named axes ``("data", "fsdp", "cp")`` (size 1 when
 ``PartitionSpec`` naming any of them is valid on every mesh:
 
 - batch arrays ``[B, T]`` are split over ``("data", "fsdp")`` on B and over ``cp`` on T, in the
-  load-balanced zigzag order of ``twinseq.common.data.context_parallel`` (see ``shard_batch``);
+  load-balanced zigzag order of ``twinseq.common.data.context_parallel`` (see ``shard_batch``; a DPO
+  preference batch, with its targets' document ids, ``shard_preference_batch``);
 - parameters are replicated, except over ``fsdp`` where the largest divisible dim is split;
 - attention inside the model runs ``ring_attention_fn(mesh)`` in place of dense attention.
 
@@ -38,9 +39,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from twinseq.common.config import TrainConfig
-from twinseq.common.data.batching import Batch, pad_batch
-from twinseq.common.data.context_parallel import CPBatch, unshard_sequence
+from twinseq.common.data.batching import IGNORE_INDEX, Batch, pad_batch
+from twinseq.common.data.context_parallel import CPBatch, shard_sequence, unshard_sequence
 from twinseq.common.data.context_parallel import shard_batch as reorder_batch
+from twinseq.common.data.preference_batching import PreferenceBatch
 from twinseq.common.data.sft_steps import StepIterator
 from twinseq.common.errors import ConfigError
 from twinseq.common.run.capabilities import Runtime, check_runtime
@@ -158,6 +160,32 @@ def shard_batch(batch: Batch, mesh: Mesh, load_balance: bool = True) -> dict[str
     arrays["num_items_in_batch"] = cp_batch.num_items_in_batch
     arrays["cp_batch"] = cp_batch
     return arrays
+
+
+def shard_preference_batch(pbatch: PreferenceBatch, mesh: Mesh, load_balance: bool = True) -> tuple[Any, ...]:
+    """DPO's ``dpo.preference_inputs`` for a CP step: ``(input_ids, position_ids, segment_ids, targets,
+    target_doc_ids, num_target_tokens)``, the [B, T] arrays reordered by ``shard_batch`` and placed with
+    ``batch_sharding(mesh)``; ``num_target_tokens`` [2N] is replicated.
+
+    ``target_doc_ids[t]`` already names the document of the target predicted at t (``labels[t + 1]``), so it is
+    aligned with the shifted targets and takes the same zigzag reorder; the loss must not shift again.
+
+    >>> from twinseq.common.data.preference_batching import collate_preference
+    >>> pb = collate_preference([{"prompt_input_ids": [5, 6], "chosen_input_ids": [7, 8],
+    ...                           "rejected_input_ids": [9]}], padding_free=True, pad_to_multiple_of=8)
+    >>> pb.target_doc_ids.tolist(), shard_sequence(pb.target_doc_ids, 2, axis=1).tolist()
+    ([[-1, 0, 0, -1, -1, 1, -1, -1]], [[-1, 0, -1, -1, 0, -1, -1, 1]])
+    """
+    arrays = shard_batch(pbatch.batch, mesh, load_balance)
+    cp_batch: CPBatch = arrays["cp_batch"]
+    target_doc_BT = shard_sequence(pbatch.target_doc_ids, mesh.shape[CP_AXIS], load_balance, axis=1)
+    assert ((target_doc_BT >= 0) == (cp_batch.targets != IGNORE_INDEX)).all(), "targets and documents disagree"
+    replicated = NamedSharding(mesh, P())
+    return (
+        *(arrays[k] for k in ("input_ids", "position_ids", "segment_ids", "targets")),
+        jax.device_put(np.asarray(target_doc_BT, np.int32), batch_sharding(mesh)),
+        jax.device_put(np.asarray(pbatch.num_target_tokens, np.int32), replicated),
+    )
 
 
 def unshard_tokens(x_BT: Any, mesh: Mesh, load_balance: bool = True) -> np.ndarray:
@@ -357,6 +385,7 @@ __all__ = [
     "param_shardings",
     "shard_params",
     "shard_batch",
+    "shard_preference_batch",
     "unshard_tokens",
     "ring_attention_fn",
     "mesh_shape_of_config",

@@ -18,7 +18,8 @@ Context parallelism (``context_parallel_size > 1``): a ``(data, cp)`` mesh over 
 device (``parallel.mesh_from_config``), parameters placed with ``NamedSharding``, each data
 replica reading its own rows (``parallel.DataParallelSteps``), every batch reordered and sharded
 by ``parallel.shard_batch`` (targets shifted before the zigzag reorder) and attention run by
-``parallel.ring_attention_fn`` (``context_parallel_strategy``: ``ring`` or ``allgather``).
+``parallel.ring_attention_fn`` (``context_parallel_strategy``: ``ring`` or ``allgather``). DPO runs on a
+``(data=1, cp)`` mesh: its micro-batches and reference passes go through ``dpo.step_inputs``.
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ from twinseq.jax_backend.checkpoint import from_numpy_tree, lazy_numpy_tree, sav
 from twinseq.jax_backend.dpo import (
     _ref_arrays,
     dpo_grads_jit,
-    pad_preference_batch,
+    pad_for_mesh,
     precompute_ref_logps,
-    preference_inputs,
     sequence_logps_jit,
+    step_inputs,
 )
 from twinseq.jax_backend.generation import generate
 from twinseq.jax_backend.losses import check_labels
@@ -478,12 +479,21 @@ class SFTTrainer(JaxTrainer):
 
 class DPOTrainer(JaxTrainer):
     """One DPO optimizer step per ``step(pbatches)``; the live reference is a frozen copy of the initial
-    parameters (``ref_params``), unless the batches carry precomputed log-probs."""
+    parameters (``ref_params``), unless the batches carry precomputed log-probs. With a ``mesh`` (context
+    parallelism, ``data=1``: ``common.run.capabilities`` refuses a data axis for DPO) every micro-batch is
+    sharded over ``cp`` by ``dpo.step_inputs`` and the policy and reference passes attend over the ring."""
 
     def __init__(
-        self, model: CausalLM, cfg: TrainConfig, *, config, examples_per_step: int, live_reference: bool
+        self,
+        model: CausalLM,
+        cfg: TrainConfig,
+        *,
+        config,
+        examples_per_step: int,
+        live_reference: bool,
+        mesh: Optional[Mesh] = None,
     ) -> None:
-        super().__init__(model, cfg)
+        super().__init__(model, cfg, mesh)
         self.config, self.examples_per_step = config, examples_per_step
         self.ref_graphdef = None
         if self.peft:  # the reference is the same parameters with the adapters switched off: no copy
@@ -495,30 +505,36 @@ class DPOTrainer(JaxTrainer):
             self.ref_params = jax.tree.map(jnp.copy, self.params) if live_reference else None
             self.live_reference = live_reference
 
-    def _reference(self, pbatch, inputs):
+    def _step_inputs(self, pbatch) -> tuple[Any, tuple, dict[str, Any]]:
+        """(padded batch, inputs, keywords of the jitted passes): ``dpo.step_inputs`` of the bucket-padded batch."""
+        pbatch = pad_for_mesh(pbatch, self.mesh, self.bucket)
+        inputs, keywords = step_inputs(pbatch, self.vocab_size, self.mesh, self.cfg.parallel.context_parallel_strategy)
+        loss = self.cfg.loss
+        keywords.update(
+            loss_type=loss.loss_type, chunk_size=loss.loss_chunk_size, compute_dtype=compute_dtype(self.cfg)
+        )
+        return pbatch, inputs, keywords
+
+    def _reference(self, pbatch, inputs, keywords: Optional[dict[str, Any]] = None):
+        """(chosen [N], rejected [N]) reference log-probs: precomputed, or a pass of the reference on ``inputs``
+        (``keywords`` as ``_step_inputs``; None: one device, the config's kernel)."""
         if not self.live_reference:
             return _ref_arrays(pbatch, None, None)
-        loss = self.cfg.loss
+        if keywords is None:
+            loss = self.cfg.loss
+            keywords = dict(
+                loss_type=loss.loss_type, chunk_size=loss.loss_chunk_size, compute_dtype=compute_dtype(self.cfg)
+            )
         if self.peft:
             graphdef, state, frozen = self.ref_graphdef, self.params, self.frozen
         else:
             graphdef, state, frozen = self.graphdef, self.ref_params, None
-        logps_D = sequence_logps_jit(
-            graphdef,
-            state,
-            inputs,
-            loss_type=loss.loss_type,
-            frozen=frozen,
-            chunk_size=loss.loss_chunk_size,
-            compute_dtype=compute_dtype(self.cfg),
-        )
+        logps_D = sequence_logps_jit(graphdef, state, inputs, frozen=frozen, **keywords)
         return logps_D[: pbatch.num_examples], logps_D[pbatch.num_examples :]
 
     def micro_step(self, pbatch):
-        pbatch = pad_preference_batch(pbatch, self.bucket)
-        inputs = preference_inputs(pbatch, self.vocab_size)
-        ref_c, ref_r = self._reference(pbatch, inputs)
-        loss = self.cfg.loss
+        pbatch, inputs, keywords = self._step_inputs(pbatch)
+        ref_c, ref_r = self._reference(pbatch, inputs, keywords)
         (value, pairs), grads = dpo_grads_jit(
             self.graphdef,
             self.params,
@@ -528,10 +544,8 @@ class DPOTrainer(JaxTrainer):
             jnp.asarray(pbatch.num_examples_in_step or self.examples_per_step, jnp.float32),  # an epoch's last step
             config=self.config,
             frozen=self.frozen,
-            loss_type=loss.loss_type,
-            chunk_size=loss.loss_chunk_size,
-            compute_dtype=compute_dtype(self.cfg),
             dropout_key=self.next_dropout_key(),
+            **keywords,
         )
         return (float(value), pairs), grads
 
@@ -539,22 +553,12 @@ class DPOTrainer(JaxTrainer):
         return [value for value, _ in records]
 
     def eval_micro_step(self, pbatch: Any) -> dict[str, Any]:
-        pbatch = pad_preference_batch(pbatch, self.bucket)
-        inputs = preference_inputs(pbatch, self.vocab_size)
-        loss = self.cfg.loss
-        logps_D = sequence_logps_jit(
-            self.graphdef,
-            self.params,
-            inputs,
-            loss_type=loss.loss_type,
-            chunk_size=loss.loss_chunk_size,
-            compute_dtype=compute_dtype(self.cfg),
-            frozen=self.frozen,
-        )
+        pbatch, inputs, keywords = self._step_inputs(pbatch)
+        logps_D = sequence_logps_jit(self.graphdef, self.params, inputs, frozen=self.frozen, **keywords)
         n = pbatch.num_examples
         out = {"chosen_logps": logps_D[:n], "rejected_logps": logps_D[n:]}
         if self.live_reference:
-            out["ref_chosen_logps"], out["ref_rejected_logps"] = self._reference(pbatch, inputs)
+            out["ref_chosen_logps"], out["ref_rejected_logps"] = self._reference(pbatch, inputs, keywords)
         return {k: np.asarray(v, np.float64) for k, v in out.items()}
 
     def summarize(self, records: list[Any], micro_batches: list[Any]) -> dict[str, Any]:
@@ -628,13 +632,15 @@ def build_sft(cfg: TrainConfig, inputs: RunInputs = NO_INPUTS):
 
 
 def build_dpo(cfg: TrainConfig, inputs: RunInputs = NO_INPUTS):
-    """(trainer, step source, tokenizer, announce lines) of a DPO run, on one device."""
+    """(trainer, step source, tokenizer, announce lines) of a DPO run, on one device or, with
+    ``context_parallel_size > 1``, on a (data=1, cp) mesh (reference passes included)."""
     refuse_built_model(inputs)
     config = validate_dpo_config(
         cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.discopop_tau
     )
+    mesh = mesh_from_config(cfg)  # None unless context_parallel_size > 1 (then data=1: capabilities' rule)
     rows, tokenizer, stats = prepare_dpo_dataset(cfg, inputs.train_dataset, inputs.tokenizer)
-    model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), None, cfg)
+    model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), mesh, cfg)
     if cfg.dpo.precompute_ref_log_probs:  # the initial model, before any checkpoint is loaded
         t0 = time.perf_counter()
         reference = model
@@ -642,7 +648,7 @@ def build_dpo(cfg: TrainConfig, inputs: RunInputs = NO_INPUTS):
             reference = nnx.merge(*nnx.split(model))
             set_adapters_enabled(reference, False)
         rows = precompute_ref_logps(
-            reference, rows, cfg, tokenizer.pad_token_id, cfg.data.pad_to_multiple_of or DEFAULT_BUCKET
+            reference, rows, cfg, tokenizer.pad_token_id, cfg.data.pad_to_multiple_of or DEFAULT_BUCKET, mesh
         )
         logger.info("precomputed reference log-probs of %d pairs in %.1fs", len(rows), time.perf_counter() - t0)
     source = build_preference_iterator(cfg, rows, tokenizer.pad_token_id)
@@ -653,6 +659,7 @@ def build_dpo(cfg: TrainConfig, inputs: RunInputs = NO_INPUTS):
         config=config,
         examples_per_step=source.examples_per_step,
         live_reference=not cfg.dpo.precompute_ref_log_probs,
+        mesh=mesh,
     )
     announce = [
         describe(cfg, trainer),

@@ -223,6 +223,32 @@ def reduce_step_metrics(out: dict[str, Any], device: torch.device) -> dict[str, 
     return out
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: all-reduce (sum) over ``group``. Backward: the identity, on every rank.
+
+    For a loss ``L(S)`` of ``S = Σ_r s_r`` computed identically on every rank, rank r's backward of ``L`` then
+    gives ``dL/dS · ds_r/dθ``, the gradient of its OWN share, and the sum over ranks that FSDP2 forms
+    (``parallel.apply_fsdp``: divide factor 1) is ``dL/dθ`` exactly, with nothing counted twice. (torch's
+    ``torch.distributed.nn.all_reduce`` sums the gradients in backward too, which would count it ``cp`` times.)
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        out = x.detach().clone().contiguous()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sum_over_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """``Σ_r x_r`` over the ranks of ``group`` (the same value on each), whose gradient is each rank's own share
+    (``_SumOverRanks``); ``x`` itself when ``group`` is None (one rank)."""
+    return x if group is None else _SumOverRanks.apply(x, group)
+
+
 def any_over_ranks(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([int(flag)], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -7,6 +7,13 @@ is ``common.objectives.dpo.dpo_family`` (written once, evaluated here with torch
 A micro-batch's loss is ``Σ_n Σ_k w_k L_k[n] / examples_per_step`` so that accumulated
 micro-batches give the full batch's mean over pairs. ``loss_type='liger'`` runs Liger's
 ``LigerFusedLinearDPOLoss`` (CUDA, padded, 'sigmoid', live reference).
+
+Context parallelism (``cp_sequence_logps``). Every rank of a cp group holds ``T / cp`` tokens of each row of the
+micro-batch (``preference_shard``: the zigzag shard of ``context_parallel.shard_for_rank``, the shifted targets and
+their documents reordered alike), runs the policy (and the reference) through the cp attention, sums the target
+log-probs of its shard per document, and all-reduces those [2N] sums over the cp group (``distributed.sum_over_ranks``,
+whose backward is the identity). The DPO loss is then the same on every rank of the group, and each rank's
+backward gives the gradient of its own share only, so FSDP2's sum over ranks is the exact gradient.
 """
 
 from __future__ import annotations
@@ -24,17 +31,21 @@ import torch.nn.functional as F
 
 from twinseq.common.backend import Model
 from twinseq.common.config import DEFAULT_CHUNK_SIZE
+from twinseq.common.data.batching import pad_batch
+from twinseq.common.data.context_parallel import pad_doc_ids, shard_doc_ids
 from twinseq.common.data.preference_batching import PreferenceBatch
 from twinseq.common.data.preference_steps import iter_preference_batches, with_ref_logps
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.models.init import parameter_shapes
 from twinseq.common.objectives.dpo import ArrayOps, DPOLossConfig, check_liger_dpo_config, dpo_family
 from twinseq.common.run.capabilities import GPU_EXTRA
-from twinseq.torch_backend.attention import forward_hidden
-from twinseq.torch_backend.logprobs import sequence_logps
+from twinseq.torch_backend import context_parallel as cpmod
+from twinseq.torch_backend.attention import forward_hidden, mask_layout
+from twinseq.torch_backend.distributed import sum_over_ranks
+from twinseq.torch_backend.logprobs import local_sequence_logps, sequence_logps, shard_target_rows
 from twinseq.torch_backend.losses import final_logit_softcap
 from twinseq.torch_backend.model import model_config_of
-from twinseq.torch_backend.unwrap import adapter_grads, is_adapter_model, lm_head_weight
+from twinseq.torch_backend.unwrap import adapter_grads, causal_lm_of, is_adapter_model, lm_head_weight
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +268,64 @@ def precompute_ref_logps(ref_model: torch.nn.Module, rows: Any, cfg: Any, pad_to
         chosen.append(c.double().cpu().numpy())
         rejected.append(r.double().cpu().numpy())
     return with_ref_logps(rows, np.concatenate(chosen), np.concatenate(rejected))
+
+
+# --------------------------------------------------------------------------------------
+# Context parallelism: a rank's shard of the micro-batch, its share of the sequence log-probs
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class CPPreferenceShard:
+    """This rank's share of a preference micro-batch under context parallelism."""
+
+    pbatch: PreferenceBatch  # the whole micro-batch: pairs, token counts, precomputed reference log-probs
+    shard: cpmod.CPShard  # this rank's [B, T / cp] tokens, ids and shifted targets, zigzag order
+    doc_BL: torch.Tensor  # long [B, T / cp]: the document of each target (-1: none), in the same order
+
+
+def preference_shard(pbatch: PreferenceBatch, cp: int, cp_rank: int, device: Any = "cpu") -> CPPreferenceShard:
+    """``cp_rank``'s shard of ``pbatch``, its rows first padded to a multiple of ``2 * cp`` tokens (padding holds no
+    target). The targets are shifted before the zigzag reorder and ``target_doc_ids`` is in that shifted layout,
+    so both are reordered alike (``common.data.context_parallel.shard_doc_ids``)."""
+    rows = pbatch.batch.shape[0]
+    batch = pad_batch(pbatch.batch, rows, 2 * cp)
+    doc_BT = pad_doc_ids(pbatch.target_doc_ids, rows, 2 * cp)
+    shard = cpmod.shard_for_rank(batch, cp, cp_rank, device)
+    doc_BL = torch.as_tensor(np.ascontiguousarray(shard_doc_ids(doc_BT, cp, cp_rank)), dtype=torch.long, device=device)
+    return CPPreferenceShard(pbatch, shard, doc_BL)
+
+
+def cp_hidden(causal_lm: torch.nn.Module, shard: cpmod.CPShard, group: Any, strategy: str) -> torch.Tensor:
+    """Final hidden states [B, T / cp, H] of this rank's tokens, the attention of every layer the cp strategy's
+    (``parallel.use_cp_attention``), which sees the keys of the whole row."""
+    ctx = cpmod.make_context(shard, group, strategy, mask_layout(causal_lm.config).sliding_window)
+    out = causal_lm_of(causal_lm).model(
+        input_ids=shard.input_ids, position_ids=shard.position_ids, use_cache=False, **{cpmod.CP_KWARG: ctx}
+    )
+    return out.last_hidden_state
+
+
+def cp_sequence_logps(
+    causal_lm: torch.nn.Module,
+    micro: CPPreferenceShard,
+    group: Any,
+    strategy: str,
+    *,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """[2N] sequence log-probs of the whole micro-batch (chosen, then rejected), the same on every rank of
+    ``group``: this rank's per-document sums, added over the cp ranks. Naive equivalent: ``sequence_logps`` of
+    the unsharded batch. Backward gives this rank's share of the gradient (``distributed.sum_over_ranks``)."""
+    kernel = "fused_linear" if loss_type == "liger" else loss_type
+    hidden_BLH = cp_hidden(causal_lm, micro.shard, group, strategy)
+    weight_VH = lm_head_weight(causal_lm)
+    rows = shard_target_rows(micro.shard.targets, micro.doc_BL, micro.pbatch.num_docs, weight_VH.shape[0])
+    local_D = local_sequence_logps(
+        hidden_BLH, weight_VH, rows, kernel, chunk_size, logit_softcap=final_logit_softcap(causal_lm)
+    )
+    return sum_over_ranks(local_D, group)
 
 
 # --------------------------------------------------------------------------------------

@@ -337,3 +337,38 @@ def sequence_logps(
     rows = TargetRows.of(pbatch, lm_head_weight_VH.shape[0], hidden_BTH.device)
     logps_n = token_logps(hidden_BTH, lm_head_weight_VH, rows, loss_type, chunk_size, logit_softcap=logit_softcap)
     return logps_n.new_zeros(rows.num_docs).index_add(0, rows.doc_n, logps_n)
+
+
+def shard_target_rows(targets_BL: torch.Tensor, doc_BL: torch.Tensor, num_docs: int, vocab_size: int) -> TargetRows:
+    """``TargetRows`` of one context-parallel shard: its already shifted ``targets`` and their documents
+    (``common.data.context_parallel.shard_doc_ids``), both [B, T / cp] in the same zigzag order."""
+    doc_N, targets_N = doc_BL.reshape(-1), targets_BL.reshape(-1)
+    idx = torch.nonzero(doc_N >= 0).reshape(-1)
+    targets = targets_N.index_select(0, idx)
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
+        raise DataError(
+            f"labels hold values in [{int(targets.min())}, {int(targets.max())}], outside the vocabulary "
+            f"[0, {vocab_size}); fix the tokenisation or the model's vocab_size."
+        )
+    return TargetRows(idx, targets, doc_N.index_select(0, idx), num_docs)
+
+
+def local_sequence_logps(
+    hidden_BLH: torch.Tensor,
+    lm_head_weight_VH: torch.Tensor,
+    rows: TargetRows,
+    loss_type: str = "fused_linear",
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    logit_softcap: Optional[float] = None,
+) -> torch.Tensor:
+    """[2N] per-document sums of the log-probs of the targets ``rows`` holds (a context-parallel shard's share of
+    ``sequence_logps``: summed over the cp ranks, the shares give the sequence log-probs).
+
+    A shard without any target still returns a result that depends on ``hidden_BLH`` (with a zero gradient), so
+    its backward runs through the model as its peers' does (their collectives need this rank's part)."""
+    if rows.idx_n.numel() == 0:
+        zero = 0.0 * (hidden_BLH.sum() + lm_head_weight_VH.sum())
+        return hidden_BLH.new_zeros(rows.num_docs, dtype=_acc(hidden_BLH).dtype) + zero
+    logps_n = token_logps(hidden_BLH, lm_head_weight_VH, rows, loss_type, chunk_size, logit_softcap=logit_softcap)
+    return logps_n.new_zeros(rows.num_docs).index_add(0, rows.doc_n, logps_n)

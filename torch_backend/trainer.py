@@ -69,17 +69,21 @@ from twinseq.torch_backend.distributed import (
     reduce_step_metrics,
 )
 from twinseq.torch_backend.dpo import (
+    CPPreferenceShard,
+    cp_sequence_logps,
     dpo_forward,
+    dpo_from_logps,
     frozen_reference,
     liger_dpo_forward,
     precompute_ref_logps,
+    preference_shard,
     reference_logps,
 )
 from twinseq.torch_backend.generation import eval_mode, generate
 from twinseq.torch_backend.in_backward import StepInBackward
-from twinseq.torch_backend.memory import offload_activations
+from twinseq.torch_backend.memory import apply_long_context, offload_activations
 from twinseq.torch_backend.model import build_model, cast_parameters_, model_config_of
-from twinseq.torch_backend.parallel import parallelize
+from twinseq.torch_backend.parallel import parallelize, use_cp_attention
 from twinseq.torch_backend.peft import (
     add_adapters_seeded,
     is_quantized,
@@ -466,7 +470,8 @@ class SFTTrainer(TorchTrainer):
 
 
 class DPOTrainer(TorchTrainer):
-    """DPO of the policy (``module.causal_lm``) against a frozen reference copy, or precomputed log-probs."""
+    """DPO of the policy (``module.causal_lm``) against a frozen reference copy, or precomputed log-probs; in one
+    process, or under FSDP2 + context parallelism (``runtime`` with ``cp > 1``: ``cp_micro_step``)."""
 
     def __init__(
         self,
@@ -477,8 +482,9 @@ class DPOTrainer(TorchTrainer):
         ref_model,
         config,
         examples_per_step: int,
+        runtime: Optional[Runtime] = None,
     ) -> None:
-        super().__init__(cfg, module, device)
+        super().__init__(cfg, module, device, runtime)
         self.ref_model, self.config, self.examples_per_step = ref_model, config, examples_per_step
         # PEFT: the reference is the policy with its adapters disabled (TRL's way), unless precomputed
         self.adapter_reference = self.is_peft and ref_model is None and not cfg.dpo.precompute_ref_log_probs
@@ -486,7 +492,55 @@ class DPOTrainer(TorchTrainer):
     def micro_losses(self, records: list[Any]) -> list[float]:
         return [float(o.loss.detach()) for o in records]
 
+    @property
+    def cp(self) -> int:
+        return 1 if self.runtime is None else self.runtime.mesh_cfg.cp
+
+    def _cp_logps(self, causal_lm: torch.nn.Module, micro: CPPreferenceShard) -> torch.Tensor:
+        assert self.runtime is not None
+        return cp_sequence_logps(
+            causal_lm,
+            micro,
+            self.runtime.cp_group,
+            self.cfg.parallel.context_parallel_strategy,
+            loss_type=self.cfg.loss.loss_type,
+            chunk_size=self.cfg.loss.loss_chunk_size,
+        )
+
+    def cp_micro_step(self, pbatch: Any):
+        """``micro_step`` under context parallelism: this rank's shard of ``pbatch`` through the policy (inside the
+        FSDP2 root's forward, which gathers the embeddings and the lm_head) and the live reference, the [2N]
+        sequence log-probs summed over the cp ranks, then the DPO loss of the whole micro-batch (the same on every
+        cp rank; its backward gives this rank's share of the gradient, ``dpo.cp_sequence_logps``)."""
+        assert self.runtime is not None
+        c = self.cfg
+        micro = preference_shard(pbatch, self.cp, self.runtime.cp_rank, self.device)
+        ref_c = ref_r = None
+        if self.ref_model is not None or self.adapter_reference:
+            with torch.no_grad(), autocast(c, self.device):
+                if self.ref_model is not None:
+                    ref_D = self._cp_logps(self.ref_model, micro)
+                else:
+                    with reference_mode(self.causal_lm):
+                        ref_D = self.module(lambda lm: self._cp_logps(lm, micro))
+            ref_c, ref_r = ref_D[: pbatch.num_examples], ref_D[pbatch.num_examples :]
+        with offload_context(c, self.causal_lm):
+            with autocast(c, self.device):
+                logps_D = self.module(lambda lm: self._cp_logps(lm, micro))
+                out = dpo_from_logps(
+                    logps_D,
+                    pbatch,
+                    self.config,
+                    ref_chosen_logps=ref_c,
+                    ref_rejected_logps=ref_r,
+                    num_examples_in_step=pbatch.num_examples_in_step or self.examples_per_step,
+                )
+            out.loss.backward()
+        return out
+
     def micro_step(self, pbatch: Any):
+        if self.cp > 1:
+            return self.cp_micro_step(pbatch)
         c, loss = self.cfg, self.cfg.loss
         pairs_in_step = pbatch.num_examples_in_step or self.examples_per_step  # an epoch's last step may be short
         # the live reference: a frozen copy (Liger's kernel runs it itself), or the policy with its adapters off
@@ -621,13 +675,23 @@ def build_sft(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]
     return SFTTrainer(cfg, module, device, runtime), source, tokenizer, announce
 
 
+def cp_reference(ref_model: torch.nn.Module, cfg: TrainConfig, runtime: Runtime) -> torch.nn.Module:
+    """The frozen reference copy under context parallelism: the same cp attention and block size as the policy
+    (``parallel.parallelize`` steps 1 and 2), unsharded on every rank (it holds no gradient nor optimizer state)."""
+    use_cp_attention(ref_model, cfg.parallel.context_parallel_strategy)
+    apply_long_context(ref_model, cfg.memory)
+    return ref_model.to(runtime.device)
+
+
 def build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime], inputs: RunInputs = NO_INPUTS):
-    """(trainer, step source, tokenizer, announce lines) of a DPO run (one process)."""
-    assert runtime is None, "check_runtime refuses a distributed DPO run"
+    """(trainer, step source, tokenizer, announce lines) of a DPO run: one process, or FSDP2 + context parallelism
+    over exactly ``cp`` ranks (``common.run.capabilities`` refuses the rest)."""
+    assert runtime is None or runtime.mesh_cfg.dp == 1, "check_runtime refuses data-parallel DPO"
     config = validate_dpo_config(
         cfg.dpo.dpo_loss_type, cfg.dpo.loss_weights, cfg.dpo.beta, cfg.dpo.label_smoothing, cfg.dpo.discopop_tau
     )
-    rows, tokenizer, stats = prepare_dpo_dataset(cfg, inputs.train_dataset, inputs.tokenizer)
+    with main_process_first():
+        rows, tokenizer, stats = prepare_dpo_dataset(cfg, inputs.train_dataset, inputs.tokenizer)
     causal_lm = build_causal_lm(cfg, tokenizer.vocab_size, device, inputs.model)
     if cfg.peft.use_peft:
         if cfg.loss.loss_type == "liger":
@@ -642,6 +706,8 @@ def build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]
     else:
         # The reference is the *initial* policy, copied before any checkpoint is loaded.
         ref_model = frozen_reference(causal_lm)
+        if runtime is not None:
+            ref_model = cp_reference(ref_model, cfg, runtime)
     if cfg.dpo.precompute_ref_log_probs:
         t0 = time.perf_counter()
         with autocast(cfg, device), reference_mode(causal_lm) if ref_model is None else contextlib.nullcontext():
@@ -656,14 +722,27 @@ def build_dpo(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]
         ref_model = None
     source = build_preference_iterator(cfg, rows, tokenizer.pad_token_id)
     cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
-    module = parallelize(causal_lm, None, cfg)
+    module = parallelize(causal_lm, runtime, cfg)
     announce = [
-        describe(cfg, causal_lm, device),
+        describe(cfg, module.causal_lm, device),
         f"dpo_loss_type={list(config.loss_type)}, beta={config.beta}, reference="
         f"{reference_description(cfg, precomputed=cfg.dpo.precompute_ref_log_probs)}, "
         f"{source.examples_per_step} pairs per step; data: {stats}",
     ]
+    if runtime is not None:
+        m = runtime.mesh_cfg
+        announce.append(
+            f"mesh: dp={m.dp} x cp={m.cp} on {m.world_size} ranks ({dist.get_backend()}), FSDP2 over dp x cp, "
+            f"cp strategy={cfg.parallel.context_parallel_strategy if m.cp > 1 else 'none'}; every cp rank scores "
+            f"T/cp tokens of each pair, the sequence log-probs summed over the cp group"
+        )
     trainer = DPOTrainer(
-        cfg, module, device, ref_model=ref_model, config=config, examples_per_step=source.examples_per_step
+        cfg,
+        module,
+        device,
+        ref_model=ref_model,
+        config=config,
+        examples_per_step=source.examples_per_step,
+        runtime=runtime,
     )
     return trainer, source, tokenizer, announce

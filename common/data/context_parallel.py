@@ -195,6 +195,32 @@ def shard_batch(batch: Batch, cp: int, load_balance: bool = True) -> CPBatch:
     )
 
 
+def pad_doc_ids(doc_ids_BT: np.ndarray, rows: int, multiple: int) -> np.ndarray:
+    """``doc_ids_BT`` padded with -1 (no document, no target) to ``rows`` rows and a multiple of ``multiple``
+    columns, as ``batching.pad_batch`` pads a ``Batch`` (to the right and below).
+
+    >>> pad_doc_ids(np.array([[0, 0, -1]]), rows=1, multiple=4).tolist()
+    [[0, 0, -1, -1]]
+    """
+    b, t = doc_ids_BT.shape
+    width = -(-t // multiple) * multiple
+    return np.pad(doc_ids_BT, ((0, rows - b), (0, width - t)), constant_values=-1)
+
+
+def shard_doc_ids(target_doc_ids_BT: np.ndarray, cp: int, rank: int, load_balance: bool = True) -> np.ndarray:
+    """``rank``'s [B, T / cp] shard of a preference batch's ``target_doc_ids`` (the document of the target
+    ``labels[t + 1]`` predicted at t, -1 for none; ``common.data.preference_batching``).
+
+    ``target_doc_ids`` is already in the shifted layout (its position t is the position of
+    ``targets[t] = labels[t + 1]``), so it is reordered exactly as ``CPBatch.targets`` is and never shifted again:
+    a rank's targets and their documents stay aligned, also where a document crosses the shard boundary.
+
+    >>> shard_doc_ids(np.array([[-1, 0, 0, -1, -1, 1, 1, -1]]), cp=2, rank=0).tolist()
+    [[-1, 0, 1, -1]]
+    """
+    return split_shards(shard_sequence(np.asarray(target_doc_ids_BT), cp, load_balance, axis=1), cp, axis=1)[rank]
+
+
 def _block_extremes(seg_NS: np.ndarray, pos_NS: np.ndarray, segments: np.ndarray):
     """Per block and segment: the max position (as a query) and the min position (as a key).
 

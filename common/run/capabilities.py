@@ -292,21 +292,64 @@ def _check_dpo(cfg: TrainConfig, rt: Runtime) -> None:
 
 
 def _check_torch_dpo_context_parallel(cfg: TrainConfig, rt: Runtime) -> None:
-    """DPO under context parallelism on torch (raises what it cannot run)."""
-    raise ConfigError(
-        f"task={cfg.task!r} runs in one process on one device: FSDP, context parallelism and multi-process "
-        f"launches are not implemented for {cfg.task.upper()}; drop --fsdp / --context-parallel-size and "
-        f"launch with python."
-    )
+    """DPO under context parallelism on torch: FSDP2 over exactly ``context_parallel_size`` ranks (no data
+    parallelism), the ``allgather`` or ``ulysses`` strategy, a live reference (a frozen copy, or the adapters off);
+    raises what it cannot run (``_check_parallel`` has already checked the world size and the padding)."""
+    cp, par = cfg.parallel.context_parallel_size, cfg.parallel
+    refusals = [
+        (
+            rt.world_size != cp,
+            f"context_parallel_size={cp} with task='dpo' runs on exactly {cp} ranks (one cp group); this launch "
+            f"has world_size={rt.world_size}, and DPO has no data parallelism yet. Launch {cp} processes "
+            f"(torchrun --nproc-per-node {cp}).",
+        ),
+        (
+            par.context_parallel_strategy == "ring",
+            "context_parallel_strategy='ring' is not implemented for task='dpo' (torch's ring attention shards "
+            "the batch itself, not the preference targets); use --context-parallel-strategy allgather or ulysses.",
+        ),
+        (
+            cfg.loss.loss_type == "liger",
+            "loss_type='liger' (or use_liger_kernel=True) for DPO scores whole rows, not a context-parallel "
+            "shard; use --loss-type fused_linear with --context-parallel-size.",
+        ),
+        (
+            cfg.dpo.precompute_ref_log_probs,
+            "precompute_ref_log_probs=True is not implemented with context_parallel_size > 1 for task='dpo'; drop "
+            "--precompute-ref-log-probs (the live reference runs through the same sharded forward).",
+        ),
+        (
+            cfg.peft.load_in_4bit,
+            "load_in_4bit=True (QLoRA) runs in one process: FSDP2 cannot shard bitsandbytes' packed NF4 weights; "
+            "drop --load-in-4bit (LoRA shards) or drop --context-parallel-size.",
+        ),
+        (
+            cfg.eval_strategy != "no",
+            f"eval_strategy={cfg.eval_strategy!r} is not implemented with context_parallel_size > 1 for "
+            f"task='dpo'; use --eval-strategy no, or evaluate the saved model in one process.",
+        ),
+        (
+            cfg.optim.optimizer_in_backward,
+            "optimizer_in_backward=True is not implemented with context_parallel_size > 1 for task='dpo'; drop "
+            "--optimizer-in-backward.",
+        ),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(message)
 
 
 def _check_jax_dpo_context_parallel(cfg: TrainConfig, rt: Runtime) -> None:
-    """DPO under context parallelism on jax (raises what it cannot run)."""
-    raise ConfigError(
-        f"task={cfg.task!r} runs in one process on one device: FSDP, context parallelism and multi-process "
-        f"launches are not implemented for {cfg.task.upper()}; drop --fsdp / --context-parallel-size and "
-        f"launch with python."
-    )
+    """DPO under context parallelism on jax: a (data=1, cp) mesh over every visible device (``jax_backend.dpo``);
+    a data axis (cp below the device count) is not implemented for DPO (raises)."""
+    cp = cfg.parallel.context_parallel_size
+    if cp != rt.world_size:
+        raise ConfigError(
+            f"context_parallel_size={cp} with task={cfg.task!r} on {rt.world_size} {rt.caps.world_unit} would "
+            f"leave a data-parallel axis of {rt.world_size // max(cp, 1)}, which is not implemented for DPO on "
+            f"jax (its mesh is data=1 x cp); use --context-parallel-size {rt.world_size}, or expose {cp} devices "
+            f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={cp})."
+        )
 
 
 def _check_optimizer_in_backward(cfg: TrainConfig, rt: Runtime) -> None:
