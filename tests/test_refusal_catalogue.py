@@ -765,6 +765,36 @@ def _objective_cases() -> dict[str, Refusal]:
     }  # fmt: skip
 
 
+def _dpo_cp(backend: str, device: str, world: int, **values):
+    """DPO under context parallelism, checked against a runtime (what ``twinseq train`` does before any work)."""
+    from twinseq.common.config import TrainConfig
+    from twinseq.common.run.capabilities import Runtime, check_runtime
+
+    return lambda: check_runtime(
+        TrainConfig.from_flat(task="dpo", backend=backend, context_parallel_size=2, **values),
+        Runtime(backend, device, world, accelerator=device == "cuda"),
+    )
+
+
+def _dpo_cp_cases() -> dict[str, Refusal]:
+    """DPO's context parallelism: what each backend does not run."""
+    return {
+        "dpo cp: data parallelism beside it (torch)": Refusal(_dpo_cp("torch", "cpu", 4), "world_size", 4),
+        "dpo cp: torch's ring": Refusal(
+            _dpo_cp("torch", "cuda", 2, context_parallel_strategy="ring"), "context_parallel_strategy", "ring"),
+        "dpo cp: liger": Refusal(_dpo_cp("torch", "cuda", 2, loss_type="liger"), "loss_type", "liger"),
+        "dpo cp: precomputed reference (torch)": Refusal(
+            _dpo_cp("torch", "cpu", 2, precompute_ref_log_probs=True), "precompute_ref_log_probs", True),
+        "dpo cp: QLoRA": Refusal(
+            _dpo_cp("torch", "cuda", 2, use_peft=True, load_in_4bit=True), "load_in_4bit", True),
+        "dpo cp: evaluation": Refusal(
+            _dpo_cp("torch", "cpu", 2, eval_strategy="steps", eval_fraction=0.1), "eval_strategy", "steps"),
+        "dpo cp: optimizer in backward": Refusal(
+            _dpo_cp("torch", "cpu", 2, optimizer_in_backward=True, max_grad_norm=None), "optimizer_in_backward", True),
+        "dpo cp: a data axis on jax": Refusal(_dpo_cp("jax", "cpu", 8), "context_parallel_size", 2),
+    }
+
+
 def _torch_cases() -> dict[str, Refusal]:
     """The torch backend's own arguments (kernels, adapters, generation, offloading)."""
     import torch
@@ -995,6 +1025,7 @@ CASE_GROUPS = {
     "data": _data_cases,
     "models": _model_cases,
     "objectives": _objective_cases,
+    "dpo_cp": _dpo_cp_cases,
     "torch": _torch_cases,
     "jax": _jax_cases,
 }
