@@ -33,7 +33,7 @@ The naive equivalent of all three::
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -312,3 +312,29 @@ def causal_lm_loss(
         "num_correct_tokens": stats.num_correct,
         "entropy_sum": stats.entropy_sum,
     }
+
+
+def load_balancing_loss(
+    router_logits: Sequence[jax.Array], num_experts: int, top_k: int, valid_N: jax.Array
+) -> jax.Array:
+    """float32 scalar: transformers' ``load_balancing_loss_func`` (Switch Transformer, eqs. 4-6) over the router
+    logits ``[N, E]`` of every MoE layer, counting the tokens where ``valid_N`` (transformers' ``attention_mask``;
+    twinseq passes ``segment_ids != 0``, so padding never counts):
+
+        f_e = (top-k picks of expert e, over layers and valid tokens) / (layers * valid tokens)
+        P_e = (softmax probability of e, summed the same way) / (layers * valid tokens)
+        aux = num_experts * sum_e f_e * P_e
+
+    The softmax runs in the logits' dtype, as transformers' (which does not upcast here).
+    """
+    mask_N = valid_N.astype(jnp.float32)
+    tokens_E = jnp.zeros((num_experts,), jnp.float32)
+    probs_E = jnp.zeros((num_experts,), jnp.float32)
+    for logits_NE in router_logits:
+        probs_NE = jax.nn.softmax(logits_NE, axis=-1)
+        _, experts_NK = jax.lax.top_k(probs_NE, top_k)
+        picks_NE = jnp.sum(jax.nn.one_hot(experts_NK, num_experts, dtype=jnp.float32), axis=1)
+        tokens_E = tokens_E + jnp.sum(picks_NE * mask_N[:, None], axis=0)
+        probs_E = probs_E + jnp.sum(probs_NE.astype(jnp.float32) * mask_N[:, None], axis=0)
+    rows = jnp.sum(mask_N) * len(router_logits)
+    return jnp.sum((tokens_E / rows) * (probs_E / rows)) * num_experts

@@ -1,5 +1,5 @@
 """Flax NNX causal LMs that mirror Hugging Face transformers' ``*ForCausalLM`` op for op (Llama 3.x,
-Qwen2/2.5, Qwen3, Mistral, Gemma 2, Gemma 3 text: ``common.models.configs``), and the protocol functions
+Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Gemma 2, Gemma 3 text: ``common.models.configs``), and the protocol functions
 ``build_model``, ``export_weights``, ``logits`` and ``loss_and_grads`` (``common.backend.Backend``).
 
 Every jitted function takes the model as ``(graphdef, state)`` (``nnx.split``), so it compiles
@@ -29,6 +29,9 @@ HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3
   parallel) instead;
 - MLP: ``down(act(gate(x)) * up(x))``, SiLU or GELU (tanh), biases with ``mlp_bias``; optionally tiled over
   token chunks (``tiled_mlp_chunk_size``, ALST's tiled MLP), each chunk recomputed in backward;
+- Qwen3-MoE: on its sparse layers a router (softmax in float32, top-k, optional renormalisation) and the experts
+  as a grouped matmul over the tokens sorted by expert (``SparseMoeBlock``, ``jax.lax.ragged_dot``); with
+  ``output_router_logits`` the loss adds transformers' load-balancing loss (``loss_fn``);
 - Gemma 2 and 3: embeddings times ``sqrt(hidden_size)`` (a float32 constant cast to the compute dtype),
   norms on the attention and MLP *outputs* before each residual add, final logits soft-capped
   (``losses.logits_f32``);
@@ -41,7 +44,7 @@ import contextlib
 import contextvars
 import json
 from functools import partial
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +61,14 @@ from twinseq.common.models.peft import TOKENS_KEY, PeftConfig, adapter_key, adap
 from twinseq.common.models.rope import rope_inv_freq, sliding_rope_inv_freq
 from twinseq.common.models.safetensors_stream import LazyArray
 from twinseq.jax_backend.attention import attention_for, document_causal_mask, dot_product_attention
-from twinseq.jax_backend.losses import LOSS_TYPES, causal_lm_loss, check_labels, logits_f32, token_nll
+from twinseq.jax_backend.losses import (
+    LOSS_TYPES,
+    causal_lm_loss,
+    check_labels,
+    load_balancing_loss,
+    logits_f32,
+    token_nll,
+)
 from twinseq.jax_backend.memory import StepMemory, remat
 
 T = TypeVar("T")
@@ -292,6 +302,62 @@ def tiled_mlp(mlp: MLP, x_NH: jax.Array, tile_size: int) -> jax.Array:
     return y_CSH.reshape(num_tiles * tile_size, -1)[:n]
 
 
+class SparseMoeBlock(nnx.Module):
+    """transformers' ``Qwen3MoeSparseMoeBlock``: a linear router (``gate``, no bias), softmax in float32, the top
+    ``num_experts_per_tok`` experts of each token (weights renormalised to sum to 1 with ``norm_topk_prob``, then
+    cast to the compute dtype), and the sum of those experts' gated MLPs times their weights. The experts are
+    transformers 5's fused tensors in its layout: ``gate_up_proj`` ``[E, 2m, h]`` (gate rows, then up rows) and
+    ``down_proj`` ``[E, h, m]``.
+
+    The experts run as a grouped matmul (``jax.lax.ragged_dot``) over the token copies sorted by expert: no
+    capacity, no padding, no token dropped. Naive equivalent (what transformers' eager loop computes)::
+
+        y[n] = sum_j w[n, j] * down[e] @ (act(gate[e] @ x[n]) * (up[e] @ x[n]))   with e = top_k(x[n])[j]
+    """
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], prefix: str, dtype: str):
+        self.gate = Linear(w[prefix + "gate.weight"], dtype)
+        self.experts = nnx.Dict(
+            gate_up_proj=_param(w[prefix + "experts.gate_up_proj"], dtype),
+            down_proj=_param(w[prefix + "experts.down_proj"], dtype),
+        )
+        self.num_experts, self.top_k = int(cfg.num_experts), int(cfg.num_experts_per_tok)
+        self.norm_topk_prob = bool(cfg.norm_topk_prob)
+        self.hidden_act = cfg.hidden_act
+        self.tile_size: Optional[int] = None  # tiled MLP is refused on MoE layers (set_tiled_mlp)
+
+    def route(self, x_NH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(router_logits_NE in the compute dtype, top-k weights_NK in the compute dtype, expert ids_NK)."""
+        router_logits_NE = self.gate(x_NH)
+        probs_NE = jax.nn.softmax(router_logits_NE.astype(jnp.float32), axis=-1)
+        weights_NK, experts_NK = jax.lax.top_k(probs_NE, self.top_k)
+        if self.norm_topk_prob:
+            weights_NK = weights_NK / jnp.sum(weights_NK, axis=-1, keepdims=True)
+        return router_logits_NE, weights_NK.astype(router_logits_NE.dtype), experts_NK
+
+    def with_router_logits(self, x_BTH: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(y_BTH, router_logits_NE) with N = B * T, the tokens in row-major order."""
+        b, t, h = x_BTH.shape
+        x_NH = x_BTH.reshape(b * t, h)
+        router_logits_NE, weights_NK, experts_NK = self.route(x_NH)
+        expert_of_copy = experts_NK.reshape(-1)  # copy i of token i // k
+        order = jnp.argsort(expert_of_copy, stable=True)
+        token_of_sorted = order // self.top_k
+        group_sizes_E = jnp.bincount(expert_of_copy, length=self.num_experts).astype(jnp.int32)
+        x_SH = x_NH[token_of_sorted]
+        gate_up_EH2 = jnp.swapaxes(self.experts["gate_up_proj"][...], 1, 2)
+        down_EMH = jnp.swapaxes(self.experts["down_proj"][...], 1, 2)
+        gate_up_S2 = jax.lax.ragged_dot(x_SH, gate_up_EH2, group_sizes_E)
+        gate_SM, up_SM = jnp.split(gate_up_S2, 2, axis=-1)
+        y_SH = jax.lax.ragged_dot(ACTIVATIONS[self.hidden_act](gate_SM) * up_SM, down_EMH, group_sizes_E)
+        y_SH = y_SH * weights_NK.reshape(-1)[order][:, None]
+        y_NH = jnp.zeros_like(x_NH).at[token_of_sorted].add(y_SH)
+        return y_NH.reshape(b, t, h), router_logits_NE
+
+    def __call__(self, x_BTH: jax.Array) -> jax.Array:
+        return self.with_router_logits(x_BTH)[0]
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm decoder layer. Llama-like families: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (HF calls
     the second norm ``post_attention_layernorm``). Gemma 2 ("sandwich"): ``x + post_attn(attn(in(x)))``, then
@@ -300,18 +366,30 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], layer: int, dtype: str):
         p = f"model.layers.{layer}."
         self.self_attn = Attention(cfg, w, p + "self_attn.", layer, dtype)
-        self.mlp = MLP(cfg, w, p + "mlp.", dtype)
+        self.mlp: Union[MLP, SparseMoeBlock] = (
+            SparseMoeBlock(cfg, w, p + "mlp.", dtype) if cfg.layer_is_moe(layer) else MLP(cfg, w, p + "mlp.", dtype)
+        )
         for name in layer_norm_names(cfg):
             setattr(self, name, RMSNorm(w[f"{p}{name}.weight"], cfg.rms_norm_eps, dtype, unit_offset=cfg.gemma))
         self.sandwich = cfg.gemma
 
     def __call__(self, x_BTH, cos, sin, attn_args: tuple, attend: Optional[AttendFn]) -> jax.Array:
+        return self.forward(x_BTH, cos, sin, attn_args, attend)[0]
+
+    def forward(self, x_BTH, cos, sin, attn_args: tuple, attend: Optional[AttendFn]):
+        """(x_BTH, router_logits_NE of a MoE layer or None)."""
         attn_BTH = self.self_attn(self.input_layernorm(x_BTH), cos, sin, attn_args, attend)
         if not self.sandwich:
             x_BTH = x_BTH + attn_BTH
-            return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
+            mlp_BTH, router_logits = self._mlp(self.post_attention_layernorm(x_BTH))
+            return x_BTH + mlp_BTH, router_logits
         x_BTH = x_BTH + self.post_attention_layernorm(attn_BTH)
-        return x_BTH + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x_BTH)))
+        return x_BTH + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x_BTH))), None
+
+    def _mlp(self, x_BTH):
+        if isinstance(self.mlp, SparseMoeBlock):
+            return self.mlp.with_router_logits(x_BTH)
+        return self.mlp(x_BTH), None
 
 
 def _layer_apply(graphdef, attend, state, x_BTH, cos, sin, attn_args):
@@ -319,7 +397,7 @@ def _layer_apply(graphdef, attend, state, x_BTH, cos, sin, attn_args):
 
     ``graphdef`` and ``attend`` are static (hashable; ``attend`` may close over a mesh).
     """
-    return nnx.merge(graphdef, state)(x_BTH, cos, sin, attn_args, attend)
+    return nnx.merge(graphdef, state).forward(x_BTH, cos, sin, attn_args, attend)
 
 
 class DecoderModel(nnx.Module):
@@ -372,6 +450,12 @@ class DecoderModel(nnx.Module):
         return [sliding if layer.self_attn.sliding_window is not None else rope for layer in self.layers]
 
     def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
+        return self.with_router_logits(input_ids_BT, position_ids_BT, segment_ids_BT, attend)[0]
+
+    def with_router_logits(
+        self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None
+    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """(final-norm hidden_BTH, the router logits ``[B * T, E]`` of every MoE layer in order; () without)."""
         x_BTH = self.embed_tokens(input_ids_BT)
         ropes = self.layer_rope(position_ids_BT, x_BTH.dtype)
         attend = attention_for(self.attn_implementation, self.attention_block_size) if attend is None else attend
@@ -387,10 +471,13 @@ class DecoderModel(nnx.Module):
         else:
             attn_args = (segment_ids_BT, position_ids_BT)
         layer_fn = remat(_layer_apply, self.remat_policy, static_argnums=(0, 1))
+        router_logits = []
         for layer, (cos, sin) in zip(self.layers, ropes):
             graphdef, state = nnx.split(layer)
-            x_BTH = layer_fn(graphdef, attend, state, x_BTH, cos, sin, attn_args)
-        return self.norm(x_BTH)
+            x_BTH, layer_router_logits = layer_fn(graphdef, attend, state, x_BTH, cos, sin, attn_args)
+            if layer_router_logits is not None:
+                router_logits.append(layer_router_logits)
+        return self.norm(x_BTH), tuple(router_logits)
 
 
 def _hashable(value: Any) -> Any:
@@ -438,6 +525,12 @@ class CausalLM(nnx.Module):
         self.final_logit_softcapping = (
             None if cfg.final_logit_softcapping is None else float(cfg.final_logit_softcapping)
         )
+        # (router_aux_loss_coef, num_experts, num_experts_per_tok) where the loss adds the MoE aux loss, else None
+        self.router_aux = (
+            (float(cfg.router_aux_loss_coef), int(cfg.num_experts), int(cfg.num_experts_per_tok))
+            if cfg.output_router_logits and cfg.num_experts
+            else None
+        )
         self.dtype = dtype
 
     @property
@@ -464,6 +557,10 @@ class CausalLM(nnx.Module):
     def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
         return self.model(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
 
+    def with_router_logits(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None):
+        """(hidden_BTH, router logits ``[B * T, E]`` of every MoE layer, in order; () for a dense model)."""
+        return self.model.with_router_logits(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
+
     def logits(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
         """float32 [B, T, V]: HF's ``lm_head(hidden_states)`` upcast, then soft-capped where the family caps."""
         hidden_BTH = self(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
@@ -477,7 +574,12 @@ def set_tiled_mlp(model: CausalLM, chunk_size: Optional[int]) -> None:
             f"tiled_mlp_chunk_size={chunk_size!r} is not valid; pass a positive integer (tokens per MLP tile) "
             f"or None to run the MLP untiled."
         )
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
+        if chunk_size is not None and isinstance(layer.mlp, SparseMoeBlock):
+            raise ConfigError(
+                f"tiled_mlp_chunk_size={chunk_size} tiles dense MLPs; layer {i} is a mixture of experts (its grouped "
+                f"matmul already runs over the routed tokens only): drop tiled_mlp_chunk_size."
+            )
         layer.mlp.tile_size = chunk_size
 
 
@@ -703,14 +805,20 @@ def loss_fn(
     *,
     attend=None,
     targets_are_shifted: bool = False,
+    num_micro_batches: int = 1,
 ):
     """(loss, metrics) of one micro-batch; traceable, used by ``loss_and_grads`` and the trainer.
 
     ``attend``: the model's attention function (None: dense; see ``CausalLM``);
     ``targets_are_shifted``: ``labels_BT`` are already the targets (context-parallel batches).
+
+    A MoE model with ``output_router_logits`` adds ``router_aux_loss_coef * aux_loss / num_micro_batches``
+    (``losses.load_balancing_loss`` over this micro-batch's real tokens, ``metrics["aux_loss"]``): the aux loss
+    is a per-micro-batch mean, so the step's micro-batches, summed, add the coefficient times their mean (TRL's
+    rule); the NLL is already normalised by the whole step's ``num_items_in_batch``.
     """
-    hidden_BTH = model(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
-    return causal_lm_loss(
+    hidden_BTH, router_logits = model.with_router_logits(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
+    loss, metrics = causal_lm_loss(
         hidden_BTH,
         model.lm_head_VH(),
         labels_BT,
@@ -721,12 +829,17 @@ def loss_fn(
         targets_are_shifted=targets_are_shifted,
         logit_softcap=model.final_logit_softcapping,
     )
+    if model.router_aux is None or not router_logits:
+        return loss, metrics
+    coef, num_experts, top_k = model.router_aux
+    aux = load_balancing_loss(router_logits, num_experts, top_k, (segment_ids_BT != 0).reshape(-1))
+    return loss + (coef / num_micro_batches) * aux, {**metrics, "aux_loss": aux}
 
 
 @partial(
     jax.jit,
     static_argnums=(0,),
-    static_argnames=("loss_type", "chunk_size", "compute_dtype", "attend", "targets_are_shifted"),
+    static_argnames=("loss_type", "chunk_size", "compute_dtype", "attend", "targets_are_shifted", "num_micro_batches"),
 )
 def grads_jit(
     graphdef,
@@ -741,6 +854,7 @@ def grads_jit(
     targets_are_shifted: bool = False,
     frozen=None,
     dropout_key=None,
+    num_micro_batches: int = 1,
 ):
     """((loss, metrics), grads as an NNX state) of one micro-batch; ``inputs`` as ``batch_inputs`` returns.
 
@@ -752,13 +866,21 @@ def grads_jit(
 
     ``frozen``: the state that gets no gradient (``split_trainable``: a model with adapters trains only them).
     ``dropout_key``: LoRA dropout in train mode (``lora_dropout``; None: none, PEFT's eval mode).
+    ``num_micro_batches``: the step's micro-batch count, which divides a MoE model's aux loss (``loss_fn``).
     """
 
     def scalar_loss(s):
         model = merge_state(graphdef, cast_floating(s, compute_dtype), cast_floating(frozen, compute_dtype))
         with lora_dropout(dropout_key):
             return loss_fn(
-                model, *inputs, num_items, loss_type, chunk_size, attend=attend, targets_are_shifted=targets_are_shifted
+                model,
+                *inputs,
+                num_items,
+                loss_type,
+                chunk_size,
+                attend=attend,
+                targets_are_shifted=targets_are_shifted,
+                num_micro_batches=num_micro_batches,
             )
 
     return jax.value_and_grad(scalar_loss, has_aux=True)(state)
@@ -767,7 +889,7 @@ def grads_jit(
 @partial(
     jax.jit,
     static_argnums=(0,),
-    static_argnames=("loss_type", "chunk_size", "compute_dtype", "attend", "targets_are_shifted"),
+    static_argnames=("loss_type", "chunk_size", "compute_dtype", "attend", "targets_are_shifted", "num_micro_batches"),
 )
 def loss_jit(
     graphdef,
@@ -781,11 +903,19 @@ def loss_jit(
     attend=None,
     targets_are_shifted: bool = False,
     frozen=None,
+    num_micro_batches: int = 1,
 ):
     """(loss, metrics) of one micro-batch without gradients: ``grads_jit``'s forward, same arguments (evaluation)."""
     model = merge_state(graphdef, cast_floating(state, compute_dtype), cast_floating(frozen, compute_dtype))
     return loss_fn(
-        model, *inputs, num_items, loss_type, chunk_size, attend=attend, targets_are_shifted=targets_are_shifted
+        model,
+        *inputs,
+        num_items,
+        loss_type,
+        chunk_size,
+        attend=attend,
+        targets_are_shifted=targets_are_shifted,
+        num_micro_batches=num_micro_batches,
     )
 
 

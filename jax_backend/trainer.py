@@ -461,7 +461,10 @@ class SFTTrainer(JaxTrainer):
     def micro_step(self, batch: Batch):
         dropout = self.next_dropout_key()
         inputs, num_items, kwargs = self._inputs(batch)
-        (loss, metrics), grads = grads_jit(self.graphdef, self.params, inputs, num_items, dropout_key=dropout, **kwargs)
+        micro = self.cfg.data.gradient_accumulation_steps  # divides a MoE model's aux loss (a per-micro-batch mean)
+        (loss, metrics), grads = grads_jit(
+            self.graphdef, self.params, inputs, num_items, dropout_key=dropout, num_micro_batches=micro, **kwargs
+        )
         return {
             "loss": float(loss),
             **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum")},

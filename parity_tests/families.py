@@ -39,6 +39,8 @@ FAMILY_CASES: dict[str, ModelConfig] = {
     # as the text-only Gemma 3 checkpoints (270M, 1B): base 1e6 on the global layers, 1e4 on the sliding ones,
     # no RoPE scaling, no soft-caps (tests/torch_backend/test_families.py adds a final cap and linear scaling)
     "gemma3": ModelConfig.preset("tiny-gemma3", vocab_size=VOCAB, sliding_window=8),
+    # four experts, top-2, renormalised; layer 1 sparse, layer 0 dense (mlp_only_layers), so both MLP kinds run
+    "qwen3_moe": ModelConfig.preset("tiny-qwen3-moe", vocab_size=VOCAB, num_hidden_layers=3, mlp_only_layers=[0]),
 }
 """name -> config. Windows of 8 positions, so the 23-token document of ``family_examples`` crosses them."""
 

@@ -18,9 +18,11 @@ Invariants:
   printed next to ours;
 - loss within ``loss_rel`` and every gradient within ``grad_rel`` (per tensor) of HF's float32
   autograd over the same documents, normalised by the step's label count;
-- the checkpoint round trip is bitwise: HF folder -> JAX load -> JAX save holds identical tensors,
+- the checkpoint round trip is bitwise: HF folder -> JAX load -> JAX save holds identical tensors (Qwen3-MoE's
+  per-expert tensors, as transformers saves them, fused as transformers loads them),
   and ``AutoModelForCausalLM.from_pretrained`` of the JAX-saved folder computes logits identical to
-  the original HF model's.
+  the original HF model's;
+- Qwen3-MoE's load-balancing loss equals transformers' within 1e-6.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from safetensors.numpy import load_file
 from parity_tests.families import FAMILIES, family_batches, hf_document_logits, hf_random_checkpoint
 from parity_tests.inputs import rel_norm
 from parity_tests.tolerances import nll_change_from_logits, tol
+from twinseq.common.models.hf_folder import fuse_experts_
 from twinseq.common.objectives.nll import shift_labels
 
 torch = pytest.importorskip("torch")
@@ -53,7 +56,9 @@ class Case:
         self.path = hf_random_checkpoint(name, directory / name)
         load = transformers.AutoModelForCausalLM.from_pretrained
         self.hf = load(self.path, dtype=torch.float32).eval()
-        self.hf64 = load(self.path, dtype=torch.float64).eval()
+        # transformers' default MoE experts (grouped_mm) take no float64; its eager loop is the same experts
+        moe = {"experts_implementation": "eager"} if name.startswith("qwen3_moe") else {}
+        self.hf64 = load(self.path, dtype=torch.float64, **moe).eval()
         self.jax = jb.load_pretrained(self.path)
         self.batches = family_batches()
 
@@ -176,6 +181,8 @@ def test_hf_to_jax_to_hf_checkpoint_is_bitwise(cases, name, tmp_path):
     save_pretrained(case.jax, tmp_path)
     first = load_file(str(case.path / "model.safetensors"))
     second = load_file(str(tmp_path / "model.safetensors"))
+    # transformers writes one tensor per MoE expert (the Hub's layout), twinseq the fused tensors they load as
+    fuse_experts_(case.jax.config, first, lambda parts, axis: np.stack([np.concatenate(p) for p in parts], axis))
     if case.jax.config.tie_word_embeddings and "lm_head.weight" in first:  # a tied copy twinseq does not store
         assert np.array_equal(first.pop("lm_head.weight"), first["model.embed_tokens.weight"])
     assert set(first) == set(second)
@@ -234,3 +241,42 @@ def test_gemma3_rope_scaling_and_final_softcap_equal_transformers(variant):
     print(f"gemma3 {variant}: jax vs transformers {diffs}, vs the plain model {control:.2e}")
     assert max(diffs.values()) <= tol("float32", "logits_abs"), diffs
     assert control > 1e-3, control
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_moe_aux_loss_equals_transformers(cases, layout):
+    """The JAX backend's load-balancing loss (``losses.load_balancing_loss`` of its own router logits, over the
+    batch's real tokens) equals transformers' within 1e-6. Padded: HF's ``aux_loss`` of the same batch with the real
+    tokens as ``attention_mask``. Packed: HF's attention mask cannot separate documents in one row, so the reference
+    is transformers' ``load_balancing_loss_func`` of HF's router logits of each document alone, concatenated (the
+    aux loss is one mean over the tokens, not a sum over documents). The control: counting the padding tokens too
+    gives another number."""
+    import jax.numpy as jnp
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from twinseq.jax_backend.losses import load_balancing_loss
+
+    case = cases("qwen3_moe")
+    batch, cfg = case.batches[layout], case.jax.config
+    with torch.no_grad():
+        if layout == "padded":
+            want = float(case.hf(input_ids=torch.tensor(batch.input_ids, dtype=torch.long),
+                                 attention_mask=torch.tensor(batch.segment_ids != 0, dtype=torch.long),
+                                 output_router_logits=True, use_cache=False).aux_loss)
+        else:
+            per_doc = [case.hf(input_ids=torch.tensor(batch.input_ids[row, cols][None], dtype=torch.long),
+                               output_router_logits=True, use_cache=False).router_logits
+                       for row, cols, _ in case.documents(layout)]
+            layers = tuple(torch.cat([doc[i] for doc in per_doc]) for i in range(len(per_doc[0])))
+            want = float(load_balancing_loss_func(layers, cfg.num_experts, cfg.num_experts_per_tok))
+    _, router_logits = case.jax.with_router_logits(*(jnp.asarray(a) for a in (
+        batch.input_ids, batch.position_ids, batch.segment_ids)))
+    assert len(router_logits) == 2  # layer 0 is dense (mlp_only_layers)
+    real = jnp.asarray((batch.segment_ids != 0).reshape(-1))
+    ours = float(load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, real))
+    diff = abs(ours - want)
+    print(f"qwen3_moe {layout}: aux loss {ours:.8f}, transformers {want:.8f}, |diff| {diff:.1e}")
+    assert diff <= 1e-6
+    everything = float(load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok,
+                                           jnp.ones_like(real)))
+    assert abs(everything - ours) > 1e-4

@@ -8,7 +8,8 @@ padding-free batches all go through it, so no path leaks across documents (TRL #
 warn; here a path that cannot mask refuses to run).
 
 Which layers slide is the family's business (``mask_layout``): none in Llama, every layer in
-Mistral (one mask for the model), the ``sliding_attention`` entries of ``layer_types`` in Qwen2,
+Mistral and Qwen3-MoE (one mask for the model; the MoE block is transformers' own and attention-free), the
+``sliding_attention`` entries of ``layer_types`` in Qwen2,
 Qwen3, Gemma 2 and Gemma 3, whose models take a mask per layer type as a dict
 ``{"full_attention": m, "sliding_attention": m}`` (transformers' ``causal_mask_mapping``).
 Gemma 2 also soft-caps the attention scores (``softcap * tanh(scores / softcap)``).
@@ -194,7 +195,7 @@ def mask_layout(config: Any) -> MaskLayout:
     cap = getattr(config, "attn_logit_softcapping", None)
     if model_type == "gemma3_text":  # transformers' Gemma 3 attention passes no soft-cap (q/k norms instead)
         cap = None
-    if model_type == "mistral":  # one mask, and HF passes config.sliding_window to every layer
+    if model_type in ("mistral", "qwen3_moe"):  # one mask, and HF passes config.sliding_window to every layer
         return MaskLayout(False, window, cap)
     if model_type in _MASK_MAPPING_FAMILIES:
         slides = "sliding_attention" in (getattr(config, "layer_types", None) or ())
@@ -716,6 +717,14 @@ def forward_hidden(model: torch.nn.Module, batch: Batch, attn_implementation: Op
     ``attn_implementation`` defaults to the model's; a different one switches the model to it
     (``sdpa`` on a model with soft-capped attention scores runs ``eager``, logged once).
     """
+    return forward_outputs(model, batch, attn_implementation).last_hidden_state
+
+
+def forward_outputs(
+    model: torch.nn.Module, batch: Batch, attn_implementation: Optional[str] = None, output_router_logits: bool = False
+) -> Any:
+    """The decoder's output object of ``batch`` as ``forward_hidden`` runs it (``.last_hidden_state``); with
+    ``output_router_logits`` (a MoE model) also ``.router_logits``, one ``[B * T, E]`` tensor per MoE layer."""
     check_batch(batch, model.config.vocab_size)
     layout = mask_layout(model.config)
     attn = _ensure_attn(model, attn_implementation)
@@ -732,5 +741,7 @@ def forward_hidden(model: torch.nn.Module, batch: Batch, attn_implementation: Op
         inputs = blocked_model_inputs(model, batch, device)
     else:
         inputs = model_inputs(batch, attn, device, _mask_dtype(model, device), layout)
+    if output_router_logits:
+        inputs["output_router_logits"] = True
     # an adapter model: the HF model inside PEFT's wrapper
-    return causal_lm_of(model).model(**inputs).last_hidden_state
+    return causal_lm_of(model).model(**inputs)

@@ -39,6 +39,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, LOSS_TYPES, TrainConfig
 from twinseq.common.data.batching import Batch
@@ -47,7 +48,7 @@ from twinseq.common.objectives.nll import IGNORE_INDEX, check_num_items
 from twinseq.common.run.capabilities import GPU_EXTRA as _GPU_EXTRA
 from twinseq.torch_backend import context_parallel as cpmod
 from twinseq.torch_backend import triton_ce
-from twinseq.torch_backend.attention import forward_hidden, mask_layout
+from twinseq.torch_backend.attention import forward_hidden, forward_outputs, mask_layout
 from twinseq.torch_backend.unwrap import causal_lm_of, lm_head_weight
 
 logger = logging.getLogger(__name__)
@@ -481,6 +482,59 @@ def final_logit_softcap(model: torch.nn.Module) -> Optional[float]:
 
 
 # --------------------------------------------------------------------------------------
+# The Mixture-of-Experts load-balancing loss
+# --------------------------------------------------------------------------------------
+
+
+def router_aux_loss_weight(causal_lm: torch.nn.Module) -> Optional[float]:
+    """``router_aux_loss_coef`` of a MoE model whose config sets ``output_router_logits`` (transformers' switch for
+    adding the aux loss to the training loss); None for any other model."""
+    config = causal_lm_of(causal_lm).config
+    if not getattr(config, "output_router_logits", False) or not getattr(config, "num_experts", 0):
+        return None
+    return float(config.router_aux_loss_coef)
+
+
+def router_aux_loss(causal_lm: torch.nn.Module, router_logits, segment_ids_BT) -> torch.Tensor:
+    """transformers' own ``load_balancing_loss_func`` of the router logits (one ``[B * T, E]`` per MoE layer) over
+    the real tokens of the batch (``segment_ids != 0`` as its ``attention_mask``: padding never counts)."""
+    config = causal_lm_of(causal_lm).config
+    mask_BT = torch.as_tensor(segment_ids_BT != 0, device=router_logits[0].device)
+    return load_balancing_loss_func(tuple(router_logits), config.num_experts, config.num_experts_per_tok, mask_BT)
+
+
+def _data_ranks() -> int:
+    """The ranks whose gradients are summed (1 in one process; context parallelism is refused with the aux loss)."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def sft_loss_with_aux(causal_lm, batch: Batch, attn_implementation, num_micro_batches: int = 1, **loss_kwargs):
+    """``causal_lm_loss`` of ``batch`` (``loss_kwargs`` passed on), plus, for a MoE model with
+    ``output_router_logits``, ``router_aux_loss_coef * aux_loss / num_micro_batches``.
+
+    The NLL is normalised by the whole step's ``num_items_in_batch``, so a step's micro-batch losses add up to the
+    step's loss; the aux loss is a mean over one micro-batch's tokens, so it is divided by the step's micro-batch
+    count: the step then adds the coefficient times the mean of its micro-batches' aux losses (TRL's rule), and one
+    micro-batch gives transformers' ``loss + coef * aux_loss``. Returns what ``causal_lm_loss`` returns; with
+    metrics, they gain ``aux_loss`` (this micro-batch's, unweighted).
+    """
+    weight = router_aux_loss_weight(causal_lm)
+    out = forward_outputs(causal_lm, batch, attn_implementation, output_router_logits=weight is not None)
+    labels_BT = torch.as_tensor(batch.labels, dtype=torch.long, device=out.last_hidden_state.device)
+    result = causal_lm_loss(
+        out.last_hidden_state, lm_head_weight(causal_lm), labels_BT, batch.num_items_in_batch, **loss_kwargs
+    )
+    if weight is None:
+        return result
+    aux = router_aux_loss(causal_lm, out.router_logits, batch.segment_ids)
+    extra = (weight / num_micro_batches) * aux.to(out.last_hidden_state.device)
+    if isinstance(result, tuple):
+        loss, metrics = result
+        return loss + extra, {**metrics, "aux_loss": aux.detach()}
+    return result + extra
+
+
+# --------------------------------------------------------------------------------------
 # The model's body and its loss in one module (one FSDP root)
 # --------------------------------------------------------------------------------------
 
@@ -518,6 +572,26 @@ class CausalLMLoss(torch.nn.Module):
         forward), run here so that an engine wrapping this module gathers the root parameters around it."""
         if callable(micro):
             return micro(self.causal_lm)
+        if isinstance(micro, Batch) and router_aux_loss_weight(self.causal_lm) is not None:
+            return sft_loss_with_aux(
+                self.causal_lm,
+                micro,
+                self.cfg.model.attn_implementation,
+                # a per-micro-batch mean: divided by the step's micro-batches over every rank (gradients are summed
+                # over ranks), so the step adds the coefficient times their mean, as TRL (its ranks average)
+                self.cfg.data.gradient_accumulation_steps * _data_ranks(),
+                loss_type=self.cfg.loss.loss_type,
+                chunk_size=self.cfg.loss.loss_chunk_size,
+                return_metrics=True,
+                logit_softcap=final_logit_softcap(self.causal_lm),
+                triton_gradients=self.cfg.loss.triton_gradients,
+            )
+        if router_aux_loss_weight(self.causal_lm) is not None:
+            raise ConfigError(
+                "output_router_logits=True (the MoE load-balancing loss) is not built for context-parallel shards "
+                "(the router logits of a shard cover part of each sequence); set output_router_logits to false in "
+                "the model's config.json, or drop context parallelism."
+            )
         hidden_BTH, labels_BT, shifted = self._hidden(micro)
         return causal_lm_loss(
             hidden_BTH,

@@ -34,14 +34,13 @@ from twinseq.torch_backend.attention import (
     hf_attn_name,
     resolve_attn_implementation,
 )
-from twinseq.torch_backend.losses import apply_logit_softcap, causal_lm_loss, final_logit_softcap
+from twinseq.torch_backend.losses import apply_logit_softcap, final_logit_softcap, sft_loss_with_aux
 from twinseq.torch_backend.unwrap import (
     adapter_grads,
     base_layer_of,
     causal_lm_of,
     dense_weight,
     is_adapter_model,
-    lm_head_weight,
 )
 
 logger = logging.getLogger(__name__)
@@ -208,15 +207,13 @@ def compute_loss(
     return_metrics: bool = False,
 ):
     """Scalar loss tensor: ``sum of NLL over batch's targets / batch.num_items_in_batch`` (of the soft-capped
-    logits when the family caps them)."""
-    hidden_BTH = forward_hidden(model, batch, attn_implementation)
-    labels_BT = torch.as_tensor(batch.labels, dtype=torch.long, device=hidden_BTH.device)
-    return causal_lm_loss(
-        hidden_BTH,
-        lm_head_weight(model),
-        labels_BT,
-        batch.num_items_in_batch,
-        loss_type,
+    logits when the family caps them), plus a MoE model's weighted aux loss with ``output_router_logits``
+    (``losses.sft_loss_with_aux``, one micro-batch)."""
+    return sft_loss_with_aux(
+        model,
+        batch,
+        attn_implementation,
+        loss_type=loss_type,
         chunk_size=chunk_size,
         return_metrics=return_metrics,
         logit_softcap=final_logit_softcap(model),

@@ -1,7 +1,7 @@
 """The model families twinseq builds, described once for both backends: ``ModelConfig``.
 
 One dataclass in Hugging Face's names covers Llama (and Llama 3.x RoPE scaling), Qwen2/Qwen2.5,
-Qwen3, Mistral, Gemma 2 and Gemma 3 (text). ``model_type`` picks the family; the family decides what the
+Qwen3, Qwen3-MoE, Mistral, Gemma 2 and Gemma 3 (text). ``model_type`` picks the family; the family decides what the
 architecture has, and the fields hold its sizes and knobs:
 
 ==========  ===================================================================================
@@ -11,6 +11,11 @@ llama       ``rope_type`` ``linear``/``dynamic``/``llama3``; optional ``attentio
 qwen2       q, k and v projections carry biases (o does not); optional sliding-window layers
 qwen3       RMSNorm of every query and key head (``q_norm``, ``k_norm``) before RoPE; ``head_dim``
             independent of ``hidden_size``
+qwen3_moe   Qwen3's attention; the MLP of every ``decoder_sparse_step``-th layer not in ``mlp_only_layers`` is a
+            mixture of ``num_experts`` gated MLPs (``moe_intermediate_size``): a linear router, softmax in float32,
+            the top ``num_experts_per_tok`` experts per token (weights renormalised with ``norm_topk_prob``),
+            their outputs summed with those weights; the Switch load-balancing loss (``router_aux_loss_coef``,
+            added to the training loss with ``output_router_logits``); optional ``sliding_window`` on every layer
 mistral     every layer attends within ``sliding_window`` positions
 gemma2      embeddings scaled by ``sqrt(hidden_size)``; RMSNorm computes ``x * (1 + w)`` in float32;
             four norms per layer (input, post-attention, pre- and post-feedforward); GELU (tanh);
@@ -43,7 +48,7 @@ from typing import Any, Literal, NoReturn, Optional, Union
 from twinseq.common.errors import ConfigError
 from twinseq.common.fields import _check_fields, knob
 
-ModelType = Literal["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text"]
+ModelType = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text"]
 MODEL_TYPES = typing.get_args(ModelType)
 RopeType = Literal["default", "linear", "dynamic", "llama3"]
 LayerType = Literal["full_attention", "sliding_attention"]
@@ -52,10 +57,22 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
+_MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
+    "output_router_logits",
+)
+"""qwen3_moe's own ``ModelConfig`` fields, in transformers' ``Qwen3MoeConfig`` names."""
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 """transformers' Gemma 3 default: every 6th layer global, the others sliding."""
 
@@ -104,6 +121,24 @@ class ModelConfig:
     bos_token_id: Optional[int] = 1
     eos_token_id: Union[int, list[int], None] = 2
     pad_token_id: Optional[int] = 0
+    num_experts: int = knob(0, ge=0)
+    """qwen3_moe: experts per MoE layer (0 on the other families, which have none)."""
+    num_experts_per_tok: int = knob(1, ge=1)
+    """qwen3_moe: experts each token is routed to (top-k of the router's softmax)."""
+    moe_intermediate_size: Optional[int] = knob(None, ge=1)
+    """qwen3_moe: the intermediate size of every expert (``intermediate_size`` is the dense layers')."""
+    norm_topk_prob: bool = False
+    """qwen3_moe: renormalise the top-k routing weights of a token to sum to 1."""
+    decoder_sparse_step: int = knob(1, ge=1)
+    """qwen3_moe: layer ``i`` is a MoE layer when ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in
+    ``mlp_only_layers``."""
+    mlp_only_layers: Optional[list[int]] = None
+    """qwen3_moe: indices of layers that keep a dense MLP (None: none)."""
+    router_aux_loss_coef: float = knob(0.001, ge=0)
+    """qwen3_moe: weight of the load-balancing loss in the training loss (with ``output_router_logits``)."""
+    output_router_logits: bool = False
+    """qwen3_moe: add ``router_aux_loss_coef * aux_loss`` to the training loss (transformers' switch of the same
+    name); the logits do not depend on it."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -127,9 +162,11 @@ class ModelConfig:
                 "sliding_attention" if (i + 1) % every else "full_attention" for i in range(self.num_hidden_layers)
             ]
         self._check_gemma3()
-        if self.model_type == "mistral" and self.layer_types is not None:
+        self._check_moe()
+        if self.model_type in ("mistral", "qwen3_moe") and self.layer_types is not None:
             raise ConfigError(
-                f"ModelConfig.layer_types (got {len(self.layer_types)} entries) is not used by model_type 'mistral' "
+                f"ModelConfig.layer_types (got {len(self.layer_types)} entries) is not used by model_type "
+                f"{self.model_type!r} "
                 "(every layer slides within sliding_window); drop layer_types, or use model_type 'qwen2' for per-layer "
                 "windows."
             )
@@ -174,6 +211,39 @@ class ModelConfig:
                 "'linear' or 'llama3'."
             )
 
+    def _check_moe(self) -> None:
+        """Qwen3-MoE's fields: set on that family only; top-k within the experts; ``mlp_only_layers`` in range."""
+        if self.model_type != "qwen3_moe":
+            moe = {
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if f.name in _MOE_FIELDS and getattr(self, f.name) != f.default
+            }
+            if moe:
+                raise ConfigError(
+                    f"ModelConfig fields {moe} are only read by model_type 'qwen3_moe' (got {self.model_type!r}, "
+                    f"which has no experts); drop them, or set model_type='qwen3_moe'."
+                )
+            return
+        if self.num_experts < self.num_experts_per_tok:
+            raise ConfigError(
+                f"ModelConfig.num_experts={self.num_experts} is below num_experts_per_tok={self.num_experts_per_tok} "
+                f"(model_type 'qwen3_moe' routes every token to num_experts_per_tok distinct experts); set "
+                f"num_experts >= num_experts_per_tok."
+            )
+        if self.moe_intermediate_size is None:
+            raise ConfigError(
+                "ModelConfig.moe_intermediate_size=None: model_type 'qwen3_moe' needs the experts' intermediate size; "
+                "set moe_intermediate_size (768 in transformers' Qwen3MoeConfig)."
+            )
+        bad = [i for i in self.mlp_only_layers or () if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ConfigError(
+                f"ModelConfig.mlp_only_layers={self.mlp_only_layers} has {bad} outside the "
+                f"num_hidden_layers={self.num_hidden_layers} layers; give layer indices "
+                f"0..{self.num_hidden_layers - 1}."
+            )
+
     # -- what the family has ---------------------------------------------------------------
 
     @property
@@ -187,7 +257,7 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """RMSNorm of every query and key head before RoPE (Qwen3; Gemma 3 in its ``1 + w`` form)."""
-        return self.model_type in ("qwen3", "gemma3_text")
+        return self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
 
     @property
     def gemma(self) -> bool:
@@ -197,7 +267,15 @@ class ModelConfig:
     def layer_is_sliding(self, layer: int) -> bool:
         if self.layer_types is not None:
             return self.layer_types[layer] == "sliding_attention"
-        return self.model_type == "mistral" and self.sliding_window is not None
+        return self.model_type in ("mistral", "qwen3_moe") and self.sliding_window is not None
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts (transformers' ``Qwen3MoeDecoderLayer`` rule)."""
+        return (
+            self.num_experts > 0
+            and layer not in (self.mlp_only_layers or ())
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def attention_scale(self) -> float:
@@ -281,6 +359,19 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         final_logit_softcapping=30.0,
         query_pre_attn_scalar=256,
     ),
+    # four experts, two per token, both layers sparse
+    "tiny-qwen3-moe": dict(
+        _TINY,
+        model_type="qwen3_moe",
+        head_dim=32,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
     # two layers, one of each kind (Gemma 3's default pattern would make both sliding)
     "tiny-gemma3": dict(
         _TINY,
@@ -316,10 +407,18 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
-        for name, out, inp in (("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)):
-            shapes[f"{p}mlp.{name}.weight"] = (out, inp)
-            if cfg.mlp_bias:
-                shapes[f"{p}mlp.{name}.bias"] = (out,)
+        if cfg.layer_is_moe(layer):
+            e, m = cfg.num_experts, cfg.moe_intermediate_size
+            assert m is not None  # __post_init__ refuses a MoE config without it
+            # transformers 5's fused expert tensors: [gate; up] stacked on the output dim, then down
+            shapes[p + "mlp.gate.weight"] = (e, h)
+            shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * m, h)
+            shapes[p + "mlp.experts.down_proj"] = (e, h, m)
+        else:
+            for name, out, inp in (("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)):
+                shapes[f"{p}mlp.{name}.weight"] = (out, inp)
+                if cfg.mlp_bias:
+                    shapes[f"{p}mlp.{name}.bias"] = (out,)
         for norm in layer_norm_names(cfg):
             shapes[f"{p}{norm}.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
@@ -387,7 +486,7 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "use_cache": False,
         ("hidden_activation" if cfg.gemma else "hidden_act"): cfg.hidden_act,
     }
-    if cfg.model_type in ("llama", "qwen3", "gemma2", "gemma3_text"):
+    if cfg.model_type in ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"):
         values["attention_bias"] = cfg.attention_bias
     if cfg.model_type == "llama":
         values["mlp_bias"] = cfg.mlp_bias
@@ -405,6 +504,13 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         values["sliding_window"] = cfg.sliding_window
     if cfg.model_type == "gemma3_text":
         values["use_bidirectional_attention"] = False
+    if cfg.model_type == "qwen3_moe":
+        values.update(
+            use_sliding_window=cfg.sliding_window is not None,
+            sliding_window=cfg.sliding_window,
+            **{name: getattr(cfg, name) for name in _MOE_FIELDS},
+        )
+        values["mlp_only_layers"] = list(cfg.mlp_only_layers or [])
     if cfg.gemma:
         values.update(
             attn_logit_softcapping=cfg.attn_logit_softcapping,
@@ -463,6 +569,29 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
+    ),
+    "qwen3_moe": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim="split",
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        sliding_window=4096,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=None,
+        router_aux_loss_coef=0.001,
+        output_router_logits=False,
     ),
     "mistral": dict(
         vocab_size=32000,
@@ -620,6 +749,13 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
             ]
     elif model_type == "mistral":
         out["sliding_window"] = sliding_window
+    elif model_type == "qwen3_moe":
+        out["sliding_window"] = sliding_window if values.get("use_sliding_window", False) else None
+        for key in _MOE_FIELDS:
+            out[key] = values.get(key, defaults[key])
+        if "num_experts" not in values and "num_local_experts" in values:  # Qwen3MoeConfig.to_dict()'s name
+            out["num_experts"] = values["num_local_experts"]
+        out["mlp_only_layers"] = list(out["mlp_only_layers"] or []) or None
     elif gemma:
         out["sliding_window"] = sliding_window
         every = 2

@@ -14,7 +14,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
@@ -152,6 +152,7 @@ def inspect_model_folder(path: str | Path) -> tuple[ModelConfig, dict[str, tuple
         shapes.update({k: tuple(v["shape"]) for k, v in _safetensors_header(file).items()})
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
+    fuse_experts_(cfg, shapes, lambda parts, axis: _stacked_shape(parts, axis))
     expected = parameter_shapes(cfg)
     problems = [
         f"missing {sorted(set(expected) - set(shapes))[:3]}" if set(expected) - set(shapes) else "",
@@ -283,11 +284,44 @@ def read_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndar
     weights: dict[str, np.ndarray] = {}
     for file in _weight_files(directory):
         weights.update(load_file(str(file)))
+    fuse_experts_(cfg, weights, lambda parts, axis: np.stack([np.concatenate(p, axis=0) for p in parts], axis=axis))
     _drop_tied_head(cfg, weights, str(directory))
     check_weights(cfg, weights)
     for name, values in weights.items():
         check_finite(name, values, str(directory))
     return cfg, weights
+
+
+def fuse_experts_(cfg: ModelConfig, tensors: dict[str, Any], stack: Callable[[list[list[Any]], int], Any]) -> None:
+    """Hub-format Qwen3-MoE experts (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what transformers'
+    ``save_pretrained`` writes) to transformers 5's fused in-memory tensors (``parameter_shapes``), in place:
+    ``experts.gate_up_proj[e] = concat(gate_proj[e], up_proj[e])`` ``[E, 2m, h]`` and ``experts.down_proj``
+    ``[E, h, m]``, as transformers' checkpoint conversion stacks them. ``stack(parts, 0)`` stacks per expert the
+    concatenation of ``parts[e]``; tensors already fused are left alone.
+
+    >>> cfg = ModelConfig.preset("tiny-qwen3-moe", num_hidden_layers=1)
+    >>> t = {f"model.layers.0.mlp.experts.{e}.{n}_proj.weight": np.zeros((64, 96) if n != "down" else (96, 64))
+    ...      for e in range(4) for n in ("gate", "up", "down")}
+    >>> fuse_experts_(cfg, t, lambda parts, axis: np.stack([np.concatenate(p) for p in parts], axis))
+    >>> sorted((k, v.shape) for k, v in t.items())
+    [('model.layers.0.mlp.experts.down_proj', (4, 96, 64)), ('model.layers.0.mlp.experts.gate_up_proj', (4, 128, 96))]
+    """
+    for layer in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        if not cfg.layer_is_moe(layer) or prefix + "0.gate_proj.weight" not in tensors:
+            continue
+        names = [[f"{prefix}{e}.{n}_proj.weight" for n in ("gate", "up")] for e in range(cfg.num_experts)]
+        downs = [[f"{prefix}{e}.down_proj.weight"] for e in range(cfg.num_experts)]
+        if any(n not in tensors for pair in names + downs for n in pair):
+            continue  # inspect_model_folder names what is missing
+        tensors[prefix + "gate_up_proj"] = stack([[tensors.pop(n) for n in pair] for pair in names], 0)
+        tensors[prefix + "down_proj"] = stack([[tensors.pop(n) for n in pair] for pair in downs], 0)
+
+
+def _stacked_shape(parts: list[list[tuple[int, ...]]], axis: int) -> tuple[int, ...]:
+    """The shape ``fuse_experts_`` gives to per-expert tensors of these shapes (headers only, no data)."""
+    first = parts[0]
+    return (len(parts), sum(shape[0] for shape in first), *first[0][1:])
 
 
 def write_hf_checkpoint(

@@ -1,7 +1,7 @@
 """Every model family on the torch backend, against transformers' own modules and numbers.
 
 The cases are ``parity_tests.families.FAMILY_CASES``: Llama (Llama 3.x, linear and dynamic RoPE,
-biases), Qwen2 (with and without sliding layers), Qwen3, Mistral, Gemma 2 and Gemma 3, each a
+biases), Qwen2 (with and without sliding layers), Qwen3, Qwen3-MoE, Mistral, Gemma 2 and Gemma 3, each a
 random-weight checkpoint that transformers built, perturbed and saved (no twinseq code wrote it).
 What is checked, per family:
 
@@ -14,6 +14,8 @@ What is checked, per family:
   are applied by every loss and log-prob kernel, dynamic RoPE is stateless per batch;
 - Gemma 3's two RoPE bases go to the right layers (swapping them is another model) and a final soft-cap set in
   its config is applied as transformers applies it;
+- Qwen3-MoE with ``output_router_logits``: the loss is transformers' ``loss + coef * aux_loss`` on every training
+  path, and under accumulation each micro-batch adds ``coef * aux_loss / gradient_accumulation_steps``;
 - common's config.json defaults and RoPE frequencies are transformers' own;
 - an architecture twinseq does not build is refused, naming it and the supported ones.
 
@@ -804,3 +806,64 @@ def test_an_unsupported_model_type_is_refused_with_the_supported_list(tmp_path):
         model_config_of(gpt2)
     with pytest.raises(ConfigError, match=rf"model_type='gpt2' is not supported; twinseq builds {supported}"):
         mask_layout(gpt2.config)
+
+
+# --------------------------------------------------------------------------------------
+# Qwen3-MoE: the load-balancing loss in the training loss
+# --------------------------------------------------------------------------------------
+
+
+def _moe_with_aux(checkpoint):
+    """(config with ``output_router_logits``, the checkpoint's weights) of the Qwen3-MoE case."""
+    cfg, weights = read_hf_checkpoint(checkpoint("qwen3_moe"))
+    return dataclasses.replace(cfg, output_router_logits=True), weights
+
+
+def test_moe_training_loss_adds_router_aux_loss_as_transformers(checkpoint, hf_model, batches):
+    """With ``output_router_logits`` the loss of one micro-batch is transformers' ``loss + router_aux_loss_coef *
+    aux_loss`` (the aux loss over the real tokens: HF's ``attention_mask``), on every training path; without it,
+    the NLL alone (the control: the two differ by the weighted aux loss)."""
+    from twinseq.torch_backend.model import compute_loss
+
+    cfg, weights = _moe_with_aux(checkpoint)
+    batch = batches["padded"]
+    with torch.no_grad():
+        out = hf_model("qwen3_moe")(
+            input_ids=torch.as_tensor(batch.input_ids, dtype=torch.long),
+            attention_mask=torch.as_tensor(batch.segment_ids != 0, dtype=torch.long),
+            labels=torch.as_tensor(batch.labels, dtype=torch.long), num_items_in_batch=batch.num_items_in_batch,
+            output_router_logits=True, use_cache=False)
+    want = float(out.loss)
+    for attn in TRAINING_PATHS:
+        with torch.no_grad():
+            got, metrics = compute_loss(build_model(cfg, weights, attn_implementation=attn), batch,
+                                        return_metrics=True)
+        print(f"qwen3_moe {attn}: loss with aux {float(got):.7f} vs transformers {want:.7f}, "
+              f"aux {float(metrics['aux_loss']):.7f} vs {float(out.aux_loss):.7f}")
+        assert abs(float(got) - want) <= LOSS_REL * abs(want), attn
+        assert abs(float(metrics["aux_loss"]) - float(out.aux_loss)) <= 1e-6, attn
+    with torch.no_grad():
+        plain = float(compute_loss(build_model(dataclasses.replace(cfg, output_router_logits=False), weights), batch))
+    assert abs((want - plain) - cfg.router_aux_loss_coef * float(out.aux_loss)) <= 1e-6
+    assert want - plain > 1e-4
+
+
+def test_moe_aux_loss_is_a_per_micro_batch_mean_under_accumulation(checkpoint, batches):
+    """Three micro-batches of one step (the three documents, each normalised by the step's label count) through
+    the trainer's loss module with ``gradient_accumulation_steps=3``: their losses sum to the step's NLL plus
+    ``coef`` times the *mean* of the micro-batches' aux losses (TRL's rule), not their sum."""
+    from twinseq.common.config import DataConfig, TrainConfig
+    from twinseq.torch_backend.losses import CausalLMLoss
+    from twinseq.torch_backend.model import compute_loss
+
+    cfg, weights = _moe_with_aux(checkpoint)
+    model = build_model(cfg, weights, attn_implementation="eager")
+    module = CausalLMLoss(model, TrainConfig(data=DataConfig(gradient_accumulation_steps=3)))
+    with torch.no_grad():
+        parts = [module(micro) for micro in batches["separate"]]
+        plain = build_model(dataclasses.replace(cfg, output_router_logits=False), weights, attn_implementation="eager")
+        nll = float(compute_loss(plain, batches["padded"]))
+    total = sum(float(loss) for loss, _ in parts)
+    auxes = [float(metrics["aux_loss"]) for _, metrics in parts]
+    assert abs(total - (nll + cfg.router_aux_loss_coef * float(np.mean(auxes)))) <= 1e-6, (total, nll, auxes)
+    assert abs(total - (nll + cfg.router_aux_loss_coef * float(np.sum(auxes)))) > 1e-4  # the control

@@ -128,9 +128,82 @@ def test_gemma3_config_json_in_both_layouts():
         from_hf_config({**sizes, "attn_logit_softcapping": 50.0})
 
 
+def test_qwen3_moe_features():
+    """Qwen3-MoE: Qwen3's attention (q/k norms, no biases); a layer is sparse when ``(i + 1) % decoder_sparse_step
+    == 0`` and it is not in ``mlp_only_layers``; a sparse layer holds a router and transformers 5's fused experts,
+    a dense one Qwen3's gated MLP of ``intermediate_size``."""
+    moe = ModelConfig.preset("tiny-qwen3-moe")
+    assert moe.qk_norm and not moe.qkv_bias and not moe.gemma and moe.attention_scale == 32 ** -0.5
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (4, 2, 64)
+    assert [moe.layer_is_moe(i) for i in range(2)] == [True, True]
+    shapes = parameter_shapes(moe)
+    assert shapes["model.layers.0.mlp.gate.weight"] == (4, 96)
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == (4, 128, 96)
+    assert shapes["model.layers.0.mlp.experts.down_proj"] == (4, 96, 64)
+    assert "model.layers.0.mlp.gate_proj.weight" not in shapes
+    mixed = ModelConfig.preset("tiny-qwen3-moe", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert [i for i in range(6) if mixed.layer_is_moe(i)] == [1, 5]
+    assert parameter_shapes(mixed)["model.layers.0.mlp.gate_proj.weight"] == (256, 96)
+    assert not any(ModelConfig.preset("tiny-qwen3").layer_is_moe(i) for i in range(2))
+    assert ModelConfig.preset("tiny-qwen3-moe", sliding_window=8).layer_is_sliding(1)  # every layer, as Mistral
+    # transformers' Qwen3MoeConfig.to_dict() spells num_experts num_local_experts; both read the same
+    values = to_hf_config(mixed)
+    assert from_hf_config(values) == mixed
+    values["num_local_experts"] = values.pop("num_experts")
+    assert from_hf_config(values) == mixed
+    bare = from_hf_config({"model_type": "qwen3_moe"})  # transformers' defaults (Qwen3-30B-A3B's sizes)
+    assert (bare.num_experts, bare.num_experts_per_tok, bare.moe_intermediate_size, bare.norm_topk_prob) == (
+        128, 8, 768, False)
+    assert (bare.router_aux_loss_coef, bare.output_router_logits, bare.sliding_window) == (0.001, False, None)
+
+
 @pytest.mark.parametrize("values,match", [
-    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; twinseq builds llama, qwen2, qwen3, mistral, gemma2, "
-                             "gemma3_text"),
+    (dict(model_type="llama", num_experts=4),
+     r"ModelConfig fields \{'num_experts': 4\} are only read by model_type 'qwen3_moe' \(got 'llama'.*drop them"),
+    (dict(model_type="qwen3", output_router_logits=True), r"'output_router_logits': True.*set model_type='qwen3_moe'"),
+    (dict(model_type="qwen3_moe", num_experts=2, num_experts_per_tok=4, moe_intermediate_size=8),
+     r"num_experts=2 is below num_experts_per_tok=4.*set num_experts >= num_experts_per_tok"),
+    (dict(model_type="qwen3_moe", num_experts=4),
+     r"moe_intermediate_size=None: model_type 'qwen3_moe' needs.*set moe_intermediate_size"),
+    (dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=8, mlp_only_layers=[2]),
+     r"mlp_only_layers=\[2\] has \[2\] outside the num_hidden_layers=2 layers; give layer indices 0..1"),
+    (dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=8, layer_types=["full_attention"] * 2),
+     r"layer_types \(got 2 entries\) is not used by model_type 'qwen3_moe'"),
+])
+def test_qwen3_moe_fields_are_refused_where_they_mean_nothing(values, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**values)
+
+
+def test_hub_format_experts_are_fused_as_transformers_fuses_them(tmp_path):
+    """A checkpoint as transformers' ``save_pretrained`` writes it (one ``gate_proj``/``up_proj``/``down_proj`` per
+    expert) reads as the fused tensors of ``parameter_shapes``: ``gate_up_proj[e] = [gate_e; up_e]``; the control:
+    the same tensors with gate and up swapped are another model."""
+    from safetensors.numpy import save_file
+
+    from twinseq.common.models.hf_folder import read_hf_checkpoint
+
+    cfg = ModelConfig.preset("tiny-qwen3-moe", vocab_size=64, num_hidden_layers=1)
+    fused = init_weights(cfg, seed=1)
+    hub = {k: v for k, v in fused.items() if ".experts." not in k}
+    gate_up, down = fused["model.layers.0.mlp.experts.gate_up_proj"], fused["model.layers.0.mlp.experts.down_proj"]
+    for e in range(cfg.num_experts):
+        hub[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :64].copy()
+        hub[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = gate_up[e, 64:].copy()
+        hub[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = down[e].copy()
+    save_file(hub, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
+    read_cfg, weights = read_hf_checkpoint(tmp_path)
+    assert read_cfg == cfg and list(weights) != [] and set(weights) == set(fused)
+    for name, values in fused.items():
+        np.testing.assert_array_equal(weights[name], values, err_msg=name)
+    swapped = np.concatenate([gate_up[:, 64:], gate_up[:, :64]], axis=1)
+    assert not np.array_equal(weights["model.layers.0.mlp.experts.gate_up_proj"], swapped)
+
+
+@pytest.mark.parametrize("values,match", [
+    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; twinseq builds llama, qwen2, qwen3, qwen3_moe, "
+                             "mistral, gemma2, gemma3_text"),
     ({"model_type": None}, "model_type=None is not supported; twinseq builds llama, qwen2"),
     ({"model_type": "llama", "hidden_act": "relu"}, "hidden_act='relu' is not supported"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
