@@ -36,8 +36,14 @@ from twinseq.common.objectives.kto import KTOLossConfig, kto_family, kto_step_me
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import reference_description
-from twinseq.jax_backend.dpo import JAX_OPS, _ref_arrays, pad_preference_batch, preference_inputs, sequence_logps_jit
-from twinseq.jax_backend.logprobs import sequence_logps
+from twinseq.jax_backend.dpo import (
+    JAX_OPS,
+    _model_sequence_logps,
+    _ref_arrays,
+    pad_preference_batch,
+    preference_inputs,
+    sequence_logps_jit,
+)
 from twinseq.jax_backend.model import (
     CausalLM,
     cast_floating,
@@ -85,18 +91,8 @@ def kto_from_logps(logps_D, ref_logps_D, labels_N, num_examples_in_step, *, conf
 
 
 def policy_logps(model: CausalLM, inputs, *, loss_type: str, chunk_size: int):
-    """[N + M] sequence log-probs of ``model`` on ``preference_inputs``' arrays; traceable."""
-    input_ids, position_ids, segment_ids, labels, target_doc_ids, counts_D = inputs
-    return sequence_logps(
-        model(input_ids, position_ids, segment_ids),
-        model.lm_head_VH(),
-        labels,
-        target_doc_ids,
-        counts_D.shape[0],
-        loss_type,
-        chunk_size,
-        logit_softcap=model.final_logit_softcapping,
-    )
+    """[N + M] sequence log-probs of ``model`` on ``preference_inputs``' arrays (DPO's, one device); traceable."""
+    return _model_sequence_logps(model, inputs, loss_type, chunk_size, None, False)
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("config", "loss_type", "chunk_size", "compute_dtype"))
