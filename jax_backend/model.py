@@ -1,6 +1,6 @@
 """Flax NNX causal LMs that mirror Hugging Face transformers' ``*ForCausalLM`` op for op (Llama 3.x,
-Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Gemma 2, Gemma 3 text: ``common.models.configs``), and the protocol functions
-``build_model``, ``export_weights``, ``logits`` and ``loss_and_grads`` (``common.backend.Backend``).
+Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Mixtral, Gemma 2, Gemma 3 text: ``common.models.configs``), and the
+protocol functions ``build_model``, ``export_weights``, ``logits`` and ``loss_and_grads`` (``common.backend.Backend``).
 
 Every jitted function takes the model as ``(graphdef, state)`` (``nnx.split``), so it compiles
 once per (B, T) bucket, loss type and chunk size; ``num_items_in_batch`` is traced.
@@ -29,9 +29,10 @@ HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3
   parallel) instead;
 - MLP: ``down(act(gate(x)) * up(x))``, SiLU or GELU (tanh), biases with ``mlp_bias``; optionally tiled over
   token chunks (``tiled_mlp_chunk_size``, ALST's tiled MLP), each chunk recomputed in backward;
-- Qwen3-MoE: on its sparse layers a router (softmax in float32, top-k, optional renormalisation) and the experts
-  as a grouped matmul over the tokens sorted by expert (``SparseMoeBlock``, ``jax.lax.ragged_dot``); with
-  ``output_router_logits`` the loss adds transformers' load-balancing loss (``loss_fn``);
+- Qwen3-MoE and Mixtral: on their sparse layers a router (softmax in float32, top-k, optional renormalisation)
+  and the experts as a grouped matmul over the tokens sorted by expert (``SparseMoeBlock``,
+  ``jax.lax.ragged_dot``); with ``output_router_logits`` the loss adds transformers' load-balancing loss
+  (``loss_fn``);
 - Gemma 2 and 3: embeddings times ``sqrt(hidden_size)`` (a float32 constant cast to the compute dtype),
   norms on the attention and MLP *outputs* before each residual add, final logits soft-capped
   (``losses.logits_f32``);
@@ -303,11 +304,12 @@ def tiled_mlp(mlp: MLP, x_NH: jax.Array, tile_size: int) -> jax.Array:
 
 
 class SparseMoeBlock(nnx.Module):
-    """transformers' ``Qwen3MoeSparseMoeBlock``: a linear router (``gate``, no bias), softmax in float32, the top
-    ``num_experts_per_tok`` experts of each token (weights renormalised to sum to 1 with ``norm_topk_prob``, then
-    cast to the compute dtype), and the sum of those experts' gated MLPs times their weights. The experts are
-    transformers 5's fused tensors in its layout: ``gate_up_proj`` ``[E, 2m, h]`` (gate rows, then up rows) and
-    ``down_proj`` ``[E, h, m]``.
+    """transformers' ``Qwen3MoeSparseMoeBlock`` and ``MixtralSparseMoeBlock``: a linear router (``gate``, no bias),
+    softmax in float32, the top ``num_experts_per_tok`` experts of each token (weights renormalised to sum to 1 where
+    ``cfg.renormalise_top_k``; cast to the compute dtype, except Mixtral's, ``cfg.routing_weights_f32``, which weigh
+    and sum the experts' outputs in float32), and the sum of those experts' gated MLPs times their weights. The
+    experts are transformers 5's fused tensors in its layout: ``gate_up_proj`` ``[E, 2m, h]`` (gate rows, then up
+    rows) and ``down_proj`` ``[E, h, m]``.
 
     The experts run as a grouped matmul (``jax.lax.ragged_dot``) over the token copies sorted by expert: no
     capacity, no padding, no token dropped. Naive equivalent (what transformers' eager loop computes)::
@@ -322,18 +324,20 @@ class SparseMoeBlock(nnx.Module):
             down_proj=_param(w[prefix + "experts.down_proj"], dtype),
         )
         self.num_experts, self.top_k = int(cfg.num_experts), int(cfg.num_experts_per_tok)
-        self.norm_topk_prob = bool(cfg.norm_topk_prob)
+        self.renormalise_top_k, self.routing_weights_f32 = cfg.renormalise_top_k, cfg.routing_weights_f32
         self.hidden_act = cfg.hidden_act
         self.tile_size: Optional[int] = None  # tiled MLP is refused on MoE layers (set_tiled_mlp)
 
     def route(self, x_NH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(router_logits_NE in the compute dtype, top-k weights_NK in the compute dtype, expert ids_NK)."""
+        """(router_logits_NE in the compute dtype, top-k weights_NK in the compute dtype or float32
+        (``routing_weights_f32``), expert ids_NK)."""
         router_logits_NE = self.gate(x_NH)
         probs_NE = jax.nn.softmax(router_logits_NE.astype(jnp.float32), axis=-1)
         weights_NK, experts_NK = jax.lax.top_k(probs_NE, self.top_k)
-        if self.norm_topk_prob:
+        if self.renormalise_top_k:
             weights_NK = weights_NK / jnp.sum(weights_NK, axis=-1, keepdims=True)
-        return router_logits_NE, weights_NK.astype(router_logits_NE.dtype), experts_NK
+        weights_dtype = jnp.float32 if self.routing_weights_f32 else router_logits_NE.dtype
+        return router_logits_NE, weights_NK.astype(weights_dtype), experts_NK
 
     def with_router_logits(self, x_BTH: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(y_BTH, router_logits_NE) with N = B * T, the tokens in row-major order."""
@@ -351,7 +355,8 @@ class SparseMoeBlock(nnx.Module):
         gate_SM, up_SM = jnp.split(gate_up_S2, 2, axis=-1)
         y_SH = jax.lax.ragged_dot(ACTIVATIONS[self.hidden_act](gate_SM) * up_SM, down_EMH, group_sizes_E)
         y_SH = y_SH * weights_NK.reshape(-1)[order][:, None]
-        y_NH = jnp.zeros_like(x_NH).at[token_of_sorted].add(y_SH)
+        # summed in the weights' dtype (float32 for Mixtral, as transformers' grouped experts), then cast back
+        y_NH = jnp.zeros(x_NH.shape, y_SH.dtype).at[token_of_sorted].add(y_SH).astype(x_NH.dtype)
         return y_NH.reshape(b, t, h), router_logits_NE
 
     def __call__(self, x_BTH: jax.Array) -> jax.Array:

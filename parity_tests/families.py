@@ -41,6 +41,8 @@ FAMILY_CASES: dict[str, ModelConfig] = {
     "gemma3": ModelConfig.preset("tiny-gemma3", vocab_size=VOCAB, sliding_window=8),
     # four experts, top-2, renormalised; layer 1 sparse, layer 0 dense (mlp_only_layers), so both MLP kinds run
     "qwen3_moe": ModelConfig.preset("tiny-qwen3-moe", vocab_size=VOCAB, num_hidden_layers=3, mlp_only_layers=[0]),
+    # four experts, top-2, every layer sparse; Mistral's window on every layer
+    "mixtral": ModelConfig.preset("tiny-mixtral", vocab_size=VOCAB, sliding_window=8),
 }
 """name -> config. Windows of 8 positions, so the 23-token document of ``family_examples`` crosses them."""
 

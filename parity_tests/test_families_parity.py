@@ -1,7 +1,7 @@
 """Torch and JAX agree on every model family, from the same checkpoint saved by transformers.
 
 For each case of ``parity_tests.families`` (Llama 3.x and the other RoPE types, Llama with
-biases, Qwen2 with and without sliding layers, Qwen3, Qwen3-MoE, Mistral, Gemma 2, Gemma 3), on a padded and a
+biases, Qwen2 with and without sliding layers, Qwen3, Qwen3-MoE, Mistral, Mixtral, Gemma 2, Gemma 3), on a padded and a
 packed batch of the same documents (one longer than the sliding window):
 
 - logits agree within ``logits_abs``; per-token NLL within ``token_loss_abs`` once the part of the NLL
@@ -9,7 +9,7 @@ packed batch of the same documents (one longer than the sliding window):
   ``loss_rel`` and every gradient tensor within ``grad_rel`` (the float32 table of TOLERANCES.md,
   the same bounds as the Llama preset: no family gets a looser one);
 - a checkpoint goes torch -> jax -> torch bit for bit;
-- Qwen3-MoE with ``output_router_logits``: the loss with the load-balancing term and its gradients agree.
+- Qwen3-MoE and Mixtral with ``output_router_logits``: the loss with the load-balancing term and its gradients agree.
 
 Each backend is also compared with transformers' own forward (tests/torch_backend/test_families.py,
 parity_tests/test_jax_families_vs_hf.py); this file closes the triangle.
@@ -93,24 +93,25 @@ def test_checkpoint_round_trip_torch_jax_torch_is_bitwise(name, checkpoints, tmp
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_moe_loss_with_router_aux_loss_agrees(layout, checkpoints):
-    """Qwen3-MoE with ``output_router_logits``: both backends add ``router_aux_loss_coef * aux_loss`` (over the
-    real tokens) to the NLL, and the loss and every gradient (the router's included, which the aux loss moves)
-    agree within ``loss_rel`` / ``grad_rel``; the control: the aux loss moves the router's gradient."""
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_moe_loss_with_router_aux_loss_agrees(name, layout, checkpoints):
+    """Qwen3-MoE and Mixtral with ``output_router_logits``: both backends add ``router_aux_loss_coef * aux_loss``
+    (over the real tokens) to the NLL, and the loss and every gradient (the router's included, which the aux loss
+    moves) agree within ``loss_rel`` / ``grad_rel``; the control: the aux loss moves the router's gradient."""
     import dataclasses
 
     import twinseq.jax_backend as jb
     import twinseq.torch_backend as tb
     from twinseq.common.models.hf_folder import read_hf_checkpoint
 
-    cfg, weights = read_hf_checkpoint(checkpoints["qwen3_moe"])
+    cfg, weights = read_hf_checkpoint(checkpoints[name])
     batch = family_batches()[layout]
     aux = dataclasses.replace(cfg, output_router_logits=True)
     t_loss, t_grads = tb.loss_and_grads(tb.build_model(aux, weights), batch)
     j_loss, j_grads = jb.loss_and_grads(jb.build_model(aux, weights), batch)
     grad_rel = {k: rel_norm(j_grads[k], t_grads[k]) for k in t_grads}
     worst = max(grad_rel, key=grad_rel.get)
-    print(f"qwen3_moe {layout} with aux: loss {t_loss:.7f} / {j_loss:.7f}, grad rel {grad_rel[worst]:.1e} ({worst})")
+    print(f"{name} {layout} with aux: loss {t_loss:.7f} / {j_loss:.7f}, grad rel {grad_rel[worst]:.1e} ({worst})")
     assert abs(j_loss - t_loss) <= tol("float32", "loss_rel") * abs(t_loss)
     assert grad_rel[worst] <= tol("float32", "grad_rel"), worst
     _, plain = jb.loss_and_grads(jb.build_model(cfg, weights), batch)

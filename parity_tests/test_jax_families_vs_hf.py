@@ -18,11 +18,11 @@ Invariants:
   printed next to ours;
 - loss within ``loss_rel`` and every gradient within ``grad_rel`` (per tensor) of HF's float32
   autograd over the same documents, normalised by the step's label count;
-- the checkpoint round trip is bitwise: HF folder -> JAX load -> JAX save holds identical tensors (Qwen3-MoE's
-  per-expert tensors, as transformers saves them, fused as transformers loads them),
+- the checkpoint round trip is bitwise: HF folder -> JAX load -> JAX save holds identical tensors (Qwen3-MoE's and
+  Mixtral's per-expert tensors, as transformers saves them, fused as transformers loads them),
   and ``AutoModelForCausalLM.from_pretrained`` of the JAX-saved folder computes logits identical to
   the original HF model's;
-- Qwen3-MoE's load-balancing loss equals transformers' within 1e-6.
+- Qwen3-MoE's and Mixtral's load-balancing loss equals transformers' within 1e-6.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from parity_tests.families import FAMILIES, family_batches, hf_document_logits, hf_random_checkpoint
+from parity_tests.families import FAMILIES, FAMILY_CASES, family_batches, hf_document_logits, hf_random_checkpoint
 from parity_tests.inputs import rel_norm
 from parity_tests.tolerances import nll_change_from_logits, tol
 from twinseq.common.models.hf_folder import fuse_experts_
@@ -57,7 +57,7 @@ class Case:
         load = transformers.AutoModelForCausalLM.from_pretrained
         self.hf = load(self.path, dtype=torch.float32).eval()
         # transformers' default MoE experts (grouped_mm) take no float64; its eager loop is the same experts
-        moe = {"experts_implementation": "eager"} if name.startswith("qwen3_moe") else {}
+        moe = {"experts_implementation": "eager"} if FAMILY_CASES[name].num_experts else {}
         self.hf64 = load(self.path, dtype=torch.float64, **moe).eval()
         self.jax = jb.load_pretrained(self.path)
         self.batches = family_batches()
@@ -244,20 +244,25 @@ def test_gemma3_rope_scaling_and_final_softcap_equal_transformers(variant):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_moe_aux_loss_equals_transformers(cases, layout):
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_moe_aux_loss_equals_transformers(cases, name, layout):
     """The JAX backend's load-balancing loss (``losses.load_balancing_loss`` of its own router logits, over the
     batch's real tokens) equals transformers' within 1e-6. Padded: HF's ``aux_loss`` of the same batch with the real
     tokens as ``attention_mask``. Packed: HF's attention mask cannot separate documents in one row, so the reference
     is transformers' ``load_balancing_loss_func`` of HF's router logits of each document alone, concatenated (the
     aux loss is one mean over the tokens, not a sum over documents). The control: counting the padding tokens too
     gives another number."""
+    import importlib
+
     import jax.numpy as jnp
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from twinseq.jax_backend.losses import load_balancing_loss
 
-    case = cases("qwen3_moe")
+    case = cases(name)
     batch, cfg = case.batches[layout], case.jax.config
+    # the family's own copy of the function (transformers keeps one per modeling file)
+    load_balancing_loss_func = importlib.import_module(
+        f"transformers.models.{cfg.model_type}.modeling_{cfg.model_type}").load_balancing_loss_func
     with torch.no_grad():
         if layout == "padded":
             want = float(case.hf(input_ids=torch.tensor(batch.input_ids, dtype=torch.long),
@@ -271,11 +276,11 @@ def test_moe_aux_loss_equals_transformers(cases, layout):
             want = float(load_balancing_loss_func(layers, cfg.num_experts, cfg.num_experts_per_tok))
     _, router_logits = case.jax.with_router_logits(*(jnp.asarray(a) for a in (
         batch.input_ids, batch.position_ids, batch.segment_ids)))
-    assert len(router_logits) == 2  # layer 0 is dense (mlp_only_layers)
+    assert len(router_logits) == 2  # qwen3_moe: layer 0 of 3 is dense (mlp_only_layers); mixtral: both layers sparse
     real = jnp.asarray((batch.segment_ids != 0).reshape(-1))
     ours = float(load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, real))
     diff = abs(ours - want)
-    print(f"qwen3_moe {layout}: aux loss {ours:.8f}, transformers {want:.8f}, |diff| {diff:.1e}")
+    print(f"{name} {layout}: aux loss {ours:.8f}, transformers {want:.8f}, |diff| {diff:.1e}")
     assert diff <= 1e-6
     everything = float(load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok,
                                            jnp.ones_like(real)))

@@ -1,7 +1,7 @@
 """``twinseq train --model-config DIR`` for every model family, SFT and DPO, on both backends.
 
-Each family gets a local folder as a user would bring it: Llama 3, Qwen3, Qwen3-MoE, Gemma 2 and Gemma 3 as a full
-checkpoint (config.json + model.safetensors), Qwen2 and Mistral as a hand-written config.json
+Each family gets a local folder as a user would bring it: Llama 3, Qwen3, Qwen3-MoE, Mixtral, Gemma 2 and Gemma 3 as
+a full checkpoint (config.json + model.safetensors), Qwen2 and Mistral as a hand-written config.json
 alone (twinseq draws the initial weights). Llama 3, Qwen2 and the Gemmas also hold their own tokenizer
 (special tokens and a chat template in the family's style), which the run must pick up without
 being told; the others fall back to the embedded tokenizer. A few steps on the embedded data
@@ -27,7 +27,7 @@ from tests.common.data.chat_fixtures import save_tokenizer_folder
 
 BACKENDS = ["torch", "jax"]
 WITH_WEIGHTS = {"tiny-llama3": True, "tiny-qwen2": False, "tiny-qwen3": True, "tiny-mistral": False,
-                "tiny-gemma2": True, "tiny-gemma3": True, "tiny-qwen3-moe": True}
+                "tiny-gemma2": True, "tiny-gemma3": True, "tiny-qwen3-moe": True, "tiny-mixtral": True}
 OWN_TOKENIZER = {"tiny-llama3": "llama3", "tiny-qwen2": "chatml", "tiny-gemma2": "gemma", "tiny-gemma3": "gemma"}
 
 

@@ -8,9 +8,9 @@ padding-free batches all go through it, so no path leaks across documents (TRL #
 warn; here a path that cannot mask refuses to run).
 
 Which layers slide is the family's business (``mask_layout``): none in Llama, every layer in
-Mistral and Qwen3-MoE (one mask for the model; the MoE block is transformers' own and attention-free), the
-``sliding_attention`` entries of ``layer_types`` in Qwen2,
-Qwen3, Gemma 2 and Gemma 3, whose models take a mask per layer type as a dict
+Mistral, Qwen3-MoE and Mixtral (one mask for the model; the MoE block is transformers' own and attention-free),
+the ``sliding_attention`` entries of ``layer_types`` in Qwen2, Qwen3, Gemma 2 and Gemma 3, whose models take a
+mask per layer type as a dict
 ``{"full_attention": m, "sliding_attention": m}`` (transformers' ``causal_mask_mapping``).
 Gemma 2 also soft-caps the attention scores (``softcap * tanh(scores / softcap)``).
 
@@ -60,7 +60,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from twinseq.common.config import ATTN_IMPLEMENTATIONS
 from twinseq.common.data.batching import Batch, check_batch
 from twinseq.common.errors import ConfigError, MissingDependencyError
-from twinseq.common.models.configs import MODEL_TYPES
+from twinseq.common.models.configs import MODEL_TYPES, SLIDES_EVERY_LAYER
 from twinseq.torch_backend.blocked_attention import (
     BLOCKED_HF_NAME,
     attention_modules,
@@ -195,7 +195,7 @@ def mask_layout(config: Any) -> MaskLayout:
     cap = getattr(config, "attn_logit_softcapping", None)
     if model_type == "gemma3_text":  # transformers' Gemma 3 attention passes no soft-cap (q/k norms instead)
         cap = None
-    if model_type in ("mistral", "qwen3_moe"):  # one mask, and HF passes config.sliding_window to every layer
+    if model_type in SLIDES_EVERY_LAYER:  # one mask, and HF passes config.sliding_window to every layer
         return MaskLayout(False, window, cap)
     if model_type in _MASK_MAPPING_FAMILIES:
         slides = "sliding_attention" in (getattr(config, "layer_types", None) or ())

@@ -497,7 +497,9 @@ def router_aux_loss_weight(causal_lm: torch.nn.Module) -> Optional[float]:
 
 def router_aux_loss(causal_lm: torch.nn.Module, router_logits, segment_ids_BT) -> torch.Tensor:
     """transformers' own ``load_balancing_loss_func`` of the router logits (one ``[B * T, E]`` per MoE layer) over
-    the real tokens of the batch (``segment_ids != 0`` as its ``attention_mask``: padding never counts)."""
+    the real tokens of the batch (``segment_ids != 0`` as its ``attention_mask``: padding never counts). Qwen3-MoE's
+    copy of the function serves Mixtral too: transformers' two copies are the same code, and Mixtral's config answers
+    ``num_experts`` for its ``num_local_experts``."""
     config = causal_lm_of(causal_lm).config
     mask_BT = torch.as_tensor(segment_ids_BT != 0, device=router_logits[0].device)
     return load_balancing_loss_func(tuple(router_logits), config.num_experts, config.num_experts_per_tok, mask_BT)

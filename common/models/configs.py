@@ -1,8 +1,8 @@
 """The model families twinseq builds, described once for both backends: ``ModelConfig``.
 
 One dataclass in Hugging Face's names covers Llama (and Llama 3.x RoPE scaling), Qwen2/Qwen2.5,
-Qwen3, Qwen3-MoE, Mistral, Gemma 2 and Gemma 3 (text). ``model_type`` picks the family; the family decides what the
-architecture has, and the fields hold its sizes and knobs:
+Qwen3, Qwen3-MoE, Mistral, Mixtral, Gemma 2 and Gemma 3 (text). ``model_type`` picks the family; the family decides
+what the architecture has, and the fields hold its sizes and knobs:
 
 ==========  ===================================================================================
 family      what differs from Llama
@@ -17,6 +17,9 @@ qwen3_moe   Qwen3's attention; the MLP of every ``decoder_sparse_step``-th layer
             their outputs summed with those weights; the Switch load-balancing loss (``router_aux_loss_coef``,
             added to the training loss with ``output_router_logits``); optional ``sliding_window`` on every layer
 mistral     every layer attends within ``sliding_window`` positions
+mixtral     Mistral's attention (optional ``sliding_window`` on every layer); the MLP of every layer is a mixture of
+            ``num_experts`` gated MLPs of ``intermediate_size`` routed as Qwen3-MoE's, the top-k weights always
+            renormalised and kept in float32 through the weighted sum; the same load-balancing loss
 gemma2      embeddings scaled by ``sqrt(hidden_size)``; RMSNorm computes ``x * (1 + w)`` in float32;
             four norms per layer (input, post-attention, pre- and post-feedforward); GELU (tanh);
             sliding and global layers alternate (``layer_types``); attention and final logits are
@@ -48,7 +51,7 @@ from typing import Any, Literal, NoReturn, Optional, Union
 from twinseq.common.errors import ConfigError
 from twinseq.common.fields import _check_fields, knob
 
-ModelType = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma2", "gemma3_text"]
+ModelType = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text"]
 MODEL_TYPES = typing.get_args(ModelType)
 RopeType = Literal["default", "linear", "dynamic", "llama3"]
 LayerType = Literal["full_attention", "sliding_attention"]
@@ -59,20 +62,22 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
 }
-_MOE_FIELDS = (
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "norm_topk_prob",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "router_aux_loss_coef",
-    "output_router_logits",
-)
-"""qwen3_moe's own ``ModelConfig`` fields, in transformers' ``Qwen3MoeConfig`` names."""
+_ROUTED = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits")
+_MOE_FIELDS: dict[str, tuple[str, ...]] = {
+    "qwen3_moe": (*_ROUTED, "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"),
+    "mixtral": _ROUTED,
+}
+"""Each mixture-of-experts family's own ``ModelConfig`` fields, in transformers' config names (Mixtral's
+config.json spells ``num_experts`` ``num_local_experts``). Mixtral has no knob for the rest: its experts are
+``intermediate_size`` wide, it always renormalises the top-k weights, and every layer is sparse."""
+_HF_MOE_NAMES = {"mixtral": {"num_experts": "num_local_experts"}}
+"""config.json names of ``_MOE_FIELDS`` that differ from ``ModelConfig``'s, per family."""
+SLIDES_EVERY_LAYER = ("mistral", "qwen3_moe", "mixtral")
+"""Families whose every layer attends within ``sliding_window`` when it is set (one mask for the whole model)."""
 GEMMA3_SLIDING_WINDOW_PATTERN = 6
 """transformers' Gemma 3 default: every 6th layer global, the others sliding."""
 
@@ -122,23 +127,25 @@ class ModelConfig:
     eos_token_id: Union[int, list[int], None] = 2
     pad_token_id: Optional[int] = 0
     num_experts: int = knob(0, ge=0)
-    """qwen3_moe: experts per MoE layer (0 on the other families, which have none)."""
+    """qwen3_moe, mixtral: experts per MoE layer (0 on the other families, which have none; Mixtral's config.json
+    calls it ``num_local_experts``)."""
     num_experts_per_tok: int = knob(1, ge=1)
-    """qwen3_moe: experts each token is routed to (top-k of the router's softmax)."""
+    """qwen3_moe, mixtral: experts each token is routed to (top-k of the router's softmax)."""
     moe_intermediate_size: Optional[int] = knob(None, ge=1)
-    """qwen3_moe: the intermediate size of every expert (``intermediate_size`` is the dense layers')."""
+    """qwen3_moe: the intermediate size of every expert (``intermediate_size`` is the dense layers'; Mixtral's
+    experts are ``intermediate_size`` wide)."""
     norm_topk_prob: bool = False
-    """qwen3_moe: renormalise the top-k routing weights of a token to sum to 1."""
+    """qwen3_moe: renormalise the top-k routing weights of a token to sum to 1 (Mixtral always does)."""
     decoder_sparse_step: int = knob(1, ge=1)
     """qwen3_moe: layer ``i`` is a MoE layer when ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in
     ``mlp_only_layers``."""
     mlp_only_layers: Optional[list[int]] = None
     """qwen3_moe: indices of layers that keep a dense MLP (None: none)."""
     router_aux_loss_coef: float = knob(0.001, ge=0)
-    """qwen3_moe: weight of the load-balancing loss in the training loss (with ``output_router_logits``)."""
+    """qwen3_moe, mixtral: weight of the load-balancing loss in the training loss (with ``output_router_logits``)."""
     output_router_logits: bool = False
-    """qwen3_moe: add ``router_aux_loss_coef * aux_loss`` to the training loss (transformers' switch of the same
-    name); the logits do not depend on it."""
+    """qwen3_moe, mixtral: add ``router_aux_loss_coef * aux_loss`` to the training loss (transformers' switch of the
+    same name); the logits do not depend on it."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -163,7 +170,7 @@ class ModelConfig:
             ]
         self._check_gemma3()
         self._check_moe()
-        if self.model_type in ("mistral", "qwen3_moe") and self.layer_types is not None:
+        if self.model_type in SLIDES_EVERY_LAYER and self.layer_types is not None:
             raise ConfigError(
                 f"ModelConfig.layer_types (got {len(self.layer_types)} entries) is not used by model_type "
                 f"{self.model_type!r} "
@@ -212,25 +219,37 @@ class ModelConfig:
             )
 
     def _check_moe(self) -> None:
-        """Qwen3-MoE's fields: set on that family only; top-k within the experts; ``mlp_only_layers`` in range."""
-        if self.model_type != "qwen3_moe":
-            moe = {
-                f.name: getattr(self, f.name)
-                for f in dataclasses.fields(self)
-                if f.name in _MOE_FIELDS and getattr(self, f.name) != f.default
-            }
-            if moe:
-                raise ConfigError(
-                    f"ModelConfig fields {moe} are only read by model_type 'qwen3_moe' (got {self.model_type!r}, "
-                    f"which has no experts); drop them, or set model_type='qwen3_moe'."
-                )
+        """The MoE fields (``_MOE_FIELDS``): set only on a family that reads them; top-k within the experts; Qwen3-MoE
+        needs ``moe_intermediate_size`` and ``mlp_only_layers`` in range."""
+        own = _MOE_FIELDS.get(self.model_type, ())
+        foreign = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if any(f.name in names for names in _MOE_FIELDS.values())
+            and f.name not in own
+            and getattr(self, f.name) != f.default
+        }
+        if foreign:
+            readers = [family for family, names in _MOE_FIELDS.items() if set(foreign) <= set(names)]
+            why = (  # a MoE family that owns a subset of the fields: Mixtral
+                "its experts are intermediate_size wide, its top-k weights always renormalised, every layer sparse"
+                if own
+                else "which has no experts"
+            )
+            raise ConfigError(
+                f"ModelConfig fields {foreign} are only read by model_type {' or '.join(map(repr, readers))} (got "
+                f"{self.model_type!r}, {why}); drop them, or set model_type={readers[0]!r}."
+            )
+        if not own:
             return
         if self.num_experts < self.num_experts_per_tok:
             raise ConfigError(
                 f"ModelConfig.num_experts={self.num_experts} is below num_experts_per_tok={self.num_experts_per_tok} "
-                f"(model_type 'qwen3_moe' routes every token to num_experts_per_tok distinct experts); set "
+                f"(model_type {self.model_type!r} routes every token to num_experts_per_tok distinct experts); set "
                 f"num_experts >= num_experts_per_tok."
             )
+        if self.model_type != "qwen3_moe":
+            return
         if self.moe_intermediate_size is None:
             raise ConfigError(
                 "ModelConfig.moe_intermediate_size=None: model_type 'qwen3_moe' needs the experts' intermediate size; "
@@ -267,15 +286,33 @@ class ModelConfig:
     def layer_is_sliding(self, layer: int) -> bool:
         if self.layer_types is not None:
             return self.layer_types[layer] == "sliding_attention"
-        return self.model_type in ("mistral", "qwen3_moe") and self.sliding_window is not None
+        return self.model_type in SLIDES_EVERY_LAYER and self.sliding_window is not None
 
     def layer_is_moe(self, layer: int) -> bool:
-        """Whether layer ``layer``'s MLP is a mixture of experts (transformers' ``Qwen3MoeDecoderLayer`` rule)."""
+        """Whether layer ``layer``'s MLP is a mixture of experts (transformers' ``Qwen3MoeDecoderLayer`` rule; every
+        layer of Mixtral, which leaves ``decoder_sparse_step`` and ``mlp_only_layers`` at their defaults)."""
         return (
             self.num_experts > 0
             and layer not in (self.mlp_only_layers or ())
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """The intermediate size of every expert: ``moe_intermediate_size`` (Qwen3-MoE), else ``intermediate_size``
+        (Mixtral, which has no dense layer)."""
+        return self.moe_intermediate_size if self.moe_intermediate_size is not None else self.intermediate_size
+
+    @property
+    def renormalise_top_k(self) -> bool:
+        """A token's top-k routing weights divided by their sum (Mixtral always; Qwen3-MoE with ``norm_topk_prob``)."""
+        return self.model_type == "mixtral" or self.norm_topk_prob
+
+    @property
+    def routing_weights_f32(self) -> bool:
+        """The routing weights stay float32 through the experts' weighted sum (transformers' ``MixtralTopKRouter``
+        returns them as the float32 softmax gives them; ``Qwen3MoeTopKRouter`` casts them to the compute dtype)."""
+        return self.model_type == "mixtral"
 
     @property
     def attention_scale(self) -> float:
@@ -372,6 +409,16 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         moe_intermediate_size=64,
         norm_topk_prob=True,
     ),
+    # four experts, two per token, every layer sparse (Mixtral has no dense layer); no window, as Mixtral 8x7B
+    "tiny-mixtral": dict(
+        _TINY,
+        model_type="mixtral",
+        intermediate_size=64,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ),
     # two layers, one of each kind (Gemma 3's default pattern would make both sliding)
     "tiny-gemma3": dict(
         _TINY,
@@ -408,8 +455,7 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         if cfg.layer_is_moe(layer):
-            e, m = cfg.num_experts, cfg.moe_intermediate_size
-            assert m is not None  # __post_init__ refuses a MoE config without it
+            e, m = cfg.num_experts, cfg.expert_intermediate_size
             # transformers 5's fused expert tensors: [gate; up] stacked on the output dim, then down
             shapes[p + "mlp.gate.weight"] = (e, h)
             shapes[p + "mlp.experts.gate_up_proj"] = (e, 2 * m, h)
@@ -500,17 +546,17 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         values["layer_types"] = [
             ("sliding_attention" if cfg.layer_is_sliding(i) else "full_attention") for i in range(cfg.num_hidden_layers)
         ]
-    if cfg.model_type in ("mistral", "gemma2", "gemma3_text"):
+    if cfg.model_type in ("mistral", "mixtral", "gemma2", "gemma3_text"):
         values["sliding_window"] = cfg.sliding_window
     if cfg.model_type == "gemma3_text":
         values["use_bidirectional_attention"] = False
+    names = _HF_MOE_NAMES.get(cfg.model_type, {})
+    values.update({names.get(name, name): getattr(cfg, name) for name in _MOE_FIELDS.get(cfg.model_type, ())})
     if cfg.model_type == "qwen3_moe":
-        values.update(
-            use_sliding_window=cfg.sliding_window is not None,
-            sliding_window=cfg.sliding_window,
-            **{name: getattr(cfg, name) for name in _MOE_FIELDS},
-        )
+        values.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
         values["mlp_only_layers"] = list(cfg.mlp_only_layers or [])
+    if cfg.model_type == "mixtral":
+        values["router_jitter_noise"] = 0.0  # from_hf_config refuses any other value
     if cfg.gemma:
         values.update(
             attn_logit_softcapping=cfg.attn_logit_softcapping,
@@ -590,6 +636,27 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         norm_topk_prob=False,
         decoder_sparse_step=1,
         mlp_only_layers=None,
+        router_aux_loss_coef=0.001,
+        output_router_logits=False,
+    ),
+    "mixtral": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim="split",
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        sliding_window=None,
+        num_experts=8,
+        num_experts_per_tok=2,
         router_aux_loss_coef=0.001,
         output_router_logits=False,
     ),
@@ -747,15 +814,12 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
             out["layer_types"] = values.get("layer_types") or [
                 "sliding_attention" if i >= window_from else "full_attention" for i in range(out["num_hidden_layers"])
             ]
-    elif model_type == "mistral":
+    elif model_type in ("mistral", "mixtral"):
         out["sliding_window"] = sliding_window
     elif model_type == "qwen3_moe":
         out["sliding_window"] = sliding_window if values.get("use_sliding_window", False) else None
-        for key in _MOE_FIELDS:
-            out[key] = values.get(key, defaults[key])
-        if "num_experts" not in values and "num_local_experts" in values:  # Qwen3MoeConfig.to_dict()'s name
-            out["num_experts"] = values["num_local_experts"]
-        out["mlp_only_layers"] = list(out["mlp_only_layers"] or []) or None
+    if model_type in _MOE_FIELDS:
+        out.update(_moe_fields_of(model_type, values, defaults, source))
     elif gemma:
         out["sliding_window"] = sliding_window
         every = 2
@@ -770,6 +834,27 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
         return ModelConfig.from_dict(out)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"{source}: {err}") from None
+
+
+def _moe_fields_of(model_type: str, values: dict[str, Any], defaults: dict[str, Any], source: str) -> dict[str, Any]:
+    """The ``_MOE_FIELDS`` of a MoE family's config.json, as transformers reads it (``num_experts`` and
+    ``num_local_experts`` are one field, as its ``attribute_map`` has it); nonzero ``router_jitter_noise`` is
+    refused."""
+    jitter = values.get("router_jitter_noise") or 0.0
+    if float(jitter) != 0.0:
+        _refuse(
+            source,
+            "router_jitter_noise",
+            jitter,
+            "transformers multiplies the MoE inputs by random noise in train mode, so no run repeats and the backends "
+            "cannot agree: set router_jitter_noise to 0.0 in config.json.",
+        )
+    out = {key: values.get(key, defaults[key]) for key in _MOE_FIELDS[model_type]}
+    if "num_experts" not in values and "num_local_experts" in values:  # Mixtral's name, and Qwen3MoeConfig.to_dict()'s
+        out["num_experts"] = values["num_local_experts"]
+    if model_type == "qwen3_moe":
+        out["mlp_only_layers"] = list(out["mlp_only_layers"] or []) or None
+    return out
 
 
 def _gemma3_global_rope(values: dict[str, Any], source: str) -> dict[str, Any]:

@@ -292,12 +292,21 @@ def read_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndar
     return cfg, weights
 
 
+_HUB_EXPERTS = {
+    "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
+}
+"""Per MoE family, how transformers' ``save_pretrained`` writes a sparse layer (its ``conversion_mapping`` reversed):
+the block's name in the file, and the names of each expert's gate, up and down weights."""
+
+
 def fuse_experts_(cfg: ModelConfig, tensors: dict[str, Any], stack: Callable[[list[list[Any]], int], Any]) -> None:
-    """Hub-format Qwen3-MoE experts (``mlp.experts.{e}.{gate,up,down}_proj.weight``, what transformers'
-    ``save_pretrained`` writes) to transformers 5's fused in-memory tensors (``parameter_shapes``), in place:
-    ``experts.gate_up_proj[e] = concat(gate_proj[e], up_proj[e])`` ``[E, 2m, h]`` and ``experts.down_proj``
-    ``[E, h, m]``, as transformers' checkpoint conversion stacks them. ``stack(parts, 0)`` stacks per expert the
-    concatenation of ``parts[e]``; tensors already fused are left alone.
+    """Hub-format MoE experts, what transformers' ``save_pretrained`` writes (``_HUB_EXPERTS``: Qwen3-MoE's
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral's ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``
+    and ``block_sparse_moe.gate.weight``), to transformers 5's fused in-memory tensors (``parameter_shapes``), in
+    place: ``mlp.experts.gate_up_proj[e] = concat(gate[e], up[e])`` ``[E, 2m, h]`` and ``mlp.experts.down_proj``
+    ``[E, h, m]``, as transformers' checkpoint conversion stacks them; Mixtral's router becomes ``mlp.gate.weight``.
+    ``stack(parts, 0)`` stacks per expert the concatenation of ``parts[e]``; tensors already fused are left alone.
 
     >>> cfg = ModelConfig.preset("tiny-qwen3-moe", num_hidden_layers=1)
     >>> t = {f"model.layers.0.mlp.experts.{e}.{n}_proj.weight": np.zeros((64, 96) if n != "down" else (96, 64))
@@ -306,16 +315,21 @@ def fuse_experts_(cfg: ModelConfig, tensors: dict[str, Any], stack: Callable[[li
     >>> sorted((k, v.shape) for k, v in t.items())
     [('model.layers.0.mlp.experts.down_proj', (4, 96, 64)), ('model.layers.0.mlp.experts.gate_up_proj', (4, 128, 96))]
     """
+    if cfg.model_type not in _HUB_EXPERTS:
+        return
+    block, (gate, up, down) = _HUB_EXPERTS[cfg.model_type]
     for layer in range(cfg.num_hidden_layers):
-        prefix = f"model.layers.{layer}.mlp.experts."
-        if not cfg.layer_is_moe(layer) or prefix + "0.gate_proj.weight" not in tensors:
+        hub, fused = f"model.layers.{layer}.{block}", f"model.layers.{layer}.mlp."
+        if not cfg.layer_is_moe(layer):
             continue
-        names = [[f"{prefix}{e}.{n}_proj.weight" for n in ("gate", "up")] for e in range(cfg.num_experts)]
-        downs = [[f"{prefix}{e}.down_proj.weight"] for e in range(cfg.num_experts)]
+        if hub != fused and hub + "gate.weight" in tensors:
+            tensors[fused + "gate.weight"] = tensors.pop(hub + "gate.weight")
+        names = [[f"{hub}experts.{e}.{n}.weight" for n in (gate, up)] for e in range(cfg.num_experts)]
+        downs = [[f"{hub}experts.{e}.{down}.weight"] for e in range(cfg.num_experts)]
         if any(n not in tensors for pair in names + downs for n in pair):
-            continue  # inspect_model_folder names what is missing
-        tensors[prefix + "gate_up_proj"] = stack([[tensors.pop(n) for n in pair] for pair in names], 0)
-        tensors[prefix + "down_proj"] = stack([[tensors.pop(n) for n in pair] for pair in downs], 0)
+            continue  # already fused, or inspect_model_folder names what is missing
+        tensors[fused + "experts.gate_up_proj"] = stack([[tensors.pop(n) for n in pair] for pair in names], 0)
+        tensors[fused + "experts.down_proj"] = stack([[tensors.pop(n) for n in pair] for pair in downs], 0)
 
 
 def _stacked_shape(parts: list[list[tuple[int, ...]]], axis: int) -> tuple[int, ...]:

@@ -104,7 +104,8 @@ def test_config_mismatch_on_import(tmp_path):
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor=0.5"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; twinseq builds llama, qwen2, qwen3, mistral, gemma2"),
+    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; twinseq builds llama, qwen2, qwen3, qwen3_moe, "
+                             "mistral, mixtral, gemma2"),
     # a supported feature whose tensors the folder lacks: named, not loaded half-way
     ({"attention_bias": True}, r"missing \['model\.layers\.0\.self_attn\.k_proj\.bias'"),
 ])

@@ -16,8 +16,9 @@ Invariants:
 - ring and all-gather context-parallel attention honour the window and the score soft-cap (forward
   and gradients equal dense attention), and a Gemma 2 step on a cp=4 mesh equals the dense step;
 - Gemma 3's sliding and global layers rotate with their own bases (swapped bases are another model);
-- Qwen3-MoE's grouped matmul drops no token: every token routed to one expert gets that expert's MLP, and
-  gradients reach the router and every expert;
+- Qwen3-MoE's and Mixtral's grouped matmul drops no token: every token routed to one expert gets that expert's
+  MLP, and gradients reach the router and every expert; Mixtral weighs and sums the experts in float32, Qwen3-MoE in
+  the compute dtype, as transformers' routers;
 - dynamic RoPE: the traced frequencies equal ``common.models.rope``'s, and a batch's frequencies depend on that
   batch only (no state carried between calls).
 """
@@ -134,14 +135,14 @@ def test_packed_equals_separate(name):
 
 
 def _without_window(name: str) -> dict:
-    if name == "mistral":
+    if name in ("mistral", "mixtral"):
         return {"sliding_window": None}
     if name == "gemma3":  # keep the layer types: they pick each layer's RoPE base
         return {"sliding_window": 10**6}
     return {"layer_types": ["full_attention"] * FAMILY_CASES[name].num_hidden_layers}
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2-sliding", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["mistral", "qwen2-sliding", "gemma2", "gemma3", "mixtral"])
 def test_sliding_window_document_packed_with_another_matches_running_alone(name):
     import twinseq.jax_backend as jb
 
@@ -197,8 +198,8 @@ def _expert_mlp(block, expert: int, x_NH: np.ndarray) -> np.ndarray:
     return ((gate / (1 + np.exp(-gate))) * up) @ down.T
 
 
-@pytest.mark.parametrize("expert", [0, 2])
-def test_moe_routes_every_token_to_one_expert_and_drops_none(expert):
+@pytest.mark.parametrize("name, expert", [("qwen3_moe", 0), ("qwen3_moe", 2), ("mixtral", 1)])
+def test_moe_routes_every_token_to_one_expert_and_drops_none(name, expert):
     """A router that sends every token to one expert (its row of the gate points along a direction every token
     shares, the other rows are zero): all 96 tokens land on that expert, nothing caps it (a capacity of
     ``tokens * top_k / num_experts`` would keep 48) and every token's output is that expert's MLP of the token
@@ -206,7 +207,7 @@ def test_moe_routes_every_token_to_one_expert_and_drops_none(expert):
     import twinseq.jax_backend as jb
     from twinseq.jax_backend.model import SparseMoeBlock
 
-    cfg = FAMILY_CASES["qwen3_moe"]
+    cfg = FAMILY_CASES[name]
     weights = init_weights(cfg, seed=0)
     gate = np.zeros((cfg.num_experts, cfg.hidden_size), np.float32)
     gate[expert, 0] = 60.0
@@ -221,10 +222,31 @@ def test_moe_routes_every_token_to_one_expert_and_drops_none(expert):
     y_BTH = np.asarray(block(jnp.asarray(x_BTH)))
     x_NH = x_BTH.reshape(-1, cfg.hidden_size)
     want = _expert_mlp(block, expert, x_NH).reshape(x_BTH.shape)
-    print(f"all tokens on expert {expert}: max |moe - expert MLP| {np.abs(y_BTH - want).max():.1e}")
+    print(f"{name}, all tokens on expert {expert}: max |moe - expert MLP| {np.abs(y_BTH - want).max():.1e}")
     np.testing.assert_allclose(y_BTH, want, atol=1e-6, rtol=0)
     other = _expert_mlp(block, (expert + 1) % cfg.num_experts, x_NH).reshape(x_BTH.shape)
     assert np.abs(y_BTH - other).max() > 1e-3
+
+
+def test_mixtral_weighs_experts_in_float32_and_qwen3_moe_in_the_compute_dtype():
+    """bfloat16 models: Mixtral's routing weights stay float32 (transformers' ``MixtralTopKRouter`` returns the
+    float32 softmax), so the weighted sum of the experts runs in float32 and only its result is rounded; Qwen3-MoE's
+    are cast to bfloat16 first (``Qwen3MoeTopKRouter``). The control: rounding Mixtral's weights to bfloat16 changes
+    its output."""
+    import twinseq.jax_backend as jb
+
+    x_BTH = jnp.asarray(np.random.default_rng(0).standard_normal((2, 24, 96)), jnp.bfloat16)
+    blocks = {name: jb.build_model(FAMILY_CASES[name], init_weights(FAMILY_CASES[name], seed=0),
+                                   dtype="bfloat16").model.layers[1].mlp for name in ("mixtral", "qwen3_moe")}
+    assert blocks["mixtral"].route(x_BTH.reshape(-1, 96))[1].dtype == jnp.float32
+    assert blocks["qwen3_moe"].route(x_BTH.reshape(-1, 96))[1].dtype == jnp.bfloat16
+    mixtral = blocks["mixtral"]
+    y = mixtral(x_BTH)
+    assert y.dtype == jnp.bfloat16
+    mixtral.routing_weights_f32 = False
+    rounded = mixtral(x_BTH)
+    mixtral.routing_weights_f32 = True
+    assert float(jnp.abs(y.astype(jnp.float32) - rounded.astype(jnp.float32)).max()) > 0
 
 
 def test_moe_gradients_flow_through_the_grouped_matmul():

@@ -52,7 +52,8 @@ def tiny():
 @pytest.mark.parametrize("preset", ["tiny", pytest.param("tiny-mistral", marks=pytest.mark.slow),
                                     pytest.param("tiny-gemma2", marks=pytest.mark.slow),
                                     pytest.param("tiny-gemma3", marks=pytest.mark.slow),
-                                    pytest.param("tiny-qwen3-moe", marks=pytest.mark.slow)])
+                                    pytest.param("tiny-qwen3-moe", marks=pytest.mark.slow),
+                                    pytest.param("tiny-mixtral", marks=pytest.mark.slow)])
 def test_cache_equals_full_forward_every_step(preset, tiny):
     model = tiny if preset == "tiny" else _model(preset)
     if model.config.sliding_window is not None:

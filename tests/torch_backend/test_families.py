@@ -1,7 +1,7 @@
 """Every model family on the torch backend, against transformers' own modules and numbers.
 
 The cases are ``parity_tests.families.FAMILY_CASES``: Llama (Llama 3.x, linear and dynamic RoPE,
-biases), Qwen2 (with and without sliding layers), Qwen3, Qwen3-MoE, Mistral, Gemma 2 and Gemma 3, each a
+biases), Qwen2 (with and without sliding layers), Qwen3, Qwen3-MoE, Mistral, Mixtral, Gemma 2 and Gemma 3, each a
 random-weight checkpoint that transformers built, perturbed and saved (no twinseq code wrote it).
 What is checked, per family:
 
@@ -14,8 +14,8 @@ What is checked, per family:
   are applied by every loss and log-prob kernel, dynamic RoPE is stateless per batch;
 - Gemma 3's two RoPE bases go to the right layers (swapping them is another model) and a final soft-cap set in
   its config is applied as transformers applies it;
-- Qwen3-MoE with ``output_router_logits``: the loss is transformers' ``loss + coef * aux_loss`` on every training
-  path, and under accumulation each micro-batch adds ``coef * aux_loss / gradient_accumulation_steps``;
+- Qwen3-MoE and Mixtral with ``output_router_logits``: the loss is transformers' ``loss + coef * aux_loss`` on
+  every training path, and under accumulation each micro-batch adds ``coef * aux_loss / gradient_accumulation_steps``;
 - common's config.json defaults and RoPE frequencies are transformers' own;
 - an architecture twinseq does not build is refused, naming it and the supported ones.
 
@@ -51,7 +51,8 @@ from twinseq.torch_backend.model import (build_model, export_weights, final_logi
 LOGITS_ABS, TOKEN_LOSS_ABS = tol("float32", "logits_abs"), tol("float32", "token_loss_abs")
 LOSS_REL, GRAD_REL = tol("float32", "loss_rel"), tol("float32", "grad_rel")
 TRAINING_PATHS = ("sdpa", "eager", "varlen")  # the paths that train on CPU
-SLIDING = ("mistral", "qwen2-sliding", "gemma2", "gemma3")
+SLIDING = ("mistral", "qwen2-sliding", "gemma2", "gemma3", "mixtral")
+MOE = ("qwen3_moe", "mixtral")
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +263,7 @@ def test_flex_attention_packed_equals_separate_forward(checkpoint, batches, name
 
 def without_window(cfg):
     """The same architecture with every layer attending to the whole document (the negative control)."""
-    if cfg.model_type == "mistral":
+    if cfg.model_type in ("mistral", "mixtral"):
         return dataclasses.replace(cfg, sliding_window=None)
     if cfg.model_type == "gemma3_text":  # keep the layer types: they pick each layer's RoPE base
         return dataclasses.replace(cfg, sliding_window=10**6)
@@ -614,7 +615,7 @@ def test_allgather_ranks_equal_dense_attention_with_window_and_softcap(window, c
         assert float(((out.transpose(1, 2) - dense[:, mine]).abs() * real).max()) < 1e-6, rank
 
 
-@pytest.mark.parametrize("name", ("mistral", "qwen2-sliding", "gemma2", "gemma3"))
+@pytest.mark.parametrize("name", SLIDING)
 def test_allgather_model_forward_honours_each_layers_window_and_cap(checkpoint, batches, name):
     """The whole model through ``twinseq_cp_allgather`` (one rank): HF passes every layer's ``sliding_window``
     and ``softcap``; the logits equal the eager path's."""
@@ -809,26 +810,27 @@ def test_an_unsupported_model_type_is_refused_with_the_supported_list(tmp_path):
 
 
 # --------------------------------------------------------------------------------------
-# Qwen3-MoE: the load-balancing loss in the training loss
+# Qwen3-MoE and Mixtral: the load-balancing loss in the training loss
 # --------------------------------------------------------------------------------------
 
 
-def _moe_with_aux(checkpoint):
-    """(config with ``output_router_logits``, the checkpoint's weights) of the Qwen3-MoE case."""
-    cfg, weights = read_hf_checkpoint(checkpoint("qwen3_moe"))
+def _moe_with_aux(checkpoint, name):
+    """(config with ``output_router_logits``, the checkpoint's weights) of the MoE case ``name``."""
+    cfg, weights = read_hf_checkpoint(checkpoint(name))
     return dataclasses.replace(cfg, output_router_logits=True), weights
 
 
-def test_moe_training_loss_adds_router_aux_loss_as_transformers(checkpoint, hf_model, batches):
+@pytest.mark.parametrize("name", MOE)
+def test_moe_training_loss_adds_router_aux_loss_as_transformers(checkpoint, hf_model, batches, name):
     """With ``output_router_logits`` the loss of one micro-batch is transformers' ``loss + router_aux_loss_coef *
     aux_loss`` (the aux loss over the real tokens: HF's ``attention_mask``), on every training path; without it,
     the NLL alone (the control: the two differ by the weighted aux loss)."""
     from twinseq.torch_backend.model import compute_loss
 
-    cfg, weights = _moe_with_aux(checkpoint)
+    cfg, weights = _moe_with_aux(checkpoint, name)
     batch = batches["padded"]
     with torch.no_grad():
-        out = hf_model("qwen3_moe")(
+        out = hf_model(name)(
             input_ids=torch.as_tensor(batch.input_ids, dtype=torch.long),
             attention_mask=torch.as_tensor(batch.segment_ids != 0, dtype=torch.long),
             labels=torch.as_tensor(batch.labels, dtype=torch.long), num_items_in_batch=batch.num_items_in_batch,
@@ -838,7 +840,7 @@ def test_moe_training_loss_adds_router_aux_loss_as_transformers(checkpoint, hf_m
         with torch.no_grad():
             got, metrics = compute_loss(build_model(cfg, weights, attn_implementation=attn), batch,
                                         return_metrics=True)
-        print(f"qwen3_moe {attn}: loss with aux {float(got):.7f} vs transformers {want:.7f}, "
+        print(f"{name} {attn}: loss with aux {float(got):.7f} vs transformers {want:.7f}, "
               f"aux {float(metrics['aux_loss']):.7f} vs {float(out.aux_loss):.7f}")
         assert abs(float(got) - want) <= LOSS_REL * abs(want), attn
         assert abs(float(metrics["aux_loss"]) - float(out.aux_loss)) <= 1e-6, attn
@@ -848,7 +850,8 @@ def test_moe_training_loss_adds_router_aux_loss_as_transformers(checkpoint, hf_m
     assert want - plain > 1e-4
 
 
-def test_moe_aux_loss_is_a_per_micro_batch_mean_under_accumulation(checkpoint, batches):
+@pytest.mark.parametrize("name", MOE)
+def test_moe_aux_loss_is_a_per_micro_batch_mean_under_accumulation(checkpoint, batches, name):
     """Three micro-batches of one step (the three documents, each normalised by the step's label count) through
     the trainer's loss module with ``gradient_accumulation_steps=3``: their losses sum to the step's NLL plus
     ``coef`` times the *mean* of the micro-batches' aux losses (TRL's rule), not their sum."""
@@ -856,7 +859,7 @@ def test_moe_aux_loss_is_a_per_micro_batch_mean_under_accumulation(checkpoint, b
     from twinseq.torch_backend.losses import CausalLMLoss
     from twinseq.torch_backend.model import compute_loss
 
-    cfg, weights = _moe_with_aux(checkpoint)
+    cfg, weights = _moe_with_aux(checkpoint, name)
     model = build_model(cfg, weights, attn_implementation="eager")
     module = CausalLMLoss(model, TrainConfig(data=DataConfig(gradient_accumulation_steps=3)))
     with torch.no_grad():

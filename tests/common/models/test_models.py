@@ -159,7 +159,8 @@ def test_qwen3_moe_features():
 
 @pytest.mark.parametrize("values,match", [
     (dict(model_type="llama", num_experts=4),
-     r"ModelConfig fields \{'num_experts': 4\} are only read by model_type 'qwen3_moe' \(got 'llama'.*drop them"),
+     r"ModelConfig fields \{'num_experts': 4\} are only read by model_type 'qwen3_moe' or 'mixtral' \(got 'llama'.*"
+     r"drop them"),
     (dict(model_type="qwen3", output_router_logits=True), r"'output_router_logits': True.*set model_type='qwen3_moe'"),
     (dict(model_type="qwen3_moe", num_experts=2, num_experts_per_tok=4, moe_intermediate_size=8),
      r"num_experts=2 is below num_experts_per_tok=4.*set num_experts >= num_experts_per_tok"),
@@ -175,35 +176,101 @@ def test_qwen3_moe_fields_are_refused_where_they_mean_nothing(values, match):
         ModelConfig(**values)
 
 
-def test_hub_format_experts_are_fused_as_transformers_fuses_them(tmp_path):
-    """A checkpoint as transformers' ``save_pretrained`` writes it (one ``gate_proj``/``up_proj``/``down_proj`` per
-    expert) reads as the fused tensors of ``parameter_shapes``: ``gate_up_proj[e] = [gate_e; up_e]``; the control:
-    the same tensors with gate and up swapped are another model."""
+HUB_EXPERT_NAMES = {  # what transformers' save_pretrained writes per expert: (router, gate, up, down)
+    "tiny-qwen3-moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                       "mlp.experts.{e}.down_proj.weight"),
+    "tiny-mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                     "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(HUB_EXPERT_NAMES))
+def test_hub_format_experts_are_fused_as_transformers_fuses_them(tmp_path, preset):
+    """A checkpoint as transformers' ``save_pretrained`` writes it (Qwen3-MoE: one ``gate_proj``/``up_proj``/
+    ``down_proj`` per expert; Mixtral: ``block_sparse_moe`` with ``w1`` (gate), ``w3`` (up), ``w2`` (down) per expert)
+    reads as the fused tensors of ``parameter_shapes``: ``gate_up_proj[e] = [gate_e; up_e]``; the control: the same
+    tensors with gate and up swapped are another model."""
     from safetensors.numpy import save_file
 
     from twinseq.common.models.hf_folder import read_hf_checkpoint
 
-    cfg = ModelConfig.preset("tiny-qwen3-moe", vocab_size=64, num_hidden_layers=1)
+    cfg = ModelConfig.preset(preset, vocab_size=64, num_hidden_layers=1)
+    m = cfg.expert_intermediate_size
     fused = init_weights(cfg, seed=1)
-    hub = {k: v for k, v in fused.items() if ".experts." not in k}
+    router, gate, up, down_name = HUB_EXPERT_NAMES[preset]
+    hub = {k: v for k, v in fused.items() if ".mlp." not in k}
+    hub["model.layers.0." + router] = fused["model.layers.0.mlp.gate.weight"]
     gate_up, down = fused["model.layers.0.mlp.experts.gate_up_proj"], fused["model.layers.0.mlp.experts.down_proj"]
     for e in range(cfg.num_experts):
-        hub[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate_up[e, :64].copy()
-        hub[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = gate_up[e, 64:].copy()
-        hub[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = down[e].copy()
+        hub["model.layers.0." + gate.format(e=e)] = gate_up[e, :m].copy()
+        hub["model.layers.0." + up.format(e=e)] = gate_up[e, m:].copy()
+        hub["model.layers.0." + down_name.format(e=e)] = down[e].copy()
     save_file(hub, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(to_hf_config(cfg)))
     read_cfg, weights = read_hf_checkpoint(tmp_path)
     assert read_cfg == cfg and list(weights) != [] and set(weights) == set(fused)
     for name, values in fused.items():
         np.testing.assert_array_equal(weights[name], values, err_msg=name)
-    swapped = np.concatenate([gate_up[:, 64:], gate_up[:, :64]], axis=1)
+    swapped = np.concatenate([gate_up[:, m:], gate_up[:, :m]], axis=1)
     assert not np.array_equal(weights["model.layers.0.mlp.experts.gate_up_proj"], swapped)
+
+
+def test_mixtral_features():
+    """Mixtral: Mistral's attention (no q/k norm, no biases, the window on every layer); every layer a mixture of
+    ``num_experts`` experts of ``intermediate_size``, top-k always renormalised and kept in float32; config.json in
+    transformers' ``MixtralConfig`` names (``num_local_experts``), with its defaults (Mixtral 8x7B's sizes)."""
+    mix = ModelConfig.preset("tiny-mixtral")
+    assert not mix.qk_norm and not mix.qkv_bias and not mix.gemma and mix.attention_scale == 24 ** -0.5
+    assert (mix.num_experts, mix.num_experts_per_tok, mix.expert_intermediate_size) == (4, 2, 64)
+    assert mix.renormalise_top_k and mix.routing_weights_f32 and not mix.norm_topk_prob
+    assert [mix.layer_is_moe(i) for i in range(2)] == [True, True]
+    assert not ModelConfig.preset("tiny-qwen3-moe").routing_weights_f32
+    shapes = parameter_shapes(mix)
+    assert shapes["model.layers.1.mlp.experts.gate_up_proj"] == (4, 128, 96)
+    assert shapes["model.layers.1.mlp.experts.down_proj"] == (4, 96, 64)
+    assert not any("gate_proj" in k or "q_norm" in k for k in shapes)
+    assert not mix.layer_is_sliding(0)
+    windowed = ModelConfig.preset("tiny-mixtral", sliding_window=8, output_router_logits=True)
+    assert windowed.layer_is_sliding(0) and windowed.layer_is_sliding(1)
+    values = to_hf_config(windowed)
+    assert values["num_local_experts"] == 4 and "num_experts" not in values and values["router_jitter_noise"] == 0.0
+    assert from_hf_config(values) == windowed
+    bare = from_hf_config({"model_type": "mixtral"})  # transformers' MixtralConfig defaults
+    assert (bare.num_experts, bare.num_experts_per_tok, bare.intermediate_size, bare.sliding_window) == (
+        8, 2, 14336, None)
+    assert (bare.rope_theta, bare.rms_norm_eps, bare.max_position_embeddings) == (1e6, 1e-5, 131072)
+
+
+@pytest.mark.parametrize("values,match", [
+    (dict(model_type="mixtral", num_experts=4, moe_intermediate_size=64),
+     r"\{'moe_intermediate_size': 64\} are only read by model_type 'qwen3_moe' \(got 'mixtral', its experts are "
+     r"intermediate_size wide.*drop them"),
+    (dict(model_type="mixtral", num_experts=4, norm_topk_prob=True), r"\{'norm_topk_prob': True\}.*got 'mixtral'"),
+    (dict(model_type="mixtral", num_experts=4, mlp_only_layers=[0]), r"\{'mlp_only_layers': \[0\]\}.*got 'mixtral'"),
+    (dict(model_type="mixtral", num_experts=1, num_experts_per_tok=2),
+     r"num_experts=1 is below num_experts_per_tok=2 \(model_type 'mixtral'.*set num_experts >= num_experts_per_tok"),
+    (dict(model_type="mixtral", num_experts=4, layer_types=["full_attention"] * 2),
+     r"layer_types \(got 2 entries\) is not used by model_type 'mixtral'"),
+])
+def test_mixtral_fields_are_refused_where_they_mean_nothing(values, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**values)
+
+
+def test_mixtral_router_jitter_noise_is_refused_with_the_fix():
+    """transformers multiplies Mixtral's MoE inputs by uniform noise in train mode when ``router_jitter_noise > 0``:
+    no two runs, and no two backends, would agree; the config.json is refused, naming the field, the value and the
+    fix. The control: 0.0 (and an absent key) reads."""
+    values = to_hf_config(ModelConfig.preset("tiny-mixtral"))
+    with pytest.raises(ConfigError, match=r"model/config.json: router_jitter_noise=0.01 is not supported; .*"
+                                          r"set router_jitter_noise to 0.0 in config.json"):
+        from_hf_config({**values, "router_jitter_noise": 0.01}, "model/config.json")
+    assert from_hf_config(values) == from_hf_config({k: v for k, v in values.items() if k != "router_jitter_noise"})
 
 
 @pytest.mark.parametrize("values,match", [
     ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; twinseq builds llama, qwen2, qwen3, qwen3_moe, "
-                             "mistral, gemma2, gemma3_text"),
+                             "mistral, mixtral, gemma2, gemma3_text"),
     ({"model_type": None}, "model_type=None is not supported; twinseq builds llama, qwen2"),
     ({"model_type": "llama", "hidden_act": "relu"}, "hidden_act='relu' is not supported"),
     ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type='yarn'"),
