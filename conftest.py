@@ -35,3 +35,16 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_jax_executables():
+    """After each test module, drop JAX's compiled executables (``jax.clear_caches``): a python that runs thousands
+    of tests otherwise keeps every compilation resident, and XLA's CPU compiler has crashed (SIGSEGV) late in such
+    runs. A module still compiles each function once; only across modules is a shape compiled again."""
+    yield
+    import sys
+
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
