@@ -104,6 +104,7 @@ _LORA_FIELDS = {
     "lora_alpha": "lora_alpha",
     "lora_dropout": "lora_dropout",
     "target_modules": "lora_target_modules",
+    "target_parameters": "lora_target_parameters",
     "use_rslora": "use_rslora",
     "use_dora": "use_dora",
     "trainable_token_indices": "trainable_token_indices",
@@ -173,11 +174,11 @@ def peft_fields(peft_config: Any) -> dict[str, Any]:
         raise ConfigError(
             f"peft_config sets {shown}, which twinseq's LoRA has no equivalent for; drop "
             f"{'it' if len(unsupported) == 1 else 'them'} (twinseq reads r, lora_alpha, lora_dropout, target_modules, "
-            f"use_rslora, use_dora, trainable_token_indices)."
+            f"target_parameters, use_rslora, use_dora, trainable_token_indices)."
         )
     out: dict[str, Any] = {"use_peft": True}
     for key, flat in _LORA_FIELDS.items():
-        if key in values:
+        if key in values and not (key == "target_parameters" and not values[key]):  # peft's default is None
             out[flat] = values[key]
     targets = out.get("lora_target_modules")
     if targets is None:

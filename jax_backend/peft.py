@@ -9,6 +9,9 @@ reproduces peft 0.21's forward passes op for op, in float32 adapters:
 - DoRA (``peft.tuners.lora.dora.DoraLinearLayer.forward``): ``y = base(x) + (m / n - 1) * (x W^T) +
   (m / n) * lora(x) * scaling`` with ``n = ||W + scaling * B A||_row`` *detached* (no gradient flows
   through the norm: DoRA paper 4.3, as PEFT does), and ``x W^T`` the base output without its bias;
+- LoRA on the experts (``peft.tuners.lora.layer.ParamWrapper``, ``lora_target_parameters``): expert ``e``'s
+  weight is ``W[e] + scaling * B_e @ A_e`` with ``A`` [E * r, in] and ``B`` [out, r * E] in PEFT's layout;
+  ``model.SparseMoeBlock`` runs it as a second pair of grouped matmuls (``ragged_dot``) beside the base one;
 - trainable tokens (``peft.tuners.trainable_tokens.layer``): the selected embedding rows are *replaced* by
   the trainable values (``index_copy``), in the lookup and in a tied LM head; Gemma's embedding scale is
   applied after the lookup, as PEFT does;
@@ -59,6 +62,7 @@ from twinseq.jax_backend.model import (
     CausalLM,
     Embedding,
     Linear,
+    SparseMoeBlock,
     active_dropout_key,
     adapter_key_of_path,
     adapters_by_key,
@@ -402,12 +406,27 @@ def add_adapters(
             )
         elif peft.load_in_4bit:  # QLoRA quantises every decoder linear layer, adapted or not (bitsandbytes)
             setattr(parent, name, PeftLinear(base, load_in_4bit=True))
+    _add_expert_adapters(model, cfg, peft, adapters)
     if peft.trainable_token_indices:
         model.model.embed_tokens = TokenEmbedding(
             model.model.embed_tokens, peft.trainable_token_indices, adapters[TOKENS_KEY]
         )
     model.peft_json = json.dumps(dataclasses.asdict(peft), sort_keys=True)
     return model
+
+
+def _add_expert_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig, adapters: dict[str, np.ndarray]) -> None:
+    """LoRA on the expert tensors of ``peft.lora_target_parameters`` (``SparseMoeBlock.add_expert_adapters``), each
+    pair under PEFT's module path of it (``common.models.peft.expert_adapter_keys``)."""
+    by_block: dict[str, dict[str, tuple[tuple[str, ...], np.ndarray, np.ndarray]]] = {}
+    for path, module in common_peft.expert_adapter_keys(cfg, peft).items():
+        block, _, tensor = path.partition(".experts.")  # model.layers.0.mlp, gate_up_proj
+        place = tuple(module[len(block + ".experts") :].split(".")[1:])  # () or ("base_layer", ...)
+        pair = (adapters[adapter_key(module, "lora_A")], adapters[adapter_key(module, "lora_B")])
+        by_block.setdefault(block, {})[tensor] = (place, *pair)
+    for block, entries in by_block.items():
+        parent, name = _locate(model, block)
+        getattr(parent, name).add_expert_adapters(entries, peft.scaling)
 
 
 def export_adapters(model: Model) -> dict[str, np.ndarray]:
@@ -434,7 +453,9 @@ def merge_adapters(model: Model) -> Model:
 
 def _adapted_modules(model: Model) -> Iterator[Any]:
     for _, module in nnx.iter_modules(model):
-        if isinstance(module, (PeftLinear, TokenEmbedding)):
+        if isinstance(module, (PeftLinear, TokenEmbedding)) or (
+            isinstance(module, SparseMoeBlock) and getattr(module, "expert_lora", ())
+        ):
             yield module
 
 

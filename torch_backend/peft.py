@@ -4,6 +4,9 @@ The rules (targets, initial values, scaling, key names, merge) are ``twinseq.com
 the real ``peft`` library's (``LoraConfig`` + ``get_peft_model``), so an adapter model here is a
 ``peft.PeftModel`` that PEFT, TRL and ``transformers`` recognise:
 
+- LoRA on the experts of MoE layers (``lora_target_parameters``): PEFT's ``target_parameters``, one
+  ``lora.ParamWrapper`` per fused expert tensor (``experts.gate_up_proj`` ``[E, 2m, h]``, ``experts.down_proj``),
+  whose forward adds ``scaling * B_e @ A_e`` to each expert's weight while the experts run;
 - ``add_adapters`` wraps a plain model (``model.build_model``/``load_pretrained``) and overwrites PEFT's random
   initialisation with ``common.models.peft.init_adapters`` (or given adapters), so the torch and JAX backends start
   from the same numbers. With ``load_in_4bit`` the decoder's linear layers are first quantised to NF4 by
@@ -41,6 +44,7 @@ from twinseq.common.models.peft import (
     adapter_shapes,
     check_adapters,
     check_token_indices,
+    expert_targets,
     init_adapters,
     lora_targets,
 )
@@ -162,6 +166,7 @@ def check_peft_model(model: torch.nn.Module, cfg: ModelConfig, peft: PeftConfig)
             "build a new base model first."
         )
     lora_targets(cfg, peft)  # ConfigError for unknown target modules, empty lists, repeated token ids
+    expert_targets(cfg, peft)  # ConfigError for expert tensors on a model without experts
     check_token_indices(cfg, peft)
     if peft.lora_r <= 0:  # PeftConfig checks this on construction; a config built with checks off still must not
         raise ConfigError(f"lora_r={peft.lora_r} is not valid: pass an adapter rank >= 1 (--lora-r).")
@@ -212,6 +217,8 @@ def add_adapters_seeded(
         lora_dropout=peft.lora_dropout,
         # explicit module paths (not "all-linear"): exactly common.models.peft's targets, whatever PEFT's own rule is
         target_modules=targets,
+        # the experts' fused 3-D tensors, by full path: PEFT's ParamWrapper (W[e] + scaling * B_e @ A_e per expert)
+        target_parameters=list(expert_targets(cfg, peft)) or None,
         use_rslora=peft.use_rslora,
         use_dora=peft.use_dora,
         bias="none",

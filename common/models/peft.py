@@ -4,7 +4,10 @@ One ``PeftConfig`` (TRL's flag names: ``--use-peft --lora-r 16 --lora-alpha 32``
 this module decides everything the two backends must agree on:
 
 - **where** adapters go: ``lora_target_modules`` resolved against the family's linear layers
-  (``all-linear``: every linear layer of every decoder layer, never ``lm_head``, as PEFT does);
+  (``all-linear``: every linear layer of every decoder layer, never ``lm_head``, as PEFT does), and
+  ``lora_target_parameters`` on the fused expert tensors of MoE layers (PEFT's ``target_parameters``: per expert
+  ``W[e] + scaling * B_e @ A_e``, ``lora_A`` ``[E * r, in]`` and ``lora_B`` ``[out, r * E]`` under PEFT's nested
+  ``ParamWrapper`` names, ``expert_adapter_keys``);
 - **what they start as**: ``init_adapters`` draws ``lora_A`` (Kaiming-uniform, PEFT's default) and
   ``lora_B`` (zeros, so the adapted model starts equal to its base) from one numpy generator, in PEFT's
   own key names, so the torch and JAX backends load the same numbers;
@@ -51,6 +54,9 @@ __all__ = [
     "ADAPTER_CONFIG_FILE",
     "ADAPTER_WEIGHTS_FILE",
     "LINEAR_MODULES",
+    "EXPERT_PARAMETERS",
+    "expert_targets",
+    "expert_adapter_keys",
     "adapter_key",
     "check_peft_config",
     "check_token_indices",
@@ -72,6 +78,9 @@ PREFIX = "base_model.model."
 TOKENS_KEY = PREFIX + "model.embed_tokens.token_adapter.trainable_tokens_delta"
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The linear layers of one decoder layer, in every family twinseq builds (``lm_head`` is never adapted)."""
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+"""The fused 3-D expert tensors of a mixture-of-experts layer (transformers 5's ``[E, out, in]``), in parameter order:
+PEFT's ``target_parameters`` (``lora.ParamWrapper``), twinseq's ``lora_target_parameters``."""
 
 
 @dataclass
@@ -93,6 +102,9 @@ class PeftConfig:
     """QLoRA: quantise the frozen base to 4-bit NF4 (torch: bitsandbytes; jax: qwix)."""
     trainable_token_indices: Optional[list[int]] = None
     """Token ids whose embedding rows (and tied lm_head rows) train, e.g. new special tokens."""
+    lora_target_parameters: Optional[list[str]] = None
+    """LoRA on the experts of MoE layers (PEFT's ``target_parameters``): ``experts.gate_up_proj`` and/or
+    ``experts.down_proj``, a rank-``lora_r`` pair per expert; needs ``lora_dropout=0``, no DoRA, no 4-bit base."""
 
     def __post_init__(self) -> None:
         if _CHECKS_ON.get():
@@ -138,11 +150,13 @@ def check_peft_config(peft: PeftConfig) -> None:
                 f"use_peft=True; add --use-peft or drop {' '.join(_flag(c) for c in changed)}."
             )
         return
-    if not peft.lora_target_modules:
+    if not peft.lora_target_modules and not peft.lora_target_parameters:
         raise ConfigError(
             "lora_target_modules=[] adapts nothing; name linear layers (q_proj v_proj ...) or use "
-            "--lora-target-modules all-linear."
+            "--lora-target-modules all-linear (or name expert tensors with --lora-target-parameters)."
         )
+    if peft.lora_target_parameters is not None:
+        check_expert_parameters(peft)
     unknown = [m for m in peft.lora_target_modules if m != "all-linear" and m not in LINEAR_MODULES]
     if unknown:
         raise ConfigError(
@@ -157,6 +171,39 @@ def check_peft_config(peft: PeftConfig) -> None:
         if len(set(peft.trainable_token_indices)) != len(peft.trainable_token_indices):
             raise ConfigError(
                 f"trainable_token_indices={peft.trainable_token_indices!r} repeats a token id; give each id once."
+            )
+
+
+def check_expert_parameters(peft: PeftConfig) -> None:
+    """``lora_target_parameters``: known expert tensors, each once, and only what PEFT's ``ParamWrapper`` can do (it
+    adds ``scaling * B @ A`` to the whole expert weight, so it has no input to drop out, no DoRA and no NF4 base)."""
+    targets = peft.lora_target_parameters or []
+    unknown = [t for t in targets if t not in EXPERT_PARAMETERS]
+    if not targets or unknown or len(set(targets)) != len(targets):
+        raise ConfigError(
+            f"lora_target_parameters={peft.lora_target_parameters!r}: name each of {', '.join(EXPERT_PARAMETERS)} "
+            f"at most once (the fused expert tensors of qwen3_moe and mixtral), or drop --lora-target-parameters."
+        )
+    refused = (
+        (
+            "lora_dropout",
+            peft.lora_dropout != 0,
+            "pass --lora-dropout 0 (PEFT's ParamWrapper merges B @ A into the "
+            "expert weight, so there is no LoRA input to drop out)",
+        ),
+        ("use_dora", peft.use_dora, "drop --use-dora (PEFT's ParamWrapper has no DoRA)"),
+        (
+            "load_in_4bit",
+            peft.load_in_4bit,
+            "drop --load-in-4bit: bitsandbytes quantises nn.Linear layers only, and "
+            "PEFT's ParamWrapper adds its delta to the float 3-D expert tensor, which an NF4 Params4bit is not",
+        ),
+    )
+    for name, bad, fix in refused:
+        if bad:
+            raise ConfigError(
+                f"{name}={getattr(peft, name)!r} cannot combine with lora_target_parameters="
+                f"{peft.lora_target_parameters!r} (LoRA on the experts): {fix}."
             )
 
 
@@ -187,6 +234,50 @@ def lora_targets(cfg: ModelConfig, peft: PeftConfig) -> dict[str, tuple[int, int
     return targets
 
 
+def expert_targets(cfg: ModelConfig, peft: PeftConfig) -> dict[str, tuple[int, int, int]]:
+    """``{parameter path: (num_experts, in_features, out_features)}`` of every adapted expert tensor (PEFT's
+    ``target_parameters``), in parameter order; ``ConfigError`` where the model has no experts."""
+    check_peft_config(peft)
+    names = set(peft.lora_target_parameters or [])
+    targets: dict[str, tuple[int, int, int]] = {}
+    for name, shape in parameter_shapes(cfg).items():
+        if len(shape) == 3 and ".".join(name.split(".")[-2:]) in names:
+            num_experts, out_features, in_features = shape
+            targets[name] = (num_experts, in_features, out_features)
+    if names and not targets:
+        raise ConfigError(
+            f"lora_target_parameters={peft.lora_target_parameters!r}: this {cfg.model_type} model has no expert "
+            f"tensors (no mixture-of-experts layer); drop --lora-target-parameters, or train qwen3_moe or mixtral."
+        )
+    return targets
+
+
+def expert_adapter_keys(cfg: ModelConfig, peft: PeftConfig) -> dict[str, str]:
+    """``{expert parameter path: its adapter module path}``, PEFT's nesting: each targeted tensor of one experts
+    module gets a ``ParamWrapper`` around the previous one, in parameter order, so all but the last sit one
+    ``base_layer`` deeper per later wrapper (``...experts.base_layer.lora_A.weight`` for ``gate_up_proj`` when
+    ``down_proj`` is a target too, ``...experts.lora_A.weight`` for the outermost)."""
+    by_module: dict[str, list[str]] = {}
+    for path in expert_targets(cfg, peft):
+        by_module.setdefault(path.rpartition(".")[0], []).append(path)
+    out: dict[str, str] = {}
+    for module, paths in by_module.items():
+        for i, path in enumerate(paths):
+            out[path] = module + ".base_layer" * (len(paths) - 1 - i)
+    return out
+
+
+def expert_factors(adapters: Mapping[str, np.ndarray], module: str, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's per-expert factors of one ``ParamWrapper``: (A_ERI ``[E, r, in]``, B_EOR ``[E, out, r]``) from
+    ``lora_A`` ``[E * r, in]`` (rows expert-major) and ``lora_B`` ``[out, r * E]`` (columns expert-minor), so that
+    expert ``e``'s delta is ``scaling * B_EOR[e] @ A_ERI[e]`` (``ParamWrapper.get_delta_factors``)."""
+    a = np.asarray(adapters[adapter_key(module, "lora_A")])
+    b = np.asarray(adapters[adapter_key(module, "lora_B")])
+    a_ERI = a.reshape(num_experts, -1, a.shape[-1])
+    b_EOR = b.reshape(b.shape[0], -1, num_experts).transpose(2, 0, 1)
+    return a_ERI, b_EOR
+
+
 def adapter_key(module: str, part: str) -> str:
     """PEFT's saved key of one adapter tensor: ``part`` is ``lora_A``, ``lora_B`` or ``lora_magnitude_vector``."""
     suffix = "" if part == "lora_magnitude_vector" else ".weight"
@@ -201,6 +292,10 @@ def adapter_shapes(cfg: ModelConfig, peft: PeftConfig) -> dict[str, tuple[int, .
         shapes[adapter_key(module, "lora_B")] = (fan_out, peft.lora_r)
         if peft.use_dora:
             shapes[adapter_key(module, "lora_magnitude_vector")] = (fan_out,)
+    modules = expert_adapter_keys(cfg, peft)
+    for path, (num_experts, fan_in, fan_out) in expert_targets(cfg, peft).items():
+        shapes[adapter_key(modules[path], "lora_A")] = (num_experts * peft.lora_r, fan_in)
+        shapes[adapter_key(modules[path], "lora_B")] = (fan_out, peft.lora_r * num_experts)
     if peft.trainable_token_indices:
         shapes[TOKENS_KEY] = (len(peft.trainable_token_indices), cfg.hidden_size)
     return shapes
@@ -250,10 +345,28 @@ def init_adapters(
             w = np.asarray(base_weights[module + ".weight"], np.float64)
             direction = w + peft.scaling * (b.astype(np.float64) @ a.astype(np.float64))
             out[adapter_key(module, "lora_magnitude_vector")] = np.linalg.norm(direction, axis=1).astype(np.float32)
+    out.update(_init_expert_adapters(cfg, peft, rng, lora_b_std))
     if peft.trainable_token_indices:
         rows = np.asarray(peft.trainable_token_indices)
         assert base_weights is not None  # init_adapters refuses trainable tokens without the base weights
         out[TOKENS_KEY] = np.asarray(base_weights["model.embed_tokens.weight"], np.float32)[rows].copy()
+    return out
+
+
+def _init_expert_adapters(
+    cfg: ModelConfig, peft: PeftConfig, rng: np.random.Generator, lora_b_std: float
+) -> dict[str, np.ndarray]:
+    """``init_adapters``' expert tensors, drawn after the linear layers': ``lora_A`` ``[E * r, in]`` Kaiming-uniform
+    (PEFT's ``nn.Linear(in, r * E)``), ``lora_B`` ``[out, r * E]`` zeros (or N(0, ``lora_b_std``))."""
+    out: dict[str, np.ndarray] = {}
+    modules = expert_adapter_keys(cfg, peft)
+    for path, (num_experts, fan_in, fan_out) in expert_targets(cfg, peft).items():
+        bound = 1.0 / math.sqrt(fan_in)
+        a = rng.uniform(-bound, bound, size=(num_experts * peft.lora_r, fan_in)).astype(np.float32)
+        b_shape = (fan_out, peft.lora_r * num_experts)
+        b = (rng.standard_normal(b_shape) * lora_b_std).astype(np.float32) if lora_b_std > 0 else np.zeros(b_shape)
+        out[adapter_key(modules[path], "lora_A")] = a
+        out[adapter_key(modules[path], "lora_B")] = b.astype(np.float32)
     return out
 
 
@@ -286,7 +399,8 @@ def merge_adapters(
 ) -> dict[str, np.ndarray]:
     """Plain HF weights with the adapters folded in (float32; computed in float64):
 
-    ``W' = W + s B A`` (LoRA), ``W' = m * (W + s B A) / ||W + s B A||_row`` (DoRA), and the trainable-token
+    ``W' = W + s B A`` (LoRA; per expert ``W'[e] = W[e] + s B_e A_e`` on expert tensors, ``expert_factors``),
+    ``W' = m * (W + s B A) / ||W + s B A||_row`` (DoRA), and the trainable-token
     rows written into the embedding (and so into a tied ``lm_head``; an untied head keeps its rows).
     """
     check_adapters(cfg, peft, adapters, "merge_adapters")
@@ -300,6 +414,11 @@ def merge_adapters(
             m = np.asarray(adapters[adapter_key(module, "lora_magnitude_vector")], np.float64)
             new = new * (m / np.linalg.norm(new, axis=1))[:, None]
         merged[module + ".weight"] = new.astype(np.float32)
+    modules = expert_adapter_keys(cfg, peft)
+    for path, (num_experts, _, _) in expert_targets(cfg, peft).items():
+        a_ERI, b_EOR = expert_factors(adapters, modules[path], num_experts)
+        delta_EOI = np.einsum("eor,eri->eoi", b_EOR.astype(np.float64), a_ERI.astype(np.float64))
+        merged[path] = (np.asarray(base_weights[path], np.float64) + peft.scaling * delta_EOI).astype(np.float32)
     if peft.trainable_token_indices:
         emb = merged["model.embed_tokens.weight"]
         emb[np.asarray(peft.trainable_token_indices)] = np.asarray(adapters[TOKENS_KEY], np.float32)
@@ -331,6 +450,7 @@ def adapter_config_json(peft: PeftConfig, base_model_name_or_path: Optional[str]
         "modules_to_save": None,
         "inference_mode": True,
         "trainable_token_indices": list(peft.trainable_token_indices) if peft.trainable_token_indices else None,
+        "target_parameters": list(peft.lora_target_parameters) if peft.lora_target_parameters else None,
     }
 
 
@@ -377,6 +497,15 @@ def peft_config_from_json(values: Mapping[str, Any], source: str) -> PeftConfig:
                 "keep only its entry."
             )
         tokens = tokens.get("embed_tokens")
+    parameters = values.get("target_parameters")
+    if parameters is not None and not isinstance(parameters, list):
+        raise CheckpointError(
+            f"{source}: target_parameters={parameters!r} is not a list; write the expert tensors as a list "
+            f"(e.g. ['experts.gate_up_proj', 'experts.down_proj'])."
+        )
+    # PEFT matches a target parameter by suffix: a full path (model.layers.0.mlp.experts.down_proj) names its tensor
+    parameters = list(dict.fromkeys(".".join(str(p).split(".")[-2:]) for p in parameters or []))
+    parameters.sort(key=lambda p: EXPERT_PARAMETERS.index(p) if p in EXPERT_PARAMETERS else len(EXPERT_PARAMETERS))
     return PeftConfig(
         use_peft=True,
         lora_r=int(values["r"]),
@@ -386,6 +515,7 @@ def peft_config_from_json(values: Mapping[str, Any], source: str) -> PeftConfig:
         use_rslora=bool(values.get("use_rslora", False)),
         use_dora=bool(values.get("use_dora", False)),
         trainable_token_indices=list(tokens) if tokens else None,
+        lora_target_parameters=parameters or None,
     )
 
 

@@ -222,8 +222,9 @@ def peft_summary(peft: PeftConfig, *, trainable: int, total: int, quantized: boo
         ("Q" if peft.load_in_4bit else "") + ("DoRA" if peft.use_dora else "LoRA") + (" rs" if peft.use_rslora else "")
     )
     tokens = f" + {len(peft.trainable_token_indices)} trainable tokens" if peft.trainable_token_indices else ""
+    experts = f" + {','.join(peft.lora_target_parameters)}" if peft.lora_target_parameters else ""
     return (
-        f"{kind} r={peft.lora_r} alpha={peft.lora_alpha} on {','.join(peft.lora_target_modules)}{tokens}"
+        f"{kind} r={peft.lora_r} alpha={peft.lora_alpha} on {','.join(peft.lora_target_modules)}{experts}{tokens}"
         f"{' (NF4 base)' if quantized else ''}: {trainable:,} trainable of {total:,} params "
         f"({100 * trainable / max(total, 1):.2f}%)"
     )
