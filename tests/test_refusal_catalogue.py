@@ -795,6 +795,39 @@ def _dpo_cp_cases() -> dict[str, Refusal]:
     }
 
 
+def _grpo_cp(backend: str, device: str, world: int, task: str = "grpo", **values):
+    """GRPO (or RLOO) under context parallelism, checked against a runtime (what ``twinseq train`` does first)."""
+    from twinseq.common.config import TrainConfig
+    from twinseq.common.run.capabilities import Runtime, check_runtime
+
+    return lambda: check_runtime(
+        TrainConfig.from_flat(task=task, backend=backend, context_parallel_size=2, **values),
+        Runtime(backend, device, world, accelerator=device == "cuda"),
+    )
+
+
+def _grpo_cp_cases() -> dict[str, Refusal]:
+    """GRPO's context parallelism: what each backend does not run."""
+    return {
+        "grpo cp: data parallelism beside it (torch)": Refusal(_grpo_cp("torch", "cpu", 4), "world_size", 4),
+        "grpo cp: torch's ring": Refusal(
+            _grpo_cp("torch", "cuda", 2, context_parallel_strategy="ring"), "context_parallel_strategy", "ring"),
+        "grpo cp: liger": Refusal(_grpo_cp("torch", "cuda", 2, loss_type="liger"), "loss_type", "liger"),
+        "grpo cp: vLLM": Refusal(_grpo_cp("torch", "cuda", 2, use_vllm=True), "use_vllm", True),
+        "grpo cp: QLoRA": Refusal(
+            _grpo_cp("torch", "cuda", 2, use_peft=True, load_in_4bit=True), "load_in_4bit", True),
+        "grpo cp: evaluation": Refusal(
+            _grpo_cp("torch", "cpu", 2, eval_strategy="steps", eval_fraction=0.1), "eval_strategy", "steps"),
+        "grpo cp: torch.compile": Refusal(_grpo_cp("torch", "cpu", 2, torch_compile=True), "torch_compile", True),
+        "grpo cp: optimizer in backward": Refusal(
+            _grpo_cp("torch", "cpu", 2, optimizer_in_backward=True, max_grad_norm=None), "optimizer_in_backward",
+            True),
+        "rloo cp: data parallelism beside it (torch)": Refusal(
+            _grpo_cp("torch", "cpu", 4, task="rloo"), "world_size", 4),
+        "grpo cp: a data axis on jax": Refusal(_grpo_cp("jax", "cpu", 8), "context_parallel_size", 2),
+    }
+
+
 def _torch_cases() -> dict[str, Refusal]:
     """The torch backend's own arguments (kernels, adapters, generation, offloading)."""
     import torch
@@ -1026,6 +1059,7 @@ CASE_GROUPS = {
     "models": _model_cases,
     "objectives": _objective_cases,
     "dpo_cp": _dpo_cp_cases,
+    "grpo_cp": _grpo_cp_cases,
     "torch": _torch_cases,
     "jax": _jax_cases,
 }
@@ -1112,8 +1146,9 @@ CLI_CASES = {  # argv -> (field, value); each is refused before any work
                                         "liger"), "loss_type", "liger"),
     "train: vLLM on jax": (_train("--backend", "jax", "--task", "grpo", "--num-generations", "2", "--use-vllm"),
                            "use_vllm", True),
-    "train: sharded GRPO on jax": (_train("--backend", "jax", "--task", "grpo", "--num-generations", "2",
-                                          "--context-parallel-size", "2"), "task", "grpo"),
+    "train: GRPO on jax, a cp mesh that leaves a data axis": (
+        _train("--backend", "jax", "--task", "grpo", "--num-generations", "2", "--context-parallel-size", "2"),
+        "task", "grpo"),
     "train: ulysses heads that do not split": (_train("--context-parallel-size", "3", "--context-parallel-strategy",
                                                       "ulysses"), "num_attention_heads", 4),
     "train: ulysses on jax": (_train("--backend", "jax", "--context-parallel-size", "2", "--context-parallel-strategy",

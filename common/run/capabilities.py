@@ -113,6 +113,8 @@ def check_runtime(cfg: TrainConfig, rt: Runtime) -> None:
     _check_optimizer_in_backward(cfg, rt)
     if cfg.task in ("dpo", "kto"):
         _check_dpo(cfg, rt)
+    if cfg.task in ("grpo", "rloo") and cfg.parallel.context_parallel_size > 1:
+        (_check_torch_grpo_context_parallel if rt.backend == "torch" else _check_jax_grpo_context_parallel)(cfg, rt)
 
 
 def _check_loss_kernel(cfg: TrainConfig, rt: Runtime) -> None:
@@ -349,6 +351,68 @@ def _check_jax_dpo_context_parallel(cfg: TrainConfig, rt: Runtime) -> None:
             f"leave a data-parallel axis of {rt.world_size // max(cp, 1)}, which is not implemented for DPO on "
             f"jax (its mesh is data=1 x cp); use --context-parallel-size {rt.world_size}, or expose {cp} devices "
             f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={cp})."
+        )
+
+
+def _check_torch_grpo_context_parallel(cfg: TrainConfig, rt: Runtime) -> None:
+    """GRPO (and RLOO) under context parallelism on torch: FSDP2 over exactly ``context_parallel_size`` ranks (no
+    data parallelism), the ``allgather`` or ``ulysses`` strategy, HF generation on every rank; raises what it cannot
+    run (``_check_parallel`` has already checked the world size and the padding, ``_check_optimizer_in_backward``
+    the per-parameter step)."""
+    cp, par, task = cfg.parallel.context_parallel_size, cfg.parallel, cfg.task
+    refusals = [
+        (
+            rt.world_size != cp,
+            f"context_parallel_size={cp} with task={task!r} runs on exactly {cp} ranks (one cp group); this launch "
+            f"has world_size={rt.world_size}, and {task.upper()} has no data parallelism yet. Launch {cp} processes "
+            f"(torchrun --nproc-per-node {cp}).",
+        ),
+        (
+            par.context_parallel_strategy == "ring",
+            f"context_parallel_strategy='ring' is not implemented for task={task!r} (torch's ring attention shards "
+            "the batch itself, not the completion targets); use --context-parallel-strategy allgather or ulysses.",
+        ),
+        (
+            cfg.loss.loss_type == "liger",
+            f"loss_type='liger' (or use_liger_kernel=True) for {task.upper()} scores whole rows, not a "
+            "context-parallel shard; use --loss-type fused_linear with --context-parallel-size.",
+        ),
+        (
+            cfg.grpo.use_vllm,
+            f"use_vllm=True is not implemented with context_parallel_size > 1 for task={task!r} (the colocated "
+            "engine holds the whole model on one rank); drop --use-vllm (every rank generates with HF generate).",
+        ),
+        (
+            cfg.peft.load_in_4bit,
+            "load_in_4bit=True (QLoRA) runs in one process: FSDP2 cannot shard bitsandbytes' packed NF4 weights; "
+            "drop --load-in-4bit (LoRA shards) or drop --context-parallel-size.",
+        ),
+        (
+            cfg.eval_strategy != "no",
+            f"eval_strategy={cfg.eval_strategy!r} is not implemented with context_parallel_size > 1 for "
+            f"task={task!r}; use --eval-strategy no, or evaluate the saved model in one process.",
+        ),
+        (
+            cfg.memory.torch_compile,
+            f"torch_compile=True is not implemented with context_parallel_size > 1 for task={task!r}; drop "
+            "--torch-compile.",
+        ),
+    ]
+    for refused, message in refusals:
+        if refused:
+            raise ConfigError(message)
+
+
+def _check_jax_grpo_context_parallel(cfg: TrainConfig, rt: Runtime) -> None:
+    """GRPO (and RLOO) under context parallelism on jax: a (data=1, cp) mesh over every visible device
+    (``jax_backend.grpo``); a data axis (cp below the device count) is not implemented (raises)."""
+    cp = cfg.parallel.context_parallel_size
+    if cp != rt.world_size:
+        raise ConfigError(
+            f"context_parallel_size={cp} with task={cfg.task!r} on {rt.world_size} {rt.caps.world_unit} would "
+            f"leave a data-parallel axis of {rt.world_size // max(cp, 1)}, which is not implemented for "
+            f"{cfg.task.upper()} on jax (its mesh is data=1 x cp); use --context-parallel-size {rt.world_size}, or "
+            f"expose {cp} devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={cp})."
         )
 
 
