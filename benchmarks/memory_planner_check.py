@@ -69,6 +69,10 @@ HELD_OUT = {
     "jax-tiny-4x1024-fused": dict(BASE, backend="jax", max_length=1024, per_device_train_batch_size=4,
                                   loss_type="fused_linear"),
     "jax-tiny-chunked": dict(BASE, backend="jax", loss_type="chunked_nll"),
+    # mixture of experts (memory_plan's expert, routed-activation, router and grouped-workspace rows)
+    "torch-tiny-qwen3-moe-fused": dict(BASE, backend="torch", model_config="tiny-qwen3-moe", loss_type="fused_linear"),
+    "jax-tiny-qwen3-moe-fused": dict(BASE, backend="jax", model_config="tiny-qwen3-moe", loss_type="fused_linear"),
+    "torch-tiny-mixtral-fused": dict(BASE, backend="torch", model_config="tiny-mixtral", loss_type="fused_linear"),
 }
 
 

@@ -1,0 +1,127 @@
+"""Invariants of ``common.run.memory_plan``'s mixture-of-experts rows: every expert resident with its gradient and
+optimizer state, ``top_k`` routed copies of each token, the router's logits, the grouped matmul's sort buffers.
+
+Arithmetic on the config only; how close the plan is to a measured MoE peak is ``benchmarks/memory_planner_check.py``'s
+``*-tiny-qwen3-moe-fused`` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from twinseq.common.config import TrainConfig
+from twinseq.common.models.configs import ModelConfig, parameter_shapes
+from twinseq.common.run.memory_plan import JAX_RAGGED_DOT_CPU, MOE_ROWS, MOE_SAVED, plan_memory
+
+BASE = dict(model_config="tiny-qwen3-moe", max_length=512, packing=True, per_device_train_batch_size=8)
+BACKENDS = ("torch", "jax")
+WORKSPACE = "grouped matmul workspace (MoE)"
+ROUTED, ROUTER = MOE_ROWS
+
+
+def moe_model(**changes) -> ModelConfig:
+    return dataclasses.replace(ModelConfig.preset("tiny-qwen3-moe"), **changes)
+
+
+def plan(backend="torch", model=None, **kw):
+    return plan_memory(TrainConfig.from_flat(**{**BASE, "backend": backend, **kw}), model=model)
+
+
+def expert_numbers(cfg: ModelConfig) -> int:
+    return sum(math.prod(s) for n, s in parameter_shapes(cfg).items() if ".mlp.experts." in n)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_expert_is_resident_with_its_gradient_and_adam_moments(backend):
+    """Expert rows: 4 B of weight, 4 B of gradient and 8 B of AdamW per expert number; the split keeps the total."""
+    cfg = moe_model()
+    p = plan(backend, model=cfg)
+    n = expert_numbers(cfg)
+    assert n > 0
+    assert p.get("expert weights (float32)") == p.get("expert gradients (float32)") == 4 * n
+    assert p.get("expert optimizer state (AdamW)") == 8 * n
+    assert p.get("weights (float32)") + p.get("expert weights (float32)") == 4 * p.total_parameters
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_more_experts_more_weight_memory_same_routed_activations(backend):
+    """Doubling the experts doubles the experts' states; each token still runs top_k experts, so the routed copies
+    stay the same, and only the router's logits (one per expert) grow."""
+    four, eight = plan(backend, model=moe_model(num_experts=4)), plan(backend, model=moe_model(num_experts=8))
+    for row in ("expert weights (float32)", "expert gradients (float32)", "expert optimizer state (AdamW)"):
+        assert eight.get(row) == 2 * four.get(row), row
+    assert eight.get(ROUTED) == four.get(ROUTED) > 0
+    assert eight.get(ROUTER) == 2 * four.get(ROUTER) > 0
+    if backend == "torch":  # the sort buffers: one entry per token copy
+        assert eight.get(WORKSPACE) == four.get(WORKSPACE) > 0
+    assert eight.total > four.total
+
+
+def test_jax_cpu_ragged_dot_workspace_grows_with_the_experts_and_not_on_cuda():
+    """XLA:CPU's dense lowering of ragged_dot (JAX_RAGGED_DOT_CPU) is linear in the experts; on CUDA only the sort
+    buffers remain, the same for any number of experts."""
+    cpu = [plan("jax", model=moe_model(num_experts=e)).get(WORKSPACE) for e in (4, 8)]
+    cuda = [
+        plan_memory(TrainConfig.from_flat(**{**BASE, "backend": "jax"}), model=moe_model(num_experts=e), device="cuda")
+        for e in (4, 8)
+    ]
+    sort = cuda[0].get(WORKSPACE)
+    assert cpu[1] - sort == 2 * (cpu[0] - sort) > 0
+    assert cuda[1].get(WORKSPACE) == sort > 0
+    a, b = JAX_RAGGED_DOT_CPU
+    cfg = moe_model(num_experts=4)
+    copies = cuda[0].tokens * cfg.num_experts_per_tok
+    assert cpu[0] - sort == int(4 * copies * (a * cfg.hidden_size + b * cfg.expert_intermediate_size) * 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_2_doubles_the_routed_activations_and_the_sort(backend):
+    one, two = plan(backend, model=moe_model(num_experts_per_tok=1)), plan(backend, model=moe_model())
+    assert two.get(ROUTED) == 2 * one.get(ROUTED) > 0
+    assert two.get(WORKSPACE) == 2 * one.get(WORKSPACE)
+    assert two.get(ROUTER) == one.get(ROUTER)  # the router scores every expert whatever top_k
+    assert two.get("expert weights (float32)") == one.get("expert weights (float32)")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_routed_row_counts_the_saved_copies(backend):
+    """tokens x MoE layers x top_k x (routed_mlp m + routed_hidden h) float32 numbers."""
+    cfg = moe_model()
+    p = plan(backend, model=cfg)
+    coef = MOE_SAVED[backend]
+    copies = p.tokens * cfg.num_hidden_layers * cfg.num_experts_per_tok
+    per_copy = coef.routed_mlp * cfg.expert_intermediate_size + coef.routed_hidden * cfg.hidden_size
+    assert p.get(ROUTED) == pytest.approx(copies * per_copy * 4, rel=1e-9)
+
+
+def test_dense_layers_of_a_qwen3_moe_carry_no_routed_activations():
+    """``mlp_only_layers``: only the MoE layers have routed copies (half of them here)."""
+    both, one = plan(model=moe_model()), plan(model=moe_model(mlp_only_layers=[0]))
+    assert one.get(ROUTED) * 2 == both.get(ROUTED)
+    assert one.get("expert weights (float32)") * 2 == both.get("expert weights (float32)")
+
+
+def test_checkpointing_keeps_one_moe_layer_of_routed_copies():
+    full, ckpt = plan(), plan(gradient_checkpointing=True)
+    assert ckpt.get(ROUTED) * moe_model().num_hidden_layers == full.get(ROUTED)
+
+
+def test_lora_freezes_the_experts_so_no_expert_gradient_or_optimizer_rows():
+    p = plan(use_peft=True)
+    assert p.get("expert weights (float32)") > 0
+    assert p.get("expert gradients (float32)") == p.get("expert optimizer state (AdamW)") == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_control_dense_model_has_no_moe_rows_and_expert_width_moves_the_routed_row(backend):
+    """The invariants above could fail: a dense preset plans none of the MoE rows, and the routed row does move
+    with what each copy computes (the experts' width), unlike with the number of experts."""
+    dense = plan_memory(TrainConfig.from_flat(**{**BASE, "model_config": "tiny", "backend": backend}))
+    names = {r.component for r in dense.rows}
+    assert not names & {*MOE_ROWS, WORKSPACE, "expert weights (float32)"}
+    narrow, wide = plan(backend, model=moe_model()), plan(backend, model=moe_model(moe_intermediate_size=128))
+    assert wide.get(ROUTED) > narrow.get(ROUTED)
+    assert wide.get("expert weights (float32)") > narrow.get("expert weights (float32)")
