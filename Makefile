@@ -142,6 +142,8 @@ bench: setup
 	$(BIN)/python benchmarks/kto_memory.py
 	$(BIN)/python benchmarks/save_memory.py
 	$(BIN)/python benchmarks/dpo_context_parallel.py
+	$(BIN)/python benchmarks/moe_grouped.py
+	$(BIN)/python benchmarks/grpo_prefix_sharing.py
 	$(BIN)/python benchmarks/readme_table.py
 
 # The GPU lane (README, "GPU lane"): the wheels the GPU machine lacks (benchmarks/gpu/wheels.txt), for Python

@@ -53,14 +53,19 @@ def _format_reward(prompts, completions, **kwargs):
 # --- run inside the measured subprocess ----------------------------------------------------
 
 def setup(variant: str, model_dir: str, out_dir: str, steps: int, batch: int, generations: int, completion: int,
-          prompt: int, learning_rate: float, device: str, method: str = "grpo") -> dict[str, Any]:
+          prompt: int, learning_rate: float, device: str, method: str = "grpo",
+          dataset_file: Optional[str] = None) -> dict[str, Any]:
+    """``variant``: ``trl`` or ``twinseq:<padded|padding_free>:<kernel>[:unshared][:gc]`` (``unshared``: prefix
+    sharing off; ``gc``: gradient checkpointing, which TRL's ``GRPOConfig`` turns on by default). ``dataset_file``: a
+    ``.jsonl`` of ``{"prompt"}`` rows, else the embedded last-word task."""
     import torch
 
     torch.manual_seed(0)
     if variant == "trl":
         return _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt, learning_rate, device,
-                          method)
-    _, layout, kernel = variant.split(":")
+                          method, dataset_file)
+    _, layout, kernel, *flags = variant.split(":")
+    data = {} if dataset_file is None else dict(dataset_name=dataset_file)
     from twinseq.common.config import TrainConfig
     from twinseq.torch_backend.grpo import build_grpo
 
@@ -70,13 +75,16 @@ def setup(variant: str, model_dir: str, out_dir: str, steps: int, batch: int, ge
                                 max_completion_length=completion, max_prompt_length=prompt,
                                 learning_rate=learning_rate, lr_scheduler_type="constant", **loss,
                                 reward_funcs=["format"], padding_free=layout == "padding_free", loss_type=kernel,
-                                disable_tqdm=True, dtype="bfloat16" if device == "cuda" else "float32")
+                                disable_tqdm=True, dtype="bfloat16" if device == "cuda" else "float32",
+                                share_prefix="unshared" not in flags, gradient_checkpointing="gc" in flags,
+                                **data)
     trainer, source, tokenizer, _ = build_grpo(cfg, torch.device(device), None, reward_funcs=[_format_reward])
     return {"variant": variant, "cfg": cfg, "trainer": trainer, "source": source, "tokenizer": tokenizer,
             "device": device}
 
 
-def _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt, learning_rate, device, method):
+def _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt, learning_rate, device, method,
+               dataset_file=None):
     import time
 
     import trl
@@ -98,6 +106,7 @@ def _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt
             timer["calls"].append(time.perf_counter() - t0)
 
     model.generate = timed_generate
+    rows = build_last_word_task() if dataset_file is None else Dataset.from_json(dataset_file).to_list()
     config, trainer_class = (trl.GRPOConfig, trl.GRPOTrainer) if method == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
     loss = dict(loss_type="dapo") if method == "grpo" else {}
     args = config(output_dir=out_dir, per_device_train_batch_size=batch, num_generations=generations,
@@ -106,7 +115,7 @@ def _setup_trl(model_dir, out_dir, steps, batch, generations, completion, prompt
                   use_cpu=device == "cpu", bf16=device == "cuda", logging_steps=1, save_strategy="no",
                   disable_tqdm=True, temperature=1.0, seed=0)
     trainer = trainer_class(model=model, reward_funcs=[_format_reward], args=args,
-                          train_dataset=Dataset.from_list(build_last_word_task()), processing_class=tokenizer)
+                          train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
     return {"variant": "trl", "trainer": trainer, "timer": timer, "device": device}
 
 
@@ -150,14 +159,14 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _save_model(folder: Path) -> None:
+def _save_model(folder: Path, preset: str = "tiny") -> None:
     from twinseq.common.config import ModelConfig
     from twinseq.common.models.init import init_weights
     from twinseq.common.data.tokenizer import load_tokenizer
     from twinseq.torch_backend.checkpoint import save_pretrained
     from twinseq.torch_backend.model import build_model
 
-    cfg = ModelConfig.preset("tiny")
+    cfg = ModelConfig.preset(preset)
     save_pretrained(build_model(cfg, init_weights(cfg, seed=0)), folder)
     load_tokenizer("embedded").save_pretrained(folder)
 

@@ -290,6 +290,29 @@ def save_memory_row(d: dict) -> tuple[str, str, str]:
             ", ".join(f"{r['backend']}: {_x(r['whole_over_training'])}×" for r in ours))
 
 
+def moe_grouped_row(d: dict) -> tuple[str, str, str]:
+    rows = {(r["backend"], r["variant"], r["train_weights"]): r for r in d["rows"]}
+    a, r = d["arguments"], d["ratios"]
+    eager, dense, grouped = (rows[("torch", v, True)] for v in ("eager", "dense", "grouped"))
+    return (f"MoE block fwd+bwd, H {a['hidden']:,}, {a['experts']} experts × {a['expert_intermediate']}, "
+            f"top-{a['top_k']}, {a['tokens']:,} tokens",
+            f"per-expert loop: {_mib(eager['peak_bytes'])}, {eager['median_seconds']:.2f} s; dense MLP (same active "
+            f"parameters): {_mib(dense['peak_bytes'])}",
+            f"torch grouped_mm: {_mib(grouped['peak_bytes'])} ({_x(r['torch_memory_vs_dense'])}× dense), "
+            f"{r['torch_speedup_vs_eager']:.2f}× faster than the loop")
+
+
+def grpo_prefix_sharing_row(d: dict) -> tuple[str, str, str]:
+    rows = {r["variant"]: r for r in d["rows"]}
+    a, f = d["arguments"], d["logprob_forward"]
+    trl, shared = rows["trl"], rows["twinseq:padding_free:fused_linear:gc"]
+    return (f"GRPO, prompts of {a['prompt_tokens']} tokens, G {a['generations']} x {a['completion']} completion "
+            f"tokens: prefix sharing vs TRL GRPOTrainer (both checkpointing)",
+            f"TRL: {_mib(trl['peak_bytes'])}; unshared log-prob forward {f['unshared']['forward_seconds']:.2f} s",
+            f"shared: {_mib(shared['peak_bytes'])} ({_x(shared['peak_bytes'] / trl['peak_bytes'])}×), log-prob "
+            f"forward {f['unshared']['forward_seconds'] / f['shared']['forward_seconds']:.1f}× faster")
+
+
 # The README's rows, in its order; every benchmark script in benchmarks/ and benchmarks/gpu/ has one (a test checks).
 ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "packing": packing_row, "loss_memory": loss_memory_row, "jax_loss_memory": jax_loss_memory_row,
@@ -300,6 +323,8 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "rloo_memory": grpo_memory_row, "kto_memory": kto_memory_row,
     "loss_kernels": loss_kernels_row, "sft_gpu": sft_gpu_row, "state_staircase_gpu": state_staircase_gpu_row,
     "save_memory": save_memory_row, "dpo_context_parallel": dpo_context_parallel_row,
+    "moe_grouped": moe_grouped_row,
+    "grpo_prefix_sharing": grpo_prefix_sharing_row,
 }
 # Scripts of benchmarks/gpu/: measured on a GPU only (their CPU smoke runs are tests, never README figures).
 GPU_ONLY: dict[str, str] = {

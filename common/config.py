@@ -261,6 +261,10 @@ class MemoryConfig(_Section):
     attention_block_size: int = knob(DEFAULT_ATTENTION_BLOCK_SIZE, ge=1)
     """Query and key block of the blocked (online-softmax) attention paths: their memory is
     O(tokens x block), never O(tokens^2)."""
+    share_prefix: bool = True
+    """GRPO/RLOO and DPO: the completions of one prompt share one copy of it in the log-prob forward (prefix
+    sharing: ``P - 1 + G * (C + 1)`` tokens per group instead of ``G * (P + C)``), exact; ``False`` repeats the
+    prompt for each completion. Where a run cannot share (context parallelism, Liger's DPO loss) it is off, logged."""
 
 
 @dataclass

@@ -6,6 +6,9 @@ On a sliding-window layer (Mistral, Gemma 2's local layers, Qwen2's optional one
 ``position_ids[i] - position_ids[j] < sliding_window``: transformers' rule ``q_idx - kv_idx <
 window`` with positions counted within the document, so a window never reaches into another
 document nor depends on where the document sits in a packed row.
+Shared prefixes (``twinseq.common.data.prefix_sharing``): with ``parent_ids`` a query also attends to the
+keys of its parent segment (``segment_ids[j] == parent_ids[i] != 0``), positions and windows as above;
+``parent_ids=None`` (no parents) builds exactly the program without them.
 Padded batches (one document per row, segment 0 on padding) and padding-free batches
 (many documents in one row) go through the same code; only B, T and the ids differ.
 
@@ -45,9 +48,13 @@ DENSE_IMPLEMENTATIONS = JAX_DENSE_ATTN_IMPLEMENTATIONS
 
 
 def document_causal_mask(
-    segment_ids_BT: jax.Array, position_ids_BT: jax.Array, sliding_window: Optional[int] = None
+    segment_ids_BT: jax.Array,
+    position_ids_BT: jax.Array,
+    sliding_window: Optional[int] = None,
+    parent_ids_BT: Optional[jax.Array] = None,
 ) -> jax.Array:
-    """bool [B, 1, T, T]: ``allowed[b, 0, i, j]`` per the mask rule (head axis broadcast).
+    """bool [B, 1, T, T]: ``allowed[b, 0, i, j]`` per the mask rule (head axis broadcast), with the keys of
+    each query's parent segment when ``parent_ids_BT`` is given.
 
     >>> seg = jnp.array([[1, 1, 2, 2, 0]]); pos = jnp.array([[0, 1, 0, 1, 0]])
     >>> document_causal_mask(seg, pos)[0, 0].astype(int).tolist()
@@ -55,10 +62,16 @@ def document_causal_mask(
     >>> one_doc = jnp.array([[1, 1, 1]]), jnp.array([[0, 1, 2]])
     >>> document_causal_mask(*one_doc, sliding_window=2)[0, 0].astype(int).tolist()
     [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    >>> shared = jnp.array([[1, 1, 2, 2, 3]]), jnp.array([[0, 1, 2, 3, 2]]), jnp.array([[0, 0, 1, 1, 1]])
+    >>> document_causal_mask(*shared[:2], parent_ids_BT=shared[2])[0, 0, 4].astype(int).tolist()
+    [1, 1, 0, 0, 1]
     """
     seg_q, seg_k = segment_ids_BT[:, :, None], segment_ids_BT[:, None, :]
     pos_q, pos_k = position_ids_BT[:, :, None], position_ids_BT[:, None, :]
-    allowed_BTT = (seg_q == seg_k) & (seg_q != 0) & (pos_k <= pos_q)
+    same_BTT = (seg_q == seg_k) & (seg_q != 0)
+    if parent_ids_BT is not None:
+        same_BTT = same_BTT | ((parent_ids_BT[:, :, None] == seg_k) & (seg_k != 0))
+    allowed_BTT = same_BTT & (pos_k <= pos_q)
     if sliding_window is not None:
         allowed_BTT = allowed_BTT & (pos_q - pos_k < sliding_window)
     return allowed_BTT[:, None, :, :]
@@ -117,6 +130,7 @@ def document_attention(
     *,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    parent_ids_BT: Optional[jax.Array] = None,
 ) -> jax.Array:
     """The model's default attention in the pluggable signature, ``[B, N, T, D]`` out.
 
@@ -124,9 +138,10 @@ def document_attention(
     what ``CausalLM(..., attend=...)`` accepts (``options``: ``sliding_window``, ``softcap`` on the layers
     that have them); ``parallel.ring_attention_fn(mesh)`` returns a context-parallel one. This is the dense
     reference they must match:
-    ``dot_product_attention(q, k, v, document_causal_mask(seg, pos, sliding_window), scaling, softcap)``.
+    ``dot_product_attention(q, k, v, document_causal_mask(seg, pos, sliding_window, par), scaling, softcap)``.
+    A shared batch passes ``parent_ids_BT=`` (``AttendFn``'s optional keyword; absent without shared prefixes).
     """
-    allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT, sliding_window)
+    allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT, sliding_window, parent_ids_BT)
     return dot_product_attention(q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, scaling, softcap)
 
 
@@ -141,16 +156,18 @@ def blocked_document_attention(
     block_size: int = DEFAULT_ATTENTION_BLOCK_SIZE,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    parent_ids_BT: Optional[jax.Array] = None,
 ) -> jax.Array:
     """``document_attention`` without the T x T mask or scores: ``[B, N, T, D]`` out, in q's dtype.
 
     Naive equivalent (equal up to float32 rounding; the blocked kernel accumulates in float32 where
     the dense path rounds bfloat16 scores and probabilities to the input dtype)::
 
-        document_attention(q, k, v, seg, pos, scaling, sliding_window=w, softcap=c)
+        document_attention(q, k, v, seg, pos, scaling, sliding_window=w, softcap=c, parent_ids_BT=par)
 
-    T is padded up to a multiple of the block (``min(block_size, T)``) with segment 0, which no
-    query attends to and whose queries get zeros; the padding is sliced off again.
+    T is padded up to a multiple of the block (``min(block_size, T)``) with segment 0 (parent 0), which no
+    query attends to and whose queries get zeros; the padding is sliced off again. A tile pair is skipped
+    only when no query of it may see any key of it, parents included.
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConfigError(
@@ -167,6 +184,7 @@ def blocked_document_attention(
 
         q_BNTD, k_BKTD, v_BKTD = pad_t(q_BNTD, 2), pad_t(k_BKTD, 2), pad_t(v_BKTD, 2)
         segment_ids_BT, position_ids_BT = pad_t(segment_ids_BT, 1), pad_t(position_ids_BT, 1)
+        parent_ids_BT = None if parent_ids_BT is None else pad_t(parent_ids_BT, 1)
     out_BNTD = blocked_attention_heads_first(
         q_BNTD,
         k_BKTD,
@@ -177,6 +195,7 @@ def blocked_document_attention(
         block_size=block,
         sliding_window=sliding_window,
         softcap=softcap,
+        parent_ids_BT=parent_ids_BT,
     )
     return out_BNTD[:, :, :t] if pad else out_BNTD
 
@@ -202,6 +221,7 @@ class BlockedAttention:
         *,
         sliding_window: Optional[int] = None,
         softcap: Optional[float] = None,
+        parent_ids_BT: Optional[jax.Array] = None,
     ) -> jax.Array:
         if q_BNTD.shape[2] <= self.block_size:
             # One block: the blocked kernel would hold the same T x T tile the dense path does, only with
@@ -216,6 +236,7 @@ class BlockedAttention:
                 scaling,
                 sliding_window=sliding_window,
                 softcap=softcap,
+                parent_ids_BT=parent_ids_BT,
             )
         return blocked_document_attention(
             q_BNTD,
@@ -227,6 +248,7 @@ class BlockedAttention:
             block_size=self.block_size,
             sliding_window=sliding_window,
             softcap=softcap,
+            parent_ids_BT=parent_ids_BT,
         )
 
 

@@ -8,7 +8,10 @@ the mask reads ``segment_ids`` and ``position_ids`` only, per DESIGN.md,
     query i may attend key j  iff  seg[i] == seg[j] != 0  and  pos[j] <= pos[i]
                                   (and pos[i] - pos[j] < sliding_window on a sliding-window layer),
 
-so packed documents never mix, also when a document spans several shards. The window is a band
+so packed documents never mix, also when a document spans several shards. With shared prefixes
+(``common.data.prefix_sharing``) a query also sees its parent segment: ``seg[j] == parent[i] != 0`` joins
+``seg[i] == seg[j]``; ``parent`` is the queries' own and stays on their device (None: no parents, the
+program without them). The window is a band
 in positions, so every block reads it from the ids it already carries; a block pair entirely
 outside the band is skipped like any fully masked pair. ``softcap`` (Gemma 2) caps the scaled
 scores, ``c * tanh(s / c)``, before the mask; the backward multiplies by ``1 - (capped / c) ** 2``.
@@ -47,7 +50,7 @@ not ``vmap`` over these functions: the batch is already a real dimension.)
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -81,9 +84,12 @@ def _update(x: jax.Array, block: jax.Array, start, axis: int) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(x, block.astype(x.dtype), start, axis=axis)
 
 
-def _allowed(cfg: _Cfg, seg_q_BQ, pos_q_BQ, seg_k_BC, pos_k_BC) -> jax.Array:
-    """bool [B, 1, 1, Q, C]: the mask rule (with the window band), broadcast over (kv head, group)."""
+def _allowed(cfg: _Cfg, seg_q_BQ, pos_q_BQ, seg_k_BC, pos_k_BC, par_q_BQ=None) -> jax.Array:
+    """bool [B, 1, 1, Q, C]: the mask rule (with the window band), broadcast over (kv head, group).
+    ``par_q_BQ``: each query's parent segment (0: none), whose keys it also sees; None: no parents."""
     same = (seg_q_BQ[:, :, None] == seg_k_BC[:, None, :]) & (seg_q_BQ[:, :, None] != 0)
+    if par_q_BQ is not None:
+        same = same | ((par_q_BQ[:, :, None] == seg_k_BC[:, None, :]) & (seg_k_BC[:, None, :] != 0))
     allowed = same & (pos_k_BC[:, None, :] <= pos_q_BQ[:, :, None])
     if cfg.sliding_window is not None:
         allowed = allowed & (pos_q_BQ[:, :, None] - pos_k_BC[:, None, :] < cfg.sliding_window)
@@ -104,18 +110,24 @@ def _block_pairs(cfg: _Cfg, len_q: int, len_k: int) -> tuple[int, int]:
     return len_q // cfg.block_q, len_k // cfg.block_k
 
 
-def _fwd_shard(cfg: _Cfg, state, q, k, v, seg_q, pos_q, seg_k, pos_k):
+def _fwd_shard(cfg: _Cfg, state, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q=None):
     """Fold one K/V shard into the online-softmax state ``(o, m, l)`` of the local queries.
 
-    q [B, K, G, Tq, D]; k, v [B, K, Tk, D]; o [B, K, G, Tq, D] f32; m, l [B, K, G, Tq] f32.
+    q [B, K, G, Tq, D]; k, v [B, K, Tk, D]; o [B, K, G, Tq, D] f32; m, l [B, K, G, Tq] f32; par_q [B, Tq] or None.
     """
     bq, bk = cfg.block_q, cfg.block_k
     num_q, num_k = _block_pairs(cfg, q.shape[3], k.shape[2])
 
     def pair(i, state):
         qs, ks = (i // num_k) * bq, (i % num_k) * bk
+        par_a = None if par_q is None else _slice(par_q, qs, bq, 1)
         allowed = _allowed(
-            cfg, _slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1), _slice(seg_k, ks, bk, 1), _slice(pos_k, ks, bk, 1)
+            cfg,
+            _slice(seg_q, qs, bq, 1),
+            _slice(pos_q, qs, bq, 1),
+            _slice(seg_k, ks, bk, 1),
+            _slice(pos_k, ks, bk, 1),
+            par_a,
         )
 
         def compute(state):
@@ -138,7 +150,7 @@ def _fwd_shard(cfg: _Cfg, state, q, k, v, seg_q, pos_q, seg_k, pos_k):
     return jax.lax.fori_loop(0, num_q * num_k, pair, state)
 
 
-def _bwd_shard(cfg: _Cfg, grads, q, k, v, dout, lse, delta, seg_q, pos_q, seg_k, pos_k):
+def _bwd_shard(cfg: _Cfg, grads, q, k, v, dout, lse, delta, seg_q, pos_q, seg_k, pos_k, par_q=None):
     """Add one K/V shard's contribution to ``(dq, dk, dv)`` (float32, dk/dv of that shard).
 
     FlashAttention-2 backward: ``p = exp(s - lse)``, ``dv += p^T do``, ``dp = do v^T``,
@@ -151,8 +163,14 @@ def _bwd_shard(cfg: _Cfg, grads, q, k, v, dout, lse, delta, seg_q, pos_q, seg_k,
 
     def pair(i, grads):
         qs, ks = (i // num_k) * bq, (i % num_k) * bk
+        par_a = None if par_q is None else _slice(par_q, qs, bq, 1)
         allowed = _allowed(
-            cfg, _slice(seg_q, qs, bq, 1), _slice(pos_q, qs, bq, 1), _slice(seg_k, ks, bk, 1), _slice(pos_k, ks, bk, 1)
+            cfg,
+            _slice(seg_q, qs, bq, 1),
+            _slice(pos_q, qs, bq, 1),
+            _slice(seg_k, ks, bk, 1),
+            _slice(pos_k, ks, bk, 1),
+            par_a,
         )
 
         def compute(grads):
@@ -186,13 +204,16 @@ def _rotate(cfg: _Cfg, tree):
     return jax.lax.ppermute(tree, cfg.axis_name, perm=[(i, (i + 1) % n) for i in range(n)])
 
 
-def _forward(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k):
-    """-> out [B, K, G, Tq, D] (q.dtype), lse [B, K, G, Tq] f32 (-inf where no key is allowed)."""
+def _forward(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q):
+    """-> out [B, K, G, Tq, D] (q.dtype), lse [B, K, G, Tq] f32 (-inf where no key is allowed).
+
+    ``par_q`` (the local queries' parent segments, or None) stays home: the rule reads the keys' segment ids only.
+    """
     m0 = jnp.full_like(q[..., 0], -jnp.inf, dtype=_F32)  # *_like keeps q's varying-axes type
     state = (jnp.zeros_like(q, dtype=_F32), m0, jnp.zeros_like(m0))
 
     def attend(state, kv):
-        return _fwd_shard(cfg, state, q, kv[0], kv[1], seg_q, pos_q, kv[2], kv[3])
+        return _fwd_shard(cfg, state, q, kv[0], kv[1], seg_q, pos_q, kv[2], kv[3], par_q)
 
     def step(carry, _):
         state, kv = carry
@@ -211,14 +232,14 @@ def _forward(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k):
 
 
 def _backward(cfg: _Cfg, residuals, dout):
-    q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = residuals
+    q, k, v, seg_q, pos_q, seg_k, pos_k, par_q, out, lse = residuals
     delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1)
     dq = jnp.zeros_like(q, dtype=_F32)
     kv = (k, v, seg_k, pos_k)
     dkv = (jnp.zeros_like(k, dtype=_F32), jnp.zeros_like(v, dtype=_F32))  # travel with the K/V they belong to
 
     def attend(dq, kv, dkv):
-        dq, dk, dv = _bwd_shard(cfg, (dq, *dkv), q, kv[0], kv[1], dout, lse, delta, seg_q, pos_q, kv[2], kv[3])
+        dq, dk, dv = _bwd_shard(cfg, (dq, *dkv), q, kv[0], kv[1], dout, lse, delta, seg_q, pos_q, kv[2], kv[3], par_q)
         return dq, (dk, dv)
 
     def step(carry, _):
@@ -236,18 +257,18 @@ def _backward(cfg: _Cfg, residuals, dout):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention_core(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k):
-    return _forward(cfg, q, k, v, seg_q, pos_q, seg_k, pos_k)[0]
+def _attention_core(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q):
+    return _forward(cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q)[0]
 
 
-def _core_fwd(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k):
-    out, lse = _forward(cfg, q, k, v, seg_q, pos_q, seg_k, pos_k)
-    return out, (q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse)
+def _core_fwd(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q):
+    out, lse = _forward(cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q)
+    return out, (q, k, v, seg_q, pos_q, seg_k, pos_k, par_q, out, lse)
 
 
 def _core_bwd(cfg: _Cfg, residuals, dout):
     dq, dk, dv = _backward(cfg, residuals, dout)
-    return dq, dk, dv, None, None, None, None  # integer ids have no cotangent
+    return dq, dk, dv, None, None, None, None, None  # integer ids have no cotangent
 
 
 _attention_core.defvjp(_core_fwd, _core_bwd)
@@ -267,7 +288,7 @@ def _default_block(length: int) -> int:
     return next(b for b in range(cap, 0, -1) if block % b == 0)
 
 
-def _check_shapes(q, k, v, seg, pos) -> None:
+def _check_shapes(q, k, v, seg, pos, par=None) -> None:
     if q.ndim != 4 or k.shape != v.shape or k.ndim != 4:
         raise ConfigError(
             f"q {q.shape}, k {k.shape}, v {v.shape} must be [B, T, H, D] with k.shape == v.shape; pass arrays "
@@ -286,6 +307,11 @@ def _check_shapes(q, k, v, seg, pos) -> None:
         raise ConfigError(
             f"segment_ids {seg.shape} and position_ids {pos.shape} must be [B, T] = {q.shape[:2]}; pass the "
             "arrays of the same batch."
+        )
+    if par is not None and par.shape != q.shape[:2]:
+        raise ConfigError(
+            f"parent_ids {par.shape} must be [B, T] = {q.shape[:2]} like segment_ids; pass the batch's parent_ids "
+            "(or None: no shared prefixes)."
         )
 
 
@@ -351,17 +377,19 @@ def blocked_attention(
     block_k: Optional[int] = None,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    parent_ids_BT=None,
 ) -> jax.Array:
     """Single-device memory-efficient attention (online softmax forward, FlashAttention-2 backward).
 
     Same inputs/outputs and mask as the module docstring; ``[B, T, N, D]`` out in q's dtype. Queries
-    with no allowed key (padding) get zeros, like ``dot_product_attention``.
+    with no allowed key (padding) get zeros, like ``dot_product_attention``. ``parent_ids_BT``: each
+    query's parent segment (shared prefixes, ``common.data.prefix_sharing``); None: none.
     """
-    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
+    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, parent_ids_BT)
     cfg = _cfg(None, 1, q_BTND, k_BTKD.shape[1], scale, block_q, block_k, sliding_window, softcap)
     q, k, v = _to_internal(q_BTND, k_BTKD, v_BTKD)
     seg, pos = segment_ids_BT, position_ids_BT
-    return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos))
+    return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos, parent_ids_BT))
 
 
 def blocked_attention_heads_first(
@@ -375,6 +403,7 @@ def blocked_attention_heads_first(
     block_size: int,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    parent_ids_BT=None,
 ) -> jax.Array:
     """``blocked_attention`` in the model's head-first layout: ``[B, N, T, D]`` in and out, ``T % block_size == 0``.
 
@@ -404,7 +433,8 @@ def blocked_attention_heads_first(
     )
     q_BKGTD = q_BNTD.reshape(b, kv, n // kv, t, d)
     seg, pos = segment_ids_BT, position_ids_BT
-    return _attention_core(cfg, q_BKGTD, k_BKTD, v_BKTD, seg, pos, seg, pos).reshape(b, n, t, d)
+    out_BKGTD = _attention_core(cfg, q_BKGTD, k_BKTD, v_BKTD, seg, pos, seg, pos, parent_ids_BT)
+    return out_BKGTD.reshape(b, n, t, d)
 
 
 def ring_attention_shard(
@@ -420,12 +450,14 @@ def ring_attention_shard(
     block_k: Optional[int] = None,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    parent_ids_BT=None,
 ) -> jax.Array:
     """Ring attention for the local shard; call inside ``shard_map`` over ``axis_name``.
 
-    Every argument is this device's ``[B, T/cp, ...]`` shard; returns this device's output shard.
+    Every argument is this device's ``[B, T/cp, ...]`` shard; returns this device's output shard. The local
+    queries' ``parent_ids_BT`` stay home: a parent's keys are found by the segment ids travelling with them.
     """
-    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
+    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, parent_ids_BT)
     cfg = _cfg(
         axis_name,
         jax.lax.axis_size(axis_name),
@@ -439,7 +471,7 @@ def ring_attention_shard(
     )
     q, k, v = _to_internal(q_BTND, k_BTKD, v_BTKD)
     seg, pos = segment_ids_BT, position_ids_BT
-    return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos))
+    return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos, parent_ids_BT))
 
 
 def allgather_attention_shard(
@@ -455,13 +487,14 @@ def allgather_attention_shard(
     block_k: Optional[int] = None,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    parent_ids_BT=None,
 ) -> jax.Array:
     """All-gather K/V (and their ids) over ``axis_name``, then blocked attention for the local queries.
 
     Call inside ``shard_map``. ``block_k`` defaults to half a shard, so block skipping sees the
     same chunks as the ring.
     """
-    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
+    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, parent_ids_BT)
     block_k = block_k or _default_block(k_BTKD.shape[1])
 
     def gather(x):
@@ -470,7 +503,8 @@ def allgather_attention_shard(
     k_all, v_all, seg_all, pos_all = gather(k_BTKD), gather(v_BTKD), gather(segment_ids_BT), gather(position_ids_BT)
     cfg = _cfg(None, 1, q_BTND, k_all.shape[1], scale, block_q, block_k, sliding_window, softcap)
     q, k, v = _to_internal(q_BTND, k_all, v_all)
-    return _from_internal(_attention_core(cfg, q, k, v, segment_ids_BT, position_ids_BT, seg_all, pos_all))
+    seg, pos = segment_ids_BT, position_ids_BT
+    return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg_all, pos_all, parent_ids_BT))
 
 
 def _batch_spec(mesh: Mesh, axis_name: str, batch_axes) -> Union[None, str, tuple]:
@@ -496,6 +530,7 @@ def sharded_attention(
     block_k: Optional[int] = None,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    parent_ids_BT=None,
 ) -> jax.Array:
     """Context-parallel attention on global ``[B, T, ...]`` arrays: ``shard_map`` over ``mesh``.
 
@@ -503,12 +538,13 @@ def sharded_attention(
     ``twinseq.common.data.context_parallel.shard_sequence`` for load balancing (the output comes back
     in that same order). B is split over ``batch_axes`` (default: every other mesh axis).
     ``sliding_window`` and ``softcap`` as the module docstring (None: full attention, no cap).
+    ``parent_ids_BT`` ([B, T], sharded like ``segment_ids_BT``): each token's parent segment; None: none.
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is not valid; choose one of {STRATEGIES}.")
     if axis_name not in mesh.axis_names:
         raise ConfigError(f"axis_name={axis_name!r} is not a mesh axis; choose one of {mesh.axis_names}.")
-    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
+    _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, parent_ids_BT)
     cp = mesh.shape[axis_name]
     if q_BTND.shape[1] % cp:
         raise ConfigError(
@@ -533,6 +569,17 @@ def sharded_attention(
         softcap=softcap,
     )
     x_spec, id_spec = P(batch, axis_name, None, None), P(batch, axis_name)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(x_spec, x_spec, x_spec, id_spec, id_spec), out_specs=x_spec)(
-        q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT
-    )
+    args: tuple[Any, ...] = (q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
+    if parent_ids_BT is not None:
+        fn, args = _with_parents(fn), (*args, parent_ids_BT)
+    in_specs = (x_spec, x_spec, x_spec) + (id_spec,) * (len(args) - 3)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=x_spec)(*args)
+
+
+def _with_parents(local):
+    """``local`` taking the shard of ``parent_ids_BT`` as a sixth positional argument (``shard_map`` passes them so)."""
+
+    def fn(q, k, v, seg, pos, par):
+        return local(q, k, v, seg, pos, parent_ids_BT=par)
+
+    return fn

@@ -37,6 +37,7 @@ from twinseq.jax_backend.losses import check_labels
 from twinseq.jax_backend.model import (
     CausalLM,
     batch_inputs,
+    batch_parents,
     cast_floating,
     grads_by_name,
     lora_dropout,
@@ -123,8 +124,8 @@ def dpo_loss_fn(
 
 def _model_sequence_logps(model: CausalLM, inputs, loss_type: str, chunk_size: int, attend, targets_are_shifted):
     """float32 [2N] sequence log-probs of ``model`` on ``inputs`` (``dpo_loss_fn``'s arguments); traceable."""
-    input_ids, position_ids, segment_ids, labels, target_doc_ids, counts_D = inputs
-    hidden_BTH = model(input_ids, position_ids, segment_ids, attend)
+    input_ids, position_ids, segment_ids, labels, target_doc_ids, *parents, counts_D = inputs
+    hidden_BTH = model(input_ids, position_ids, segment_ids, attend, *parents)
     return sequence_logps(
         hidden_BTH,
         model.lm_head_VH(),
@@ -144,11 +145,15 @@ def _model_sequence_logps(model: CausalLM, inputs, loss_type: str, chunk_size: i
 
 
 def preference_inputs(pbatch: PreferenceBatch, vocab_size: int) -> tuple[jax.Array, ...]:
-    """(input_ids, position_ids, segment_ids, labels, target_doc_ids, num_target_tokens) as int32 arrays."""
+    """(input_ids, position_ids, segment_ids, labels, target_doc_ids, num_target_tokens) as int32 arrays; a
+    batch with shared prompts (``collate_preference(..., share_prefix=True)``) has its ``parent_ids`` before
+    ``num_target_tokens``."""
     check_labels(pbatch.batch.labels, vocab_size, pbatch.batch.num_items_in_batch)
+    parents = batch_parents(pbatch.batch)
     return (
         *batch_inputs(pbatch.batch, vocab_size),
         jnp.asarray(pbatch.target_doc_ids, jnp.int32),
+        *(() if parents is None else (parents,)),
         jnp.asarray(pbatch.num_target_tokens, jnp.int32),
     )
 
@@ -231,6 +236,12 @@ def step_inputs(
     multiple of ``2 * cp``, B of the data x fsdp replicas) with the ring attention and the pre-shifted targets."""
     if mesh is None:
         return preference_inputs(pbatch, vocab_size), {}
+    if pbatch.batch.shares_prefix:
+        raise ConfigError(
+            "a preference batch with shared prompts (parent_ids) under context parallelism: "
+            "parallel.shard_preference_batch does not carry parent_ids yet; pass share_prefix=False to "
+            "collate_preference when context_parallel_size > 1."
+        )
     check_labels(pbatch.batch.labels, vocab_size, pbatch.batch.num_items_in_batch)
     check_batch(pbatch.batch, vocab_size)
     keywords = dict(attend=ring_attention_fn(mesh, strategy), targets_are_shifted=True)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ import numpy as np
 
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
 from twinseq.common.data.batching import pad_batch
+from twinseq.common.data.prefix_sharing import shares_prefix
 from twinseq.common.data.prepare import run_tokenizer
 from twinseq.common.data.prompts import prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError
@@ -46,6 +47,7 @@ from twinseq.common.run.rollout import GroupRollout, generation_source, loss_des
 from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import reference_description
 from twinseq.jax_backend.generation import generate
+from twinseq.jax_backend.grpo_context_parallel import CPCompletionInputs, cp_completion_logps_jit, cp_grpo_grads_jit
 from twinseq.jax_backend.logprobs import token_logps
 from twinseq.jax_backend.losses import check_labels, logits_f32
 from twinseq.jax_backend.model import (
@@ -57,7 +59,7 @@ from twinseq.jax_backend.model import (
     merge_state,
     split_trainable,
 )
-from twinseq.jax_backend.parallel import parallelize
+from twinseq.jax_backend.parallel import mesh_from_config, parallelize
 from twinseq.jax_backend.peft import adapters_disabled
 from twinseq.jax_backend.trainer import JaxTrainer, build_causal_lm, compute_dtype, describe, refuse_built_model
 
@@ -210,14 +212,16 @@ def grpo_loss_jax(
 # --------------------------------------------------------------------------------------
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["inputs", "flat_NC"], meta_fields=[])
+@partial(jax.tree_util.register_dataclass, data_fields=["inputs", "flat_NC", "parent_ids_BT"], meta_fields=[])
 @dataclasses.dataclass
 class CompletionInputs:
-    """A ``CompletionBatch`` as device arrays: ``batch_inputs`` of its (bucketed) batch, and ``flat_NC``, the
-    flattened ``[B*T]`` position whose target is completion i's token j (-1: none)."""
+    """A ``CompletionBatch`` as device arrays: ``batch_inputs`` of its (bucketed) batch, ``flat_NC``, the
+    flattened ``[B*T]`` position whose target is completion i's token j (-1: none), and ``parent_ids_BT``
+    (int32 [B, T] of a batch with shared prompts, else None: the program without them, as ``model.batch_parents``)."""
 
     inputs: tuple
     flat_NC: jax.Array
+    parent_ids_BT: Optional[jax.Array] = None
 
     @classmethod
     def of(
@@ -230,7 +234,8 @@ class CompletionInputs:
         flat_NC = np.full((cb.num_docs, cb.num_columns), -1, np.int32)
         flat_NC[cb.token_row_n, cb.token_col_n] = flat_n
         check_labels(batch.labels, vocab_size, max(int((batch.labels != -100).sum()), 1))
-        return cls(batch_inputs(batch, vocab_size), jnp.asarray(flat_NC))
+        parents = jnp.asarray(batch.parent_ids, jnp.int32) if batch.shares_prefix else None
+        return cls(batch_inputs(batch, vocab_size), jnp.asarray(flat_NC), parents)
 
 
 def _gather_NC(values_n: jax.Array, flat_NC: jax.Array) -> jax.Array:
@@ -281,7 +286,7 @@ def completion_logps(
     cap = model.final_logit_softcapping
     check_temperature(temperature, cap)
     input_ids, position_ids, segment_ids, labels = ci.inputs
-    hidden_BTH = model(input_ids, position_ids, segment_ids)
+    hidden_BTH = model(input_ids, position_ids, segment_ids, parent_ids_BT=ci.parent_ids_BT)
     if temperature != 1.0:
         hidden_BTH = hidden_BTH / jnp.asarray(temperature, hidden_BTH.dtype)  # (h / T) @ W.T = logits / T
     logps_n = token_logps(hidden_BTH, model.lm_head_VH(), labels, loss_type, chunk_size, logit_softcap=cap)
@@ -398,7 +403,8 @@ def grpo_loss_and_grads(
     entropy_coef: float = 0.0,
 ) -> tuple[float, dict[str, np.ndarray], dict[str, float]]:
     """(loss, float32 numpy gradients in HF names and layout, metrics) of one micro-batch of completions; the
-    mirror of the torch backend's GRPO step (``parity_tests/test_grpo_parity.py``)."""
+    mirror of the torch backend's GRPO step (``parity_tests/test_grpo_parity.py``). ``cb`` may share its prompts
+    (``collate_completions(..., share_prefix=True)``): the same loss and gradients."""
     graphdef, state, frozen = split_trainable(model)
     ci = CompletionInputs.of(cb, model.config.vocab_size)
 
@@ -437,7 +443,8 @@ def compute_completion_logps(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     temperature: float = 1.0,
 ) -> np.ndarray:
-    """float64 numpy [N, C] completion-token log-probs of ``model`` (0 past each completion)."""
+    """float64 numpy [N, C] completion-token log-probs of ``model`` (0 past each completion); a ``cb`` with shared
+    prompts gives those of the unshared one."""
     graphdef, state, frozen = split_trainable(model)
     out = completion_logps_jit(
         graphdef,
@@ -460,7 +467,7 @@ def compute_completion_logps(
 class GRPOMicroBatch:
     """One micro-batch of completions on device: inputs, loss mask, advantages and the kept log-probs."""
 
-    ci: CompletionInputs
+    ci: Union[CompletionInputs, CPCompletionInputs]
     mask_NC: jax.Array
     advantages_N: jax.Array
     num_tokens: int
@@ -476,10 +483,22 @@ class GRPOMicroBatch:
 class GRPOTrainer(GroupRollout, JaxTrainer):
     """GRPO's JAX trainer: ``common.run.rollout.GroupRollout`` (generation every ``num_iterations`` steps, rewards,
     advantages, the step's metrics) on ``JaxTrainer``'s hooks; here only what is JAX: sampling with the KV-cache
-    sampler, the kept log-probs, and the jitted micro-step."""
+    sampler, the kept log-probs, and the jitted micro-step.
 
-    def __init__(self, model: CausalLM, cfg: TrainConfig, *, tokenizer: Any, reward_funcs: Sequence[Any]) -> None:
-        super().__init__(model, cfg)
+    On a (data=1, cp) ``mesh`` the parameters are replicated, sampling runs on them as on one device (the same key:
+    the same completions), and every log-prob pass takes the micro-batch sharded over cp (``grpo_context_parallel``).
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        cfg: TrainConfig,
+        *,
+        tokenizer: Any,
+        reward_funcs: Sequence[Any],
+        mesh: Optional[Any] = None,
+    ) -> None:
+        super().__init__(model, cfg, mesh)
         self.init_rollout(cfg, tokenizer, reward_funcs)
         check_temperature(cfg.grpo.temperature, model.final_logit_softcapping)
         self.ref_graphdef, self.ref_params = None, None
@@ -548,8 +567,14 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
                 padding_free=d.padding_free,
                 pad_token_id=self.tokenizer.pad_token_id,
                 num_columns=self.max_completion_length,
+                share_prefix=shares_prefix(self.cfg),
             )
-            ci = CompletionInputs.of(cb, self.vocab_size, rows=1 if d.padding_free else size, multiple=self.bucket)
+            rows = 1 if d.padding_free else size
+            ci = (
+                CompletionInputs.of(cb, self.vocab_size, rows=rows, multiple=self.bucket)
+                if self.mesh is None
+                else CPCompletionInputs.of(cb, self.vocab_size, self.mesh, rows, self.bucket)
+            )
             mb = GRPOMicroBatch(
                 ci,
                 jnp.asarray(loss_mask_NC[sl], jnp.float32),
@@ -557,7 +582,7 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
                 cb.batch.num_tokens,
             )
             if self.keeps_old_logps:
-                mb.old_logps_NC = completion_logps_jit(
+                mb.old_logps_NC = self._logps_jit(
                     self.graphdef,
                     self.params,
                     ci,
@@ -571,9 +596,15 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
                     if self.peft
                     else (self.graphdef, self.ref_params, None)
                 )
-                mb.ref_logps_NC = completion_logps_jit(graphdef, state, ci, frozen=frozen, **self._logps_kwargs())
+                mb.ref_logps_NC = self._logps_jit(graphdef, state, ci, frozen=frozen, **self._logps_kwargs())
             out.append(mb)
         return out
+
+    def _logps_jit(self, *args: Any, **kwargs: Any) -> jax.Array:
+        """``completion_logps_jit``, or on a mesh its sharded mirror with the cp attention."""
+        if self.mesh is None:
+            return completion_logps_jit(*args, **kwargs)
+        return cp_completion_logps_jit(*args, entropy_fn=chunked_entropy, attend=self.attend, **kwargs)
 
     def kl_sums(self, micro: list[GRPOMicroBatch]) -> np.ndarray:
         out = []
@@ -598,7 +629,12 @@ class GRPOTrainer(GroupRollout, JaxTrainer):
         return micro
 
     def micro_step(self, mb: GRPOMicroBatch) -> tuple[dict[str, float], Any]:
-        (loss, metrics), grads = grpo_grads_jit(
+        grads_jit = (
+            grpo_grads_jit
+            if self.mesh is None
+            else partial(cp_grpo_grads_jit, loss_fn=grpo_loss_jax, entropy_fn=chunked_entropy, attend=self.attend)
+        )
+        (loss, metrics), grads = grads_jit(
             self.graphdef,
             self.params,
             mb.ci,
@@ -637,19 +673,15 @@ def build_grpo(cfg: TrainConfig, reward_funcs: Optional[Sequence[Any]] = None, i
             "loss_type='liger' (Liger's fused GRPO loss) is a torch/CUDA kernel; on the jax backend use "
             "--loss-type fused_linear, the same chunked log-probs without a [tokens, vocab] tensor."
         )
-    if cfg.parallel.context_parallel_size > 1:
-        raise ConfigError(
-            f"task={cfg.task} runs on one device on the jax backend (generation is not sharded); drop "
-            "--context-parallel-size."
-        )
     refuse_built_model(inputs)
     tokenizer = run_tokenizer(cfg, inputs.tokenizer)
     funcs = resolve_reward_funcs(reward_funcs or inputs.reward_funcs or g.reward_funcs)
     rows = prepare_grpo_prompts(cfg, tokenizer, inputs.train_dataset)
-    model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), None, cfg)
+    mesh = mesh_from_config(cfg)  # None unless context_parallel_size > 1 (then data=1: capabilities' rule)
+    model = parallelize(build_causal_lm(cfg, tokenizer.vocab_size), mesh, cfg)
     source, generation_batch = generation_source(cfg, rows)
     cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
-    trainer = GRPOTrainer(model, cfg, tokenizer=tokenizer, reward_funcs=funcs)
+    trainer = GRPOTrainer(model, cfg, tokenizer=tokenizer, reward_funcs=funcs, mesh=mesh)
     announce = [
         describe(cfg, trainer),
         f"{cfg.task}: {len(rows)} prompts, {source.prompts_per_step} prompts x {g.num_generations} generations = "

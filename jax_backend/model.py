@@ -81,7 +81,8 @@ AttendFn = Callable[..., jax.Array]
 
 ``options`` holds ``sliding_window=`` (int) and/or ``softcap=`` (float) on the layers that have a window
 or an attention soft-cap, and nothing on the others, so a hook written for a plain Llama keeps working
-there and fails loudly (an unexpected keyword) on a layer it cannot serve."""
+there and fails loudly (an unexpected keyword) on a layer it cannot serve. A batch with shared prefixes adds
+``parent_ids_BT=`` (int [B, T], ``common.data.prefix_sharing``); without parents it is not passed at all."""
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -249,8 +250,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTH, cos, sin, attn_args: tuple, attend: Optional[AttendFn]) -> jax.Array:
         """``attend`` None: dense attention, ``attn_args = (allowed_B1TT, allowed_sliding_B1TT or None)``;
-        else ``attend(q, k, v, *attn_args, scaling, **attend_options())`` with ``attn_args = (segment_ids_BT,
-        position_ids_BT)``."""
+        else ``attend(q, k, v, *attn_args[:2], scaling, **attend_options())`` with ``attn_args = (segment_ids_BT,
+        position_ids_BT)`` (``()`` for generation's cached attention), or ``(..., parent_ids_BT)`` adding
+        ``parent_ids_BT=`` to the options."""
         q_BNTD = apply_rope(self._qk_norm(self.q_norm, self._heads(self.q_proj(x_BTH))), cos, sin)
         k_BKTD = apply_rope(self._qk_norm(self.k_norm, self._heads(self.k_proj(x_BTH))), cos, sin)
         v_BKTD = self._heads(self.v_proj(x_BTH))
@@ -258,7 +260,9 @@ class Attention(nnx.Module):
             allowed_B1TT = attn_args[1] if self.sliding_window is not None else attn_args[0]
             out_BNTD = dot_product_attention(q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, self.scaling, softcap=self.softcap)
         else:
-            out_BNTD = attend(q_BNTD, k_BKTD, v_BKTD, *attn_args, self.scaling, **self.attend_options())
+            ids, parents = attn_args[:2], attn_args[2:]  # () for a KV-cache attention (generation)
+            options = self.attend_options() | ({"parent_ids_BT": parents[0]} if parents else {})
+            out_BNTD = attend(q_BNTD, k_BKTD, v_BKTD, *ids, self.scaling, **options)
         b, _, t, _ = out_BNTD.shape
         return self.o_proj(out_BNTD.transpose(0, 2, 1, 3).reshape(b, t, -1))
 
@@ -315,6 +319,10 @@ class SparseMoeBlock(nnx.Module):
     capacity, no padding, no token dropped. Naive equivalent (what transformers' eager loop computes)::
 
         y[n] = sum_j w[n, j] * down[e] @ (act(gate[e] @ x[n]) * (up[e] @ x[n]))   with e = top_k(x[n])[j]
+
+    LoRA on the experts (``add_expert_adapters``, PEFT's ``ParamWrapper``): expert ``e``'s weight is
+    ``W[e] + scaling * B_e @ A_e``, computed as a second pair of grouped matmuls over the same sorted tokens,
+    ``((x @ A_e.T) @ B_e.T) * scaling`` in the adapters' float32, added to the base product and cast back.
     """
 
     def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], prefix: str, dtype: str):
@@ -327,6 +335,40 @@ class SparseMoeBlock(nnx.Module):
         self.renormalise_top_k, self.routing_weights_f32 = cfg.renormalise_top_k, cfg.routing_weights_f32
         self.hidden_act = cfg.hidden_act
         self.tile_size: Optional[int] = None  # tiled MLP is refused on MoE layers (set_tiled_mlp)
+        self.expert_lora: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (tensor name, its adapters' place)
+        self.lora_scaling = 0.0
+        self.adapters_enabled = True
+
+    def add_expert_adapters(
+        self, adapters: dict[str, tuple[tuple[str, ...], np.ndarray, np.ndarray]], scaling: float
+    ) -> None:
+        """LoRA on expert tensors, in place: ``{tensor name (gate_up_proj, down_proj): (place, lora_A [E * r, in],
+        lora_B [out, r * E])}`` in PEFT's layout; ``place`` is the path under ``experts`` (PEFT's nesting,
+        ``("base_layer",)`` for an inner wrapper), so each ``AdapterParam``'s path is its PEFT key."""
+        for place, a, b in adapters.values():
+            node = self.experts
+            for part in place:
+                if part not in node:
+                    node[part] = nnx.Dict()
+                node = node[part]
+            node["lora_A"] = AdapterParam(jnp.asarray(a, jnp.float32))
+            node["lora_B"] = AdapterParam(jnp.asarray(b, jnp.float32))
+        self.expert_lora = tuple((name, tuple(place)) for name, (place, _, _) in adapters.items())
+        self.lora_scaling = float(scaling)
+
+    def _with_lora(self, name: str, y_SO: jax.Array, x_SI: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+        """``y_SO`` plus expert tensor ``name``'s LoRA of ``x_SI`` (per expert ``(x @ A_e.T) @ B_e.T * scaling``)."""
+        place = dict(self.expert_lora).get(name)
+        if place is None or not self.adapters_enabled:
+            return y_SO
+        node = self.experts
+        for part in place:
+            node = node[part]
+        a, b = node["lora_A"][...], node["lora_B"][...]
+        a_EIR = jnp.swapaxes(a.reshape(self.num_experts, -1, a.shape[-1]), 1, 2)
+        b_ERO = b.reshape(b.shape[0], -1, self.num_experts).transpose(2, 1, 0)
+        z_SR = jax.lax.ragged_dot(x_SI.astype(a.dtype), a_EIR, group_sizes_E)
+        return (y_SO + jax.lax.ragged_dot(z_SR, b_ERO, group_sizes_E) * self.lora_scaling).astype(y_SO.dtype)
 
     def route(self, x_NH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(router_logits_NE in the compute dtype, top-k weights_NK in the compute dtype or float32
@@ -352,8 +394,10 @@ class SparseMoeBlock(nnx.Module):
         gate_up_EH2 = jnp.swapaxes(self.experts["gate_up_proj"][...], 1, 2)
         down_EMH = jnp.swapaxes(self.experts["down_proj"][...], 1, 2)
         gate_up_S2 = jax.lax.ragged_dot(x_SH, gate_up_EH2, group_sizes_E)
+        gate_up_S2 = self._with_lora("gate_up_proj", gate_up_S2, x_SH, group_sizes_E)
         gate_SM, up_SM = jnp.split(gate_up_S2, 2, axis=-1)
-        y_SH = jax.lax.ragged_dot(ACTIVATIONS[self.hidden_act](gate_SM) * up_SM, down_EMH, group_sizes_E)
+        h_SM = ACTIVATIONS[self.hidden_act](gate_SM) * up_SM
+        y_SH = self._with_lora("down_proj", jax.lax.ragged_dot(h_SM, down_EMH, group_sizes_E), h_SM, group_sizes_E)
         y_SH = y_SH * weights_NK.reshape(-1)[order][:, None]
         # summed in the weights' dtype (float32 for Mixtral, as transformers' grouped experts), then cast back
         y_NH = jnp.zeros(x_NH.shape, y_SH.dtype).at[token_of_sorted].add(y_SH).astype(x_NH.dtype)
@@ -454,27 +498,31 @@ class DecoderModel(nnx.Module):
         sliding = rope_cos_sin(position_ids_BT, np.asarray(self.sliding_inv_freq, np.float32), dtype)
         return [sliding if layer.self_attn.sliding_window is not None else rope for layer in self.layers]
 
-    def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
-        return self.with_router_logits(input_ids_BT, position_ids_BT, segment_ids_BT, attend)[0]
+    def __call__(
+        self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None, parent_ids_BT=None
+    ) -> jax.Array:
+        return self.with_router_logits(input_ids_BT, position_ids_BT, segment_ids_BT, attend, parent_ids_BT)[0]
 
     def with_router_logits(
-        self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None
+        self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None, parent_ids_BT=None
     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        """(final-norm hidden_BTH, the router logits ``[B * T, E]`` of every MoE layer in order; () without)."""
+        """(final-norm hidden_BTH, the router logits ``[B * T, E]`` of every MoE layer in order; () without).
+        ``parent_ids_BT``: each token's parent segment (shared prefixes); None: none, the program of old."""
         x_BTH = self.embed_tokens(input_ids_BT)
         ropes = self.layer_rope(position_ids_BT, x_BTH.dtype)
         attend = attention_for(self.attn_implementation, self.attention_block_size) if attend is None else attend
         if attend is None:
             # The dense masks are built once and shared by every layer of their kind.
-            allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT)
+            allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT, parent_ids_BT=parent_ids_BT)
             sliding_B1TT = (
                 None
                 if self.sliding_window is None
-                else document_causal_mask(segment_ids_BT, position_ids_BT, sliding_window=self.sliding_window)
+                else document_causal_mask(segment_ids_BT, position_ids_BT, self.sliding_window, parent_ids_BT)
             )
             attn_args = (allowed_B1TT, sliding_B1TT)
         else:
             attn_args = (segment_ids_BT, position_ids_BT)
+            attn_args += () if parent_ids_BT is None else (parent_ids_BT,)
         layer_fn = remat(_layer_apply, self.remat_policy, static_argnums=(0, 1))
         router_logits = []
         for layer, (cos, sin) in zip(self.layers, ropes):
@@ -559,16 +607,22 @@ class CausalLM(nnx.Module):
             return self.model.embed_tokens.table()
         return self.lm_head.kernel[...].T
 
-    def __call__(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
-        return self.model(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
+    def __call__(
+        self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None, parent_ids_BT=None
+    ) -> jax.Array:
+        return self.model(input_ids_BT, position_ids_BT, segment_ids_BT, attend, parent_ids_BT)
 
-    def with_router_logits(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None):
+    def with_router_logits(
+        self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None, parent_ids_BT=None
+    ):
         """(hidden_BTH, router logits ``[B * T, E]`` of every MoE layer, in order; () for a dense model)."""
-        return self.model.with_router_logits(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
+        return self.model.with_router_logits(input_ids_BT, position_ids_BT, segment_ids_BT, attend, parent_ids_BT)
 
-    def logits(self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None) -> jax.Array:
+    def logits(
+        self, input_ids_BT, position_ids_BT, segment_ids_BT, attend: Optional[AttendFn] = None, parent_ids_BT=None
+    ) -> jax.Array:
         """float32 [B, T, V]: HF's ``lm_head(hidden_states)`` upcast, then soft-capped where the family caps."""
-        hidden_BTH = self(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
+        hidden_BTH = self(input_ids_BT, position_ids_BT, segment_ids_BT, attend, parent_ids_BT)
         return logits_f32(hidden_BTH, self.lm_head_VH(), self.final_logit_softcapping)
 
 
@@ -774,6 +828,14 @@ def batch_inputs(batch: Batch, vocab_size: int) -> tuple[jax.Array, jax.Array, j
     )
 
 
+def batch_parents(batch: Batch) -> Optional[jax.Array]:
+    """int32 ``parent_ids`` of a batch with shared prefixes (``CausalLM``'s ``parent_ids_BT``), else None (no
+    parents, so the compiled program is the one without them). Checked by ``batch_inputs``."""
+    if not batch.shares_prefix:
+        return None
+    return jnp.asarray(batch.parent_ids, jnp.int32)
+
+
 @partial(jax.jit, static_argnums=(0,))
 def _forward_jit(graphdef, state, input_ids_BT, position_ids_BT, segment_ids_BT, labels_BT):
     """(float32 logits [B, T, V], per-token NLL [B, T]) from one compiled forward pass (both soft-capped
@@ -811,10 +873,12 @@ def loss_fn(
     attend=None,
     targets_are_shifted: bool = False,
     num_micro_batches: int = 1,
+    parent_ids_BT=None,
 ):
     """(loss, metrics) of one micro-batch; traceable, used by ``loss_and_grads`` and the trainer.
 
-    ``attend``: the model's attention function (None: dense; see ``CausalLM``);
+    ``attend``: the model's attention function (None: dense; see ``CausalLM``); ``parent_ids_BT``: shared
+    prefixes (None: none);
     ``targets_are_shifted``: ``labels_BT`` are already the targets (context-parallel batches).
 
     A MoE model with ``output_router_logits`` adds ``router_aux_loss_coef * aux_loss / num_micro_batches``
@@ -822,7 +886,9 @@ def loss_fn(
     is a per-micro-batch mean, so the step's micro-batches, summed, add the coefficient times their mean (TRL's
     rule); the NLL is already normalised by the whole step's ``num_items_in_batch``.
     """
-    hidden_BTH, router_logits = model.with_router_logits(input_ids_BT, position_ids_BT, segment_ids_BT, attend)
+    hidden_BTH, router_logits = model.with_router_logits(
+        input_ids_BT, position_ids_BT, segment_ids_BT, attend, parent_ids_BT
+    )
     loss, metrics = causal_lm_loss(
         hidden_BTH,
         model.lm_head_VH(),

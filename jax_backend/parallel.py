@@ -148,6 +148,11 @@ def shard_batch(batch: Batch, mesh: Mesh, load_balance: bool = True) -> dict[str
     ``unshard`` puts per-token outputs back in token order).
     """
     _check_mesh(mesh)
+    if batch.shares_prefix:
+        raise ConfigError(
+            f"a prefix-shared batch (parent_ids set) on a mesh with cp={mesh.shape[CP_AXIS]}: the sharded step "
+            f"does not carry parent segments yet; pass share_prefix=False when collating (--no-share-prefix)."
+        )
     num_rows = mesh.shape["data"] * mesh.shape["fsdp"]
     if batch.input_ids.shape[0] % num_rows:
         raise ConfigError(

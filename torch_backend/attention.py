@@ -5,7 +5,11 @@ The rule (``common.data.batching.Batch``): token i may attend to token j iff
 sliding-window layer also ``position_ids[i] - position_ids[j] < sliding_window`` (transformers'
 ``sliding_window_overlay``, counted in positions within the document). Padded, packed and
 padding-free batches all go through it, so no path leaks across documents (TRL #1230/#3910 only
-warn; here a path that cannot mask refuses to run).
+warn; here a path that cannot mask refuses to run). With ``Batch.parent_ids`` (shared prefixes,
+``common.data.prefix_sharing``) token i also attends to j when ``segment_ids[j] == parent_ids[i] != 0`` (same
+position rule and window): the dense and flex masks gain that term, ``varlen`` gathers each document's keys as
+``[parent; own]`` (``shared_varlen_plan``), the blocked attention masks and keeps the parent's block pairs, and the
+flash paths refuse such a batch. ``parent_ids`` None (or all 0) leaves every path as it is without it.
 
 Which layers slide is the family's business (``mask_layout``): none in Llama, every layer in
 Mistral, Qwen3-MoE and Mixtral (one mask for the model; the MoE block is transformers' own and attention-free),
@@ -222,10 +226,13 @@ def per_layer_type(layout: MaskLayout, make: Callable[[Optional[int]], Any]) -> 
 
 
 def allowed_mask(
-    segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, sliding_window: Optional[int] = None
+    segment_ids_BT: torch.Tensor,
+    position_ids_BT: torch.Tensor,
+    sliding_window: Optional[int] = None,
+    parent_ids_BT: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """bool [B, T, T]: the document-causal rule (within ``sliding_window`` positions when given), plus the
-    diagonal of padding queries.
+    """bool [B, T, T]: the document-causal rule (within ``sliding_window`` positions when given; with
+    ``parent_ids_BT``, a query also sees its parent segment's keys), plus the diagonal of padding queries.
 
     >>> seg, pos = torch.tensor([[1, 1, 2, 0]]), torch.tensor([[0, 1, 0, 0]])
     >>> allowed_mask(seg, pos).int()[0].tolist()
@@ -235,6 +242,8 @@ def allowed_mask(
     """
     seg_q, seg_k = segment_ids_BT[:, :, None], segment_ids_BT[:, None, :]
     same_doc = (seg_q == seg_k) & (seg_q != 0)
+    if parent_ids_BT is not None:
+        same_doc = same_doc | ((parent_ids_BT[:, :, None] == seg_k) & (seg_k != 0))
     distance = position_ids_BT[:, :, None] - position_ids_BT[:, None, :]
     causal = distance >= 0
     if sliding_window is not None:
@@ -249,30 +258,45 @@ def document_mask(
     position_ids_BT: torch.Tensor,
     dtype: torch.dtype = torch.float32,
     sliding_window: Optional[int] = None,
+    parent_ids_BT: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Additive float mask [B, 1, T, T]: 0 where ``allowed_mask`` holds, ``finfo(dtype).min`` elsewhere."""
-    allowed = allowed_mask(segment_ids_BT, position_ids_BT, sliding_window)[:, None]
+    allowed = allowed_mask(segment_ids_BT, position_ids_BT, sliding_window, parent_ids_BT)[:, None]
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
 def document_block_mask(
-    segment_ids_BT: torch.Tensor, position_ids_BT: torch.Tensor, sliding_window: Optional[int] = None
+    segment_ids_BT: torch.Tensor,
+    position_ids_BT: torch.Tensor,
+    sliding_window: Optional[int] = None,
+    parent_ids_BT: Optional[torch.Tensor] = None,
 ):
     """FlexAttention ``BlockMask`` of ``allowed_mask`` (blocks fully outside a document, or a window, are skipped)."""
-    seg, pos = segment_ids_BT, position_ids_BT
+    seg, pos, par = segment_ids_BT, position_ids_BT, parent_ids_BT
 
     def mask_mod(b, h, q_idx, kv_idx):
         same_doc = (seg[b, q_idx] == seg[b, kv_idx]) & (seg[b, q_idx] != 0)
         pad_self = (seg[b, q_idx] == 0) & (q_idx == kv_idx)
         return (same_doc & (pos[b, kv_idx] <= pos[b, q_idx])) | pad_self
 
+    def parent_mask_mod(b, h, q_idx, kv_idx):
+        sees_parent = (par[b, q_idx] == seg[b, kv_idx]) & (seg[b, kv_idx] != 0) & (pos[b, kv_idx] <= pos[b, q_idx])
+        return mask_mod(b, h, q_idx, kv_idx) | sees_parent
+
     def window_mask_mod(b, h, q_idx, kv_idx):
         # a padding query's own key is at distance 0, inside every window
         return mask_mod(b, h, q_idx, kv_idx) & (pos[b, q_idx] - pos[b, kv_idx] < sliding_window)
 
+    def parent_window_mask_mod(b, h, q_idx, kv_idx):
+        return parent_mask_mod(b, h, q_idx, kv_idx) & (pos[b, q_idx] - pos[b, kv_idx] < sliding_window)
+
     B, T = seg.shape
-    return create_block_mask(mask_mod if sliding_window is None else window_mask_mod, B, None, T, T, device=seg.device)
+    if par is None:
+        mod = mask_mod if sliding_window is None else window_mask_mod
+    else:
+        mod = parent_mask_mod if sliding_window is None else parent_window_mask_mod
+    return create_block_mask(mod, B, None, T, T, device=seg.device)
 
 
 def softcapped_attention(
@@ -332,6 +356,10 @@ class VarlenPlan:
     seq_len: int  # T
     cu_seqlens: torch.Tensor  # int32 [num_runs+1] over the flattened batch, padding runs included (flash)
     max_seqlen: int
+    # shared prefixes (``shared_varlen_plan``) only; None: each bucket's keys are its queries, causal by slot
+    key_index: Optional[torch.Tensor] = None  # long [Sk = sum n*Lk]: each document's keys, [parent; own] tokens
+    key_lengths: Optional[list] = None  # [Lk] per bucket
+    distances: Optional[list] = None  # per bucket int32 [n, L, Lk]: pos_q - pos_k; -1 for padding keys
 
 
 def _runs(segment_ids_BT: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -427,6 +455,87 @@ def varlen_plan(
         torch.as_tensor(cu_seqlens, dtype=torch.int32, device=device),
         int(lengths.max(initial=0)),
     )
+
+
+def _segment_tokens(segment_ids_BT: np.ndarray) -> tuple[list[np.ndarray], dict[tuple[int, int], int]]:
+    """The flattened token indices of every (row, segment) of real tokens, in order, and its index by key."""
+    B, T = segment_ids_BT.shape
+    flat = segment_ids_BT.reshape(-1)
+    real = np.flatnonzero(flat != 0)
+    keys = (real // T) * (int(flat.max(initial=0)) + 1) + flat[real]
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    tokens = np.split(real[order], np.cumsum(np.bincount(inverse))[:-1]) if real.size else []
+    index = {(int(t[0]) // T, int(flat[t[0]])): d for d, t in enumerate(tokens)}
+    return tokens, index
+
+
+def shared_varlen_plan(
+    segment_ids_BT: np.ndarray,
+    position_ids_BT: np.ndarray,
+    parent_ids_BT: np.ndarray,
+    device: Any = "cpu",
+    bucket_ratio: float = DEFAULT_BUCKET_RATIO,
+) -> VarlenPlan:
+    """Plan of a batch with shared prefixes (``Batch.parent_ids``): every segment is a document whose queries
+    attend to its keys gathered as ``[parent tokens; own tokens]``; causality (and a window) from positions.
+
+    >>> seg, pos, par = np.array([[1, 1, 2, 2, 3]]), np.array([[0, 1, 2, 3, 2]]), np.array([[0, 0, 1, 1, 1]])
+    >>> plan = shared_varlen_plan(seg, pos, par)
+    >>> plan.bucket_shapes, plan.slot_index.tolist()  # one bucket [3 documents, 2 slots], fewest keys first
+    ([(3, 2)], [0, 1, 4, 4, 2, 3])
+    >>> plan.key_index.tolist()  # segment 1: keys [0 1]; segment 3: [0 1 4]; segment 2: [0 1 2 3]
+    [0, 1, 0, 0, 0, 1, 4, 0, 0, 1, 2, 3]
+    >>> plan.distances[0][1].tolist()  # segment 3's slot 0 sees keys 0, 1, 4; slot 1 (padding) repeats it
+    [[2, 1, 0, -1], [2, 1, 0, -1]]
+    """
+    seg_BT, pos_BT, par_BT = (np.asarray(x) for x in (segment_ids_BT, position_ids_BT, parent_ids_BT))
+    T, flat_pos, flat_par = seg_BT.shape[1], pos_BT.reshape(-1), par_BT.reshape(-1)
+    own, index = _segment_tokens(seg_BT)
+    keys = []
+    for t in own:
+        parent = int(flat_par[t[0]])
+        keys.append(np.concatenate([own[index[(int(t[0]) // T, parent)]], t]) if parent else t)
+    q_slots, k_slots, shapes, key_lengths, distances = [], [], [], [], []
+    gather_idx, num_slots = np.full(seg_BT.size, -1, dtype=np.int64), 0
+    for group in _bucket_documents(np.array([k.size for k in keys], dtype=np.int64), bucket_ratio):
+        q_nL = _padded([own[d] for d in group])
+        k_nS = _padded([keys[d] for d in group])
+        valid_nL = np.arange(q_nL.shape[1])[None, :] < np.array([own[d].size for d in group])[:, None]
+        valid_nS = np.arange(k_nS.shape[1])[None, :] < np.array([keys[d].size for d in group])[:, None]
+        gather_idx[q_nL[valid_nL]] = num_slots + np.flatnonzero(valid_nL)
+        distance = flat_pos[q_nL][:, :, None] - flat_pos[k_nS][:, None, :]
+        distances.append(
+            torch.as_tensor(np.where(valid_nS[:, None, :], distance, -1), dtype=torch.int32, device=device)
+        )
+        q_slots.append(q_nL.reshape(-1))
+        k_slots.append(k_nS.reshape(-1))
+        shapes.append(q_nL.shape)
+        key_lengths.append(k_nS.shape[1])
+        num_slots += q_nL.size
+    gather_idx[gather_idx < 0] = num_slots
+    lengths = _runs(seg_BT)[1]
+    return VarlenPlan(
+        torch.as_tensor(np.concatenate(q_slots) if q_slots else np.zeros(0, np.int64), device=device),
+        shapes,
+        torch.as_tensor(gather_idx, device=device),
+        seg_BT.shape[0],
+        T,
+        torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32, device=device),
+        int(lengths.max(initial=0)),
+        torch.as_tensor(np.concatenate(k_slots) if k_slots else np.zeros(0, np.int64), device=device),
+        key_lengths,
+        distances,
+    )
+
+
+def _padded(token_lists: list[np.ndarray]) -> np.ndarray:
+    """int64 [n, max length]: each list, padded with its own first index."""
+    out = np.empty((len(token_lists), max(t.size for t in token_lists)), dtype=np.int64)
+    for i, t in enumerate(token_lists):
+        out[i] = t[0]
+        out[i, : t.size] = t
+    return out
 
 
 @functools.lru_cache(maxsize=None)
@@ -581,6 +690,8 @@ def _bucketed_attention(
 ) -> torch.Tensor:
     """[B, H, T, D] q and [B, KV, T, D] k/v -> [B*T, H, Dv]: causal attention inside each document (within
     ``sliding_window`` positions, with soft-capped scores when given)."""
+    if plan.key_index is not None:
+        return _shared_bucketed_attention(query, key, value, plan, scaling, dropout, sliding_window, softcap)
     B, H, T, D = query.shape
     dv = value.shape[-1]
     q_HS, k_KS, v_KS = (
@@ -592,6 +703,37 @@ def _bucketed_attention(
     for (n, L), q, k, v in zip(plan.bucket_shapes, q_HS.split(sizes, 1), k_KS.split(sizes, 1), v_KS.split(sizes, 1)):
         q, k, v = (x.view(x.shape[0], n, L, x.shape[-1]).transpose(0, 1) for x in (q, k, v))
         o_nHLD = _bucket_attention(q, k, v, scaling, dropout, sliding_window, softcap)
+        outs.append(o_nHLD.transpose(1, 2).reshape(n * L, H, dv))
+    outs.append(query.new_zeros(1, H, dv))  # the zero row padding tokens read
+    return torch.cat(outs).index_select(0, plan.gather_idx)
+
+
+def _shared_bucketed_attention(query, key, value, plan: VarlenPlan, scaling, dropout, sliding_window, softcap):
+    """``_bucketed_attention`` of a ``shared_varlen_plan``: per bucket, queries [n, H, L] over their gathered keys
+    [n, KV, Lk], allowed where ``0 <= pos_q - pos_k`` (``< sliding_window``)."""
+    B, H, T, D = query.shape
+    dv = value.shape[-1]
+    q_HS, k_KS, v_KS = (
+        x.transpose(0, 1).reshape(x.shape[1], B * T, x.shape[-1]).index_select(1, index)
+        for x, index in ((query, plan.slot_index), (key, plan.key_index), (value, plan.key_index))
+    )
+    q_sizes = [n * L for n, L in plan.bucket_shapes]
+    k_sizes = [n * Lk for (n, _), Lk in zip(plan.bucket_shapes, plan.key_lengths)]
+    outs = []
+    buckets = zip(plan.bucket_shapes, plan.key_lengths, plan.distances, q_HS.split(q_sizes, 1))
+    for ((n, L), Lk, distance, q), k, v in zip(buckets, k_KS.split(k_sizes, 1), v_KS.split(k_sizes, 1)):
+        q = q.view(H, n, L, D).transpose(0, 1)
+        k, v = (x.view(x.shape[0], n, Lk, x.shape[-1]).transpose(0, 1) for x in (k, v))
+        allowed = distance >= 0
+        if sliding_window is not None:
+            allowed = allowed & (distance < sliding_window)
+        allowed = allowed[:, None]
+        if softcap is not None:
+            o_nHLD = softcapped_attention(q, k, v, allowed, scaling, softcap, dropout)
+        else:
+            o_nHLD = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=k.shape[1] != H
+            )
         outs.append(o_nHLD.transpose(1, 2).reshape(n * L, H, dv))
     outs.append(query.new_zeros(1, H, dv))  # the zero row padding tokens read
     return torch.cat(outs).index_select(0, plan.gather_idx)
@@ -677,13 +819,23 @@ def model_inputs(
         "use_cache": False,
     }
 
+    par_BT = _parent_ids(batch, device)
+
     def dense(window: Optional[int]) -> torch.Tensor:
-        return document_mask(seg_BT, pos_BT, mask_dtype, window)
+        return document_mask(seg_BT, pos_BT, mask_dtype, window, par_BT)
 
     if attn_implementation in ("sdpa", "eager"):
         inputs["attention_mask"] = per_layer_type(layout, dense)
     elif attn_implementation == "flex_attention":
-        inputs["attention_mask"] = per_layer_type(layout, lambda w: document_block_mask(seg_BT, pos_BT, w))
+        inputs["attention_mask"] = per_layer_type(layout, lambda w: document_block_mask(seg_BT, pos_BT, w, par_BT))
+    elif par_BT is not None:
+        if attn_implementation in _FLASH_MODULES:
+            raise ConfigError(
+                f"attn_implementation={attn_implementation!r} cannot run a batch with shared prefixes "
+                f"(Batch.parent_ids): a completion's keys [prompt; completion] are not one contiguous run of the "
+                f"flattened batch. Collate with share_prefix=False, or use attn_implementation='varlen' or 'sdpa'."
+            )
+        inputs[PLAN_KWARG] = shared_varlen_plan(batch.segment_ids, batch.position_ids, batch.parent_ids, device)
     else:
         plan = varlen_plan(batch.segment_ids, batch.position_ids, device)
         if plan is None and attn_implementation in _FLASH_MODULES:
@@ -708,6 +860,13 @@ def model_inputs(
                 max_length_k=plan.max_seqlen,
             )
     return inputs
+
+
+def _parent_ids(batch: Batch, device: torch.device) -> Optional[torch.Tensor]:
+    """long [B, T] ``batch.parent_ids`` when some token has a parent segment, else None (every path unchanged)."""
+    if not getattr(batch, "shares_prefix", False):
+        return None
+    return torch.as_tensor(batch.parent_ids, dtype=torch.long, device=device)
 
 
 def forward_hidden(model: torch.nn.Module, batch: Batch, attn_implementation: Optional[str] = None) -> torch.Tensor:

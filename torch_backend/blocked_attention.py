@@ -13,7 +13,7 @@ Naive equivalent (what the tests compare against, on real tokens)::
 
     s = (q @ k^T) * scaling                      # GQA: each K/V head serves H / KV query heads
     s = softcap * tanh(s / softcap)              # only with softcap (Gemma 2)
-    allowed = seg_q[i] == seg_k[j] != 0 and 0 <= pos_q[i] - pos_k[j] (< sliding_window)
+    allowed = seg_k[j] != 0 and seg_k[j] in (seg_q[i], par_q[i]) and 0 <= pos_q[i] - pos_k[j] (< sliding_window)
     out = softmax(where(allowed, s, -inf)) @ v   # a query with no allowed key (padding) -> 0
 
 Backward recomputes the scores block by block from q, k, v, the output and the per-row
@@ -60,7 +60,8 @@ class BlockedPlan:
     """The ids a blocked attention call masks with, and which block pairs hold an allowed pair.
 
     ``seg_q``/``pos_q`` [B, L] belong to the queries, ``seg_k``/``pos_k`` [B, S] to the keys (the
-    same tensors without context parallelism; the gathered row's with ``allgather`` CP). Built once
+    same tensors without context parallelism; the gathered row's with ``allgather`` CP). ``par_q`` [B, L]
+    (or None) is the queries' parent segment (``Batch.parent_ids``), whose keys they also see. Built once
     per forward and shared by every layer; the block-pair lists are cached per sliding window.
     """
 
@@ -69,6 +70,7 @@ class BlockedPlan:
     seg_k: torch.Tensor
     pos_k: torch.Tensor
     block_size: int
+    par_q: Optional[torch.Tensor] = None
     _pairs: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +86,12 @@ class BlockedPlan:
         if sliding_window not in self._pairs:
             self._pairs[sliding_window] = _candidate_pairs(self, sliding_window)
         return self._pairs[sliding_window]
+
+    def allowed(self, qs: slice, ks: slice, sliding_window: Optional[int]) -> torch.Tensor:
+        """bool [B, 1, 1, bq, bk]: the exact mask of query block ``qs`` and key block ``ks``."""
+        par = None if self.par_q is None else self.par_q[:, qs]
+        ok = _allowed(self.seg_q[:, qs], self.pos_q[:, qs], self.seg_k[:, ks], self.pos_k[:, ks], sliding_window, par)
+        return ok[:, None, None]
 
 
 def _block_reduce(x_BT: torch.Tensor, block: int, fill: int, op) -> torch.Tensor:
@@ -124,6 +132,9 @@ def _candidate_pairs(plan: BlockedPlan, sliding_window: Optional[int]) -> list[l
     sq_min, sq_max, pq_min, pq_max, q_one = _block_ranges(plan.seg_q, plan.pos_q, plan.block_size)
     sk_min, sk_max, pk_min, pk_max, k_one = _block_ranges(plan.seg_k, plan.pos_k, plan.block_size)
     ok = (sq_min[:, :, None] <= sk_max[:, None, :]) & (sk_min[:, None, :] <= sq_max[:, :, None])
+    if plan.par_q is not None:  # or some query's parent segment among the keys' segments
+        par_min, par_max = _block_ranges(plan.par_q, plan.pos_q, plan.block_size)[:2]  # tokens with a parent only
+        ok |= (par_min[:, :, None] <= sk_max[:, None, :]) & (sk_min[:, None, :] <= par_max[:, :, None])
     ok &= pk_min[:, None, :] <= pq_max[:, :, None]  # some key not after some query
     full = q_one[:, :, None] & k_one[:, None, :] & (sq_min[:, :, None] == sk_min[:, None, :])
     full &= pk_max[:, None, :] <= pq_min[:, :, None]  # every key not after every query
@@ -137,9 +148,12 @@ def _candidate_pairs(plan: BlockedPlan, sliding_window: Optional[int]) -> list[l
     ]
 
 
-def _allowed(seg_q, pos_q, seg_k, pos_k, sliding_window: Optional[int]) -> torch.Tensor:
-    """bool [B, bq, bk] of one block pair: same real document, key not after query (within the window)."""
+def _allowed(seg_q, pos_q, seg_k, pos_k, sliding_window: Optional[int], par_q=None) -> torch.Tensor:
+    """bool [B, bq, bk] of one block pair: same real document (or the query's parent segment), key not after
+    query (within the window)."""
     same_doc = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_q[:, :, None] != 0)
+    if par_q is not None:
+        same_doc |= (par_q[:, :, None] == seg_k[:, None, :]) & (seg_k[:, None, :] != 0)
     distance = pos_q[:, :, None] - pos_k[:, None, :]
     ok = same_doc & (distance >= 0)
     if sliding_window is not None:
@@ -185,10 +199,7 @@ class _BlockedAttention(torch.autograd.Function):
                 ks = slice(kj * bs, (kj + 1) * bs)
                 s, _ = _scores(q_blk, k[:, :, ks].to(wd), scaling, softcap)
                 if not full:
-                    ok = _allowed(
-                        plan.seg_q[:, qs], plan.pos_q[:, qs], plan.seg_k[:, ks], plan.pos_k[:, ks], sliding_window
-                    )[:, None, None]
-                    s = s.masked_fill(~ok, float("-inf"))
+                    s = s.masked_fill(~plan.allowed(qs, ks, sliding_window), float("-inf"))
                 m_new = torch.maximum(m, s.amax(-1))
                 m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows with nothing allowed yet
                 p = torch.exp(s - m_safe[..., None])
@@ -228,10 +239,7 @@ class _BlockedAttention(torch.autograd.Function):
                 s, t = _scores(q_blk, k_blk, scaling, cap)
                 p = torch.exp(s - lse_blk)  # [B, KV, G, bq, bk]
                 if not full:
-                    ok = _allowed(plan.seg_q[:, qs], plan.pos_q[:, qs], plan.seg_k[:, ks], plan.pos_k[:, ks], window)[
-                        :, None, None
-                    ]
-                    p = torch.where(ok, p, 0.0)
+                    p = torch.where(plan.allowed(qs, ks, window), p, 0.0)
                 dv[:, :, ks] += torch.einsum("bkgqn,bkgqd->bknd", p, do_blk)
                 ds = p * (torch.einsum("bkgqd,bknd->bkgqn", do_blk, v_blk) - delta_blk)
                 if t is not None:
@@ -369,7 +377,10 @@ def blocked_model_inputs(model: torch.nn.Module, batch, device) -> dict:
     """Keyword arguments for the HF decoder's ``forward`` on the blocked path: no mask, one ``BlockedPlan``."""
     seg_BT = torch.as_tensor(batch.segment_ids, dtype=torch.long, device=device)
     pos_BT = torch.as_tensor(batch.position_ids, dtype=torch.long, device=device)
-    plan = BlockedPlan(seg_BT, pos_BT, seg_BT, pos_BT, attention_block_size(causal_lm_of(model)))
+    par_BT = None
+    if getattr(batch, "shares_prefix", False):
+        par_BT = torch.as_tensor(batch.parent_ids, dtype=torch.long, device=device)
+    plan = BlockedPlan(seg_BT, pos_BT, seg_BT, pos_BT, attention_block_size(causal_lm_of(model)), par_BT)
     return {
         "input_ids": torch.as_tensor(batch.input_ids, dtype=torch.long, device=device),
         "position_ids": pos_BT,

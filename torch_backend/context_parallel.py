@@ -132,6 +132,11 @@ def shard_for_rank(batch: Batch, cp: int, cp_rank: int, device: Any = "cpu") -> 
     ([[5, 6, 3, 2]], [[6, 7, 2, -100]], [[0, 1, 3, 4]])
     """
     check_cp_seq_len(batch.input_ids.shape[1], cp)
+    if batch.shares_prefix:
+        raise ConfigError(
+            f"context_parallel_size={cp} got a prefix-shared batch (parent_ids set); torch's context-parallel "
+            f"attention does not carry parent segments yet; pass share_prefix=False when collating (--no-share-prefix)."
+        )
     arrays = shard_batch(batch, cp, load_balance=True).rank(cp_rank)
 
     def tensor(name: str) -> torch.Tensor:

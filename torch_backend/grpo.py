@@ -29,8 +29,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, TrainConfig
+from twinseq.common.data.prefix_sharing import shares_prefix
 from twinseq.common.data.prepare import run_tokenizer
 from twinseq.common.data.prompts import prepare_grpo_prompts, resolve_reward_funcs
 from twinseq.common.errors import ConfigError, MissingDependencyError
@@ -49,12 +51,22 @@ from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import reference_description
 from twinseq.torch_backend import triton_ce
 from twinseq.torch_backend.attention import forward_hidden
+from twinseq.torch_backend.distributed import Runtime
 from twinseq.torch_backend.generation import generate
+from twinseq.torch_backend.grpo_context_parallel import CPCompletionShard, completion_shard, cp_completion_logps
 from twinseq.torch_backend.logprobs import TargetRows, token_logps, token_logps_entropy
 from twinseq.torch_backend.losses import apply_logit_softcap, final_logit_softcap, liger_chunked_loss
 from twinseq.torch_backend.parallel import parallelize
 from twinseq.torch_backend.peft import reference_mode
-from twinseq.torch_backend.trainer import TorchTrainer, add_peft, autocast, build_causal_lm, describe, offload_context
+from twinseq.torch_backend.trainer import (
+    TorchTrainer,
+    add_peft,
+    autocast,
+    build_causal_lm,
+    cp_reference,
+    describe,
+    offload_context,
+)
 from twinseq.torch_backend.unwrap import lm_head_weight
 from twinseq.torch_backend.vllm_engine import check_vllm, engine_for_grpo
 
@@ -413,8 +425,10 @@ def split_micro_batches(
     device: torch.device,
     num_columns: int,
     pad_to_multiple_of: Optional[int] = None,
+    share_prefix: bool = False,
 ) -> list[GRPOMicroBatch]:
-    """Consecutive slices of ``micro_size`` completions, collated (``collate_completions``)."""
+    """Consecutive slices of ``micro_size`` completions, collated (``collate_completions``; ``share_prefix``: the
+    completions of one prompt in a slice share it)."""
     out = []
     for s in range(0, len(completions), micro_size):
         sl = slice(s, s + micro_size)
@@ -425,6 +439,7 @@ def split_micro_batches(
             pad_token_id=pad_token_id,
             num_columns=num_columns,
             pad_to_multiple_of=pad_to_multiple_of,
+            share_prefix=share_prefix,
         )
         out.append(
             GRPOMicroBatch(
@@ -444,7 +459,11 @@ def split_micro_batches(
 class GRPOTrainer(GroupRollout, TorchTrainer):
     """GRPO's torch trainer: ``common.run.rollout.GroupRollout`` (generation every ``num_iterations`` steps, rewards,
     advantages, the step's metrics) on ``TorchTrainer``'s hooks; here only what is torch: sampling (HF generate
-    with a KV cache, or a colocated vLLM engine), the kept log-probs, and the micro-step."""
+    with a KV cache, or a colocated vLLM engine), the kept log-probs, and the micro-step.
+
+    Under context parallelism (``runtime`` with ``cp > 1``: FSDP2 over exactly the cp ranks) every rank generates
+    the same completions (the same seed and weights, the model's own attention, ``synced_gpus``) and keeps rank 0's
+    (broadcast: exactly one set); the log-prob forwards run sharded (``grpo_context_parallel``)."""
 
     def __init__(
         self,
@@ -456,8 +475,11 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         reward_funcs: Sequence[Any],
         ref_model: Optional[torch.nn.Module] = None,
         vllm: Optional[Any] = None,
+        runtime: Optional[Runtime] = None,
+        generation_attn: Optional[str] = None,
     ) -> None:
-        super().__init__(cfg, module, device)
+        super().__init__(cfg, module, device, runtime)
+        self.generation_attn = generation_attn  # under cp: the HF attention generation runs (the cp one needs shards)
         self.init_rollout(cfg, tokenizer, reward_funcs)
         self.ref_model = ref_model
         self.vllm = vllm  # a vllm_engine.ColocatedVLLM: generation by vLLM instead of HF generate
@@ -481,6 +503,8 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
         g, tok = self.cfg.grpo, self.tokenizer
         if self.vllm is not None:
             return self._vllm_sample(prompt_ids)
+        if self.runtime is not None and not extra:
+            return self._cp_sample(prompt_ids)
         return generate(
             self.causal_lm,
             prompt_ids,
@@ -493,6 +517,29 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
             greedy=g.generation_greedy,
             **extra,
         ).completion_ids
+
+    def _cp_sample(self, prompt_ids: list[list[int]]) -> np.ndarray:
+        """Generation under context parallelism: inside the FSDP2 root's forward (which gathers the root parameters),
+        with the model's own attention in place of the cp one, every rank stepping until all are done; rank 0's
+        completions are broadcast to the others."""
+        assert self.generation_attn is not None, "build_grpo passes the generation attention under cp"
+        model_config: Any = self.causal_lm.config
+        cp_attn = model_config._attn_implementation
+
+        def run(causal_lm: Any) -> np.ndarray:
+            causal_lm.set_attn_implementation(self.generation_attn)
+            try:
+                with autocast(self.cfg, self.device):
+                    return self.sample(prompt_ids, synced_gpus=True)
+            finally:
+                causal_lm.set_attn_implementation(cp_attn)
+
+        try:
+            ids = [self.module(run)]
+        finally:
+            self.reshard()
+        dist.broadcast_object_list(ids, src=0)
+        return ids[0]
 
     def _vllm_sample(self, prompt_ids: list[list[int]]) -> np.ndarray:
         """Sync the weights (every generation follows at least one optimizer step, or is the first), generate
@@ -544,6 +591,7 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
             device=self.device,
             num_columns=num_columns,
             pad_to_multiple_of=d.pad_to_multiple_of,
+            share_prefix=shares_prefix(self.cfg),
         )
         self._kept_logps(micro)
         if self.vllm_is and self._sampling_logps is not None:
@@ -582,8 +630,8 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
 
     def _forward(self, fn: Any) -> Any:
         """``fn(causal_lm)``: the policy forward of a micro-batch (a ZeRO-3 engine runs it in its root forward,
-        where the LM head's weight is gathered)."""
-        return fn(self.causal_lm)
+        where the LM head's weight is gathered; FSDP2's root forward gathers the root parameters alike)."""
+        return fn(self.causal_lm) if self.runtime is None else self.module(fn)
 
     def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -598,6 +646,8 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
             temperature=g.temperature,
             attn_implementation=c.model.attn_implementation,
         )
+        if self.runtime is not None:
+            return self._cp_kept_logps(micro, kw)
         for mb in micro:
             with autocast(c, self.device):
                 if self.keeps_old_logps:
@@ -608,6 +658,41 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
                     else:
                         with reference_mode(self.causal_lm):
                             mb.ref_logps_NC = completion_logps(self.causal_lm, mb.cb, **kw)[0].float()
+
+    # -- context parallelism ----------------------------------------------------------------
+
+    @property
+    def cp(self) -> int:
+        return 1 if self.runtime is None else self.runtime.mesh_cfg.cp
+
+    def _cp_logps(self, lm: torch.nn.Module, shard: CPCompletionShard, **kw: Any):
+        assert self.runtime is not None
+        return cp_completion_logps(lm, shard, self.runtime.cp_group, self.cfg.parallel.context_parallel_strategy, **kw)
+
+    def _cp_kept_logps(self, micro: list[GRPOMicroBatch], kw: dict[str, Any]) -> None:
+        """``_kept_logps`` under context parallelism: this rank's shard of each micro-batch through the sampling
+        policy (inside the FSDP2 root's forward) and the reference, the per-token log-probs summed over the cp group."""
+        assert self.runtime is not None
+        c = self.cfg
+        kw = {k: v for k, v in kw.items() if k != "attn_implementation"}
+        for mb in micro:
+            shard = completion_shard(mb.cb, self.cp, self.runtime.cp_rank, self.device)
+            with autocast(c, self.device):
+                if self.keeps_old_logps:
+                    mb.old_logps_NC = self.module(lambda lm, s=shard: self._cp_logps(lm, s, **kw)[0]).float()
+                if self.kl_beta > 0:
+                    if self.ref_model is not None:
+                        mb.ref_logps_NC = self._cp_logps(self.ref_model, shard, **kw)[0].float()
+                    else:
+                        with reference_mode(self.causal_lm):
+                            mb.ref_logps_NC = self.module(lambda lm, s=shard: self._cp_logps(lm, s, **kw)[0]).float()
+        self.reshard()
+
+    def _cp_policy(self, mb: GRPOMicroBatch, **kw: Any):
+        """The policy's log-probs of ``mb`` under context parallelism, as ``completion_logps`` returns them."""
+        assert self.runtime is not None
+        shard = completion_shard(mb.cb, self.cp, self.runtime.cp_rank, self.device)
+        return lambda lm: self._cp_logps(lm, shard, **kw)
 
     # -- the micro-step --------------------------------------------------------------------
 
@@ -621,18 +706,21 @@ class GRPOTrainer(GroupRollout, TorchTrainer):
                     )
                     entropy = None
                 else:
+                    kw: dict[str, Any] = dict(
+                        loss_type=c.loss.loss_type,
+                        chunk_size=c.loss.loss_chunk_size,
+                        temperature=c.grpo.temperature,
+                        with_entropy=True,
+                        entropy_grad=self.loss_spec.entropy_bonus,
+                    )
+                    logps_of = (
+                        (lambda lm: completion_logps(lm, mb.cb, attn_implementation=c.model.attn_implementation, **kw))
+                        if self.runtime is None
+                        else self._cp_policy(mb, **kw)
+                    )
 
                     def policy(lm: torch.nn.Module) -> tuple[torch.Tensor, dict, Optional[torch.Tensor]]:
-                        logps, entropy = completion_logps(
-                            lm,
-                            mb.cb,
-                            loss_type=c.loss.loss_type,
-                            chunk_size=c.loss.loss_chunk_size,
-                            temperature=c.grpo.temperature,
-                            attn_implementation=c.model.attn_implementation,
-                            with_entropy=True,
-                            entropy_grad=self.loss_spec.entropy_bonus,
-                        )
+                        logps, entropy = logps_of(lm)
                         loss, metrics = grpo_loss_torch(
                             logps.float(),
                             mb.advantages_N,
@@ -667,9 +755,10 @@ def build_grpo(
     reward_funcs: Optional[Sequence[Any]] = None,
     inputs: RunInputs = NO_INPUTS,
 ):
-    """(trainer, source, tokenizer, announce lines) of a GRPO run; ``reward_funcs`` (names or callables; else
-    ``inputs.reward_funcs``) overrides ``cfg.grpo.reward_funcs``."""
-    if runtime is not None:
+    """(trainer, source, tokenizer, announce lines) of a GRPO run, in one process or under FSDP2 + context parallelism
+    over exactly ``cp`` ranks (``common.run.capabilities`` refuses the rest); ``reward_funcs`` (names or callables;
+    else ``inputs.reward_funcs``) overrides ``cfg.grpo.reward_funcs``."""
+    if runtime is not None and cfg.parallel.context_parallel_size == 1:
         raise ConfigError(
             f"task={cfg.task} runs in one process on the torch backend here (generation is not sharded); "
             "launch it without torchrun/accelerate."
@@ -698,7 +787,11 @@ def build_grpo(
         causal_lm = add_peft(cfg, causal_lm)  # the reference is the base: adapters disabled
     elif cfg.reference_kl_beta > 0:
         ref_model = copy.deepcopy(causal_lm).requires_grad_(False).eval()
-    module = parallelize(causal_lm, None, cfg)
+        if runtime is not None:
+            ref_model = cp_reference(ref_model, cfg, runtime)
+    model_config: Any = causal_lm.config
+    generation_attn = model_config._attn_implementation  # before parallelize switches to the cp attention
+    module = parallelize(causal_lm, runtime, cfg)
     source, generation_batch = generation_source(cfg, rows)
     cfg = with_resolved_max_steps(cfg, source)  # max_steps=-1: num_train_epochs passes over the source
     engine = None
@@ -710,7 +803,15 @@ def build_grpo(
         else f"vLLM colocate, sleep {'level ' + str(g.vllm_sleep_level) if g.vllm_enable_sleep_mode else 'off'}"
     )
     trainer = GRPOTrainer(
-        cfg, module, device, tokenizer=tokenizer, reward_funcs=funcs, ref_model=ref_model, vllm=engine
+        cfg,
+        module,
+        device,
+        tokenizer=tokenizer,
+        reward_funcs=funcs,
+        ref_model=ref_model,
+        vllm=engine,
+        runtime=runtime,
+        generation_attn=generation_attn,
     )
     announce = [
         describe(cfg, causal_lm, device),
@@ -720,4 +821,11 @@ def build_grpo(
         f"{loss_description(cfg)}, reference={reference_description(cfg)}, num_iterations="
         f"{g.num_iterations}, rewards={[reward_func_name(f) for f in funcs]}, generation={generation}",
     ]
+    if runtime is not None:
+        m = runtime.mesh_cfg
+        announce.append(
+            f"mesh: cp={m.cp} on {m.world_size} ranks ({dist.get_backend()}), FSDP2 over the cp ranks, cp strategy="
+            f"{cfg.parallel.context_parallel_strategy}; every rank generates the same completions (rank 0's are "
+            f"broadcast) and scores T/cp tokens of each row, the per-token log-probs summed over the cp group"
+        )
     return trainer, source, tokenizer, announce

@@ -35,6 +35,9 @@ class Batch:
     segment_ids: np.ndarray  # int32 [B, T]
     cu_seqlens: np.ndarray  # int32 [num_docs + 1]
     num_items_in_batch: int
+    parent_ids: Optional[np.ndarray] = None
+    """int32 [B, T] or None: the segment each token may attend to besides its own (a shared prompt), 0 = none;
+    built by ``common.data.prefix_sharing.collate_shared``."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -65,12 +68,20 @@ class Batch:
     def attention_allowed(self) -> np.ndarray:
         """bool [B, T, T]: the reference document-causal mask of the contract.
 
-        ``allowed[b, i, j]`` iff ``segment_ids[b, i] == segment_ids[b, j] != 0`` and
-        ``position_ids[b, j] <= position_ids[b, i]``. O(T^2): for tests and small T only.
+        ``allowed[b, i, j]`` iff ``segment_ids[b, i] == segment_ids[b, j] != 0`` (or, with ``parent_ids``,
+        ``segment_ids[b, j] == parent_ids[b, i] != 0``) and ``position_ids[b, j] <= position_ids[b, i]``.
+        O(T^2): for tests and small T only.
         """
         seg, pos = self.segment_ids, self.position_ids
         same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
+        if self.parent_ids is not None:
+            same |= (self.parent_ids[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
         return same & (pos[:, None, :] <= pos[:, :, None])
+
+    @property
+    def shares_prefix(self) -> bool:
+        """True when some token attends to a parent segment (a shared prompt)."""
+        return self.parent_ids is not None and bool((self.parent_ids != 0).any())
 
 
 def _as_int_list(value: Any, field: str, index: int) -> np.ndarray:
@@ -266,6 +277,46 @@ def check_batch(batch: Any, vocab_size: int) -> None:
                 f"vocabulary [0, {vocab_size}){'' if allowed is None else f' (and not {allowed})'}; "
                 f"fix the tokenisation or use a model whose vocab_size covers the tokenizer."
             )
+    check_parents(batch)
+
+
+def check_parents(batch: Batch) -> None:
+    """Raise ``DataError`` unless ``batch.parent_ids`` follows the contract: a parent is a segment of the same
+    row that lies wholly before its children, has no parent itself, and whose positions all precede the child's.
+    """
+    par, seg, pos = batch.parent_ids, batch.segment_ids, batch.position_ids
+    if par is None:
+        return
+    if np.shape(par) != np.shape(seg):
+        raise DataError(
+            f"parent_ids has shape {np.shape(par)}, segment_ids {np.shape(seg)}; give one parent segment id per "
+            f"token (0 = none), as common.data.prefix_sharing.collate_shared builds it."
+        )
+    for r in range(seg.shape[0]):
+        for child in np.unique(seg[r][(par[r] != 0) & (seg[r] != 0)]):
+            idx = np.nonzero(seg[r] == child)[0]
+            parents = np.unique(par[r, idx])
+            p = int(parents[0])
+            where = f"row {r}, segment {int(child)}"
+            if parents.size != 1:
+                raise DataError(f"{where}: parent_ids {parents.tolist()} differ within the segment; give one parent.")
+            pidx = np.nonzero(seg[r] == p)[0]
+            if p == child or pidx.size == 0 or pidx.max() >= idx.min():
+                raise DataError(
+                    f"{where}: parent_ids name segment {p}, not an earlier segment of the row; put a parent wholly "
+                    f"before its children (build the batch with common.data.prefix_sharing.collate_shared)."
+                )
+            if (par[r, pidx] != 0).any():
+                raise DataError(
+                    f"{where}: parent segment {p} has a parent itself (parent_ids != 0 on it); prefixes are one level "
+                    f"deep: set parent_ids to 0 on the parent's tokens."
+                )
+            if pos[r, pidx].max() >= pos[r, idx].min():
+                raise DataError(
+                    f"{where}: the parent's positions reach {int(pos[r, pidx].max())}, the child starts at "
+                    f"{int(pos[r, idx].min())}; a child continues its parent's positions: start the child's "
+                    f"position_ids after the parent's."
+                )
 
 
 def pad_batch(batch: Batch, rows: int, multiple: int) -> Batch:
@@ -298,6 +349,7 @@ def pad_batch(batch: Batch, rows: int, multiple: int) -> Batch:
         labels=pad(batch.labels, IGNORE_INDEX),
         position_ids=pad(batch.position_ids, 0),
         segment_ids=pad(batch.segment_ids, 0),
+        parent_ids=None if batch.parent_ids is None else pad(batch.parent_ids, 0),
     )
 
 

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from twinseq.common.data.batching import IGNORE_INDEX, Batch, _as_int_list, collate
+from twinseq.common.data.prefix_sharing import SharedGroup, collate_shared
 from twinseq.common.errors import DataError
 from twinseq.common.objectives.nll import shift_labels, token_nll
 
@@ -116,12 +117,24 @@ def _ref_logps(examples: Sequence[Mapping[str, Any]], field: str) -> Optional[np
     return np.array([float(ex[field]) for ex in examples], dtype=np.float64)
 
 
+def _shared_groups(examples: Sequence[Mapping[str, Any]], docs: list[dict[str, np.ndarray]]) -> list[SharedGroup]:
+    """One group per example: its prompt, then its chosen (document i) and rejected (document N + i) completions."""
+    n, out = len(examples), []
+    for i in range(n):
+        chosen, rejected = docs[i], docs[n + i]
+        p = int((chosen["completion_mask"] == 0).sum())
+        completions = (chosen["input_ids"][p:], rejected["input_ids"][p:])
+        out.append(SharedGroup(chosen["input_ids"][:p], completions, (i, n + i)))
+    return out
+
+
 def collate_preference(
     examples: Sequence[Mapping[str, Any]],
     *,
     padding_free: bool = False,
     pad_token_id: int = 0,
     pad_to_multiple_of: Optional[int] = None,
+    share_prefix: bool = False,
 ) -> PreferenceBatch:
     """Collate preference rows (``prompt_input_ids``, ``chosen_input_ids``, ``rejected_input_ids``,
     optionally ``ref_chosen_logps`` / ``ref_rejected_logps``) into chosen-then-rejected documents.
@@ -138,15 +151,24 @@ def collate_preference(
             "collate_preference() needs a non-empty list of preference rows (dicts with "
             f"{', '.join(PREFERENCE_FIELDS)}); got {type(examples).__name__}: pass the tokenised rows as a list."
         )
-    batch = collate(
-        _document_examples(examples),
-        padding_free=padding_free,
-        pad_token_id=pad_token_id,
-        pad_to_multiple_of=pad_to_multiple_of,
-        completion_only_loss=True,
-    )
+    docs = _document_examples(examples)
     num_examples = len(examples)
-    target_doc_ids = _target_doc_ids(batch)
+    if share_prefix:
+        batch, target_doc_ids = collate_shared(
+            _shared_groups(examples, docs),
+            padding_free=padding_free,
+            pad_token_id=pad_token_id,
+            pad_to_multiple_of=pad_to_multiple_of,
+        )
+    else:
+        batch = collate(
+            docs,
+            padding_free=padding_free,
+            pad_token_id=pad_token_id,
+            pad_to_multiple_of=pad_to_multiple_of,
+            completion_only_loss=True,
+        )
+        target_doc_ids = _target_doc_ids(batch)
     counts = np.bincount(target_doc_ids[target_doc_ids >= 0], minlength=2 * num_examples).astype(np.int32)
     if (counts == 0).any():
         d = int(np.argmin(counts))

@@ -27,6 +27,7 @@ import numpy as np
 from twinseq.common.config import TrainConfig
 from twinseq.common.data.batching import IGNORE_INDEX
 from twinseq.common.data.preference_batching import PREFERENCE_FIELDS, PreferenceBatch, collate_preference
+from twinseq.common.data.prefix_sharing import shares_prefix
 from twinseq.common.data.sft_steps import DataState, StepIterator, empty_micro_batch
 from twinseq.common.errors import DataError, DataTypeError
 
@@ -162,6 +163,7 @@ class PreferenceStepIterator(StepIterator):
             )
         self.state = DataState()
         self._order = self._permutation(0)
+        self.share_prefix = shares_prefix(cfg)
 
     @property
     def examples_per_step(self) -> int:
@@ -178,6 +180,7 @@ class PreferenceStepIterator(StepIterator):
             padding_free=c.padding_free,
             pad_token_id=self.pad_token_id,
             pad_to_multiple_of=c.pad_to_multiple_of,
+            share_prefix=self.share_prefix,
         )
 
     def _empty_pairs(self) -> PreferenceBatch:

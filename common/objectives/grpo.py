@@ -26,6 +26,7 @@ import numpy as np
 
 from twinseq.common.data.batching import collate
 from twinseq.common.data.preference_batching import _target_doc_ids
+from twinseq.common.data.prefix_sharing import SharedGroup, collate_shared, group_consecutive
 from twinseq.common.errors import ConfigError, ConfigTypeError, DataError
 from twinseq.common.fields import _CHECKS_ON, _check_fields, knob
 
@@ -643,8 +644,12 @@ def collate_completions(
     pad_token_id: int = 0,
     num_columns: Optional[int] = None,
     pad_to_multiple_of: Optional[int] = None,
+    share_prefix: bool = False,
 ) -> CompletionBatch:
     """Prompt and (trimmed, non-empty) completion ids -> a ``CompletionBatch``.
+
+    ``share_prefix``: consecutive completions of an equal prompt (a GRPO group) share one copy of it
+    (``common.data.prefix_sharing``); padded, a group is a row. The log-probs are those of the unshared batch.
 
     >>> cb = collate_completions([[1, 5], [1]], [[7, 2], [8]], padding_free=True)
     >>> cb.batch.input_ids.tolist(), cb.token_row_n.tolist(), cb.token_col_n.tolist()
@@ -655,15 +660,19 @@ def collate_completions(
             f"collate_completions needs one completion per prompt, got {len(prompt_ids)} prompts and "
             f"{len(completion_ids)} completions; pass one completion per prompt (at least one of each)."
         )
+    _check_nonempty(prompt_ids, completion_ids)
+    if share_prefix:
+        groups = [
+            SharedGroup(np.asarray(prompt_ids[run[0]]), tuple(np.asarray(completion_ids[i]) for i in run), tuple(run))
+            for run in group_consecutive(prompt_ids)
+        ]
+        batch, target_doc_ids = collate_shared(
+            groups, padding_free=padding_free, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of
+        )
+        return _completion_batch(batch, target_doc_ids, completion_ids, num_columns)
     docs = []
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+    for p, c in zip(prompt_ids, completion_ids):
         p, c = np.asarray(p, np.int64), np.asarray(c, np.int64)
-        if p.size == 0 or c.size == 0:
-            raise DataError(
-                f"document {i}: the {'prompt' if p.size == 0 else 'completion'} is empty "
-                f"({(p if p.size == 0 else c).tolist()}); a prompt needs at "
-                f"least one token (a BOS) to predict the completion's first token from: prepend a BOS token."
-            )
         docs.append(
             {
                 "input_ids": np.concatenate([p, c]),
@@ -677,7 +686,25 @@ def collate_completions(
         pad_to_multiple_of=pad_to_multiple_of,
         completion_only_loss=True,
     )
-    target_doc_ids = _target_doc_ids(batch)
+    return _completion_batch(batch, _target_doc_ids(batch), completion_ids, num_columns)
+
+
+def _check_nonempty(prompt_ids: Sequence[Any], completion_ids: Sequence[Any]) -> None:
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        p, c = np.asarray(p, np.int64), np.asarray(c, np.int64)
+        if p.size == 0 or c.size == 0:
+            raise DataError(
+                f"document {i}: the {'prompt' if p.size == 0 else 'completion'} is empty "
+                f"({(p if p.size == 0 else c).tolist()}); a prompt needs at "
+                f"least one token (a BOS) to predict the completion's first token from: prepend a BOS token."
+            )
+
+
+def _completion_batch(
+    batch: Any, target_doc_ids: np.ndarray, completion_ids: Sequence[Any], num_columns: Optional[int]
+) -> CompletionBatch:
+    """The ``CompletionBatch`` of a collated batch whose targets of document n are completion n's tokens, in order."""
+    docs = range(len(completion_ids))
     doc_n = target_doc_ids[target_doc_ids >= 0].astype(np.int64)
     lengths = np.bincount(doc_n, minlength=len(docs))
     expected = np.array([len(c) for c in completion_ids])

@@ -82,6 +82,15 @@ LoRA
     LoRA dropout) and ``A``'s output (``r``) per token. The base keeps the full fine-tune's saved set (measured:
     freezing it frees next to nothing).
 
+Mixture of experts (``qwen3_moe``, ``mixtral``)
+    Every expert is resident: the experts' weights, gradients and optimizer state get rows of their own
+    (``expert ...``, split out of the state rows, the total unchanged), whatever the routing. A MoE layer saves, in
+    place of the dense MLP's ``mlp x i``, ``top_k`` routed copies of each token (``MOE_SAVED``: the gathered input,
+    the experts' gate/up products, the down output the routing weight scales) and the router's logits and softmax
+    (``E`` per token): rows ``routed activations (MoE)`` and ``router logits (MoE)``. ``grouped matmul workspace
+    (MoE)``: the permutations that sort the copies by expert, and on jax CPU the dense lowering of ``ragged_dot``
+    (``JAX_RAGGED_DOT_CPU``, linear in the experts).
+
 Activation offloading (CUDA): saved decoder activations move to host memory; the device keeps two layers'
 worth in flight. On CPU the host *is* the device, so it saves nothing and the plan says so.
 
@@ -120,6 +129,7 @@ from twinseq.common.config import (
     JAX_DENSE_ATTN_IMPLEMENTATIONS,
     TRITON_DW_SLICE_BYTES,
 )
+from twinseq.common.data.prefix_sharing import prefix_sharing_off_reason
 from twinseq.common.errors import ConfigError
 from twinseq.common.models.configs import ModelConfig, parameter_shapes, resolve_model_config
 from twinseq.common.models.peft import LINEAR_MODULES, PeftConfig, adapter_shapes, base_dtype, lora_targets
@@ -163,6 +173,35 @@ LOGITS_COPIES = {"torch": 3.0, "jax": 2.5}
 gradient of the log-softmax and of the logits (torch frees the logits after the log-softmax). jax's value is
 fitted to the compiled step (XLA reuses some of those buffers: 2.1 copies on ``tiny``, 3.1 on ``small``)."""
 CHUNK_COPIES = 3.0
+
+
+@dataclass(frozen=True)
+class MoeCoefficients:
+    """Elements a mixture-of-experts layer saves per token: ``top_k * (routed_mlp * m + routed_hidden * h)`` for the
+    routed copies (each token's hidden state goes through ``top_k`` experts of intermediate ``m``) and
+    ``router * num_experts`` for the router, in place of the dense MLP's ``mlp * i``."""
+
+    routed_mlp: float
+    routed_hidden: float
+    router: float
+
+
+MOE_SAVED = {
+    # torch, transformers' grouped_mm experts (integrations.moe.grouped_mm_experts_forward), per token copy: the
+    # gathered input (h), the gate_up output (2m), act(gate) (m), the gated product the down matmul reads (m) and
+    # the down output the routing weight multiplies (h); per token the router's logits and float32 softmax (2 E)
+    "torch": MoeCoefficients(routed_mlp=4, routed_hidden=2, router=2),
+    # jax_backend.model.SparseMoeBlock (ragged_dot over the sorted copies): the same set, as XLA keeps the dense MLP's
+    # (5 i) with its gathered input and weighted output
+    "jax": MoeCoefficients(routed_mlp=5, routed_hidden=2, router=2),
+}
+JAX_RAGGED_DOT_CPU = (3.25, 1.25)
+"""jax on CPU: XLA:CPU lowers ``jax.lax.ragged_dot`` to a dense product over every expert, so one MoE layer's forward
++ backward holds ``num_experts x copies x (3.25 h + 1.25 m)`` numbers at once (fitted to ``compiled.memory_analysis()``
+of ``SparseMoeBlock``'s value-and-grad: E in {4, 8}, h in {96, 256, 512}, m in {64, 128, 256, 512}, 2048 copies;
+each point within 10 %). Linear in the experts: the grouped kernel's saving is not there on CPU."""
+MOE_ROWS = ("routed activations (MoE)", "router logits (MoE)")
+"""The MoE layers' share of the decoder activations, reported as their own rows."""
 
 
 @dataclass(frozen=True)
@@ -302,6 +341,8 @@ ACTIVATION_ROWS = (
     "attention mask",
     "LoRA activations",
     "logits (loss kernel)",
+    *MOE_ROWS,
+    "grouped matmul workspace (MoE)",
 )
 """The rows that grow with the tokens of a micro-batch."""
 
@@ -374,11 +415,31 @@ def _micro_batch_shape(config, backend: str) -> tuple[int, int]:
         )
     per_row = 2 if config.task == "dpo" else 1
     rows = d.per_device_train_batch_size * per_row
+    shared = _shared_row_length(config)
+    if shared is not None:  # prefix sharing: a pair (DPO) or a group (GRPO) is one row, its prompt written once
+        rows, length = shared
     if d.padding_free:
         rows, length = 1, rows * length
     multiple = d.pad_to_multiple_of or (64 if backend == "jax" else 1)
     length = -(-length // multiple) * multiple
     return rows, length
+
+
+def _shared_row_length(config) -> Optional[tuple[int, int]]:
+    """(rows, row length) of a prefix-shared micro-batch (``common.data.prefix_sharing``), or None when the run does
+    not share. A prompt of P tokens and its completions of C: ``P - 1 + k * (C + 1)`` tokens for k completions, with
+    P = ``max_prompt_length`` and C = ``max_length - P`` (DPO, k = 2) or ``max_completion_length`` (GRPO, k =
+    ``num_generations``, a micro-batch's completions grouped by prompt)."""
+    d = config.data
+    if prefix_sharing_off_reason(config) is not None or d.max_prompt_length is None:
+        return None
+    p = min(d.max_prompt_length, d.max_length)
+    if config.task == "dpo":
+        return d.per_device_train_batch_size, p - 1 + 2 * (d.max_length - p + 1)
+    c = d.max_completion_length if d.max_completion_length is not None else d.max_length - p
+    g = min(config.grpo.num_generations, d.per_device_train_batch_size)
+    groups = -(-d.per_device_train_batch_size // g)
+    return groups, p - 1 + g * (c + 1)
 
 
 def _quant_stats_key(backend: str) -> str:
@@ -394,6 +455,72 @@ def _bnb_state_bytes(shapes: Sequence[tuple[int, ...]]) -> int:
         else:
             total += 8 * n
     return total
+
+
+def _moe_elems(cfg: ModelConfig, moe: MoeCoefficients) -> tuple[float, float]:
+    """(routed, router) elements one MoE layer saves per token (``MoeCoefficients``)."""
+    k, m, h = cfg.num_experts_per_tok, cfg.expert_intermediate_size, cfg.hidden_size
+    return k * (moe.routed_mlp * m + moe.routed_hidden * h), moe.router * cfg.num_experts
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def _split_expert_rows(rows: list[MemoryRow], shapes: dict[str, tuple[int, ...]], split: dict[str, float]) -> None:
+    """Moves the experts' share of each state row named in ``split`` (component -> bytes per expert number, ``-1``
+    for the 8-bit optimizer's block rule) into an ``expert ...`` row of its own, in place; the total is unchanged."""
+    expert_shapes = [s for n, s in shapes.items() if _is_expert(n)]
+    expert_elems = sum(map(_numel, expert_shapes))
+    if not expert_elems:
+        return
+    for index in range(len(rows) - 1, -1, -1):
+        row = rows[index]
+        per_number = split.get(row.component)
+        if per_number is None:
+            continue
+        part = _bnb_state_bytes(expert_shapes) if per_number < 0 else expert_elems * per_number
+        part = min(int(part), row.bytes)
+        row.bytes -= part
+        note = f"{expert_elems / 1e6:.2f}M expert numbers: every expert resident, routed or not"
+        rows.insert(index + 1, MemoryRow("expert " + row.component, part, note))
+
+
+def _moe_rows(
+    rows: list[MemoryRow],
+    cfg: ModelConfig,
+    n_moe: int,
+    tokens: int,
+    per_elem: float,
+    routed_elems: float,
+    router_elems: float,
+    backend: str,
+    one_layer: bool,
+    device: str,
+    act_bytes: int,
+) -> float:
+    """Moves the MoE layers' ``routed``/``router`` elements (``per_elem`` bytes each: the decoder row's bytes per
+    element of its layer-averaged count) out of ``rows[-1]`` (the decoder activations) into ``MOE_ROWS``, and
+    appends the grouped matmul's workspace: the permutations that sort each layer's token copies by expert (torch:
+    int64 sort order and its inverse, both kept for backward; jax: int32 order and token index). Returns the
+    workspace bytes."""
+    decoder = rows[-1]
+    k, e, m = cfg.num_experts_per_tok, cfg.num_experts, cfg.expert_intermediate_size
+    routed = int(per_elem * n_moe * routed_elems)
+    router = int(per_elem * n_moe * router_elems)
+    decoder.bytes -= routed + router
+    what = "1 layer recomputed" if one_layer else f"{n_moe} MoE layers"
+    rows.append(MemoryRow(MOE_ROWS[0], routed, f"{what}: top_k={k} copies of {tokens} tokens, {m}-wide experts"))
+    rows.append(MemoryRow(MOE_ROWS[1], router, f"{what}: [{tokens}, {e}] logits and float32 softmax"))
+    per_copy = 16 if backend == "torch" else 8
+    work = tokens * k * per_copy * (1 if one_layer else n_moe)
+    note = f"{per_copy} B per token copy: the sort by expert"
+    if backend == "jax" and device == "cpu":
+        a, b = JAX_RAGGED_DOT_CPU
+        work += int(e * tokens * k * (a * cfg.hidden_size + b * m) * act_bytes)
+        note += f"; + ragged_dot's dense lowering on CPU, one layer: {e} x {tokens * k} x ({a:g} h + {b:g} m)"
+    rows.append(MemoryRow("grouped matmul workspace (MoE)", work, note))
+    return float(work)
 
 
 def plan_memory(
@@ -598,6 +725,14 @@ def plan_memory(
         )
     if config.task == "dpo" and not config.dpo.precompute_ref_log_probs and not peft.use_peft:
         rows.append(MemoryRow("reference model (DPO)", int(total_params * 4 / shard), "frozen float32 copy"))
+    split = {f"weights ({weight_dtype})": weight_bytes / shard}
+    if not peft.use_peft and not in_bwd:
+        split[f"gradients ({'bfloat16' if bf16_state else 'float32'})"] = grad_bytes / shard
+        optimizer_per_number = {"adamw_bf16": 4.0, "adamw_bnb_8bit": -1.0, "adamw_bf16_8bit": -1.0}
+        state_name = {"adamw_bf16": "AdamW bfloat16", "adamw_bnb_8bit": "AdamW 8-bit", "adamw_bf16_8bit": "AdamW 8-bit"}
+        per_number = optimizer_per_number.get(optimizer, 8.0)
+        split[f"optimizer state ({state_name.get(optimizer, 'AdamW')})"] = per_number / shard if per_number > 0 else -1
+    _split_expert_rows(rows, shapes, split)
 
     # --- activations ------------------------------------------------------------------------
     b, t = _micro_batch_shape(config, backend)
@@ -606,7 +741,13 @@ def plan_memory(
     assert cfg.head_dim is not None  # ModelConfig.__post_init__ fills head_dim
     q = cfg.num_attention_heads * cfg.head_dim
     layers = cfg.num_hidden_layers
-    per_layer = coef.norm * h + coef.attn * q + coef.mlp * i + coef.kv * cfg.num_key_value_heads * cfg.head_dim
+    # MoE layers save their routed copies and the router's logits in place of the dense MLP's (MOE_SAVED); the
+    # per-layer figure is the mean over the layers, so ``layers x per_layer`` is their sum
+    n_moe = sum(cfg.layer_is_moe(k) for k in range(layers))
+    routed_elems, router_elems = _moe_elems(cfg, MOE_SAVED[backend]) if n_moe else (0.0, 0.0)
+    mlp_elems = ((layers - n_moe) * coef.mlp * i + n_moe * (routed_elems + router_elems)) / layers
+    down_in = ((layers - n_moe) * i + n_moe * cfg.num_experts_per_tok * cfg.expert_intermediate_size) / layers
+    per_layer = coef.norm * h + coef.attn * q + mlp_elems + coef.kv * cfg.num_key_value_heads * cfg.head_dim
     if cfg.gemma:
         per_layer += coef.norm * h  # two more norms
     # Under LoRA the frozen base's linears could skip saving their inputs, but measurement says the saved set
@@ -618,8 +759,8 @@ def plan_memory(
     resid_bytes = act_bytes
     if backend == "torch" and dtype != "float32" and not bf16_state:  # (bfloat16 weights: a bfloat16 stream)
         resid_bytes = 4
-        casts = 2 * h + q + i
-        layer_bytes = coef.norm * h * 4 + casts * act_bytes + (coef.attn * q + coef.mlp * i) * act_bytes + 2 * q * 4
+        casts = 2 * h + q + down_in
+        layer_bytes = coef.norm * h * 4 + casts * act_bytes + (coef.attn * q + mlp_elems) * act_bytes + 2 * q * 4
     ckpt = config.memory.gradient_checkpointing
     offload = config.memory.activation_offloading
     if offload and device == "cpu":
@@ -650,6 +791,24 @@ def plan_memory(
         how += ", offloaded to host (2 layers in flight)"
     kept = tokens * (kept_per_token + coef.final * h * resid_bytes)
     rows.append(MemoryRow("activations (decoder layers)", int(kept + recompute), f"{tokens} tokens, {how}"))
+    moe_work = 0.0
+    if n_moe:
+        layers_kept = recompute + (
+            0.0 if ckpt and not (backend == "jax" and device == "cpu") else tokens * kept_per_token
+        )
+        moe_work = _moe_rows(
+            rows,
+            cfg,
+            n_moe,
+            tokens,
+            layers_kept / (layers * per_layer),
+            routed_elems,
+            router_elems,
+            backend,
+            one_layer=bool(ckpt and recompute),
+            device=device,
+            act_bytes=act_bytes,
+        )
 
     attn = config.model.attn_implementation
     heads = cfg.num_attention_heads
@@ -749,7 +908,7 @@ def plan_memory(
             )
         )
         # torch frees as it goes: the peak is the largest of three moments, not the sum of every row
-        alive = kept + mask + scores_kept + lora_kept
+        alive = kept + mask + scores_kept + lora_kept + moe_work
         # autocast caches the casts of trainable weights until the forward ends; frozen weights' casts are only
         # kept when saved for backward (not under checkpointing)
         copies_at_loss = copies_layer if (ckpt and peft.use_peft) else copies_all

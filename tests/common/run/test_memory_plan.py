@@ -223,12 +223,29 @@ def test_offloading_saves_on_cuda_only():
 
 def test_dpo_doubles_tokens_and_keeps_a_reference():
     dpo = plan_memory(TrainConfig.from_flat(model_config="tiny", task="dpo", max_length=256,
-                                            per_device_train_batch_size=4))
+                                            per_device_train_batch_size=4, share_prefix=False))
     assert dpo.tokens == 2 * 4 * 256
     assert dpo.get("reference model (DPO)") == 4 * dpo.total_parameters
     pre = plan_memory(TrainConfig.from_flat(model_config="tiny", task="dpo", max_length=256,
                                             per_device_train_batch_size=4, precompute_ref_log_probs=True))
     assert pre.get("reference model (DPO)") == 0
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_prefix_sharing_writes_each_prompt_once(padding_free):
+    """DPO: P - 1 + 2 (C + 1) tokens a pair instead of 2 (P + C); GRPO: P - 1 + G (C + 1) a group instead of
+    G (P + C) (the planner's unshared GRPO row is max_length long); off with --no-share-prefix or under CP."""
+    def plan(task, **kw):
+        return plan_memory(TrainConfig.from_flat(model_config="tiny", task=task, max_length=640, max_prompt_length=512,
+                                                 per_device_train_batch_size=16, padding_free=padding_free, **kw))
+
+    assert plan("dpo").tokens == 16 * (511 + 2 * 129)
+    assert plan("dpo", share_prefix=False).tokens == 16 * 2 * 640
+    grpo = dict(num_generations=8, max_completion_length=64)
+    assert plan("grpo", **grpo).tokens == 2 * (511 + 8 * 65)
+    assert plan("grpo", share_prefix=False, **grpo).tokens == 16 * 640
+    assert plan("grpo", **grpo).activations < plan("grpo", share_prefix=False, **grpo).activations / 4
+    assert plan("sft").tokens == 16 * 640  # negative control: one completion per prompt, nothing to share
 
 
 def test_the_rows_add_up_to_the_total_and_print():
