@@ -124,7 +124,8 @@ def test_dpo_epochs_count_pairs(backend, dpo_jsonl, tmp_path):
     load_backend(backend).train(cfg)
     records = read_metrics(tmp_path)
     rows, _, _ = prepare_dpo_dataset(cfg)
-    tokens = sum(2 * len(p) + len(c) + len(r) for p, c, r in
+    # prefix sharing (DPO's default): a pair is its prompt once, plus a copy of the prompt's last token for each side
+    tokens = sum(len(p) + 1 + len(c) + len(r) for p, c, r in
                  zip(rows["prompt_input_ids"], rows["chosen_input_ids"], rows["rejected_input_ids"]))
     assert [r["num_pairs"] for r in records] == [4, 4, 1] * 2
     assert sum(r["num_tokens"] for r in records) == 2 * tokens

@@ -103,6 +103,22 @@ def test_losses_are_bit_identical_to_the_golden_trajectory(name, tmp_path):
             assert abs(a - b) <= bound * abs(b), (key, step, a, b)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dpo_torch", "dpo_jax"])
+def test_prefix_shared_dpo_follows_the_unshared_golden_trajectory(name, tmp_path):
+    """DPO shares each pair's prompt by default (``--share-prefix``); the recorded runs pin ``--no-share-prefix``. The
+    shared layout computes the same log-probs up to float32 rounding, so its 20 losses stay within the CLI trajectory
+    bound of the recorded unshared ones; a layout that lost the prompt would be off from the first step."""
+    from parity_tests.tolerances import tol
+
+    argv = [a for a in GOLDEN["runs"][name]["argv"] if a != "--no-share-prefix"]
+    assert len(argv) == len(GOLDEN["runs"][name]["argv"]) - 1
+    losses = run_golden(argv, tmp_path)
+    bound = tol("float32", "cli_50_steps_loss_rel")
+    for step, (a, b) in enumerate(zip(losses, recorded_losses(name), strict=True)):
+        assert abs(a - b) <= bound * abs(b), (step, a, b)
+
+
 if __name__ == "__main__":  # record this machine kind (only where numerics are meant to change, or a new kind)
     import tempfile
 

@@ -59,7 +59,8 @@ def make_config(**overrides: Any):
 
     base = dict(task="dpo", model_config=W.TINY, max_length=64, per_device_train_batch_size=2,
                 gradient_accumulation_steps=2, learning_rate=1e-3, max_steps=4, seed=0, beta=0.5,
-                disable_tqdm=True, output_dir="/nonexistent", dataset_name="synthetic")
+                disable_tqdm=True, output_dir="/nonexistent", dataset_name="synthetic",
+                share_prefix=False)  # context parallelism does not share prompts: the one-process runs lay rows alike
     return TrainConfig.from_flat(**{**base, **overrides})
 
 
