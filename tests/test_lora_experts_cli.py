@@ -46,6 +46,7 @@ def runs(moe_folder, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_lora_on_experts_trains_from_the_cli(backend, runs):
     out = runs[backend]
@@ -60,6 +61,7 @@ def test_lora_on_experts_trains_from_the_cli(backend, runs):
     assert all(np.abs(adapters[k]).max() > 0 for k in expert_keys if "lora_B" in k)  # lora_B started at zero
 
 
+@pytest.mark.slow
 def test_torch_and_jax_expert_lora_runs_agree(runs):
     torch_losses, jax_losses = ([r["loss"] for r in read_metrics(runs[b])] for b in ("torch", "jax"))
     rel = np.abs(np.subtract(torch_losses, jax_losses)) / np.abs(torch_losses)

@@ -28,7 +28,7 @@ from twinseq.common.models.init import init_weights  # noqa: E402
 from twinseq.jax_backend import build_model, loss_and_grads  # noqa: E402
 from twinseq.jax_backend import expert_parallel as ep  # noqa: E402
 
-pytestmark = [pytest.mark.multi_device, pytest.mark.usefixtures("highest_precision")]
+pytestmark = [pytest.mark.slow, pytest.mark.multi_device, pytest.mark.usefixtures("highest_precision")]
 
 VOCAB = 256
 EP = 4

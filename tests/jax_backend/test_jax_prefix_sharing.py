@@ -174,6 +174,7 @@ def _logps_NC(model: CausalLM, ci: jgrpo.CompletionInputs, attend, zigzag: bool 
     return np.where(flat_NC >= 0, logp_n[np.maximum(flat_NC, 0)], 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.multi_device
 @pytest.mark.parametrize(
     "strategy, zigzag, padding_free", [("ring", False, False), ("ring", True, True), ("allgather", True, False)]

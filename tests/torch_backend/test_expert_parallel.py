@@ -42,6 +42,7 @@ def results(tmp_path_factory) -> list[dict]:
     return W.launch_script(E.__file__, {"jobs": jobs}, tmp_path_factory.mktemp("ep"), WORLD)  # control last
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_expert_parallel_equals_the_unsharded_model(results, preset):
     for rank in results:
@@ -55,6 +56,7 @@ def test_expert_parallel_equals_the_unsharded_model(results, preset):
         assert worst <= REL, sorted(r["grad_rel"].items(), key=lambda kv: -kv[1])[:3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_token_copy_reaches_its_expert(results, preset):
     cfg = ModelConfig.preset(preset, vocab_size=E.VOCAB)
@@ -65,6 +67,7 @@ def test_every_token_copy_reaches_its_expert(results, preset):
         assert r["received_copies"] == r["tokens"] * cfg.num_experts_per_tok * moe_layers
 
 
+@pytest.mark.slow
 def test_negative_controls_are_seen(results):
     misplaced, detached = results[0]["misplaced_experts"], results[0]["no_backward_exchange"]
     print(
