@@ -272,7 +272,9 @@ def _train(tmp_path, name: str, devices: int, *flags: str) -> list[dict]:
     out = tmp_path / name
     argv = ["train", "--task", "dpo", "--backend", "jax", "--model-config", "tiny", "--max-length", "64",
             "--per-device-train-batch-size", "2", "--pad-to-multiple-of", "16", "--max-steps", "3",
-            "--learning-rate", "1e-3", "--output-dir", str(out), "--disable-tqdm", *flags]
+            "--learning-rate", "1e-3", "--output-dir", str(out), "--disable-tqdm",
+            "--no-share-prefix",  # context parallelism does not share prompts: the one-device run lays rows alike
+            *flags]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "",
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     proc = subprocess.run([sys.executable, "-m", "twinseq.common.cli", *argv], env=env, capture_output=True,
