@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from twinseq.common.data.batching import IGNORE_INDEX, Batch, _round_up, check_parents  # noqa: F401 (re-exported)
+from twinseq.common.data.batching import IGNORE_INDEX, Batch, _round_up
 from twinseq.common.errors import DataError
 
 logger = logging.getLogger(__name__)

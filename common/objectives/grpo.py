@@ -704,15 +704,15 @@ def _completion_batch(
     batch: Any, target_doc_ids: np.ndarray, completion_ids: Sequence[Any], num_columns: Optional[int]
 ) -> CompletionBatch:
     """The ``CompletionBatch`` of a collated batch whose targets of document n are completion n's tokens, in order."""
-    docs = range(len(completion_ids))
+    num_docs = len(completion_ids)
     doc_n = target_doc_ids[target_doc_ids >= 0].astype(np.int64)
-    lengths = np.bincount(doc_n, minlength=len(docs))
+    lengths = np.bincount(doc_n, minlength=num_docs)
     expected = np.array([len(c) for c in completion_ids])
     assert (lengths == expected).all(), (lengths, expected)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     col_n = np.arange(doc_n.size) - starts[doc_n]
     width = int(expected.max()) if num_columns is None else int(num_columns)
-    return CompletionBatch(batch, target_doc_ids, len(docs), doc_n, col_n, width)
+    return CompletionBatch(batch, target_doc_ids, num_docs, doc_n, col_n, width)
 
 
 def scatter_tokens(values_n: np.ndarray, cb: CompletionBatch) -> np.ndarray:
