@@ -37,6 +37,7 @@ from twinseq.common.errors import ConfigError, ConfigTypeError
 from twinseq.common.models.hf_folder import has_weights
 from twinseq.common.run import evaluation
 from twinseq.common.run.inputs import RunInputs
+from twinseq.common.tasks import TaskSpec, task_specs
 
 logger = logging.getLogger(__name__)
 
@@ -416,12 +417,28 @@ class KTOTrainer(_Trainer):
     config_class = KTOConfig
 
 
+def _generated_trainer(spec: TaskSpec) -> type[_Trainer]:
+    """The API of a task registered without classes of its own here: its ``<Name>Config`` and ``<Name>Trainer``
+    (``TaskSpec.trainer``), an online task's on ``GRPOTrainer`` (``reward_funcs``)."""
+    config = type(
+        spec.config_name,
+        (_TaskConfig,),
+        {
+            "TASK": spec.name,
+            "__module__": __name__,
+            "__doc__": f"The arguments of ``{spec.trainer}``: ``TrainConfig`` with ``task={spec.name!r}``.",
+        },
+    )
+    base: type[_Trainer] = GRPOTrainer if spec.online else _Trainer
+    doc = f"``twinseq train --task {spec.name}`` from Python, in TRL's shape."
+    return type(spec.trainer, (base,), {"config_class": config, "__module__": __name__, "__doc__": doc})
+
+
+_WRITTEN: dict[str, type[_Trainer]] = {
+    cls.config_class.TASK: cls for cls in (SFTTrainer, DPOTrainer, GRPOTrainer, RLOOTrainer, KTOTrainer)
+}
 TRAINERS: dict[str, type[_Trainer]] = {
-    "sft": SFTTrainer,
-    "dpo": DPOTrainer,
-    "grpo": GRPOTrainer,
-    "rloo": RLOOTrainer,
-    "kto": KTOTrainer,
+    spec.name: _WRITTEN.get(spec.name) or _generated_trainer(spec) for spec in task_specs()
 }
 """The trainer class of each task (``twinseq train --task`` picks one)."""
 
@@ -445,3 +462,13 @@ def train_output(metrics_path: Path) -> TrainOutput:
     metrics["train_runtime"] = float(sum(r.get("step_seconds", 0.0) for r in steps))
     metrics["train_loss"] = float(sum(r["loss"] for r in steps) / len(steps))
     return TrainOutput(int(last["step"]), metrics["train_loss"], metrics)
+
+
+def __getattr__(name: str) -> Any:
+    """A generated trainer or config class of a registered task (``KTOTrainer``-like names of new methods)."""
+    for cls in TRAINERS.values():
+        if name == cls.__name__:
+            return cls
+        if name == cls.config_class.__name__:
+            return cls.config_class
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -49,23 +49,24 @@ from twinseq.common.models.peft import (
     PeftConfig,  # noqa: F401  (re-exported: the config surface)
     check_peft_config,
 )
-from twinseq.common.objectives.dpo import check_liger_dpo_config, validate_dpo_config
+from twinseq.common.objectives.dpo import DPO_TASK  # noqa: F401  (the built-in methods' TaskSpecs register on import)
 from twinseq.common.objectives.grpo import (
     GRPOConfig,  # noqa: F401  (re-exported: the config surface)
-    check_grpo_config,
-    check_liger_grpo_config,
 )
-from twinseq.common.objectives.kto import (
-    KTOConfig,
-    check_kto_batch_size,
-    check_liger_kto_config,
-    validate_kto_config,
-)
-from twinseq.common.objectives.reference import REFERENCE_TASKS, ReferenceConfig, check_ref_sync
-from twinseq.common.objectives.rloo import RLOOConfig, check_rloo_config
+from twinseq.common.objectives.kto import KTOConfig
+from twinseq.common.objectives.nll import SFT_TASK  # noqa: F401
+from twinseq.common.objectives.reference import ReferenceConfig, check_ref_sync
+from twinseq.common.objectives.rloo import RLOOConfig
+from twinseq.common.tasks import task_spec, task_specs
 
 Backend = Literal["torch", "jax"]
-Task = Literal["sft", "dpo", "grpo", "rloo", "kto"]
+TASKS = tuple(spec.name for spec in task_specs())
+"""The ``task`` choices: every registered ``common.tasks.TaskSpec`` (each method's objectives module declares its
+own; the section classes imported above import them)."""
+if typing.TYPE_CHECKING:
+    Task = str
+else:
+    Task = Literal[TASKS]
 TruncationMode = Literal["keep_start", "keep_end"]
 PackingStrategy = Literal["bfd", "bfd_split", "wrapped"]
 LossType = Literal["nll", "chunked_nll", "fused_linear", "liger", "triton"]
@@ -82,7 +83,6 @@ DeepSpeedZeroStage = Literal[0, 3]
 EvalStrategy = Literal["no", "steps", "epoch"]
 
 BACKENDS = typing.get_args(Backend)
-TASKS = typing.get_args(Task)
 TRUNCATION_MODES = typing.get_args(TruncationMode)
 PACKING_STRATEGIES = typing.get_args(PackingStrategy)
 LOSS_TYPES = typing.get_args(LossType)
@@ -108,16 +108,9 @@ rows longer than one block (rows that fit one block take the dense path: ``jax_b
 DEFAULT_CHUNK_SIZE = 256
 """Tokens per chunk of the chunked and fused losses and log-probs, on both backends."""
 DEFAULT_LEARNING_RATES: dict[tuple[str, bool], float] = {
-    ("sft", False): 2e-5,
-    ("dpo", False): 1e-6,
-    ("grpo", False): 1e-6,
-    ("rloo", False): 1e-6,
-    ("kto", False): 1e-6,
-    ("sft", True): 1e-4,
-    ("dpo", True): 1e-5,
-    ("grpo", True): 1e-5,
-    ("rloo", True): 1e-5,
-    ("kto", True): 1e-5,
+    (spec.name, use_peft): spec.peft_learning_rate if use_peft else spec.learning_rate
+    for spec in task_specs()
+    for use_peft in (False, True)
 }
 """``learning_rate`` when none is given, by (task, use_peft): TRL's defaults for full fine-tuning (``SFTConfig``
 2e-5, ``DPOConfig`` and ``GRPOConfig`` 1e-6), and with LoRA about ten times those, as TRL's PEFT guides train
@@ -314,20 +307,17 @@ SECTIONS["grpo"] = GRPOConfig
 SECTIONS["rloo"] = RLOOConfig
 SECTIONS["kto"] = KTOConfig
 SECTIONS["reference"] = ReferenceConfig
-ONLINE_TASKS = ("grpo", "rloo")
+ONLINE_TASKS = tuple(spec.name for spec in task_specs() if spec.online)
 """The tasks that generate their batches (``common.run.rollout``), with the ``grpo`` section's rollout knobs."""
+REFERENCE_TASKS = tuple(spec.name for spec in task_specs() if spec.reference)
+"""The tasks with a reference model (the ``reference`` section is read by these only)."""
 TASK_SECTIONS: dict[str, tuple[str, ...]] = {
-    "dpo": ("dpo", "kto"),
-    "grpo": ONLINE_TASKS,
-    "rloo": ("rloo",),
-    "kto": ("kto",),
-    "reference": REFERENCE_TASKS,
+    section: tuple(spec.name for spec in task_specs() if section in spec.sections)
+    for section in sorted({section for spec in task_specs() for section in spec.sections})
 }
-"""Sections read by some tasks only (section: those tasks): setting them on another task is refused, not
-ignored."""
-DPO_ONLY_FIELDS = ("dpo_loss_type", "loss_weights", "label_smoothing", "discopop_tau")
-"""The ``dpo`` section's fields that KTO does not read (it reads ``beta`` and ``precompute_ref_log_probs``): set
-under ``task=kto`` they are refused, not ignored."""
+TASK_SECTIONS["reference"] = REFERENCE_TASKS
+"""Sections read by some tasks only (section: those tasks, from their ``TaskSpec.sections``): setting them on
+another task is refused, not ignored."""
 
 
 @dataclass
@@ -461,46 +451,9 @@ class TrainConfig:
                         f"task={' or '.join(repr(t) for t in tasks)} only, and this run has task={self.task!r}; "
                         f"drop {' '.join(_flag(c) for c in changed)} or set --task {tasks[0]}."
                     )
-        if self.task == "dpo":
-            if d.packing:
-                raise ConfigError(
-                    "packing=True does not apply to DPO (it would cut pairs apart); use "
-                    "--padding-free to put every pair of a micro-batch in one row."
-                )
-
-            validate_dpo_config(
-                self.dpo.dpo_loss_type,
-                self.dpo.loss_weights,
-                self.dpo.beta,
-                self.dpo.label_smoothing,
-                self.dpo.discopop_tau,
-            )
-            if loss.loss_type == "liger" or loss.use_liger_kernel:
-                check_liger_dpo_config(
-                    self.dpo.dpo_loss_type, padding_free=d.padding_free, precompute=self.dpo.precompute_ref_log_probs
-                )
-        if self.task == "kto":
-            self._check_kto()
-        if self.task in ONLINE_TASKS:
-            if d.packing:
-                raise ConfigError(
-                    f"packing=True does not apply to task={self.task!r} (its batches are generated, one group of "
-                    "completions per prompt); use --padding-free to put them in one row."
-                )
-            check_grpo_config(
-                self.grpo,
-                per_device_train_batch_size=d.per_device_train_batch_size,
-                gradient_accumulation_steps=d.gradient_accumulation_steps,
-            )
-            if loss.loss_type == "liger" or loss.use_liger_kernel:
-                check_liger_grpo_config(self.grpo)
-        if self.task == "rloo":
-            check_rloo_config(self.rloo, self.grpo)
-            if loss.loss_type == "liger" or loss.use_liger_kernel:
-                raise ConfigError(
-                    "loss_type='liger' runs Liger's fused GRPO loss, which has no RLOO variant; use --loss-type "
-                    "fused_linear (chunked log-probs, no [tokens, vocab] tensor) with --task rloo."
-                )
+        check = task_spec(self.task).check
+        if check is not None:
+            check(self)
 
         check_ref_sync(
             self.reference,
@@ -508,6 +461,7 @@ class TrainConfig:
             use_peft=self.peft.use_peft,
             precompute_ref_log_probs=self.dpo.precompute_ref_log_probs,
             kl_beta=self.reference_kl_beta,
+            kl_beta_name=task_spec(self.task).kl_beta,
         )
         check_peft_config(self.peft)
         self._check_evaluation()
@@ -530,27 +484,6 @@ class TrainConfig:
             raise ConfigError(
                 f"report_to={self.report_to!r} is not valid: give 'none' alone, or any of 'tensorboard', 'wandb' once."
             )
-
-    def _check_kto(self) -> None:
-        d, default = self.data, DPOConfig()
-        changed = [name for name in DPO_ONLY_FIELDS if getattr(self.dpo, name) != getattr(default, name)]
-        if changed:
-            raise ConfigError(
-                f"{', '.join(f'{n}={getattr(self.dpo, n)!r}' for n in changed)} shape DPO's loss, and task='kto' has "
-                f"its own (--kto-loss-type, --desirable-weight, --undesirable-weight); drop "
-                f"{' '.join(_flag(n) for n in changed)}, or use --task dpo."
-            )
-        if d.packing:
-            raise ConfigError(
-                "packing=True does not apply to KTO (a row's completion and its mismatched pair are scored "
-                "separately); use --padding-free to put a micro-batch's sequences in one row."
-            )
-        config = validate_kto_config(
-            self.kto.kto_loss_type, self.dpo.beta, self.kto.desirable_weight, self.kto.undesirable_weight
-        )
-        check_kto_batch_size(config, d.per_device_train_batch_size)
-        if self.loss.loss_type == "liger" or self.loss.use_liger_kernel:
-            check_liger_kto_config(config, padding_free=d.padding_free, precompute=self.dpo.precompute_ref_log_probs)
 
     def _check_evaluation(self) -> None:
         """The evaluation fields together (HF's rules where HF has them)."""
@@ -597,7 +530,11 @@ class TrainConfig:
     def reference_kl_beta(self) -> float:
         """The KL coefficient of an online task (GRPO's ``grpo_beta``, RLOO's ``rloo_beta``; 0 for the others):
         above 0 the reference model's log-probs are computed."""
-        return {"grpo": self.grpo.grpo_beta, "rloo": self.rloo.rloo_beta}.get(self.task, 0.0)
+        path = task_spec(self.task).kl_beta
+        if path is None:
+            return 0.0
+        section, name = path.split(".")
+        return float(getattr(getattr(self, section), name))
 
     @property
     def effective_eval_steps(self) -> int:

@@ -1,8 +1,8 @@
 """``twinseq train --backend jax``: which builder runs each task; ``common.run.trainer.train_task`` runs the result.
 
-A builder returns (trainer, step source, tokenizer, announce lines): ``trainer.build_sft`` and ``build_dpo``,
-``grpo.build_grpo``, ``kto.build_kto``. A new training method adds its builder to ``builders``
-(docs/architecture.md, "Adding a training method").
+A builder returns (trainer, step source, tokenizer, announce lines). Each task's ``common.tasks.TaskSpec.builder``
+names it in this package (``trainer:build_sft``, ``kto:build_kto``, ...), so a new training method is found without
+an entry here (docs/architecture.md, "Adding a training method").
 """
 
 from __future__ import annotations
@@ -18,20 +18,13 @@ from twinseq.common.run.capabilities import Runtime
 from twinseq.common.run.inputs import RunInputs
 from twinseq.common.run.runner import preflight
 from twinseq.common.run.trainer import Build, train_task
-from twinseq.jax_backend.grpo import build_grpo
-from twinseq.jax_backend.kto import build_kto
-from twinseq.jax_backend.trainer import build_dpo, build_sft, check_optimizer
+from twinseq.common.tasks import resolve, task_specs
+from twinseq.jax_backend.trainer import check_optimizer
 
 
 def builders(cfg: TrainConfig) -> dict[str, Build]:
-    """The JAX builder of each task."""
-    return {
-        "sft": partial(build_sft, cfg),
-        "dpo": partial(build_dpo, cfg),
-        "grpo": partial(build_grpo, cfg),
-        "rloo": partial(build_grpo, cfg),  # the same rollout and trainer, RLOO's advantage and loss
-        "kto": partial(build_kto, cfg),
-    }
+    """The JAX builder of each task: ``TaskSpec.builder`` in this package."""
+    return {spec.name: partial(resolve(spec.builder, __package__), cfg) for spec in task_specs()}
 
 
 def train(config: TrainConfig, inputs: Optional[RunInputs] = None) -> Path:

@@ -54,6 +54,7 @@ from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.report import peak_rss_bytes
 from twinseq.common.run.schedule import with_resolved_max_steps
 from twinseq.common.run.trainer import TrainerTemplate
+from twinseq.common.tasks import task_spec
 from twinseq.torch_backend.checkpoint import (
     load_pretrained,
     rng_state,
@@ -122,7 +123,7 @@ def check_zero3_config(cfg: TrainConfig) -> None:
             "context parallelism runs under FSDP2 only; use --context-parallel-size 1",
         ),
         (
-            cfg.task in ("dpo", "kto"),
+            task_spec(cfg.task).one_process,
             f"task={cfg.task!r}",
             f"{cfg.task.upper()}'s frozen reference copy is not partitioned here; use --task sft",
         ),

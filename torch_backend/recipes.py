@@ -1,9 +1,10 @@
 """``twinseq train --backend torch``: which builder runs each task, in one process, under FSDP2 (+ context
 parallelism) or under DeepSpeed ZeRO-3; ``common.run.trainer.train_task`` runs the result.
 
-A builder returns (trainer, step source, tokenizer, announce lines): ``trainer.build_sft`` and ``build_dpo``,
-``grpo.build_grpo``; under ZeRO-3 ``deepspeed.build_zero3_sft`` and ``zero3_grpo.build_grpo_zero3``. A new
-training method adds its builder to ``builders`` (docs/architecture.md, "Adding a training method").
+A builder returns (trainer, step source, tokenizer, announce lines). Each task's ``common.tasks.TaskSpec.builder``
+names it in this package (``trainer:build_sft``, ``kto:build_kto``, ...), so a new training method is found without
+an entry here (docs/architecture.md, "Adding a training method"); under ZeRO-3 the builders are
+``deepspeed.build_zero3_sft`` and ``zero3_grpo.build_grpo_zero3``.
 """
 
 from __future__ import annotations
@@ -22,23 +23,17 @@ from twinseq.common.run.capabilities import Runtime as CapabilityRuntime
 from twinseq.common.run.inputs import RunInputs
 from twinseq.common.run.runner import preflight
 from twinseq.common.run.trainer import Build, train_task
+from twinseq.common.tasks import resolve, task_specs
 from twinseq.torch_backend.deepspeed import build_zero3_sft, check_zero3_config, ensure_process_group, require_deepspeed
 from twinseq.torch_backend.distributed import Runtime, init_runtime, wants_distributed
-from twinseq.torch_backend.grpo import build_grpo
-from twinseq.torch_backend.kto import build_kto
-from twinseq.torch_backend.trainer import build_dpo, build_sft, pick_device
+from twinseq.torch_backend.trainer import pick_device
 from twinseq.torch_backend.zero3_grpo import build_grpo_zero3
 
 
 def builders(cfg: TrainConfig, device: torch.device, runtime: Optional[Runtime]) -> dict[str, Build]:
-    """The torch builder of each task (one process, or FSDP2 on every rank of a launch)."""
-    return {
-        "sft": partial(build_sft, cfg, device, runtime),
-        "dpo": partial(build_dpo, cfg, device, runtime),
-        "grpo": partial(build_grpo, cfg, device, runtime),
-        "rloo": partial(build_grpo, cfg, device, runtime),  # the same rollout and trainer, RLOO's advantage and loss
-        "kto": partial(build_kto, cfg, device, runtime),
-    }
+    """The torch builder of each task (one process, or FSDP2 on every rank of a launch): ``TaskSpec.builder`` in
+    this package."""
+    return {spec.name: partial(resolve(spec.builder, __package__), cfg, device, runtime) for spec in task_specs()}
 
 
 def train(config: TrainConfig, inputs: Optional[RunInputs] = None) -> Path:

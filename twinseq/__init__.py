@@ -25,7 +25,9 @@ them, so that an editable install, a built wheel and static tools (import graphs
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from twinseq.common import api
 from twinseq.common.api import (
     DPOConfig,
     DPOTrainer,
@@ -55,6 +57,15 @@ from twinseq.common.models.peft import PeftConfig
 from twinseq.common.run.callbacks import EarlyStoppingCallback, TrainerCallback
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """The trainer and config classes of a method registered beyond the ones imported above
+    (``common.tasks.TaskSpec.trainer``)."""
+    try:
+        return getattr(api, name)
+    except AttributeError:
+        raise AttributeError(f"module 'twinseq' has no attribute {name!r}") from None
 
 
 def train(config: TrainConfig) -> Path:

@@ -34,6 +34,7 @@ import numpy as np
 
 from twinseq.common.data.batching import IGNORE_INDEX, Batch, _round_up
 from twinseq.common.errors import DataError
+from twinseq.common.tasks import task_spec
 
 logger = logging.getLogger(__name__)
 
@@ -180,13 +181,10 @@ def unshared_documents(batch: Batch) -> list[dict[str, np.ndarray]]:
     return docs
 
 
-SHARING_TASKS = ("grpo", "rloo", "dpo")
-
-
 def prefix_sharing_off_reason(cfg: Any) -> Optional[str]:
     """Why a run of ``cfg`` (a ``TrainConfig``) does not share prompts, or None when it does (``memory.share_prefix``
     on, a task that scores several completions of one prompt, and a path that carries ``parent_ids``)."""
-    if cfg.task not in SHARING_TASKS:
+    if not task_spec(cfg.task).shares_prefix:
         return f"task={cfg.task!r} scores one completion per prompt"
     if not cfg.memory.share_prefix:
         return "share_prefix=False"
@@ -204,7 +202,7 @@ def shares_prefix(cfg: Any) -> bool:
     """True when the run of ``cfg`` collates prefix-shared batches; when ``share_prefix`` is on but the run cannot
     share, the reason is logged once."""
     reason = prefix_sharing_off_reason(cfg)
-    if reason is not None and cfg.memory.share_prefix and cfg.task in SHARING_TASKS:
+    if reason is not None and cfg.memory.share_prefix and task_spec(cfg.task).shares_prefix:
         _log_off(reason)
     return reason is None
 

@@ -44,6 +44,7 @@ from twinseq.common.data.truncation import (
     truncate_sft,
 )
 from twinseq.common.errors import DataError, DataTypeError
+from twinseq.common.tasks import task_spec
 
 logger = logging.getLogger(__name__)
 
@@ -426,7 +427,7 @@ def _dataset_name(cfg, task: str, name: Optional[str] = None) -> str:
     """``name`` (None: ``dataset_name``), with ``embedded`` read as the task's embedded dataset."""
     name = cfg.data.dataset_name if name is None else name
     if name == "embedded":
-        return "embedded-preference" if task in ("dpo", "kto") else "embedded-sft"
+        return f"embedded-{task_spec(task).data}"
     return name
 
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 import numpy as np
 
 from twinseq.common.errors import ConfigError, ConfigTypeError
+from twinseq.common.tasks import TaskSpec, register_task
 
 logger = logging.getLogger(__name__)
 
@@ -548,3 +549,40 @@ def reward_metrics(chosen_rewards: np.ndarray, rejected_rewards: np.ndarray) -> 
         "rewards/accuracies": float((chosen > rejected).mean()),
         "rewards/margins": float((chosen - rejected).mean()),
     }
+
+
+def check_dpo_run(cfg: Any) -> None:
+    """DPO's rules over a ``TrainConfig``: no packing (it would cut pairs apart), the loss family's knobs together,
+    and Liger's fused DPO loss where it is asked for."""
+    if cfg.data.packing:
+        raise ConfigError(
+            "packing=True does not apply to DPO (it would cut pairs apart); use "
+            "--padding-free to put every pair of a micro-batch in one row."
+        )
+    dpo = cfg.dpo
+    validate_dpo_config(dpo.dpo_loss_type, dpo.loss_weights, dpo.beta, dpo.label_smoothing, dpo.discopop_tau)
+    if cfg.loss.loss_type == "liger" or cfg.loss.use_liger_kernel:
+        check_liger_dpo_config(
+            dpo.dpo_loss_type, padding_free=cfg.data.padding_free, precompute=dpo.precompute_ref_log_probs
+        )
+
+
+DPO_TASK = register_task(
+    TaskSpec(
+        name="dpo",
+        trainer="DPOTrainer",
+        builder="trainer:build_dpo",
+        order=1,
+        sections=("dpo",),
+        reference=True,
+        one_process=True,
+        data="preference",
+        shares_prefix=True,  # chosen and rejected share the prompt
+        learning_rate=1e-6,
+        peft_learning_rate=1e-5,
+        plot_keys=("loss", "rewards/accuracies", "tokens_per_second"),
+        check=check_dpo_run,
+        evaluator="twinseq.common.run.eval_set:dpo_evaluator",
+    )
+)
+"""Direct preference optimisation (TRL's ``DPOTrainer``); context parallelism is its one multi-process mode."""

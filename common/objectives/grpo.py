@@ -29,6 +29,7 @@ from twinseq.common.data.preference_batching import _target_doc_ids
 from twinseq.common.data.prefix_sharing import SharedGroup, collate_shared, group_consecutive
 from twinseq.common.errors import ConfigError, ConfigTypeError, DataError
 from twinseq.common.fields import _CHECKS_ON, _check_fields, knob
+from twinseq.common.tasks import TaskSpec, register_task
 
 logger = logging.getLogger(__name__)
 
@@ -754,3 +755,41 @@ def reward_metrics(
         out[f"rewards/{name}/mean"] = float(ok.mean()) if ok.size else float("nan")
         out[f"rewards/{name}/std"] = float(_nanstd(column))
     return out
+
+
+def check_online_run(cfg: Any) -> None:
+    """The rules of a task that generates its batches (GRPO, RLOO) over a ``TrainConfig``."""
+    d = cfg.data
+    if d.packing:
+        raise ConfigError(
+            f"packing=True does not apply to task={cfg.task!r} (its batches are generated, one group of "
+            "completions per prompt); use --padding-free to put them in one row."
+        )
+    check_grpo_config(
+        cfg.grpo,
+        per_device_train_batch_size=d.per_device_train_batch_size,
+        gradient_accumulation_steps=d.gradient_accumulation_steps,
+    )
+    if cfg.task == "grpo" and (cfg.loss.loss_type == "liger" or cfg.loss.use_liger_kernel):
+        check_liger_grpo_config(cfg.grpo)
+
+
+GRPO_TASK = register_task(
+    TaskSpec(
+        name="grpo",
+        trainer="GRPOTrainer",
+        builder="grpo:build_grpo",
+        order=2,
+        sections=("grpo",),
+        reference=True,
+        online=True,
+        kl_beta="grpo.grpo_beta",
+        shares_prefix=True,
+        learning_rate=1e-6,
+        peft_learning_rate=1e-5,
+        plot_keys=("loss", "reward", "completions/mean_length", "tokens_per_second"),
+        check=check_online_run,
+        evaluator="twinseq.common.run.eval_set:grpo_evaluator",
+    )
+)
+"""Group relative policy optimisation (TRL's ``GRPOTrainer``)."""

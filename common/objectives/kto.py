@@ -27,8 +27,9 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from twinseq.common.errors import ConfigError, DataError
-from twinseq.common.fields import _CHECKS_ON, _check_fields, knob
+from twinseq.common.fields import _CHECKS_ON, _check_fields, _flag, knob
 from twinseq.common.objectives.dpo import NUMPY_OPS, ArrayOps
+from twinseq.common.tasks import TaskSpec, register_task
 
 logger = logging.getLogger(__name__)
 
@@ -278,8 +279,58 @@ def kto_step_metrics(
     return out
 
 
+DPO_ONLY_FIELDS = ("dpo_loss_type", "loss_weights", "label_smoothing", "discopop_tau")
+"""The ``dpo`` section's fields that KTO does not read (it reads ``beta`` and ``precompute_ref_log_probs``): set
+under ``task=kto`` they are refused, not ignored."""
+
+
+def check_kto_run(cfg: Any) -> None:
+    """KTO's rules over a ``TrainConfig``: DPO's loss knobs refused, no packing, its loss family's knobs together,
+    the batch size its KL estimate needs, and Liger's fused KTO loss where it is asked for."""
+    d, default = cfg.data, type(cfg.dpo)()
+    changed = [name for name in DPO_ONLY_FIELDS if getattr(cfg.dpo, name) != getattr(default, name)]
+    if changed:
+        raise ConfigError(
+            f"{', '.join(f'{n}={getattr(cfg.dpo, n)!r}' for n in changed)} shape DPO's loss, and task='kto' has "
+            f"its own (--kto-loss-type, --desirable-weight, --undesirable-weight); drop "
+            f"{' '.join(_flag(n) for n in changed)}, or use --task dpo."
+        )
+    if d.packing:
+        raise ConfigError(
+            "packing=True does not apply to KTO (a row's completion and its mismatched pair are scored "
+            "separately); use --padding-free to put a micro-batch's sequences in one row."
+        )
+    config = validate_kto_config(
+        cfg.kto.kto_loss_type, cfg.dpo.beta, cfg.kto.desirable_weight, cfg.kto.undesirable_weight
+    )
+    check_kto_batch_size(config, d.per_device_train_batch_size)
+    if cfg.loss.loss_type == "liger" or cfg.loss.use_liger_kernel:
+        check_liger_kto_config(config, padding_free=d.padding_free, precompute=cfg.dpo.precompute_ref_log_probs)
+
+
+KTO_TASK = register_task(
+    TaskSpec(
+        name="kto",
+        trainer="KTOTrainer",
+        builder="kto:build_kto",
+        order=4,
+        sections=("dpo", "kto"),  # beta and precompute_ref_log_probs are the dpo section's
+        reference=True,
+        one_process=True,
+        data="preference",
+        learning_rate=1e-6,
+        peft_learning_rate=1e-5,
+        plot_keys=("loss", "rewards/margins", "kl", "tokens_per_second"),
+        check=check_kto_run,
+        evaluator="twinseq.common.run.eval_set:kto_evaluator",
+    )
+)
+"""Kahneman-Tversky optimisation from unpaired rows (TRL's ``KTOTrainer``)."""
+
 __all__ = [
     "KTO_LOSS_TYPES",
+    "KTO_TASK",
+    "check_kto_run",
     "KTOConfig",
     "KTOLossConfig",
     "validate_kto_config",

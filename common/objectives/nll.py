@@ -20,6 +20,7 @@ import logging
 import numpy as np
 
 from twinseq.common.errors import DataError
+from twinseq.common.tasks import TaskSpec, register_task
 
 IGNORE_INDEX = -100
 """The label of a position that is not scored (Hugging Face's and PyTorch's convention)."""
@@ -192,3 +193,17 @@ def metrics(logits_BTV: np.ndarray, labels_BT: np.ndarray) -> dict:
         "entropy": entropy(logits_BTV, labels_BT),
         "num_tokens": num_tokens(labels_BT),
     }
+
+
+SFT_TASK = register_task(
+    TaskSpec(
+        name="sft",
+        trainer="SFTTrainer",
+        builder="trainer:build_sft",
+        order=0,
+        learning_rate=2e-5,
+        peft_learning_rate=1e-4,
+        evaluator="twinseq.common.run.eval_set:sft_evaluator",
+    )
+)
+"""Supervised fine-tuning: the token-normalised NLL of the completion (TRL's ``SFTTrainer``)."""

@@ -14,14 +14,12 @@ move. Both are refused, as TRL refuses them; so is a GRPO/RLOO run without a KL 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
 from twinseq.common.errors import ConfigError
 from twinseq.common.fields import _CHECKS_ON, _check_fields, knob
-
-REFERENCE_TASKS = ("dpo", "kto", "grpo", "rloo")
-"""The tasks with a reference model (the ``reference`` section is read by these only)."""
 
 
 @dataclass
@@ -41,9 +39,16 @@ class ReferenceConfig:
 
 
 def check_ref_sync(
-    ref: ReferenceConfig, *, task: str, use_peft: bool, precompute_ref_log_probs: bool, kl_beta: float
+    ref: ReferenceConfig,
+    *,
+    task: str,
+    use_peft: bool,
+    precompute_ref_log_probs: bool,
+    kl_beta: float,
+    kl_beta_name: Optional[str] = None,
 ) -> None:
-    """The refusals of ``sync_ref_model=True`` (TRL's): PEFT, precomputed reference log-probs, no KL term."""
+    """The refusals of ``sync_ref_model=True`` (TRL's): PEFT, precomputed reference log-probs, no KL term
+    (``kl_beta_name``: the ``section.field`` of an online task's KL coefficient, ``grpo.grpo_beta``)."""
     if not ref.sync_ref_model:
         return
     if use_peft:
@@ -56,8 +61,8 @@ def check_ref_sync(
             "sync_ref_model=True with precompute_ref_log_probs=True: the precomputed log-probs come from the initial "
             "reference and would go stale when it moves; drop one of --sync-ref-model / --precompute-ref-log-probs."
         )
-    if task in ("grpo", "rloo") and kl_beta == 0:
-        name = "grpo_beta" if task == "grpo" else "rloo_beta"
+    if kl_beta_name is not None and kl_beta == 0:
+        name = kl_beta_name.split(".")[-1]
         raise ConfigError(
             f"sync_ref_model=True with {name}=0: no reference model is loaded, so there is nothing to synchronise; "
             f"set --{name.replace('_', '-')} above 0 or drop --sync-ref-model."
@@ -83,4 +88,4 @@ def mix(reference: np.ndarray, policy: np.ndarray, alpha: float) -> np.ndarray:
     return (1.0 - alpha) * np.asarray(reference, np.float64) + alpha * np.asarray(policy, np.float64)
 
 
-__all__ = ["REFERENCE_TASKS", "ReferenceConfig", "check_ref_sync", "sync_due", "mix"]
+__all__ = ["ReferenceConfig", "check_ref_sync", "sync_due", "mix"]

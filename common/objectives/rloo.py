@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from twinseq.common.errors import ConfigError, DataError
 from twinseq.common.fields import _CHECKS_ON, _check_fields, knob
-from twinseq.common.objectives.grpo import STD_EPS, GRPOConfig, _nanstd, epsilon_bounds
+from twinseq.common.objectives.grpo import STD_EPS, GRPOConfig, _nanstd, check_online_run, epsilon_bounds
 from twinseq.common.objectives.grpo_loss import GRPOLossOutput, LossSpec, grpo_loss
+from twinseq.common.tasks import TaskSpec, register_task
 
 
 @dataclass
@@ -189,3 +190,35 @@ def rloo_loss(
         epsilon_high=epsilon_high,
         num_sequences_in_step=num_sequences_in_step,
     )
+
+
+def check_rloo_run(cfg: Any) -> None:
+    """RLOO's rules over a ``TrainConfig``: the online task's, its own knobs, and no Liger (no RLOO variant)."""
+    check_online_run(cfg)
+    check_rloo_config(cfg.rloo, cfg.grpo)
+    if cfg.loss.loss_type == "liger" or cfg.loss.use_liger_kernel:
+        raise ConfigError(
+            "loss_type='liger' runs Liger's fused GRPO loss, which has no RLOO variant; use --loss-type "
+            "fused_linear (chunked log-probs, no [tokens, vocab] tensor) with --task rloo."
+        )
+
+
+RLOO_TASK = register_task(
+    TaskSpec(
+        name="rloo",
+        trainer="RLOOTrainer",
+        builder="grpo:build_grpo",  # GRPO's rollout and trainer, RLOO's advantage and loss
+        order=3,
+        sections=("grpo", "rloo"),
+        reference=True,
+        online=True,
+        kl_beta="rloo.rloo_beta",
+        shares_prefix=True,
+        learning_rate=1e-6,
+        peft_learning_rate=1e-5,
+        plot_keys=("loss", "reward", "completions/mean_length", "tokens_per_second"),
+        check=check_rloo_run,
+        evaluator="twinseq.common.run.eval_set:grpo_evaluator",
+    )
+)
+"""REINFORCE leave-one-out (TRL's ``RLOOTrainer``)."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from twinseq.common.config import TrainConfig
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.models.configs import resolve_model_config
+from twinseq.common.tasks import task_spec
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +112,10 @@ def check_runtime(cfg: TrainConfig, rt: Runtime) -> None:
     _check_attention(cfg, rt)
     _check_parallel(cfg, rt)
     _check_optimizer_in_backward(cfg, rt)
-    if cfg.task in ("dpo", "kto"):
-        _check_dpo(cfg, rt)
-    if cfg.task in ("grpo", "rloo") and cfg.parallel.context_parallel_size > 1:
+    spec = task_spec(cfg.task)
+    if spec.one_process:
+        _check_one_process(cfg, rt)
+    if spec.online and cfg.parallel.context_parallel_size > 1:
         (_check_torch_grpo_context_parallel if rt.backend == "torch" else _check_jax_grpo_context_parallel)(cfg, rt)
 
 
@@ -279,7 +281,9 @@ def _check_torch_ring(cfg: TrainConfig, rt: Runtime) -> None:
         )
 
 
-def _check_dpo(cfg: TrainConfig, rt: Runtime) -> None:
+def _check_one_process(cfg: TrainConfig, rt: Runtime) -> None:
+    """A ``TaskSpec.one_process`` task (DPO, KTO): no ``torch_compile``, no FSDP or multi-process launch (DPO's
+    context parallelism excepted)."""
     if cfg.memory.torch_compile:
         raise ConfigError(f"torch_compile=True is not supported with task={cfg.task!r} yet; drop --torch-compile.")
     if cfg.task == "dpo" and cfg.parallel.context_parallel_size > 1:

@@ -12,11 +12,13 @@ model), which ``import twinseq`` loads: this module needs the data pipeline and 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import numpy as np
 
-from twinseq.common.config import ONLINE_TASKS, TrainConfig
+from twinseq.common.config import TrainConfig
 from twinseq.common.data.packing import pack_dataset
 from twinseq.common.data.preference_steps import PreferenceStepIterator, iter_preference_batches, with_ref_logps
 from twinseq.common.data.prepare import eval_dataset, prepare_dpo_dataset, prepare_sft_dataset
@@ -25,51 +27,101 @@ from twinseq.common.data.sft_steps import StepIterator
 from twinseq.common.data.unpaired import KTOStepIterator, iter_unpaired_batches, prepare_kto_dataset, with_kto_ref_logps
 from twinseq.common.errors import ConfigError
 from twinseq.common.run.evaluation import DPOEvaluator, Evaluator, GRPOEvaluator, KTOEvaluator, SFTEvaluator, eval_hook
+from twinseq.common.tasks import resolve, task_spec
 
 
 def build_evaluator(cfg: TrainConfig, trainer: Any, source: Any, tokenizer: Any, inputs: Any) -> Optional[Evaluator]:
     """The evaluator of a run, or None when it has no eval set (``eval_strategy``, ``eval_on_start`` and
-    ``load_best_model_at_end`` then refuse to run). Called once the builder returned, before any step."""
-    given, train = getattr(inputs, "eval_dataset", None), getattr(inputs, "train_dataset", None)
+    ``load_best_model_at_end`` then refuse to run). Called once the builder returned, before any step. The task's
+    ``TaskSpec.evaluator`` builds it (``sft_evaluator``, ``dpo_evaluator``, ``kto_evaluator``, ``grpo_evaluator``
+    here for the built-in methods)."""
     world_size, rank = trainer.data_parallel()
     steps_per_epoch = getattr(source, "steps_per_epoch", None)
-    shared = dict(tokenizer=tokenizer, steps_per_epoch=steps_per_epoch)
+    spec = task_spec(cfg.task)
     evaluator: Optional[Evaluator] = None
-    if cfg.task in ONLINE_TASKS:
-        prompts = prepare_grpo_eval_prompts(cfg, tokenizer, given, train)
-        if prompts is not None:
-            size = cfg.data.per_device_eval_batch_size
-            chunks = [prompts[s : s + size] for s in range(0, len(prompts), size)]
-            evaluator = GRPOEvaluator(cfg, chunks, num_examples=len(prompts), **shared)
-    else:
-        ds = eval_dataset(cfg, cfg.task, given, train)
-        if ds is not None:
-            evaluator = _build_offline(cfg, trainer, ds, tokenizer, world_size, rank, shared)
+    if spec.evaluator is not None:
+        evaluator = resolve(spec.evaluator)(
+            EvalContext(
+                cfg,
+                trainer,
+                tokenizer,
+                inputs,
+                world_size,
+                rank,
+                dict(tokenizer=tokenizer, steps_per_epoch=steps_per_epoch),
+            )
+        )
     _check_evaluator(cfg, evaluator, steps_per_epoch)
     return evaluator
 
 
-def _build_offline(
-    cfg: TrainConfig, trainer: Any, ds: Any, tokenizer: Any, world_size: int, rank: int, shared: dict
-) -> Evaluator:
-    """SFT's or DPO's evaluator over the untokenised eval set ``ds``."""
-    pad = tokenizer.pad_token_id
-    if cfg.task == "dpo":
-        rows = prepare_dpo_dataset(cfg, ds, tokenizer, held_out=True)[0]
-        if cfg.dpo.precompute_ref_log_probs:
-            rows = with_eval_reference(trainer, rows, cfg, pad)
-        micro = eval_step_batches(rows, cfg, pad, world_size=world_size, rank=rank)
-        return DPOEvaluator(cfg, micro, num_examples=len(rows), **shared)
-    if cfg.task == "kto":
-        rows = prepare_kto_dataset(cfg, ds, tokenizer, held_out=True)[0]
-        if cfg.dpo.precompute_ref_log_probs:
-            rows = with_eval_kto_reference(trainer, rows, cfg, pad)
-        micro = eval_step_batches(rows, cfg, pad, world_size=world_size, rank=rank)
-        return KTOEvaluator(cfg, micro, num_examples=len(rows), **shared)
-    rows = prepare_sft_dataset(cfg, ds, tokenizer, held_out=True)[0]
-    micro = eval_step_batches(rows, cfg, pad, world_size=world_size, rank=rank)
-    samples = sample_prompts(rows, cfg.eval_generate_samples)
-    return SFTEvaluator(cfg, micro, num_examples=len(rows), samples=samples, **shared)
+@dataclass
+class EvalContext:
+    """What a task's evaluator builder gets: the run's config, trainer (its ``eval_micro_step`` hook), tokenizer
+    and Python inputs, this rank's place in data parallelism, and the keyword arguments every ``Evaluator`` takes
+    (``shared``)."""
+
+    cfg: TrainConfig
+    trainer: Any
+    tokenizer: Any
+    inputs: Any
+    world_size: int
+    rank: int
+    shared: dict
+
+    def eval_rows(self) -> Any:
+        """The untokenised eval set (None: the run has none)."""
+        given, train = getattr(self.inputs, "eval_dataset", None), getattr(self.inputs, "train_dataset", None)
+        return eval_dataset(self.cfg, self.cfg.task, given, train)
+
+    def one_step(self, rows: Any, iterator: Any = None) -> list[Any]:
+        """This rank's micro-batches of every eval row as one step (``eval_step_batches``)."""
+        pad = self.tokenizer.pad_token_id
+        return eval_step_batches(rows, self.cfg, pad, world_size=self.world_size, rank=self.rank, iterator=iterator)
+
+
+def grpo_evaluator(ctx: EvalContext) -> Optional[Evaluator]:
+    """The online tasks': the reward of greedy completions of the held-out prompts."""
+    given, train = getattr(ctx.inputs, "eval_dataset", None), getattr(ctx.inputs, "train_dataset", None)
+    prompts = prepare_grpo_eval_prompts(ctx.cfg, ctx.tokenizer, given, train)
+    if prompts is None:
+        return None
+    size = ctx.cfg.data.per_device_eval_batch_size
+    chunks = [prompts[s : s + size] for s in range(0, len(prompts), size)]
+    return GRPOEvaluator(ctx.cfg, chunks, num_examples=len(prompts), **ctx.shared)
+
+
+def sft_evaluator(ctx: EvalContext) -> Optional[Evaluator]:
+    """SFT's: the token-normalised loss of the eval rows (and ``eval_generate_samples`` completions)."""
+    ds = ctx.eval_rows()
+    if ds is None:
+        return None
+    rows = prepare_sft_dataset(ctx.cfg, ds, ctx.tokenizer, held_out=True)[0]
+    samples = sample_prompts(rows, ctx.cfg.eval_generate_samples)
+    return SFTEvaluator(ctx.cfg, ctx.one_step(rows), num_examples=len(rows), samples=samples, **ctx.shared)
+
+
+def dpo_evaluator(ctx: EvalContext) -> Optional[Evaluator]:
+    """DPO's: the loss, rewards and accuracies of the eval pairs."""
+    ds, cfg = ctx.eval_rows(), ctx.cfg
+    if ds is None:
+        return None
+    rows = prepare_dpo_dataset(cfg, ds, ctx.tokenizer, held_out=True)[0]
+    if cfg.dpo.precompute_ref_log_probs:
+        rows = with_eval_reference(ctx.trainer, rows, cfg, ctx.tokenizer.pad_token_id)
+    return DPOEvaluator(cfg, ctx.one_step(rows, PreferenceStepIterator), num_examples=len(rows), **ctx.shared)
+
+
+def kto_evaluator(ctx: EvalContext) -> Optional[Evaluator]:
+    """KTO's: the loss, the KL estimate and the rewards of the eval rows."""
+    ds, cfg = ctx.eval_rows(), ctx.cfg
+    if ds is None:
+        return None
+    rows = prepare_kto_dataset(cfg, ds, ctx.tokenizer, held_out=True)[0]
+    if cfg.dpo.precompute_ref_log_probs:
+        rows = with_eval_kto_reference(ctx.trainer, rows, cfg, ctx.tokenizer.pad_token_id)
+    iterator = partial(KTOStepIterator, with_kl=cfg.kto.kto_loss_type == "kto")
+    return KTOEvaluator(cfg, ctx.one_step(rows, iterator), num_examples=len(rows), **ctx.shared)
 
 
 def _check_evaluator(cfg: TrainConfig, evaluator: Optional[Evaluator], steps_per_epoch: Optional[int]) -> None:
@@ -94,9 +146,12 @@ def _check_evaluator(cfg: TrainConfig, evaluator: Optional[Evaluator], steps_per
         )
 
 
-def eval_step_batches(rows: Any, cfg: TrainConfig, pad_token_id: int, *, world_size: int, rank: int) -> list[Any]:
+def eval_step_batches(
+    rows: Any, cfg: TrainConfig, pad_token_id: int, *, world_size: int, rank: int, iterator: Any = None
+) -> list[Any]:
     """This rank's micro-batches of every eval row, collated as training collates them (``StepIterator``: packing,
-    padding-free, ``pad_to_multiple_of``; DPO: ``PreferenceStepIterator``), as ONE step spanning the eval set:
+    padding-free, ``pad_to_multiple_of``; ``iterator``: the task's step source, DPO's ``PreferenceStepIterator``),
+    as ONE step spanning the eval set:
     ``per_device_eval_batch_size`` examples per micro-batch at most, the same number of micro-batches on every rank
     (a rank short of rows gets padding-only ones), and ``num_items_in_batch`` (DPO: ``num_examples_in_step``) the
     whole eval set's count, so the micro-batches' loss shares add up to the eval set's loss."""
@@ -115,12 +170,7 @@ def eval_step_batches(rows: Any, cfg: TrainConfig, pad_token_id: int, *, world_s
     one_step = cfg.replace(
         packing=False, per_device_train_batch_size=d.per_device_eval_batch_size, gradient_accumulation_steps=slots
     )
-    if cfg.task == "kto":
-        with_kl = cfg.kto.kto_loss_type == "kto"
-        return KTOStepIterator(
-            rows, one_step, pad_token_id, with_kl=with_kl, world_size=world_size, rank=rank
-        ).next_step()
-    kind = PreferenceStepIterator if cfg.task == "dpo" else StepIterator
+    kind = StepIterator if iterator is None else iterator
     return kind(rows, one_step, pad_token_id, world_size=world_size, rank=rank).next_step()
 
 
