@@ -16,7 +16,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from memory_planner_check import BASE, TOLERANCE, check_one  # noqa: E402
+from memory_planner_check import BASE, STATE_RUNGS, TOLERANCE, check_one  # noqa: E402
 
 from twinseq.common.config import TrainConfig  # noqa: E402
 from twinseq.common.run.memory_plan import advise, format_bytes, parse_bytes, plan_memory  # noqa: E402
@@ -35,6 +35,19 @@ def test_jax_plan_is_within_tolerance_of_the_compiled_step():
     pytest.importorskip("jax")
     r = check_one(dict(BASE, backend="jax", loss_type="fused_linear", gradient_checkpointing=True))
     assert abs(r["error"]) <= TOLERANCE, _summary(r)
+
+
+def test_bfloat16_8bit_state_plan_is_within_tolerance_on_cpu():
+    """The bfloat16 weights + 8-bit moments rung (issue 28) on CPU: bfloat16 activations, the update's float32
+    temporaries, the oneDNN kernel cache and the heap backward leaves (memory_plan's rows), against the real peak.
+    The float32-state plan of the same run is far above that peak (the negative control: a plan that ignored the
+    optimizer would pass no better)."""
+    pytest.importorskip("torch")
+    values = STATE_RUNGS["torch-small-bf16-8bit"]
+    r = check_one(values)
+    assert abs(r["error"]) <= TOLERANCE, _summary(r)
+    f32 = plan_memory(TrainConfig.from_flat(**{**values, "optimizer": "adamw_torch"})).total
+    assert (f32 - r["measured"]) / r["measured"] > TOLERANCE, f"{f32 / MIB:.1f} MiB\n" + _summary(r)
 
 
 def test_advice_applied_fits_the_budget_for_real():

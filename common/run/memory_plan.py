@@ -30,7 +30,10 @@ Gradients and optimizer
     ``exp_avg``/``exp_avg_sq`` (8 bytes); ``adamw_bnb_8bit`` keeps 2 bytes plus a float32 absmax per block
     of 256 for each tensor of at least 4096 numbers (bitsandbytes' ``min_8bit_size``), float32 below;
     ``adamw_bf16`` holds weights, gradients and both moments in bfloat16 (2 + 2 + 4 bytes; no autocast copies of
-    the weights, which are already bfloat16); ``adamw_bf16_8bit`` those weights and gradients with the 8-bit moments.
+    the weights, which are already bfloat16, and the activations are bfloat16 on every device: the matmuls read
+    bfloat16 weights); ``adamw_bf16_8bit`` those weights and gradients with the 8-bit moments. The optimizer step's
+    float32 temporaries per number of the tensor it updates are ``UPDATE_TEMP_BYTES`` (counted, and checked with
+    ``torch.profiler``'s memory timeline).
     ``optimizer_in_backward`` (torch) steps each parameter in its gradient's hook: one gradient (the largest tensor's)
     and one update's float32 temporaries are alive inside backward, and there is no optimizer-step moment.
 
@@ -98,10 +101,16 @@ DPO: the frozen reference is a float32 copy of the weights (none with ``precompu
 PEFT, whose reference is the base with adapters off); its no-grad forward runs before the policy's, so it
 adds no activations to the peak.
 
-What is not modelled: the allocator's fragmentation and caches (CUDA's caching allocator rounds up to
-2 MiB blocks and keeps freed blocks), framework code and kernels' workspaces, the data pipeline, the model
-build transient (numpy weights copied into the framework), the checkpoint written at the end. The
-``benchmarks/memory_planner_check.py`` harness measures how close the plan is (docs/memory.md).
+torch on CPU, three rows no tensor accounts for: ``runtime`` (``RUNTIME_BYTES``), ``oneDNN kernel cache (CPU
+bfloat16)`` (``ONEDNN_CACHE_BYTES``: bfloat16 compute keeps a cached kernel per matmul shape) and, when the optimizer
+step is the peak, the heap backward freed and the update cannot reuse (``HEAP_RETAINED_AT_UPDATE``, inside ``not
+alive at once``); all three are fitted constants, measured with glibc's ``mallinfo2`` and the profiled tensor peak.
+
+What is not modelled: the allocator's fragmentation and caches otherwise (CUDA's caching allocator rounds up to
+2 MiB blocks and keeps freed blocks), the growth of the CPU kernel caches when shapes change from step to step
+(bfloat16 ``varlen`` attention: 18 MiB a step on ``small``), framework code and kernels' workspaces, the data
+pipeline, the model build transient (numpy weights copied into the framework), the checkpoint written at the end.
+The ``benchmarks/memory_planner_check.py`` harness measures how close the plan is (docs/memory.md).
 
 >>> from twinseq.common.config import TrainConfig
 >>> plan = plan_memory(TrainConfig.from_flat(model_config="tiny", max_length=512, packing=True,
@@ -164,10 +173,21 @@ BNB_8BIT_BLOCK = adamw_8bit.BLOCK
 BNB_MIN_8BIT_SIZE = adamw_8bit.MIN_8BIT_SIZE
 UPDATE_CHUNK = 1 << 24
 """Numbers per chunk of ``AdamWBF16``'s update (``torch_backend.bf16_adamw.CHUNK``, ``adamw_8bit.CHUNK``)."""
-UPDATE_TEMP_BYTES = {"adamw_torch": 8, "adamw_bnb_8bit": 8, "adamw_bf16": 20, "adamw_bf16_8bit": 24}
+UPDATE_TEMP_BYTES = {"adamw_torch": 8, "adamw_bnb_8bit": 8, "adamw_bf16": 16, "adamw_bf16_8bit": 24}
 """Bytes of temporaries per number of the tensor being updated (torch): float32 AdamW's denominator (and the norm's
-float64 copy, 8); ``AdamWBF16``'s float32 weight, moments, denominator and random bits (20); with 8-bit moments the
-dequantised values, their int32 indices and block scales too (24)."""
+float64 copy, 8); ``AdamWBF16``'s float32 moments, denominator and weight (16: the gradient's float32 copy is freed
+before the denominator, the denominator before the int32 random bits of the rounding); with 8-bit moments four
+float32 chunks and the int64 index ``repeat_interleave`` builds to spread the block scales (24). Checked with
+``torch.profiler``'s memory timeline on ``small``: the step's tensor peak is the update of the embedding, 4 x 12 MiB
+of float32 (``adamw_bf16``) and 4 x 12 + 24 MiB (``adamw_bf16_8bit``) over the weights, gradients and state."""
+HEAP_RETAINED_AT_UPDATE = 20 * 2**20
+"""torch on CPU, when the optimizer step is the peak: the heap the backward pass freed stays resident. glibc serves
+allocations below its mmap threshold (1 MiB under the planner check's ``MALLOC_MMAP_THRESHOLD_``) from the heap, which
+only shrinks from its top, so the small tensors backward frees (bfloat16 activations, per-layer gradients' scratch)
+leave free heap behind, and the update's float32 chunks, above the threshold, are mapped fresh instead of reusing it.
+Measured on ``small`` (``adamw_bf16``/``adamw_bf16_8bit``, 4 x 512 tokens): glibc's ``mallinfo2`` reports 22 to 26
+MiB free in the heap after a step, and the step-2 peak RSS is 20 and 22 MiB above the profiled tensor peak + the
+runtime + the kernel cache. Fitted constant; at the loss and in backward the same heap is reused, not added."""
 LOGITS_COPIES = {"torch": 3.0, "jax": 2.5}
 """float32 copies of ``[tokens, vocab]`` alive at the loss's peak: logits/log-softmax, and in backward the
 gradient of the log-softmax and of the logits (torch frees the logits after the log-softmax). jax's value is
@@ -278,6 +298,17 @@ def attention_path(
 RUNTIME_BYTES = {("torch", "cpu"): 20 * 2**20}
 """Fitted constant: what a torch CPU step allocates besides tensors the model names (measured on a
 64-token step of ``tiny`` and ``small``)."""
+ONEDNN_CACHE_BYTES = 12 * 2**20
+"""torch on CPU computing in bfloat16 (``adamw_bf16``/``adamw_bf16_8bit`` weights, or ``--dtype bfloat16``): bfloat16
+matmuls and attention run oneDNN kernels, and two caches keep one entry per distinct problem shape alive for the
+rest of the run (oneDNN's primitive cache, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, and ideep's, ``LRU_CACHE_CAPACITY``;
+1,024 entries each by default). float32 runs take MKL's sgemm and cache nothing. Measured on ``small`` (4 x 512
+wrapped rows, sdpa, fused loss, checkpointing, ``adamw_bf16``): the step-2 peak RSS is 12.7 MiB above the same run
+with both capacities at zero (heap in use after a step: 12.5 MiB more), and stays there at step 3: the shapes repeat.
+Fitted constant for runs whose shapes repeat. Rows whose shapes change every step (``padding_free`` with
+``varlen``, whose attention runs one shape per document-length bucket) add new entries at each step: measured on
+``small``, 18 MiB per step over 8 steps with no sign of levelling off, which no one-step plan can hold (set both
+variables to 0 for a flat footprint)."""
 
 
 @dataclass
@@ -427,19 +458,32 @@ def _micro_batch_shape(config, backend: str) -> tuple[int, int]:
 
 def _shared_row_length(config) -> Optional[tuple[int, int]]:
     """(rows, row length) of a prefix-shared micro-batch (``common.data.prefix_sharing``), or None when the run does
-    not share. A prompt of P tokens and its completions of C: ``P - 1 + k * (C + 1)`` tokens for k completions, with
-    P = ``max_prompt_length`` and C = ``max_length - P`` (DPO, k = 2) or ``max_completion_length`` (GRPO, k =
-    ``num_generations``, a micro-batch's completions grouped by prompt)."""
+    not share. A prompt of p tokens and its k completions of c: ``p - 1 + k * (c + 1)`` tokens (DPO: k = 2, GRPO: k =
+    ``num_generations``, a micro-batch's completions grouped by prompt). The longest such row over the prompts the
+    data may hold, 1 to P = ``max_prompt_length`` tokens: DPO's completions get ``c = min(max_completion_length,
+    max_length - p)`` (truncation's order), so a shorter prompt leaves room for longer completions and, without
+    ``max_completion_length``, the longest row is a one-token prompt's, ``2 x max_length``; GRPO's completions are
+    ``max_completion_length`` long (``max_length - p`` when unset). The rule is piecewise linear in p: its maximum is
+    at p = 1, P or ``max_length - max_completion_length``."""
     d = config.data
     if prefix_sharing_off_reason(config) is not None or d.max_prompt_length is None:
         return None
-    p = min(d.max_prompt_length, d.max_length)
+    top = min(d.max_prompt_length, d.max_length)
+    c_max = d.max_completion_length
     if config.task == "dpo":
-        return d.per_device_train_batch_size, p - 1 + 2 * (d.max_length - p + 1)
-    c = d.max_completion_length if d.max_completion_length is not None else d.max_length - p
-    g = min(config.grpo.num_generations, d.per_device_train_batch_size)
-    groups = -(-d.per_device_train_batch_size // g)
-    return groups, p - 1 + g * (c + 1)
+        k, rows = 2, d.per_device_train_batch_size
+
+        def completion(p: int) -> int:
+            return min(c_max, d.max_length - p) if c_max is not None else d.max_length - p
+    else:
+        k = min(config.grpo.num_generations, d.per_device_train_batch_size)
+        rows = -(-d.per_device_train_batch_size // k)
+
+        def completion(p: int) -> int:
+            return c_max if c_max is not None else d.max_length - p
+
+    candidates = {1, top} | ({min(max(d.max_length - c_max, 1), top)} if c_max is not None else set())
+    return rows, max(p - 1 + k * (completion(p) + 1) for p in candidates)
 
 
 def _quant_stats_key(backend: str) -> str:
@@ -590,9 +634,10 @@ def plan_memory(
             f"optimizer={optimizer!r} (bfloat16 weights, stochastically rounded) is torch only today; use "
             f"--optimizer adamw_torch (or adamw_bnb_8bit) on the jax backend."
         )
-    if bf16_state and device == "cuda":
-        # bfloat16 weights compute in bfloat16, whatever --dtype says (on CPU, where bfloat16 matmuls run through
-        # float32 workspaces, the measured peak follows the float32 activations: the staircase's small and llama-100m)
+    if bf16_state:
+        # bfloat16 weights compute in bfloat16, whatever --dtype says, on CPU too: every matmul reads bfloat16
+        # weights and writes bfloat16 activations (measured: small, fixed shapes, with the CPU kernel caches off,
+        # 185 MiB against 176 planned; the caches are their own row, ONEDNN_CACHE_BYTES)
         act_bytes = DTYPE_BYTES["bfloat16"]
     if bf16_state and peft.use_peft:
         raise ConfigError(
@@ -898,6 +943,14 @@ def plan_memory(
     runtime = RUNTIME_BYTES.get((backend, device), 0)
     if runtime:
         rows.append(MemoryRow("runtime", int(runtime), "fitted: autograd engine, kernels' scratch (torch CPU)"))
+    if backend == "torch" and device == "cpu" and act_bytes < 4:
+        rows.append(
+            MemoryRow(
+                "oneDNN kernel cache (CPU bfloat16)",
+                ONEDNN_CACHE_BYTES,
+                "fitted: one cached kernel per bfloat16 matmul shape; grows each step when shapes vary (varlen)",
+            )
+        )
     if backend == "torch":
         work = tokens * coef.work * layer_bytes
         rows.append(
@@ -943,6 +996,8 @@ def plan_memory(
             at_update = last_numel * grad_bytes + update_work(last_numel)
         else:  # every gradient, then the norm or the update
             at_update = gradients + update_work(largest_numel)
+        if device == "cpu":
+            at_update += HEAP_RETAINED_AT_UPDATE
         peak = max(at_loss, in_backward, at_update)
         moment = {at_loss: "the loss", in_backward: "the backward pass", at_update: "the optimizer step"}[peak]
         listed = (

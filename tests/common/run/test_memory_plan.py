@@ -10,11 +10,25 @@ import pytest
 
 from twinseq.common.config import BLOCKED_MIN_SEQ_LEN, DEFAULT_ATTENTION_BLOCK_SIZE, TrainConfig
 from twinseq.common.errors import ConfigError
-from twinseq.common.run.memory_plan import (ACTIVATION_ROWS, BLOCKED_TILES, CHUNK_COPIES, LAYER_SAVED, LOGITS_COPIES,
-                                        NF4_BYTES, QUANT_STATS_BYTES, advise, attention_path, format_bytes,
-                                        parse_bytes, plan_memory)
 from twinseq.common.models.configs import ModelConfig, parameter_shapes
 from twinseq.common.models.peft import LINEAR_MODULES, PeftConfig, trainable_parameter_count
+from twinseq.common.run.memory_plan import (
+    ACTIVATION_ROWS,
+    BLOCKED_TILES,
+    CHUNK_COPIES,
+    HEAP_RETAINED_AT_UPDATE,
+    LAYER_SAVED,
+    LOGITS_COPIES,
+    NF4_BYTES,
+    ONEDNN_CACHE_BYTES,
+    QUANT_STATS_BYTES,
+    RUNTIME_BYTES,
+    advise,
+    attention_path,
+    format_bytes,
+    parse_bytes,
+    plan_memory,
+)
 
 BASE = dict(model_config="tiny", max_length=512, packing=True, per_device_train_batch_size=8)
 BACKENDS = ("torch", "jax")
@@ -143,6 +157,30 @@ def test_bfloat16_shrinks_activations_and_adds_weight_copies(backend):
     assert bf16.get("weights (float32)") == f32.get("weights (float32)")  # master weights stay float32
 
 
+def test_bfloat16_state_on_cpu_computes_in_bfloat16_plus_the_cpu_rows():
+    """``adamw_bf16`` on CPU: bfloat16 activations as on CUDA, so the CPU plan differs from the CUDA plan only by the
+    CPU rows (runtime, oneDNN kernel cache and, its peak being the optimizer step, the heap backward left); a float32
+    run has no kernel cache, peaks in backward and differs by the runtime only (the negative control)."""
+    small = dict(model_config="small", per_device_train_batch_size=4, loss_type="fused_linear",
+                 gradient_checkpointing=True)
+    config = TrainConfig.from_flat(**{**BASE, **small, "backend": "torch", "optimizer": "adamw_bf16"})
+    cpu, cuda = plan_memory(config), plan_memory(config, device="cuda")
+    assert cpu.get("activations (decoder layers)") == cuda.get("activations (decoder layers)") > 0
+    assert cpu.get("oneDNN kernel cache (CPU bfloat16)") == ONEDNN_CACHE_BYTES
+    assert cuda.get("oneDNN kernel cache (CPU bfloat16)") == 0
+    assert "optimizer step" in next(r.note for r in cpu.rows if r.component == "not alive at once")
+    # (CUDA's peak is the update's or, a little above it, backward's: the same bytes on both devices)
+    cpu_only = RUNTIME_BYTES[("torch", "cpu")] + ONEDNN_CACHE_BYTES
+    assert cpu_only < cpu.total - cuda.total <= cpu_only + HEAP_RETAINED_AT_UPDATE
+    f32 = TrainConfig.from_flat(**{**BASE, **small, "backend": "torch"})
+    f32_cpu, f32_cuda = plan_memory(f32), plan_memory(f32, device="cuda")
+    assert f32_cpu.get("oneDNN kernel cache (CPU bfloat16)") == 0
+    assert "backward" in next(r.note for r in f32_cpu.rows if r.component == "not alive at once")
+    assert f32_cpu.total - f32_cuda.total == RUNTIME_BYTES[("torch", "cpu")]
+    # the float32 activations are twice the bfloat16 state's
+    assert f32_cpu.get("activations (decoder layers)") == 2 * cpu.get("activations (decoder layers)")
+
+
 def test_eager_attention_materialises_scores_sdpa_does_not():
     sdpa, eager = plan(attn_implementation="sdpa"), plan(attn_implementation="eager")
     assert sdpa.get("attention scores") == 0
@@ -234,12 +272,16 @@ def test_dpo_doubles_tokens_and_keeps_a_reference():
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_prefix_sharing_writes_each_prompt_once(padding_free):
     """DPO: P - 1 + 2 (C + 1) tokens a pair instead of 2 (P + C); GRPO: P - 1 + G (C + 1) a group instead of
-    G (P + C) (the planner's unshared GRPO row is max_length long); off with --no-share-prefix or under CP."""
+    G (P + C) (the planner's unshared GRPO row is max_length long); off with --no-share-prefix or under CP. The
+    planned row is the longest the data may hold: DPO without max_completion_length, a one-token prompt's completions
+    fill max_length each (2 x max_length, no saving)."""
     def plan(task, **kw):
         return plan_memory(TrainConfig.from_flat(model_config="tiny", task=task, max_length=640, max_prompt_length=512,
                                                  per_device_train_batch_size=16, padding_free=padding_free, **kw))
 
-    assert plan("dpo").tokens == 16 * (511 + 2 * 129)
+    assert plan("dpo", max_completion_length=128).tokens == 16 * (511 + 2 * 129)
+    assert plan("dpo", max_completion_length=64).tokens == 16 * (511 + 2 * 65)  # P stays the longest prompt
+    assert plan("dpo").tokens == 16 * 2 * 640  # the shortest prompt leaves max_length to each completion
     assert plan("dpo", share_prefix=False).tokens == 16 * 2 * 640
     grpo = dict(num_generations=8, max_completion_length=64)
     assert plan("grpo", **grpo).tokens == 2 * (511 + 8 * 65)
