@@ -138,9 +138,9 @@ class ModelArgs(_Section):
 
     model_config: str = "tiny"
     """A preset (tiny, small, tiny-llama3, tiny-qwen2, tiny-qwen3, tiny-qwen3-moe, tiny-mistral, tiny-mixtral,
-    tiny-gemma2, tiny-gemma3), a local Hugging Face checkpoint folder (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral,
-    Mixtral, Gemma 2, Gemma 3 text), or a folder with a config.json alone (with ``init_weights='random'``). TRL's
-    ``model_name_or_path`` (``--model-name-or-path``) is an alias."""
+    tiny-gpt-oss, tiny-gemma2, tiny-gemma3), a local Hugging Face checkpoint folder (Llama, Qwen2, Qwen3, Qwen3-MoE,
+    Mistral, Mixtral, gpt-oss, Gemma 2, Gemma 3 text), or a folder with a config.json alone (with
+    ``init_weights='random'``). TRL's ``model_name_or_path`` (``--model-name-or-path``) is an alias."""
     init_weights: InitWeights = "pretrained"
     """``pretrained``: a model folder's own weights; a folder with a config.json and no weights is refused, naming
     the missing files. ``random``: weights drawn from the run's seed, for that folder's architecture (its weights,

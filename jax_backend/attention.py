@@ -9,6 +9,10 @@ document nor depends on where the document sits in a packed row.
 Shared prefixes (``twinseq.common.data.prefix_sharing``): with ``parent_ids`` a query also attends to the
 keys of its parent segment (``segment_ids[j] == parent_ids[i] != 0``), positions and windows as above;
 ``parent_ids=None`` (no parents) builds exactly the program without them.
+Attention sinks (gpt-oss, ``sinks_N``: one learned logit per query head) join every query's softmax
+denominator with no value, ``softmax([scores, sink])[:-1] @ V``, on every path: the dense one appends the
+sink as a last score column (HF eager's order), the blocked kernel corrects its output with the row's
+log-sum-exp (``context_parallel``). ``sinks_N=None`` builds exactly the program without them.
 Padded batches (one document per row, segment 0 on padding) and padding-free batches
 (many documents in one row) go through the same code; only B, T and the ids differ.
 
@@ -96,6 +100,7 @@ def dot_product_attention(
     allowed_B1TT: jax.Array,
     scaling: float,
     softcap: Optional[float] = None,
+    sinks_N: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Masked softmax attention, as HF's eager path: [B, N, T, D] out.
 
@@ -106,6 +111,10 @@ def dot_product_attention(
 
     A query with no allowed key (a padding token) gets an all-zero output instead of a
     uniform average over garbage: no NaN, and nothing from padding can leak anywhere.
+
+    ``sinks_N`` (gpt-oss): head ``n``'s sink logit is appended as a last column of its scores (after the mask,
+    in the scores' dtype, as ``GptOssAttention``'s eager path), the softmax taken over both, the sink's column
+    dropped: the keys' probabilities then sum to less than 1.
     """
     num_groups = q_BNTD.shape[1] // k_BKTD.shape[1]
     k_BNTD = repeat_kv(k_BKTD, num_groups)
@@ -114,7 +123,13 @@ def dot_product_attention(
     if softcap is not None:
         scores_BNTT = soft_cap(scores_BNTT, softcap)
     scores_BNTT = jnp.where(allowed_B1TT, scores_BNTT, jnp.finfo(scores_BNTT.dtype).min)
-    probs_BNTT = jax.nn.softmax(scores_BNTT.astype(jnp.float32), axis=-1)
+    if sinks_N is None:
+        probs_BNTT = jax.nn.softmax(scores_BNTT.astype(jnp.float32), axis=-1)
+    else:
+        b, n, t, _ = scores_BNTT.shape
+        sink_BNT1 = jnp.broadcast_to(sinks_N.astype(scores_BNTT.dtype).reshape(1, n, 1, 1), (b, n, t, 1))
+        combined_BNTK = jnp.concatenate([scores_BNTT, sink_BNT1], axis=-1).astype(jnp.float32)
+        probs_BNTT = jax.nn.softmax(combined_BNTK, axis=-1)[..., :-1]
     # Fully-masked rows would be uniform over masked keys; zero them (padding queries only).
     probs_BNTT = jnp.where(allowed_B1TT, probs_BNTT, 0.0).astype(q_BNTD.dtype)
     return jnp.einsum("bnqk,bnkd->bnqd", probs_BNTT, v_BNTD)
@@ -131,6 +146,7 @@ def document_attention(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     parent_ids_BT: Optional[jax.Array] = None,
+    sinks: Optional[jax.Array] = None,
 ) -> jax.Array:
     """The model's default attention in the pluggable signature, ``[B, N, T, D]`` out.
 
@@ -139,10 +155,11 @@ def document_attention(
     that have them); ``parallel.ring_attention_fn(mesh)`` returns a context-parallel one. This is the dense
     reference they must match:
     ``dot_product_attention(q, k, v, document_causal_mask(seg, pos, sliding_window, par), scaling, softcap)``.
-    A shared batch passes ``parent_ids_BT=`` (``AttendFn``'s optional keyword; absent without shared prefixes).
+    A shared batch passes ``parent_ids_BT=`` (``AttendFn``'s optional keyword; absent without shared prefixes);
+    a layer with attention sinks passes ``sinks=`` (its ``[N]`` sink logits; absent on layers without).
     """
     allowed_B1TT = document_causal_mask(segment_ids_BT, position_ids_BT, sliding_window, parent_ids_BT)
-    return dot_product_attention(q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, scaling, softcap)
+    return dot_product_attention(q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, scaling, softcap, sinks_N=sinks)
 
 
 def blocked_document_attention(
@@ -157,13 +174,14 @@ def blocked_document_attention(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     parent_ids_BT: Optional[jax.Array] = None,
+    sinks: Optional[jax.Array] = None,
 ) -> jax.Array:
     """``document_attention`` without the T x T mask or scores: ``[B, N, T, D]`` out, in q's dtype.
 
     Naive equivalent (equal up to float32 rounding; the blocked kernel accumulates in float32 where
     the dense path rounds bfloat16 scores and probabilities to the input dtype)::
 
-        document_attention(q, k, v, seg, pos, scaling, sliding_window=w, softcap=c, parent_ids_BT=par)
+        document_attention(q, k, v, seg, pos, scaling, sliding_window=w, softcap=c, parent_ids_BT=par, sinks=s)
 
     T is padded up to a multiple of the block (``min(block_size, T)``) with segment 0 (parent 0), which no
     query attends to and whose queries get zeros; the padding is sliced off again. A tile pair is skipped
@@ -196,6 +214,7 @@ def blocked_document_attention(
         sliding_window=sliding_window,
         softcap=softcap,
         parent_ids_BT=parent_ids_BT,
+        sinks_N=sinks,
     )
     return out_BNTD[:, :, :t] if pad else out_BNTD
 
@@ -222,6 +241,7 @@ class BlockedAttention:
         sliding_window: Optional[int] = None,
         softcap: Optional[float] = None,
         parent_ids_BT: Optional[jax.Array] = None,
+        sinks: Optional[jax.Array] = None,
     ) -> jax.Array:
         if q_BNTD.shape[2] <= self.block_size:
             # One block: the blocked kernel would hold the same T x T tile the dense path does, only with
@@ -237,6 +257,7 @@ class BlockedAttention:
                 sliding_window=sliding_window,
                 softcap=softcap,
                 parent_ids_BT=parent_ids_BT,
+                sinks=sinks,
             )
         return blocked_document_attention(
             q_BNTD,
@@ -249,6 +270,7 @@ class BlockedAttention:
             sliding_window=sliding_window,
             softcap=softcap,
             parent_ids_BT=parent_ids_BT,
+            sinks=sinks,
         )
 
 

@@ -15,6 +15,11 @@ program without them). The window is a band
 in positions, so every block reads it from the ids it already carries; a block pair entirely
 outside the band is skipped like any fully masked pair. ``softcap`` (Gemma 2) caps the scaled
 scores, ``c * tanh(s / c)``, before the mask; the backward multiplies by ``1 - (capped / c) ** 2``.
+``sinks_N`` (gpt-oss's attention sinks, one learned logit per query head) joins every softmax denominator with
+no value: the kernel runs without it and returns each row's log-sum-exp ``lse`` too, and the output is corrected
+once, ``out * exp(lse) / (exp(lse) + exp(sink)) = out * sigmoid(lse - sink)``, by ordinary differentiable ops (so
+the sink gets its gradient from autodiff, ``-p_sink * rowsum(dout * out)``, and ``lse``'s cotangent enters the
+kernel's backward as ``ds = p * (dp - delta + dlse)``).
 
 Naive equivalent (what both strategies must match, up to float32 rounding)::
 
@@ -231,9 +236,13 @@ def _forward(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q):
     return out.astype(q.dtype), lse
 
 
-def _backward(cfg: _Cfg, residuals, dout):
+def _backward(cfg: _Cfg, residuals, dout, dlse=None):
+    """``dlse`` (float32 [B, K, G, Tq] or None): the cotangent of the log-sum-exp output (``_attention_core_lse``);
+    ``d lse / d s_j = p_j``, so it joins ``dp`` in ``ds = p * (dp - delta)`` as ``delta - dlse``."""
     q, k, v, seg_q, pos_q, seg_k, pos_k, par_q, out, lse = residuals
     delta = jnp.sum(dout.astype(_F32) * out.astype(_F32), axis=-1)
+    if dlse is not None:
+        delta = delta - jnp.where(jnp.isneginf(lse), 0.0, dlse.astype(_F32))
     dq = jnp.zeros_like(q, dtype=_F32)
     kv = (k, v, seg_k, pos_k)
     dkv = (jnp.zeros_like(k, dtype=_F32), jnp.zeros_like(v, dtype=_F32))  # travel with the K/V they belong to
@@ -272,6 +281,48 @@ def _core_bwd(cfg: _Cfg, residuals, dout):
 
 
 _attention_core.defvjp(_core_fwd, _core_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_core_lse(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q):
+    """``_attention_core`` that also returns the rows' log-sum-exp (float32 [B, K, G, Tq], -inf on rows with no
+    allowed key), differentiable: what the attention sinks correct the output with (``_attend``)."""
+    return _forward(cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q)
+
+
+def _core_lse_fwd(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q):
+    out, lse = _forward(cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q)
+    return (out, lse), (q, k, v, seg_q, pos_q, seg_k, pos_k, par_q, out, lse)
+
+
+def _core_lse_bwd(cfg: _Cfg, residuals, cotangents):
+    dout, dlse = cotangents
+    dq, dk, dv = _backward(cfg, residuals, dout, dlse)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_core_lse.defvjp(_core_lse_fwd, _core_lse_bwd)
+
+
+def _attend(cfg: _Cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q, sinks_N=None) -> jax.Array:
+    """The kernel on internal-layout arrays (q [B, K, G, Tq, D]); with ``sinks_N`` (float [N = K * G], query head
+    ``n = k * G + g``) the output is scaled by ``sigmoid(lse - sink)``: the share of the denominator that the keys
+    hold once the sink joins it (0 on rows with no key, as without sinks). Without sinks: ``_attention_core``."""
+    if sinks_N is None:
+        return _attention_core(cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q)
+    out, lse = _attention_core_lse(cfg, q, k, v, seg_q, pos_q, seg_k, pos_k, par_q)
+    sink_1KG1 = jnp.asarray(sinks_N).astype(_F32).reshape(1, q.shape[1], q.shape[2], 1)
+    no_key = jnp.isneginf(lse)  # lse - sink would be NaN for a sink of -inf; such rows are zeros anyway
+    keys_share = jnp.where(no_key, 0.0, jax.nn.sigmoid(jnp.where(no_key, 0.0, lse) - sink_1KG1))
+    return (out.astype(_F32) * keys_share[..., None]).astype(out.dtype)
+
+
+def _check_sinks(sinks_N, num_heads: int) -> None:
+    if sinks_N is not None and tuple(jnp.shape(sinks_N)) != (num_heads,):
+        raise ConfigError(
+            f"sinks_N has shape {tuple(jnp.shape(sinks_N))}; pass one attention-sink logit per query head, shape "
+            f"({num_heads},) (the layer's self_attn.sinks), or None for attention without sinks."
+        )
 
 
 MAX_DEFAULT_BLOCK = 1024
@@ -378,18 +429,21 @@ def blocked_attention(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     parent_ids_BT=None,
+    sinks_N=None,
 ) -> jax.Array:
     """Single-device memory-efficient attention (online softmax forward, FlashAttention-2 backward).
 
     Same inputs/outputs and mask as the module docstring; ``[B, T, N, D]`` out in q's dtype. Queries
     with no allowed key (padding) get zeros, like ``dot_product_attention``. ``parent_ids_BT``: each
-    query's parent segment (shared prefixes, ``common.data.prefix_sharing``); None: none.
+    query's parent segment (shared prefixes, ``common.data.prefix_sharing``); None: none. ``sinks_N``: one
+    attention-sink logit per query head (gpt-oss), None: none.
     """
     _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, parent_ids_BT)
+    _check_sinks(sinks_N, q_BTND.shape[2])
     cfg = _cfg(None, 1, q_BTND, k_BTKD.shape[1], scale, block_q, block_k, sliding_window, softcap)
     q, k, v = _to_internal(q_BTND, k_BTKD, v_BTKD)
     seg, pos = segment_ids_BT, position_ids_BT
-    return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos, parent_ids_BT))
+    return _from_internal(_attend(cfg, q, k, v, seg, pos, seg, pos, parent_ids_BT, sinks_N))
 
 
 def blocked_attention_heads_first(
@@ -404,6 +458,7 @@ def blocked_attention_heads_first(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     parent_ids_BT=None,
+    sinks_N=None,
 ) -> jax.Array:
     """``blocked_attention`` in the model's head-first layout: ``[B, N, T, D]`` in and out, ``T % block_size == 0``.
 
@@ -422,6 +477,7 @@ def blocked_attention_heads_first(
     if t % block_size:
         raise ConfigError(f"block_size={block_size} must divide the sequence length {t}; pad T first.")
     _check_options(sliding_window, softcap)
+    _check_sinks(sinks_N, n)
     cfg = _Cfg(
         None,
         1,
@@ -433,7 +489,7 @@ def blocked_attention_heads_first(
     )
     q_BKGTD = q_BNTD.reshape(b, kv, n // kv, t, d)
     seg, pos = segment_ids_BT, position_ids_BT
-    out_BKGTD = _attention_core(cfg, q_BKGTD, k_BKTD, v_BKTD, seg, pos, seg, pos, parent_ids_BT)
+    out_BKGTD = _attend(cfg, q_BKGTD, k_BKTD, v_BKTD, seg, pos, seg, pos, parent_ids_BT, sinks_N)
     return out_BKGTD.reshape(b, n, t, d)
 
 
@@ -451,13 +507,16 @@ def ring_attention_shard(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     parent_ids_BT=None,
+    sinks_N=None,
 ) -> jax.Array:
     """Ring attention for the local shard; call inside ``shard_map`` over ``axis_name``.
 
     Every argument is this device's ``[B, T/cp, ...]`` shard; returns this device's output shard. The local
     queries' ``parent_ids_BT`` stay home: a parent's keys are found by the segment ids travelling with them.
+    ``sinks_N`` (replicated, [N]) corrects the local queries' output once the ring is done.
     """
     _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, parent_ids_BT)
+    _check_sinks(sinks_N, q_BTND.shape[2])
     cfg = _cfg(
         axis_name,
         jax.lax.axis_size(axis_name),
@@ -471,7 +530,7 @@ def ring_attention_shard(
     )
     q, k, v = _to_internal(q_BTND, k_BTKD, v_BTKD)
     seg, pos = segment_ids_BT, position_ids_BT
-    return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg, pos, parent_ids_BT))
+    return _from_internal(_attend(cfg, q, k, v, seg, pos, seg, pos, parent_ids_BT, sinks_N))
 
 
 def allgather_attention_shard(
@@ -488,13 +547,15 @@ def allgather_attention_shard(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     parent_ids_BT=None,
+    sinks_N=None,
 ) -> jax.Array:
     """All-gather K/V (and their ids) over ``axis_name``, then blocked attention for the local queries.
 
     Call inside ``shard_map``. ``block_k`` defaults to half a shard, so block skipping sees the
-    same chunks as the ring.
+    same chunks as the ring. ``sinks_N`` as ``ring_attention_shard``.
     """
     _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, parent_ids_BT)
+    _check_sinks(sinks_N, q_BTND.shape[2])
     block_k = block_k or _default_block(k_BTKD.shape[1])
 
     def gather(x):
@@ -504,7 +565,7 @@ def allgather_attention_shard(
     cfg = _cfg(None, 1, q_BTND, k_all.shape[1], scale, block_q, block_k, sliding_window, softcap)
     q, k, v = _to_internal(q_BTND, k_all, v_all)
     seg, pos = segment_ids_BT, position_ids_BT
-    return _from_internal(_attention_core(cfg, q, k, v, seg, pos, seg_all, pos_all, parent_ids_BT))
+    return _from_internal(_attend(cfg, q, k, v, seg, pos, seg_all, pos_all, parent_ids_BT, sinks_N))
 
 
 def _batch_spec(mesh: Mesh, axis_name: str, batch_axes) -> Union[None, str, tuple]:
@@ -531,6 +592,7 @@ def sharded_attention(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     parent_ids_BT=None,
+    sinks_N=None,
 ) -> jax.Array:
     """Context-parallel attention on global ``[B, T, ...]`` arrays: ``shard_map`` over ``mesh``.
 
@@ -539,12 +601,14 @@ def sharded_attention(
     in that same order). B is split over ``batch_axes`` (default: every other mesh axis).
     ``sliding_window`` and ``softcap`` as the module docstring (None: full attention, no cap).
     ``parent_ids_BT`` ([B, T], sharded like ``segment_ids_BT``): each token's parent segment; None: none.
+    ``sinks_N`` ([N], replicated on every device): the attention-sink logit of every query head; None: none.
     """
     if strategy not in STRATEGIES:
         raise ConfigError(f"strategy={strategy!r} is not valid; choose one of {STRATEGIES}.")
     if axis_name not in mesh.axis_names:
         raise ConfigError(f"axis_name={axis_name!r} is not a mesh axis; choose one of {mesh.axis_names}.")
     _check_shapes(q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT, parent_ids_BT)
+    _check_sinks(sinks_N, q_BTND.shape[2])
     cp = mesh.shape[axis_name]
     if q_BTND.shape[1] % cp:
         raise ConfigError(
@@ -570,16 +634,22 @@ def sharded_attention(
     )
     x_spec, id_spec = P(batch, axis_name, None, None), P(batch, axis_name)
     args: tuple[Any, ...] = (q_BTND, k_BTKD, v_BTKD, segment_ids_BT, position_ids_BT)
-    if parent_ids_BT is not None:
-        fn, args = _with_parents(fn), (*args, parent_ids_BT)
-    in_specs = (x_spec, x_spec, x_spec) + (id_spec,) * (len(args) - 3)
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=x_spec)(*args)
+    extras = {"parent_ids_BT": parent_ids_BT, "sinks_N": sinks_N}
+    extras = {name: value for name, value in extras.items() if value is not None}
+    args += tuple(extras.values())
+    # parents are sharded like the ids; the sinks are replicated (every shard's queries have every head)
+    in_specs = (x_spec,) * 3 + (id_spec,) * (2 + ("parent_ids_BT" in extras)) + (P(),) * ("sinks_N" in extras)
+    return jax.shard_map(_with_extras(fn, tuple(extras)), mesh=mesh, in_specs=in_specs, out_specs=x_spec)(*args)
 
 
-def _with_parents(local):
-    """``local`` taking the shard of ``parent_ids_BT`` as a sixth positional argument (``shard_map`` passes them so)."""
+def _with_extras(local, names: tuple[str, ...]):
+    """``local`` taking the optional keyword arrays ``names`` (``parent_ids_BT``, ``sinks_N``) as trailing positional
+    arguments, in that order (``shard_map`` passes them so)."""
+    if not names:
+        return local
 
-    def fn(q, k, v, seg, pos, par):
-        return local(q, k, v, seg, pos, parent_ids_BT=par)
+    def fn(*args):
+        head, tail = args[: len(args) - len(names)], args[len(args) - len(names) :]
+        return local(*head, **dict(zip(names, tail)))
 
     return fn

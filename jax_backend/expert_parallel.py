@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from twinseq.common.errors import ConfigError
-from twinseq.jax_backend.model import ACTIVATIONS, CausalLM, SparseMoeBlock
+from twinseq.jax_backend.model import ACTIVATIONS, CausalLM, GptOssMoeBlock, SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,12 @@ def check_expert_parallel(num_experts: int, world: int, blocks: list) -> None:
         raise ConfigError(
             "expert_parallel_size > 1 needs a mixture-of-experts model (model_type qwen3_moe or mixtral); this "
             "model has no MoE layer: set expert_parallel_size=1."
+        )
+    if any(isinstance(block, GptOssMoeBlock) for block in blocks):
+        raise ConfigError(
+            "expert_parallel_size > 1 does not shard gpt_oss's experts yet (model_type 'gpt_oss': a biased router "
+            "and biased, interleaved, clamped-SwiGLU experts that ExpertParallelMoeBlock does not compute); set "
+            "expert_parallel_size=1."
         )
     if num_experts % world:
         raise ConfigError(

@@ -155,7 +155,15 @@ class _CachedAttention:
         self.key_pos_BS, self.key_valid_BS = key_pos_BS, key_valid_BS
 
     def __call__(
-        self, q_BNTD, k_BKTD, v_BKTD, scaling, *, sliding_window: Optional[int] = None, softcap: Optional[float] = None
+        self,
+        q_BNTD,
+        k_BKTD,
+        v_BKTD,
+        scaling,
+        *,
+        sliding_window: Optional[int] = None,
+        softcap: Optional[float] = None,
+        sinks: Optional[jax.Array] = None,
     ) -> jax.Array:
         at = (0, 0, self.start, 0)
         self.k_BKSD = jax.lax.dynamic_update_slice(self.k_BKSD, k_BKTD.astype(self.k_BKSD.dtype), at)
@@ -166,7 +174,9 @@ class _CachedAttention:
         if sliding_window is not None:
             distance_BTS = self.query_pos_BT[:, :, None] - self.key_pos_BS[:, None, :]
             allowed_B1TS = allowed_B1TS & (distance_BTS < sliding_window)[:, None]
-        return dot_product_attention(q_BNTD, self.k_BKSD, self.v_BKSD, allowed_B1TS, scaling, softcap=softcap)
+        return dot_product_attention(
+            q_BNTD, self.k_BKSD, self.v_BKSD, allowed_B1TS, scaling, softcap=softcap, sinks_N=sinks
+        )
 
 
 def _cached_forward(model: CausalLM, cache: tuple, input_ids_BT, start, query_pos_BT, key_pos_BS, key_valid_BS):

@@ -338,3 +338,17 @@ def load_balancing_loss(
         probs_E = probs_E + jnp.sum(probs_NE.astype(jnp.float32) * mask_N[:, None], axis=0)
     rows = jnp.sum(mask_N) * len(router_logits)
     return jnp.sum((tokens_E / rows) * (probs_E / rows)) * num_experts
+
+
+def router_counts(router_logits: Sequence[jax.Array], top_k: int, valid_N: jax.Array) -> jax.Array:
+    """int32 [L, E], no gradient: per MoE layer, the routing slots each expert got from the tokens where ``valid_N``
+    (``segment_ids != 0``), from the router logits ``[N, E]`` of each layer. ``common.objectives.moe.router_counts``
+    is the numpy reference: the top-k of the float32 logits, the model's selection (its softmax keeps their order).
+    """
+    mask_N = valid_N.astype(jnp.int32)
+    rows = []
+    for logits_NE in router_logits:
+        _, experts_NK = jax.lax.top_k(jax.lax.stop_gradient(logits_NE).astype(jnp.float32), top_k)
+        picks_NE = jnp.sum(jax.nn.one_hot(experts_NK, logits_NE.shape[-1], dtype=jnp.int32), axis=1)
+        rows.append(jnp.sum(picks_NE * mask_N[:, None], axis=0))
+    return jnp.stack(rows)

@@ -1,5 +1,5 @@
 """Flax NNX causal LMs that mirror Hugging Face transformers' ``*ForCausalLM`` op for op (Llama 3.x,
-Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Mixtral, Gemma 2, Gemma 3 text: ``common.models.configs``), and the
+Qwen2/2.5, Qwen3, Qwen3-MoE, Mistral, Mixtral, Gemma 2, Gemma 3 text, gpt-oss: ``common.models.configs``), and the
 protocol functions ``build_model``, ``export_weights``, ``logits`` and ``loss_and_grads`` (``common.backend.Backend``).
 
 Every jitted function takes the model as ``(graphdef, state)`` (``nnx.split``), so it compiles
@@ -20,6 +20,7 @@ HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3
   batch's largest position id, under ``jit``), the half-split ``rotate_half`` layout, angles from
   ``position_ids`` (so they restart per document); Gemma 3's sliding layers rotate with their own base
   (``common.models.rope.sliding_rope_inv_freq``), its global layers with ``rope_theta`` and its scaling;
+  YaRN's cos and sin scaled by ``common.models.rope.rope_attention_factor`` (float32, before the cast);
 - attention: q/k/v biases where the family has them; Qwen3's per-head RMSNorm of q and k before
   RoPE (Gemma 3's in the ``1 + w`` form); grouped-query (kv heads repeated in place); scaling
   ``cfg.attention_scale``; Gemma 2's score soft-cap after scaling and before the mask; sliding windows on
@@ -32,7 +33,9 @@ HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3
 - Qwen3-MoE and Mixtral: on their sparse layers a router (softmax in float32, top-k, optional renormalisation)
   and the experts as a grouped matmul over the tokens sorted by expert (``SparseMoeBlock``,
   ``jax.lax.ragged_dot``); with ``output_router_logits`` the loss adds transformers' load-balancing loss
-  (``loss_fn``);
+  (``loss_fn``); gpt-oss's biased router and biased, clamped-SwiGLU experts (``GptOssMoeBlock``), the same way;
+- gpt-oss's attention sinks: a ``sinks`` parameter ``[N]`` per layer, passed to the attention as ``sinks=``
+  (``attention.py``: every path carries it);
 - Gemma 2 and 3: embeddings times ``sqrt(hidden_size)`` (a float32 constant cast to the compute dtype),
   norms on the attention and MLP *outputs* before each residual add, final logits soft-capped
   (``losses.logits_f32``);
@@ -59,7 +62,7 @@ from twinseq.common.errors import ConfigError
 from twinseq.common.models.configs import layer_norm_names
 from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
 from twinseq.common.models.peft import TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes
-from twinseq.common.models.rope import rope_inv_freq, sliding_rope_inv_freq
+from twinseq.common.models.rope import rope_attention_factor, rope_inv_freq, sliding_rope_inv_freq
 from twinseq.common.models.safetensors_stream import LazyArray
 from twinseq.jax_backend.attention import attention_for, document_causal_mask, dot_product_attention
 from twinseq.jax_backend.losses import (
@@ -68,6 +71,7 @@ from twinseq.jax_backend.losses import (
     check_labels,
     load_balancing_loss,
     logits_f32,
+    router_counts,
     token_nll,
 )
 from twinseq.jax_backend.memory import StepMemory, remat
@@ -79,9 +83,10 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 AttendFn = Callable[..., jax.Array]
 """``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, **options) -> out_BNTD``.
 
-``options`` holds ``sliding_window=`` (int) and/or ``softcap=`` (float) on the layers that have a window
-or an attention soft-cap, and nothing on the others, so a hook written for a plain Llama keeps working
-there and fails loudly (an unexpected keyword) on a layer it cannot serve. A batch with shared prefixes adds
+``options`` holds ``sliding_window=`` (int), ``softcap=`` (float) and/or ``sinks=`` (the ``[N]`` attention-sink
+logits, gpt-oss) on the layers that have a window, an attention soft-cap or sinks, and nothing on the others,
+so a hook written for a plain Llama keeps working there and fails loudly (an unexpected keyword) on a layer it
+cannot serve. A batch with shared prefixes adds
 ``parent_ids_BT=`` (int [B, T], ``common.data.prefix_sharing``); without parents it is not passed at all."""
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -200,11 +205,17 @@ def dynamic_rope_inv_freq(
     return jnp.where(seq_len > max_position_embeddings, stretched_F, jnp.asarray(inv_freq_F))
 
 
-def rope_cos_sin(position_ids_BT: jax.Array, inv_freq: Any, dtype) -> tuple[jax.Array, jax.Array]:
-    """cos, sin of shape [B, 1, T, head_dim] (the frequencies repeated twice, HF layout)."""
+def rope_cos_sin(
+    position_ids_BT: jax.Array, inv_freq: Any, dtype, attention_factor: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [B, 1, T, head_dim] (the frequencies repeated twice, HF layout), times
+    ``attention_factor`` in float32 before the cast (YaRN's ``attention_scaling``; 1.0: no multiply)."""
     freqs_BTF = position_ids_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     emb_BTD = jnp.concatenate([freqs_BTF, freqs_BTF], axis=-1)
-    return jnp.cos(emb_BTD)[:, None].astype(dtype), jnp.sin(emb_BTD)[:, None].astype(dtype)
+    cos_BTD, sin_BTD = jnp.cos(emb_BTD), jnp.sin(emb_BTD)
+    if attention_factor != 1.0:
+        cos_BTD, sin_BTD = cos_BTD * np.float32(attention_factor), sin_BTD * np.float32(attention_factor)
+    return cos_BTD[:, None].astype(dtype), sin_BTD[:, None].astype(dtype)
 
 
 def rotate_half(x: jax.Array) -> jax.Array:
@@ -232,6 +243,7 @@ class Attention(nnx.Module):
         self.scaling = cfg.attention_scale
         self.sliding_window = int(cfg.sliding_window) if cfg.layer_is_sliding(layer) else None
         self.softcap = None if cfg.attn_logit_softcapping is None else float(cfg.attn_logit_softcapping)
+        self.sinks = _param(w[prefix + "sinks"], dtype) if cfg.has_attention_sinks else None
 
     def _heads(self, x_BTX: jax.Array) -> jax.Array:
         b, t, _ = x_BTX.shape
@@ -245,7 +257,11 @@ class Attention(nnx.Module):
 
     def attend_options(self) -> dict[str, Any]:
         """The keywords an ``AttendFn`` gets on this layer (none on a plain Llama layer)."""
-        options = {"sliding_window": self.sliding_window, "softcap": self.softcap}
+        options = {
+            "sliding_window": self.sliding_window,
+            "softcap": self.softcap,
+            "sinks": None if self.sinks is None else self.sinks[...],
+        }
         return {k: v for k, v in options.items() if v is not None}
 
     def __call__(self, x_BTH, cos, sin, attn_args: tuple, attend: Optional[AttendFn]) -> jax.Array:
@@ -258,7 +274,10 @@ class Attention(nnx.Module):
         v_BKTD = self._heads(self.v_proj(x_BTH))
         if attend is None:
             allowed_B1TT = attn_args[1] if self.sliding_window is not None else attn_args[0]
-            out_BNTD = dot_product_attention(q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, self.scaling, softcap=self.softcap)
+            sinks_N = None if self.sinks is None else self.sinks[...]
+            out_BNTD = dot_product_attention(
+                q_BNTD, k_BKTD, v_BKTD, allowed_B1TT, self.scaling, softcap=self.softcap, sinks_N=sinks_N
+            )
         else:
             ids, parents = attn_args[:2], attn_args[2:]  # () for a KV-cache attention (generation)
             options = self.attend_options() | ({"parent_ids_BT": parents[0]} if parents else {})
@@ -407,6 +426,68 @@ class SparseMoeBlock(nnx.Module):
         return self.with_router_logits(x_BTH)[0]
 
 
+class GptOssMoeBlock(SparseMoeBlock):
+    """transformers' ``GptOssMLP``: a router with a bias (``router``), whose softmax is taken over each token's top-k
+    logits only (in the compute dtype), and experts with biases in gpt-oss's layout, input-major: ``gate_up_proj``
+    ``[E, h, 2m]`` with gate and up interleaved (gate ``[..., ::2]``, up ``[..., 1::2]``), ``gate_up_proj_bias``
+    ``[E, 2m]``, ``down_proj`` ``[E, m, h]``, ``down_proj_bias`` ``[E, h]``; the clamped SwiGLU (``GptOssExperts.
+    _apply_gate``). Grouped matmuls over the sorted token copies as ``SparseMoeBlock``. Naive equivalent::
+
+        g, u = (x[n] @ gate_up[e] + b1[e])[::2], [1::2]     with e = top_k(router(x[n]))[j]
+        g, u = min(g, limit), clip(u, -limit, limit)
+        y[n] = sum_j w[n, j] * (((u + 1) * g * sigmoid(alpha * g)) @ down[e] + b2[e])
+
+    LoRA on these experts is refused (``common.models.peft``): PEFT's expert LoRA assumes the output-major
+    ``[E, out, in]`` tensors of Qwen3-MoE and Mixtral.
+    """
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], prefix: str, dtype: str):
+        self.router = _linear(w, prefix + "router", dtype, bias=True)
+        self.experts = nnx.Dict({name: _param(w[prefix + "experts." + name], dtype) for name in GPT_OSS_EXPERT_TENSORS})
+        self.num_experts, self.top_k = int(cfg.num_experts), int(cfg.num_experts_per_tok)
+        self.swiglu_limit, self.swiglu_alpha = float(cfg.swiglu_limit), float(cfg.swiglu_alpha)
+        self.tile_size: Optional[int] = None  # tiled MLP is refused on MoE layers (set_tiled_mlp)
+        self.expert_lora: tuple[tuple[str, tuple[str, ...]], ...] = ()
+        self.lora_scaling = 0.0
+        self.adapters_enabled = True
+
+    def route(self, x_NH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(router_logits_NE, top-k weights_NK (softmax of the top-k logits), expert ids_NK), compute dtype."""
+        router_logits_NE = self.router(x_NH)
+        top_logits_NK, experts_NK = jax.lax.top_k(router_logits_NE, self.top_k)
+        weights_NK = jax.nn.softmax(top_logits_NK, axis=-1)
+        return router_logits_NE, weights_NK, experts_NK
+
+    def _swiglu(self, gate_up_S2: jax.Array) -> jax.Array:
+        gate_SM = jnp.minimum(gate_up_S2[..., ::2], self.swiglu_limit)
+        up_SM = jnp.clip(gate_up_S2[..., 1::2], -self.swiglu_limit, self.swiglu_limit)
+        return (up_SM + 1) * (gate_SM * jax.nn.sigmoid(gate_SM * self.swiglu_alpha))
+
+    def with_router_logits(self, x_BTH: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(y_BTH, router_logits_NE) with N = B * T, the tokens in row-major order."""
+        b, t, h = x_BTH.shape
+        x_NH = x_BTH.reshape(b * t, h)
+        router_logits_NE, weights_NK, experts_NK = self.route(x_NH)
+        expert_of_copy = experts_NK.reshape(-1)  # copy i of token i // k
+        order = jnp.argsort(expert_of_copy, stable=True)
+        token_of_sorted, expert_of_sorted = order // self.top_k, expert_of_copy[order]
+        group_sizes_E = jnp.bincount(expert_of_copy, length=self.num_experts).astype(jnp.int32)
+        x_SH = x_NH[token_of_sorted]
+        gate_up_S2 = jax.lax.ragged_dot(x_SH, self.experts["gate_up_proj"][...], group_sizes_E)
+        h_SM = self._swiglu(gate_up_S2 + self.experts["gate_up_proj_bias"][...][expert_of_sorted])
+        y_SH = jax.lax.ragged_dot(h_SM, self.experts["down_proj"][...], group_sizes_E)
+        y_SH = (y_SH + self.experts["down_proj_bias"][...][expert_of_sorted]) * weights_NK.reshape(-1)[order][:, None]
+        y_NH = jnp.zeros(x_NH.shape, x_NH.dtype).at[token_of_sorted].add(y_SH.astype(x_NH.dtype))
+        return y_NH.reshape(b, t, h), router_logits_NE
+
+
+GPT_OSS_EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def _moe_block(cfg: ModelConfig, w: dict[str, np.ndarray], prefix: str, dtype: str) -> SparseMoeBlock:
+    return GptOssMoeBlock(cfg, w, prefix, dtype) if cfg.expert_biases else SparseMoeBlock(cfg, w, prefix, dtype)
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm decoder layer. Llama-like families: ``x + attn(norm(x))``, then ``x + mlp(norm(x))`` (HF calls
     the second norm ``post_attention_layernorm``). Gemma 2 ("sandwich"): ``x + post_attn(attn(in(x)))``, then
@@ -416,7 +497,7 @@ class DecoderLayer(nnx.Module):
         p = f"model.layers.{layer}."
         self.self_attn = Attention(cfg, w, p + "self_attn.", layer, dtype)
         self.mlp: Union[MLP, SparseMoeBlock] = (
-            SparseMoeBlock(cfg, w, p + "mlp.", dtype) if cfg.layer_is_moe(layer) else MLP(cfg, w, p + "mlp.", dtype)
+            _moe_block(cfg, w, p + "mlp.", dtype) if cfg.layer_is_moe(layer) else MLP(cfg, w, p + "mlp.", dtype)
         )
         for name in layer_norm_names(cfg):
             setattr(self, name, RMSNorm(w[f"{p}{name}.weight"], cfg.rms_norm_eps, dtype, unit_offset=cfg.gemma))
@@ -468,6 +549,7 @@ class DecoderModel(nnx.Module):
         self.inv_freq = tuple(float(f) for f in rope_inv_freq(cfg))  # static: floats live in the graphdef
         sliding_inv_freq = sliding_rope_inv_freq(cfg)  # Gemma 3: the sliding layers' own base, else None
         self.sliding_inv_freq = None if sliding_inv_freq is None else tuple(float(f) for f in sliding_inv_freq)
+        self.rope_attention_factor = rope_attention_factor(cfg)  # YaRN's scale of cos and sin; 1.0 otherwise
         self.dynamic_rope = (
             None
             if cfg.rope_type != "dynamic"
@@ -492,7 +574,7 @@ class DecoderModel(nnx.Module):
     def layer_rope(self, position_ids_BT: jax.Array, dtype) -> list[tuple[jax.Array, jax.Array]]:
         """(cos, sin) of every layer, in order: one pair shared by all, except that Gemma 3's sliding layers take
         the pair of their own base (``sliding_inv_freq``)."""
-        rope = rope_cos_sin(position_ids_BT, self.rope_inv_freq(position_ids_BT), dtype)
+        rope = rope_cos_sin(position_ids_BT, self.rope_inv_freq(position_ids_BT), dtype, self.rope_attention_factor)
         if self.sliding_inv_freq is None:
             return [rope] * len(self.layers)
         sliding = rope_cos_sin(position_ids_BT, np.asarray(self.sliding_inv_freq, np.float32), dtype)
@@ -884,7 +966,8 @@ def loss_fn(
     A MoE model with ``output_router_logits`` adds ``router_aux_loss_coef * aux_loss / num_micro_batches``
     (``losses.load_balancing_loss`` over this micro-batch's real tokens, ``metrics["aux_loss"]``): the aux loss
     is a per-micro-batch mean, so the step's micro-batches, summed, add the coefficient times their mean (TRL's
-    rule); the NLL is already normalised by the whole step's ``num_items_in_batch``.
+    rule); the NLL is already normalised by the whole step's ``num_items_in_batch``. A MoE model's metrics also
+    hold ``router_counts`` (int32 [L, E], ``losses.router_counts`` over the real tokens; the step adds them up).
     """
     hidden_BTH, router_logits = model.with_router_logits(
         input_ids_BT, position_ids_BT, segment_ids_BT, attend, parent_ids_BT
@@ -900,6 +983,10 @@ def loss_fn(
         targets_are_shifted=targets_are_shifted,
         logit_softcap=model.final_logit_softcapping,
     )
+    if router_logits:
+        valid_N = (segment_ids_BT != 0).reshape(-1)
+        top_k = model.config.num_experts_per_tok
+        metrics = {**metrics, "router_counts": router_counts(router_logits, top_k, valid_N)}
     if model.router_aux is None or not router_logits:
         return loss, metrics
     coef, num_experts, top_k = model.router_aux
@@ -1007,7 +1094,8 @@ def loss_grads_and_metrics(
         chunk_size=int(chunk_size),
         frozen=frozen,
     )
-    return float(loss), grads_by_name(model, grads), {k: float(v) for k, v in metrics.items()}
+    # a MoE model's router_counts (an array) are not a loss metric: the trainer's micro-step reads them
+    return float(loss), grads_by_name(model, grads), {k: float(v) for k, v in metrics.items() if jnp.ndim(v) == 0}
 
 
 def loss_and_grads(

@@ -209,10 +209,10 @@ def ring_attention_fn(
     """Context-parallel attention with the model's (Hugging Face) layout.
 
     The returned ``attend(q_BNTD, k_BKTD, v_BKTD, segment_ids_BT, position_ids_BT, scaling, *,
-    sliding_window=None, softcap=None) -> out_BNTD`` takes global arrays whose T axis is in the
-    ``shard_batch`` order (and sharded over ``cp``); it equals ``document_attention(q, k, v, seg, pos,
-    scaling, sliding_window=..., softcap=...)`` of ``twinseq.jax_backend.attention`` (the window is a band
-    in positions, so the zigzag order does not matter), and queries with no allowed key give zeros in both.
+    sliding_window=None, softcap=None, sinks=None) -> out_BNTD`` takes global arrays whose T axis is in the
+    ``shard_batch`` order (and sharded over ``cp``); it equals ``document_attention(q, k, v, seg, pos, scaling,
+    sliding_window=..., softcap=..., sinks_N=...)`` of ``twinseq.jax_backend.attention`` (the window is a band in
+    positions, so the zigzag order does not matter), and queries with no allowed key give zeros in both.
     """
     _check_mesh(mesh)
     if strategy not in STRATEGIES:
@@ -228,6 +228,7 @@ def ring_attention_fn(
         *,
         sliding_window: Optional[int] = None,
         softcap: Optional[float] = None,
+        sinks=None,
     ):
         out_BTND = sharded_attention(
             q_BNTD.transpose(0, 2, 1, 3),
@@ -244,6 +245,7 @@ def ring_attention_fn(
             block_k=block_k,
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks_N=sinks,
         )
         return out_BTND.transpose(0, 2, 1, 3)
 

@@ -48,6 +48,7 @@ from twinseq.common.models.hf_folder import check_tokenizer_fits, read_hf_checkp
 from twinseq.common.models.init import check_weights, init_weights
 from twinseq.common.models.peft import base_dtype, init_adapters
 from twinseq.common.objectives.dpo import validate_dpo_config
+from twinseq.common.objectives.moe import COUNTS_KEY, moe_layers
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.report import peak_rss_bytes
 from twinseq.common.run.schedule import lr_multiplier, with_resolved_max_steps
@@ -256,6 +257,7 @@ class JaxTrainer(TrainerTemplate):
         self.peft = has_adapters(model)
         self.params = jax.tree.map(jnp.copy, params)  # apply_updates donates: copy the caller's
         self.vocab_size = model.config.vocab_size
+        self.moe_layers = moe_layers(model.config)  # the decoder layers of a MoE step's router counts, in order
         self.optimizer = build_optimizer(cfg)
         self.opt_state = self.optimizer.init(self.params)
         self.steps_done = 0
@@ -467,7 +469,7 @@ class SFTTrainer(JaxTrainer):
         )
         return {
             "loss": float(loss),
-            **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum")},
+            **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum", COUNTS_KEY) if k in metrics},
         }, grads
 
     def eval_micro_step(self, batch: Batch) -> dict[str, float]:
@@ -477,7 +479,8 @@ class SFTTrainer(JaxTrainer):
         return {"loss": float(loss), **sums}
 
     def summarize(self, records: list[dict[str, Any]], micro_batches: list[Batch]) -> dict[str, Any]:
-        return with_means(sft_step_sums(records, num_tokens=sum(b.num_tokens for b in micro_batches)))
+        sums = sft_step_sums(records, num_tokens=sum(b.num_tokens for b in micro_batches))
+        return with_means(sums, self.moe_layers)
 
 
 class DPOTrainer(JaxTrainer):

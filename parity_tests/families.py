@@ -43,6 +43,9 @@ FAMILY_CASES: dict[str, ModelConfig] = {
     "qwen3_moe": ModelConfig.preset("tiny-qwen3-moe", vocab_size=VOCAB, num_hidden_layers=3, mlp_only_layers=[0]),
     # four experts, top-2, every layer sparse; Mistral's window on every layer
     "mixtral": ModelConfig.preset("tiny-mixtral", vocab_size=VOCAB, sliding_window=8),
+    # sinks, q/k/v/o biases, sliding then full layer, YaRN, four biased experts top-2; a SwiGLU limit near the gate's
+    # spread (~0.5 in a perturbed tiny model), so that the clamps bend it (gpt-oss's 7.0 would never bite here)
+    "gpt_oss": ModelConfig.preset("tiny-gpt-oss", vocab_size=VOCAB, sliding_window=8, swiglu_limit=0.5),
 }
 """name -> config. Windows of 8 positions, so the 23-token document of ``family_examples`` crosses them."""
 

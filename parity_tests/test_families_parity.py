@@ -93,9 +93,9 @@ def test_checkpoint_round_trip_torch_jax_torch_is_bitwise(name, checkpoints, tmp
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_moe_loss_with_router_aux_loss_agrees(name, layout, checkpoints):
-    """Qwen3-MoE and Mixtral with ``output_router_logits``: both backends add ``router_aux_loss_coef * aux_loss``
+    """Qwen3-MoE, Mixtral and gpt-oss with ``output_router_logits``: both backends add ``router_aux_loss_coef * aux_loss``
     (over the real tokens) to the NLL, and the loss and every gradient (the router's included, which the aux loss
     moves) agree within ``loss_rel`` / ``grad_rel``; the control: the aux loss moves the router's gradient."""
     import dataclasses
@@ -115,5 +115,5 @@ def test_moe_loss_with_router_aux_loss_agrees(name, layout, checkpoints):
     assert abs(j_loss - t_loss) <= tol("float32", "loss_rel") * abs(t_loss)
     assert grad_rel[worst] <= tol("float32", "grad_rel"), worst
     _, plain = jb.loss_and_grads(jb.build_model(cfg, weights), batch)
-    router = "model.layers.1.mlp.gate.weight"
+    router = "model.layers.1.mlp.router.weight" if name == "gpt_oss" else "model.layers.1.mlp.gate.weight"
     assert rel_norm(plain[router], j_grads[router]) > 1e-3

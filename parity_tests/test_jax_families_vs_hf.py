@@ -22,7 +22,10 @@ Invariants:
   Mixtral's per-expert tensors, as transformers saves them, fused as transformers loads them),
   and ``AutoModelForCausalLM.from_pretrained`` of the JAX-saved folder computes logits identical to
   the original HF model's;
-- Qwen3-MoE's and Mixtral's load-balancing loss equals transformers' within 1e-6.
+- Qwen3-MoE's, Mixtral's and gpt-oss's load-balancing loss equals transformers' within 1e-6;
+- gpt-oss on every JAX attention path (dense, blocked in tiles smaller than the row, the ring on 4 host devices)
+  within ``logits_abs`` of transformers, and far from it with the attention sinks zeroed (the control); YaRN's
+  frequencies and attention factor bit for bit transformers'.
 """
 
 from __future__ import annotations
@@ -244,7 +247,7 @@ def test_gemma3_rope_scaling_and_final_softcap_equal_transformers(variant):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_moe_aux_loss_equals_transformers(cases, name, layout):
     """The JAX backend's load-balancing loss (``losses.load_balancing_loss`` of its own router logits, over the
     batch's real tokens) equals transformers' within 1e-6. Padded: HF's ``aux_loss`` of the same batch with the real
@@ -276,7 +279,7 @@ def test_moe_aux_loss_equals_transformers(cases, name, layout):
             want = float(load_balancing_loss_func(layers, cfg.num_experts, cfg.num_experts_per_tok))
     _, router_logits = case.jax.with_router_logits(*(jnp.asarray(a) for a in (
         batch.input_ids, batch.position_ids, batch.segment_ids)))
-    assert len(router_logits) == 2  # qwen3_moe: layer 0 of 3 is dense (mlp_only_layers); mixtral: both layers sparse
+    assert len(router_logits) == 2  # qwen3_moe: layer 0 of 3 is dense (mlp_only_layers); the others: both sparse
     real = jnp.asarray((batch.segment_ids != 0).reshape(-1))
     ours = float(load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok, real))
     diff = abs(ours - want)
@@ -285,3 +288,87 @@ def test_moe_aux_loss_equals_transformers(cases, name, layout):
     everything = float(load_balancing_loss(router_logits, cfg.num_experts, cfg.num_experts_per_tok,
                                            jnp.ones_like(real)))
     assert abs(everything - ours) > 1e-4
+
+
+def _ring_attend(mesh):
+    """An ``AttendFn`` running ``context_parallel.sharded_attention`` (ring) over ``mesh``'s cp axis, sinks included
+    (the row in its own order: the mask reads the ids, so no zigzag is needed for equality)."""
+    from twinseq.jax_backend.context_parallel import sharded_attention
+    from twinseq.jax_backend.parallel import BATCH_AXES, CP_AXIS
+
+    def attend(q, k, v, seg, pos, scaling, *, sliding_window=None, softcap=None, sinks=None):
+        out_BTND = sharded_attention(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), seg, pos, mesh,
+                                     axis_name=CP_AXIS, batch_axes=BATCH_AXES, scale=scaling,
+                                     sliding_window=sliding_window, softcap=softcap, sinks_N=sinks)
+        return out_BTND.transpose(0, 2, 1, 3)
+
+    return attend
+
+
+GPT_OSS_PATHS = ["eager", pytest.param("blocked", marks=pytest.mark.slow),
+                 pytest.param("ring", marks=[pytest.mark.slow, pytest.mark.multi_device])]
+"""The fast tier keeps the dense path (and its control); the blocked kernel with sinks is held to the dense one in
+the fast tier by tests/jax_backend/test_jax_attention_sinks.py."""
+
+
+@pytest.mark.parametrize("path", GPT_OSS_PATHS)
+def test_gpt_oss_every_attention_path_equals_transformers(cases, path):
+    """gpt-oss's fp32 logits of the padded and packed batches equal transformers' ``GptOssForCausalLM`` on each
+    document alone on every JAX attention path: the dense reference (``eager``), the blocked kernel in tiles of 8
+    (smaller than every row, so the sinks go through its log-sum-exp correction) and the ring over 4 host devices
+    (the packed batch only: the padded rows' 23 columns do not split in 4). The control: the same path with every
+    sink zeroed is far off on the packed batch (the sinks are not lost in rounding)."""
+    import jax
+    import jax.numpy as jnp
+
+    import twinseq.jax_backend as jb
+    from twinseq.jax_backend.model import CausalLM
+    from twinseq.jax_backend.parallel import make_mesh
+
+    case = cases("gpt_oss")
+    cfg, weights = case.jax.config, jb.export_weights(case.jax)
+    attend = None
+    if path == "ring":
+        if jax.device_count() < 4:
+            pytest.skip(f"needs 4 JAX host devices (the root conftest sets XLA_FLAGS); found {jax.device_count()}")
+        attend = _ring_attend(make_mesh(cp=4, devices=jax.devices()[:4]))
+    options = dict(attn_implementation="eager") if path == "eager" else dict(attention_block_size=8)
+    zeroed = {k: np.zeros_like(w) if k.endswith(".sinks") else w for k, w in weights.items()}
+    want = [hf_document_logits(case.hf, b.input_ids[0].tolist()) for b in case.batches["separate"]]
+    layouts = ("packed",) if path == "ring" else LAYOUTS
+    diffs = {}
+    for label, w, label_layouts in (("sinks", weights, layouts), ("zeroed", zeroed, ("packed",))):
+        model = CausalLM(cfg, w, **options)
+        run = jax.jit(lambda ids, pos, seg, model=model: model.logits(ids, pos, seg, attend=attend))
+        for layout in label_layouts:
+            batch = case.batches[layout]
+            got = np.asarray(run(*(jnp.asarray(a) for a in (batch.input_ids, batch.position_ids, batch.segment_ids))))
+            diffs[label, layout] = max(float(np.abs(got[row, cols] - want[doc]).max())
+                                       for row, cols, doc in case.documents(layout))
+    print(f"gpt_oss {path}: max |logits - HF| {diffs}")
+    assert max(diffs["sinks", layout] for layout in layouts) <= tol("float32", "logits_abs")
+    assert diffs["zeroed", "packed"] > 100 * tol("float32", "logits_abs")
+
+
+def test_yarn_inv_freq_and_attention_factor_equal_transformers():
+    """``common.models.rope`` computes YaRN's inverse frequencies bit for bit as transformers'
+    ``_compute_yarn_parameters`` (truncated and not, a given attention_factor, another beta_fast), and the same
+    attention factor; the control: the plain default frequencies differ."""
+    import dataclasses
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from twinseq.common.models.configs import to_hf_config
+    from twinseq.common.models.rope import default_inv_freq, rope_attention_factor, rope_inv_freq
+
+    base = FAMILY_CASES["gpt_oss"]
+    for variant in ({}, dict(rope_truncate=True), dict(rope_attention_factor=1.3, rope_beta_fast=16.0),
+                    dict(rope_factor=4.0, rope_original_max_position_embeddings=64, max_position_embeddings=256)):
+        cfg = dataclasses.replace(base, **variant)
+        values = to_hf_config(cfg)
+        values.pop("architectures")
+        config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+        np.testing.assert_array_equal(rope_inv_freq(cfg), inv_freq.numpy(), err_msg=str(variant))
+        assert rope_attention_factor(cfg) == factor, variant
+        assert not np.array_equal(default_inv_freq(cfg.head_dim, cfg.rope_theta), inv_freq.numpy())

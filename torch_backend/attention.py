@@ -16,7 +16,13 @@ Mistral, Qwen3-MoE and Mixtral (one mask for the model; the MoE block is transfo
 the ``sliding_attention`` entries of ``layer_types`` in Qwen2, Qwen3, Gemma 2 and Gemma 3, whose models take a
 mask per layer type as a dict
 ``{"full_attention": m, "sliding_attention": m}`` (transformers' ``causal_mask_mapping``).
-Gemma 2 also soft-caps the attention scores (``softcap * tanh(scores / softcap)``).
+Gemma 2 also soft-caps the attention scores (``softcap * tanh(scores / softcap)``). gpt-oss (``gpt_oss``) adds a
+learned logit per query head to every softmax denominator, an attention *sink* with no value (transformers passes it
+as ``s_aux``): ``out = softmax([scores, sink]) @ [V; 0]``. Every path here carries it: eager (transformers' own
+gpt-oss function; ``sdpa`` runs it, as transformers refuses sdpa for gpt-oss), ``varlen`` and the dense fallbacks
+(``sink_attention``: one more key whose score is the sink and whose value is zero), the blocked and the
+allgather/ulysses CP attention (the online softmax starts from the sink), flex on CUDA (transformers' LSE rescale);
+the flash paths, flex on CPU and the ring refuse a model with sinks (``check_sink_support``).
 
 How each ``attn_implementation`` gets the rule:
 
@@ -84,7 +90,9 @@ DEFAULT_BUCKET_RATIO = 1.25
 SMALL_DOC_LEN = 16  # documents up to this length share one bucket: padding them costs next to nothing
 _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 # families whose HF model takes one mask per layer type ({"full_attention": .., "sliding_attention": ..})
-_MASK_MAPPING_FAMILIES = ("qwen2", "qwen3", "gemma2", "gemma3_text")
+_MASK_MAPPING_FAMILIES = ("qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss")
+# families whose attention adds a learned sink logit per head to the softmax (transformers' ``s_aux``)
+SINK_FAMILIES = ("gpt_oss",)
 # flash-attn 2 releases that first took window_size (HF drops the window silently below) and softcap
 _FLASH2_MIN_VERSION = {"sliding windows": (2, 3), "soft-capping": (2, 6)}
 
@@ -162,6 +170,13 @@ def resolve_attn_implementation(attn_implementation: str, config: Any) -> str:
     tanh(scores / softcap)``; transformers refuses sdpa for Gemma 2 for that reason. The fallback is
     logged once per message (a warning: the user asked for another kernel).
     """
+    if attn_implementation == "sdpa" and has_sinks(config):
+        _warn_once(
+            f"attn_implementation='sdpa' has no attention-sink term (model_type {config.model_type!r}; transformers "
+            f"refuses sdpa for it); running 'eager' instead, transformers' own gpt-oss attention with the same "
+            f"document mask. Pass 'varlen' for a kernel that skips masked blocks."
+        )
+        return "eager"
     cap = getattr(config, "attn_logit_softcapping", None)
     if attn_implementation != "sdpa" or cap is None:
         return attn_implementation
@@ -180,6 +195,12 @@ class MaskLayout:
     mapping: bool  # one mask per layer type in a dict (qwen2, qwen3, gemma2, gemma3_text), else one mask
     sliding_window: Optional[int]  # window of the sliding layers (mistral: of every layer); None: none slides
     softcap: Optional[float]  # attention score soft-cap (gemma2), else None
+    sinks: bool = False  # a learned sink logit per head in every softmax (gpt_oss)
+
+
+def has_sinks(config: Any) -> bool:
+    """Whether a model of HF ``config`` adds attention sinks (``s_aux``) to its softmax: gpt-oss."""
+    return getattr(config, "model_type", None) in SINK_FAMILIES
 
 
 def mask_layout(config: Any) -> MaskLayout:
@@ -187,7 +208,7 @@ def mask_layout(config: Any) -> MaskLayout:
 
     >>> from transformers import AutoConfig
     >>> mask_layout(AutoConfig.for_model("mistral", sliding_window=8))
-    MaskLayout(mapping=False, sliding_window=8, softcap=None)
+    MaskLayout(mapping=False, sliding_window=8, softcap=None, sinks=False)
     """
     model_type = getattr(config, "model_type", None)
     if model_type not in MODEL_TYPES:
@@ -203,7 +224,7 @@ def mask_layout(config: Any) -> MaskLayout:
         return MaskLayout(False, window, cap)
     if model_type in _MASK_MAPPING_FAMILIES:
         slides = "sliding_attention" in (getattr(config, "layer_types", None) or ())
-        return MaskLayout(True, window if slides else None, cap)
+        return MaskLayout(True, window if slides else None, cap, has_sinks(config))
     return MaskLayout(False, None, cap)
 
 
@@ -307,9 +328,11 @@ def softcapped_attention(
     scaling: Optional[float],
     softcap: Optional[float],
     dropout: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention with soft-capped scores, as transformers' eager Gemma 2: q [..., H, L, D], k/v [..., KV, S, D]
-    -> [..., H, L, Dv]. ``mask`` is a bool ``allowed`` mask or an additive float one, broadcast to the scores.
+    -> [..., H, L, Dv]. ``mask`` is a bool ``allowed`` mask or an additive float one, broadcast to the scores;
+    ``sinks`` [H] (or None) a sink logit per head, a column of the softmax with no value (``sink_attention``).
 
     Naive equivalent::
 
@@ -329,10 +352,54 @@ def softcapped_attention(
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + mask
+    if sinks is not None:
+        column = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, column], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
     if dropout > 0:
         probs = F.dropout(probs, p=dropout, training=True)
     return torch.matmul(probs, value)
+
+
+def sink_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: Optional[float],
+    sinks: torch.Tensor,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Attention with a learned sink logit per query head (gpt-oss's ``s_aux``): q [..., H, L, D], k/v [..., KV, S, D]
+    -> [..., H, L, Dv]. ``mask``: a bool ``allowed`` mask or an additive float one, broadcast to [..., H, L, S];
+    ``sinks`` [H].
+
+    Naive equivalent (transformers' eager gpt-oss)::
+
+        scores = q @ k.T * scaling + mask
+        probs = softmax(cat([scores, sinks[:, None, None]], -1))[..., :-1]   # the sink takes its share, no value
+        out = probs @ v
+
+    Run by ``F.scaled_dot_product_attention`` with one more key: a zero key whose additive mask is the sink and whose
+    value is zero; the sink's gradient flows through that mask column. No row is empty (the sink is always there).
+    """
+    H, L, S = query.shape[-3], query.shape[-2], key.shape[-2]
+    if mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        mask = torch.where(mask, zero, float("-inf"))
+    mask = mask.to(query.dtype).expand(*query.shape[:-3], H, L, S)
+    column = sinks.to(query.dtype).view(H, 1, 1).expand(*query.shape[:-3], H, L, 1)
+    return F.scaled_dot_product_attention(
+        query,
+        F.pad(key, (0, 0, 0, 1)),
+        F.pad(value, (0, 0, 0, 1)),
+        attn_mask=torch.cat([mask, column], dim=-1),
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=key.shape[-3] != H,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -556,7 +623,7 @@ def _plan_from_position_ids(position_ids: torch.Tensor, batch_size: int) -> Varl
     return plan
 
 
-_UNSUPPORTED_KWARGS = ("s_aux", "position_bias")
+_UNSUPPORTED_KWARGS = ("position_bias",)
 
 
 def varlen_attention_forward(
@@ -574,9 +641,10 @@ def varlen_attention_forward(
     """HF attention function ``twinseq_varlen``: q [B, H, T, D], k/v [B, KV, T, D] -> out [B, T, H, D].
 
     ``sliding_window`` and ``softcap`` are the layer's (HF's attention modules pass them: Mistral,
-    Qwen2/3 and Gemma 2 the window of a sliding layer, Gemma 2 its score cap). Naive equivalent:
-    eager attention with ``document_mask(..., sliding_window)`` and the soft-cap, on real tokens;
-    padding tokens get a zero output (they attend to nothing and nothing attends to them).
+    Qwen2/3 and Gemma 2 the window of a sliding layer, Gemma 2 its score cap), ``s_aux`` its attention sinks
+    [H] (gpt-oss; ``sink_attention``). Naive equivalent: eager attention with ``document_mask(..., sliding_window)``,
+    the soft-cap and the sinks, on real tokens; padding tokens get a zero output (they attend to nothing and nothing
+    attends to them).
     """
     unsupported = sorted(k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None)
     if unsupported or kwargs.get("is_causal") is False:
@@ -592,13 +660,16 @@ def varlen_attention_forward(
         attention_mask = decode_mask(
             query.shape[2], key.shape[2], sliding_window, query.device, kwargs.get("position_ids")
         )
+    sinks: Optional[torch.Tensor] = kwargs.get("s_aux")
     if plan is None and attention_mask is not None:
         # the dense fallback of model_inputs: this layer type's mask already holds the window
-        if softcap is None:
+        if softcap is None and sinks is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
-        out = softcapped_attention(
-            query, key, value, attention_mask, scaling, softcap, dropout if module.training else 0.0
-        )
+        p = dropout if module.training else 0.0
+        if softcap is None:
+            out = sink_attention(query, key, value, attention_mask, scaling, sinks, p)
+        else:
+            out = softcapped_attention(query, key, value, attention_mask, scaling, softcap, p, sinks)
         return out.transpose(1, 2).contiguous(), None
     if plan is None:
         if kwargs.get("position_ids") is None:
@@ -615,7 +686,7 @@ def varlen_attention_forward(
     B, H, T, D = query.shape
     assert (plan.num_rows, plan.seq_len) == (B, T), "VarlenPlan built for another batch shape"
     out_NHD = _bucketed_attention(
-        query, key, value, plan, scaling, dropout if module.training else 0.0, sliding_window, softcap
+        query, key, value, plan, scaling, dropout if module.training else 0.0, sliding_window, softcap, sinks
     )
     return out_NHD.view(B, T, H, value.shape[-1]), None
 
@@ -662,13 +733,15 @@ each, measured on an H100 (torch 2.11), which left the GPU idle for half of a Ll
 per-shape set-up and takes grouped-query heads as they are."""
 
 
-def _bucket_attention(q, k, v, scaling, dropout, sliding_window, softcap) -> torch.Tensor:
+def _bucket_attention(q, k, v, scaling, dropout, sliding_window, softcap, sinks=None) -> torch.Tensor:
     """One bucket: q [n, H, L, D], k/v [n, KV, L, D] -> [n, H, L, Dv], causal within each row (slot = position)."""
     L = q.shape[2]
     window = sliding_window if sliding_window is not None and L > sliding_window else None
-    if softcap is not None:
+    if softcap is not None or sinks is not None:
         allowed = _band(L, L if window is None else window, q.device)
-        return softcapped_attention(q, k, v, allowed, scaling, softcap, dropout)
+        if softcap is None:
+            return sink_attention(q, k, v, allowed, scaling, sinks, dropout)
+        return softcapped_attention(q, k, v, allowed, scaling, softcap, dropout, sinks)
     if window is None:
         with sdpa_kernel(BUCKET_BACKENDS) if q.is_cuda else contextlib.nullcontext():
             return F.scaled_dot_product_attention(
@@ -686,12 +759,12 @@ def _bucket_attention(q, k, v, scaling, dropout, sliding_window, softcap) -> tor
 
 
 def _bucketed_attention(
-    query, key, value, plan: VarlenPlan, scaling, dropout, sliding_window=None, softcap=None
+    query, key, value, plan: VarlenPlan, scaling, dropout, sliding_window=None, softcap=None, sinks=None
 ) -> torch.Tensor:
     """[B, H, T, D] q and [B, KV, T, D] k/v -> [B*T, H, Dv]: causal attention inside each document (within
-    ``sliding_window`` positions, with soft-capped scores when given)."""
+    ``sliding_window`` positions, with soft-capped scores, with attention sinks [H] when given)."""
     if plan.key_index is not None:
-        return _shared_bucketed_attention(query, key, value, plan, scaling, dropout, sliding_window, softcap)
+        return _shared_bucketed_attention(query, key, value, plan, scaling, dropout, sliding_window, softcap, sinks)
     B, H, T, D = query.shape
     dv = value.shape[-1]
     q_HS, k_KS, v_KS = (
@@ -702,13 +775,15 @@ def _bucketed_attention(
     outs = []
     for (n, L), q, k, v in zip(plan.bucket_shapes, q_HS.split(sizes, 1), k_KS.split(sizes, 1), v_KS.split(sizes, 1)):
         q, k, v = (x.view(x.shape[0], n, L, x.shape[-1]).transpose(0, 1) for x in (q, k, v))
-        o_nHLD = _bucket_attention(q, k, v, scaling, dropout, sliding_window, softcap)
+        o_nHLD = _bucket_attention(q, k, v, scaling, dropout, sliding_window, softcap, sinks)
         outs.append(o_nHLD.transpose(1, 2).reshape(n * L, H, dv))
     outs.append(query.new_zeros(1, H, dv))  # the zero row padding tokens read
     return torch.cat(outs).index_select(0, plan.gather_idx)
 
 
-def _shared_bucketed_attention(query, key, value, plan: VarlenPlan, scaling, dropout, sliding_window, softcap):
+def _shared_bucketed_attention(
+    query, key, value, plan: VarlenPlan, scaling, dropout, sliding_window, softcap, sinks=None
+):
     """``_bucketed_attention`` of a ``shared_varlen_plan``: per bucket, queries [n, H, L] over their gathered keys
     [n, KV, Lk], allowed where ``0 <= pos_q - pos_k`` (``< sliding_window``)."""
     B, H, T, D = query.shape
@@ -729,7 +804,9 @@ def _shared_bucketed_attention(query, key, value, plan: VarlenPlan, scaling, dro
             allowed = allowed & (distance < sliding_window)
         allowed = allowed[:, None]
         if softcap is not None:
-            o_nHLD = softcapped_attention(q, k, v, allowed, scaling, softcap, dropout)
+            o_nHLD = softcapped_attention(q, k, v, allowed, scaling, softcap, dropout, sinks)
+        elif sinks is not None:
+            o_nHLD = sink_attention(q, k, v, allowed, scaling, sinks, dropout)
         else:
             o_nHLD = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling, enable_gqa=k.shape[1] != H
@@ -796,6 +873,30 @@ def check_flash_features(attn_implementation: str, layout: MaskLayout) -> None:
                 f"which this model uses; upgrade to flash-attn>={need} or use "
                 f"attn_implementation='varlen'."
             )
+
+
+def check_sink_support(attn_implementation: str, layout: MaskLayout, device: Any = "cpu") -> None:
+    """``ConfigError`` when ``attn_implementation`` would drop the attention sinks of a model that has them.
+
+    transformers hands ``s_aux`` only to hub flash kernels that take a learnable sink (vLLM's FA3, FA4) and drops it
+    for the others; twinseq's flash paths run the ``flash_attn`` / ``flash_attn_interface`` varlen kernels, so a
+    gpt-oss model would lose its sinks there. transformers' flex function rescales by the sinks from the kernel's
+    log-sum-exp, which it does not request on CPU (torch's CPU flex cannot return it).
+    """
+    if not layout.sinks:
+        return
+    if attn_implementation in _FLASH_MODULES:
+        raise ConfigError(
+            f"attn_implementation={attn_implementation!r} cannot compute attention sinks (a learned logit per head "
+            f"in every softmax, as gpt-oss has): the flash-attn varlen kernel it runs has no sink term. Use "
+            f"attn_implementation='varlen' (document-masked, carries the sinks) or 'eager'."
+        )
+    if attn_implementation == "flex_attention" and torch.device(device).type == "cpu":
+        raise ConfigError(
+            "attn_implementation='flex_attention' cannot compute attention sinks on CPU (the sink rescale needs "
+            "FlexAttention's log-sum-exp, which transformers does not request on CPU). Use "
+            "attn_implementation='varlen' or 'eager' on CPU, or flex_attention on CUDA."
+        )
 
 
 def model_inputs(
@@ -895,6 +996,7 @@ def forward_outputs(
         requires_grad=torch.is_grad_enabled(),
     )
     check_flash_features(attn, layout)
+    check_sink_support(attn, layout, device)
     if uses_blocked_attention(attn, device, batch.input_ids.shape[1]):
         switch_to_blocked(model, attn)
         inputs = blocked_model_inputs(model, batch, device)

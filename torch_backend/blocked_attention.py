@@ -16,10 +16,16 @@ Naive equivalent (what the tests compare against, on real tokens)::
     allowed = seg_k[j] != 0 and seg_k[j] in (seg_q[i], par_q[i]) and 0 <= pos_q[i] - pos_k[j] (< sliding_window)
     out = softmax(where(allowed, s, -inf)) @ v   # a query with no allowed key (padding) -> 0
 
+With attention sinks (gpt-oss's ``s_aux``, a logit per query head with no value) the softmax has one more column:
+``out = softmax([where(allowed, s, -inf), sink]) @ [v; 0]``. The online softmax starts from it (``m = sink``,
+``l = 1``, ``acc = 0``), so a padding query gets 0 and every other row the sink's share taken off.
+
 Backward recomputes the scores block by block from q, k, v, the output and the per-row
 log-sum-exp ``lse`` (the only things saved), as FlashAttention-2 does:
 ``p = exp(s - lse)``, ``dv += p^T do``, ``ds = p * (do v^T - rowsum(do * out))``, then
-``dq += ds k``, ``dk += ds^T q`` (times ``scaling``, and the soft-cap's ``1 - tanh^2``).
+``dq += ds k``, ``dk += ds^T q`` (times ``scaling``, and the soft-cap's ``1 - tanh^2``). The sink's column has
+a zero value, so its ``ds`` is ``p_sink * (0 - rowsum(do * out))``: ``d sink = -sum(exp(sink - lse) * delta)`` over
+the rows of its head.
 
 Memory: saved ``out`` [B, H, L, D] and ``lse`` [B, H, L] (fp32), plus one block pair of
 temporaries: O(L x D + block^2), linear in the row length. Work is in fp32 per block.
@@ -180,7 +186,15 @@ class _BlockedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q, k, v, plan: BlockedPlan, scaling: float, sliding_window: Optional[int], softcap: Optional[float]
+        ctx,
+        q,
+        k,
+        v,
+        plan: BlockedPlan,
+        scaling: float,
+        sliding_window: Optional[int],
+        softcap: Optional[float],
+        sinks: Optional[torch.Tensor],
     ):
         B, H, L, D = q.shape
         KV, Dv, bs = k.shape[1], v.shape[-1], plan.block_size
@@ -188,12 +202,15 @@ class _BlockedAttention(torch.autograd.Function):
         q5 = q.view(B, KV, G, L, D)
         out = torch.zeros(B, KV, G, L, Dv, dtype=wd, device=q.device)
         lse = torch.zeros(B, KV, G, L, dtype=wd, device=q.device)
+        sink_KG1 = None if sinks is None else sinks.detach().to(wd).view(KV, G, 1)
         for qi, key_blocks in enumerate(plan.pairs(sliding_window)):
             qs = slice(qi * bs, (qi + 1) * bs)
             q_blk = q5[:, :, :, qs].to(wd)
             bq = q_blk.shape[3]
             m = torch.full((B, KV, G, bq), float("-inf"), dtype=wd, device=q.device)
             l = torch.zeros(B, KV, G, bq, dtype=wd, device=q.device)
+            if sink_KG1 is not None:  # the sink is the first column: m = sink, l = exp(sink - m) = 1
+                m, l = sink_KG1.expand(B, KV, G, bq).clone(), l + 1.0
             acc = torch.zeros(B, KV, G, bq, Dv, dtype=wd, device=q.device)
             for kj, full in key_blocks:
                 ks = slice(kj * bs, (kj + 1) * bs)
@@ -212,14 +229,14 @@ class _BlockedAttention(torch.autograd.Function):
             # an empty row (padding query) keeps lse = +inf: exp(s - lse) is 0 for it in backward
             lse[:, :, :, qs] = torch.where(empty, float("inf"), m + torch.log(l))
         out = out.view(B, H, L, Dv).to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.plan, ctx.scaling, ctx.window, ctx.softcap = plan, scaling, sliding_window, softcap
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         plan, scaling, window, cap = ctx.plan, ctx.scaling, ctx.window, ctx.softcap
         B, H, L, D = q.shape
         KV, Dv, bs = k.shape[1], v.shape[-1], plan.block_size
@@ -247,7 +264,11 @@ class _BlockedAttention(torch.autograd.Function):
                 ds = ds * scaling
                 dq[:, :, :, qs] += torch.einsum("bkgqn,bknd->bkgqd", ds, k_blk)
                 dk[:, :, ks] += torch.einsum("bkgqn,bkgqd->bknd", ds, q_blk)
-        return dq.view(B, H, L, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dsinks = None
+        if sinks is not None:  # the sink column: value 0, so ds = p_sink * (0 - delta); lse = +inf rows give 0
+            p_sink = torch.exp(sinks.to(wd).view(1, KV, G, 1) - lse)
+            dsinks = -(p_sink * delta).sum((0, 3)).reshape(H).to(sinks.dtype)
+        return dq.view(B, H, L, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, dsinks
 
 
 def blocked_attention(
@@ -258,8 +279,10 @@ def blocked_attention(
     scaling: Optional[float] = None,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """[B, H, L, Dv]: document attention of ``plan``'s queries over its keys, block by block (module docstring).
+    """[B, H, L, Dv]: document attention of ``plan``'s queries over its keys, block by block (module docstring);
+    ``sinks`` [H]: a sink logit per query head in every softmax (gpt-oss), None: none.
 
     >>> seg, pos = torch.tensor([[1, 1, 2, 0]]), torch.tensor([[0, 1, 0, 0]])
     >>> q = k = torch.zeros(1, 1, 4, 2); v = torch.arange(4.0).view(1, 1, 4, 1)
@@ -272,7 +295,8 @@ def blocked_attention(
         "BlockedPlan built for another batch shape"
     )
     scale = D**-0.5 if scaling is None else float(scaling)
-    return _BlockedAttention.apply(q_BHLD, k_BKSD, v_BKSD, plan, scale, sliding_window, softcap)
+    assert sinks is None or tuple(sinks.shape) == (H,), "one attention sink per query head"
+    return _BlockedAttention.apply(q_BHLD, k_BKSD, v_BKSD, plan, scale, sliding_window, softcap, sinks)
 
 
 # --------------------------------------------------------------------------------------
@@ -360,8 +384,13 @@ def blocked_attention_forward(
     dense function the model was switched from, called as HF would have called it.
     """
     plan: Optional[BlockedPlan] = kwargs.pop(BLOCKED_KWARG, None)
+    sinks: Optional[torch.Tensor] = kwargs.pop("s_aux", None)
     if plan is None:
-        dense = _dense_function(module, getattr(module, "_twinseq_dense_attn", "sdpa"))
+        # transformers' sdpa has no sink term: a model with sinks (gpt-oss) takes its family's eager function
+        name = "eager" if sinks is not None else getattr(module, "_twinseq_dense_attn", "sdpa")
+        if sinks is not None:
+            kwargs["s_aux"] = sinks
+        dense = _dense_function(module, name)
         return dense(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout > 0 and module.training:
         raise ConfigError(
@@ -369,7 +398,9 @@ def blocked_attention_forward(
             f"{type(module).__name__}); set attention_dropout=0 or use rows shorter than "
             f"BLOCKED_MIN_SEQ_LEN."
         )
-    out_BHTD = blocked_attention(query, key, value, plan, scaling, kwargs.get("sliding_window"), kwargs.get("softcap"))
+    out_BHTD = blocked_attention(
+        query, key, value, plan, scaling, kwargs.get("sliding_window"), kwargs.get("softcap"), sinks
+    )
     return out_BHTD.transpose(1, 2).contiguous(), None
 
 

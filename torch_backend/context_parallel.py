@@ -18,18 +18,20 @@ Three strategies, each run as an HF attention function registered in ``transform
   included, all computed by ``blocked_attention.blocked_attention``: the local queries against
   the gathered keys block by block (online softmax, each block pair's mask built from the
   ids), so the attention temporaries are O(T/cp x block), never the [T/cp, T] mask or scores.
-  Padding queries get a zero output.
+  Padding queries get a zero output. Attention sinks (gpt-oss's ``s_aux``, a logit per query head with no
+  value) enter the blocked attention's online softmax as its first column.
 - ``ring`` (``twinseq_cp_ring``): torch's native ``context_parallel`` (CUDA SDPA flash or
   efficient kernels, head-tail load balancing, K/V rotated around the ring). It knows only
   ``is_causal``, so it is correct for UNPACKED, right-padded rows only; packed or
   padding-free data is refused with a ``ValueError`` (``check_ring_batch``), never mixed. For
-  the same reason it cannot slide a window or soft-cap scores: such models are refused
+  the same reason it cannot slide a window, soft-cap scores or add attention sinks: such models are refused
   (``check_ring_model``).
 - ``ulysses`` (``twinseq_cp_ulysses``): DeepSpeed-Ulysses sequence parallelism (ALST). The rank keeps
   its zigzag shard for everything but attention; in each attention layer one all-to-all turns the
   sequence-sharded q/k/v [B, H, T/cp, D] into head-sharded [B, H/cp, T, D] (the whole row, a slice of
   the heads), the blocked document attention runs on the whole row with the gathered segment and
-  position ids (the rule above; sliding window and soft-cap as ``allgather``), and the inverse
+  position ids (the rule above; sliding window, soft-cap and sinks as ``allgather``, each rank its heads' sinks),
+  and the inverse
   all-to-all returns [B, H, T/cp, D]. The exchange is autograd-aware: the backward of each all-to-all
   is the other one. It is ``torch.distributed.all_to_all_single``, which NCCL and gloo (CPU tensors)
   both implement. GQA: the K/V heads are split the same way when ``num_key_value_heads % cp == 0``;
@@ -339,14 +341,22 @@ def allgather_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """HF attention ``twinseq_cp_allgather``: q [B, H, L, D], k/v [B, KV, L, D] (local) -> [B, L, H, D].
 
-    ``sliding_window`` and ``softcap`` are the layer's, as HF's attention modules pass them.
+    ``sliding_window``, ``softcap`` and the attention sinks ``s_aux`` [H] are the layer's, as HF's attention modules
+    pass them.
     """
     ctx = _context(kwargs, ALLGATHER_HF_NAME)
     _check_layer(module, ctx, "allgather", dropout, sliding_window)
     if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
         key, value = gather_sequence(key, ctx.group, 2), gather_sequence(value, ctx.group, 2)
     out_BHLD = blocked_attention(
-        query, key, value, ctx.plan_for(attention_block_size(module)), scaling, sliding_window, softcap
+        query,
+        key,
+        value,
+        ctx.plan_for(attention_block_size(module)),
+        scaling,
+        sliding_window,
+        softcap,
+        kwargs.get("s_aux"),
     )
     return out_BHLD.transpose(1, 2).contiguous(), None
 
@@ -457,14 +467,17 @@ def ulysses_attention_forward(
     ctx = _context(kwargs, ULYSSES_HF_NAME)
     _check_layer(module, ctx, "ulysses", dropout, sliding_window)
     cp = dist.get_world_size(ctx.group) if ctx.group is not None else 1
+    sinks: Optional[torch.Tensor] = kwargs.get("s_aux")
     if cp > 1:
+        if sinks is not None:  # this rank holds query heads [r * H / cp, (r + 1) * H / cp) of the whole row
+            sinks = sinks.view(cp, -1)[dist.get_rank(ctx.group)]
         repeats = kv_repeats(query.shape[1], key.shape[1], cp)
         _log_exchange(cp, str(dist.get_backend(ctx.group)), key.shape[1], repeats)
         if repeats > 1:
             key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
         query, key, value = (SeqToHead.apply(x, ctx.group) for x in (query, key, value))
     plan = ctx.plan_for(attention_block_size(module))
-    out_BhTD = blocked_attention(query, key, value, plan, scaling, sliding_window, softcap)
+    out_BhTD = blocked_attention(query, key, value, plan, scaling, sliding_window, softcap, sinks)
     out_BHLD = HeadToSeq.apply(out_BhTD, ctx.group) if cp > 1 else out_BhTD
     return out_BHLD.transpose(1, 2).contiguous(), None
 
@@ -490,10 +503,10 @@ def ring_attention_forward(
     (``check_ring_batch``). K/V heads are repeated here because the ring kernels take no GQA flag.
     """
     _context(kwargs, RING_HF_NAME)
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+    if any(kwargs.get(name) is not None for name in ("sliding_window", "softcap", "s_aux")):
         raise ConfigError(
-            f"context_parallel_strategy='ring' cannot slide a window or soft-cap scores (layer of "
-            f"{type(module).__name__}); use --context-parallel-strategy allgather."
+            f"context_parallel_strategy='ring' cannot slide a window, soft-cap scores or add attention sinks (layer "
+            f"of {type(module).__name__}); use --context-parallel-strategy allgather."
         )
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
@@ -509,19 +522,20 @@ def ring_attention_forward(
 def check_ring_model(config: Any) -> None:
     """``ConfigError`` for a model whose attention the ring cannot compute: it knows ``is_causal`` only, so
     neither a sliding window (Mistral, Qwen2/3 with ``use_sliding_window``, Gemma 2) nor soft-capped
-    scores (Gemma 2)."""
+    scores (Gemma 2) nor attention sinks (gpt-oss)."""
     layout = mask_layout(config)
     features = [
         f"sliding_window={layout.sliding_window}" if layout.sliding_window is not None else "",
         f"attn_logit_softcapping={layout.softcap}" if layout.softcap is not None else "",
+        "attention sinks (a learned logit per head in every softmax)" if layout.sinks else "",
     ]
     features = [f for f in features if f]
     if features:
         raise ConfigError(
             f"context_parallel_strategy='ring' cannot compute the attention of model_type "
             f"{config.model_type!r} ({', '.join(features)}): torch's ring attention applies a plain "
-            f"causal mask only. Use --context-parallel-strategy allgather, which masks windows and "
-            f"soft-caps scores."
+            f"causal mask only. Use --context-parallel-strategy allgather, which masks windows, "
+            f"soft-caps scores and adds attention sinks."
         )
 
 

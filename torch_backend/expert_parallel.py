@@ -137,6 +137,12 @@ def check_expert_parallel(num_experts: int, world: int, blocks: list) -> None:
             f"an equal contiguous slice of experts); set expert_parallel_size to a divisor of {num_experts}."
         )
     for _, block in blocks:
+        if not hasattr(block, "gate") or hasattr(block.experts, "gate_up_proj_bias"):
+            raise ConfigError(
+                f"expert parallelism shards the fused bias-free experts of qwen3_moe and mixtral; this model's MoE "
+                f"block ({type(block).__name__}, as gpt_oss's: expert biases, a clamped SwiGLU on interleaved "
+                f"gate/up columns, a router module) is not supported: set expert_parallel_size=1."
+            )
         if not isinstance(block.experts.gate_up_proj, torch.nn.Parameter):
             raise ConfigError(
                 "expert parallelism shards plain expert parameters; this model's experts carry adapters "

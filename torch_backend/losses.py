@@ -44,6 +44,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from twinseq.common.config import DEFAULT_CHUNK_SIZE, LOSS_TYPES, TrainConfig
 from twinseq.common.data.batching import Batch
 from twinseq.common.errors import ConfigError, ConfigTypeError, DataError
+from twinseq.common.objectives.moe import COUNTS_KEY
 from twinseq.common.objectives.nll import IGNORE_INDEX, check_num_items
 from twinseq.common.run.capabilities import GPU_EXTRA as _GPU_EXTRA
 from twinseq.torch_backend import context_parallel as cpmod
@@ -505,12 +506,38 @@ def router_aux_loss(causal_lm: torch.nn.Module, router_logits, segment_ids_BT) -
     return load_balancing_loss_func(tuple(router_logits), config.num_experts, config.num_experts_per_tok, mask_BT)
 
 
+def is_moe(causal_lm: torch.nn.Module) -> bool:
+    """Whether the model routes tokens to experts (qwen3_moe, mixtral, gpt_oss: its config has ``num_experts``)."""
+    return bool(getattr(causal_lm_of(causal_lm).config, "num_experts", 0))
+
+
+@torch.no_grad()
+def router_counts(router_logits, segment_ids_BT, top_k: int) -> torch.Tensor:
+    """int64 [L, E]: per MoE layer, the routing slots each expert got from the real tokens (``segment_ids != 0``),
+    from the router logits (one ``[B * T, E]`` per MoE layer); ``common.objectives.moe.router_counts`` is the numpy
+    reference (the top-k of the float32 logits: the model's selection, whose softmax keeps their order)."""
+    mask_N = torch.as_tensor(segment_ids_BT != 0, device=router_logits[0].device).reshape(-1)
+    rows = []
+    for logits_NE in router_logits:
+        experts_NK = torch.topk(logits_NE.float(), top_k, dim=-1).indices
+        picks_NE = torch.zeros_like(logits_NE, dtype=torch.int64).scatter_(1, experts_NK, 1)
+        rows.append((picks_NE * mask_N[:, None]).sum(dim=0))
+    return torch.stack(rows)
+
+
 def _data_ranks() -> int:
     """The ranks whose gradients are summed (1 in one process; context parallelism is refused with the aux loss)."""
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
-def sft_loss_with_aux(causal_lm, batch: Batch, attn_implementation, num_micro_batches: int = 1, **loss_kwargs):
+def sft_loss_with_aux(
+    causal_lm,
+    batch: Batch,
+    attn_implementation,
+    num_micro_batches: int = 1,
+    router_stats: bool = False,
+    **loss_kwargs,
+):
     """``causal_lm_loss`` of ``batch`` (``loss_kwargs`` passed on), plus, for a MoE model with
     ``output_router_logits``, ``router_aux_loss_coef * aux_loss / num_micro_batches``.
 
@@ -518,14 +545,19 @@ def sft_loss_with_aux(causal_lm, batch: Batch, attn_implementation, num_micro_ba
     step's loss; the aux loss is a mean over one micro-batch's tokens, so it is divided by the step's micro-batch
     count: the step then adds the coefficient times the mean of its micro-batches' aux losses (TRL's rule), and one
     micro-batch gives transformers' ``loss + coef * aux_loss``. Returns what ``causal_lm_loss`` returns; with
-    metrics, they gain ``aux_loss`` (this micro-batch's, unweighted).
+    metrics, they gain ``aux_loss`` (this micro-batch's, unweighted), and with ``router_stats`` (a MoE model) the
+    micro-batch's ``router_counts`` [L, E] (``router_counts``; the trainer's step adds them up).
     """
     weight = router_aux_loss_weight(causal_lm)
-    out = forward_outputs(causal_lm, batch, attn_implementation, output_router_logits=weight is not None)
+    stats = router_stats and is_moe(causal_lm)
+    out = forward_outputs(causal_lm, batch, attn_implementation, output_router_logits=weight is not None or stats)
     labels_BT = torch.as_tensor(batch.labels, dtype=torch.long, device=out.last_hidden_state.device)
     result = causal_lm_loss(
         out.last_hidden_state, lm_head_weight(causal_lm), labels_BT, batch.num_items_in_batch, **loss_kwargs
     )
+    if stats and isinstance(result, tuple):
+        top_k = causal_lm_of(causal_lm).config.num_experts_per_tok
+        result = result[0], {**result[1], COUNTS_KEY: router_counts(out.router_logits, batch.segment_ids, top_k)}
     if weight is None:
         return result
     aux = router_aux_loss(causal_lm, out.router_logits, batch.segment_ids)
@@ -569,12 +601,16 @@ class CausalLMLoss(torch.nn.Module):
         )
         return out.last_hidden_state, micro.targets, True
 
-    def forward(self, micro):
+    def forward(self, micro, router_stats: bool = False):
         """``micro``: a ``Batch`` or ``CPShard`` (the SFT loss), or a function of the causal LM (online RL's policy
-        forward), run here so that an engine wrapping this module gathers the root parameters around it."""
+        forward), run here so that an engine wrapping this module gathers the root parameters around it.
+
+        ``router_stats``: a MoE model's ``Batch`` adds its ``router_counts`` to the metrics (the SFT trainer's
+        micro-steps ask; a context-parallel shard has none: its router logits cover part of each sequence)."""
         if callable(micro):
             return micro(self.causal_lm)
-        if isinstance(micro, Batch) and router_aux_loss_weight(self.causal_lm) is not None:
+        stats = router_stats and is_moe(self.causal_lm)
+        if isinstance(micro, Batch) and (router_aux_loss_weight(self.causal_lm) is not None or stats):
             return sft_loss_with_aux(
                 self.causal_lm,
                 micro,
@@ -582,6 +618,7 @@ class CausalLMLoss(torch.nn.Module):
                 # a per-micro-batch mean: divided by the step's micro-batches over every rank (gradients are summed
                 # over ranks), so the step adds the coefficient times their mean, as TRL (its ranks average)
                 self.cfg.data.gradient_accumulation_steps * _data_ranks(),
+                router_stats=stats,
                 loss_type=self.cfg.loss.loss_type,
                 chunk_size=self.cfg.loss.loss_chunk_size,
                 return_metrics=True,

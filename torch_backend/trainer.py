@@ -32,6 +32,7 @@ from twinseq.common.models.hf_folder import check_tokenizer_fits, resolve_model_
 from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
 from twinseq.common.models.peft import base_dtype
 from twinseq.common.objectives.dpo import validate_dpo_config
+from twinseq.common.objectives.moe import COUNTS_KEY, moe_layers
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.report import peak_rss_bytes
 from twinseq.common.run.schedule import lr_multiplier, with_resolved_max_steps
@@ -435,11 +436,28 @@ class TorchTrainer(TrainerTemplate):
 
 
 def sft_summary(
-    records: list[dict[str, float]], micro_batches: list[Any], device: torch.device, distributed: bool
+    records: list[dict[str, Any]],
+    micro_batches: list[Any],
+    device: torch.device,
+    distributed: bool,
+    layers: Optional[list[int]] = None,
 ) -> dict[str, Any]:
-    """An SFT step's metrics from its micro-batches' sums, all-reduced over the ranks when ``distributed``."""
+    """An SFT step's metrics from its micro-batches' sums, all-reduced over the ranks when ``distributed`` (a MoE
+    model's ``router_counts`` too: every rank routes its own tokens; ``layers`` name their rows, ``moe_layers``)."""
     sums = sft_step_sums(records, num_tokens=sum(mb.num_tokens for mb in micro_batches))
-    return with_means(reduce_step_metrics(sums, device) if distributed else sums)
+    if distributed:
+        sums = reduce_step_metrics(sums, device)
+        if COUNTS_KEY in sums:
+            counts = torch.as_tensor(sums[COUNTS_KEY], dtype=torch.int64, device=device)
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+            sums[COUNTS_KEY] = counts.cpu().numpy()
+    return with_means(sums, layers)
+
+
+def _host_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A micro-step's metric tensors on the host: scalars as floats, a MoE model's ``router_counts`` as int64
+    numpy [L, E]."""
+    return {k: v.cpu().numpy() if k == COUNTS_KEY else float(v) for k, v in metrics.items()}
 
 
 class SFTTrainer(TorchTrainer):
@@ -452,12 +470,13 @@ class SFTTrainer(TorchTrainer):
         with micro_batch_context(micro, self.runtime) as inputs:
             with offload_context(self.cfg, self.causal_lm):
                 with autocast(self.cfg, self.device):
-                    loss, metrics = self.module(inputs)
+                    loss, metrics = self.module(inputs, router_stats=True)
                 loss.backward()
-        return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+        return {"loss": float(loss.detach()), **_host_metrics(metrics)}
 
-    def summarize(self, records: list[dict[str, float]], micro_batches: list[Any]) -> dict[str, Any]:
-        return sft_summary(records, micro_batches, self.device, self.runtime is not None)
+    def summarize(self, records: list[dict[str, Any]], micro_batches: list[Any]) -> dict[str, Any]:
+        layers = moe_layers(model_config_of(self.causal_lm)) if any(COUNTS_KEY in r for r in records) else None
+        return sft_summary(records, micro_batches, self.device, self.runtime is not None, layers)
 
     @torch.no_grad()
     def eval_micro_step(self, micro: Any) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """The model families twinseq builds, described once for both backends: ``ModelConfig``.
 
 One dataclass in Hugging Face's names covers Llama (and Llama 3.x RoPE scaling), Qwen2/Qwen2.5,
-Qwen3, Qwen3-MoE, Mistral, Mixtral, Gemma 2 and Gemma 3 (text). ``model_type`` picks the family; the family decides
-what the architecture has, and the fields hold its sizes and knobs:
+Qwen3, Qwen3-MoE, Mistral, Mixtral, Gemma 2, Gemma 3 (text) and gpt-oss. ``model_type`` picks the family; the family
+decides what the architecture has, and the fields hold its sizes and knobs:
 
 ==========  ===================================================================================
 family      what differs from Llama
@@ -28,6 +28,13 @@ gemma3_text Gemma 2's embedding scale, norms, GELU and attention scale, plus Gem
             every query and key head (``q_norm``, ``k_norm``) before RoPE; five sliding layers to one global by
             default; two RoPE bases: ``rope_theta`` (and its scaling) on global layers, ``rope_local_base_freq``
             on sliding ones; no attention soft-cap (transformers' Gemma 3 has none), final soft-cap only if set
+gpt_oss     attention sinks (a learned logit per head, ``self_attn.sinks``, in every softmax denominator, with no
+            value); biases on q, k, v and o; sliding and full layers alternate (``layer_types``); YaRN RoPE; every
+            MLP a mixture of ``num_experts`` experts of ``intermediate_size``: a router with a bias, softmax over the
+            top-k logits only; experts with biases, gate and up interleaved in ``gate_up_proj`` ``[E, h, 2m]``
+            (gate ``[..., ::2]``, up ``[..., 1::2]``), a clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``):
+            ``(up.clamp(-l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = gate.clamp(max=l)``; Mixtral's
+            load-balancing loss
 ==========  ===================================================================================
 
 ``parameter_shapes`` lists every tensor of a family in Hugging Face's names and layout, which is
@@ -51,9 +58,9 @@ from typing import Any, Literal, NoReturn, Optional, Union
 from twinseq.common.errors import ConfigError
 from twinseq.common.fields import _check_fields, knob
 
-ModelType = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text"]
+ModelType = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text", "gpt_oss"]
 MODEL_TYPES = typing.get_args(ModelType)
-RopeType = Literal["default", "linear", "dynamic", "llama3"]
+RopeType = Literal["default", "linear", "dynamic", "llama3", "yarn"]
 LayerType = Literal["full_attention", "sliding_attention"]
 Activation = Literal["silu", "gelu_pytorch_tanh"]
 ARCHITECTURES = {
@@ -65,16 +72,18 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 _ROUTED = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits")
 _MOE_FIELDS: dict[str, tuple[str, ...]] = {
     "qwen3_moe": (*_ROUTED, "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers"),
     "mixtral": _ROUTED,
+    "gpt_oss": (*_ROUTED, "swiglu_limit", "swiglu_alpha"),
 }
 """Each mixture-of-experts family's own ``ModelConfig`` fields, in transformers' config names (Mixtral's
 config.json spells ``num_experts`` ``num_local_experts``). Mixtral has no knob for the rest: its experts are
 ``intermediate_size`` wide, it always renormalises the top-k weights, and every layer is sparse."""
-_HF_MOE_NAMES = {"mixtral": {"num_experts": "num_local_experts"}}
+_HF_MOE_NAMES = {"mixtral": {"num_experts": "num_local_experts"}, "gpt_oss": {"num_experts": "num_local_experts"}}
 """config.json names of ``_MOE_FIELDS`` that differ from ``ModelConfig``'s, per family."""
 SLIDES_EVERY_LAYER = ("mistral", "qwen3_moe", "mixtral")
 """Families whose every layer attends within ``sliding_window`` when it is set (one mask for the whole model)."""
@@ -111,6 +120,14 @@ class ModelConfig:
     rope_low_freq_factor: float = knob(1.0, gt=0)
     rope_high_freq_factor: float = knob(4.0, gt=0)
     rope_original_max_position_embeddings: Optional[int] = knob(None, ge=1)
+    rope_beta_fast: float = knob(32.0, gt=0)
+    """``yarn``: the rotation count below which a frequency is extrapolated (kept)."""
+    rope_beta_slow: float = knob(1.0, gt=0)
+    """``yarn``: the rotation count above which a frequency is interpolated (divided by ``rope_factor``)."""
+    rope_truncate: bool = True
+    """``yarn``: round the correction range outwards to whole dimensions (transformers' default; gpt-oss: False)."""
+    rope_attention_factor: Optional[float] = knob(None, gt=0)
+    """``yarn``: the scale of cos and sin (None: ``0.1 * ln(rope_factor) + 1``, transformers' default)."""
     max_position_embeddings: int = knob(4096, ge=1)
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -127,10 +144,10 @@ class ModelConfig:
     eos_token_id: Union[int, list[int], None] = 2
     pad_token_id: Optional[int] = 0
     num_experts: int = knob(0, ge=0)
-    """qwen3_moe, mixtral: experts per MoE layer (0 on the other families, which have none; Mixtral's config.json
-    calls it ``num_local_experts``)."""
+    """qwen3_moe, mixtral, gpt_oss: experts per MoE layer (0 on the other families, which have none; Mixtral's and
+    gpt-oss's config.json call it ``num_local_experts``)."""
     num_experts_per_tok: int = knob(1, ge=1)
-    """qwen3_moe, mixtral: experts each token is routed to (top-k of the router's softmax)."""
+    """qwen3_moe, mixtral, gpt_oss: experts each token is routed to (top-k of the router's logits)."""
     moe_intermediate_size: Optional[int] = knob(None, ge=1)
     """qwen3_moe: the intermediate size of every expert (``intermediate_size`` is the dense layers'; Mixtral's
     experts are ``intermediate_size`` wide)."""
@@ -142,10 +159,15 @@ class ModelConfig:
     mlp_only_layers: Optional[list[int]] = None
     """qwen3_moe: indices of layers that keep a dense MLP (None: none)."""
     router_aux_loss_coef: float = knob(0.001, ge=0)
-    """qwen3_moe, mixtral: weight of the load-balancing loss in the training loss (with ``output_router_logits``)."""
+    """qwen3_moe, mixtral, gpt_oss: weight of the load-balancing loss in the training loss (with
+    ``output_router_logits``)."""
     output_router_logits: bool = False
-    """qwen3_moe, mixtral: add ``router_aux_loss_coef * aux_loss`` to the training loss (transformers' switch of the
-    same name); the logits do not depend on it."""
+    """qwen3_moe, mixtral, gpt_oss: add ``router_aux_loss_coef * aux_loss`` to the training loss (transformers' switch
+    of the same name); the logits do not depend on it."""
+    swiglu_limit: float = knob(7.0, gt=0)
+    """gpt_oss: the experts clamp the gate to ``<= swiglu_limit`` and the up projection to ``[-limit, limit]``."""
+    swiglu_alpha: float = knob(1.702, gt=0)
+    """gpt_oss: the sigmoid gain of the experts' SwiGLU, ``gate * sigmoid(swiglu_alpha * gate)``."""
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -163,8 +185,8 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention); set num_key_value_heads "
                 f"to a divisor of {self.num_attention_heads}."
             )
-        if self.model_type in ("gemma2", "gemma3_text") and self.layer_types is None:  # HF's default pattern
-            every = 2 if self.model_type == "gemma2" else GEMMA3_SLIDING_WINDOW_PATTERN
+        if self.model_type in ("gemma2", "gemma3_text", "gpt_oss") and self.layer_types is None:  # HF's default
+            every = GEMMA3_SLIDING_WINDOW_PATTERN if self.model_type == "gemma3_text" else 2
             self.layer_types = [
                 "sliding_attention" if (i + 1) % every else "full_attention" for i in range(self.num_hidden_layers)
             ]
@@ -188,10 +210,15 @@ class ModelConfig:
                 "'sliding_attention' layers but sliding_window is None; set sliding_window (the number of positions "
                 "a query attends to)."
             )
-        if self.rope_type == "llama3" and self.rope_original_max_position_embeddings is None:
+        if self.rope_type == "yarn" and self.model_type != "gpt_oss":
             raise ConfigError(
-                "ModelConfig.rope_type='llama3' needs rope_original_max_position_embeddings: set it to the "
-                "context length before scaling (8192 for Llama 3.1/3.2)."
+                f"ModelConfig.rope_type='yarn' is built for model_type 'gpt_oss' only (got {self.model_type!r}); use "
+                "rope_type 'default', 'linear', 'dynamic' or 'llama3'."
+            )
+        if self.rope_type in ("llama3", "yarn") and self.rope_original_max_position_embeddings is None:
+            raise ConfigError(
+                f"ModelConfig.rope_type={self.rope_type!r} needs rope_original_max_position_embeddings: set it to the "
+                "context length before scaling (8192 for Llama 3.1/3.2, 4096 for gpt-oss)."
             )
 
     def _check_gemma3(self) -> None:
@@ -274,6 +301,18 @@ class ModelConfig:
         return self.attention_bias
 
     @property
+    def has_attention_sinks(self) -> bool:
+        """A learned logit per attention head (``self_attn.sinks`` ``[num_attention_heads]``) joins every softmax
+        denominator with no value (gpt-oss): ``softmax([scores, sink])[:-1] @ V``."""
+        return self.model_type == "gpt_oss"
+
+    @property
+    def expert_biases(self) -> bool:
+        """Router and experts carry biases, and the experts' tensors are gpt-oss's: ``gate_up_proj`` ``[E, h, 2m]``
+        with gate and up interleaved, ``down_proj`` ``[E, m, h]``, and the clamped SwiGLU (``swiglu_limit``)."""
+        return self.model_type == "gpt_oss"
+
+    @property
     def qk_norm(self) -> bool:
         """RMSNorm of every query and key head before RoPE (Qwen3; Gemma 3 in its ``1 + w`` form)."""
         return self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
@@ -306,7 +345,7 @@ class ModelConfig:
     @property
     def renormalise_top_k(self) -> bool:
         """A token's top-k routing weights divided by their sum (Mixtral always; Qwen3-MoE with ``norm_topk_prob``)."""
-        return self.model_type == "mixtral" or self.norm_topk_prob
+        return self.model_type in ("mixtral", "gpt_oss") or self.norm_topk_prob
 
     @property
     def routing_weights_f32(self) -> bool:
@@ -419,6 +458,26 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         num_experts=4,
         num_experts_per_tok=2,
     ),
+    # sliding then full (gpt-oss's pattern), four experts top-2, gpt-oss's YaRN (factor 32 of 4096 positions: with
+    # head_dim 32, five frequencies kept, seven divided by 32, a ramp between)
+    "tiny-gpt-oss": dict(
+        _TINY,
+        model_type="gpt_oss",
+        head_dim=32,
+        intermediate_size=64,
+        rope_theta=150000.0,
+        rope_type="yarn",
+        rope_factor=32.0,
+        rope_original_max_position_embeddings=4096,
+        rope_truncate=False,
+        max_position_embeddings=131072,
+        attention_bias=True,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ),
     # two layers, one of each kind (Gemma 3's default pattern would make both sliding)
     "tiny-gemma3": dict(
         _TINY,
@@ -454,7 +513,11 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
-        if cfg.layer_is_moe(layer):
+        if cfg.has_attention_sinks:
+            shapes[p + "self_attn.sinks"] = (cfg.num_attention_heads,)
+        if cfg.expert_biases:
+            shapes.update(_gpt_oss_moe_shapes(cfg, p + "mlp."))
+        elif cfg.layer_is_moe(layer):
             e, m = cfg.num_experts, cfg.expert_intermediate_size
             # transformers 5's fused expert tensors: [gate; up] stacked on the output dim, then down
             shapes[p + "mlp.gate.weight"] = (e, h)
@@ -471,6 +534,20 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (v, h)
     return shapes
+
+
+def _gpt_oss_moe_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """gpt-oss's MoE block (transformers' ``GptOssMLP``): a biased router, and experts stored input-major with
+    biases, gate and up interleaved on the last dim of ``gate_up_proj``."""
+    e, h, m = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+    return {
+        p + "router.weight": (e, h),
+        p + "router.bias": (e,),
+        p + "experts.gate_up_proj": (e, h, 2 * m),
+        p + "experts.gate_up_proj_bias": (e, 2 * m),
+        p + "experts.down_proj": (e, m, h),
+        p + "experts.down_proj_bias": (e, h),
+    }
 
 
 def layer_norm_names(cfg: ModelConfig) -> tuple[str, ...]:
@@ -492,8 +569,12 @@ def layer_norm_names(cfg: ModelConfig) -> tuple[str, ...]:
 
 def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
-    if cfg.rope_type in ("linear", "dynamic", "llama3"):
+    if cfg.rope_type in ("linear", "dynamic", "llama3", "yarn"):
         rope["factor"] = cfg.rope_factor
+    if cfg.rope_type == "yarn":
+        rope.update(beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow, truncate=cfg.rope_truncate)
+        if cfg.rope_attention_factor is not None:
+            rope["attention_factor"] = cfg.rope_attention_factor
     if cfg.rope_type == "llama3":
         rope.update(low_freq_factor=cfg.rope_low_freq_factor, high_freq_factor=cfg.rope_high_freq_factor)
     if cfg.rope_original_max_position_embeddings is not None and cfg.rope_type != "default":
@@ -532,7 +613,7 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
         "use_cache": False,
         ("hidden_activation" if cfg.gemma else "hidden_act"): cfg.hidden_act,
     }
-    if cfg.model_type in ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text"):
+    if cfg.model_type in ("llama", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss"):
         values["attention_bias"] = cfg.attention_bias
     if cfg.model_type == "llama":
         values["mlp_bias"] = cfg.mlp_bias
@@ -542,11 +623,11 @@ def to_hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
             sliding_window=cfg.sliding_window,
             max_window_layers=cfg.num_hidden_layers,
         )
-    if cfg.model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
+    if cfg.model_type in ("qwen2", "qwen3", "gemma2", "gemma3_text", "gpt_oss"):
         values["layer_types"] = [
             ("sliding_attention" if cfg.layer_is_sliding(i) else "full_attention") for i in range(cfg.num_hidden_layers)
         ]
-    if cfg.model_type in ("mistral", "mixtral", "gemma2", "gemma3_text"):
+    if cfg.model_type in ("mistral", "mixtral", "gemma2", "gemma3_text", "gpt_oss"):
         values["sliding_window"] = cfg.sliding_window
     if cfg.model_type == "gemma3_text":
         values["use_bidirectional_attention"] = False
@@ -713,7 +794,35 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         rope_theta=1000000.0,
         rope_local_base_freq=10000.0,
     ),
+    "gpt_oss": dict(
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        attention_bias=True,
+        sliding_window=128,
+        num_experts=128,
+        num_experts_per_tok=4,
+        router_aux_loss_coef=0.001,
+        output_router_logits=False,
+        swiglu_limit=7.0,
+        swiglu_alpha=1.702,
+    ),
 }
+# transformers' GptOssConfig when config.json has no rope_parameters
+_GPT_OSS_ROPE = dict(
+    rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False, original_max_position_embeddings=4096
+)
 _COMMON_DEFAULTS = dict(
     rms_norm_eps=1e-6, initializer_range=0.02, attention_bias=False, mlp_bias=False, rope_theta=10000.0
 )
@@ -740,6 +849,8 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
             source, act_key, act, f"twinseq builds {', '.join(typing.get_args(Activation))} MLPs: use one of those."
         )
     rope = dict(values.get("rope_parameters") or values.get("rope_scaling") or {})
+    if model_type == "gpt_oss" and not rope:
+        rope = dict(_GPT_OSS_ROPE)
     if model_type == "gemma3_text":
         rope = _gemma3_global_rope(values, source)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -801,6 +912,8 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
     ):
         if rope.get(key) is not None and rope_type != "default":
             out[name] = rope[key]
+    if rope_type == "yarn":
+        out.update(_yarn_fields_of(rope, source))
     if gemma:
         for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
             out[key] = values.get(key, defaults[key])
@@ -820,7 +933,7 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
         out["sliding_window"] = sliding_window if values.get("use_sliding_window", False) else None
     if model_type in _MOE_FIELDS:
         out.update(_moe_fields_of(model_type, values, defaults, source))
-    elif gemma:
+    if gemma or model_type == "gpt_oss":
         out["sliding_window"] = sliding_window
         every = 2
         if model_type == "gemma3_text":  # transformers' legacy key (config.json files on the Hub still hold it)
@@ -834,6 +947,30 @@ def from_hf_config(values: dict[str, Any], source: str = "config.json") -> Model
         return ModelConfig.from_dict(out)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"{source}: {err}") from None
+
+
+def _yarn_fields_of(rope: dict[str, Any], source: str) -> dict[str, Any]:
+    """The YaRN keys of ``rope_parameters`` as transformers' ``_compute_yarn_parameters`` reads them (beta_fast 32,
+    beta_slow 1, truncate True when absent); ``mscale``/``mscale_all_dim`` (DeepSeek's variant) are refused."""
+    for key in ("mscale", "mscale_all_dim"):
+        if rope.get(key):
+            _refuse(
+                source,
+                f"rope_parameters.{key}",
+                rope[key],
+                "twinseq builds YaRN with attention_factor or its default 0.1 * ln(factor) + 1: drop mscale and "
+                "mscale_all_dim (or give attention_factor).",
+            )
+    if rope.get("factor") is None:
+        _refuse(source, "rope_parameters.factor", None, "give YaRN's factor explicitly in rope_parameters.")
+    out: dict[str, Any] = {
+        "rope_beta_fast": float(rope.get("beta_fast") or 32.0),
+        "rope_beta_slow": float(rope.get("beta_slow") or 1.0),
+        "rope_truncate": bool(rope.get("truncate", True)),
+    }
+    if rope.get("attention_factor") is not None:
+        out["rope_attention_factor"] = float(rope["attention_factor"])
+    return out
 
 
 def _moe_fields_of(model_type: str, values: dict[str, Any], defaults: dict[str, Any], source: str) -> dict[str, Any]:

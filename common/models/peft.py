@@ -239,6 +239,13 @@ def expert_targets(cfg: ModelConfig, peft: PeftConfig) -> dict[str, tuple[int, i
     ``target_parameters``), in parameter order; ``ConfigError`` where the model has no experts."""
     check_peft_config(peft)
     names = set(peft.lora_target_parameters or [])
+    if names and cfg.expert_biases:
+        raise ConfigError(
+            f"lora_target_parameters={peft.lora_target_parameters!r}: LoRA on the experts of model_type "
+            f"{cfg.model_type!r} is not built (its expert tensors are input-major [E, in, out] with biases, not the "
+            "[E, out, in] of qwen3_moe and mixtral that expert LoRA adapts); drop --lora-target-parameters (LoRA on "
+            "the attention projections, lora_target_modules, works), or train qwen3_moe or mixtral."
+        )
     targets: dict[str, tuple[int, int, int]] = {}
     for name, shape in parameter_shapes(cfg).items():
         if len(shape) == 3 and ".".join(name.split(".")[-2:]) in names:

@@ -12,6 +12,9 @@ llama3        Llama 3.x: wavelengths longer than ``original_max_position_embeddi
               divided by ``factor``, shorter than ``... / high_freq_factor`` kept, a smooth blend between
 dynamic       NTK: ``base`` stretched to ``base * (factor * L / max_pos - (factor - 1)) ** (d / (d - 2))``
               with ``L = max(max(position_ids) + 1, max_position_embeddings)``: it depends on the batch
+yarn          YaRN (gpt-oss): frequencies that turn more than ``beta_fast`` times within
+              ``original_max_position_embeddings`` kept, fewer than ``beta_slow`` times divided by ``factor``,
+              a linear ramp over the dimensions between; cos and sin also scaled by ``rope_attention_factor``
 ============  =====================================================================================
 
 ``dynamic`` is the one type whose frequencies depend on the input: like transformers, twinseq
@@ -23,7 +26,8 @@ before it.) The other types are constants of the config.
 Every float operation is float32 in the order transformers performs it, so ``inv_freq`` matches
 the torch buffer bit for bit (``default``, ``linear``, ``llama3``) or within a few ulps (``dynamic``,
 whose stretched base goes through two float32 ``pow`` calls, which libraries round differently);
-the tests compare them with transformers' own functions.
+the tests compare them with transformers' own functions. ``rope_attention_factor`` is the scale
+both backends apply to cos and sin (1.0 except for ``yarn``), as transformers' ``attention_scaling``.
 """
 
 from __future__ import annotations
@@ -61,7 +65,48 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
         return (inv_freq / np.float32(cfg.rope_factor)).astype(np.float32)
     if cfg.rope_type == "llama3":
         return _llama3(inv_freq, cfg)
+    if cfg.rope_type == "yarn":
+        return _yarn(inv_freq, cfg)
     return inv_freq
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The scale of cos and sin (transformers' ``attention_scaling``): ``rope_attention_factor`` if set, else
+    YaRN's ``0.1 * ln(factor) + 1`` (1.0 for ``factor <= 1``); 1.0 for every other ``rope_type``.
+
+    >>> round(rope_attention_factor(ModelConfig.preset("tiny-gpt-oss")), 6), rope_attention_factor(ModelConfig())
+    (1.346574, 1.0)
+    """
+    if cfg.rope_type != "yarn":
+        return 1.0
+    if cfg.rope_attention_factor is not None:
+        return float(cfg.rope_attention_factor)
+    return 1.0 if cfg.rope_factor <= 1 else 0.1 * math.log(cfg.rope_factor) + 1.0
+
+
+def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_position_embeddings: int) -> float:
+    """The dimension whose frequency turns ``num_rotations`` times within ``max_position_embeddings`` (python
+    floats, as transformers' ``find_correction_dim``)."""
+    return (dim * math.log(max_position_embeddings / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+
+def _yarn(inv_freq: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """transformers' ``_compute_yarn_parameters`` in float32: ``inv_freq / factor`` blended with ``inv_freq`` by a
+    ramp over the dimensions between the ``beta_fast`` and ``beta_slow`` correction dims."""
+    dim, base, original = cfg.head_dim, cfg.rope_theta, cfg.rope_original_max_position_embeddings
+    assert dim is not None and original is not None  # ModelConfig.__post_init__ fills and requires them
+    low = _yarn_correction_dim(cfg.rope_beta_fast, dim, base, original)
+    high = _yarn_correction_dim(cfg.rope_beta_slow, dim, base, original)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = (np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low)
+    extrapolation = (np.float32(1) - np.clip(ramp, 0, 1)).astype(np.float32)
+    pos_freqs = _pow_f32(base, np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    interpolation = (np.float32(1.0) / (np.float32(cfg.rope_factor) * pos_freqs)).astype(np.float32)
+    return (interpolation * (np.float32(1) - extrapolation) + inv_freq * extrapolation).astype(np.float32)
 
 
 def sliding_rope_inv_freq(cfg: ModelConfig) -> np.ndarray | None:

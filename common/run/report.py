@@ -25,8 +25,9 @@ Evaluation (``common.run.evaluation``) writes its metrics as lines of their own,
 ``metrics.png`` draws each ``eval_<key>`` on the panel of ``<key>``.
 
 The console. The bar shows, next to the step count, the values of the step it counts (``bar_postfix``: the
-epoch, the loss, GRPO's reward and KL, DPO's reward accuracy and margin, tokens/s, peak memory); while it is up, every
-console log line is written above it (``ConsoleAboveBar``). At the end ``finish_run`` prints one summary line
+epoch, the loss, GRPO's reward and KL, DPO's reward accuracy and margin, a MoE model's ``router_max_load``, tokens/s,
+peak memory; a MoE step's per-expert loads ``router_load/L{i}`` are lists in ``metrics.jsonl`` only); while it is up,
+every console log line is written above it (``ConsoleAboveBar``). At the end ``finish_run`` prints one summary line
 that fits the task (``summarize_run``) and writes ``metrics.png``.
 
 Resumed runs and TensorBoard. The two TensorBoard readers handle a step written twice
@@ -63,6 +64,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, Sequence, Union
+
+import numpy as np
 
 from twinseq.common.errors import ConfigError, ConfigTypeError, MissingDependencyError
 
@@ -174,7 +177,7 @@ class JsonlSink:
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log_step(self, metrics: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(dict(metrics), sort_keys=False) + "\n")
+        self._file.write(json.dumps(dict(metrics), sort_keys=False, default=_json_value) + "\n")
         self._file.flush()
 
     def log_text(self, tag: str, text: str) -> None:
@@ -187,6 +190,29 @@ class JsonlSink:
         self._file.close()
 
 
+def _json_value(value: Any) -> Any:
+    """A numpy metric as JSON: an array (a MoE step's ``router_load/L{i}``, one load per expert) as a list, a numpy
+    scalar as a number."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"a metric of type {type(value).__name__} ({value!r}) has no JSON form; log a number or a list.")
+
+
+def _warn_skipped(skipped: set[str], sink: str, name: str, value: Any) -> None:
+    """Warn once per metric family that ``sink`` skips a metric that is not a number (``router_load/L0``,
+    ``router_load/L1``, ...: one warning for ``router_load``)."""
+    family = name.split("/")[0]
+    if family in skipped:
+        return
+    skipped.add(family)
+    others = f" (and the other {family}/... metrics)" if "/" in name else ""
+    logger.warning(
+        "%s: metric %r%s is a %s, not a number; it is only in metrics.jsonl.", sink, name, others, type(value).__name__
+    )
+
+
 class TensorBoardSink:
     """TensorBoard event files in ``logging_dir``: each numeric metric as scalar ``<tag_prefix><name>``.
 
@@ -195,7 +221,8 @@ class TensorBoardSink:
     resuming cuts it to the steps ``<= resume_step`` and appends (see the module docstring).
     TensorBoard stores a scalar as float32 (as Hugging Face's callback does too): an integer
     above 2**24 such as ``peak_memory_bytes`` is rounded there, and stays exact in
-    ``metrics.jsonl``. A metric that is not a number is skipped, with one warning per name.
+    ``metrics.jsonl``. A metric that is not a number is skipped, with one warning per name (per family:
+    ``router_load/L0``, ``router_load/L1``, ... warn once).
 
     Example: ``TensorBoardSink("out/runs").log_step({"step": 1, "loss": 2.5, "lr": 1e-3})``
     writes ``train/loss = 2.5`` and ``train/lr = 0.001`` (as float32) at step 1.
@@ -250,13 +277,8 @@ class TensorBoardSink:
                 continue
             if isinstance(value, numbers.Real):
                 values.append(self._summary_pb2.Summary.Value(tag=self._tag(name), simple_value=float(value)))
-            elif name not in self._skipped:
-                self._skipped.add(name)
-                logger.warning(
-                    "TensorBoard: metric %r is a %s, not a number; it is only in metrics.jsonl.",
-                    name,
-                    type(value).__name__,
-                )
+            else:
+                _warn_skipped(self._skipped, "TensorBoard", name, value)
         summary = self._summary_pb2.Summary(value=values)
         self._write(self._event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
         self._writer.flush()
@@ -292,7 +314,7 @@ class WandbSink:
     ``wandb`` is imported when the sink is built, never when this module is, and the run starts then, so a missing
     package or a refused login fails before the first step. ``project`` None: ``WANDB_PROJECT``, else ``twinseq``;
     ``directory`` None: ``WANDB_DIR``, else ``output_dir``. The config and ``run_name`` come with ``log_config``.
-    A metric that is not a number is skipped, with one warning per name.
+    A metric that is not a number is skipped, with one warning per name (or family, ``router_load/...``).
 
     Example: ``WandbSink("out").log_step({"step": 1, "loss": 2.5})`` logs ``{"train/loss": 2.5}`` at step 1.
     """
@@ -339,11 +361,8 @@ class WandbSink:
                 continue
             if isinstance(value, numbers.Real):
                 values[self._key(name)] = value
-            elif name not in self._skipped:
-                self._skipped.add(name)
-                logger.warning(
-                    "wandb: metric %r is a %s, not a number; it is only in metrics.jsonl.", name, type(value).__name__
-                )
+            else:
+                _warn_skipped(self._skipped, "wandb", name, value)
         self._run.log(values, step=int(metrics["step"]))
 
     def log_text(self, tag: str, text: str) -> None:
@@ -557,6 +576,7 @@ BAR_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("loss", "loss", "{:.4f}"),
     ("rewards/accuracies", "acc", "{:.3f}"),
     ("rewards/margins", "margin", "{:.4f}"),
+    ("router_max_load", "router_max", "{:.3f}"),  # a MoE model's: near 1/k, one expert takes every token
     ("tokens_per_second", "tok/s", "{:.0f}"),
 )
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from twinseq.common.errors import NonFiniteError
 from twinseq.common.objectives.dpo import reward_metrics
+from twinseq.common.objectives.moe import COUNTS_KEY, router_load_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -35,23 +36,34 @@ def sft_step_sums(micro: Sequence[Mapping[str, Any]], *, num_tokens: int) -> dic
 
     ``micro[i]`` holds ``loss`` and the loss kernels' ``num_tokens`` (valid targets),
     ``num_correct_tokens`` and ``entropy_sum``; ``num_tokens`` is the step's non-padding tokens.
+    A MoE model's micro-batches also hold ``router_counts`` [L, E] (``common.objectives.moe``): the step's are their
+    sum, int64 (a multi-process trainer adds them over ranks too).
     """
-    return {
+    sums = {
         "loss": sum(float(m["loss"]) for m in micro),
         "num_tokens": int(num_tokens),
         "num_label_tokens": sum(int(m["num_tokens"]) for m in micro),
         "num_correct_tokens": sum(int(round(float(m["num_correct_tokens"]))) for m in micro),
         "entropy_sum": sum(float(m["entropy_sum"]) for m in micro),
     }
+    counts = [np.asarray(m[COUNTS_KEY], np.int64) for m in micro if COUNTS_KEY in m]
+    if counts:
+        assert len(counts) == len(micro), "every micro-batch of a MoE step reports its router counts"
+        sums[COUNTS_KEY] = np.sum(counts, axis=0)
+    return sums
 
 
-def with_means(sums: dict[str, Any]) -> dict[str, Any]:
-    """``sums`` plus ``mean_token_accuracy`` and ``entropy`` over the step's targets (0 without any)."""
+def with_means(sums: dict[str, Any], moe_layers: Optional[Sequence[int]] = None) -> dict[str, Any]:
+    """``sums`` plus ``mean_token_accuracy`` and ``entropy`` over the step's targets (0 without any). Summed
+    ``router_counts`` become the router metrics (``common.objectives.moe.router_load_metrics``; ``moe_layers``: the
+    decoder-layer index of each of their rows, None: 0..L-1) and leave the step's metrics."""
     labels = sums["num_label_tokens"]
+    counts = sums.get(COUNTS_KEY)
     return {
-        **sums,
+        **{k: v for k, v in sums.items() if k != COUNTS_KEY},
         "mean_token_accuracy": sums["num_correct_tokens"] / labels if labels else 0.0,
         "entropy": sums["entropy_sum"] / labels if labels else 0.0,
+        **({} if counts is None else router_load_metrics(counts, moe_layers)),
     }
 
 

@@ -24,7 +24,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from twinseq.common.config import ONLINE_TASKS, TrainConfig
+from twinseq.common.config import TrainConfig
 from twinseq.common.errors import ConfigError
 from twinseq.common.models.hf_folder import resolve_model_source
 from twinseq.common.models.peft import PeftConfig, save_adapters
@@ -34,17 +34,13 @@ from twinseq.common.run.eval_set import build_evaluator
 from twinseq.common.run.inputs import NO_INPUTS, RunInputs
 from twinseq.common.run.runner import run
 from twinseq.common.run.step_metrics import apply_or_skip, first_nonfinite
+from twinseq.common.tasks import task_spec
 
 logger = logging.getLogger(__name__)
 
-PLOT_KEYS: dict[str, tuple[str, ...]] = {
-    "sft": ("loss", "tokens_per_second"),
-    "dpo": ("loss", "rewards/accuracies", "tokens_per_second"),
-    "grpo": ("loss", "reward", "completions/mean_length", "tokens_per_second"),
-    "rloo": ("loss", "reward", "completions/mean_length", "tokens_per_second"),
-    "kto": ("loss", "rewards/margins", "kl", "tokens_per_second"),
-}
-"""The panels of each task's end-of-run ``metrics.png``."""
+ROUTER_PLOT_KEYS = ("router_max_load",)
+"""Panels every task's ``metrics.png`` adds after its own where its steps carry them: a MoE model's SFT steps report
+``router_max_load`` (``common.objectives.moe``); a run whose steps lack it draws no panel for it."""
 
 
 class TrainerTemplate:
@@ -195,7 +191,7 @@ def train_task(
         tokenizer=tokenizer,
         desc=f"{cfg.task}[{desc}]",
         announce=announce,
-        plot_keys=PLOT_KEYS[cfg.task],
+        plot_keys=(*task_spec(cfg.task).plot_keys, *ROUTER_PLOT_KEYS),
         callbacks=[*inputs.callbacks, *early_stopping(cfg)],
         evaluator=evaluator,
     )
@@ -284,6 +280,7 @@ def reference_description(cfg: TrainConfig, *, precomputed: Optional[bool] = Non
     disabled (PEFT, as TRL), or a frozen copy of the initial policy."""
     if precomputed:
         return "precomputed"
-    if cfg.task in ONLINE_TASKS and cfg.reference_kl_beta == 0:
-        return f"none ({cfg.task}_beta=0)"
+    kl_beta = task_spec(cfg.task).kl_beta
+    if kl_beta is not None and cfg.reference_kl_beta == 0:
+        return f"none ({kl_beta.split('.')[-1]}=0)"
     return "the base (adapters disabled)" if cfg.peft.use_peft else "frozen copy"

@@ -473,15 +473,17 @@ def test_context_parallel_attention_honours_window_and_softcap(cp_mesh, strategy
 
 @pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
 @pytest.mark.multi_device
-def test_gemma2_step_on_a_cp_mesh_equals_the_dense_step(cp_mesh):
-    """Gemma 2 (sliding and global layers, attention soft-cap, final soft-cap) through ``grads_jit`` with the
-    trainer's context-parallel inputs: loss and gradients equal the single-device dense step."""
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_family_step_on_a_cp_mesh_equals_the_dense_step(cp_mesh, family):
+    """Gemma 2 (sliding and global layers, attention soft-cap, final soft-cap) and gpt-oss (attention sinks,
+    sliding and global layers, YaRN, biased experts) through ``grads_jit`` with the trainer's context-parallel
+    inputs (``ring_attention_fn``): loss and gradients equal the single-device dense step."""
     from flax import nnx
 
     from twinseq.jax_backend.model import batch_inputs, grads_jit, in_hf_order, state_to_hf
     from twinseq.jax_backend.parallel import ring_attention_fn, shard_batch
 
-    model, batch = _model("gemma2"), _batches()["packed"]
+    model, batch = _model(family), _batches()["packed"]
     graphdef, state = nnx.split(model)
     num_items = jnp.asarray(batch.num_items_in_batch, jnp.int32)
     (dense_loss, _), dense_grads = grads_jit(graphdef, state, batch_inputs(batch, model.config.vocab_size),
@@ -495,5 +497,41 @@ def test_gemma2_step_on_a_cp_mesh_equals_the_dense_step(cp_mesh):
     dense_hf, ring_hf = (in_hf_order(model.config, state_to_hf(g)) for g in (dense_grads, ring_grads))
     worst = max(rel_norm(ring_hf[k], dense_hf[k]) for k in dense_hf)
     loss_rel = abs(float(ring_loss) - float(dense_loss)) / float(dense_loss)
-    print(f"gemma2 cp={CP} ring vs dense: loss rel {loss_rel:.2e}, grad rel {worst:.2e}")
+    print(f"{family} cp={CP} ring vs dense: loss rel {loss_rel:.2e}, grad rel {worst:.2e}")
     assert worst <= tol("float32", "grad_rel")
+
+
+def test_gpt_oss_refuses_expert_lora_and_expert_parallelism_with_the_fix():
+    """gpt-oss's experts are input-major with biases: LoRA on them (``lora_target_parameters``) and expert
+    parallelism are refused, naming the field, the value and the fix. The control: LoRA on its attention
+    projections works (``test_gpt_oss_lora_on_attention_equals_its_merged_model``)."""
+    from twinseq.common.errors import ConfigError
+    from twinseq.common.models.peft import PeftConfig, adapter_shapes
+    from twinseq.jax_backend.expert_parallel import expert_mesh, shard_experts
+
+    cfg = FAMILY_CASES["gpt_oss"]
+    experts = PeftConfig(use_peft=True, lora_dropout=0.0, lora_target_modules=["q_proj"],
+                         lora_target_parameters=["experts.down_proj"])
+    with pytest.raises(ConfigError, match=r"lora_target_parameters=\['experts.down_proj'\]: LoRA on the experts of "
+                                          r"model_type 'gpt_oss' is not built .*drop --lora-target-parameters"):
+        adapter_shapes(cfg, experts)
+    with pytest.raises(ConfigError, match=r"expert_parallel_size > 1 does not shard gpt_oss's experts.*"
+                                          r"set expert_parallel_size=1"):
+        shard_experts(_model("gpt_oss"), expert_mesh(2))
+
+
+@pytest.mark.slow  # fast-tier budget: runs in make test-all and CI
+def test_gpt_oss_lora_on_attention_equals_its_merged_model():
+    """LoRA on gpt-oss's attention projections (which carry biases; its experts' LoRA is refused above) builds,
+    moves the logits (the control) and equals its merged model."""
+    import twinseq.jax_backend as jb
+    from twinseq.common.models.peft import PeftConfig, init_adapters
+    from twinseq.jax_backend import peft as jpeft
+
+    cfg = FAMILY_CASES["gpt_oss"]
+    attention = PeftConfig(use_peft=True, lora_r=4, lora_alpha=8.0, lora_target_modules=["q_proj", "o_proj"])
+    base = _model("gpt_oss")
+    model = jpeft.add_adapters(base, cfg, attention, init_adapters(cfg, attention, seed=1, lora_b_std=0.02))
+    batch = _batches()["packed"]
+    adapted, merged, plain = (jb.logits(m, batch) for m in (model, jpeft.merge_adapters(model), base))
+    assert np.abs(adapted - merged).max() < 1e-5 and np.abs(adapted - plain).max() > 1e-3

@@ -159,7 +159,8 @@ def test_qwen3_moe_features():
 
 @pytest.mark.parametrize("values,match", [
     (dict(model_type="llama", num_experts=4),
-     r"ModelConfig fields \{'num_experts': 4\} are only read by model_type 'qwen3_moe' or 'mixtral' \(got 'llama'.*"
+     r"ModelConfig fields \{'num_experts': 4\} are only read by model_type 'qwen3_moe' or 'mixtral' or 'gpt_oss' "
+     r"\(got 'llama'.*"
      r"drop them"),
     (dict(model_type="qwen3", output_router_logits=True), r"'output_router_logits': True.*set model_type='qwen3_moe'"),
     (dict(model_type="qwen3_moe", num_experts=2, num_experts_per_tok=4, moe_intermediate_size=8),
@@ -268,6 +269,57 @@ def test_mixtral_router_jitter_noise_is_refused_with_the_fix():
     assert from_hf_config(values) == from_hf_config({k: v for k, v in values.items() if k != "router_jitter_noise"})
 
 
+def test_gpt_oss_features():
+    """gpt-oss: attention sinks, biases on q/k/v/o, sliding and full layers alternating, YaRN, every layer a mixture
+    of experts with a biased router and biased, interleaved, input-major expert tensors; config.json in transformers'
+    ``GptOssConfig`` names (``num_local_experts``, ``swiglu_limit``), with its defaults (gpt-oss-20b's sizes)."""
+    cfg = ModelConfig.preset("tiny-gpt-oss", swiglu_limit=0.5, output_router_logits=True)
+    assert cfg.has_attention_sinks and cfg.qkv_bias and cfg.o_bias and cfg.renormalise_top_k and not cfg.qk_norm
+    assert not any(ModelConfig.preset(p).has_attention_sinks for p in FAMILY_PRESETS if p != "tiny-gpt-oss")
+    assert [cfg.layer_is_sliding(i) for i in range(2)] == [True, False] and cfg.layer_is_moe(0)
+    shapes = parameter_shapes(cfg)
+    p = "model.layers.1."
+    assert shapes[p + "self_attn.sinks"] == (4,) and shapes[p + "self_attn.o_proj.bias"] == (96,)
+    assert (shapes[p + "mlp.router.weight"], shapes[p + "mlp.router.bias"]) == ((4, 96), (4,))
+    assert shapes[p + "mlp.experts.gate_up_proj"] == (4, 96, 128)
+    assert shapes[p + "mlp.experts.gate_up_proj_bias"] == (4, 128)
+    assert shapes[p + "mlp.experts.down_proj"] == (4, 64, 96) and shapes[p + "mlp.experts.down_proj_bias"] == (4, 96)
+    assert not any("mlp.gate." in k or "gate_proj" in k for k in shapes)
+    values = to_hf_config(cfg)
+    assert (values["num_local_experts"], values["swiglu_limit"], values["attention_bias"]) == (4, 0.5, True)
+    assert values["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
+    assert from_hf_config(values) == cfg and from_hf_config({**values, "swiglu_limit": 7.0}) != cfg  # control
+    bare = from_hf_config({"model_type": "gpt_oss"})  # transformers' GptOssConfig defaults
+    assert (bare.num_experts, bare.num_experts_per_tok, bare.sliding_window, bare.swiglu_limit) == (128, 4, 128, 7.0)
+    assert (bare.rope_type, bare.rope_factor, bare.rope_original_max_position_embeddings, bare.rope_truncate) == (
+        "yarn", 32.0, 4096, False)
+    assert bare.layer_types[:3] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert bare.attention_bias and bare.rope_theta == 150000.0 and not bare.tie_word_embeddings
+
+
+@pytest.mark.parametrize("values,match", [
+    (dict(model_type="mixtral", num_experts=4, swiglu_limit=1.0),
+     r"\{'swiglu_limit': 1.0\} are only read by model_type 'gpt_oss' \(got 'mixtral'.*set model_type='gpt_oss'"),
+    (dict(rope_type="yarn", rope_factor=4.0, rope_original_max_position_embeddings=64),
+     r"rope_type='yarn' is built for model_type 'gpt_oss' only \(got 'llama'\); use rope_type 'default'"),
+    (dict(model_type="gpt_oss", num_experts=4, num_experts_per_tok=2, sliding_window=8, rope_type="yarn"),
+     r"rope_type='yarn' needs rope_original_max_position_embeddings: set it .*4096 for gpt-oss"),
+])
+def test_gpt_oss_fields_are_refused_where_they_mean_nothing(values, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**values)
+
+
+def test_gpt_oss_config_json_refuses_deepseek_yarn():
+    values = to_hf_config(ModelConfig.preset("tiny-gpt-oss"))
+    values["rope_parameters"] = {**values["rope_parameters"], "mscale": 1.0, "mscale_all_dim": 1.0}
+    with pytest.raises(ConfigError, match=r"rope_parameters.mscale=1.0 is not supported; .*drop mscale"):
+        from_hf_config(values, "config.json")
+    del values["rope_parameters"]["mscale"], values["rope_parameters"]["mscale_all_dim"]
+    assert from_hf_config(values, "config.json") == ModelConfig.preset("tiny-gpt-oss")  # control
+
+
 @pytest.mark.parametrize("values,match", [
     ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; twinseq builds llama, qwen2, qwen3, qwen3_moe, "
                              "mistral, mixtral, gemma2, gemma3_text"),
@@ -338,3 +390,21 @@ def test_rope_types():
     np.testing.assert_array_equal(rope.dynamic_inv_freq(dynamic, 31), default)  # not longer than max positions
     stretched = rope.dynamic_inv_freq(dynamic, 63)
     assert stretched[0] == default[0] and (stretched[1:] < default[1:]).all()
+
+
+def test_yarn_rope():
+    """YaRN keeps the frequencies that turn more than beta_fast times within original_max_position_embeddings,
+    divides those that turn fewer than beta_slow times by factor, and ramps between; cos and sin scale by
+    0.1 ln(factor) + 1. (Bit equality with transformers' ``_compute_yarn_parameters``: parity_tests.)"""
+    cfg = ModelConfig.preset("tiny-gpt-oss")
+    freq, plain = rope.rope_inv_freq(cfg), rope.default_inv_freq(cfg.head_dim, cfg.rope_theta)
+    turns = 4096 * plain / (2 * np.pi)  # rotations within original_max_position_embeddings
+    fast, slow = turns > 32, turns < 1
+    assert fast.any() and slow.any() and (~fast & ~slow).any()
+    np.testing.assert_array_equal(freq[fast], plain[fast])
+    np.testing.assert_allclose(freq[slow], plain[slow] / 32.0, rtol=1e-6)
+    middle = ~fast & ~slow
+    assert ((freq[middle] < plain[middle]) & (freq[middle] > plain[middle] / 32.0)).all()
+    assert rope.rope_attention_factor(cfg) == pytest.approx(0.1 * np.log(32.0) + 1)
+    assert rope.rope_attention_factor(ModelConfig.preset("tiny-gpt-oss", rope_attention_factor=1.5)) == 1.5
+    assert rope.rope_attention_factor(ModelConfig.preset("tiny-llama3")) == 1.0
