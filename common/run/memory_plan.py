@@ -102,13 +102,15 @@ PEFT, whose reference is the base with adapters off); its no-grad forward runs b
 adds no activations to the peak.
 
 torch on CPU, three rows no tensor accounts for: ``runtime`` (``RUNTIME_BYTES``), ``oneDNN kernel cache (CPU
-bfloat16)`` (``ONEDNN_CACHE_BYTES``: bfloat16 compute keeps a cached kernel per matmul shape) and, when the optimizer
+bfloat16)`` (``ONEDNN_CACHE_BYTES``: bfloat16 compute keeps a cached kernel per matmul shape; with varlen shapes
+``ONEDNN_CACHE_VARYING_BYTES``, the bound of the cap twinseq sets) and, when the optimizer
 step is the peak, the heap backward freed and the update cannot reuse (``HEAP_RETAINED_AT_UPDATE``, inside ``not
 alive at once``); all three are fitted constants, measured with glibc's ``mallinfo2`` and the profiled tensor peak.
 
 What is not modelled: the allocator's fragmentation and caches otherwise (CUDA's caching allocator rounds up to
-2 MiB blocks and keeps freed blocks), the growth of the CPU kernel caches when shapes change from step to step
-(bfloat16 ``varlen`` attention: 18 MiB a step on ``small``), framework code and kernels' workspaces, the data
+2 MiB blocks and keeps freed blocks), the CPU kernel caches beyond their cap when a user raises
+``ONEDNN_PRIMITIVE_CACHE_CAPACITY``/``LRU_CACHE_CAPACITY`` (with bfloat16 ``varlen`` attention and the default
+1,024 entries: 18 MiB more a step on ``small``), framework code and kernels' workspaces, the data
 pipeline, the model build transient (numpy weights copied into the framework), the checkpoint written at the end.
 The ``benchmarks/memory_planner_check.py`` harness measures how close the plan is (docs/memory.md).
 
@@ -302,13 +304,25 @@ ONEDNN_CACHE_BYTES = 12 * 2**20
 """torch on CPU computing in bfloat16 (``adamw_bf16``/``adamw_bf16_8bit`` weights, or ``--dtype bfloat16``): bfloat16
 matmuls and attention run oneDNN kernels, and two caches keep one entry per distinct problem shape alive for the
 rest of the run (oneDNN's primitive cache, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, and ideep's, ``LRU_CACHE_CAPACITY``;
-1,024 entries each by default). float32 runs take MKL's sgemm and cache nothing. Measured on ``small`` (4 x 512
-wrapped rows, sdpa, fused loss, checkpointing, ``adamw_bf16``): the step-2 peak RSS is 12.7 MiB above the same run
-with both capacities at zero (heap in use after a step: 12.5 MiB more), and stays there at step 3: the shapes repeat.
-Fitted constant for runs whose shapes repeat. Rows whose shapes change every step (``padding_free`` with
-``varlen``, whose attention runs one shape per document-length bucket) add new entries at each step: measured on
-``small``, 18 MiB per step over 8 steps with no sign of levelling off, which no one-step plan can hold (set both
-variables to 0 for a flat footprint)."""
+``twinseq.torch_backend`` caps both at ``ONEDNN_CACHE_CAPACITY`` unless the user set them). float32 runs take MKL's
+sgemm and cache nothing. Measured on ``small`` (4 x 512 wrapped rows, sdpa, fused loss, checkpointing,
+``adamw_bf16``): the step-2 peak RSS is 12.7 MiB above the same run with both caches off, and stays there at step 3:
+the shapes repeat (27 kernels; with 16 entries the same peak, 13 of them rebuilt a step, ~30 ms). Fitted constant for
+runs whose shapes repeat; runs whose shapes change every step take ``ONEDNN_CACHE_VARYING_BYTES``."""
+ONEDNN_CACHE_CAPACITY = 16
+"""Entries each of oneDNN's and ideep's kernel caches keep (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``,
+``LRU_CACHE_CAPACITY``; their default is 1,024), set by ``twinseq.torch_backend`` with ``os.environ.setdefault``.
+Measured on ``small``, staircase "+ bf16 state" (padding-free, varlen, 8 steps): the peak RSS levels off at step 5,
+228 MiB (default: 191 MiB after step 1, 404 MiB after step 8 and still growing; 64 entries: 284 MiB from step 4;
+off, 0 and 1 (``LRU_CACHE_CAPACITY=0`` crashes torch 2.13): 197 MiB but twice the step time). The median step time
+was not slower than the default's (9.9 s against 11.4 s, 2 loaded cores)."""
+ONEDNN_CACHE_ENTRY_BYTES = 2 * 2**20
+"""What one cached bfloat16 kernel keeps resident when shapes vary (primitive, packed weights, scratch): measured on
+``small``'s varlen run, 31 MiB above the caches-off run with 16 entries. Fitted on ``small`` (hidden 384, 512-token
+rows); larger matmuls keep larger entries."""
+ONEDNN_CACHE_VARYING_BYTES = ONEDNN_CACHE_CAPACITY * ONEDNN_CACHE_ENTRY_BYTES
+"""The bound the cap implies for runs whose shapes change every step (``padding_free`` with ``varlen``: the attention
+runs one shape per document length), which without the cap grew 18 MiB a step on ``small``."""
 
 
 @dataclass
@@ -944,11 +958,15 @@ def plan_memory(
     if runtime:
         rows.append(MemoryRow("runtime", int(runtime), "fitted: autograd engine, kernels' scratch (torch CPU)"))
     if backend == "torch" and device == "cpu" and act_bytes < 4:
+        varying_shapes = config.data.padding_free and attn == "varlen"
         rows.append(
             MemoryRow(
                 "oneDNN kernel cache (CPU bfloat16)",
-                ONEDNN_CACHE_BYTES,
-                "fitted: one cached kernel per bfloat16 matmul shape; grows each step when shapes vary (varlen)",
+                ONEDNN_CACHE_VARYING_BYTES if varying_shapes else ONEDNN_CACHE_BYTES,
+                f"{ONEDNN_CACHE_CAPACITY} cached kernels x {ONEDNN_CACHE_ENTRY_BYTES // 2**20} MiB (the cap twinseq "
+                "sets): varlen shapes change every step"
+                if varying_shapes
+                else "fitted: one cached kernel per bfloat16 matmul shape (the shapes repeat)",
             )
         )
     if backend == "torch":

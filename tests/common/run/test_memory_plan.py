@@ -21,6 +21,9 @@ from twinseq.common.run.memory_plan import (
     LOGITS_COPIES,
     NF4_BYTES,
     ONEDNN_CACHE_BYTES,
+    ONEDNN_CACHE_CAPACITY,
+    ONEDNN_CACHE_ENTRY_BYTES,
+    ONEDNN_CACHE_VARYING_BYTES,
     QUANT_STATS_BYTES,
     RUNTIME_BYTES,
     advise,
@@ -155,6 +158,19 @@ def test_bfloat16_shrinks_activations_and_adds_weight_copies(backend):
         assert act(f32) / 2 < act(bf16) < act(f32)
     assert bf16.get("bfloat16 weight copies") > 0
     assert bf16.get("weights (float32)") == f32.get("weights (float32)")  # master weights stay float32
+
+
+def test_bfloat16_varlen_on_cpu_plans_the_capped_kernel_cache():
+    """Padding-free ``varlen`` attention meets new shapes every step: its kernel-cache row is the bound of the cap
+    ``twinseq.torch_backend`` sets (entries x bytes an entry), not the fixed-shape constant. Negative control: the
+    same bfloat16 run on padded sdpa rows keeps the fixed-shape row."""
+    flat = dict(model_config="small", per_device_train_batch_size=4, loss_type="fused_linear",
+                gradient_checkpointing=True, optimizer="adamw_bf16")
+    varlen = plan(**flat, padding_free=True, attn_implementation="varlen")
+    sdpa = plan(**flat, attn_implementation="sdpa")
+    assert ONEDNN_CACHE_VARYING_BYTES == ONEDNN_CACHE_CAPACITY * ONEDNN_CACHE_ENTRY_BYTES
+    assert varlen.get("oneDNN kernel cache (CPU bfloat16)") == ONEDNN_CACHE_VARYING_BYTES
+    assert sdpa.get("oneDNN kernel cache (CPU bfloat16)") == ONEDNN_CACHE_BYTES != ONEDNN_CACHE_VARYING_BYTES
 
 
 def test_bfloat16_state_on_cpu_computes_in_bfloat16_plus_the_cpu_rows():
