@@ -1,30 +1,39 @@
-"""MoE grouped matmul on CPU: one mixture-of-experts block's forward + backward, grouped vs transformers' per-expert
-loop vs a dense MLP with the same active parameters, on torch and jax.
+"""MoE grouped matmul on CPU: one mixture-of-experts block's forward + backward, twinseq's grouped kernel vs
+transformers' grouped_mm and per-expert loop vs a dense MLP with the same active parameters, on torch and jax.
 
 What twinseq runs for a MoE layer:
 
-- torch: transformers 5's ``Qwen3MoeSparseMoeBlock``/``MixtralSparseMoeBlock`` as ``build_model`` makes them;
-  ``from_config`` leaves ``config._experts_implementation`` to transformers, which picks ``grouped_mm`` whenever
-  torch has ``torch.nn.functional.grouped_mm`` (torch 2.13 has it, CPU included): tokens sorted by expert and one
-  grouped matmul per projection. twinseq's torch path is therefore grouped today (``build_model`` of
-  ``tiny-qwen3-moe`` reports ``grouped_mm``); this script sets the same switch on a standalone block.
+- torch: transformers 5's ``Qwen3MoeSparseMoeBlock``/``MixtralSparseMoeBlock`` as ``build_model`` makes them, with
+  the experts' forward switched (on CPU) to ``twinseq_grouped`` (``torch_backend.moe``): token copies sorted by
+  expert, one ``grouped_mm`` per projection, walked in chunks of whole experts of about ``tokens / 2`` rows, an autograd
+  function that saves only the gate/up pre-activations and recomputes the rest in backward.
 - jax: ``jax_backend.model.SparseMoeBlock`` (token copies sorted by expert, ``jax.lax.ragged_dot``).
 
 Variants (one block, ``hidden`` wide, ``experts`` experts of ``expert_intermediate`` each, top ``top_k``, ``tokens``
 tokens in one row, float32, router softmax in float32, top-k weights renormalised):
 
-- ``grouped``: the block with ``_experts_implementation = "grouped_mm"`` (twinseq's torch path);
-- ``eager``: the same block, the same weights, ``"eager"``: transformers' per-expert Python loop;
+- ``grouped``: the block with ``_experts_implementation = "twinseq_grouped"`` (twinseq's torch path);
+- ``hf_grouped_mm``: the same block, ``"grouped_mm"``: transformers' grouped implementation (its default, what
+  twinseq ran before), autograd through every intermediate;
+- ``eager``: the same block, ``"eager"``: transformers' per-expert Python loop;
 - ``dense``: a gated MLP with ``intermediate = top_k * expert_intermediate`` (the active parameters of one token,
   without the router's ``hidden x experts``), weights drawn with the same seed and scale.
 
 ``batched_mm`` (transformers' third implementation) gathers one expert weight per token copy
-(``tokens x top_k x 2 m x h`` floats: 16 GiB at the default shape) and is left out.
+(``tokens x top_k x 2 m x h`` floats) and is left out.
+
+The default shape is Qwen3-30B-A3B's MoE layer (hidden 2048, 128 experts of 768, top-8: many small experts, the
+MoE of 2026) at half its width and half its experts: hidden 1024, 64 experts of 384, top-8, 512 tokens. It keeps
+Qwen3's top-8 and its expert width of 0.375 x hidden; ``experts / top_k`` is 8 (Qwen3 16, Mixtral 8x7B's 8 experts
+top-2: 4). The full layer does not fit the time of a 2-core run: transformers' eager loop indexes
+``gate_up_proj[e]`` per expert, and each index's backward adds a zero-filled ``[E, 2m, h]`` gradient (1.6 GB at
+Qwen3's size), ``E`` times per projection, minutes per step. The earlier default (hidden 1024, 16 experts x 512,
+top-2, 2048 tokens) stays reachable by flags.
 
 Each torch variant runs in a fresh subprocess (``benchmarks/_memory.py``): memory is the peak RSS above the RSS after
 the block and the input are built, over one forward + backward (the input and every weight require grad, the loss is
 ``sum(y ** 2)``; the gradients are dropped after each repeat, so every repeat allocates them anew); time is the
-median of ``--time-rounds`` rounds in one more subprocess that runs the three variants back to back each round
+median of ``--time-rounds`` rounds in one more subprocess that runs the variants back to back each round
 (the machine is shared: separate processes met different loads, up to 5x apart between runs), each process's own
 median kept as ``median_seconds_separate_process``. Two memory ratios are reported: with the weight gradients
 (``requires_grad`` weights: the MoE's are ``experts / top_k`` times the dense MLP's, so this ratio grows with the
@@ -32,8 +41,8 @@ experts whatever the kernel) and for the activations alone (frozen weights, the 
 what the grouped kernel decides. jax: ``jax.jit(value_and_grad).lower(...).compile().memory_analysis()`` (temporaries
 + outputs, i.e. the gradients) and the median wall time of the compiled step.
 
-    .venv/bin/python benchmarks/moe_grouped.py                     # h 1024, 16 experts x 512, top-2, 2048 tokens
-    .venv/bin/python benchmarks/moe_grouped.py --tokens 256 --experts 4 --no-write   # quick
+    .venv/bin/python benchmarks/moe_grouped.py                     # h 1024, 64 experts x 384, top-8, 512 tokens
+    .venv/bin/python benchmarks/moe_grouped.py --tokens 256 --experts 8 --top-k 2 --no-write   # quick
 
 Acceptance (the 2026-families issue): grouped peak <= 1.2 x dense (same active parameters), and grouped >= 3 x
 faster than the per-expert loop, both measured in the same run.
@@ -54,7 +63,9 @@ sys.path.insert(0, str(HERE))
 from _memory import measure_in_subprocess  # noqa: E402
 from _report import MIB, acceptance_line, add_output_args, markdown_table, start_run  # noqa: E402
 
-TORCH_VARIANTS = ("grouped", "eager", "dense")
+TORCH_VARIANTS = ("grouped", "hf_grouped_mm", "eager", "dense")
+FROZEN_VARIANTS = ("grouped", "hf_grouped_mm", "dense")
+EXPERTS_IMPLEMENTATIONS = {"grouped": "twinseq_grouped", "hf_grouped_mm": "grouped_mm", "eager": "eager"}
 MEMORY_RATIO_MAX = 1.2
 SPEEDUP_MIN = 3.0
 
@@ -64,6 +75,8 @@ def _torch_block(kind: str, hidden: int, experts: int, top_k: int, expert_interm
     import torch
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
+
+    from twinseq.torch_backend.moe import register_experts
 
     config = Qwen3MoeConfig(
         hidden_size=hidden,
@@ -75,7 +88,8 @@ def _torch_block(kind: str, hidden: int, experts: int, top_k: int, expert_interm
     if kind == "dense":
         module = Qwen3MoeMLP(config, intermediate_size=top_k * expert_intermediate)
     else:
-        config._experts_implementation = {"grouped": "grouped_mm", "eager": "eager"}[kind]
+        register_experts()
+        config._experts_implementation = EXPERTS_IMPLEMENTATIONS[kind]
         module = Qwen3MoeSparseMoeBlock(config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -268,18 +282,23 @@ def _find(rows: list[dict], backend: str, variant: str, train_weights: bool = Tr
 
 def summarise(rows: list[dict]) -> dict[str, float]:
     """The ratios the acceptance reads, each against the baseline measured in the same run."""
-    grouped, eager, dense = (_find(rows, "torch", v) for v in TORCH_VARIANTS)
+    grouped, hf, eager, dense = (_find(rows, "torch", v) for v in TORCH_VARIANTS)
     out = {
         "torch_speedup_vs_eager": eager["median_seconds"] / grouped["median_seconds"],
         "torch_memory_vs_dense": grouped["peak_bytes"] / dense["peak_bytes"],
         "torch_memory_vs_eager": grouped["peak_bytes"] / eager["peak_bytes"],
         "torch_time_vs_dense": grouped["median_seconds"] / dense["median_seconds"],
         "torch_max_abs_loss_diff_grouped_eager": abs(grouped["loss"] - eager["loss"]),
+        "torch_speedup_vs_hf_grouped_mm": hf["median_seconds"] / grouped["median_seconds"],
+        "torch_hf_grouped_mm_speedup_vs_eager": eager["median_seconds"] / hf["median_seconds"],
+        "torch_hf_grouped_mm_memory_vs_dense": hf["peak_bytes"] / dense["peak_bytes"],
     }
     frozen = [r for r in rows if r["backend"] == "torch" and not r["train_weights"]]
     if frozen:
-        out["torch_activation_memory_vs_dense"] = (
-            _find(rows, "torch", "grouped", False)["peak_bytes"] / _find(rows, "torch", "dense", False)["peak_bytes"]
+        frozen_dense = _find(rows, "torch", "dense", False)["peak_bytes"]
+        out["torch_activation_memory_vs_dense"] = _find(rows, "torch", "grouped", False)["peak_bytes"] / frozen_dense
+        out["torch_hf_grouped_mm_activation_memory_vs_dense"] = (
+            _find(rows, "torch", "hf_grouped_mm", False)["peak_bytes"] / frozen_dense
         )
     if any(r["backend"] == "jax" for r in rows):
         jg, jd = _find(rows, "jax", "grouped"), _find(rows, "jax", "dense")
@@ -290,6 +309,8 @@ def summarise(rows: list[dict]) -> dict[str, float]:
 
 
 def body(args: argparse.Namespace, rows: list[dict], ratios: dict[str, float]) -> str:
+    from twinseq.torch_backend.moe import CHUNK_DIVISOR
+
     table = markdown_table(
         ["backend", "variant", "weights train", "peak above baseline (MiB)", "median s", "loss"],
         [
@@ -324,8 +345,11 @@ def body(args: argparse.Namespace, rows: list[dict], ratios: dict[str, float]) -
         f"Saved for backward per token (counted, float32 numbers): dense MLP {4 * k * m} (gate, up, act, product); "
         f"transformers' grouped_mm block {k * (4 * m + 2 * h) + 2 * e} (per copy the gathered input and the unweighted "
         f"down output on top of the same four, plus the router's logits and softmax): "
-        f"{(k * (4 * m + 2 * h) + 2 * e) / (4 * k * m):.2f}x. Weight gradients: the experts' are {e // k}x the dense "
-        f"MLP's ({e} experts, top-{k}), whatever the kernel."
+        f"{(k * (4 * m + 2 * h) + 2 * e) / (4 * k * m):.2f}x; twinseq's grouped kernel {k * (2 * m + 7) + 2 * e} "
+        f"(per copy the gate/up pre-activations, its token, expert and sort position as int64 and its weight, plus "
+        f"the router's): {(k * (2 * m + 7) + 2 * e) / (4 * k * m):.2f}x, and its temporaries are one chunk of about "
+        f"{-(-args.tokens // CHUNK_DIVISOR)} copies. Weight gradients: the experts' are {e // k}x the dense MLP's "
+        f"({e} experts, top-{k}), whatever the kernel."
     )
     lines = [f"Shape: {shape}.", "", *table, "", why, "", "Ratios (same run):", ""]
     lines += [f"- {k}: {v:.3f}" for k, v in ratios.items()]
@@ -335,15 +359,15 @@ def body(args: argparse.Namespace, rows: list[dict], ratios: dict[str, float]) -
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--expert-intermediate", type=int, default=512)
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--expert-intermediate", type=int, default=384)
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--time-rounds", type=int, default=5, help="rounds of the interleaved torch timing")
+    p.add_argument("--time-rounds", type=int, default=3, help="rounds of the interleaved torch timing")
     p.add_argument("--no-jax", action="store_true", help="torch rows only")
     add_output_args(p)
     return p.parse_args(argv)
@@ -354,7 +378,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = bench.args
     rows = []
     for train_weights in (True, False):
-        for kind in TORCH_VARIANTS if train_weights else ("grouped", "dense"):
+        for kind in TORCH_VARIANTS if train_weights else FROZEN_VARIANTS:
             rows.append(measure_torch(args, kind, train_weights))
             r = rows[-1]
             print(

@@ -27,6 +27,7 @@ from twinseq.common.models.safetensors_stream import LazyArray, write_safetensor
 from twinseq.torch_backend.attention import check_attention_supported, hf_attn_name, resolve_attn_implementation
 from twinseq.torch_backend.distributed import lazy_tensor
 from twinseq.torch_backend.model import _as_dtype, make_rope_stateless_, model_config_of
+from twinseq.torch_backend.moe import select_experts_implementation
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,9 @@ def load_pretrained(
             )
     model.config.use_cache = False
     make_rope_stateless_(model)
-    return model.to(device).train()
+    model = model.to(device)
+    select_experts_implementation(model, torch.device(device))  # MoE experts: twinseq's grouped kernel on CPU
+    return model.train()
 
 
 def adopt_model(model: Any, *, attn_implementation: str = "sdpa") -> Model:

@@ -35,6 +35,7 @@ from twinseq.torch_backend.attention import (
     resolve_attn_implementation,
 )
 from twinseq.torch_backend.losses import apply_logit_softcap, final_logit_softcap, sft_loss_with_aux
+from twinseq.torch_backend.moe import select_experts_implementation
 from twinseq.torch_backend.unwrap import (
     adapter_grads,
     base_layer_of,
@@ -114,7 +115,7 @@ def build_model(
 
     ``weights`` are HF-named numpy arrays, checked strictly by name and shape (``ValueError``
     listing every mismatch); None draws ``common.models.init.init_weights(cfg, seed=0)``, the same
-    model the JAX backend builds.
+    model the JAX backend builds. MoE experts run ``torch_backend.moe``'s grouped kernel on CPU.
     """
     device = torch.device("cpu" if device is None else device)
     check_attention_supported(attn_implementation, device=device, requires_grad=False)
@@ -129,6 +130,7 @@ def build_model(
     load_weights_(model, weights)
     model.to(device)
     _cast_parameters(model, _as_dtype(dtype))
+    select_experts_implementation(model, device)
     return model.train()
 
 
