@@ -7,7 +7,8 @@ What twinseq runs for a MoE layer:
   the experts' forward switched (on CPU) to ``twinseq_grouped`` (``torch_backend.moe``): token copies sorted by
   expert, one ``grouped_mm`` per projection, walked in chunks of whole experts of about ``tokens / 2`` rows, an autograd
   function that saves only the gate/up pre-activations and recomputes the rest in backward.
-- jax: ``jax_backend.model.SparseMoeBlock`` (token copies sorted by expert, ``jax.lax.ragged_dot``).
+- jax: ``jax_backend.model.SparseMoeBlock`` (token copies sorted by expert, ``jax_backend.grouped.grouped_matmul``:
+  ``jax.lax.ragged_dot`` on accelerators, a blockwise scan on CPU, where XLA lowers ``ragged_dot`` densely).
 
 Variants (one block, ``hidden`` wide, ``experts`` experts of ``expert_intermediate`` each, top ``top_k``, ``tokens``
 tokens in one row, float32, router softmax in float32, top-k weights renormalised):

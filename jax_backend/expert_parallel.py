@@ -8,8 +8,8 @@ the model on ``mesh``: the experts' tensors sharded on their expert dimension ov
 
 The router runs on all tokens as in ``SparseMoeBlock.route``; then, per device of ``axis`` (its slice of the
 tokens): every token copy (token, expert) goes to the device owning its expert, that device runs its experts on
-what it received (a grouped matmul, ``jax.lax.ragged_dot``, over the copies sorted by local expert), the outputs go
-back, and each device combines its tokens' copies with the router weights. ``all_to_all`` needs equal blocks, so a
+what it received (a grouped matmul, ``grouped.grouped_matmul``, over the copies sorted by local expert), the outputs
+go back, and each device combines its tokens' copies with the router weights. ``all_to_all`` needs equal blocks, so a
 device sends each peer a block of ``tokens * top_k`` rows (room for all its copies) of which the first ``count``
 are real: no capacity, no token dropped, at the price of ``P``-fold padded exchange buffers.
 """
@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from twinseq.common.errors import ConfigError
+from twinseq.jax_backend.grouped import grouped_matmul
 from twinseq.jax_backend.model import ACTIVATIONS, CausalLM, GptOssMoeBlock, SparseMoeBlock
 
 logger = logging.getLogger(__name__)
@@ -52,10 +53,10 @@ def _local_experts(hidden_act: str, x_RH, local_R, gate_up_LXH, down_LHM) -> jax
     order = jnp.argsort(local_R, stable=True)
     group_sizes_L = jnp.bincount(local_R, length=num_local + 1)[:num_local].astype(jnp.int32)
     x_SH = x_RH[order]
-    gate_up_S2 = jax.lax.ragged_dot(x_SH, jnp.swapaxes(gate_up_LXH, 1, 2), group_sizes_L)
+    gate_up_S2 = grouped_matmul(x_SH, gate_up_LXH, group_sizes_L, transposed=True)
     gate_SM, up_SM = jnp.split(gate_up_S2, 2, axis=-1)
     h_SM = ACTIVATIONS[hidden_act](gate_SM) * up_SM
-    y_SH = jax.lax.ragged_dot(h_SM, jnp.swapaxes(down_LHM, 1, 2), group_sizes_L)
+    y_SH = grouped_matmul(h_SM, down_LHM, group_sizes_L, transposed=True)
     y_RH = jnp.zeros_like(y_SH).at[order].set(y_SH)
     return jnp.where((local_R < num_local)[:, None], y_RH, 0)
 

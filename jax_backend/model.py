@@ -32,7 +32,8 @@ HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3
   token chunks (``tiled_mlp_chunk_size``, ALST's tiled MLP), each chunk recomputed in backward;
 - Qwen3-MoE and Mixtral: on their sparse layers a router (softmax in float32, top-k, optional renormalisation)
   and the experts as a grouped matmul over the tokens sorted by expert (``SparseMoeBlock``,
-  ``jax.lax.ragged_dot``); with ``output_router_logits`` the loss adds transformers' load-balancing loss
+  ``grouped.grouped_matmul``: ``ragged_dot`` on accelerators, a blockwise scan on CPU); with
+  ``output_router_logits`` the loss adds transformers' load-balancing loss
   (``loss_fn``); gpt-oss's biased router and biased, clamped-SwiGLU experts (``GptOssMoeBlock``), the same way;
 - gpt-oss's attention sinks: a ``sinks`` parameter ``[N]`` per layer, passed to the attention as ``sinks=``
   (``attention.py``: every path carries it);
@@ -65,6 +66,7 @@ from twinseq.common.models.peft import TOKENS_KEY, PeftConfig, adapter_key, adap
 from twinseq.common.models.rope import rope_attention_factor, rope_inv_freq, sliding_rope_inv_freq
 from twinseq.common.models.safetensors_stream import LazyArray
 from twinseq.jax_backend.attention import attention_for, document_causal_mask, dot_product_attention
+from twinseq.jax_backend.grouped import grouped_matmul
 from twinseq.jax_backend.losses import (
     LOSS_TYPES,
     causal_lm_loss,
@@ -334,8 +336,9 @@ class SparseMoeBlock(nnx.Module):
     experts are transformers 5's fused tensors in its layout: ``gate_up_proj`` ``[E, 2m, h]`` (gate rows, then up
     rows) and ``down_proj`` ``[E, h, m]``.
 
-    The experts run as a grouped matmul (``jax.lax.ragged_dot``) over the token copies sorted by expert: no
-    capacity, no padding, no token dropped. Naive equivalent (what transformers' eager loop computes)::
+    The experts run as a grouped matmul (``grouped.grouped_matmul``: ``jax.lax.ragged_dot``, block-sparse on CPU)
+    over the token copies sorted by expert: no capacity, no token dropped. Naive equivalent (what
+    transformers' eager loop computes)::
 
         y[n] = sum_j w[n, j] * down[e] @ (act(gate[e] @ x[n]) * (up[e] @ x[n]))   with e = top_k(x[n])[j]
 
@@ -386,8 +389,8 @@ class SparseMoeBlock(nnx.Module):
         a, b = node["lora_A"][...], node["lora_B"][...]
         a_EIR = jnp.swapaxes(a.reshape(self.num_experts, -1, a.shape[-1]), 1, 2)
         b_ERO = b.reshape(b.shape[0], -1, self.num_experts).transpose(2, 1, 0)
-        z_SR = jax.lax.ragged_dot(x_SI.astype(a.dtype), a_EIR, group_sizes_E)
-        return (y_SO + jax.lax.ragged_dot(z_SR, b_ERO, group_sizes_E) * self.lora_scaling).astype(y_SO.dtype)
+        z_SR = grouped_matmul(x_SI.astype(a.dtype), a_EIR, group_sizes_E)
+        return (y_SO + grouped_matmul(z_SR, b_ERO, group_sizes_E) * self.lora_scaling).astype(y_SO.dtype)
 
     def route(self, x_NH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(router_logits_NE in the compute dtype, top-k weights_NK in the compute dtype or float32
@@ -410,13 +413,12 @@ class SparseMoeBlock(nnx.Module):
         token_of_sorted = order // self.top_k
         group_sizes_E = jnp.bincount(expert_of_copy, length=self.num_experts).astype(jnp.int32)
         x_SH = x_NH[token_of_sorted]
-        gate_up_EH2 = jnp.swapaxes(self.experts["gate_up_proj"][...], 1, 2)
-        down_EMH = jnp.swapaxes(self.experts["down_proj"][...], 1, 2)
-        gate_up_S2 = jax.lax.ragged_dot(x_SH, gate_up_EH2, group_sizes_E)
+        gate_up_S2 = grouped_matmul(x_SH, self.experts["gate_up_proj"][...], group_sizes_E, transposed=True)
         gate_up_S2 = self._with_lora("gate_up_proj", gate_up_S2, x_SH, group_sizes_E)
         gate_SM, up_SM = jnp.split(gate_up_S2, 2, axis=-1)
         h_SM = ACTIVATIONS[self.hidden_act](gate_SM) * up_SM
-        y_SH = self._with_lora("down_proj", jax.lax.ragged_dot(h_SM, down_EMH, group_sizes_E), h_SM, group_sizes_E)
+        y_SH = grouped_matmul(h_SM, self.experts["down_proj"][...], group_sizes_E, transposed=True)
+        y_SH = self._with_lora("down_proj", y_SH, h_SM, group_sizes_E)
         y_SH = y_SH * weights_NK.reshape(-1)[order][:, None]
         # summed in the weights' dtype (float32 for Mixtral, as transformers' grouped experts), then cast back
         y_NH = jnp.zeros(x_NH.shape, y_SH.dtype).at[token_of_sorted].add(y_SH).astype(x_NH.dtype)
@@ -473,9 +475,9 @@ class GptOssMoeBlock(SparseMoeBlock):
         token_of_sorted, expert_of_sorted = order // self.top_k, expert_of_copy[order]
         group_sizes_E = jnp.bincount(expert_of_copy, length=self.num_experts).astype(jnp.int32)
         x_SH = x_NH[token_of_sorted]
-        gate_up_S2 = jax.lax.ragged_dot(x_SH, self.experts["gate_up_proj"][...], group_sizes_E)
+        gate_up_S2 = grouped_matmul(x_SH, self.experts["gate_up_proj"][...], group_sizes_E)
         h_SM = self._swiglu(gate_up_S2 + self.experts["gate_up_proj_bias"][...][expert_of_sorted])
-        y_SH = jax.lax.ragged_dot(h_SM, self.experts["down_proj"][...], group_sizes_E)
+        y_SH = grouped_matmul(h_SM, self.experts["down_proj"][...], group_sizes_E)
         y_SH = (y_SH + self.experts["down_proj_bias"][...][expert_of_sorted]) * weights_NK.reshape(-1)[order][:, None]
         y_NH = jnp.zeros(x_NH.shape, x_NH.dtype).at[token_of_sorted].add(y_SH.astype(x_NH.dtype))
         return y_NH.reshape(b, t, h), router_logits_NE

@@ -11,7 +11,8 @@ reproduces peft 0.21's forward passes op for op, in float32 adapters:
   through the norm: DoRA paper 4.3, as PEFT does), and ``x W^T`` the base output without its bias;
 - LoRA on the experts (``peft.tuners.lora.layer.ParamWrapper``, ``lora_target_parameters``): expert ``e``'s
   weight is ``W[e] + scaling * B_e @ A_e`` with ``A`` [E * r, in] and ``B`` [out, r * E] in PEFT's layout;
-  ``model.SparseMoeBlock`` runs it as a second pair of grouped matmuls (``ragged_dot``) beside the base one;
+  ``model.SparseMoeBlock`` runs it as a second pair of grouped matmuls (``grouped.grouped_matmul``) beside the
+  base one;
 - trainable tokens (``peft.tuners.trainable_tokens.layer``): the selected embedding rows are *replaced* by
   the trainable values (``index_copy``), in the lookup and in a tied LM head; Gemma's embedding scale is
   applied after the lookup, as PEFT does;

@@ -91,8 +91,9 @@ Mixture of experts (``qwen3_moe``, ``mixtral``)
     place of the dense MLP's ``mlp x i``, ``top_k`` routed copies of each token (``MOE_SAVED``: the gathered input,
     the experts' gate/up products, the down output the routing weight scales) and the router's logits and softmax
     (``E`` per token): rows ``routed activations (MoE)`` and ``router logits (MoE)``. ``grouped matmul workspace
-    (MoE)``: the permutations that sort the copies by expert, and on jax CPU the dense lowering of ``ragged_dot``
-    (``JAX_RAGGED_DOT_CPU``, linear in the experts).
+    (MoE)``: the permutations that sort the copies by expert; the grouped matmuls work in place (torch: twinseq's
+    kernel, ``torch_backend.moe``; jax: ``ragged_dot`` on accelerators, ``jax_backend.grouped``'s blockwise scan on
+    CPU, where XLA lowers ``ragged_dot`` to a dense product over every expert), so no row grows with the experts.
 
 Activation offloading (CUDA): saved decoder activations move to host memory; the device keeps two layers'
 worth in flight. On CPU the host *is* the device, so it saves nothing and the plan says so.
@@ -213,15 +214,10 @@ MOE_SAVED = {
     # gathered input (h), the gate_up output (2m), act(gate) (m), the gated product the down matmul reads (m) and
     # the down output the routing weight multiplies (h); per token the router's logits and float32 softmax (2 E)
     "torch": MoeCoefficients(routed_mlp=4, routed_hidden=2, router=2),
-    # jax_backend.model.SparseMoeBlock (ragged_dot over the sorted copies): the same set, as XLA keeps the dense MLP's
-    # (5 i) with its gathered input and weighted output
+    # jax_backend.model.SparseMoeBlock (a grouped matmul over the sorted copies): the same set, as XLA keeps the dense
+    # MLP's (5 i) with its gathered input and weighted output
     "jax": MoeCoefficients(routed_mlp=5, routed_hidden=2, router=2),
 }
-JAX_RAGGED_DOT_CPU = (3.25, 1.25)
-"""jax on CPU: XLA:CPU lowers ``jax.lax.ragged_dot`` to a dense product over every expert, so one MoE layer's forward
-+ backward holds ``num_experts x copies x (3.25 h + 1.25 m)`` numbers at once (fitted to ``compiled.memory_analysis()``
-of ``SparseMoeBlock``'s value-and-grad: E in {4, 8}, h in {96, 256, 512}, m in {64, 128, 256, 512}, 2048 copies;
-each point within 10 %). Linear in the experts: the grouped kernel's saving is not there on CPU."""
 MOE_ROWS = ("routed activations (MoE)", "router logits (MoE)")
 """The MoE layers' share of the decoder activations, reported as their own rows."""
 
@@ -573,10 +569,6 @@ def _moe_rows(
     per_copy = 16 if backend == "torch" else 8
     work = tokens * k * per_copy * (1 if one_layer else n_moe)
     note = f"{per_copy} B per token copy: the sort by expert"
-    if backend == "jax" and device == "cpu":
-        a, b = JAX_RAGGED_DOT_CPU
-        work += int(e * tokens * k * (a * cfg.hidden_size + b * m) * act_bytes)
-        note += f"; + ragged_dot's dense lowering on CPU, one layer: {e} x {tokens * k} x ({a:g} h + {b:g} m)"
     rows.append(MemoryRow("grouped matmul workspace (MoE)", work, note))
     return float(work)
 
