@@ -121,7 +121,7 @@ def test_a_resume_restores_the_moved_reference(backend, tmp_path):
         (dict(task="kto", sync_ref_model=True, precompute_ref_log_probs=True), "with precompute_ref_log_probs=True"),
         (dict(task="grpo", sync_ref_model=True), "with grpo_beta=0"),
         (dict(task="rloo", sync_ref_model=True, rloo_beta=0.0), "with rloo_beta=0"),
-        (dict(task="sft", ref_model_sync_steps=4), "read by task='dpo' or 'kto' or 'grpo' or 'rloo' only"),
+        (dict(task="sft", ref_model_sync_steps=4), "read by task='dpo' or 'grpo' or 'rloo' or 'kto' only"),
         (dict(task="dpo", ref_model_mixup_alpha=1.5), "ref_model_mixup_alpha=1.5"),
     ],
 )
