@@ -404,25 +404,34 @@ class SparseMoeBlock(nnx.Module):
         return router_logits_NE, weights_NK.astype(weights_dtype), experts_NK
 
     def with_router_logits(self, x_BTH: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(y_BTH, router_logits_NE) with N = B * T, the tokens in row-major order."""
+        """(y_BTH, router_logits_NE) with N = B * T, the tokens in row-major order: the token copies sorted by
+        expert, ``_experts`` on them, each weighted by its routing weight and added back to its token."""
         b, t, h = x_BTH.shape
         x_NH = x_BTH.reshape(b * t, h)
         router_logits_NE, weights_NK, experts_NK = self.route(x_NH)
         expert_of_copy = experts_NK.reshape(-1)  # copy i of token i // k
         order = jnp.argsort(expert_of_copy, stable=True)
-        token_of_sorted = order // self.top_k
+        token_of_sorted, expert_of_sorted = order // self.top_k, expert_of_copy[order]
         group_sizes_E = jnp.bincount(expert_of_copy, length=self.num_experts).astype(jnp.int32)
-        x_SH = x_NH[token_of_sorted]
+        y_SH = self._experts(x_NH[token_of_sorted], expert_of_sorted, group_sizes_E)
+        y_SH = y_SH * weights_NK.reshape(-1)[order][:, None]
+        acc = self._sum_dtype(y_SH, x_NH)
+        y_NH = jnp.zeros(x_NH.shape, acc).at[token_of_sorted].add(y_SH.astype(acc)).astype(x_NH.dtype)
+        return y_NH.reshape(b, t, h), router_logits_NE
+
+    def _experts(self, x_SH: jax.Array, expert_of_sorted: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+        """The experts' gated MLPs over the sorted copies ``x_SH`` (grouped matmuls, expert LoRA beside them)."""
         gate_up_S2 = grouped_matmul(x_SH, self.experts["gate_up_proj"][...], group_sizes_E, transposed=True)
         gate_up_S2 = self._with_lora("gate_up_proj", gate_up_S2, x_SH, group_sizes_E)
         gate_SM, up_SM = jnp.split(gate_up_S2, 2, axis=-1)
         h_SM = ACTIVATIONS[self.hidden_act](gate_SM) * up_SM
         y_SH = grouped_matmul(h_SM, self.experts["down_proj"][...], group_sizes_E, transposed=True)
-        y_SH = self._with_lora("down_proj", y_SH, h_SM, group_sizes_E)
-        y_SH = y_SH * weights_NK.reshape(-1)[order][:, None]
-        # summed in the weights' dtype (float32 for Mixtral, as transformers' grouped experts), then cast back
-        y_NH = jnp.zeros(x_NH.shape, y_SH.dtype).at[token_of_sorted].add(y_SH).astype(x_NH.dtype)
-        return y_NH.reshape(b, t, h), router_logits_NE
+        return self._with_lora("down_proj", y_SH, h_SM, group_sizes_E)
+
+    def _sum_dtype(self, y_SH: jax.Array, x_NH: jax.Array) -> Any:
+        """The dtype the weighted copies are summed in: the weights' (float32 for Mixtral, as transformers' grouped
+        experts), cast back to the compute dtype after."""
+        return y_SH.dtype
 
     def __call__(self, x_BTH: jax.Array) -> jax.Array:
         return self.with_router_logits(x_BTH)[0]
@@ -465,22 +474,15 @@ class GptOssMoeBlock(SparseMoeBlock):
         up_SM = jnp.clip(gate_up_S2[..., 1::2], -self.swiglu_limit, self.swiglu_limit)
         return (up_SM + 1) * (gate_SM * jax.nn.sigmoid(gate_SM * self.swiglu_alpha))
 
-    def with_router_logits(self, x_BTH: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(y_BTH, router_logits_NE) with N = B * T, the tokens in row-major order."""
-        b, t, h = x_BTH.shape
-        x_NH = x_BTH.reshape(b * t, h)
-        router_logits_NE, weights_NK, experts_NK = self.route(x_NH)
-        expert_of_copy = experts_NK.reshape(-1)  # copy i of token i // k
-        order = jnp.argsort(expert_of_copy, stable=True)
-        token_of_sorted, expert_of_sorted = order // self.top_k, expert_of_copy[order]
-        group_sizes_E = jnp.bincount(expert_of_copy, length=self.num_experts).astype(jnp.int32)
-        x_SH = x_NH[token_of_sorted]
+    def _experts(self, x_SH: jax.Array, expert_of_sorted: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
         gate_up_S2 = grouped_matmul(x_SH, self.experts["gate_up_proj"][...], group_sizes_E)
         h_SM = self._swiglu(gate_up_S2 + self.experts["gate_up_proj_bias"][...][expert_of_sorted])
         y_SH = grouped_matmul(h_SM, self.experts["down_proj"][...], group_sizes_E)
-        y_SH = (y_SH + self.experts["down_proj_bias"][...][expert_of_sorted]) * weights_NK.reshape(-1)[order][:, None]
-        y_NH = jnp.zeros(x_NH.shape, x_NH.dtype).at[token_of_sorted].add(y_SH.astype(x_NH.dtype))
-        return y_NH.reshape(b, t, h), router_logits_NE
+        return y_SH + self.experts["down_proj_bias"][...][expert_of_sorted]
+
+    def _sum_dtype(self, y_SH: jax.Array, x_NH: jax.Array) -> Any:
+        """transformers' gpt-oss casts each weighted copy to the compute dtype before the sum."""
+        return x_NH.dtype
 
 
 GPT_OSS_EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
