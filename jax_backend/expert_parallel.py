@@ -109,7 +109,7 @@ class ExpertParallelMoeBlock(SparseMoeBlock):
         world, tokens = self.mesh.shape[self.axis], P(self.axis)
         shard = functools.partial(_expert_parallel_shard, self.hidden_act, self.axis, world)
         run: Any = jax.shard_map(shard, mesh=self.mesh, in_specs=(tokens,) * 6, out_specs=tokens)
-        y_NH = run(*self._padded(x_BTH, weights_NK, experts_NK), *self._expert_tensors())
+        y_NH = run(*self._padded(x_BTH, weights_NK, experts_NK), *self._expert_tensors()[:2])
         return y_NH[: b * t].reshape(b, t, h), router_logits_NE
 
     def _padded(self, x_BTH, weights_NK, experts_NK) -> tuple[jax.Array, ...]:
@@ -118,9 +118,6 @@ class ExpertParallelMoeBlock(SparseMoeBlock):
         pad = -n % self.mesh.shape[self.axis]
         padded = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x_BTH.reshape(n, -1), weights_NK, experts_NK))
         return (*padded, jnp.arange(n + pad) < n)
-
-    def _expert_tensors(self) -> tuple[jax.Array, jax.Array]:
-        return self.experts["gate_up_proj"][...], self.experts["down_proj"][...]
 
     def received_counts(self, x_BTH: jax.Array) -> jax.Array:
         """int32 ``[E]``: the token copies each expert computed, on the device owning it (a check that every copy

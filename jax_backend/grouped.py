@@ -87,7 +87,7 @@ def _matmul(a_bI: jax.Array, w_IO: jax.Array, transpose_w: bool) -> jax.Array:
     return jax.lax.dot_general(a_bI, w_IO, dims, preferred_element_type=jnp.float32)
 
 
-def _scan_blocks(block, group_sizes_E, rows, carry, body):
+def scan_blocks(block, group_sizes_E, rows, carry, body):
     """``body(carry, e, start, mask_b1)`` over the blocks of ``group_sizes_E``; blocks past the last group's skipped."""
     experts = group_sizes_E.shape[0]
     expert_B, start_B, lo_B, hi_B = _blocks(group_sizes_E, rows, block)
@@ -109,7 +109,7 @@ def _varying_axes(a: jax.Array) -> frozenset:
     return frozenset(manual.varying) if manual is not None else frozenset(getattr(aval, "vma", ()))
 
 
-def _varying_like(a: jax.Array, *refs: jax.Array) -> jax.Array:
+def varying_like(a: jax.Array, *refs: jax.Array) -> jax.Array:
     """``a`` varying over every manual mesh axis that one of ``refs`` varies over, so that a scan carry started from
     zeros has the type of the carry its body returns."""
     axes = frozenset().union(*(_varying_axes(r) for r in refs)) - _varying_axes(a)
@@ -129,8 +129,8 @@ def _forward(block: int, transposed: bool, x_SK, w_EKO, group_sizes_E):
         x_bK = jnp.where(mask_b1, jax.lax.dynamic_slice_in_dim(x_SK, start, block), 0)
         return _add_rows(y_SO, start, _matmul(x_bK, w_EKO[e], transposed))
 
-    y_SO = _varying_like(jnp.zeros((rows, out), jnp.result_type(x_SK, w_EKO)), x_SK, w_EKO, group_sizes_E)
-    return _scan_blocks(block, group_sizes_E, rows, y_SO, body)
+    y_SO = varying_like(jnp.zeros((rows, out), jnp.result_type(x_SK, w_EKO)), x_SK, w_EKO, group_sizes_E)
+    return scan_blocks(block, group_sizes_E, rows, y_SO, body)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -155,10 +155,10 @@ def _blocked_bwd(block: int, transposed: bool, residuals, dy_SO):
 
     refs = (x_SK, w_EKO, group_sizes_E, dy_SO)
     carry = (
-        _varying_like(jnp.zeros(x_SK.shape, x_SK.dtype), *refs),
-        _varying_like(jnp.zeros(w_EKO.shape, jnp.float32), *refs),
+        varying_like(jnp.zeros(x_SK.shape, x_SK.dtype), *refs),
+        varying_like(jnp.zeros(w_EKO.shape, jnp.float32), *refs),
     )
-    dx_SK, dw_EKO = _scan_blocks(block, group_sizes_E, x_SK.shape[0], carry, body)
+    dx_SK, dw_EKO = scan_blocks(block, group_sizes_E, x_SK.shape[0], carry, body)
     return dx_SK, dw_EKO.astype(w_EKO.dtype), None
 
 

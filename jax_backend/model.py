@@ -65,6 +65,7 @@ from twinseq.common.models.init import check_weights, init_weights, parameter_sh
 from twinseq.common.models.peft import TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes
 from twinseq.common.models.rope import rope_attention_factor, rope_inv_freq, sliding_rope_inv_freq
 from twinseq.common.models.safetensors_stream import LazyArray
+from twinseq.jax_backend import moe
 from twinseq.jax_backend.attention import attention_for, document_causal_mask, dot_product_attention
 from twinseq.jax_backend.grouped import grouped_matmul
 from twinseq.jax_backend.losses import (
@@ -336,9 +337,11 @@ class SparseMoeBlock(nnx.Module):
     experts are transformers 5's fused tensors in its layout: ``gate_up_proj`` ``[E, 2m, h]`` (gate rows, then up
     rows) and ``down_proj`` ``[E, h, m]``.
 
-    The experts run as a grouped matmul (``grouped.grouped_matmul``: ``jax.lax.ragged_dot``, block-sparse on CPU)
-    over the token copies sorted by expert: no capacity, no token dropped. Naive equivalent (what
-    transformers' eager loop computes)::
+    The experts run over the token copies sorted by expert: no capacity, no token dropped. On CPU,
+    ``moe.grouped_experts`` (gather and scatter inside, the gate/up pre-activations the only per-copy tensor saved
+    for backward); on accelerators, with expert LoRA or with ``grouped_experts_on_cpu = False``, one grouped matmul
+    per projection under autodiff (``grouped.grouped_matmul``: ``jax.lax.ragged_dot``, block-sparse on CPU). Naive
+    equivalent (what transformers' eager loop computes)::
 
         y[n] = sum_j w[n, j] * down[e] @ (act(gate[e] @ x[n]) * (up[e] @ x[n]))   with e = top_k(x[n])[j]
 
@@ -357,6 +360,7 @@ class SparseMoeBlock(nnx.Module):
         self.renormalise_top_k, self.routing_weights_f32 = cfg.renormalise_top_k, cfg.routing_weights_f32
         self.hidden_act = cfg.hidden_act
         self.tile_size: Optional[int] = None  # tiled MLP is refused on MoE layers (set_tiled_mlp)
+        self.grouped_experts_on_cpu = True  # moe.grouped_experts on CPU (False: per-projection grouped matmuls)
         self.expert_lora: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (tensor name, its adapters' place)
         self.lora_scaling = 0.0
         self.adapters_enabled = True
@@ -405,7 +409,8 @@ class SparseMoeBlock(nnx.Module):
 
     def with_router_logits(self, x_BTH: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(y_BTH, router_logits_NE) with N = B * T, the tokens in row-major order: the token copies sorted by
-        expert, ``_experts`` on them, each weighted by its routing weight and added back to its token."""
+        expert, the experts on them (``moe.grouped_experts`` on CPU, else ``_experts``), each weighted by its
+        routing weight and added back to its token."""
         b, t, h = x_BTH.shape
         x_NH = x_BTH.reshape(b * t, h)
         router_logits_NE, weights_NK, experts_NK = self.route(x_NH)
@@ -413,9 +418,21 @@ class SparseMoeBlock(nnx.Module):
         order = jnp.argsort(expert_of_copy, stable=True)
         token_of_sorted, expert_of_sorted = order // self.top_k, expert_of_copy[order]
         group_sizes_E = jnp.bincount(expert_of_copy, length=self.num_experts).astype(jnp.int32)
+        weight_S = weights_NK.reshape(-1)[order]
+        if (
+            self.grouped_experts_on_cpu
+            and jax.default_backend() == "cpu"
+            and not (self.expert_lora and self.adapters_enabled)
+        ):
+            compute = jnp.result_type(x_NH, self.experts["gate_up_proj"][...])
+            layout = moe.Layout(*self._gate(), sum_dtype=jnp.dtype(self._sum_dtype(compute, weight_S, x_NH)).name)
+            y_NH = moe.grouped_experts(
+                x_NH, weight_S, token_of_sorted, group_sizes_E, *self._expert_tensors(), layout=layout
+            )
+            return y_NH.astype(x_NH.dtype).reshape(b, t, h), router_logits_NE
         y_SH = self._experts(x_NH[token_of_sorted], expert_of_sorted, group_sizes_E)
-        y_SH = y_SH * weights_NK.reshape(-1)[order][:, None]
-        acc = self._sum_dtype(y_SH, x_NH)
+        y_SH = y_SH * weight_S[:, None]
+        acc = self._sum_dtype(y_SH.dtype, weight_S, x_NH)
         y_NH = jnp.zeros(x_NH.shape, acc).at[token_of_sorted].add(y_SH.astype(acc)).astype(x_NH.dtype)
         return y_NH.reshape(b, t, h), router_logits_NE
 
@@ -423,15 +440,23 @@ class SparseMoeBlock(nnx.Module):
         """The experts' gated MLPs over the sorted copies ``x_SH`` (grouped matmuls, expert LoRA beside them)."""
         gate_up_S2 = grouped_matmul(x_SH, self.experts["gate_up_proj"][...], group_sizes_E, transposed=True)
         gate_up_S2 = self._with_lora("gate_up_proj", gate_up_S2, x_SH, group_sizes_E)
-        gate_SM, up_SM = jnp.split(gate_up_S2, 2, axis=-1)
-        h_SM = ACTIVATIONS[self.hidden_act](gate_SM) * up_SM
+        h_SM = self._gate()[1](gate_up_S2)
         y_SH = grouped_matmul(h_SM, self.experts["down_proj"][...], group_sizes_E, transposed=True)
         return self._with_lora("down_proj", y_SH, h_SM, group_sizes_E)
 
-    def _sum_dtype(self, y_SH: jax.Array, x_NH: jax.Array) -> Any:
-        """The dtype the weighted copies are summed in: the weights' (float32 for Mixtral, as transformers' grouped
-        experts), cast back to the compute dtype after."""
-        return y_SH.dtype
+    def _sum_dtype(self, compute: Any, weight_S: jax.Array, x_NH: jax.Array) -> Any:
+        """The dtype the weighted copies (experts' outputs in ``compute`` times ``weight_S``) are summed in: their
+        product's (float32 for Mixtral's float32 weights, as transformers' grouped experts), cast back to the compute
+        dtype after."""
+        return jnp.result_type(compute, weight_S)
+
+    def _gate(self) -> tuple[bool, Callable[[jax.Array], jax.Array]]:
+        """(output-major storage, the gate of ``gate_up``) for ``moe.grouped_experts``."""
+        return True, moe.GluGate(ACTIVATIONS[self.hidden_act])
+
+    def _expert_tensors(self) -> tuple[jax.Array, jax.Array, Optional[jax.Array], Optional[jax.Array]]:
+        """(gate_up, down, gate_up bias, down bias): the experts' tensors as stored, ``None`` for absent biases."""
+        return self.experts["gate_up_proj"][...], self.experts["down_proj"][...], None, None
 
     def __call__(self, x_BTH: jax.Array) -> jax.Array:
         return self.with_router_logits(x_BTH)[0]
@@ -458,6 +483,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         self.num_experts, self.top_k = int(cfg.num_experts), int(cfg.num_experts_per_tok)
         self.swiglu_limit, self.swiglu_alpha = float(cfg.swiglu_limit), float(cfg.swiglu_alpha)
         self.tile_size: Optional[int] = None  # tiled MLP is refused on MoE layers (set_tiled_mlp)
+        self.grouped_experts_on_cpu = True  # moe.grouped_experts on CPU (False: per-projection grouped matmuls)
         self.expert_lora: tuple[tuple[str, tuple[str, ...]], ...] = ()
         self.lora_scaling = 0.0
         self.adapters_enabled = True
@@ -469,20 +495,22 @@ class GptOssMoeBlock(SparseMoeBlock):
         weights_NK = jax.nn.softmax(top_logits_NK, axis=-1)
         return router_logits_NE, weights_NK, experts_NK
 
-    def _swiglu(self, gate_up_S2: jax.Array) -> jax.Array:
-        gate_SM = jnp.minimum(gate_up_S2[..., ::2], self.swiglu_limit)
-        up_SM = jnp.clip(gate_up_S2[..., 1::2], -self.swiglu_limit, self.swiglu_limit)
-        return (up_SM + 1) * (gate_SM * jax.nn.sigmoid(gate_SM * self.swiglu_alpha))
-
     def _experts(self, x_SH: jax.Array, expert_of_sorted: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
         gate_up_S2 = grouped_matmul(x_SH, self.experts["gate_up_proj"][...], group_sizes_E)
-        h_SM = self._swiglu(gate_up_S2 + self.experts["gate_up_proj_bias"][...][expert_of_sorted])
+        h_SM = self._gate()[1](gate_up_S2 + self.experts["gate_up_proj_bias"][...][expert_of_sorted])
         y_SH = grouped_matmul(h_SM, self.experts["down_proj"][...], group_sizes_E)
         return y_SH + self.experts["down_proj_bias"][...][expert_of_sorted]
 
-    def _sum_dtype(self, y_SH: jax.Array, x_NH: jax.Array) -> Any:
+    def _sum_dtype(self, compute: Any, weight_S: jax.Array, x_NH: jax.Array) -> Any:
         """transformers' gpt-oss casts each weighted copy to the compute dtype before the sum."""
         return x_NH.dtype
+
+    def _gate(self) -> tuple[bool, Callable[[jax.Array], jax.Array]]:
+        return False, moe.ClampedSwiGLU(self.swiglu_limit, self.swiglu_alpha)
+
+    def _expert_tensors(self) -> tuple[jax.Array, jax.Array, Optional[jax.Array], Optional[jax.Array]]:
+        e = self.experts
+        return e["gate_up_proj"][...], e["down_proj"][...], e["gate_up_proj_bias"][...], e["down_proj_bias"][...]
 
 
 GPT_OSS_EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")

@@ -90,10 +90,11 @@ Mixture of experts (``qwen3_moe``, ``mixtral``)
     (``expert ...``, split out of the state rows, the total unchanged), whatever the routing. A MoE layer saves, in
     place of the dense MLP's ``mlp x i``, ``top_k`` routed copies of each token (``MOE_SAVED``: the gathered input,
     the experts' gate/up products, the down output the routing weight scales) and the router's logits and softmax
-    (``E`` per token): rows ``routed activations (MoE)`` and ``router logits (MoE)``. ``grouped matmul workspace
-    (MoE)``: the permutations that sort the copies by expert; the grouped matmuls work in place (torch: twinseq's
-    kernel, ``torch_backend.moe``; jax: ``ragged_dot`` on accelerators, ``jax_backend.grouped``'s blockwise scan on
-    CPU, where XLA lowers ``ragged_dot`` to a dense product over every expert), so no row grows with the experts.
+    (``E`` per token): rows ``routed activations (MoE)`` and ``router logits (MoE)``. On CPU both backends run
+    twinseq's grouped experts kernel (``torch_backend.moe``, ``jax_backend.moe``), which saves only each copy's gate/up
+    pre-activations (``MOE_SAVED_CPU``); on accelerators transformers' ``grouped_mm`` and ``ragged_dot`` keep the
+    whole set. ``grouped matmul workspace (MoE)``: the permutations that sort the copies by expert; the grouped
+    matmuls work in place, so no row grows with the experts.
 
 Activation offloading (CUDA): saved decoder activations move to host memory; the device keeps two layers'
 worth in flight. On CPU the host *is* the device, so it saves nothing and the plan says so.
@@ -209,13 +210,17 @@ class MoeCoefficients:
     router: float
 
 
-MOE_SAVED = {
+MOE_SAVED_CPU = MoeCoefficients(routed_mlp=2, routed_hidden=0, router=2)
+"""On CPU both backends run twinseq's grouped experts kernel (``torch_backend.moe``, ``jax_backend.moe``): per token
+copy the gate/up pre-activations only (2m); the input is re-gathered and the rest recomputed in backward."""
+
+MOE_SAVED = {  # on accelerators
     # torch, transformers' grouped_mm experts (integrations.moe.grouped_mm_experts_forward), per token copy: the
     # gathered input (h), the gate_up output (2m), act(gate) (m), the gated product the down matmul reads (m) and
     # the down output the routing weight multiplies (h); per token the router's logits and float32 softmax (2 E)
     "torch": MoeCoefficients(routed_mlp=4, routed_hidden=2, router=2),
-    # jax_backend.model.SparseMoeBlock (a grouped matmul over the sorted copies): the same set, as XLA keeps the dense
-    # MLP's (5 i) with its gathered input and weighted output
+    # jax_backend.model.SparseMoeBlock's per-projection path (ragged_dot over the sorted copies): the same set, as XLA
+    # keeps the dense MLP's (5 i) with its gathered input and weighted output
     "jax": MoeCoefficients(routed_mlp=5, routed_hidden=2, router=2),
 }
 MOE_ROWS = ("routed activations (MoE)", "router logits (MoE)")
@@ -795,7 +800,8 @@ def plan_memory(
     # MoE layers save their routed copies and the router's logits in place of the dense MLP's (MOE_SAVED); the
     # per-layer figure is the mean over the layers, so ``layers x per_layer`` is their sum
     n_moe = sum(cfg.layer_is_moe(k) for k in range(layers))
-    routed_elems, router_elems = _moe_elems(cfg, MOE_SAVED[backend]) if n_moe else (0.0, 0.0)
+    saved = MOE_SAVED_CPU if device == "cpu" else MOE_SAVED[backend]
+    routed_elems, router_elems = _moe_elems(cfg, saved) if n_moe else (0.0, 0.0)
     mlp_elems = ((layers - n_moe) * coef.mlp * i + n_moe * (routed_elems + router_elems)) / layers
     down_in = ((layers - n_moe) * i + n_moe * cfg.num_experts_per_tok * cfg.expert_intermediate_size) / layers
     per_layer = coef.norm * h + coef.attn * q + mlp_elems + coef.kv * cfg.num_key_value_heads * cfg.head_dim

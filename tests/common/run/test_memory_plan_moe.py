@@ -14,7 +14,7 @@ import pytest
 
 from twinseq.common.config import TrainConfig
 from twinseq.common.models.configs import ModelConfig, parameter_shapes
-from twinseq.common.run.memory_plan import MOE_ROWS, MOE_SAVED, plan_memory
+from twinseq.common.run.memory_plan import MOE_ROWS, MOE_SAVED, MOE_SAVED_CPU, plan_memory
 
 BASE = dict(model_config="tiny-qwen3-moe", max_length=512, packing=True, per_device_train_batch_size=8)
 BACKENDS = ("torch", "jax")
@@ -85,15 +85,20 @@ def test_top_2_doubles_the_routed_activations_and_the_sort(backend):
     assert two.get("expert weights (float32)") == one.get("expert weights (float32)")
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_routed_row_counts_the_saved_copies(backend):
-    """tokens x MoE layers x top_k x (routed_mlp m + routed_hidden h) float32 numbers."""
+def test_routed_row_counts_the_saved_copies(backend, device):
+    """tokens x MoE layers x top_k x (routed_mlp m + routed_hidden h) float32 numbers: on CPU twinseq's kernels
+    (gate/up pre-activations only), on CUDA transformers' grouped_mm / ragged_dot's set, several times more."""
     cfg = moe_model()
-    p = plan(backend, model=cfg)
-    coef = MOE_SAVED[backend]
+    p = plan_memory(TrainConfig.from_flat(**{**BASE, "backend": backend}), model=cfg, device=device)
+    coef = MOE_SAVED_CPU if device == "cpu" else MOE_SAVED[backend]
     copies = p.tokens * cfg.num_hidden_layers * cfg.num_experts_per_tok
     per_copy = coef.routed_mlp * cfg.expert_intermediate_size + coef.routed_hidden * cfg.hidden_size
     assert p.get(ROUTED) == pytest.approx(copies * per_copy * 4, rel=1e-9)
+    if device == "cpu":
+        cuda = plan_memory(TrainConfig.from_flat(**{**BASE, "backend": backend}), model=cfg, device="cuda")
+        assert p.get(ROUTED) * 2 < cuda.get(ROUTED)
 
 
 def test_dense_layers_of_a_qwen3_moe_carry_no_routed_activations():
