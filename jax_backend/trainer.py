@@ -469,7 +469,11 @@ class SFTTrainer(JaxTrainer):
         )
         return {
             "loss": float(loss),
-            **{k: metrics[k] for k in ("num_tokens", "num_correct_tokens", "entropy_sum", COUNTS_KEY) if k in metrics},
+            **{
+                k: metrics[k]
+                for k in ("num_tokens", "num_correct_tokens", "entropy_sum", "aux_loss", COUNTS_KEY)
+                if k in metrics
+            },
         }, grads
 
     def eval_micro_step(self, batch: Batch) -> dict[str, float]:

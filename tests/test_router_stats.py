@@ -9,7 +9,9 @@ Invariants, on tiny-qwen3-moe and tiny-mixtral:
 - two micro-batches, summed as a step sums them, give one big batch's figures exactly;
 - a CLI run writes the metrics: the loads of each layer sum to 1 and ``router_max_load`` is the mean of the
   layers' busiest loads;
-- on 2 ranks (FSDP2, gloo) the step's figures are one process's on the same rows: every rank's tokens count.
+- on 2 ranks (FSDP2, gloo) the step's figures are one process's on the same rows: every rank's tokens count;
+- with ``output_router_logits`` in config.json a run logs the unweighted ``aux_loss``, and both backends' first step
+  (same weights, same rows) agree on it within float32's loss bound; without it no ``aux_loss`` is logged.
 """
 
 from __future__ import annotations
@@ -154,6 +156,34 @@ def test_train_writes_the_router_metrics(backend, tmp_path):
         assert r["router_max_load"] == pytest.approx(np.mean([x.max() for x in loads]), abs=1e-15)
         assert 1 / 4 <= r["router_max_load"] <= 1 / 2  # between balanced (1/E) and collapsed (1/k)
     assert (out / "metrics.png").is_file()
+
+
+@pytest.mark.slow  # two CLI runs: about 20 s
+def test_train_logs_the_aux_loss_alike_on_both_backends(tmp_path):
+    import json
+
+    from twinseq.common.models.configs import to_hf_config
+    from twinseq.common.models.hf_folder import write_hf_checkpoint
+
+    cfg = ModelConfig.preset("tiny-qwen3-moe")
+    folder = tmp_path / "moe"
+    write_hf_checkpoint(cfg, init_weights(cfg, seed=5), folder)
+    (folder / "config.json").write_text(json.dumps({**to_hf_config(cfg), "output_router_logits": True}))
+    flags = (
+        "train --task sft --model-config {} --max-steps 1 --max-length 32 --per-device-train-batch-size 2 "
+        "--gradient-accumulation-steps 2 --dataset-split train[:8] --disable-tqdm --seed 1 --logging-steps 1"
+    )
+    aux = {}
+    for backend in ("torch", "jax"):
+        out = tmp_path / backend
+        assert cli_main([*flags.format(folder).split(), "--backend", backend, "--output-dir", str(out)]) == 0
+        (record,) = read_metrics(out)
+        aux[backend] = record["aux_loss"]
+    print(f"step 1 aux_loss: torch {aux['torch']:.8f}, jax {aux['jax']:.8f}")
+    assert abs(aux["torch"] - aux["jax"]) <= 1e-6 * aux["torch"] and aux["torch"] > 0.5
+    out = tmp_path / "plain"
+    assert cli_main([*flags.format("tiny-qwen3-moe").split(), "--backend", "torch", "--output-dir", str(out)]) == 0
+    assert "aux_loss" not in read_metrics(out)[0]
 
 
 @pytest.mark.slow

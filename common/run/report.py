@@ -576,6 +576,7 @@ BAR_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("loss", "loss", "{:.4f}"),
     ("rewards/accuracies", "acc", "{:.3f}"),
     ("rewards/margins", "margin", "{:.4f}"),
+    ("aux_loss", "aux", "{:.4f}"),  # a MoE model's load-balancing loss (output_router_logits), unweighted
     ("router_max_load", "router_max", "{:.3f}"),  # a MoE model's: near 1/k, one expert takes every token
     ("tokens_per_second", "tok/s", "{:.0f}"),
 )

@@ -26,9 +26,17 @@ from twinseq.common.objectives.moe import COUNTS_KEY, router_load_metrics
 
 logger = logging.getLogger(__name__)
 
-ADDITIVE = ("loss", "num_tokens", "num_label_tokens", "num_correct_tokens", "entropy_sum")
+ADDITIVE = (
+    "loss",
+    "num_tokens",
+    "num_label_tokens",
+    "num_correct_tokens",
+    "entropy_sum",
+    "aux_loss_sum",
+    "aux_loss_micro_batches",
+)
 """Keys that add up over micro-batches and ranks (a distributed trainer all-reduces exactly these)."""
-INTEGER = ("num_tokens", "num_label_tokens", "num_correct_tokens")
+INTEGER = ("num_tokens", "num_label_tokens", "num_correct_tokens", "aux_loss_micro_batches")
 
 
 def sft_step_sums(micro: Sequence[Mapping[str, Any]], *, num_tokens: int) -> dict[str, Any]:
@@ -37,7 +45,9 @@ def sft_step_sums(micro: Sequence[Mapping[str, Any]], *, num_tokens: int) -> dic
     ``micro[i]`` holds ``loss`` and the loss kernels' ``num_tokens`` (valid targets),
     ``num_correct_tokens`` and ``entropy_sum``; ``num_tokens`` is the step's non-padding tokens.
     A MoE model's micro-batches also hold ``router_counts`` [L, E] (``common.objectives.moe``): the step's are their
-    sum, int64 (a multi-process trainer adds them over ranks too).
+    sum, int64 (a multi-process trainer adds them over ranks too); with ``output_router_logits`` each holds its
+    unweighted ``aux_loss``, summed with the count of micro-batches so that ``with_means`` gives the mean over every
+    micro-batch of every rank (the figure TRL logs as ``aux_loss``).
     """
     sums = {
         "loss": sum(float(m["loss"]) for m in micro),
@@ -46,6 +56,10 @@ def sft_step_sums(micro: Sequence[Mapping[str, Any]], *, num_tokens: int) -> dic
         "num_correct_tokens": sum(int(round(float(m["num_correct_tokens"]))) for m in micro),
         "entropy_sum": sum(float(m["entropy_sum"]) for m in micro),
     }
+    aux = [float(m["aux_loss"]) for m in micro if "aux_loss" in m]
+    if aux:
+        assert len(aux) == len(micro), "every micro-batch of a MoE step with output_router_logits has its aux_loss"
+        sums["aux_loss_sum"], sums["aux_loss_micro_batches"] = sum(aux), len(aux)
     counts = [np.asarray(m[COUNTS_KEY], np.int64) for m in micro if COUNTS_KEY in m]
     if counts:
         assert len(counts) == len(micro), "every micro-batch of a MoE step reports its router counts"
@@ -56,11 +70,15 @@ def sft_step_sums(micro: Sequence[Mapping[str, Any]], *, num_tokens: int) -> dic
 def with_means(sums: dict[str, Any], moe_layers: Optional[Sequence[int]] = None) -> dict[str, Any]:
     """``sums`` plus ``mean_token_accuracy`` and ``entropy`` over the step's targets (0 without any). Summed
     ``router_counts`` become the router metrics (``common.objectives.moe.router_load_metrics``; ``moe_layers``: the
-    decoder-layer index of each of their rows, None: 0..L-1) and leave the step's metrics."""
+    decoder-layer index of each of their rows, None: 0..L-1) and leave the step's metrics, as the aux loss's sum and
+    count leave for their mean, ``aux_loss``."""
     labels = sums["num_label_tokens"]
     counts = sums.get(COUNTS_KEY)
+    aux = {"aux_loss": sums["aux_loss_sum"] / sums["aux_loss_micro_batches"]} if "aux_loss_sum" in sums else {}
+    dropped = (COUNTS_KEY, "aux_loss_sum", "aux_loss_micro_batches")
     return {
-        **{k: v for k, v in sums.items() if k != COUNTS_KEY},
+        **{k: v for k, v in sums.items() if k not in dropped},
+        **aux,
         "mean_token_accuracy": sums["num_correct_tokens"] / labels if labels else 0.0,
         "entropy": sums["entropy_sum"] / labels if labels else 0.0,
         **({} if counts is None else router_load_metrics(counts, moe_layers)),

@@ -38,9 +38,10 @@ from twinseq.common.tasks import task_spec
 
 logger = logging.getLogger(__name__)
 
-ROUTER_PLOT_KEYS = ("router_max_load",)
+ROUTER_PLOT_KEYS = ("aux_loss", "router_max_load")
 """Panels every task's ``metrics.png`` adds after its own where its steps carry them: a MoE model's SFT steps report
-``router_max_load`` (``common.objectives.moe``); a run whose steps lack it draws no panel for it."""
+``router_max_load`` (``common.objectives.moe``) and, with ``output_router_logits``, the load-balancing ``aux_loss``;
+a run whose steps lack them draws no panel for them."""
 
 
 class TrainerTemplate:

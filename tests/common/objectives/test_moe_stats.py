@@ -8,7 +8,10 @@ Invariants:
   per-layer names are the decoder-layer indices of the MoE layers;
 - a step's counts are the sum of its micro-batches', so two micro-batches give the figures of one big batch
   exactly, where the mean of the micro-batches' loads would not (the control);
-- ``metrics.jsonl`` writes a step's per-expert loads as lists.
+- ``metrics.jsonl`` writes a step's per-expert loads as lists;
+- a step's ``aux_loss`` is the mean over every micro-batch of every rank: summed with its count, reduced over ranks
+  as the other sums, divided last (the mean of the ranks' means differs when their micro-batch counts differ: the
+  control); a step without it has none.
 """
 
 from __future__ import annotations
@@ -113,3 +116,22 @@ def test_the_terminal_line_shows_the_max_load_not_the_lists(tmp_path, caplog):
     sink.close()
     skipped = [r.getMessage() for r in caplog.records if "not a number" in r.getMessage()]
     assert len(skipped) == 1 and "'router_load/L0' (and the other router_load/... metrics)" in skipped[0], skipped
+
+
+def _aux_records(values):
+    return [{"loss": 0.0, "num_tokens": 0, "num_correct_tokens": 0, "entropy_sum": 0.0, "aux_loss": v} for v in values]
+
+
+def test_the_aux_loss_is_the_mean_over_every_micro_batch_of_every_rank():
+    from twinseq.common.run.step_metrics import ADDITIVE
+
+    ranks = [_aux_records([1.0, 2.0, 3.0]), _aux_records([10.0])]  # 3 micro-batches on rank 0, 1 on rank 1
+    sums = [sft_step_sums(r, num_tokens=0) for r in ranks]
+    reduced = {k: sum(s[k] for s in sums) if k in ADDITIVE else sums[0][k] for k in sums[0]}  # the all-reduce
+    step = with_means(reduced)
+    assert step["aux_loss"] == pytest.approx(16.0 / 4, abs=1e-15)
+    assert step["aux_loss"] != pytest.approx(np.mean([2.0, 10.0]))  # the mean of the ranks' means
+    assert not any(k.startswith("aux_loss_") for k in step)
+    assert "aux_loss" not in with_means(sft_step_sums([{k: v for k, v in r.items() if k != "aux_loss"}
+                                                        for r in ranks[0]], num_tokens=0))  # fmt: skip
+    assert bar_postfix({**step, "peak_memory_bytes": 1})["aux"] == "4.0000"
