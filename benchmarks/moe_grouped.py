@@ -379,7 +379,10 @@ def body(args: argparse.Namespace, rows: list[dict], ratios: dict[str, float]) -
         f"{(k * (4 * m + 2 * h) + 2 * e) / (4 * k * m):.2f}x; twinseq's grouped kernel {k * (2 * m + 7) + 2 * e} "
         f"(per copy the gate/up pre-activations, its token, expert and sort position as int64 and its weight, plus "
         f"the router's): {(k * (2 * m + 7) + 2 * e) / (4 * k * m):.2f}x, and its temporaries are one chunk of about "
-        f"{-(-args.tokens // CHUNK_DIVISOR)} copies. Weight gradients: the experts' are {e // k}x the dense MLP's "
+        f"{-(-args.tokens // CHUNK_DIVISOR)} copies; jax's kernel saves the same gate/up pre-activations, with an "
+        f"int32 token and the weight per copy, and its temporaries are one block of at most 32 copies (the "
+        f"per-projection path keeps the gathered input, gate/up, the gated product and the output per copy). "
+        f"Weight gradients: the experts' are {e // k}x the dense MLP's "
         f"({e} experts, top-{k}), whatever the kernel."
     )
     lines = [f"Shape: {shape}.", "", *table, "", why, "", "Ratios (same run):", ""]
