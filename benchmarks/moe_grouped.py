@@ -322,8 +322,8 @@ def summarise(rows: list[dict]) -> dict[str, float]:
             _find(rows, "torch", "hf_grouped_mm", False)["peak_bytes"] / frozen_dense
         )
     if any(r["backend"] == "jax" for r in rows):
-        jg, jd, jp = (_find(rows, "jax", v) for v in JAX_VARIANTS)
-        frozen_jg, frozen_jd, frozen_jp = (_find(rows, "jax", v, False) for v in JAX_VARIANTS)
+        jg, jp, jd = (_find(rows, "jax", v) for v in JAX_VARIANTS)
+        frozen_jg, frozen_jp, frozen_jd = (_find(rows, "jax", v, False) for v in JAX_VARIANTS)
         out["jax_speedup_vs_eager"] = eager["median_seconds"] / jg["median_seconds"]
         out["jax_activation_memory_vs_dense"] = frozen_jg["peak_bytes"] / frozen_jd["peak_bytes"]
         out["jax_memory_vs_dense"] = jg["peak_bytes"] / jd["peak_bytes"]
