@@ -17,12 +17,13 @@ from typing import Any, Mapping, Optional, cast
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
 
 from twinseq.common.backend import Model, PathLike
 from twinseq.common.errors import CheckpointError
 from twinseq.common.models.configs import parameter_shapes
-from twinseq.common.models.hf_folder import WEIGHTS_FILE, inspect_model_folder
+from twinseq.common.models.hf_folder import CONFIG_FILE, WEIGHTS_FILE, inspect_model_folder, read_json
+from twinseq.common.models.mxfp4 import quant_method
 from twinseq.common.models.safetensors_stream import LazyArray, write_safetensors
 from twinseq.torch_backend.attention import check_attention_supported, hf_attn_name, resolve_attn_implementation
 from twinseq.torch_backend.distributed import lazy_tensor
@@ -51,6 +52,8 @@ def load_pretrained(
     check_attention_supported(attn_implementation, device=device, requires_grad=False)
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     attn = hf_attn_name(resolve_attn_implementation(attn_implementation, config))
+    # gpt-oss's MXFP4 experts load dequantized (exactly: common.models.mxfp4): MXFP4 has no backward to train
+    quantized = quant_method(read_json(path / CONFIG_FILE)) == "mxfp4"
     # safetensors only: a pickled pytorch_model.bin is never unpickled
     model = AutoModelForCausalLM.from_pretrained(
         str(path),
@@ -58,7 +61,10 @@ def load_pretrained(
         use_safetensors=True,
         dtype="auto" if dtype is None else _as_dtype(dtype),
         attn_implementation=attn,
+        **({"quantization_config": Mxfp4Config(dequantize=True)} if quantized else {}),
     )
+    if quantized:
+        logger.info("%s: gpt-oss MXFP4 experts dequantized (exactly) to train in %s", path, model.dtype)
     if model.dtype not in (torch.float32, torch.bfloat16):
         model = model.float()
     model_config_of(model)  # the loaded config must read back as a ModelConfig (an invariant, checked again)

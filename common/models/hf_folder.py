@@ -28,6 +28,7 @@ from twinseq.common.models.configs import (
     to_hf_config,
 )
 from twinseq.common.models.init import check_weights
+from twinseq.common.models.mxfp4 import MXFP4_TENSORS, quant_method, unpack_mxfp4_experts_, unpack_mxfp4_shapes_
 from twinseq.common.models.safetensors_stream import LazyArray, Tensor, as_lazy, write_safetensors
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,18 @@ def _drop_tied_head(cfg: ModelConfig, weights: dict[str, np.ndarray], source: st
     del weights["lm_head.weight"]
 
 
+def check_quantization(hf_config: dict, directory: Path) -> None:
+    """A ``config.json`` with a ``quantization_config`` is refused unless it is gpt-oss's MXFP4 (loaded
+    dequantized, ``common.models.mxfp4``): the other formats' packed tensors are not weights twinseq can train."""
+    method = quant_method(hf_config)
+    if method not in (None, "mxfp4"):
+        raise CheckpointError(
+            f"{directory / CONFIG_FILE}: quantization_config quant_method={method!r}; twinseq loads float "
+            "checkpoints (and gpt-oss's MXFP4 experts, dequantized): use the float (unquantized) release of this "
+            "model, and --load-in-4bit for a 4-bit QLoRA base"
+        )
+
+
 def _safetensors_header(file: Path) -> dict[str, dict]:
     """The tensor table of a safetensors file (name -> dtype, shape, data_offsets), read from its header
     alone, after checking that the file holds every byte the header promises (a truncated copy does not)."""
@@ -152,6 +165,8 @@ def inspect_model_folder(path: str | Path) -> tuple[ModelConfig, dict[str, tuple
         shapes.update({k: tuple(v["shape"]) for k, v in _safetensors_header(file).items()})
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
+    check_quantization(read_json(directory / CONFIG_FILE), directory)
+    unpack_mxfp4_shapes_(shapes)
     fuse_experts_(cfg, shapes, lambda parts, axis: _stacked_shape(parts, axis))
     expected = parameter_shapes(cfg)
     problems = [
@@ -284,6 +299,15 @@ def read_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndar
     weights: dict[str, np.ndarray] = {}
     for file in _weight_files(directory):
         weights.update(load_file(str(file)))
+    if unpack_mxfp4_experts_(weights):
+        # float32 holds the MXFP4 numbers exactly, and so does the checkpoint's own float dtype (bfloat16: the same
+        # exponent range, FP4 has 2 significant bits): the experts take it, so the model keeps one dtype
+        stored = {str(w.dtype) for k, w in weights.items() if k.rsplit(".", 1)[-1] not in MXFP4_TENSORS}
+        if len(stored) == 1:
+            dtype = _np_dtype(stored.pop())
+            for name in [k for k in weights if k.rsplit(".", 1)[-1] in MXFP4_TENSORS]:
+                weights[name] = weights[name].astype(dtype)
+        logger.info("%s: gpt-oss MXFP4 experts dequantized (exactly) to train in float", directory)
     fuse_experts_(cfg, weights, lambda parts, axis: np.stack([np.concatenate(p, axis=0) for p in parts], axis=axis))
     _drop_tied_head(cfg, weights, str(directory))
     check_weights(cfg, weights)
