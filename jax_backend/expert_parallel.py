@@ -8,7 +8,7 @@ the model on ``mesh``: the experts' tensors sharded on their expert dimension ov
 
 The router runs on all tokens as in ``SparseMoeBlock.route``; then, per device of ``axis`` (its slice of the
 tokens): every token copy (token, expert) goes to the device owning its expert, that device runs its experts on
-what it received (a grouped matmul, ``grouped.grouped_matmul``, over the copies sorted by local expert), the outputs
+what it received (``moe.grouped_experts`` on CPU, a grouped matmul per projection elsewhere), the outputs
 go back, and each device combines its tokens' copies with the router weights. ``all_to_all`` needs equal blocks, so a
 device sends each peer a block of ``tokens * top_k`` rows (room for all its copies) of which the first ``count``
 are real: no capacity, no token dropped, at the price of ``P``-fold padded exchange buffers.
@@ -28,7 +28,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from twinseq.common.errors import ConfigError
-from twinseq.jax_backend.grouped import grouped_matmul
+from twinseq.jax_backend import moe
+from twinseq.jax_backend.grouped import grouped_matmul, varying_like
 from twinseq.jax_backend.model import ACTIVATIONS, CausalLM, GptOssMoeBlock, SparseMoeBlock
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,17 @@ def _dispatch_slots(owner_C: jax.Array, world: int) -> jax.Array:
 
 
 def _local_experts(hidden_act: str, x_RH, local_R, gate_up_LXH, down_LHM) -> jax.Array:
-    """Expert ``local_R[i]``'s gated MLP of received row ``i``; rows with ``local_R == L`` (empty slots) give 0."""
+    """Expert ``local_R[i]``'s gated MLP of received row ``i``; rows with ``local_R == L`` (empty slots) give 0. On
+    CPU ``moe.grouped_experts`` (each row its own token, weight 1: the empty slots sort last, past every group);
+    elsewhere one grouped matmul per projection."""
     num_local = gate_up_LXH.shape[0]
     order = jnp.argsort(local_R, stable=True)
     group_sizes_L = jnp.bincount(local_R, length=num_local + 1)[:num_local].astype(jnp.int32)
+    if jax.default_backend() == "cpu":
+        compute = jnp.result_type(x_RH, gate_up_LXH)
+        layout = moe.Layout(True, moe.GluGate(ACTIVATIONS[hidden_act]), jnp.dtype(compute).name)
+        ones_R = varying_like(jnp.ones(order.shape, compute), x_RH)  # varying as the rows, as its cotangent
+        return moe.grouped_experts(x_RH, ones_R, order, group_sizes_L, gate_up_LXH, down_LHM, None, None, layout)
     x_SH = x_RH[order]
     gate_up_S2 = grouped_matmul(x_SH, gate_up_LXH, group_sizes_L, transposed=True)
     gate_SM, up_SM = jnp.split(gate_up_S2, 2, axis=-1)
