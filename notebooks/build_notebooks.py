@@ -437,8 +437,8 @@ FINETUNE = [
 
 The Python front door end to end, as a TRL user writes it: a `datasets.Dataset` built in memory, an
 `SFTConfig` with TRL's argument names, `SFTTrainer(...).train()` with an evaluation every few steps, then the
-trained model answering. The model is the `small` preset (12.6M parameters, random initial weights: no download),
-so the task has to be one a small model learns in a minute or two on a CPU: **copy two words**. The prompt is
+trained model answering. The model is the `tiny` preset (two layers, 0.99M parameters, random initial weights: no
+download), so the task has to be one a tiny model learns in seconds on a CPU: **copy two words**. The prompt is
 `Say apple river.` and the answer `apple river`. The held-out evaluation rows use word pairs the training rows
 never contain, so a falling `eval_loss` means the model learned to copy, not to recite.
 """),
@@ -474,11 +474,11 @@ after. The loss is taken on the completion only (prompt-completion rows), packed
 from twinseq import SFTConfig, SFTTrainer
 
 out_dir = Path(mkdtemp()) / 'copy-run'
-args = SFTConfig(output_dir=str(out_dir), max_steps=120, max_length=64, learning_rate=3e-3,
+args = SFTConfig(output_dir=str(out_dir), max_steps=80, max_length=64, learning_rate=3e-3,
                  lr_scheduler_type='constant', per_device_train_batch_size=16, packing=True, padding_free=True,
                  attn_implementation='varlen', eval_strategy='steps', eval_steps=20, eval_on_start=True,
                  eval_generate_samples=4, disable_tqdm=True, seed=0)
-trainer = SFTTrainer(model='small', args=args, train_dataset=train, eval_dataset=held_out)
+trainer = SFTTrainer(model='tiny', args=args, train_dataset=train, eval_dataset=held_out)
 result = trainer.train()
 print(result.global_step, round(result.training_loss, 4))"""),
     md("## The curves\n\nTraining loss at every step, evaluation loss and token accuracy on the held-out pairs."),
@@ -497,7 +497,7 @@ right.set_xlabel('optimizer step'); right.set_title('eval token accuracy')
 plt.tight_layout(); plt.show()
 for step, loss, accuracy in evals:
     print(f'step {step:4d}: eval_loss {loss:.4f}, eval accuracy {accuracy:.3f}')
-assert [s for s, _, _ in evals] == [0, 20, 40, 60, 80, 100, 120]
+assert [s for s, _, _ in evals] == [0, 20, 40, 60, 80]
 assert evals[-1][1] < 0.1 * evals[0][1], 'the held-out loss falls by more than 10x'
 assert evals[-1][2] >= 0.9, 'and the model copies unseen pairs token by token'"""),
     md("## Before and after\n\nThe same held-out prompts, answered greedily at step 0 and at the last step."),
@@ -505,7 +505,7 @@ assert evals[-1][2] >= 0.9, 'and the model copies unseen pairs token by token'""
 def samples(step):
     return [json.loads(line) for line in (out_dir / 'samples' / f'step_{step}.jsonl').read_text().splitlines()]
 
-before, after = samples(0), samples(120)
+before, after = samples(0), samples(80)
 for b, a in zip(before, after):
     print(f"{b['prompt'].strip()!r:32} before: {b['completion']!r:34} after: {a['completion']!r}")
 assert not any(b['completion'].strip() == b['reference'].strip() for b in before)

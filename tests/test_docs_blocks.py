@@ -4,7 +4,8 @@ The blocks are read from the files at import time, so a block added later is a c
 the line of its opening fence) without touching this file. Each case either runs its block or finds it in
 ``CANNOT_RUN``, a short table of blocks this machine cannot run, each with its reason and a check of what can be
 checked here (the Makefile target exists and ``make -n`` prints its commands, twinseq refuses the command on a CPU
-with exit status 2 naming the reason, the launcher's ``--help`` parses). A block that is neither fails.
+with exit status 2 naming the reason, the launcher's ``--help`` parses), or of blocks another test already runs
+verbatim (checked: the block is, character for character, the script that test runs). A block that is neither fails.
 
 How a block runs:
 
@@ -26,6 +27,7 @@ the fast tier keeps the checks of the table, the step cap and the command parsin
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -323,6 +325,25 @@ def check_gpu_lane(block: Block, tmp_path: Path) -> None:
     assert proc.returncode == 2 and "usage" in proc.stderr, _explain(proc)
 
 
+def check_run_by_test_api(block: Block, tmp_path: Path) -> None:
+    """The README's SFTTrainer script is ``SFT_SCRIPT`` of tests/test_api.py, which runs it as a file in a fresh
+    python on both backends and checks more than that it runs (24 steps, a falling ``eval_loss``, the adapter
+    saved): a third run here would add half a minute and no claim. Checked: the block is that script (jax
+    backend) character for character, and the test that runs it still exists."""
+    tree = ast.parse((REPO / "tests" / "test_api.py").read_text())
+    scripts = [
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["SFT_SCRIPT"]
+    ]
+    assert len(scripts) == 1, "tests/test_api.py has no SFT_SCRIPT: run this block here again (drop its entry)"
+    assert block.code == scripts[0].replace("BACKEND", '"jax"'), (
+        f"{block.id} differs from tests/test_api.py's SFT_SCRIPT: make them the same script again"
+    )
+    tests = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert "test_the_readme_sft_script_trains_lora_and_eval_loss_falls" in tests, sorted(tests)
+
+
 @dataclass(frozen=True)
 class CannotRun:
     file: str
@@ -363,6 +384,14 @@ CANNOT_RUN = [
         "needs the network (make gpu-wheels) and a CUDA GPU (run_all.sh); "
         "checked: the target exists and `make -n` prints it, run_all.sh --help parses and a bare call exits 2",
         check_gpu_lane,
+    ),
+    CannotRun(
+        "README.md",
+        'rows = [{"text": f"{n} plus one is {n + 1}."}',
+        "run verbatim by tests/test_api.py::test_the_readme_sft_script_trains_lora_and_eval_loss_falls (a file, a "
+        "fresh python, both backends); checked: the block is that test's script",
+        check_run_by_test_api,
+        slow=True,
     ),
 ]
 
@@ -478,3 +507,14 @@ def test_the_step_cap_goes_at_the_end_of_each_train_command():
         ".venv/bin/torchrun",
     ]
     assert [d.name for d in train_output_dirs(code, REPO)] == ["a", "latest", "tiny"]
+
+
+def test_a_block_run_elsewhere_must_be_that_tests_script():
+    """The README's SFTTrainer block passes the check as it is; the same block with one number changed does not
+    (it would then be a script no test runs)."""
+    (block,) = [b for b in BLOCKS if cannot_run_entry(b) and cannot_run_entry(b).check is check_run_by_test_api]
+    check_run_by_test_api(block, Path("."))
+    changed = Block(block.file, block.line, block.lang, block.code.replace("max_steps=24", "max_steps=25"))
+    assert changed.code != block.code
+    with pytest.raises(AssertionError, match="differs from tests/test_api.py's SFT_SCRIPT"):
+        check_run_by_test_api(changed, Path("."))

@@ -116,8 +116,10 @@ def _cfg(data, out, **kw):
 
 @pytest.mark.slow
 def test_fifty_steps_reach_the_float32_runs_loss_within_two_percent(sft_jsonl, tmp_path):
-    train(_cfg(sft_jsonl, tmp_path / "fp32"))
-    train(_cfg(sft_jsonl, tmp_path / "bf16", optimizer="adamw_bf16"))
+    # 64-token rows: the same model and fifty updates as 128 (every weight still rounded to bfloat16 each step) at
+    # about half the tokens; the float32 loss still falls by a quarter (0.75x)
+    train(_cfg(sft_jsonl, tmp_path / "fp32", max_length=64))
+    train(_cfg(sft_jsonl, tmp_path / "bf16", max_length=64, optimizer="adamw_bf16"))
     a, b = read_metrics(tmp_path / "fp32"), read_metrics(tmp_path / "bf16")
     first, last_a, last_b = a[0]["loss"], [r["loss"] for r in a[-5:]], [r["loss"] for r in b[-5:]]
     mean_a, mean_b = sum(last_a) / 5, sum(last_b) / 5
