@@ -56,10 +56,13 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
         raise CheckpointError(
             f"MXFP4 blocks {blocks.dtype}{list(blocks.shape)} and scales {scales.dtype}{list(scales.shape)}: expected "
             "uint8 [..., groups, 16] and uint8 [..., groups]; the checkpoint's _blocks/_scales pair is corrupt or "
-            "from another format"
+            "from another format: copy the model folder again from its release"
         )
     if blocks.shape[-1] != GROUP // 2:
-        raise CheckpointError(f"MXFP4 blocks hold {blocks.shape[-1]} bytes per group, expected {GROUP // 2}")
+        raise CheckpointError(
+            f"MXFP4 blocks hold blocks.shape[-1]={blocks.shape[-1]} bytes per group, expected {GROUP // 2}: the "
+            "tensor is not MXFP4; use the model's float release"
+        )
     codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], GROUP)
     with np.errstate(over="ignore"):  # scale 2 ** 127 times 6 is inf, as in transformers; check_finite names it
         values = np.ldexp(FP4_E2M1[codes], (scales.astype(np.int32) - 127)[..., None])
@@ -86,12 +89,18 @@ def unpack_mxfp4_experts_(tensors: dict[str, Any], dequantize: Callable[[Any, An
         if base.rsplit(".", 1)[-1] not in MXFP4_TENSORS:
             continue
         if base + "_scales" not in tensors:
-            raise CheckpointError(f"{key} has no {base}_scales beside it: the MXFP4 checkpoint is incomplete")
+            raise CheckpointError(
+                f"{key} has no {base}_scales beside it: the MXFP4 checkpoint is incomplete; copy the whole model "
+                "folder again"
+            )
         tensors[base] = dequantize(tensors.pop(key), tensors.pop(base + "_scales"))
         pairs += 1
     orphans = [k for k in tensors if k.endswith("_scales") and k[: -len("_scales")].rsplit(".", 1)[-1] in MXFP4_TENSORS]
     if orphans:
-        raise CheckpointError(f"{orphans[0]} has no _blocks beside it: the MXFP4 checkpoint is incomplete")
+        raise CheckpointError(
+            f"tensor {orphans[0]!r} has no _blocks beside it: the MXFP4 checkpoint is incomplete; copy the whole "
+            "model folder again"
+        )
     return pairs
 
 
