@@ -65,14 +65,14 @@ demo: setup
 	$(BIN)/twinseq lengths embedded --output runs/demo/lengths.png
 	$(BIN)/twinseq train --config configs/demo.yaml --overwrite-output-dir
 
-# The fast tier (the README's test command, about 10 minutes on 2 cores): every test but those marked `slow`.
+# The fast tier (the README's test command, about 12 minutes on 2 cores): every test but those marked `slow`.
 test: setup
 	$(BIN)/pytest -q -m "not slow"
 
 test-fast: test
 
 # Everything (CI runs this, then test-vllm): the fast tier plus the `slow` tests (golden trajectories, SIGKILL
-# resumes, multi-rank ZeRO-3/FSDP runs, notebooks, benchmark smoke runs); about 55 to 60 minutes on 2 cores. The
+# resumes, multi-rank ZeRO-3/FSDP runs, notebooks, benchmark smoke runs); about 55 to 65 minutes on 2 cores. The
 # cross-framework parity suite runs in a python of its own: at the end of one 2,200-test process (several GB
 # resident, every JAX compilation cached) XLA's CPU compiler crashed (SIGSEGV) compiling a parity step. The JAX
 # backend's unit tests run in a third python for the same reason: with them in the main process, XLA's CPU

@@ -86,7 +86,7 @@ def test_a_peft_run_imports_no_bitsandbytes_and_prints_no_dependency_line(tmp_pa
     assert len(records) == 2 and not frames(text)
 
 
-@pytest.mark.slow  # the fast tier is at its 10-minute budget; make test-all runs it
+@pytest.mark.slow  # the fast tier is at its budget, about 12 minutes; make test-all runs it
 def test_a_grpo_run_shows_the_reward_on_its_bar_and_in_its_summary(tmp_path):
     text, records = train(tmp_path, "--max-steps", "2", *GRPO)
     assert not dependency_lines(text), dependency_lines(text)

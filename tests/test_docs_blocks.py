@@ -21,7 +21,7 @@ How a block runs:
 - ``PLACEHOLDERS``: paths the docs use for "your own checkpoint" (``path/to/Qwen2.5-0.5B-Instruct``); the test
   builds a small folder of that kind at that path in the block's folder, and the command runs unchanged.
 
-Every runnable block is ``slow`` (the full tier, ``make test-all``; the fast tier is at its 10-minute budget);
+Every runnable block is ``slow`` (the full tier, ``make test-all``; the fast tier is at its budget, about 12 minutes);
 the fast tier keeps the checks of the table, the step cap and the command parsing.
 """
 

@@ -147,6 +147,7 @@ def _block_value_and_grads(block, x_BTH, fused: bool):
     return y, jax.tree.leaves(grads)
 
 
+@pytest.mark.slow  # about 4 s a family (six compiled forward + backward)
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_the_moe_block_on_cpu_equals_its_per_projection_path(name):
     for dtype in ("float32", "bfloat16"):
