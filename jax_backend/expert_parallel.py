@@ -62,8 +62,7 @@ def _local_experts(hidden_act: str, x_RH, local_R, gate_up_LXH, down_LHM) -> jax
         return moe.grouped_experts(x_RH, ones_R, order, group_sizes_L, gate_up_LXH, down_LHM, None, None, layout)
     x_SH = x_RH[order]
     gate_up_S2 = grouped_matmul(x_SH, gate_up_LXH, group_sizes_L, transposed=True)
-    gate_SM, up_SM = jnp.split(gate_up_S2, 2, axis=-1)
-    h_SM = ACTIVATIONS[hidden_act](gate_SM) * up_SM
+    h_SM = moe.GluGate(ACTIVATIONS[hidden_act])(gate_up_S2)
     y_SH = grouped_matmul(h_SM, down_LHM, group_sizes_L, transposed=True)
     y_RH = jnp.zeros_like(y_SH).at[order].set(y_SH)
     return jnp.where((local_R < num_local)[:, None], y_RH, 0)

@@ -81,7 +81,7 @@ def _blocks(group_sizes_E: jax.Array, rows: int, block: int) -> tuple[jax.Array,
     return expert_B, jnp.minimum(lo_B, rows - block), lo_B, hi_B
 
 
-def _matmul(a_bI: jax.Array, w_IO: jax.Array, transpose_w: bool) -> jax.Array:
+def matmul_f32(a_bI: jax.Array, w_IO: jax.Array, transpose_w: bool) -> jax.Array:
     """``a @ w`` (``a @ w.T`` with ``transpose_w``), accumulated in float32."""
     dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
     return jax.lax.dot_general(a_bI, w_IO, dims, preferred_element_type=jnp.float32)
@@ -127,7 +127,7 @@ def _forward(block: int, transposed: bool, x_SK, w_EKO, group_sizes_E):
 
     def body(y_SO, e, start, mask_b1):
         x_bK = jnp.where(mask_b1, jax.lax.dynamic_slice_in_dim(x_SK, start, block), 0)
-        return _add_rows(y_SO, start, _matmul(x_bK, w_EKO[e], transposed))
+        return _add_rows(y_SO, start, matmul_f32(x_bK, w_EKO[e], transposed))
 
     y_SO = varying_like(jnp.zeros((rows, out), jnp.result_type(x_SK, w_EKO)), x_SK, w_EKO, group_sizes_E)
     return scan_blocks(block, group_sizes_E, rows, y_SO, body)
@@ -149,8 +149,8 @@ def _blocked_bwd(block: int, transposed: bool, residuals, dy_SO):
         dx_SK, dw_EKO = carry
         dy_bO = jnp.where(mask_b1, jax.lax.dynamic_slice_in_dim(dy_SO, start, block), 0)
         x_bK = jax.lax.dynamic_slice_in_dim(x_SK, start, block)
-        dx_SK = _add_rows(dx_SK, start, _matmul(dy_bO, w_EKO[e], not transposed))
-        dw = _matmul(dy_bO.T, x_bK.T, True) if transposed else _matmul(x_bK.T, dy_bO.T, True)  # [O, K] / [K, O]
+        dx_SK = _add_rows(dx_SK, start, matmul_f32(dy_bO, w_EKO[e], not transposed))
+        dw = matmul_f32(dy_bO.T, x_bK.T, True) if transposed else matmul_f32(x_bK.T, dy_bO.T, True)  # [O, K] / [K, O]
         return dx_SK, dw_EKO.at[e].add(dw)
 
     refs = (x_SK, w_EKO, group_sizes_E, dy_SO)

@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from twinseq.jax_backend.grouped import BLOCK_ROWS, scan_blocks, varying_like
+from twinseq.jax_backend.grouped import BLOCK_ROWS, matmul_f32, scan_blocks, varying_like
 
 
 @dataclass(frozen=True)
@@ -84,19 +84,14 @@ class Layout:
     sum_dtype: str
 
 
-def _product(a_bK: jax.Array, w_KO_or_OK: jax.Array, output_major: bool) -> jax.Array:
-    """``a @ w`` (``a @ w.T`` for output-major ``w``), accumulated in float32."""
-    dims = (((1,), (1 if output_major else 0,)), ((), ()))
-    return jax.lax.dot_general(a_bK, w_KO_or_OK, dims, preferred_element_type=jnp.float32)
-
-
 def _weight_grad(in_bK: jax.Array, out_bO: jax.Array, output_major: bool) -> jax.Array:
     """``in.T @ out`` in the stored layout (``[O, K]`` output-major, ``[K, O]`` otherwise), float32."""
     a, b = (out_bO, in_bK) if output_major else (in_bK, out_bO)
     return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _masked_rows(a_S: jax.Array, start: jax.Array, block: int) -> jax.Array:
+def _rows(a_S: jax.Array, start: jax.Array, block: int) -> jax.Array:
+    """``a[start : start + block]`` (the block's slice; its rows outside the block are masked by the caller)."""
     return jax.lax.dynamic_slice_in_dim(a_S, start, block)
 
 
@@ -148,14 +143,14 @@ def _forward(block, layout, x_NH, weight_S, token_S, group_sizes_E, gate_up_E, d
 
     def body(carry, e, start, mask_b1):
         y_NH, gate_up_SF = carry
-        token_b = _masked_rows(token_S, start, block)
-        gate_up_bF = _product(x_NH[token_b], gate_up_E[e], layout.output_major).astype(compute)
+        token_b = _rows(token_S, start, block)
+        gate_up_bF = matmul_f32(x_NH[token_b], gate_up_E[e], layout.output_major).astype(compute)
         gate_up_bF = gate_up_bF + _bias(gate_up_bias, e, compute)
         if gate_up_SF is not None:
             gate_up_SF = _set_rows(gate_up_SF, start, gate_up_bF, mask_b1[:, 0])
-        out_bH = _product(layout.gate(gate_up_bF), down_E[e], layout.output_major).astype(compute)
+        out_bH = matmul_f32(layout.gate(gate_up_bF), down_E[e], layout.output_major).astype(compute)
         out_bH = out_bH + _bias(down_bias, e, compute)
-        weighted_bH = (out_bH * _masked_rows(weight_S, start, block)[:, None]).astype(layout.sum_dtype)
+        weighted_bH = (out_bH * _rows(weight_S, start, block)[:, None]).astype(layout.sum_dtype)
         return y_NH.at[token_b].add(jnp.where(mask_b1, weighted_bH, 0)), gate_up_SF
 
     refs = (x_NH, weight_S, gate_up_E, down_E, group_sizes_E)
@@ -184,13 +179,13 @@ def _experts_bwd(block, layout, residuals, dy_NH):
 
     def body(carry, e, start, mask_b1):
         dx_NH, dweight_S, dgate_up, ddown, dgate_up_bias, ddown_bias = carry
-        token_b, weight_b = _masked_rows(token_S, start, block), _masked_rows(weight_S, start, block)
+        token_b, weight_b = _rows(token_S, start, block), _rows(weight_S, start, block)
         # the weighted copy is (out * weight).astype(sum dtype): its cotangent in the product's dtype
         product = jnp.result_type(compute, weight_b)
         dy_bH = jnp.where(mask_b1, dy_NH[token_b], 0).astype(product)
         gate_up_bF = jax.lax.dynamic_slice_in_dim(gate_up_SF, start, block)
         h_bI, gate_vjp = jax.vjp(layout.gate, gate_up_bF)
-        g_bI = _product(dy_bH, down_E[e], not major)  # dy @ down[e] (output-major) or dy @ down[e].T
+        g_bI = matmul_f32(dy_bH, down_E[e], not major)  # dy @ down[e] (output-major) or dy @ down[e].T
         dw_b = jnp.sum(g_bI * h_bI.astype(jnp.float32), axis=-1)
         if down_bias is not None:
             dw_b = dw_b + jnp.sum(dy_bH.astype(jnp.float32) * down_bias[e].astype(jnp.float32), axis=-1)
@@ -203,7 +198,7 @@ def _experts_bwd(block, layout, residuals, dy_NH):
         dgate_up = dgate_up.at[e].add(_weight_grad(x_NH[token_b], dgate_up_bF, major))
         if dgate_up_bias is not None:
             dgate_up_bias = dgate_up_bias.at[e].add(jnp.sum(dgate_up_bF.astype(jnp.float32), axis=0))
-        dx_bH = _product(dgate_up_bF, gate_up_E[e], not major).astype(dx_NH.dtype)
+        dx_bH = matmul_f32(dgate_up_bF, gate_up_E[e], not major).astype(dx_NH.dtype)
         dx_NH = dx_NH.at[token_b].add(dx_bH)
         return dx_NH, dweight_S, dgate_up, ddown, dgate_up_bias, ddown_bias
 

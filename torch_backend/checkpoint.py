@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
 from twinseq.common.backend import Model, PathLike
 from twinseq.common.errors import CheckpointError
 from twinseq.common.models.configs import parameter_shapes
-from twinseq.common.models.hf_folder import CONFIG_FILE, WEIGHTS_FILE, inspect_model_folder, read_json
+from twinseq.common.models.hf_folder import WEIGHTS_FILE, inspect_model_folder
 from twinseq.common.models.mxfp4 import quant_method
 from twinseq.common.models.safetensors_stream import LazyArray, write_safetensors
 from twinseq.torch_backend.attention import check_attention_supported, hf_attn_name, resolve_attn_implementation
@@ -53,7 +53,7 @@ def load_pretrained(
     config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     attn = hf_attn_name(resolve_attn_implementation(attn_implementation, config))
     # gpt-oss's MXFP4 experts load dequantized (exactly: common.models.mxfp4): MXFP4 has no backward to train
-    quantized = quant_method(read_json(path / CONFIG_FILE)) == "mxfp4"
+    quantized = quant_method(config.to_dict()) == "mxfp4"
     # safetensors only: a pickled pytorch_model.bin is never unpickled
     model = AutoModelForCausalLM.from_pretrained(
         str(path),
