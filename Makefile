@@ -160,6 +160,7 @@ bench-gpu: setup
 	$(BIN)/python benchmarks/gpu/sft_gpu.py
 	$(BIN)/python benchmarks/gpu/max_length_gpu.py
 	$(BIN)/python benchmarks/gpu/state_staircase_gpu.py
+	$(BIN)/python benchmarks/gpu/moe_gpu.py
 	$(BIN)/python benchmarks/readme_table.py
 
 clean:

@@ -12,7 +12,7 @@ What twinseq runs for a MoE layer:
   block gathering its inputs and adding its weighted outputs in place, a custom VJP that saves the gate/up
   pre-activations only (torch's kernel, in jax). ``grouped_per_projection`` is the same block through one
   ``jax_backend.grouped.grouped_matmul`` per projection under autodiff (what runs with expert LoRA, and with
-  ``jax.lax.ragged_dot`` on accelerators).
+  ``jax.lax.ragged_dot`` on TPU).
 
 Variants (one block, ``hidden`` wide, ``experts`` experts of ``expert_intermediate`` each, top ``top_k``, ``tokens``
 tokens in one row, float32, router softmax in float32, top-k weights renormalised):
@@ -258,7 +258,7 @@ def measure_jax(args: argparse.Namespace) -> list[dict[str, Any]]:
     for kind in JAX_VARIANTS:
         module = dense if kind == "dense" else moe_block
         if kind != "dense":
-            module.grouped_experts_on_cpu = kind == "grouped"
+            module.grouped_experts_kernel = kind == "grouped"
         graphdef, params = nnx.split(module)
 
         def loss(params_, x_, graphdef_=graphdef):

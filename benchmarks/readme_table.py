@@ -307,6 +307,21 @@ def moe_grouped_row(d: dict) -> tuple[str, str, str]:
             f"weight gradients, {r['jax_speedup_vs_eager']:.2f}× faster than the loop")
 
 
+def moe_gpu_row(d: dict) -> tuple[str, str, str]:
+    rows = {(r["variant"], r["train_weights"]): r for r in d["results"] if r["status"] == "ok"}
+    g, hf, eager = rows[("grouped", True)], rows[("hf_grouped_mm", True)], rows[("eager", True)]
+    gf, hff, dense_f = rows[("grouped", False)], rows[("hf_grouped_mm", False)], rows[("dense", False)]
+    return (f"MoE layer fwd+bwd, H {d['hidden']:,}, {d['experts']} experts × {d['expert_intermediate']}, "
+            f"top-{d['top_k']}, {d['tokens']:,} tokens, {d['dtype']}",
+            f"transformers' grouped_mm: {_mib(hf['peak_bytes'])}, {hf['median_seconds'] * 1e3:.1f} ms; per-expert "
+            f"loop {eager['median_seconds'] * 1e3:.0f} ms",
+            f"twinseq's kernel: {_mib(g['peak_bytes'])} ({_x(g['peak_bytes'] / hf['peak_bytes'])}× grouped_mm), "
+            f"{g['median_seconds'] * 1e3:.1f} ms ({_x(g['median_seconds'] / hf['median_seconds'])}× its time, "
+            f"{eager['median_seconds'] / g['median_seconds']:.1f}× faster than the loop); frozen weights "
+            f"{_x(gf['peak_bytes'] / dense_f['peak_bytes'])}× the dense MLP (grouped_mm "
+            f"{_x(hff['peak_bytes'] / dense_f['peak_bytes'])}×)")
+
+
 def grpo_prefix_sharing_row(d: dict) -> tuple[str, str, str]:
     rows = {r["variant"]: r for r in d["rows"]}
     a, f = d["arguments"], d["logprob_forward"]
@@ -328,7 +343,7 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "rloo_memory": grpo_memory_row, "kto_memory": kto_memory_row,
     "loss_kernels": loss_kernels_row, "sft_gpu": sft_gpu_row, "state_staircase_gpu": state_staircase_gpu_row,
     "save_memory": save_memory_row, "dpo_context_parallel": dpo_context_parallel_row,
-    "moe_grouped": moe_grouped_row,
+    "moe_grouped": moe_grouped_row, "moe_gpu": moe_gpu_row,
     "grpo_prefix_sharing": grpo_prefix_sharing_row,
 }
 # Scripts of benchmarks/gpu/: measured on a GPU only (their CPU smoke runs are tests, never README figures).
@@ -336,6 +351,7 @@ GPU_ONLY: dict[str, str] = {
     "loss_kernels": "LM-head loss kernels fwd+bwd: twinseq vs `nll`, TRL, Liger, Cut Cross-Entropy",
     "sft_gpu": "SFT steps: twinseq vs TRL SFTTrainer; activation offloading on/off",
     "state_staircase_gpu": "training state: float32 AdamW -> bf16 state -> 8-bit AdamW -> optimizer in backward",
+    "moe_gpu": "one MoE layer fwd+bwd: twinseq's grouped kernel vs transformers' grouped_mm and loop, jax",
 }
 # Scripts of benchmarks/gpu/ that run a benchmark above in its CUDA mode: their results are that benchmark's files
 # (``max_length_<gpu>_<date>.json``), shown in its row's GPU column.

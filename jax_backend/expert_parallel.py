@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from twinseq.common.errors import ConfigError
 from twinseq.jax_backend import moe
-from twinseq.jax_backend.grouped import grouped_matmul, varying_like
+from twinseq.jax_backend.grouped import default_block_rows, grouped_matmul, ragged_dot_is_grouped, varying_like
 from twinseq.jax_backend.model import ACTIVATIONS, CausalLM, GptOssMoeBlock, SparseMoeBlock
 
 logger = logging.getLogger(__name__)
@@ -50,16 +50,18 @@ def _dispatch_slots(owner_C: jax.Array, world: int) -> jax.Array:
 
 def _local_experts(hidden_act: str, x_RH, local_R, gate_up_LXH, down_LHM) -> jax.Array:
     """Expert ``local_R[i]``'s gated MLP of received row ``i``; rows with ``local_R == L`` (empty slots) give 0. On
-    CPU ``moe.grouped_experts`` (each row its own token, weight 1: the empty slots sort last, past every group);
-    elsewhere one grouped matmul per projection."""
+    CPU and GPU ``moe.grouped_experts`` (each row its own token, weight 1: the empty slots sort last, past every
+    group); on TPU one grouped matmul per projection (``grouped.ragged_dot_is_grouped``)."""
     num_local = gate_up_LXH.shape[0]
     order = jnp.argsort(local_R, stable=True)
     group_sizes_L = jnp.bincount(local_R, length=num_local + 1)[:num_local].astype(jnp.int32)
-    if jax.default_backend() == "cpu":
+    if not ragged_dot_is_grouped():
         compute = jnp.result_type(x_RH, gate_up_LXH)
         layout = moe.Layout(True, moe.GluGate(ACTIVATIONS[hidden_act]), jnp.dtype(compute).name)
         ones_R = varying_like(jnp.ones(order.shape, compute), x_RH)  # varying as the rows, as its cotangent
-        return moe.grouped_experts(x_RH, ones_R, order, group_sizes_L, gate_up_LXH, down_LHM, None, None, layout)
+        return moe.grouped_experts(
+            x_RH, ones_R, order, group_sizes_L, gate_up_LXH, down_LHM, None, None, layout, default_block_rows()
+        )
     x_SH = x_RH[order]
     gate_up_S2 = grouped_matmul(x_SH, gate_up_LXH, group_sizes_L, transposed=True)
     h_SM = moe.GluGate(ACTIVATIONS[hidden_act])(gate_up_S2)

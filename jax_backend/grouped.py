@@ -17,13 +17,18 @@ single ``[E, K, O]`` float32 carry at ``e`` for ``dW`` (autodiff of the forward 
 cast to ``x``'s and ``w``'s result type. ``transposed=True`` reads transformers' output-major ``[E, O, K]`` weights
 as they are (no transposed copy of the weights or of their gradient).
 
-On other platforms (GPU, TPU) ``jax.lax.ragged_dot`` is kept: their lowerings are grouped already. The platform is
-read from ``jax.default_backend()`` at trace time.
+XLA:GPU lowers it densely too: on an H200 (jax 0.11.2), one Qwen3-30B-A3B MoE layer (hidden 2048, 128 experts of
+768, top-8) at 16,384 tokens in bfloat16 compiled to 66.8 GB of temporaries for its forward + input gradient (the
+dense MLP of the same active width: 0.8 GB), and with the weights' gradients it did not fit the 139 GB card
+(benchmarks/results/moe_gpu_h200-140gb_2026-11-27.md). So the block-sparse form runs on every platform but TPU, whose
+``ragged_dot`` lowering is grouped; on a GPU in blocks of ``ACCELERATOR_BLOCK_ROWS`` rows. The platform is read from
+``jax.default_backend()`` at trace time (``ragged_dot_is_grouped``).
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,20 +36,35 @@ import jax.numpy as jnp
 BLOCK_ROWS = 32
 """Rows per block on CPU (measured on hidden 1024, 64 experts x 384, top-8, 512 tokens; see the function)."""
 
+ACCELERATOR_BLOCK_ROWS = 256
+"""Rows per block on a GPU: fewer, larger steps of the scan (each step is a few kernel launches), at most
+``E * 255`` masked rows of extra work. Chosen, not yet timed on a GPU (``benchmarks/gpu/moe_gpu.py`` times it)."""
+
+
+def ragged_dot_is_grouped() -> bool:
+    """True where ``jax.lax.ragged_dot``'s lowering is grouped (TPU); XLA:CPU and XLA:GPU lower it over every expert
+    (module docstring), so the block-sparse forms run there."""
+    return jax.default_backend() == "tpu"
+
+
+def default_block_rows() -> int:
+    """``BLOCK_ROWS`` on CPU, ``ACCELERATOR_BLOCK_ROWS`` elsewhere."""
+    return BLOCK_ROWS if jax.default_backend() == "cpu" else ACCELERATOR_BLOCK_ROWS
+
 
 def grouped_matmul(
     x_SK: jax.Array,
     w_EKO: jax.Array,
     group_sizes_E: jax.Array,
-    block_rows: int = BLOCK_ROWS,
+    block_rows: Optional[int] = None,
     *,
     transposed: bool = False,
 ) -> jax.Array:
-    """``jax.lax.ragged_dot(x_SK, w_EKO, group_sizes_E)`` (-> ``y_SO``), block-sparse on CPU (module docstring).
+    """``jax.lax.ragged_dot(x_SK, w_EKO, group_sizes_E)`` (-> ``y_SO``), block-sparse but on TPU (module docstring).
 
     ``transposed=True`` takes the weights output-major, ``w_EOK`` (transformers' ``[E, out, in]``), and multiplies
-    by each ``w[e].T`` without a transposed copy of the weights or of their gradient. ``block_rows`` (CPU only) is
-    clipped to ``S``, so tiny inputs run tiny blocks."""
+    by each ``w[e].T`` without a transposed copy of the weights or of their gradient. ``block_rows`` (default
+    ``default_block_rows()``) is clipped to ``S``, so tiny inputs run tiny blocks."""
     k_axis = 2 if transposed else 1
     if x_SK.ndim != 2 or w_EKO.ndim != 3 or x_SK.shape[1] != w_EKO.shape[k_axis]:
         raise ValueError(
@@ -56,11 +76,11 @@ def grouped_matmul(
             f"grouped_matmul: group_sizes_E has shape {group_sizes_E.shape}, expected ({w_EKO.shape[0]},): one size "
             "per expert of w"
         )
-    if jax.default_backend() != "cpu":
+    if ragged_dot_is_grouped():
         return jax.lax.ragged_dot(x_SK, jnp.swapaxes(w_EKO, 1, 2) if transposed else w_EKO, group_sizes_E)
     if x_SK.shape[0] == 0:
         return jnp.zeros((0, w_EKO.shape[1 if transposed else 2]), jnp.result_type(x_SK, w_EKO))
-    block = max(1, min(int(block_rows), x_SK.shape[0]))
+    block = max(1, min(int(block_rows or default_block_rows()), x_SK.shape[0]))
     return _blocked(block, transposed, x_SK, w_EKO, group_sizes_E.astype(jnp.int32))
 
 

@@ -32,7 +32,7 @@ HF details reproduced on purpose (transformers 5.x ``modeling_{llama,qwen2,qwen3
   token chunks (``tiled_mlp_chunk_size``, ALST's tiled MLP), each chunk recomputed in backward;
 - Qwen3-MoE and Mixtral: on their sparse layers a router (softmax in float32, top-k, optional renormalisation)
   and the experts as a grouped matmul over the tokens sorted by expert (``SparseMoeBlock``,
-  ``grouped.grouped_matmul``: ``ragged_dot`` on accelerators, a blockwise scan on CPU); with
+  ``moe.grouped_experts`` on CPU and GPU, ``grouped.grouped_matmul``'s ``ragged_dot`` on TPU); with
   ``output_router_logits`` the loss adds transformers' load-balancing loss
   (``loss_fn``); gpt-oss's biased router and biased, clamped-SwiGLU experts (``GptOssMoeBlock``), the same way;
 - gpt-oss's attention sinks: a ``sinks`` parameter ``[N]`` per layer, passed to the attention as ``sinks=``
@@ -67,7 +67,7 @@ from twinseq.common.models.rope import rope_attention_factor, rope_inv_freq, sli
 from twinseq.common.models.safetensors_stream import LazyArray
 from twinseq.jax_backend import moe
 from twinseq.jax_backend.attention import attention_for, document_causal_mask, dot_product_attention
-from twinseq.jax_backend.grouped import grouped_matmul
+from twinseq.jax_backend.grouped import default_block_rows, grouped_matmul, ragged_dot_is_grouped
 from twinseq.jax_backend.losses import (
     LOSS_TYPES,
     causal_lm_loss,
@@ -337,10 +337,10 @@ class SparseMoeBlock(nnx.Module):
     experts are transformers 5's fused tensors in its layout: ``gate_up_proj`` ``[E, 2m, h]`` (gate rows, then up
     rows) and ``down_proj`` ``[E, h, m]``.
 
-    The experts run over the token copies sorted by expert: no capacity, no token dropped. On CPU,
+    The experts run over the token copies sorted by expert: no capacity, no token dropped. On CPU and GPU,
     ``moe.grouped_experts`` (gather and scatter inside, the gate/up pre-activations the only per-copy tensor saved
-    for backward); on accelerators, with expert LoRA or with ``grouped_experts_on_cpu = False``, one grouped matmul
-    per projection under autodiff (``grouped.grouped_matmul``: ``jax.lax.ragged_dot``, block-sparse on CPU). Naive
+    for backward); on TPU, with expert LoRA or with ``grouped_experts_kernel = False``, one grouped matmul per
+    projection under autodiff (``grouped.grouped_matmul``: ``jax.lax.ragged_dot`` on TPU, block-sparse elsewhere). Naive
     equivalent (what transformers' eager loop computes)::
 
         y[n] = sum_j w[n, j] * down[e] @ (act(gate[e] @ x[n]) * (up[e] @ x[n]))   with e = top_k(x[n])[j]
@@ -360,7 +360,7 @@ class SparseMoeBlock(nnx.Module):
         self.renormalise_top_k, self.routing_weights_f32 = cfg.renormalise_top_k, cfg.routing_weights_f32
         self.hidden_act = cfg.hidden_act
         self.tile_size: Optional[int] = None  # tiled MLP is refused on MoE layers (set_tiled_mlp)
-        self.grouped_experts_on_cpu = True  # moe.grouped_experts on CPU (False: per-projection grouped matmuls)
+        self.grouped_experts_kernel = True  # moe.grouped_experts but on TPU (False: per-projection grouped matmuls)
         self.expert_lora: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (tensor name, its adapters' place)
         self.lora_scaling = 0.0
         self.adapters_enabled = True
@@ -420,14 +420,20 @@ class SparseMoeBlock(nnx.Module):
         group_sizes_E = jnp.bincount(expert_of_copy, length=self.num_experts).astype(jnp.int32)
         weight_S = weights_NK.reshape(-1)[order]
         if (
-            self.grouped_experts_on_cpu
-            and jax.default_backend() == "cpu"
+            self.grouped_experts_kernel
+            and not ragged_dot_is_grouped()
             and not (self.expert_lora and self.adapters_enabled)
         ):
             compute = jnp.result_type(x_NH, self.experts["gate_up_proj"][...])
             layout = moe.Layout(*self._gate(), sum_dtype=jnp.dtype(self._sum_dtype(compute, weight_S, x_NH)).name)
             y_NH = moe.grouped_experts(
-                x_NH, weight_S, token_of_sorted, group_sizes_E, *self._expert_tensors(), layout=layout
+                x_NH,
+                weight_S,
+                token_of_sorted,
+                group_sizes_E,
+                *self._expert_tensors(),
+                layout=layout,
+                block_rows=default_block_rows(),
             )
             return y_NH.astype(x_NH.dtype).reshape(b, t, h), router_logits_NE
         y_SH = self._experts(x_NH[token_of_sorted], expert_of_sorted, group_sizes_E)
@@ -483,7 +489,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         self.num_experts, self.top_k = int(cfg.num_experts), int(cfg.num_experts_per_tok)
         self.swiglu_limit, self.swiglu_alpha = float(cfg.swiglu_limit), float(cfg.swiglu_alpha)
         self.tile_size: Optional[int] = None  # tiled MLP is refused on MoE layers (set_tiled_mlp)
-        self.grouped_experts_on_cpu = True  # moe.grouped_experts on CPU (False: per-projection grouped matmuls)
+        self.grouped_experts_kernel = True  # moe.grouped_experts but on TPU (False: per-projection grouped matmuls)
         self.expert_lora: tuple[tuple[str, tuple[str, ...]], ...] = ()
         self.lora_scaling = 0.0
         self.adapters_enabled = True

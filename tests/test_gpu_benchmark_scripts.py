@@ -316,3 +316,17 @@ def test_state_staircase_gpu_smoke_runs_every_rung_and_compares_with_float32(tmp
                                        "its loss within 2 % of float32's"}
     cell = _gpu_readme_cell(tmp_path, data)
     assert "float32 weights + AdamW:" in cell and "bf16-8bit-in-backward:" in cell
+
+
+@pytest.mark.slow
+def test_moe_gpu_smoke_checks_every_torch_variant_against_the_loop(tmp_path):
+    """Every variant runs on this machine's device; each torch MoE variant's output and input gradient are checked
+    against the eager loop's (agreeing here), and jax's rows carry compiled memory."""
+    data = _run_script("moe_gpu", tmp_path)
+    rows = {(r["variant"], r["train_weights"]): r for r in data["results"]}
+    assert all(r["status"] == "ok" for r in rows.values()), rows
+    for train_weights in (True, False):
+        for variant in ("grouped", "hf_grouped_mm", "eager"):
+            assert rows[(variant, train_weights)]["check"]["agrees"], (variant, train_weights)
+        assert "check" not in rows[("dense", train_weights)]
+        assert rows[("jax moe block", train_weights)]["peak_bytes"] > 0

@@ -90,11 +90,11 @@ Mixture of experts (``qwen3_moe``, ``mixtral``)
     (``expert ...``, split out of the state rows, the total unchanged), whatever the routing. A MoE layer saves, in
     place of the dense MLP's ``mlp x i``, ``top_k`` routed copies of each token (``MOE_SAVED``: the gathered input,
     the experts' gate/up products, the down output the routing weight scales) and the router's logits and softmax
-    (``E`` per token): rows ``routed activations (MoE)`` and ``router logits (MoE)``. On CPU both backends run
-    twinseq's grouped experts kernel (``torch_backend.moe``, ``jax_backend.moe``), which saves only each copy's gate/up
-    pre-activations (``MOE_SAVED_CPU``); on accelerators transformers' ``grouped_mm`` and ``ragged_dot`` keep the
-    whole set. ``grouped matmul workspace (MoE)``: the permutations that sort the copies by expert; the grouped
-    matmuls work in place, so no row grows with the experts.
+    (``E`` per token): rows ``routed activations (MoE)`` and ``router logits (MoE)``. On CPU and CUDA both backends
+    run twinseq's grouped experts kernel (``torch_backend.moe``, ``jax_backend.moe``), which saves only each copy's
+    gate/up pre-activations (``MOE_SAVED_KERNEL``); jax's per-projection path, which runs with LoRA on the experts,
+    keeps the whole set. ``grouped matmul workspace (MoE)``: the permutations that sort the copies by expert; the
+    grouped matmuls work in place, so no row grows with the experts.
 
 Activation offloading (CUDA): saved decoder activations move to host memory; the device keeps two layers'
 worth in flight. On CPU the host *is* the device, so it saves nothing and the plan says so.
@@ -210,11 +210,11 @@ class MoeCoefficients:
     router: float
 
 
-MOE_SAVED_CPU = MoeCoefficients(routed_mlp=2, routed_hidden=0, router=2)
-"""On CPU both backends run twinseq's grouped experts kernel (``torch_backend.moe``, ``jax_backend.moe``): per token
-copy the gate/up pre-activations only (2m); the input is re-gathered and the rest recomputed in backward."""
+MOE_SAVED_KERNEL = MoeCoefficients(routed_mlp=2, routed_hidden=0, router=2)
+"""On CPU and CUDA both backends run twinseq's grouped experts kernel (``torch_backend.moe``, ``jax_backend.moe``):
+per token copy the gate/up pre-activations only (2m); the input is re-gathered and the rest recomputed in backward."""
 
-MOE_SAVED = {  # on accelerators
+MOE_SAVED = {  # the per-projection paths: jax's with expert LoRA (planned); torch's where the kernel cannot run
     # torch, transformers' grouped_mm experts (integrations.moe.grouped_mm_experts_forward), per token copy: the
     # gathered input (h), the gate_up output (2m), act(gate) (m), the gated product the down matmul reads (m) and
     # the down output the routing weight multiplies (h); per token the router's logits and float32 softmax (2 E)
@@ -800,7 +800,7 @@ def plan_memory(
     # MoE layers save their routed copies and the router's logits in place of the dense MLP's (MOE_SAVED); the
     # per-layer figure is the mean over the layers, so ``layers x per_layer`` is their sum
     n_moe = sum(cfg.layer_is_moe(k) for k in range(layers))
-    saved = MOE_SAVED_CPU if device == "cpu" else MOE_SAVED[backend]
+    saved = MOE_SAVED["jax"] if backend == "jax" and peft.lora_target_parameters else MOE_SAVED_KERNEL
     routed_elems, router_elems = _moe_elems(cfg, saved) if n_moe else (0.0, 0.0)
     mlp_elems = ((layers - n_moe) * coef.mlp * i + n_moe * (routed_elems + router_elems)) / layers
     down_in = ((layers - n_moe) * i + n_moe * cfg.num_experts_per_tok * cfg.expert_intermediate_size) / layers

@@ -136,7 +136,7 @@ def _block(name: str, dtype: str):
 
 
 def _block_value_and_grads(block, x_BTH, fused: bool):
-    block.grouped_experts_on_cpu = fused
+    block.grouped_experts_kernel = fused
     graphdef, params = nnx.split(block)
 
     def loss(p, x):
@@ -192,7 +192,7 @@ def test_nothing_per_copy_is_kept_but_the_gate_up_pre_activations():
     one_copy_buffer = tokens * block.top_k * hidden * 4
     temps = {}
     for fused in (True, False):
-        block.grouped_experts_on_cpu = fused
+        block.grouped_experts_kernel = fused
         graphdef, params = nnx.split(block)
         step = jax.jit(jax.grad(lambda x, p=params, g=graphdef: jnp.sum(nnx.merge(g, p)(x) ** 2)))
         temps[fused] = step.lower(x_BTH).compile().memory_analysis().temp_size_in_bytes

@@ -14,7 +14,7 @@ import pytest
 
 from twinseq.common.config import TrainConfig
 from twinseq.common.models.configs import ModelConfig, parameter_shapes
-from twinseq.common.run.memory_plan import MOE_ROWS, MOE_SAVED, MOE_SAVED_CPU, plan_memory
+from twinseq.common.run.memory_plan import MOE_ROWS, MOE_SAVED, MOE_SAVED_KERNEL, plan_memory
 
 BASE = dict(model_config="tiny-qwen3-moe", max_length=512, packing=True, per_device_train_batch_size=8)
 BACKENDS = ("torch", "jax")
@@ -88,17 +88,24 @@ def test_top_2_doubles_the_routed_activations_and_the_sort(backend):
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_routed_row_counts_the_saved_copies(backend, device):
-    """tokens x MoE layers x top_k x (routed_mlp m + routed_hidden h) float32 numbers: on CPU twinseq's kernels
-    (gate/up pre-activations only), on CUDA transformers' grouped_mm / ragged_dot's set, several times more."""
+    """tokens x MoE layers x top_k x (routed_mlp m + routed_hidden h) float32 numbers: on CPU and CUDA twinseq's
+    kernels (gate/up pre-activations only); jax with LoRA on the experts runs its per-projection path, which keeps
+    several times more."""
     cfg = moe_model()
     p = plan_memory(TrainConfig.from_flat(**{**BASE, "backend": backend}), model=cfg, device=device)
-    coef = MOE_SAVED_CPU if device == "cpu" else MOE_SAVED[backend]
     copies = p.tokens * cfg.num_hidden_layers * cfg.num_experts_per_tok
-    per_copy = coef.routed_mlp * cfg.expert_intermediate_size + coef.routed_hidden * cfg.hidden_size
+    per_copy = MOE_SAVED_KERNEL.routed_mlp * cfg.expert_intermediate_size
+    per_copy += MOE_SAVED_KERNEL.routed_hidden * cfg.hidden_size
     assert p.get(ROUTED) == pytest.approx(copies * per_copy * 4, rel=1e-9)
-    if device == "cpu":
-        cuda = plan_memory(TrainConfig.from_flat(**{**BASE, "backend": backend}), model=cfg, device="cuda")
-        assert p.get(ROUTED) * 2 < cuda.get(ROUTED)
+    if backend == "jax":
+        flat = {**BASE, "backend": backend, "use_peft": True, "lora_dropout": 0.0,
+                "lora_target_parameters": ["experts.gate_up_proj"]}
+        lora = plan_memory(TrainConfig.from_flat(**flat), model=cfg, device=device)
+        coef = MOE_SAVED["jax"]
+        per_copy = coef.routed_mlp * cfg.expert_intermediate_size + coef.routed_hidden * cfg.hidden_size
+        assert lora.get(ROUTED) == pytest.approx(lora.tokens * cfg.num_hidden_layers * cfg.num_experts_per_tok
+                                                 * per_copy * 4, rel=1e-9)
+        assert p.get(ROUTED) * 2 < lora.get(ROUTED)
 
 
 def test_dense_layers_of_a_qwen3_moe_carry_no_routed_activations():
