@@ -18,7 +18,8 @@ reproduces peft 0.21's forward passes op for op, in float32 adapters:
   applied after the lookup, as PEFT does;
 - QLoRA (``load_in_4bit``): every decoder linear layer's weight is stored as 4-bit NF4 codes with a
   float32 absmax scale per block of (up to) 64 input features per output row (bitsandbytes' blocksize 64),
-  quantised and dequantised by ``qwix``; the LoRA above runs on the dequantised weight.
+  quantised and dequantised by ``qwix``; the LoRA above runs on the dequantised weight. A model with MoE experts is
+  refused (``common.models.peft.refuse_nf4_experts_on_jax``): their fused tensors have no NF4 storage here yet.
 
 Only ``model.AdapterParam`` tensors train (``model.split_trainable``); a switch on every adapted module
 (``adapters_disabled``) gives the base model back without a second copy of it (DPO's reference).
@@ -370,6 +371,7 @@ def add_adapters(
             f"add_adapters: cfg (model_type={cfg.model_type}) is not the config of this model "
             f"({model.config.model_type}); pass model.config."
         )
+    common_peft.refuse_nf4_experts_on_jax(cfg, peft)
     if peft.load_in_4bit:
         _require_qwix()
     if adapters is None:

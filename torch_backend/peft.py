@@ -11,7 +11,9 @@ the real ``peft`` library's (``LoraConfig`` + ``get_peft_model``), so an adapter
   initialisation with ``common.models.peft.init_adapters`` (or given adapters), so the torch and JAX backends start
   from the same numbers. With ``load_in_4bit`` the decoder's linear layers are first quantised to NF4 by
   bitsandbytes (``Linear4bit``, float32 compute; its CPU backend runs forward and backward), and PEFT wraps
-  them with its own 4-bit LoRA layers (QLoRA).
+  them with its own 4-bit LoRA layers (QLoRA). A MoE model's fused expert tensors become NF4 too
+  (``moe.quantize_experts_``, run by twinseq's grouped kernel a chunk of experts at a time); LoRA on them is
+  ``moe.NF4ExpertLoRA`` in the place and under the names of PEFT's ``ParamWrapper``, which cannot wrap NF4.
 - Only the adapter tensors (``lora_A``, ``lora_B``, DoRA's ``lora_magnitude_vector``, the trainable-token
   rows) require grad; every other tensor is frozen.
 - ``adapter_parameters`` maps the live parameters to PEFT's *saved* key names (``...q_proj.lora_A.weight``:
@@ -30,8 +32,9 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import sys
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -40,6 +43,7 @@ from twinseq.common.backend import Model
 from twinseq.common.errors import ConfigError, MissingDependencyError
 from twinseq.common.models.configs import ModelConfig
 from twinseq.common.models.peft import (
+    NF4_BLOCKSIZE,
     PeftConfig,
     adapter_shapes,
     check_adapters,
@@ -51,6 +55,7 @@ from twinseq.common.models.peft import (
 from twinseq.common.models.peft import merge_adapters as merge_adapter_weights
 from twinseq.torch_backend.attention import twinseq_attn_name
 from twinseq.torch_backend.model import base_weights, build_model, model_config_of
+from twinseq.torch_backend.moe import NF4ExpertLoRA, experts_modules, quantize_experts_
 
 # re-exported for the modules that still import them from here (they live in unwrap now): lm_head_weight
 # (grpo.py, deepspeed.py, parallel.py), saved_key (trainer.py)
@@ -135,8 +140,15 @@ def adapters_disabled(model: Model) -> Iterator[Model]:
             f"adapters_disabled needs an adapter model, but this {type(model).__name__} has none to disable; "
             "add them with add_adapters first."
         )
+    wrappers = [m for m in model.modules() if isinstance(m, NF4ExpertLoRA)]  # not PEFT's layers: disabled here
     with model.disable_adapter():
-        yield model
+        for wrapper in wrappers:
+            wrapper.disable_adapters = True
+        try:
+            yield model
+        finally:
+            for wrapper in wrappers:
+                wrapper.disable_adapters = False
 
 
 @contextlib.contextmanager
@@ -211,6 +223,8 @@ def add_adapters_seeded(
         # their row norms, so the adapted model starts equal to its base, as PEFT's own initialisation does
         adapters = init_adapters(cfg, peft, seed=seed, base_weights=base_weights(model))
     targets = sorted(lora_targets(cfg, peft))
+    # an NF4 expert tensor is no float Parameter for PEFT's ParamWrapper: twinseq's NF4ExpertLoRA takes its place
+    nf4_experts = peft.load_in_4bit and bool(expert_targets(cfg, peft))
     config = LoraConfig(
         r=peft.lora_r,
         lora_alpha=peft.lora_alpha,
@@ -218,7 +232,7 @@ def add_adapters_seeded(
         # explicit module paths (not "all-linear"): exactly common.models.peft's targets, whatever PEFT's own rule is
         target_modules=targets,
         # the experts' fused 3-D tensors, by full path: PEFT's ParamWrapper (W[e] + scaling * B_e @ A_e per expert)
-        target_parameters=list(expert_targets(cfg, peft)) or None,
+        target_parameters=None if nf4_experts else list(expert_targets(cfg, peft)) or None,
         use_rslora=peft.use_rslora,
         use_dora=peft.use_dora,
         bias="none",
@@ -230,6 +244,8 @@ def add_adapters_seeded(
     with bitsandbytes_hidden(not peft.load_in_4bit):
         wrapped = get_peft_model(model, config)
     wrapped.__dict__[PEFT_CONFIG_ATTR] = peft
+    if nf4_experts:
+        add_nf4_expert_lora_(causal_lm_of(wrapped), cfg, peft)
     params = adapter_parameters(wrapped)
     expected = adapter_shapes(cfg, peft)
     if set(params) != set(expected):
@@ -243,6 +259,20 @@ def add_adapters_seeded(
     for param in wrapped.parameters():
         param.requires_grad_(id(param) in trainable)
     return wrapped
+
+
+def add_nf4_expert_lora_(causal_lm: torch.nn.Module, cfg: ModelConfig, peft: PeftConfig) -> int:
+    """LoRA on the NF4 experts (``load_in_4bit`` + ``lora_target_parameters``): an ``moe.NF4ExpertLoRA`` per targeted
+    tensor, nested in PEFT's order (the first target innermost), in place of the experts module, so the adapter
+    tensors carry PEFT's saved keys (``common.models.peft.expert_adapter_keys``); returns how many wrappers."""
+    count = 0
+    for path in expert_targets(cfg, peft):
+        module_path, _, name = path.rpartition(".")
+        parent_path, _, attr = module_path.rpartition(".")
+        parent = causal_lm.get_submodule(parent_path)
+        setattr(parent, attr, NF4ExpertLoRA(getattr(parent, attr), name, peft.lora_r, peft.scaling))
+        count += 1
+    return count
 
 
 @torch.no_grad()
@@ -286,6 +316,7 @@ def quantize_4bit_(model: torch.nn.Module) -> int:
     import bitsandbytes as bnb  # optional dependency
 
     device = next(model.parameters()).device
+    num_experts = _quantize_experts_4bit_(model, bnb)
     count = 0
     for layer in causal_lm_of(model).model.layers:
         for name, child in list(layer.named_modules()):
@@ -310,10 +341,58 @@ def quantize_4bit_(model: torch.nn.Module) -> int:
             setattr(parent, attr, q)
             count += 1
     logger.info(
-        "load_in_4bit: %d linear layers quantised to NF4 (bitsandbytes %s, float32 compute)",
+        "load_in_4bit: %d linear layers and %d expert tensors quantised to NF4 (bitsandbytes %s, float32 compute)",
         count,
+        num_experts,
         getattr(bnb, "__version__", "?"),
     )
+    return count
+
+
+def _quantize_experts_4bit_(model: torch.nn.Module, bnb: Any) -> int:
+    """Every MoE experts module's ``gate_up_proj`` and ``down_proj`` to NF4 (``moe.quantize_experts_``: blocks of
+    ``NF4_BLOCKSIZE`` with float32 absmax, flattened so that each expert is a whole run of blocks and dequantises
+    alone), on the device they are on; returns how many tensors."""
+    count = 0
+    for experts in experts_modules(causal_lm_of(model)):
+        path = next(name for name, m in causal_lm_of(model).named_modules() if m is experts)
+        shape = tuple(experts.gate_up_proj.shape)
+        for name in ("gate_up_proj", "down_proj"):
+            numbers = math.prod(getattr(experts, name).shape[1:])
+            if numbers % NF4_BLOCKSIZE:
+                raise ConfigError(
+                    f"load_in_4bit=True: {path}.{name} has {numbers} numbers per expert, not a multiple of the NF4 "
+                    f"block ({NF4_BLOCKSIZE}), so an expert would not dequantise alone; drop --load-in-4bit for this "
+                    "model, or use hidden and intermediate sizes with a product divisible by 64."
+                )
+
+        def to_nf4(weight: torch.Tensor) -> torch.Tensor:
+            codes, state = bnb.functional.quantize_4bit(
+                weight.reshape(-1).to(torch.float32).contiguous(),
+                blocksize=NF4_BLOCKSIZE,
+                compress_statistics=False,
+                quant_type="nf4",
+                quant_storage=torch.uint8,
+            )
+            state.shape = weight.shape
+            return bnb.nn.Params4bit(
+                codes,
+                requires_grad=False,
+                quant_state=state,
+                blocksize=NF4_BLOCKSIZE,
+                compress_statistics=False,
+                quant_type="nf4",
+                quant_storage=torch.uint8,
+                bnb_quantized=True,
+            )
+
+        try:
+            count += quantize_experts_(experts, to_nf4)
+        except ValueError as err:
+            raise ConfigError(
+                f"load_in_4bit=True: twinseq's grouped kernel cannot run the NF4 experts {path} {shape} ({err}); "
+                "drop --load-in-4bit for this model."
+            ) from None
     return count
 
 

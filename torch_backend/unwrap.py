@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from twinseq.common.backend import Model
+from twinseq.torch_backend.moe import dequantize_experts
 
 ADAPTER_NAME = "default"
 PEFT_CONFIG_ATTR = "_twinseq_peft"  # the attribute of a PeftModel holding the PeftConfig add_adapters was given
@@ -113,8 +114,12 @@ def base_layer_of(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def dense_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 copy of a weight; a bitsandbytes NF4 ``Params4bit`` is dequantised."""
-    if type(weight).__name__ == "Params4bit" and getattr(weight, "quant_state", None) is not None:
+    """A float32 copy of a weight; a bitsandbytes NF4 ``Params4bit`` is dequantised (an NF4 expert tensor
+    ``[E, a, b]`` by ``moe.dequantize_experts``, the numbers the experts' kernel multiplies by)."""
+    state = getattr(weight, "quant_state", None)
+    if type(weight).__name__ == "Params4bit" and state is not None and len(state.shape) == 3:
+        return dequantize_experts(weight, 0, state.shape[0])
+    if type(weight).__name__ == "Params4bit" and state is not None:
         import bitsandbytes.functional as bnbf  # optional dependency
 
         data, state = weight.data, cast(Any, weight).quant_state  # a Params4bit (bitsandbytes is untyped)

@@ -55,6 +55,10 @@ __all__ = [
     "ADAPTER_WEIGHTS_FILE",
     "LINEAR_MODULES",
     "EXPERT_PARAMETERS",
+    "NF4_BLOCKSIZE",
+    "NF4_EXPERTS_PER_CHUNK",
+    "nf4_expert_tensors",
+    "refuse_nf4_experts_on_jax",
     "expert_targets",
     "expert_adapter_keys",
     "adapter_key",
@@ -78,6 +82,12 @@ PREFIX = "base_model.model."
 TOKENS_KEY = PREFIX + "model.embed_tokens.token_adapter.trainable_tokens_delta"
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The linear layers of one decoder layer, in every family twinseq builds (``lm_head`` is never adapted)."""
+NF4_BLOCKSIZE = 64
+"""QLoRA's NF4 block: one float32 ``absmax`` per 64 weights (bitsandbytes' default), so an NF4 weight costs 0.5 byte
+per number plus 4 / 64 bytes of statistics (no double quantisation)."""
+NF4_EXPERTS_PER_CHUNK = 8
+"""How many experts of one NF4 expert tensor the torch kernel dequantises to float32 at a time (a chunk of whole
+experts, used and dropped): the planner's NF4 experts workspace row."""
 EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 """The fused 3-D expert tensors of a mixture-of-experts layer (transformers 5's ``[E, out, in]``), in parameter order:
 PEFT's ``target_parameters`` (``lora.ParamWrapper``), twinseq's ``lora_target_parameters``."""
@@ -104,7 +114,8 @@ class PeftConfig:
     """Token ids whose embedding rows (and tied lm_head rows) train, e.g. new special tokens."""
     lora_target_parameters: Optional[list[str]] = None
     """LoRA on the experts of MoE layers (PEFT's ``target_parameters``): ``experts.gate_up_proj`` and/or
-    ``experts.down_proj``, a rank-``lora_r`` pair per expert; needs ``lora_dropout=0``, no DoRA, no 4-bit base."""
+    ``experts.down_proj``, a rank-``lora_r`` pair per expert; needs ``lora_dropout=0`` and no DoRA (with
+    ``load_in_4bit`` the experts' base is NF4 too)."""
 
     def __post_init__(self) -> None:
         if _CHECKS_ON.get():
@@ -176,7 +187,8 @@ def check_peft_config(peft: PeftConfig) -> None:
 
 def check_expert_parameters(peft: PeftConfig) -> None:
     """``lora_target_parameters``: known expert tensors, each once, and only what PEFT's ``ParamWrapper`` can do (it
-    adds ``scaling * B @ A`` to the whole expert weight, so it has no input to drop out, no DoRA and no NF4 base)."""
+    adds ``scaling * B @ A`` to the whole expert weight, so it has no input to drop out and no DoRA). An NF4 base
+    (``load_in_4bit``) is allowed: the backends add the same delta to each dequantised expert themselves."""
     targets = peft.lora_target_parameters or []
     unknown = [t for t in targets if t not in EXPERT_PARAMETERS]
     if not targets or unknown or len(set(targets)) != len(targets):
@@ -192,12 +204,6 @@ def check_expert_parameters(peft: PeftConfig) -> None:
             "expert weight, so there is no LoRA input to drop out)",
         ),
         ("use_dora", peft.use_dora, "drop --use-dora (PEFT's ParamWrapper has no DoRA)"),
-        (
-            "load_in_4bit",
-            peft.load_in_4bit,
-            "drop --load-in-4bit: bitsandbytes quantises nn.Linear layers only, and "
-            "PEFT's ParamWrapper adds its delta to the float 3-D expert tensor, which an NF4 Params4bit is not",
-        ),
     )
     for name, bad, fix in refused:
         if bad:
@@ -205,6 +211,28 @@ def check_expert_parameters(peft: PeftConfig) -> None:
                 f"{name}={getattr(peft, name)!r} cannot combine with lora_target_parameters="
                 f"{peft.lora_target_parameters!r} (LoRA on the experts): {fix}."
             )
+
+
+def nf4_expert_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of the fused 3-D expert tensors QLoRA stores as NF4 (``gate_up_proj``, ``down_proj``; the
+    biases of gpt_oss stay float), empty for a model without experts."""
+    return {n: s for n, s in parameter_shapes(cfg).items() if len(s) == 3 and ".mlp.experts." in n}
+
+
+def refuse_nf4_experts_on_jax(cfg: ModelConfig, peft: PeftConfig) -> None:
+    """``ConfigError`` for ``load_in_4bit`` on a model with experts on the jax backend: its QLoRA quantises the decoder
+    linears only (qwix), so the experts, almost all of a MoE model's weights, would stay float32 (the torch backend
+    stores them as NF4 and runs them through its grouped kernel)."""
+    experts = nf4_expert_tensors(cfg)
+    if not (peft.use_peft and peft.load_in_4bit and experts):
+        return
+    numbers = sum(int(np.prod(s)) for s in experts.values())
+    total = sum(int(np.prod(s)) for s in parameter_shapes(cfg).values())
+    raise ConfigError(
+        f"load_in_4bit=True on the jax backend: this {cfg.model_type} model's experts ({numbers:,} of its {total:,} "
+        "numbers) have no NF4 storage there yet (qwix quantises the decoder's linear layers only), so they would stay "
+        "float32; run QLoRA on a MoE model with --backend torch (its experts are NF4), or drop --load-in-4bit."
+    )
 
 
 def check_token_indices(cfg: ModelConfig, peft: PeftConfig) -> None:

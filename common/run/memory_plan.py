@@ -22,8 +22,11 @@ Parameters
     linear weight as NF4 (0.5 byte) plus its quantisation statistics (``QUANT_STATS_BYTES``: bitsandbytes
     ``Params4bit`` defaults to double quantisation: an 8-bit absmax per block of 64 and a float32 one per 256
     blocks; qwix keeps a float32 scale per block of 64); embeddings, norms and an
-    untied ``lm_head`` stay float32. FSDP over ``devices`` divides parameters, gradients and optimizer
-    state, and adds the all-gathered full weights of two decoder layers (the one running and the prefetch).
+    untied ``lm_head`` stay float32. A MoE layer's fused expert tensors are NF4 too, with a float32 absmax per 64
+    numbers (``NF4_EXPERT_STATS_BYTES``: row ``expert weights (NF4 + absmax)``); twinseq's kernel dequantises at most
+    ``NF4_EXPERTS_PER_CHUNK`` experts at a time (row ``NF4 experts workspace (transient)``). FSDP over
+    ``devices`` divides parameters, gradients and optimizer state, and adds the all-gathered full weights of two
+    decoder layers (the one running and the prefetch).
 
 Gradients and optimizer
     One float32 gradient per trainable number (``trainable_parameter_count`` for LoRA), and AdamW's
@@ -145,7 +148,18 @@ from twinseq.common.config import (
 from twinseq.common.data.prefix_sharing import prefix_sharing_off_reason
 from twinseq.common.errors import ConfigError
 from twinseq.common.models.configs import ModelConfig, parameter_shapes, resolve_model_config
-from twinseq.common.models.peft import LINEAR_MODULES, PeftConfig, adapter_shapes, base_dtype, lora_targets
+from twinseq.common.models.peft import (
+    LINEAR_MODULES,
+    NF4_BLOCKSIZE,
+    NF4_EXPERTS_PER_CHUNK,
+    PeftConfig,
+    adapter_shapes,
+    base_dtype,
+    expert_targets,
+    lora_targets,
+    nf4_expert_tensors,
+    refuse_nf4_experts_on_jax,
+)
 from twinseq.common.run import adamw_8bit
 
 __all__ = [
@@ -171,6 +185,8 @@ QUANT_STATS_BYTES = {
     "torch": 1 / QUANT_BLOCK + 4 / (QUANT_BLOCK * 256),
     "jax": 4 / QUANT_BLOCK,  # qwix NF4: one float32 scale per block of 64 input features
 }
+NF4_EXPERT_STATS_BYTES = 4 / NF4_BLOCKSIZE
+"""Statistics per NF4 expert number, both backends: one float32 absmax per block of 64 (no double quantisation)."""
 LORA_DROPOUT_APPLIED = {"torch": True, "jax": False}
 """The jax trainer does not apply LoRA dropout (jax_backend.peft), so it keeps no dropout output or mask."""
 BNB_8BIT_BLOCK = adamw_8bit.BLOCK
@@ -526,6 +542,22 @@ def _is_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
+def _nf4_experts_workspace(
+    cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], nf4_experts: set[str], expert_lora: bool
+) -> MemoryRow:
+    """The float32 experts one chunk of twinseq's NF4 kernel holds: ``min(E, NF4_EXPERTS_PER_CHUNK)`` experts of
+    both tensors of one layer (4 B per number), plus, for the larger tensor, the dequantisation's int32 index per
+    byte (2 B per number) or, with LoRA on the experts, its weight gradient in backward (4 B per number)."""
+    per_expert = {n.rsplit(".", 1)[-1]: _numel(shapes[n][1:]) for n in nf4_experts}
+    chunk = min(cfg.num_experts, NF4_EXPERTS_PER_CHUNK)
+    largest = max(per_expert.values())
+    work = chunk * (4 * sum(per_expert.values()) + (4 if expert_lora else 2) * largest)
+    note = f"{chunk} of {cfg.num_experts} experts dequantised to float32 at a time" + (
+        " (+ their LoRA weight gradient)" if expert_lora else ""
+    )
+    return MemoryRow("NF4 experts workspace (transient)", int(work), note)
+
+
 def _split_expert_rows(rows: list[MemoryRow], shapes: dict[str, tuple[int, ...]], split: dict[str, float]) -> None:
     """Moves the experts' share of each state row named in ``split`` (component -> bytes per expert number, ``-1``
     for the 8-bit optimizer's block rule) into an ``expert ...`` row of its own, in place; the total is unchanged."""
@@ -625,8 +657,12 @@ def plan_memory(
     if peft.use_peft and peft.load_in_4bit:
         # QLoRA quantises every decoder linear, adapted or not (bitsandbytes/qwix replace all of them)
         quantised = {n for n, s in shapes.items() if len(s) == 2 and n.split(".")[-2] in LINEAR_MODULES}
-    dense_elems = sum(_numel(s) for n, s in shapes.items() if n not in quantised)
+    if backend == "jax":
+        refuse_nf4_experts_on_jax(cfg, peft)  # its QLoRA leaves experts float32: refused there, so not planned
+    nf4_experts = set(nf4_expert_tensors(cfg)) if peft.use_peft and peft.load_in_4bit else set()
+    dense_elems = sum(_numel(s) for n, s in shapes.items() if n not in quantised | nf4_experts)
     quant_elems = sum(_numel(shapes[n]) for n in quantised)
+    expert_quant_elems = sum(_numel(shapes[n]) for n in nf4_experts)
 
     # --- parameters ------------------------------------------------------------------
     if quant_elems:
@@ -636,6 +672,15 @@ def plan_memory(
                 "weights (NF4 + absmax)",
                 int(quant_elems * (NF4_BYTES + stats) / shard),
                 f"{quant_elems / 1e6:.1f}M decoder linear weights x ({NF4_BYTES} + {stats:.4f}) B",
+            )
+        )
+    if expert_quant_elems:
+        rows.append(
+            MemoryRow(
+                "expert weights (NF4 + absmax)",
+                int(expert_quant_elems * (NF4_BYTES + NF4_EXPERT_STATS_BYTES) / shard),
+                f"{expert_quant_elems / 1e6:.1f}M expert numbers x ({NF4_BYTES} + {NF4_EXPERT_STATS_BYTES:.4f}) B, "
+                "every expert resident",
             )
         )
     optimizer = config.optim.optimizer
@@ -732,6 +777,8 @@ def plan_memory(
                 "dequantised weight (transient)", int(biggest * act_bytes), "one linear layer dequantised at a time"
             )
         )
+    if expert_quant_elems:
+        rows.append(_nf4_experts_workspace(cfg, shapes, nf4_experts, bool(expert_targets(cfg, peft))))
 
     # --- gradients and optimizer --------------------------------------------------------
     grad_bytes = 2 if bf16_state else 4
@@ -788,7 +835,8 @@ def plan_memory(
         state_name = {"adamw_bf16": "AdamW bfloat16", "adamw_bnb_8bit": "AdamW 8-bit", "adamw_bf16_8bit": "AdamW 8-bit"}
         per_number = optimizer_per_number.get(optimizer, 8.0)
         split[f"optimizer state ({state_name.get(optimizer, 'AdamW')})"] = per_number / shard if per_number > 0 else -1
-    _split_expert_rows(rows, shapes, split)
+    # NF4 experts have their own row; only their float neighbours (gpt_oss's biases) split off the weights row
+    _split_expert_rows(rows, {n: s for n, s in shapes.items() if n not in nf4_experts}, split)
 
     # --- activations ------------------------------------------------------------------------
     b, t = _micro_batch_shape(config, backend)
