@@ -62,7 +62,8 @@ from twinseq.common.data.batching import Batch, check_batch
 from twinseq.common.errors import ConfigError
 from twinseq.common.models.configs import layer_norm_names
 from twinseq.common.models.init import check_weights, init_weights, parameter_shapes
-from twinseq.common.models.peft import TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes
+from twinseq.common.models.nf4 import dequantize_nf4, quantize_nf4
+from twinseq.common.models.peft import NF4_BLOCKSIZE, TOKENS_KEY, PeftConfig, adapter_key, adapter_shapes
 from twinseq.common.models.rope import rope_attention_factor, rope_inv_freq, sliding_rope_inv_freq
 from twinseq.common.models.safetensors_stream import LazyArray
 from twinseq.jax_backend import moe
@@ -329,6 +330,18 @@ def tiled_mlp(mlp: MLP, x_NH: jax.Array, tile_size: int) -> jax.Array:
     return y_CSH.reshape(num_tiles * tile_size, -1)[:n]
 
 
+class NF4ExpertCodes(nnx.Variable):
+    """A frozen NF4 expert tensor's codes, uint8 ``[E, a b / 2]`` (``common.models.nf4``, one row per expert)."""
+
+
+class NF4ExpertAbsmax(nnx.Variable):
+    """A frozen NF4 expert tensor's absmax, float32 ``[E, a b / 64]``."""
+
+
+NF4_EXPERT_TENSORS = ("gate_up_proj", "down_proj")
+"""The fused expert tensors QLoRA stores as NF4 (gpt-oss's biases stay float)."""
+
+
 class SparseMoeBlock(nnx.Module):
     """transformers' ``Qwen3MoeSparseMoeBlock`` and ``MixtralSparseMoeBlock``: a linear router (``gate``, no bias),
     softmax in float32, the top ``num_experts_per_tok`` experts of each token (weights renormalised to sum to 1 where
@@ -348,6 +361,12 @@ class SparseMoeBlock(nnx.Module):
     LoRA on the experts (``add_expert_adapters``, PEFT's ``ParamWrapper``): expert ``e``'s weight is
     ``W[e] + scaling * B_e @ A_e``, computed as a second pair of grouped matmuls over the same sorted tokens,
     ``((x @ A_e.T) @ B_e.T) * scaling`` in the adapters' float32, added to the base product and cast back.
+
+    QLoRA (``quantize_experts_nf4``): ``gate_up_proj`` and ``down_proj`` become NF4 storage (``experts.<name>_nf4``
+    codes and ``experts.<name>_absmax``, frozen, not ``nnx.Param``s), and the block always runs ``moe.grouped_experts``
+    (on every platform, ``grouped_experts_kernel`` notwithstanding), which dequantises one expert per scan step, with
+    expert LoRA folded into that expert's weight (``moe.NF4Experts``): at most one expert of each tensor in float at a
+    time, never all of them.
     """
 
     def __init__(self, cfg: ModelConfig, w: dict[str, np.ndarray], prefix: str, dtype: str):
@@ -364,6 +383,49 @@ class SparseMoeBlock(nnx.Module):
         self.expert_lora: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (tensor name, its adapters' place)
         self.lora_scaling = 0.0
         self.adapters_enabled = True
+        self.nf4_shapes: tuple[tuple[str, tuple[int, int]], ...] = ()  # (NF4 tensor name, one expert's shape)
+
+    def quantize_experts_nf4(self) -> int:
+        """``gate_up_proj`` and ``down_proj`` replaced by their NF4 storage (``common.models.nf4.quantize_nf4`` of each
+        expert, float32 absmax), in place; returns how many tensors. ``ValueError`` where an expert is not a whole
+        number of NF4 blocks (it would not dequantise alone)."""
+        for name in NF4_EXPERT_TENSORS:
+            w = np.asarray(jnp.asarray(self.experts[name][...], jnp.float32))
+            num_experts, shape = w.shape[0], (int(w.shape[1]), int(w.shape[2]))
+            if (shape[0] * shape[1]) % NF4_BLOCKSIZE:
+                raise ValueError(f"{name} has {shape[0] * shape[1]} numbers per expert")
+            codes, absmax = quantize_nf4(w)
+            del self.experts[name]
+            self.experts[name + "_nf4"] = NF4ExpertCodes(jnp.asarray(codes.reshape(num_experts, -1)))
+            self.experts[name + "_absmax"] = NF4ExpertAbsmax(jnp.asarray(absmax.reshape(num_experts, -1)))
+            self.nf4_shapes = (*self.nf4_shapes, (name, shape))
+        return len(NF4_EXPERT_TENSORS)
+
+    def dequantized_experts(self) -> dict[str, np.ndarray]:
+        """float32 ``{name: [E, a, b]}`` of the NF4 expert tensors (``common.models.nf4.dequantize_nf4``, the numbers
+        the kernel multiplies by); empty for float experts."""
+        out = {}
+        for name, shape in self.nf4_shapes:
+            codes = np.asarray(self.experts[name + "_nf4"][...])
+            absmax = np.asarray(jnp.asarray(self.experts[name + "_absmax"][...], jnp.float32))
+            out[name] = dequantize_nf4(codes, absmax, (codes.shape[0], *shape))
+        return out
+
+    def _stored(self, name: str) -> moe.Experts:
+        """Expert tensor ``name`` as the kernel takes it: its array, or its ``moe.NF4Experts`` (with its LoRA factors
+        while the adapters are on)."""
+        shape = dict(self.nf4_shapes).get(name)
+        if shape is None:
+            return self.experts[name][...]
+        place = dict(self.expert_lora).get(name)
+        a = b = None
+        if place is not None and self.adapters_enabled:
+            node = self.experts
+            for part in place:
+                node = node[part]
+            a, b = node["lora_A"][...], node["lora_B"][...]
+        codes, absmax = self.experts[name + "_nf4"][...], self.experts[name + "_absmax"][...]
+        return moe.NF4Experts(codes, absmax, a, b, shape, self.lora_scaling)
 
     def add_expert_adapters(
         self, adapters: dict[str, tuple[tuple[str, ...], np.ndarray, np.ndarray]], scaling: float
@@ -419,19 +481,20 @@ class SparseMoeBlock(nnx.Module):
         token_of_sorted, expert_of_sorted = order // self.top_k, expert_of_copy[order]
         group_sizes_E = jnp.bincount(expert_of_copy, length=self.num_experts).astype(jnp.int32)
         weight_S = weights_NK.reshape(-1)[order]
-        if (
+        if self.nf4_shapes or (
             self.grouped_experts_kernel
             and not ragged_dot_is_grouped()
             and not (self.expert_lora and self.adapters_enabled)
         ):
-            compute = jnp.result_type(x_NH, self.experts["gate_up_proj"][...])
+            tensors = self._expert_tensors()
+            compute = jnp.result_type(x_NH, tensors[0].dtype)
             layout = moe.Layout(*self._gate(), sum_dtype=jnp.dtype(self._sum_dtype(compute, weight_S, x_NH)).name)
             y_NH = moe.grouped_experts(
                 x_NH,
                 weight_S,
                 token_of_sorted,
                 group_sizes_E,
-                *self._expert_tensors(),
+                *tensors,
                 layout=layout,
                 block_rows=default_block_rows(),
             )
@@ -460,9 +523,10 @@ class SparseMoeBlock(nnx.Module):
         """(output-major storage, the gate of ``gate_up``) for ``moe.grouped_experts``."""
         return True, moe.GluGate(ACTIVATIONS[self.hidden_act])
 
-    def _expert_tensors(self) -> tuple[jax.Array, jax.Array, Optional[jax.Array], Optional[jax.Array]]:
-        """(gate_up, down, gate_up bias, down bias): the experts' tensors as stored, ``None`` for absent biases."""
-        return self.experts["gate_up_proj"][...], self.experts["down_proj"][...], None, None
+    def _expert_tensors(self) -> tuple[moe.Experts, moe.Experts, Optional[jax.Array], Optional[jax.Array]]:
+        """(gate_up, down, gate_up bias, down bias): the experts' tensors as stored (``_stored``), ``None`` for absent
+        biases."""
+        return self._stored("gate_up_proj"), self._stored("down_proj"), None, None
 
     def __call__(self, x_BTH: jax.Array) -> jax.Array:
         return self.with_router_logits(x_BTH)[0]
@@ -493,6 +557,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         self.expert_lora: tuple[tuple[str, tuple[str, ...]], ...] = ()
         self.lora_scaling = 0.0
         self.adapters_enabled = True
+        self.nf4_shapes: tuple[tuple[str, tuple[int, int]], ...] = ()
 
     def route(self, x_NH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(router_logits_NE, top-k weights_NK (softmax of the top-k logits), expert ids_NK), compute dtype."""
@@ -514,9 +579,9 @@ class GptOssMoeBlock(SparseMoeBlock):
     def _gate(self) -> tuple[bool, Callable[[jax.Array], jax.Array]]:
         return False, moe.ClampedSwiGLU(self.swiglu_limit, self.swiglu_alpha)
 
-    def _expert_tensors(self) -> tuple[jax.Array, jax.Array, Optional[jax.Array], Optional[jax.Array]]:
-        e = self.experts
-        return e["gate_up_proj"][...], e["down_proj"][...], e["gate_up_proj_bias"][...], e["down_proj_bias"][...]
+    def _expert_tensors(self) -> tuple[moe.Experts, moe.Experts, Optional[jax.Array], Optional[jax.Array]]:
+        biases = self.experts["gate_up_proj_bias"][...], self.experts["down_proj_bias"][...]
+        return self._stored("gate_up_proj"), self._stored("down_proj"), *biases
 
 
 GPT_OSS_EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
@@ -852,14 +917,16 @@ def base_weights(model: Model) -> dict[str, np.ndarray]:
     """The base's HF-named float32 weights (NF4 weights dequantised), in ``parameter_shapes`` order.
 
     A linear layer whose weight is not a ``kernel`` parameter (``kernel`` None: ``peft.PeftLinear``'s 4-bit
-    base) gives it by its ``base_kernel()`` ([in, out], dequantised)."""
+    base) gives it by its ``base_kernel()`` ([in, out], dequantised); a MoE block's NF4 experts by
+    ``SparseMoeBlock.dequantized_experts``."""
     frozen = nnx.state(model, nnx.All(nnx.Param, nnx.Not(AdapterParam)))
     out = state_to_hf(frozen)
     for path, module in nnx.iter_modules(model):
+        prefix = ".".join(str(p) for p in path)
         if hasattr(module, "base_kernel") and module.kernel is None:
-            out[".".join(str(p) for p in path) + ".weight"] = np.asarray(
-                jnp.asarray(module.base_kernel(), jnp.float32)
-            ).T
+            out[prefix + ".weight"] = np.asarray(jnp.asarray(module.base_kernel(), jnp.float32)).T
+        if isinstance(module, SparseMoeBlock):
+            out.update({f"{prefix}.experts.{n}": w for n, w in module.dequantized_experts().items()})
     return in_hf_order(model.config, out)
 
 

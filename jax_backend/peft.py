@@ -18,8 +18,11 @@ reproduces peft 0.21's forward passes op for op, in float32 adapters:
   applied after the lookup, as PEFT does;
 - QLoRA (``load_in_4bit``): every decoder linear layer's weight is stored as 4-bit NF4 codes with a
   float32 absmax scale per block of (up to) 64 input features per output row (bitsandbytes' blocksize 64),
-  quantised and dequantised by ``qwix``; the LoRA above runs on the dequantised weight. A model with MoE experts is
-  refused (``common.models.peft.refuse_nf4_experts_on_jax``): their fused tensors have no NF4 storage here yet.
+  quantised and dequantised by ``qwix``; the LoRA above runs on the dequantised weight. A MoE model's fused expert
+  tensors become NF4 too (``model.SparseMoeBlock.quantize_experts_nf4``: ``common.models.nf4``, bitsandbytes'
+  numbers, one float32 absmax per 64 numbers of the flattened tensor, as the torch backend stores them), run by
+  ``moe.grouped_experts`` one dequantised expert per scan step; LoRA on them (``lora_target_parameters``) is
+  folded into each dequantised expert (``moe.NF4Experts``), under PEFT's ``ParamWrapper`` keys as without NF4.
 
 Only ``model.AdapterParam`` tensors train (``model.split_trainable``); a switch on every adapted module
 (``adapters_disabled``) gives the base model back without a second copy of it (DPO's reference).
@@ -37,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 from functools import partial
 from typing import Any, Iterator, Optional
@@ -60,6 +64,7 @@ from twinseq.common.models.peft import (
     lora_targets,
 )
 from twinseq.jax_backend.model import (
+    NF4_EXPERT_TENSORS,
     AdapterParam,
     CausalLM,
     Embedding,
@@ -76,6 +81,8 @@ from twinseq.jax_backend.model import (
     peft_config,
     state_to_hf,
 )
+
+logger = logging.getLogger(__name__)
 
 NF4_BLOCK = 64
 """bitsandbytes' default 4-bit blocksize: one absmax scale per 64 consecutive weights of a row."""
@@ -371,7 +378,6 @@ def add_adapters(
             f"add_adapters: cfg (model_type={cfg.model_type}) is not the config of this model "
             f"({model.config.model_type}); pass model.config."
         )
-    common_peft.refuse_nf4_experts_on_jax(cfg, peft)
     if peft.load_in_4bit:
         _require_qwix()
     if adapters is None:
@@ -409,6 +415,8 @@ def add_adapters(
             )
         elif peft.load_in_4bit:  # QLoRA quantises every decoder linear layer, adapted or not (bitsandbytes)
             setattr(parent, name, PeftLinear(base, load_in_4bit=True))
+    if peft.load_in_4bit:
+        _quantize_experts_nf4(model)
     _add_expert_adapters(model, cfg, peft, adapters)
     if peft.trainable_token_indices:
         model.model.embed_tokens = TokenEmbedding(
@@ -416,6 +424,27 @@ def add_adapters(
         )
     model.peft_json = json.dumps(dataclasses.asdict(peft), sort_keys=True)
     return model
+
+
+def _quantize_experts_nf4(model: Model) -> int:
+    """Every MoE block's ``gate_up_proj`` and ``down_proj`` to NF4 (``SparseMoeBlock.quantize_experts_nf4``), in place;
+    returns how many tensors. ``ConfigError`` where an expert is not a whole number of NF4 blocks."""
+    modules = nnx.iter_modules(model)
+    blocks = [(".".join(str(p) for p in path), m) for path, m in modules if isinstance(m, SparseMoeBlock)]
+    for path, block in blocks:
+        for name in NF4_EXPERT_TENSORS:
+            numbers = math.prod(block.experts[name].shape[1:])
+            if numbers % common_peft.NF4_BLOCKSIZE:
+                raise ConfigError(
+                    f"load_in_4bit=True: {path}.experts.{name} has {numbers} numbers per expert, not a multiple of the "
+                    f"NF4 block ({common_peft.NF4_BLOCKSIZE}), so an expert would not dequantise alone; drop "
+                    "--load-in-4bit for this model, or use hidden and intermediate sizes whose product is a multiple "
+                    "of 64."
+                )
+    count = sum(block.quantize_experts_nf4() for _, block in blocks)
+    if count:
+        logger.info("load_in_4bit: %d expert tensors quantised to NF4 (blocks of 64, float32 absmax)", count)
+    return count
 
 
 def _add_expert_adapters(model: Model, cfg: ModelConfig, peft: PeftConfig, adapters: dict[str, np.ndarray]) -> None:

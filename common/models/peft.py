@@ -58,7 +58,6 @@ __all__ = [
     "NF4_BLOCKSIZE",
     "NF4_EXPERTS_PER_CHUNK",
     "nf4_expert_tensors",
-    "refuse_nf4_experts_on_jax",
     "expert_targets",
     "expert_adapter_keys",
     "adapter_key",
@@ -87,7 +86,7 @@ NF4_BLOCKSIZE = 64
 per number plus 4 / 64 bytes of statistics (no double quantisation)."""
 NF4_EXPERTS_PER_CHUNK = 8
 """How many experts of one NF4 expert tensor the torch kernel dequantises to float32 at a time (a chunk of whole
-experts, used and dropped): the planner's NF4 experts workspace row."""
+experts, used and dropped; the jax kernel dequantises one per scan step): the planner's NF4 experts workspace row."""
 EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 """The fused 3-D expert tensors of a mixture-of-experts layer (transformers 5's ``[E, out, in]``), in parameter order:
 PEFT's ``target_parameters`` (``lora.ParamWrapper``), twinseq's ``lora_target_parameters``."""
@@ -217,22 +216,6 @@ def nf4_expert_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """``{name: shape}`` of the fused 3-D expert tensors QLoRA stores as NF4 (``gate_up_proj``, ``down_proj``; the
     biases of gpt_oss stay float), empty for a model without experts."""
     return {n: s for n, s in parameter_shapes(cfg).items() if len(s) == 3 and ".mlp.experts." in n}
-
-
-def refuse_nf4_experts_on_jax(cfg: ModelConfig, peft: PeftConfig) -> None:
-    """``ConfigError`` for ``load_in_4bit`` on a model with experts on the jax backend: its QLoRA quantises the decoder
-    linears only (qwix), so the experts, almost all of a MoE model's weights, would stay float32 (the torch backend
-    stores them as NF4 and runs them through its grouped kernel)."""
-    experts = nf4_expert_tensors(cfg)
-    if not (peft.use_peft and peft.load_in_4bit and experts):
-        return
-    numbers = sum(int(np.prod(s)) for s in experts.values())
-    total = sum(int(np.prod(s)) for s in parameter_shapes(cfg).values())
-    raise ConfigError(
-        f"load_in_4bit=True on the jax backend: this {cfg.model_type} model's experts ({numbers:,} of its {total:,} "
-        "numbers) have no NF4 storage there yet (qwix quantises the decoder's linear layers only), so they would stay "
-        "float32; run QLoRA on a MoE model with --backend torch (its experts are NF4), or drop --load-in-4bit."
-    )
 
 
 def check_token_indices(cfg: ModelConfig, peft: PeftConfig) -> None:

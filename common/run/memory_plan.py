@@ -23,8 +23,9 @@ Parameters
     ``Params4bit`` defaults to double quantisation: an 8-bit absmax per block of 64 and a float32 one per 256
     blocks; qwix keeps a float32 scale per block of 64); embeddings, norms and an
     untied ``lm_head`` stay float32. A MoE layer's fused expert tensors are NF4 too, with a float32 absmax per 64
-    numbers (``NF4_EXPERT_STATS_BYTES``: row ``expert weights (NF4 + absmax)``); twinseq's kernel dequantises at most
-    ``NF4_EXPERTS_PER_CHUNK`` experts at a time (row ``NF4 experts workspace (transient)``). FSDP over
+    numbers (``NF4_EXPERT_STATS_BYTES``: row ``expert weights (NF4 + absmax)``, both backends); twinseq's kernel
+    dequantises at most ``NF4_EXPERTS_PER_CHUNK`` experts at a time on torch, one per scan step on jax (row ``NF4
+    experts workspace (transient)``). FSDP over
     ``devices`` divides parameters, gradients and optimizer state, and adds the all-gathered full weights of two
     decoder layers (the one running and the prefetch).
 
@@ -158,7 +159,6 @@ from twinseq.common.models.peft import (
     expert_targets,
     lora_targets,
     nf4_expert_tensors,
-    refuse_nf4_experts_on_jax,
 )
 from twinseq.common.run import adamw_8bit
 
@@ -543,13 +543,14 @@ def _is_expert(name: str) -> bool:
 
 
 def _nf4_experts_workspace(
-    cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], nf4_experts: set[str], expert_lora: bool
+    cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], nf4_experts: set[str], expert_lora: bool, backend: str
 ) -> MemoryRow:
-    """The float32 experts one chunk of twinseq's NF4 kernel holds: ``min(E, NF4_EXPERTS_PER_CHUNK)`` experts of
-    both tensors of one layer (4 B per number), plus, for the larger tensor, the dequantisation's int32 index per
-    byte (2 B per number) or, with LoRA on the experts, its weight gradient in backward (4 B per number)."""
+    """The float32 experts one chunk of twinseq's NF4 kernel holds: ``min(E, NF4_EXPERTS_PER_CHUNK)`` experts (torch;
+    one, jax's scan step) of both tensors of one layer (4 B per number), plus, for the larger tensor, the
+    dequantisation's int32 index per byte (2 B per number) or, with LoRA on the experts, its weight gradient in
+    backward (4 B per number)."""
     per_expert = {n.rsplit(".", 1)[-1]: _numel(shapes[n][1:]) for n in nf4_experts}
-    chunk = min(cfg.num_experts, NF4_EXPERTS_PER_CHUNK)
+    chunk = min(cfg.num_experts, 1 if backend == "jax" else NF4_EXPERTS_PER_CHUNK)
     largest = max(per_expert.values())
     work = chunk * (4 * sum(per_expert.values()) + (4 if expert_lora else 2) * largest)
     note = f"{chunk} of {cfg.num_experts} experts dequantised to float32 at a time" + (
@@ -657,8 +658,6 @@ def plan_memory(
     if peft.use_peft and peft.load_in_4bit:
         # QLoRA quantises every decoder linear, adapted or not (bitsandbytes/qwix replace all of them)
         quantised = {n for n, s in shapes.items() if len(s) == 2 and n.split(".")[-2] in LINEAR_MODULES}
-    if backend == "jax":
-        refuse_nf4_experts_on_jax(cfg, peft)  # its QLoRA leaves experts float32: refused there, so not planned
     nf4_experts = set(nf4_expert_tensors(cfg)) if peft.use_peft and peft.load_in_4bit else set()
     dense_elems = sum(_numel(s) for n, s in shapes.items() if n not in quantised | nf4_experts)
     quant_elems = sum(_numel(shapes[n]) for n in quantised)
@@ -778,7 +777,7 @@ def plan_memory(
             )
         )
     if expert_quant_elems:
-        rows.append(_nf4_experts_workspace(cfg, shapes, nf4_experts, bool(expert_targets(cfg, peft))))
+        rows.append(_nf4_experts_workspace(cfg, shapes, nf4_experts, bool(expert_targets(cfg, peft)), backend))
 
     # --- gradients and optimizer --------------------------------------------------------
     grad_bytes = 2 if bf16_state else 4
