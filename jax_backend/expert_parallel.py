@@ -178,6 +178,11 @@ def check_expert_parallel(num_experts: int, world: int, blocks: list) -> None:
             "expert parallelism does not yet shard LoRA on experts (lora_target_parameters on experts.*): set "
             "expert_parallel_size=1 or drop the expert targets."
         )
+    if any(block.nf4_shapes for block in blocks):
+        raise ConfigError(
+            "expert parallelism does not yet shard NF4 experts (load_in_4bit=True on a MoE model): set "
+            "expert_parallel_size=1 or drop --load-in-4bit."
+        )
 
 
 def _place(model: CausalLM, mesh: Mesh, axis: str) -> None:

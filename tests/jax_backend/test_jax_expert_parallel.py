@@ -134,3 +134,8 @@ def test_what_cannot_be_sharded_is_refused(mesh):
         ep.shard_experts(build_model(ModelConfig.preset("tiny", vocab_size=VOCAB)), mesh)
     with pytest.raises(ConfigError, match="expert_parallel_size=9 exceeds"):
         ep.expert_mesh(9)
+    nf4 = build_model(ModelConfig.preset("tiny-qwen3-moe", vocab_size=VOCAB))
+    blocks = [layer.mlp for layer in nf4.model.layers if hasattr(layer.mlp, "quantize_experts_nf4")]
+    assert blocks and all(block.quantize_experts_nf4() for block in blocks)
+    with pytest.raises(ConfigError, match="does not yet shard NF4 experts.*drop --load-in-4bit"):
+        ep.shard_experts(nf4, mesh)
