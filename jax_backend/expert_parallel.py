@@ -108,9 +108,9 @@ class ExpertParallelMoeBlock(SparseMoeBlock):
         self.gate, self.experts = block.gate, block.experts
         self.num_experts, self.top_k = block.num_experts, block.top_k
         self.renormalise_top_k, self.routing_weights_f32 = block.renormalise_top_k, block.routing_weights_f32
-        self.hidden_act, self.tile_size = block.hidden_act, block.tile_size
-        self.expert_lora, self.lora_scaling, self.adapters_enabled = (), 0.0, True
-        self.nf4_shapes = ()  # float experts only (check_expert_parallel refuses NF4 ones)
+        self.hidden_act = block.hidden_act
+        self._init_expert_state()  # float experts without LoRA: check_expert_parallel refuses the others
+        self.tile_size = block.tile_size
         self.mesh, self.axis = mesh, axis
 
     def with_router_logits(self, x_BTH: jax.Array) -> tuple[jax.Array, jax.Array]:

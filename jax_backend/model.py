@@ -378,6 +378,11 @@ class SparseMoeBlock(nnx.Module):
         self.num_experts, self.top_k = int(cfg.num_experts), int(cfg.num_experts_per_tok)
         self.renormalise_top_k, self.routing_weights_f32 = cfg.renormalise_top_k, cfg.routing_weights_f32
         self.hidden_act = cfg.hidden_act
+        self._init_expert_state()
+
+    def _init_expert_state(self) -> None:
+        """The experts' run-time state every MoE block starts with (``GptOssMoeBlock`` and the expert-parallel block
+        call this too, so none lacks a field): float experts, no expert LoRA, the kernel where it runs."""
         self.tile_size: Optional[int] = None  # tiled MLP is refused on MoE layers (set_tiled_mlp)
         self.grouped_experts_kernel = True  # moe.grouped_experts but on TPU (False: per-projection grouped matmuls)
         self.expert_lora: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (tensor name, its adapters' place)
@@ -552,12 +557,7 @@ class GptOssMoeBlock(SparseMoeBlock):
         self.experts = nnx.Dict({name: _param(w[prefix + "experts." + name], dtype) for name in GPT_OSS_EXPERT_TENSORS})
         self.num_experts, self.top_k = int(cfg.num_experts), int(cfg.num_experts_per_tok)
         self.swiglu_limit, self.swiglu_alpha = float(cfg.swiglu_limit), float(cfg.swiglu_alpha)
-        self.tile_size: Optional[int] = None  # tiled MLP is refused on MoE layers (set_tiled_mlp)
-        self.grouped_experts_kernel = True  # moe.grouped_experts but on TPU (False: per-projection grouped matmuls)
-        self.expert_lora: tuple[tuple[str, tuple[str, ...]], ...] = ()
-        self.lora_scaling = 0.0
-        self.adapters_enabled = True
-        self.nf4_shapes: tuple[tuple[str, tuple[int, int]], ...] = ()
+        self._init_expert_state()
 
     def route(self, x_NH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(router_logits_NE, top-k weights_NK (softmax of the top-k logits), expert ids_NK), compute dtype."""
