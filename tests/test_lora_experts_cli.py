@@ -76,3 +76,29 @@ def test_lora_on_experts_with_dropout_is_refused_naming_the_fix(moe_folder, tmp_
     err = capsys.readouterr().err
     assert "lora_dropout=0.05" in err and "--lora-dropout 0" in err, err
     assert not (tmp_path / "run" / "final").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_qlora_on_experts_trains_from_the_cli_in_a_fresh_process(backend, moe_folder, tmp_path):
+    """``--load-in-4bit`` with LoRA on the experts: the log counts the NF4 expert tensors, the loss falls, and the
+    adapter folder is PEFT's with trained expert ``lora_B``s; run as a user runs it, in a fresh process."""
+    import subprocess
+    import sys
+
+    cfg = ModelConfig.preset("tiny-qwen3-moe")
+    targets = ["--lora-target-modules", "q_proj", "v_proj", "--lora-target-parameters", *EXPERTS]
+    argv = [*COMMON, "--backend", backend, "--lora-dropout", "0", "--load-in-4bit", *targets,
+            "--model-config", str(moe_folder), "--output-dir", str(tmp_path / "run")]  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "twinseq.common.cli", *argv], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert f"{2 * cfg.num_hidden_layers} expert tensors quantised to NF4" in out.stderr, out.stderr[-2000:]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert len(losses) == 8 and np.mean(losses[-2:]) < losses[0] - 0.5, losses
+    final = tmp_path / "run" / "final"
+    assert json.loads((final / ADAPTER_CONFIG_FILE).read_text())["target_parameters"] == EXPERTS
+    _, adapters = read_adapters(final, cfg)
+    expert_b = [k for k in adapters if ".experts." in k and "lora_B" in k]
+    assert len(expert_b) == 4 and all(np.abs(adapters[k]).max() > 0 for k in expert_b)

@@ -308,37 +308,3 @@ def test_the_compiled_step_never_holds_a_layer_of_float_experts():
     assert temp_q <= bound < temp_f + layer_float, (temp_f, temp_q)
     assert step[False, True][1] > bound  # negative control: the measure sees more temporaries where there are
 
-
-@pytest.mark.slow
-def test_qlora_on_experts_trains_from_the_cli_in_a_fresh_process(tmp_path):
-    """``twinseq train --backend jax --load-in-4bit --lora-target-parameters ...`` on a Qwen3-MoE folder, in a fresh
-    interpreter: the experts are NF4 (the log counts them), the loss falls, and the final folder is PEFT's with the
-    expert adapters trained (lora_B left zero)."""
-    import json
-    import subprocess
-    import sys
-
-    from twinseq.common.models.hf_folder import write_hf_checkpoint
-    from twinseq.common.models.peft import ADAPTER_CONFIG_FILE, read_adapters
-    from twinseq.common.run.report import read_metrics
-
-    cfg = ModelConfig.preset("tiny-qwen3-moe")
-    folder = write_hf_checkpoint(cfg, init_weights(cfg, seed=5), tmp_path / "model")
-    argv = (
-        "train --task sft --backend jax --max-steps 8 --max-length 96 --per-device-train-batch-size 4 --seed 1 "
-        "--disable-tqdm --logging-steps 1 --dataset-split train[:4] --learning-rate 3e-2 --packing --use-peft "
-        "--lora-r 8 --lora-alpha 16 --lora-dropout 0 --load-in-4bit --lora-target-modules q_proj v_proj"
-    ).split()
-    argv += ["--lora-target-parameters", *EXPERTS, "--model-config", str(folder), "--output-dir", str(tmp_path / "run")]
-    out = subprocess.run(
-        [sys.executable, "-m", "twinseq.common.cli", *argv], capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert f"{2 * cfg.num_hidden_layers} expert tensors quantised to NF4" in out.stderr, out.stderr[-2000:]
-    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
-    assert len(losses) == 8 and np.mean(losses[-2:]) < losses[0] - 0.5, losses
-    final = tmp_path / "run" / "final"
-    assert json.loads((final / ADAPTER_CONFIG_FILE).read_text())["target_parameters"] == EXPERTS
-    _, adapters = read_adapters(final, cfg)
-    expert_b = [k for k in adapters if ".experts." in k and "lora_B" in k]
-    assert len(expert_b) == 4 and all(np.abs(adapters[k]).max() > 0 for k in expert_b)
